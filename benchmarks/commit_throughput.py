@@ -1,0 +1,250 @@
+"""Durable commit throughput: ratchet's fenced, signed commits against bare Redis and
+LangGraph's SqliteSaver.
+
+One run of this script starts its own ``redis-server`` with ``appendonly yes`` and
+``appendfsync always`` (every acknowledged write is on disk), then measures, each phase
+for ``--seconds``:
+
+* fenced, signed commits of a ~4 KB checkpoint (HMAC envelope + the commit script) from 1
+  and from 4 worker processes, each process committing to its own run;
+* a bare ``EVALSHA`` of a trivial script that stores the same payload, and a bare ``SET``;
+* LangGraph ``SqliteSaver.put`` of the same payload into a file database in WAL mode with
+  ``synchronous=FULL`` (so also on disk at every put), from 1 and from 4 processes
+  (needs the ``bench`` extra: ``pip install -e '.[bench]'``).
+
+Goals: one process reaches at least 0.7x the bare EVALSHA rate; four processes reach at
+least 1.5x SqliteSaver's four-process aggregate. Absolute rates depend on the machine's
+fsync; the ratios are what travel. ``--json`` prints one JSON object.
+
+    python benchmarks/commit_throughput.py [--seconds 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sqlite3
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PAYLOAD_BYTES = 4096
+SECRET = b"benchmark-only-checkpoint-key-0123456789abcdef"
+TRIVIAL_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]) return 1"
+WARMUP_OPS = 20
+
+
+def _payload(worker: int) -> bytes:
+    return os.urandom(PAYLOAD_BYTES - 16) + worker.to_bytes(16, "big")
+
+
+# -- one operation per phase, built inside the worker process ------------------------------
+
+def _op_set(url: str, worker: int, _db: str) -> Callable[[int], None]:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    payload = _payload(worker)
+    key = f"bench:set:{worker}"
+    return lambda i: client.set(key, payload)
+
+
+def _op_evalsha(url: str, worker: int, _db: str) -> Callable[[int], None]:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    sha = client.script_load(TRIVIAL_SCRIPT)
+    payload = _payload(worker)
+    key = f"bench:eval:{worker}"
+    return lambda i: client.evalsha(sha, 1, key, payload)
+
+
+def _op_commit(url: str, worker: int, _db: str) -> Callable[[int], None]:
+    from ratchet.leasing import RedisStore
+    from ratchet.runtime.signing import KeyRing, seal_envelope
+
+    store = RedisStore.from_url(url)
+    keyring = KeyRing.from_secrets({"k1": SECRET}, signing_kid="k1")
+    run_id = f"bench-{uuid.uuid4().hex[:12]}-{worker}"
+    base = _payload(worker)[: PAYLOAD_BYTES - 200]  # the envelope header brings it to ~4 KB
+    store.create_run(run_id, task_id="bench", env_instance_id="bench-env", scenario=b"{}",
+                     checkpoint=seal_envelope(keyring, base))
+    run = store.acquire(run_id, owner=f"bench-worker-{worker}", ttl_ms=600_000)
+    if run is None:
+        raise RuntimeError("could not acquire the benchmark run's lease")
+
+    def commit(i: int) -> None:
+        # A new checkpoint each time: sign it, then one fenced commit (owner, lease
+        # version, expected state version, generation = high-water + 1).
+        blob = seal_envelope(keyring, base + i.to_bytes(8, "big"))
+        run.commit(blob)
+
+    return commit
+
+
+def _op_sqlite(_url: str, worker: int, db: str) -> Callable[[int], None]:
+    from langgraph.checkpoint.base import empty_checkpoint
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    conn = sqlite3.connect(db, check_same_thread=False, timeout=60)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    saver = SqliteSaver(conn)
+    payload = _payload(worker)
+    config: Any = {"configurable": {"thread_id": f"bench-{worker}", "checkpoint_ns": ""}}
+
+    def put(i: int) -> None:
+        checkpoint: Any = empty_checkpoint()
+        checkpoint["id"] = str(uuid.uuid4())
+        checkpoint["channel_values"] = {"payload": payload}
+        saver.put(config, checkpoint, {"source": "loop", "step": i, "parents": {}}, {})
+
+    return put
+
+
+OPS: dict[str, Callable[[str, int, str], Callable[[int], None]]] = {
+    "set": _op_set, "evalsha": _op_evalsha, "commit": _op_commit, "sqlite": _op_sqlite,
+}
+
+
+def _worker(op_name: str, url: str, worker: int, db: str, seconds: float, ready: Any,
+            go: Any, results: Any) -> None:
+    try:
+        op = OPS[op_name](url, worker, db)
+        for i in range(WARMUP_OPS):
+            op(i)
+        ready.put(worker)
+        if not go.wait(timeout=120):
+            raise RuntimeError("no start signal")
+        count, start = 0, time.perf_counter()
+        end = start + seconds
+        while True:
+            op(WARMUP_OPS + count)
+            count += 1
+            if count % 16 == 0 and time.perf_counter() >= end:
+                break
+        results.put((worker, count, time.perf_counter() - start, None))
+    except Exception as exc:  # reported to the parent, which fails the run
+        ready.put(worker)
+        results.put((worker, 0, 0.0, f"{type(exc).__name__}: {exc}"))
+
+
+def measure(op_name: str, processes: int, url: str, db: str, seconds: float) -> float:
+    """Aggregate operations per second of ``processes`` workers started together."""
+    ctx = mp.get_context("spawn")
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(op_name, url, w, db, seconds, ready, go, results))
+             for w in range(processes)]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=120)
+        go.set()
+        outcomes = [results.get(timeout=seconds + 120) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    errors = [err for *_, err in outcomes if err]
+    if errors:
+        raise RuntimeError(f"{op_name}: {errors[0]}")
+    total = sum(count for _, count, _, _ in outcomes)
+    elapsed = max(el for _, _, el, _ in outcomes)
+    return total / elapsed
+
+
+def _have_langgraph() -> bool:
+    try:
+        import langgraph.checkpoint.sqlite  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run(seconds: float) -> dict[str, Any]:
+    from ratchet.leasing import RedisServer
+
+    with tempfile.TemporaryDirectory(prefix="ratchet-bench-") as tmp:
+        server = RedisServer(Path(tmp) / "redis", appendonly=True, appendfsync="always")
+        with server:
+            info = server.client().info("server")
+            url = server.url
+            db = str(Path(tmp) / "langgraph.sqlite")
+            figures: dict[str, Any] = {
+                "set_per_s": measure("set", 1, url, db, seconds),
+                "evalsha_per_s": measure("evalsha", 1, url, db, seconds),
+                "commits_per_s_1proc": measure("commit", 1, url, db, seconds),
+                "commits_per_s_4proc": measure("commit", 4, url, db, seconds),
+            }
+            if _have_langgraph():
+                conn = sqlite3.connect(db)
+                from langgraph.checkpoint.sqlite import SqliteSaver
+
+                SqliteSaver(conn).setup()
+                conn.close()
+                figures["langgraph_sqlite_put_per_s_1proc"] = measure("sqlite", 1, url, db,
+                                                                      seconds)
+                figures["langgraph_sqlite_put_per_s_4proc"] = measure("sqlite", 4, url, db,
+                                                                      seconds)
+            else:
+                figures["langgraph_sqlite_put_per_s_1proc"] = None
+                figures["langgraph_sqlite_put_per_s_4proc"] = None
+    figures = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in figures.items()}
+    figures["ratio_vs_evalsha"] = round(
+        figures["commits_per_s_1proc"] / figures["evalsha_per_s"], 3)
+    sqlite4 = figures["langgraph_sqlite_put_per_s_4proc"]
+    figures["ratio_vs_langgraph_sqlite_4proc"] = (
+        round(figures["commits_per_s_4proc"] / sqlite4, 3) if sqlite4 else None)
+    figures["goal_1proc_vs_evalsha_met"] = figures["ratio_vs_evalsha"] >= 0.7
+    figures["goal_4proc_vs_langgraph_met"] = (
+        figures["ratio_vs_langgraph_sqlite_4proc"] is not None
+        and figures["ratio_vs_langgraph_sqlite_4proc"] >= 1.5)
+    figures.update({
+        "payload_bytes": PAYLOAD_BYTES,
+        "seconds_per_phase": seconds,
+        "redis_version": info.get("redis_version"),
+        "appendonly": "yes",
+        "appendfsync": "always",
+        "cpus": os.cpu_count(),
+    })
+    return figures
+
+
+def _print_table(figures: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Commit throughput (Redis {figures['redis_version']}, appendfsync "
+                        f"always, {figures['payload_bytes']} B payload)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in figures.items():
+        table.add_row(key, "-" if value is None else str(value))
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each phase")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if not 0.2 <= args.seconds <= 60:
+        parser.error("--seconds must be between 0.2 and 60")
+    figures = run(args.seconds)
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+    else:
+        _print_table(figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The exception tree of ratchet, drawn once.
+
+Every error ratchet raises derives from :class:`RatchetError`. Errors carry the ids and
+versions a caller acts on as attributes; their messages never contain key material.
+
+::
+
+    RatchetError
+    ├── ConfigurationError                 settings, keys or trust roots are missing or bad
+    ├── ContractError                      a caller broke the contract (bad input)
+    │   ├── ScenarioError                  a task contract failed strict loading
+    │   ├── ActionError                    an action is malformed (kinds, args, keys)
+    │   └── InvalidTransitionError         an event is not legal in the current phase
+    ├── IntegrityError                     stored or supplied evidence cannot be trusted
+    │   ├── CheckpointError                a checkpoint failed restore (``reason`` says which check)
+    │   │   └── CheckpointTooLargeError    a checkpoint exceeds the configured cap
+    │   ├── InvariantViolation             a state breaks a cross-object invariant
+    │   ├── EvidenceError                  an approval or review decision does not verify
+    │   │   ├── ApprovalError
+    │   │   └── ReviewDecisionError
+    │   └── EnvironmentMismatchError       the observed environment is not the expected one
+    ├── StoreError                         the generation / lease store refused or failed
+    │   ├── HighWaterUnavailableError      no external high-water mark: fail closed
+    │   ├── GenerationMismatchError        expected generation is not the high-water mark
+    │   ├── CommitOutcomeUnknownError      a commit's reply was lost; re-read before acting
+    │   ├── LeaseHeldElsewhereError        another live worker holds the lease
+    │   ├── LeaseLostError                 the caller's lease expired or was taken over
+    │   ├── StaleStateError                expected state version is not current
+    │   ├── NonceReplayError               an approval or review nonce was already consumed
+    │   ├── RunExistsError / RunNotFoundError
+    │   ├── StoreProtocolError             a reply was malformed or had an unknown status
+    │   └── StoreUnavailableError          the store could not be reached; outcome unknown
+    └── AdapterError                       an adapter refused or failed (``retryable``)
+        ├── FenceRejectedError             the adapter has seen a newer fence
+        └── IdempotencyConflictError       same key, different intent (carries the receipt)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ActionError",
+    "AdapterError",
+    "ApprovalError",
+    "CheckpointError",
+    "CheckpointTooLargeError",
+    "CommitOutcomeUnknownError",
+    "ConfigurationError",
+    "ContractError",
+    "EnvironmentMismatchError",
+    "EvidenceError",
+    "FenceRejectedError",
+    "GenerationMismatchError",
+    "HighWaterUnavailableError",
+    "IdempotencyConflictError",
+    "IntegrityError",
+    "InvalidTransitionError",
+    "InvariantViolation",
+    "LeaseHeldElsewhereError",
+    "LeaseLostError",
+    "NonceReplayError",
+    "RatchetError",
+    "ReviewDecisionError",
+    "RunExistsError",
+    "RunNotFoundError",
+    "ScenarioError",
+    "StaleStateError",
+    "StoreError",
+    "StoreProtocolError",
+    "StoreUnavailableError",
+]
+
+
+class RatchetError(Exception):
+    """Root of every error ratchet raises.
+
+    Keyword arguments become attributes (``err.run_id``, ``err.lease_version``) so callers
+    act on data, not on message text.
+    """
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = dict(context)
+        for name, value in context.items():
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        fields = "".join(f", {k}={v!r}" for k, v in self.context.items())
+        return f"{type(self).__name__}({self.message!r}{fields})"
+
+
+class ConfigurationError(RatchetError):
+    """Settings, keys or trust roots are missing or malformed."""
+
+
+class ContractError(RatchetError):
+    """The caller broke the contract. ``field`` names the offending field when known."""
+
+
+class ScenarioError(ContractError):
+    """A task contract (scenario) failed strict loading or validation."""
+
+
+class ActionError(ContractError):
+    """An action is malformed: unknown kind, wrong argument set, key rules broken."""
+
+
+class InvalidTransitionError(ContractError):
+    """An event is not legal in the run's current phase (see the transition table)."""
+
+
+class IntegrityError(RatchetError):
+    """Stored or supplied evidence cannot be trusted. Always fail closed on it."""
+
+
+class CheckpointError(IntegrityError):
+    """A checkpoint failed to restore. ``reason`` names the check that failed."""
+
+
+class CheckpointTooLargeError(CheckpointError):
+    """A checkpoint exceeds the configured size cap and was not sent to the store."""
+
+
+class InvariantViolation(IntegrityError):  # noqa: N818 - the name reads as what it is
+    """A run state breaks a cross-object invariant; nothing was committed."""
+
+
+class EvidenceError(IntegrityError):
+    """An approval or review decision failed verification. ``reason`` says why."""
+
+
+class ApprovalError(EvidenceError):
+    """An approval is unknown, forged, mis-bound, replayed or expired."""
+
+
+class ReviewDecisionError(EvidenceError):
+    """A reviewer decision was refused; the review case stays frozen."""
+
+
+class EnvironmentMismatchError(IntegrityError):
+    """The observed environment is neither the recorded state nor its one-commit successor."""
+
+
+class StoreError(RatchetError):
+    """The generation or lease store refused a request or failed."""
+
+
+class HighWaterUnavailableError(StoreError):
+    """No external high-water mark could be read: restore fails closed."""
+
+
+class GenerationMismatchError(StoreError):
+    """A commit or restore named a generation other than the high-water mark."""
+
+
+class CommitOutcomeUnknownError(StoreError):
+    """A commit was sent but its reply was lost: the store must be re-read."""
+
+
+class LeaseHeldElsewhereError(StoreError):
+    """Another live worker holds the run's lease (``owner``, ``expires_at_ms``)."""
+
+
+class LeaseLostError(StoreError):
+    """The caller's lease expired or was taken over; stop before any further effect."""
+
+
+class StaleStateError(StoreError):
+    """The expected state version is no longer current."""
+
+
+class NonceReplayError(StoreError):
+    """An approval or review nonce has already been consumed."""
+
+
+class RunExistsError(StoreError):
+    """A run with this id already exists."""
+
+
+class RunNotFoundError(StoreError):
+    """No run with this id exists."""
+
+
+class StoreProtocolError(StoreError):
+    """A store reply was malformed or carried an unknown status; nothing is guessed."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store could not be reached (connection refused, dropped or timed out).
+
+    The call's outcome is unknown: a renewal must be treated as not renewed, a read as not
+    read. Commits raise :class:`CommitOutcomeUnknownError` instead.
+    """
+
+
+class AdapterError(RatchetError):
+    """An adapter refused or failed a call. ``retryable`` says whether a retry can help."""
+
+    def __init__(self, message: str, *, retryable: bool = False, **context: Any) -> None:
+        super().__init__(message, retryable=retryable, **context)
+
+
+class FenceRejectedError(AdapterError):
+    """The adapter has seen a newer fence for this run and refused the call."""
+
+
+class IdempotencyConflictError(AdapterError):
+    """The adapter holds a receipt for this key with a different intent digest."""

@@ -1,0 +1,263 @@
+"""A lease on one run, bound to the store: the runtime's ``GenerationStore`` on Redis.
+
+:class:`LeasedRun` is what :meth:`RedisStore.acquire` returns. It implements
+:class:`ratchet.runtime.ports.GenerationStore`, so the runtime's restore and commits go
+through Redis:
+
+* ``high_water(key)`` reads the authoritative generation and checks, in the same read,
+  that ``key`` names this run (task, run, environment instance) and that this lease is
+  still the live one. Restore compares the checkpoint's generation with it, so a
+  correctly signed checkpoint of an older generation is refused.
+* ``load(key)`` returns the checkpoint at the high-water mark, read in one step with the
+  generation it belongs to.
+* ``advance(key, expected_generation=g, blob=..., nonces=...)`` is the fenced commit of
+  generation ``g + 1`` under ``(owner, lease_version, state_version)``.
+
+``advance`` with ``expected_generation == 0`` is refused with
+:class:`~ratchet.errors.RunExistsError`: a lease exists only for a run that
+:meth:`RedisStore.create_run` created, together with its scenario and first checkpoint.
+A submitter that starts runs through the port (``RunEngine.start``) uses
+:class:`RunCreator` (``RedisStore.creator(scenario)``), whose ``advance`` with
+``expected_generation == 0`` is exactly that create call.
+
+The blob is opaque bytes here: the store never parses the signed envelope; the generation
+travels beside it.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ratchet.errors import (
+    CommitOutcomeUnknownError,
+    ContractError,
+    HighWaterUnavailableError,
+    LeaseLostError,
+    RunExistsError,
+    RunNotFoundError,
+    StoreProtocolError,
+    StoreUnavailableError,
+)
+from ratchet.leasing.results import Acquired, CommitResult, Lease, Released, RunSnapshot
+from ratchet.runtime.ports import Fence, RunKey, StoredCheckpoint
+
+if TYPE_CHECKING:
+    from ratchet.leasing.store import RedisStore
+
+
+def new_commit_id() -> str:
+    """A fresh random commit id (128 bits)."""
+    return "c-" + secrets.token_hex(16)
+
+__all__ = ["LeasedRun", "RunCreator", "new_commit_id"]
+
+
+class LeasedRun:
+    """The caller's lease on one run plus the versions it last saw. Not thread-safe."""
+
+    def __init__(self, store: RedisStore, acquired: Acquired, *, ttl_ms: int) -> None:
+        self._store = store
+        self._lease = acquired.lease
+        self._ttl_ms = ttl_ms
+        self._task_id = acquired.task_id
+        self._env_instance_id = acquired.env_instance_id
+        self._generation = acquired.generation
+        self._state_version = acquired.state_version
+
+    def __repr__(self) -> str:
+        return (f"LeasedRun(run_id={self.run_id!r}, owner={self.owner!r}, "
+                f"lease_version={self.lease_version}, generation={self._generation}, "
+                f"state_version={self._state_version})")
+
+    @property
+    def lease(self) -> Lease:
+        return self._lease
+
+    @property
+    def run_id(self) -> str:
+        return self._lease.run_id
+
+    @property
+    def owner(self) -> str:
+        return self._lease.owner
+
+    @property
+    def lease_version(self) -> int:
+        return self._lease.lease_version
+
+    @property
+    def generation(self) -> int:
+        """The high-water generation as last seen through this handle."""
+        return self._generation
+
+    @property
+    def state_version(self) -> int:
+        """The state version as last seen through this handle."""
+        return self._state_version
+
+    @property
+    def ttl_ms(self) -> int:
+        return self._ttl_ms
+
+    @property
+    def fence(self) -> Fence:
+        """The fence for adapter writes: ``(run_id, lease_version, state_version)``."""
+        return self._lease.fence(self._state_version)
+
+    # -- GenerationStore ---------------------------------------------------------------
+
+    def _snapshot(self, key: RunKey, *, with_checkpoint: bool) -> RunSnapshot:
+        if key.run_id != self.run_id:
+            raise HighWaterUnavailableError("the key names another run", run_id=self.run_id,
+                                            requested_run_id=key.run_id)
+        try:
+            snap = self._store.read_run(self.run_id, with_checkpoint=with_checkpoint)
+        except (RunNotFoundError, StoreUnavailableError) as exc:
+            raise HighWaterUnavailableError("no high-water mark could be read",
+                                            run_id=self.run_id,
+                                            cause=type(exc).__name__) from exc
+        if (key.task_id, key.env_instance_id) != (snap.task_id, snap.env_instance_id):
+            raise HighWaterUnavailableError(
+                "the key's task or environment instance is not this run's",
+                run_id=self.run_id, reason="key_mismatch")
+        if not snap.is_held_by(self.owner, self.lease_version):
+            raise LeaseLostError(
+                "the lease is no longer held", run_id=self.run_id, owner=self.owner,
+                lease_version=self.lease_version, current_owner=snap.owner,
+                current_lease_version=snap.lease_version, expires_at_ms=snap.expires_at_ms,
+                now_ms=snap.now_ms, reason="not_live")
+        self._generation = snap.generation
+        self._state_version = snap.state_version
+        return snap
+
+    def high_water(self, key: RunKey) -> int:
+        """The authoritative high-water generation.
+
+        Raises HighWaterUnavailableError (unreachable, unknown run, key mismatch),
+        LeaseLostError, StoreProtocolError.
+        """
+        return self._snapshot(key, with_checkpoint=False).generation
+
+    def load(self, key: RunKey) -> StoredCheckpoint:
+        """The checkpoint at the high-water mark with its generation, read in one step.
+
+        Raises HighWaterUnavailableError, LeaseLostError, StoreProtocolError.
+        """
+        snap = self._snapshot(key, with_checkpoint=True)
+        if snap.checkpoint is None:
+            raise StoreProtocolError("the run has no checkpoint", run_id=self.run_id)
+        return StoredCheckpoint(generation=snap.generation, blob=snap.checkpoint)
+
+    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
+                nonces: Sequence[str] = ()) -> None:
+        """Commit ``blob`` as generation ``expected_generation + 1``, fenced by this lease.
+
+        Raises RunExistsError (``expected_generation == 0``), GenerationMismatchError,
+        StaleStateError, LeaseLostError, NonceReplayError, CheckpointTooLargeError,
+        CommitOutcomeUnknownError (re-read before acting), HighWaterUnavailableError
+        (key mismatch), StoreProtocolError.
+        """
+        if (key.run_id, key.task_id, key.env_instance_id) != (
+                self.run_id, self._task_id, self._env_instance_id):
+            raise HighWaterUnavailableError("the key does not name this run",
+                                            run_id=self.run_id, reason="key_mismatch")
+        if expected_generation == 0:
+            raise RunExistsError("the run exists; create runs with RedisStore.create_run",
+                                 run_id=self.run_id)
+        self.commit(blob, generation=expected_generation + 1, nonces=nonces)
+
+    # -- beyond the port -------------------------------------------------------------------
+
+    def commit(self, blob: bytes, *, generation: int | None = None,
+               commit_id: str | None = None, nonces: Sequence[str] = (),
+               finished: bool = False) -> CommitResult:
+        """Fenced commit of ``blob`` as ``generation`` (default: last seen + 1).
+
+        Raises what :meth:`RedisStore.commit` raises.
+        """
+        result = self._store.commit(
+            self._lease, generation=self._generation + 1 if generation is None else generation,
+            expected_state_version=self._state_version, checkpoint=blob, commit_id=commit_id,
+            nonces=nonces, finished=finished)
+        if result.current_generation == result.generation:
+            self._generation = result.generation
+            self._state_version = result.state_version
+        return result
+
+    def renew(self, ttl_ms: int | None = None) -> Lease:
+        """Extend the lease. Raises LeaseLostError, StoreUnavailableError (not renewed)."""
+        self._lease = self._store.renew(self._lease, ttl_ms=ttl_ms or self._ttl_ms)
+        return self._lease
+
+    def release(self, *, reap: bool = False) -> Released:
+        """Give the lease up (see :meth:`RedisStore.release`). Raises LeaseLostError."""
+        return self._store.release(self._lease, reap=reap)
+
+
+class RunCreator:
+    """The ``GenerationStore`` a submitter uses to create a run (``RedisStore.creator``).
+
+    ``advance(key, expected_generation=0, blob=...)`` creates the run named by ``key`` with
+    the bound scenario and ``blob`` as generation 1 (one script call; a retry with the same
+    creator after a lost reply reports it applied). Any later generation needs a lease:
+    acquire one with :meth:`RedisStore.acquire` and commit through the :class:`LeasedRun`.
+    ``high_water`` and ``load`` read the store without a lease.
+    """
+
+    def __init__(self, store: RedisStore, scenario: bytes) -> None:
+        self._store = store
+        self._scenario = scenario
+        self._commit_id = new_commit_id()
+
+    def __repr__(self) -> str:
+        return "RunCreator()"
+
+    def _read(self, key: RunKey, *, with_checkpoint: bool) -> RunSnapshot:
+        try:
+            snap = self._store.read_run(key.run_id, with_checkpoint=with_checkpoint)
+        except (RunNotFoundError, StoreUnavailableError) as exc:
+            raise HighWaterUnavailableError("no high-water mark could be read",
+                                            run_id=key.run_id,
+                                            cause=type(exc).__name__) from exc
+        if (key.task_id, key.env_instance_id) != (snap.task_id, snap.env_instance_id):
+            raise HighWaterUnavailableError(
+                "the key's task or environment instance is not this run's",
+                run_id=key.run_id, reason="key_mismatch")
+        return snap
+
+    def high_water(self, key: RunKey) -> int:
+        """Raises HighWaterUnavailableError, StoreProtocolError."""
+        return self._read(key, with_checkpoint=False).generation
+
+    def load(self, key: RunKey) -> StoredCheckpoint:
+        """Raises HighWaterUnavailableError, StoreProtocolError."""
+        snap = self._read(key, with_checkpoint=True)
+        if snap.checkpoint is None:
+            raise StoreProtocolError("the run has no checkpoint", run_id=key.run_id)
+        return StoredCheckpoint(generation=snap.generation, blob=snap.checkpoint)
+
+    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
+                nonces: Sequence[str] = ()) -> None:
+        """Create the run (``expected_generation == 0`` only).
+
+        Raises RunExistsError, LeaseLostError (a later generation without a lease),
+        ContractError (nonces at creation), CheckpointTooLargeError,
+        CommitOutcomeUnknownError (no reply: re-read before acting), StoreProtocolError.
+        """
+        if expected_generation != 0:
+            raise LeaseLostError("commits after creation need a lease", run_id=key.run_id,
+                                 reason="no_lease")
+        if nonces:
+            raise ContractError("a new run consumes no nonces", field="nonces",
+                                run_id=key.run_id)
+        try:
+            self._store.create_run(key.run_id, task_id=key.task_id,
+                                   env_instance_id=key.env_instance_id,
+                                   scenario=self._scenario, checkpoint=blob,
+                                   commit_id=self._commit_id)
+        except StoreUnavailableError as exc:
+            raise CommitOutcomeUnknownError("no reply to create_run; re-read before acting",
+                                            run_id=key.run_id,
+                                            commit_id=self._commit_id) from exc

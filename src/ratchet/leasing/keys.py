@@ -1,0 +1,101 @@
+"""Every Redis key name ratchet uses, spelled once.
+
+Layout (``<run>`` is the run id; the braces are a Redis Cluster hash tag, so every key of
+one run lives in the same slot and one script can touch them all):
+
+==============================  =======  ==================================================
+key                             type     holds
+==============================  =======  ==================================================
+``ratchet:{<run>}:state``       hash     task_id, env_instance_id, generation (the
+                                         high-water mark), state_version, created_at_ms,
+                                         updated_at_ms, last_commit_id
+``ratchet:{<run>}:lease``       hash     owner ("" when free), lease_version,
+                                         expires_at_ms, acquired_at_ms
+``ratchet:{<run>}:ckpt``        string   the signed checkpoint at the high-water mark
+``ratchet:{<run>}:scenario``    string   the scenario (task contract) bytes
+``ratchet:{<run>}:history``     list     bounded, newest first:
+                                         ``generation|state_version|lease_version|owner|
+                                         commit_id|digest|at_ms``
+``ratchet:{<run>}:commits``     hash     commit id -> ``generation|digest`` for the
+                                         commits still in the history
+``ratchet:{<run>}:nonces``      set      approval / review nonces consumed by this run
+``ratchet:index:expiry``        zset     run id scored by lease expiry (ms): reaper index
+``ratchet:index:runs``          zset     run id scored by creation time (ms)
+``ratchet:nonce:<nonce>``       string   the run id that claimed this nonce, for good
+==============================  =======  ==================================================
+
+The last three are cross-run keys: they live in other slots and are only ever touched by
+separate calls, never from inside a script.
+
+Ids that become part of key names or of ``|``-separated history entries are checked here:
+letters, digits and ``._:@/+-``, starting with a letter or digit, at most 200 characters.
+No braces (they would form a different hash tag) and no ``|``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from ratchet.errors import ContractError
+
+__all__ = [
+    "EXPIRY_INDEX",
+    "PREFIX",
+    "RUNS_INDEX",
+    "RunKeys",
+    "check_id",
+    "nonce_key",
+    "run_keys",
+]
+
+PREFIX = "ratchet"
+EXPIRY_INDEX = f"{PREFIX}:index:expiry"
+RUNS_INDEX = f"{PREFIX}:index:runs"
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,199}")
+
+
+def check_id(value: str, field: str) -> str:
+    """Return ``value`` if it is a valid id, else raise ContractError naming ``field``."""
+    if not isinstance(value, str) or _ID.fullmatch(value) is None:
+        raise ContractError(f"{field} is not a valid id", field=field)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class RunKeys:
+    """The keys of one run. All share the hash tag ``{<run_id>}``."""
+
+    run_id: str
+    state: str
+    lease: str
+    ckpt: str
+    scenario: str
+    history: str
+    commits: str
+    nonces: str
+
+
+@functools.lru_cache(maxsize=4096)
+def run_keys(run_id: str) -> RunKeys:
+    """The keys of run ``run_id`` (cached). Raises ContractError for an invalid id."""
+    check_id(run_id, "run_id")
+    base = f"{PREFIX}:{{{run_id}}}"
+    return RunKeys(
+        run_id=run_id,
+        state=f"{base}:state",
+        lease=f"{base}:lease",
+        ckpt=f"{base}:ckpt",
+        scenario=f"{base}:scenario",
+        history=f"{base}:history",
+        commits=f"{base}:commits",
+        nonces=f"{base}:nonces",
+    )
+
+
+def nonce_key(nonce: str) -> str:
+    """The global record of which run claimed ``nonce``. Raises ContractError."""
+    check_id(nonce, "nonce")
+    return f"{PREFIX}:nonce:{nonce}"

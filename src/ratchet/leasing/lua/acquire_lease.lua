@@ -1,0 +1,43 @@
+-- acquire_lease: take a run's lease if it is free, expired, or already the caller's.
+--
+-- Free or expired (or held by the same owner id) means: owner = caller,
+-- lease_version + 1, expires_at = now + ttl. The version only ever grows, so every new
+-- holder fences out every earlier one, including an earlier incarnation of the caller.
+-- Expiry is judged by Redis server time (TIME) only; no worker clock is involved.
+--
+-- KEYS[1]  lease hash      ratchet:{<run>}:lease
+-- KEYS[2]  run state hash  ratchet:{<run>}:state
+--
+-- ARGV[1]  owner id (text, non-empty, no '|')
+-- ARGV[2]  ttl (integer milliseconds, > 0)
+--
+-- Replies:
+--   {"acquired", lease_version, expires_at_ms, now_ms, generation, state_version,
+--    task_id, env_instance_id}
+--   {"held", owner, lease_version, expires_at_ms, now_ms}  another live owner holds it
+--   {"no_run"}
+--
+-- Time: *_ms values are Redis server time, milliseconds since the epoch.
+
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  return {'no_run'}
+end
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'lease_version', 'expires_at_ms')
+local owner = cur[1] or ''
+local version = tonumber(cur[2] or '0')
+local expires = tonumber(cur[3] or '0')
+
+if owner ~= '' and owner ~= ARGV[1] and now_ms < expires then
+  return {'held', owner, version, expires, now_ms}
+end
+
+version = version + 1
+expires = now_ms + tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_version', version,
+  'expires_at_ms', expires, 'acquired_at_ms', now_ms)
+local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version', 'task_id',
+  'env_instance_id')
+return {'acquired', version, expires, now_ms, tonumber(st[1]), tonumber(st[2]), st[3], st[4]}

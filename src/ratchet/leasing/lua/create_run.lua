@@ -1,0 +1,55 @@
+-- create_run: create a run with its scenario and first signed checkpoint in one step.
+--
+-- The run starts at generation 1 and state version 1 with a free lease (version 0).
+-- Every key belongs to one run and carries its hash tag, so the script runs in one slot.
+--
+-- KEYS[1]  run state hash    ratchet:{<run>}:state
+-- KEYS[2]  scenario string   ratchet:{<run>}:scenario
+-- KEYS[3]  checkpoint string ratchet:{<run>}:ckpt
+-- KEYS[4]  history list      ratchet:{<run>}:history
+-- KEYS[5]  commit ids hash   ratchet:{<run>}:commits
+-- KEYS[6]  lease hash        ratchet:{<run>}:lease
+--
+-- ARGV[1]  task id (text, no '|')
+-- ARGV[2]  environment instance id (text, no '|')
+-- ARGV[3]  scenario (bytes, opaque to the script)
+-- ARGV[4]  checkpoint for generation 1 (bytes, signed by the caller, opaque to the script)
+-- ARGV[5]  commit id (text, no '|'), recognised on a retry after a lost reply
+-- ARGV[6]  checkpoint digest (lowercase hex text, computed by the caller)
+--
+-- Replies:
+--   {"created", generation, state_version, now_ms}
+--   {"already_applied", generation, state_version, created_at_ms}
+--                                                   this commit id created the run before
+--   {"exists", generation, state_version}           another call created the run
+--
+-- Time: now_ms is Redis server time (TIME), milliseconds since the epoch.
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local cur = redis.call('HMGET', KEYS[1], 'generation', 'state_version', 'created_at_ms')
+  local seen = redis.call('HGET', KEYS[5], ARGV[5])
+  if seen and seen == ('1|' .. ARGV[6]) then
+    return {'already_applied', tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3])}
+  end
+  return {'exists', tonumber(cur[1]), tonumber(cur[2])}
+end
+
+redis.call('HSET', KEYS[1],
+  'task_id', ARGV[1],
+  'env_instance_id', ARGV[2],
+  'generation', 1,
+  'state_version', 1,
+  'created_at_ms', now_ms,
+  'updated_at_ms', now_ms,
+  'last_commit_id', ARGV[5])
+redis.call('SET', KEYS[2], ARGV[3])
+redis.call('SET', KEYS[3], ARGV[4])
+redis.call('HSET', KEYS[6], 'owner', '', 'lease_version', 0, 'expires_at_ms', 0)
+redis.call('DEL', KEYS[4], KEYS[5])
+-- history entry: generation|state_version|lease_version|owner|commit_id|digest|at_ms
+redis.call('LPUSH', KEYS[4], '1|1|0||' .. ARGV[5] .. '|' .. ARGV[6] .. '|' .. now_ms)
+redis.call('HSET', KEYS[5], ARGV[5], '1|' .. ARGV[6])
+return {'created', 1, 1, now_ms}

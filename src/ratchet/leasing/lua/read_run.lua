@@ -1,0 +1,41 @@
+-- read_run: the authoritative state of one run, read in one step for restore: identity,
+-- generation high-water mark, state version, the lease, Redis server time, and on request
+-- the checkpoint at the high-water mark and the scenario. Writes nothing.
+--
+-- KEYS[1]  run state hash     ratchet:{<run>}:state
+-- KEYS[2]  lease hash         ratchet:{<run>}:lease
+-- KEYS[3]  checkpoint string  ratchet:{<run>}:ckpt
+-- KEYS[4]  scenario string    ratchet:{<run>}:scenario
+--
+-- ARGV[1]  "1" to include the checkpoint, "0" not to
+-- ARGV[2]  "1" to include the scenario, "0" not to
+--
+-- Replies:
+--   {"run", task_id, env_instance_id, generation, state_version, created_at_ms,
+--    owner, lease_version, expires_at_ms, now_ms, checkpoint_or_0, scenario_or_0}
+--     owner is "" when the lease is free; checkpoint_or_0 / scenario_or_0 are the bytes
+--     when requested and the integer 0 when not
+--   {"no_run"}
+--
+-- Time: *_ms values are Redis server time, milliseconds since the epoch.
+
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {'no_run'}
+end
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local st = redis.call('HMGET', KEYS[1], 'task_id', 'env_instance_id', 'generation',
+  'state_version', 'created_at_ms')
+local lease = redis.call('HMGET', KEYS[2], 'owner', 'lease_version', 'expires_at_ms')
+local ckpt = 0
+if ARGV[1] == '1' then
+  ckpt = redis.call('GET', KEYS[3])
+end
+local scenario = 0
+if ARGV[2] == '1' then
+  scenario = redis.call('GET', KEYS[4])
+end
+return {'run', st[1], st[2], tonumber(st[3]), tonumber(st[4]), tonumber(st[5]),
+  lease[1] or '', tonumber(lease[2] or '0'), tonumber(lease[3] or '0'), now_ms,
+  ckpt, scenario}

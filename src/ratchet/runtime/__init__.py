@@ -1,0 +1,110 @@
+"""The contract core: pure, typed, no I/O. See DESIGN section 3 and each module's docstring.
+
+Time, identity and the outside world arrive as arguments or through the ports in
+:mod:`ratchet.runtime.ports`; nothing here imports redis, sockets, threads, clocks or
+randomness (enforced by import-linter).
+"""
+
+from ratchet.runtime.actions import (
+    KIND_SPECS,
+    Action,
+    ActionKind,
+    Risk,
+    derive_idempotency_key,
+    intent_digest,
+    parse_action,
+)
+from ratchet.runtime.canonical import canonical_json, digest, strict_json_loads
+from ratchet.runtime.checkpoint import (
+    CheckpointPayload,
+    Restored,
+    restore_checkpoint,
+    seal_checkpoint,
+)
+from ratchet.runtime.engine import CrashWindow, RunEngine, StepResult
+from ratchet.runtime.evidence import (
+    ApprovalClaims,
+    ApprovalEvidence,
+    ReviewDecision,
+    ReviewDecisionClaims,
+    ReviewVerdict,
+    TrustRoots,
+    sign_approval,
+    sign_review_decision,
+)
+from ratchet.runtime.ports import (
+    Adapter,
+    Clock,
+    Fence,
+    GenerationStore,
+    Observation,
+    ReadResult,
+    Receipt,
+    RunKey,
+    StoredCheckpoint,
+    VerifierReport,
+)
+from ratchet.runtime.scenario import Budgets, Scenario, VerifierSpec, load_scenario
+from ratchet.runtime.signing import KeyRing, SecretKey
+from ratchet.runtime.state import (
+    TRANSITIONS,
+    Event,
+    Phase,
+    ReviewReason,
+    RunState,
+    TraceOutcome,
+    check_invariants,
+    transition,
+)
+
+__all__ = [
+    "KIND_SPECS",
+    "TRANSITIONS",
+    "Action",
+    "ActionKind",
+    "Adapter",
+    "ApprovalClaims",
+    "ApprovalEvidence",
+    "Budgets",
+    "CheckpointPayload",
+    "Clock",
+    "CrashWindow",
+    "Event",
+    "Fence",
+    "GenerationStore",
+    "KeyRing",
+    "Observation",
+    "Phase",
+    "ReadResult",
+    "Receipt",
+    "Restored",
+    "ReviewDecision",
+    "ReviewDecisionClaims",
+    "ReviewReason",
+    "ReviewVerdict",
+    "Risk",
+    "RunEngine",
+    "RunKey",
+    "RunState",
+    "Scenario",
+    "SecretKey",
+    "StepResult",
+    "StoredCheckpoint",
+    "TraceOutcome",
+    "TrustRoots",
+    "VerifierReport",
+    "VerifierSpec",
+    "canonical_json",
+    "check_invariants",
+    "derive_idempotency_key",
+    "digest",
+    "intent_digest",
+    "load_scenario",
+    "parse_action",
+    "restore_checkpoint",
+    "seal_checkpoint",
+    "sign_approval",
+    "sign_review_decision",
+    "strict_json_loads",
+    "transition",
+]

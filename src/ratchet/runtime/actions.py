@@ -1,0 +1,163 @@
+"""Actions an agent proposes: kinds, risk labels, exact argument sets, intent digests.
+
+Every kind has exactly one required risk label and one exact argument set (the table
+:data:`KIND_SPECS`, plain data). Writes must carry an idempotency key; everything else must
+not. The intent digest covers kind, arguments and risk only: not the action id (a new
+process may mint a new id for the same request) and not the key (so that "same key,
+different intent" is detectable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import Field, Strict, ValidationError, model_validator
+
+from ratchet.errors import ActionError
+from ratchet.runtime.canonical import Domain, digest
+from ratchet.runtime.types import Frozen, Identifier, NonNegInt, check_rel_path
+
+__all__ = [
+    "KIND_SPECS",
+    "Action",
+    "ActionKind",
+    "KindSpec",
+    "Risk",
+    "derive_idempotency_key",
+    "intent_digest",
+    "parse_action",
+]
+
+
+class Risk(StrEnum):
+    READ_ONLY = "read_only"
+    REVERSIBLE_WRITE = "reversible_write"
+    IRREVERSIBLE_EXTERNAL_WRITE = "irreversible_external_write"
+    VERIFICATION = "verification"
+    CONTROL = "control"
+
+    @property
+    def is_write(self) -> bool:
+        return self in (Risk.REVERSIBLE_WRITE, Risk.IRREVERSIBLE_EXTERNAL_WRITE)
+
+
+class ActionKind(StrEnum):
+    READ_FILE = "read_file"
+    WRITE_FILE = "write_file"
+    DELETE_FILE = "delete_file"
+    EXTERNAL_CALL = "external_call"
+    RUN_VERIFIER = "run_verifier"
+    FINISH = "finish"
+
+
+@dataclass(frozen=True, slots=True)
+class KindSpec:
+    """What a kind requires: its risk label, its exact argument names, which are paths."""
+
+    risk: Risk
+    args: frozenset[str]
+    path_args: frozenset[str] = frozenset()
+    target_arg: str | None = None
+
+
+KIND_SPECS: dict[ActionKind, KindSpec] = {
+    ActionKind.READ_FILE: KindSpec(Risk.READ_ONLY, frozenset({"path"}), frozenset({"path"})),
+    ActionKind.WRITE_FILE: KindSpec(
+        Risk.REVERSIBLE_WRITE, frozenset({"path", "content"}), frozenset({"path"})
+    ),
+    ActionKind.DELETE_FILE: KindSpec(
+        Risk.REVERSIBLE_WRITE, frozenset({"path"}), frozenset({"path"})
+    ),
+    # An external call (HTTP API, order placement): the adapter names the operation and
+    # the body is opaque text; it cannot be undone, so it is never replayed blindly.
+    ActionKind.EXTERNAL_CALL: KindSpec(
+        Risk.IRREVERSIBLE_EXTERNAL_WRITE, frozenset({"operation", "body"}), target_arg="operation"
+    ),
+    ActionKind.RUN_VERIFIER: KindSpec(
+        Risk.VERIFICATION, frozenset({"target"}), target_arg="target"
+    ),
+    ActionKind.FINISH: KindSpec(Risk.CONTROL, frozenset({"summary"})),
+}
+
+_ArgText = Annotated[str, Strict(), Field(max_length=1 << 20)]
+
+
+class Action(Frozen):
+    """One proposed action.
+
+    ``expected_env_version`` is the environment version the agent planned against (a
+    precondition); ``deadline_at`` is the wall-clock second after which the proposal is
+    stale; ``cost_units`` is what executing it spends from the cost budget.
+    """
+
+    action_id: Identifier
+    kind: ActionKind
+    risk: Risk
+    args: dict[Annotated[str, Strict()], _ArgText]
+    idempotency_key: Identifier | None = None
+    expected_env_version: NonNegInt
+    deadline_at: NonNegInt
+    cost_units: NonNegInt = 0
+
+    @model_validator(mode="after")
+    def _check_kind_contract(self) -> Action:
+        spec = KIND_SPECS[self.kind]
+        if self.risk is not spec.risk:
+            raise ValueError(f"kind {self.kind} requires risk {spec.risk}, got {self.risk}")
+        names = set(self.args)
+        if names != spec.args:
+            missing = sorted(spec.args - names)
+            extra = sorted(names - spec.args)
+            raise ValueError(f"kind {self.kind} takes exactly {sorted(spec.args)}; "
+                             f"missing {missing}, unexpected {extra}")
+        for name in spec.path_args:
+            check_rel_path(self.args[name])
+        if spec.risk.is_write and self.idempotency_key is None:
+            raise ValueError(f"a {self.kind} write requires an idempotency_key")
+        if not spec.risk.is_write and self.idempotency_key is not None:
+            raise ValueError(f"{self.kind} is not a write and must not carry an idempotency_key")
+        return self
+
+    @property
+    def is_write(self) -> bool:
+        return self.risk.is_write
+
+    @property
+    def intent_digest(self) -> str:
+        return intent_digest(self)
+
+
+def intent_digest(action: Action) -> str:
+    """Digest of what the action does: kind, arguments and risk, under the intent domain."""
+    return digest(
+        Domain.INTENT,
+        {"kind": action.kind.value, "args": action.args, "risk": action.risk.value},
+    )
+
+
+def parse_action(data: Any) -> Action:
+    """Validate an action from JSON-like data (what an agent returns).
+
+    Raises:
+        ActionError: naming the first offending field.
+    """
+    try:
+        return Action.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "action"
+        raise ActionError(f"invalid action at {field}: {first['msg']}", field=field) from None
+
+
+def derive_idempotency_key(run_id: str, position: int, salt: str = "") -> str:
+    """A deterministic idempotency key for the write at ``position`` of ``run_id``.
+
+    Fixed before any side effect and identical on every retry, so a crashed run that
+    proposes the same step again reuses the key. ``salt`` distinguishes a replanned step
+    whose previous key was quarantined by a reviewer.
+    """
+    raw = f"{run_id}\x00{position}\x00{salt}".encode()
+    return "ik-" + hashlib.sha256(b"ratchet/idempotency-key/v1\x00" + raw).hexdigest()[:40]

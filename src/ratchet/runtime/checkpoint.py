@@ -1,0 +1,225 @@
+"""Building and restoring signed checkpoints.
+
+Build (:func:`seal_checkpoint`) validates **before** anything advances: the state is
+re-validated against its schema, its cross-object invariants are checked, and it is
+serialised canonically. Only then is it signed for generation ``current + 1``; the caller
+commits it to the generation store, which advances the high-water mark atomically with
+the content. An invalid state therefore never burns a generation.
+
+Restore (:func:`restore_checkpoint`) checks, in this order, failing closed at the first
+problem with a :class:`CheckpointError` whose ``reason`` names the check:
+
+1. strict parse of the envelope (``malformed``, ``envelope_version``);
+2. plain checksum (``checksum``): random corruption;
+3. HMAC in constant time (``unknown_kid``, ``retired_kid``, ``bad_mac``): authenticity;
+4. payload schema version (``schema_version``) and strict, canonical payload (``schema``);
+5. scenario fingerprint against the externally supplied scenario (``scenario``);
+6. run state invariants (``invariant``);
+7. generation equal to the external high-water mark (``high_water_missing``,
+   ``stale_generation``): freshness;
+8. environment (``environment``): same instance id, and exactly the checkpoint's state or
+   the one-commit state of the single pending write;
+9. trust roots for every approval and review decision inside (``trust``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import ValidationError
+
+from ratchet.errors import (
+    CheckpointError,
+    CheckpointTooLargeError,
+    EvidenceError,
+    HighWaterUnavailableError,
+    InvariantViolation,
+)
+from ratchet.runtime.canonical import is_canonical, model_json
+from ratchet.runtime.evidence import TrustRoots
+from ratchet.runtime.ports import GenerationStore, Observation, RunKey
+from ratchet.runtime.scenario import Scenario
+from ratchet.runtime.signing import KeyRing, open_envelope, seal_envelope
+from ratchet.runtime.state import RunState, check_invariants
+from ratchet.runtime.types import Digest, Frozen, PosInt
+
+__all__ = [
+    "CHECKPOINT_SCHEMA_VERSION",
+    "DEFAULT_MAX_CHECKPOINT_BYTES",
+    "CheckpointPayload",
+    "Restored",
+    "check_environment",
+    "restore_checkpoint",
+    "run_key",
+    "seal_checkpoint",
+]
+
+CHECKPOINT_SCHEMA_VERSION: Literal[1] = 1
+DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
+
+
+class CheckpointPayload(Frozen):
+    schema_version: Literal[1]
+    generation: PosInt
+    scenario_fingerprint: Digest
+    state: RunState
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    state: RunState
+    generation: int
+    blob: bytes
+
+
+def run_key(state: RunState) -> RunKey:
+    return RunKey(state.task_id, state.run_id, state.environment.instance_id)
+
+
+def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
+                    generation: int,
+                    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES) -> bytes:
+    """Validate ``state`` and sign it as ``generation``.
+
+    Raises:
+        InvariantViolation: the state is not valid; nothing may be committed.
+        CheckpointTooLargeError: the envelope would exceed ``max_bytes``.
+    """
+    try:
+        # Re-validate: model_copy(update=...) skips validation, so a bad value set by a
+        # caller would otherwise only surface at restore.
+        checked = RunState.model_validate(state.model_dump())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvariantViolation(f"run state fails its schema at {first['loc']}: "
+                                 f"{first['msg']}", field=str(first["loc"])) from None
+    check_invariants(checked, scenario)
+    payload = CheckpointPayload(
+        schema_version=CHECKPOINT_SCHEMA_VERSION,
+        generation=generation,
+        scenario_fingerprint=scenario.fingerprint,
+        state=checked,
+    )
+    body = model_json(payload)
+    blob = seal_envelope(keyring, body)
+    if len(blob) > max_bytes:
+        raise CheckpointTooLargeError("checkpoint exceeds the size cap", size=len(blob),
+                                      max_bytes=max_bytes, reason="too_large")
+    return blob
+
+
+def _fail(reason: str, message: str, **context: object) -> CheckpointError:
+    return CheckpointError(message, reason=reason, **context)
+
+
+def check_environment(state: RunState, observed: Observation) -> None:
+    """Accept only the checkpoint's exact state or its pending write's one-commit state.
+
+    Raises:
+        CheckpointError: reason ``environment``.
+    """
+    recorded = state.environment
+    if observed.instance_id != recorded.instance_id:
+        raise _fail("environment", "environment instance differs from the checkpoint's",
+                    expected=recorded.instance_id, observed=observed.instance_id)
+    if observed.same_state(recorded):
+        return
+    pending = state.pending
+    if pending is not None and pending.env_after is not None and observed.same_state(
+        pending.env_after
+    ):
+        return
+    raise _fail("environment", "environment is neither the checkpoint's state nor the "
+                "one-commit state of its pending write",
+                expected_version=recorded.version, observed_version=observed.version)
+
+
+def _check_trust(state: RunState, approvers: TrustRoots | None,
+                 reviewers: TrustRoots | None) -> None:
+    approvals = [e.sealed_approval for e in state.trace if e.sealed_approval is not None]
+    cases = [*state.closed_reviews, *([state.review] if state.review else [])]
+    approvals += [c.pending.approval for c in cases if c.pending.approval is not None]
+    if state.pending is not None and state.pending.approval is not None:
+        approvals.append(state.pending.approval)
+    decisions = [c.decision for c in cases if c.decision is not None]
+    if approvals and approvers is None:
+        raise _fail("trust", "checkpoint holds approvals but no approver trust root was given")
+    if decisions and reviewers is None:
+        raise _fail("trust", "checkpoint holds review decisions but no reviewer trust root "
+                    "was given")
+    try:
+        if approvers is not None:
+            for approval in approvals:
+                approvers.verify_approval(approval)
+        if reviewers is not None:
+            for decision in decisions:
+                reviewers.verify_review(decision)
+    except EvidenceError as exc:
+        raise _fail("trust", f"evidence inside the checkpoint does not verify: {exc.message}",
+                    evidence_reason=getattr(exc, "reason", "")) from None
+
+
+def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
+                       store: GenerationStore | None,
+                       observe: Callable[[RunState, int], Observation],
+                       approvers: TrustRoots | None = None,
+                       reviewers: TrustRoots | None = None) -> Restored:
+    """Verify a checkpoint and return its state. See the module docstring for the order.
+
+    ``observe(state, generation)`` is called once the checkpoint is proven authentic and
+    fresh, and returns the environment as it is now (the engine raises the adapter's
+    fence inside it, before observing).
+
+    Expired approvals load (they are evidence an operator must see); whether they may
+    still execute is decided later by the state machine, never here.
+
+    Raises:
+        CheckpointError: ``reason`` names the failed check.
+    """
+    body = open_envelope(keyring, blob)
+    # pydantic's JSON parser keeps the last of duplicate keys and accepts any key order or
+    # spacing; requiring the exact canonical bytes rules all of that out.
+    if not is_canonical(body):
+        raise _fail("schema", "checkpoint payload is not canonical JSON")
+    try:
+        payload = CheckpointPayload.model_validate_json(body)
+    except ValidationError as exc:
+        schema = _peek_schema_version(body)
+        if schema is not None and schema != CHECKPOINT_SCHEMA_VERSION:
+            raise _fail("schema_version", "unsupported checkpoint schema version",
+                        schema_version=schema) from None
+        first = exc.errors()[0]
+        raise _fail("schema", f"checkpoint payload fails its schema at {first['loc']}: "
+                    f"{first['msg']}") from None
+    if payload.scenario_fingerprint != scenario.fingerprint:
+        raise _fail("scenario", "checkpoint was made under another scenario (task, policy, "
+                    "permissions, allowlists, initial state or verifier expectations changed)")
+    state = payload.state
+    try:
+        check_invariants(state, scenario)
+    except InvariantViolation as exc:
+        raise _fail("invariant", exc.message) from None
+    if store is None:
+        raise _fail("high_water_missing", "no generation store: restore fails closed")
+    try:
+        high_water = store.high_water(run_key(state))
+    except HighWaterUnavailableError as exc:
+        raise _fail("high_water_missing", f"high-water mark unavailable: {exc.message}") \
+            from None
+    if payload.generation != high_water:
+        raise _fail("stale_generation", "checkpoint generation is not the high-water mark",
+                    generation=payload.generation, high_water=high_water)
+    check_environment(state, observe(state, payload.generation))
+    _check_trust(state, approvers, reviewers)
+    return Restored(state=state, generation=payload.generation, blob=blob)
+
+
+def _peek_schema_version(body: bytes) -> object:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return data.get("schema_version") if isinstance(data, dict) else None

@@ -1,0 +1,385 @@
+"""The engine: drives one run through the state machine using the ports it is given.
+
+The engine is the only place where the order of commits and adapter calls is decided.
+It imports no I/O: the adapter, the generation store and the clock are passed in, so the
+same engine runs in-memory in unit tests and on Redis with real adapters in a worker.
+
+One write, end to end::
+
+    propose ──▶ commit pending intent (gen g+1) ──▶ adapter.execute(key, fence) ──▶
+    commit receipt (gen g+2) ──▶ observe ──▶ commit advanced state (gen g+3)
+
+Each arrow is a place a worker can die; :class:`CrashWindow` names them and
+:meth:`RunEngine.reconcile` is the recovery for each (timeline comments there). A
+``probe`` callback is invoked at every window so tests and drills can inject a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ratchet.errors import (
+    AdapterError,
+    CommitOutcomeUnknownError,
+    ConfigurationError,
+    FenceRejectedError,
+    IdempotencyConflictError,
+    InvalidTransitionError,
+)
+from ratchet.runtime import machine
+from ratchet.runtime.actions import Action
+from ratchet.runtime.checkpoint import (
+    DEFAULT_MAX_CHECKPOINT_BYTES,
+    restore_checkpoint,
+    run_key,
+    seal_checkpoint,
+)
+from ratchet.runtime.evidence import ApprovalEvidence, ReviewDecision, TrustRoots
+from ratchet.runtime.machine import Disposition
+from ratchet.runtime.ports import (
+    Adapter,
+    Clock,
+    Fence,
+    GenerationStore,
+    Observation,
+    Receipt,
+    RunKey,
+)
+from ratchet.runtime.scenario import Scenario
+from ratchet.runtime.signing import KeyRing
+from ratchet.runtime.state import (
+    TERMINAL_PHASES,
+    Phase,
+    ReviewReason,
+    RunState,
+    TraceOutcome,
+)
+
+__all__ = ["CrashWindow", "Probe", "RunEngine", "StepResult"]
+
+
+class CrashWindow(StrEnum):
+    """Where a worker can die between a side effect and the checkpoint that records it."""
+
+    BEFORE_PROPOSAL = "before_proposal"
+    AFTER_PENDING_BEFORE_ADAPTER = "after_pending_before_adapter"
+    AFTER_ADAPTER_BEFORE_RECEIPT = "after_adapter_before_receipt"
+    AFTER_RECEIPT_BEFORE_STATE = "after_receipt_before_state"
+    COMMIT_REPLY_LOST = "commit_reply_lost"
+
+
+Probe = Callable[[CrashWindow], None]
+
+
+def _no_probe(window: CrashWindow) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one engine call led to: the last trace outcome and the phase after it."""
+
+    outcome: TraceOutcome
+    phase: Phase
+    generation: int
+    window: CrashWindow | None = None
+
+
+class RunEngine:
+    """Drives one run. Construct with :meth:`start` or :meth:`resume`, never directly."""
+
+    def __init__(self, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
+                 store: GenerationStore, clock: Clock, state: RunState, generation: int,
+                 blob: bytes, approvers: TrustRoots | None = None,
+                 reviewers: TrustRoots | None = None, lease_version: int = 1,
+                 probe: Probe | None = None,
+                 max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES) -> None:
+        self.scenario = scenario
+        self.adapter = adapter
+        self.store = store
+        self.clock = clock
+        self.approvers = approvers
+        self.reviewers = reviewers
+        self.lease_version = lease_version
+        self._keyring = keyring
+        self._probe = probe or _no_probe
+        self._max_bytes = max_checkpoint_bytes
+        self.state = state
+        self.generation = generation
+        self.checkpoint = blob
+
+    def __repr__(self) -> str:
+        return (f"RunEngine(run_id={self.state.run_id!r}, phase={self.state.phase.value!r}, "
+                f"generation={self.generation})")
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, run_id: str, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
+              store: GenerationStore, clock: Clock, **options: Any) -> RunEngine:
+        """Observe the environment, build the first state and commit it as generation 1."""
+        observed = adapter.observe()
+        state = machine.new_run(run_id, scenario, observed, clock.now())
+        max_bytes = options.get("max_checkpoint_bytes", DEFAULT_MAX_CHECKPOINT_BYTES)
+        blob = seal_checkpoint(state, scenario, keyring, generation=1, max_bytes=max_bytes)
+        store.advance(run_key(state), expected_generation=0, blob=blob)
+        return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
+                   clock=clock, state=state, generation=1, blob=blob, **options)
+
+    @classmethod
+    def resume(cls, blob: bytes, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
+               store: GenerationStore, clock: Clock, approvers: TrustRoots | None = None,
+               reviewers: TrustRoots | None = None, lease_version: int = 1,
+               **options: Any) -> RunEngine:
+        """Restore a checkpoint (all checks of :func:`restore_checkpoint`), then raise the
+        adapter's fence to this lease and observe the environment.
+
+        The fence goes up before the observation that restore compares, so from then on a
+        previous owner that is still running can no longer land a write we have not seen.
+        Call :meth:`reconcile` next.
+        """
+
+        def fence_then_observe(state: RunState, generation: int) -> Observation:
+            adapter.raise_fence(Fence(run_id=state.run_id, lease_version=lease_version,
+                                      state_version=generation))
+            return adapter.observe()
+
+        restored = restore_checkpoint(blob, scenario=scenario, keyring=keyring, store=store,
+                                      observe=fence_then_observe, approvers=approvers,
+                                      reviewers=reviewers)
+        return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
+                   clock=clock, state=restored.state, generation=restored.generation,
+                   blob=restored.blob, approvers=approvers, reviewers=reviewers,
+                   lease_version=lease_version, **options)
+
+    # -- commits -------------------------------------------------------------------------
+
+    @property
+    def key(self) -> RunKey:
+        return run_key(self.state)
+
+    def _fence(self) -> Fence:
+        return Fence(run_id=self.state.run_id, lease_version=self.lease_version,
+                     state_version=self.generation)
+
+    def _commit(self, new: RunState) -> None:
+        """Validate, sign and commit ``new`` as the next generation, consuming new nonces.
+
+        Timeline of a lost reply (CrashWindow.COMMIT_REPLY_LOST): the store may or may not
+        have applied the commit. Re-read it; only our exact blob at our generation counts
+        as applied. Anything else propagates: never assume.
+        """
+        known = set(self.state.consumed_nonces)
+        nonces = [n for n in new.consumed_nonces if n not in known]
+        target = self.generation + 1
+        blob = seal_checkpoint(new, self.scenario, self._keyring, generation=target,
+                               max_bytes=self._max_bytes)
+        try:
+            self.store.advance(self.key, expected_generation=self.generation, blob=blob,
+                               nonces=nonces)
+        except CommitOutcomeUnknownError:
+            self._probe(CrashWindow.COMMIT_REPLY_LOST)
+            stored = self.store.load(self.key)
+            if stored.generation != target or stored.blob != blob:
+                raise
+        self.state, self.generation, self.checkpoint = new, target, blob
+
+    # -- proposals -----------------------------------------------------------------------
+
+    def _result(self, window: CrashWindow | None = None) -> StepResult:
+        return StepResult(self.state.trace[-1].outcome, self.state.phase, self.generation,
+                          window)
+
+    def propose(self, raw: Action | dict[str, Any], *,
+                approval: ApprovalEvidence | None = None) -> StepResult:
+        """Gate one proposal and carry it out: commit, call the adapter, commit again.
+
+        Raises:
+            InvalidTransitionError: the run is terminal.
+            FenceRejectedError: the adapter has seen a newer owner; stop at once.
+            AdapterError: a retryable adapter failure; the pending write stays committed
+                and :meth:`reconcile` resolves it later.
+        """
+        self._probe(CrashWindow.BEFORE_PROPOSAL)
+        proposal = machine.propose(
+            self.state, self.scenario, raw, now=self.clock.now(), generation=self.generation,
+            project=self.adapter.project, approval=approval, approvers=self.approvers,
+        )
+        disposition, action = proposal.disposition, proposal.action
+        if disposition is Disposition.READ and action is not None:
+            result = self.adapter.read(action)
+            self._commit(machine.apply_read(proposal.state, action, result,
+                                            now=self.clock.now()))
+        elif disposition is Disposition.VERIFY and action is not None:
+            report = self.adapter.verify(action.args["target"])
+            self._commit(machine.apply_verification(proposal.state, action, report,
+                                                    now=self.clock.now()))
+        elif disposition in (Disposition.EXECUTE_WRITE, Disposition.CHECK_REPLAY):
+            self._commit(proposal.state)
+            self._probe(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
+            self._execute_pending()
+        else:  # rejected, awaiting approval, finished: record it (budget was spent)
+            self._commit(proposal.state)
+        return self._result()
+
+    def execute_pending(self) -> StepResult:
+        """Send the committed pending write to the adapter, if it may go now.
+
+        Raises:
+            InvalidTransitionError: nothing is pending, or the run is frozen or terminal.
+        """
+        self._execute_pending()
+        return self._result()
+
+    def _execute_pending(self) -> None:
+        state = self.state
+        frozen = machine.check_executable(state, self.scenario, now=self.clock.now())
+        if frozen is not None:
+            self._commit(frozen)
+            return
+        pending = state.pending
+        if pending is None:  # for the type checker: check_executable refused already
+            raise InvalidTransitionError("there is no pending write to execute")
+        key = pending.action.idempotency_key or ""
+        if pending.replay_of is not None:
+            authoritative = self.adapter.lookup(key)
+            self._commit(machine.record_replay(state, authoritative, now=self.clock.now()))
+            return
+        approval = pending.approval.digest if pending.approval is not None else None
+        try:
+            receipt = self.adapter.execute(pending.action, pending.intent_digest,
+                                           self._fence(), approval)
+        except IdempotencyConflictError as exc:
+            conflicting = exc.context.get("receipt")
+            if conflicting is None:
+                conflicting = self.adapter.lookup(key)
+            if conflicting is None:
+                self._commit(machine.open_review(state, ReviewReason.RECEIPT_MISSING, None,
+                                                 now=self.clock.now(),
+                                                 detail="adapter reported a conflict "
+                                                 "but shows no receipt"))
+            else:
+                self._commit(machine.record_receipt(state, conflicting, now=self.clock.now()))
+            return
+        except FenceRejectedError:
+            raise  # a newer owner exists: stop before anything else
+        except AdapterError as exc:
+            if exc.context.get("retryable"):
+                raise
+            self._commit(machine.record_execution_error(state, exc.message,
+                                                        now=self.clock.now(), fatal=False))
+            return
+        self._probe(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
+        self._record_and_complete(receipt, TraceOutcome.EXECUTED)
+
+    def _record_and_complete(self, receipt: Receipt, outcome: TraceOutcome) -> None:
+        recorded = machine.record_receipt(self.state, receipt, now=self.clock.now())
+        self._commit(recorded)
+        if recorded.pending is None or recorded.pending.receipt is None:
+            return  # a review case was opened instead
+        self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
+        self._complete(outcome)
+
+    def _complete(self, outcome: TraceOutcome) -> None:
+        observed = self.adapter.observe()
+        self._commit(machine.complete_write(self.state, observed, now=self.clock.now(),
+                                            outcome=outcome))
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def reconcile(self) -> StepResult:
+        """Resolve whatever the previous owner left pending. Call right after :meth:`resume`.
+
+        Returns the crash window that was found (None when nothing was pending).
+        """
+        state = self.state
+        pending = state.pending
+        if state.phase in TERMINAL_PHASES or pending is None:
+            # Died before a proposal (or between steps): the checkpoint is whole.
+            return self._result(CrashWindow.BEFORE_PROPOSAL)
+        if state.phase is not Phase.RUNNING:
+            # Frozen (awaiting approval, needs review): nothing may run until a human acts.
+            return self._result(None)
+        key = pending.action.idempotency_key or ""
+        now = self.clock.now()
+        if pending.receipt is not None:
+            # Timeline: pending committed -> adapter wrote -> receipt committed -> [died]
+            # -> state not advanced. The receipt is evidence of success: replay the
+            # deterministic transition without a second effect, after checking that the
+            # adapter's authoritative receipt still reads the same.
+            authoritative = self.adapter.lookup(key)
+            if authoritative is None or authoritative.fingerprint != pending.receipt.fingerprint:
+                reason = (ReviewReason.RECEIPT_MISSING if authoritative is None
+                          else ReviewReason.RECEIPT_DRIFT)
+                self._commit(machine.open_review(state, reason, authoritative, now=now))
+            else:
+                self._complete(TraceOutcome.RECONCILED)
+            return self._result(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
+        if pending.replay_of is not None:
+            self._execute_pending()
+            return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
+        authoritative = self.adapter.lookup(key)
+        if authoritative is not None:
+            # Timeline: pending committed -> adapter wrote -> [died] -> receipt never
+            # committed. The outcome was unknown to us; the adapter's record by key
+            # settles it. Never retry blindly: record that receipt (a different intent
+            # opens a review) and advance.
+            self._record_and_complete(authoritative, TraceOutcome.RECONCILED)
+            return self._result(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
+        # Timeline: pending committed -> [died] -> adapter never called (no receipt).
+        # The environment must still be the write's "before" state; then execute once
+        # with the same key. An effect without a receipt cannot be explained: review.
+        observed = self.adapter.observe()
+        if not observed.same_state(pending.env_before):
+            self._commit(machine.open_review(
+                state, ReviewReason.RECEIPT_MISSING, None, now=now,
+                detail="environment changed but the adapter has no receipt for the key"))
+        else:
+            self._execute_pending()
+        return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
+
+    # -- human evidence and control ------------------------------------------------------------
+
+    def refresh_pending_approval(self, evidence: ApprovalEvidence, *,
+                                 execute: bool = True) -> StepResult:
+        """Bind a fresh exact approval to the pending write, commit, and (by default)
+        execute it. The superseded evidence is sealed in the trace.
+
+        Raises:
+            ApprovalError: the approval is refused; nothing changed.
+            ConfigurationError: no approver trust root was configured.
+        """
+        if self.approvers is None:
+            raise ConfigurationError("no approver trust root configured")
+        new = machine.attach_approval(self.state, self.scenario, evidence, self.approvers,
+                                      generation=self.generation, now=self.clock.now())
+        self._commit(new)
+        if execute:
+            self._execute_pending()
+        return self._result()
+
+    def apply_review_decision(self, decision: ReviewDecision) -> StepResult:
+        """Consume a signed reviewer decision after re-reading the authoritative receipt.
+
+        Raises:
+            ReviewDecisionError: refused; the case stays frozen and nothing changed.
+        """
+        if self.reviewers is None:
+            raise ConfigurationError("no reviewer trust root configured")
+        case = self.state.review
+        key = case.pending.action.idempotency_key if case is not None else None
+        authoritative = self.adapter.lookup(key) if key else None
+        observed = self.adapter.observe()
+        new = machine.apply_review_decision(self.state, self.scenario, decision,
+                                            self.reviewers, authoritative=authoritative,
+                                            observed=observed, now=self.clock.now())
+        self._commit(new)
+        return self._result()
+
+    def cancel(self, reason: str) -> StepResult:
+        """Cancel the run. Raises InvalidTransitionError when it cannot be cancelled."""
+        self._commit(machine.cancel(self.state, reason, now=self.clock.now()))
+        return self._result()

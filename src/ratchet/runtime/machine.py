@@ -1,0 +1,638 @@
+"""The run state machine: pure functions from (state, facts) to a new state.
+
+Nothing here performs I/O, reads a clock or draws randomness. Callers (the engine, the
+worker) pass in what they observed (``now``, observations, receipts, signed evidence) and
+get back a new immutable :class:`RunState` plus, for proposals, what to do next. Every
+change appends exactly one trace event with the next sequence number.
+
+Order of the gate in :func:`propose` (first failing check wins):
+
+1. phase: frozen or terminal runs take no proposals (no budget is spent);
+2. budget: proposals and wall clock; exhaustion fails the run;
+3. the proposal is counted (a rejected proposal still spends budget);
+4. schema, deadline, single pending write, permission, scope, environment precondition;
+5. step and cost budget; exhaustion fails the run;
+6. idempotency key: quarantined keys are refused; a cached key with another intent is a
+   conflict; a cached key with the same intent becomes a replay that must be checked
+   against the adapter's authoritative receipt;
+7. approval: kinds that need one wait in ``awaiting_approval`` unless an exact, fresh,
+   trusted approval came with the proposal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ratchet.errors import (
+    ActionError,
+    ApprovalError,
+    EnvironmentMismatchError,
+    InvalidTransitionError,
+    ReviewDecisionError,
+)
+from ratchet.runtime.actions import Action, ActionKind, parse_action
+from ratchet.runtime.canonical import Domain, digest
+from ratchet.runtime.evidence import ApprovalEvidence, ReviewDecision, ReviewVerdict, TrustRoots
+from ratchet.runtime.ports import Observation, ReadResult, Receipt, VerifierReport
+from ratchet.runtime.scenario import Scenario, kind_spec_target
+from ratchet.runtime.state import (
+    STATE_SCHEMA_VERSION,
+    TERMINAL_PHASES,
+    Event,
+    ExecutedWrite,
+    PendingWrite,
+    Phase,
+    ReviewCase,
+    ReviewReason,
+    RunState,
+    TraceEvent,
+    TraceOutcome,
+    Usage,
+    transition,
+)
+
+__all__ = [
+    "Disposition",
+    "Proposal",
+    "apply_read",
+    "apply_review_decision",
+    "apply_verification",
+    "attach_approval",
+    "cancel",
+    "check_executable",
+    "complete_write",
+    "new_run",
+    "open_review",
+    "propose",
+    "record_execution_error",
+    "record_receipt",
+    "record_replay",
+    "refresh_pending_approval",
+]
+
+Projector = Callable[[Action, Observation], Observation | None]
+
+
+class Disposition(StrEnum):
+    """What the caller does next with a proposal."""
+
+    REJECTED = "rejected"  # nothing to do; the trace says why
+    EXECUTE_WRITE = "execute_write"  # commit the pending intent, then call the adapter
+    CHECK_REPLAY = "check_replay"  # commit, then compare the adapter's receipt with the cache
+    AWAIT_APPROVAL = "await_approval"  # commit and wait for a fresh exact approval
+    READ = "read"  # perform the read-only action, then apply_read
+    VERIFY = "verify"  # run the verifier, then apply_verification
+    FINISHED = "finished"  # the run ended (completed or failed on budget)
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    state: RunState
+    disposition: Disposition
+    outcome: TraceOutcome
+    action: Action | None = None
+    reason: str = ""
+
+
+def _event(state: RunState, now: int, outcome: TraceOutcome, *, action: Action | None = None,
+           intent: str | None = None, detail: dict[str, Any] | None = None,
+           **extra: Any) -> TraceEvent:
+    return TraceEvent(
+        seq=state.next_seq,
+        at=now,
+        outcome=outcome,
+        action_id=action.action_id if action else None,
+        idempotency_key=action.idempotency_key if action else None,
+        intent_digest=intent if intent is not None else (
+            action.intent_digest if action and action.is_write else None),
+        env_version=state.environment.version,
+        detail=detail or {},
+        **extra,
+    )
+
+
+def _with(state: RunState, event: TraceEvent, **changes: Any) -> RunState:
+    """Return ``state`` with ``changes`` applied and ``event`` appended to the trace."""
+    return state.model_copy(update={**changes, "trace": (*state.trace, event)})
+
+
+def new_run(run_id: str, scenario: Scenario, observation: Observation, now: int) -> RunState:
+    """The initial state of a run on an observed environment."""
+    state = RunState(
+        schema_version=STATE_SCHEMA_VERSION,
+        run_id=run_id,
+        task_id=scenario.task_id,
+        task_version=scenario.task_version,
+        policy_id=scenario.policy_id,
+        policy_version=scenario.policy_version,
+        scenario_fingerprint=scenario.fingerprint,
+        phase=Phase.RUNNING,
+        usage=Usage(),
+        started_at=now,
+        environment=observation,
+    )
+    return _with(state, _event(state, now, TraceOutcome.STARTED,
+                               detail={"env_instance_id": observation.instance_id}))
+
+
+# --- proposals ---------------------------------------------------------------------------
+
+
+def _reject(state: RunState, now: int, outcome: TraceOutcome, reason: str,
+            action: Action | None = None) -> Proposal:
+    event = _event(state, now, outcome, action=action, detail={"reason": reason})
+    return Proposal(_with(state, event), Disposition.REJECTED, outcome, action, reason)
+
+
+def _exhaust(state: RunState, now: int, which: str, action: Action | None = None) -> Proposal:
+    event = _event(state, now, TraceOutcome.BUDGET_EXHAUSTED, action=action,
+                   detail={"budget": which})
+    phase = transition(state.phase, Event.BUDGET_EXHAUSTED)
+    new = _with(state, event, phase=phase, stop_reason=f"budget exhausted: {which}",
+                pending=None)
+    return Proposal(new, Disposition.FINISHED, TraceOutcome.BUDGET_EXHAUSTED, action, which)
+
+
+def propose(state: RunState, scenario: Scenario, raw: Action | dict[str, Any], *, now: int,
+            generation: int, project: Projector | None = None,
+            approval: ApprovalEvidence | None = None,
+            approvers: TrustRoots | None = None) -> Proposal:
+    """Gate one proposal. See the module docstring for the order of checks.
+
+    Raises:
+        InvalidTransitionError: the run is terminal (nothing is recorded).
+    """
+    if state.phase in TERMINAL_PHASES:
+        raise InvalidTransitionError(f"run is {state.phase.value}; it takes no proposals",
+                                     phase=state.phase.value)
+    if state.phase is not Phase.RUNNING:
+        return _reject(state, now, TraceOutcome.REJECTED_PHASE,
+                       f"run is {state.phase.value}: proposals are frozen")
+    budgets = scenario.budgets
+    if state.usage.proposals >= budgets.proposals:
+        return _exhaust(state, now, "proposals")
+    if now - state.started_at > budgets.wall_clock_seconds:
+        return _exhaust(state, now, "wall_clock_seconds")
+    state = state.model_copy(
+        update={"usage": state.usage.model_copy(update={"proposals": state.usage.proposals + 1})}
+    )
+    try:
+        action = raw if isinstance(raw, Action) else parse_action(raw)
+    except ActionError as exc:
+        return _reject(state, now, TraceOutcome.REJECTED_SCHEMA, exc.message)
+    if now > action.deadline_at:
+        return _reject(state, now, TraceOutcome.REJECTED_DEADLINE,
+                       "proposal deadline has passed", action)
+    if state.pending is not None:
+        return _reject(state, now, TraceOutcome.REJECTED_PENDING,
+                       "a pending write must finish first", action)
+    if action.kind not in scenario.permissions:
+        return _reject(state, now, TraceOutcome.REJECTED_PERMISSION,
+                       f"{action.kind.value} is not permitted", action)
+    for name in ("path",):
+        if name in action.args and not scenario.path_allowed(action.args[name]):
+            return _reject(state, now, TraceOutcome.REJECTED_SCOPE,
+                           f"path {action.args[name]!r} is outside allowed_paths", action)
+    target = kind_spec_target(action.kind, action.args)
+    if target is not None and not scenario.target_allowed(action.kind, target):
+        return _reject(state, now, TraceOutcome.REJECTED_SCOPE,
+                       f"target {target!r} is not allow-listed", action)
+    if action.expected_env_version != state.environment.version:
+        return _reject(state, now, TraceOutcome.REJECTED_STALE_ENV,
+                       f"planned against environment version {action.expected_env_version}, "
+                       f"current is {state.environment.version}", action)
+    if action.kind is ActionKind.FINISH:
+        return _finish(state, now, action)
+    if state.usage.steps >= budgets.steps:
+        return _exhaust(state, now, "steps", action)
+    if state.usage.cost_units + action.cost_units > budgets.cost_units:
+        return _exhaust(state, now, "cost_units", action)
+    state = state.model_copy(update={"usage": state.usage.model_copy(update={
+        "steps": state.usage.steps + 1,
+        "cost_units": state.usage.cost_units + action.cost_units,
+    })})
+    if not action.is_write:
+        disposition = Disposition.READ if action.kind is ActionKind.READ_FILE else (
+            Disposition.VERIFY)
+        # Reads and verifications leave no trace until their result is applied.
+        return Proposal(state, disposition, TraceOutcome.READ, action)
+    return _propose_write(state, scenario, action, now=now, generation=generation,
+                          project=project, approval=approval, approvers=approvers)
+
+
+def _propose_write(state: RunState, scenario: Scenario, action: Action, *, now: int,
+                   generation: int, project: Projector | None,
+                   approval: ApprovalEvidence | None,
+                   approvers: TrustRoots | None) -> Proposal:
+    key = action.idempotency_key
+    intent = action.intent_digest
+    if key in state.quarantined_keys:
+        return _reject(state, now, TraceOutcome.REJECTED_KEY_QUARANTINED,
+                       "key was quarantined by a reviewer; plan with a new key", action)
+    cached = state.cached(key) if key else None
+    if cached is not None and cached.intent_digest != intent:
+        return _reject(state, now, TraceOutcome.REJECTED_KEY_CONFLICT,
+                       "key was already used for a different intent", action)
+    env = state.environment
+    pending = PendingWrite(
+        action=action,
+        intent_digest=intent,
+        env_before=env,
+        env_after=None if cached is not None or project is None else project(action, env),
+        replay_of=cached.receipt_fingerprint if cached is not None else None,
+    )
+    disposition = Disposition.CHECK_REPLAY if cached is not None else Disposition.EXECUTE_WRITE
+    accepted = _with(state, _event(state, now, TraceOutcome.ACCEPTED_PENDING, action=action,
+                                   detail={"replay": int(cached is not None)}),
+                     pending=pending)
+    if not scenario.needs_approval(action.kind):
+        return Proposal(accepted, disposition, TraceOutcome.ACCEPTED_PENDING, action)
+    if approval is not None and approvers is not None:
+        try:
+            approved = attach_approval(accepted, scenario, approval, approvers,
+                                       generation=generation, now=now)
+        except ApprovalError as exc:
+            waiting = _await(accepted, now, action, f"approval refused: {exc.message}")
+            return Proposal(waiting, Disposition.AWAIT_APPROVAL, TraceOutcome.REJECTED_APPROVAL,
+                            action, exc.message)
+        return Proposal(approved, disposition, TraceOutcome.ACCEPTED_PENDING, action)
+    waiting = _await(accepted, now, action, "approval required")
+    return Proposal(waiting, Disposition.AWAIT_APPROVAL, TraceOutcome.AWAITING_APPROVAL, action)
+
+
+def _await(state: RunState, now: int, action: Action, reason: str) -> RunState:
+    event = _event(state, now, TraceOutcome.AWAITING_APPROVAL, action=action,
+                   detail={"reason": reason})
+    return _with(state, event, phase=transition(state.phase, Event.APPROVAL_NEEDED))
+
+
+def _finish(state: RunState, now: int, action: Action) -> Proposal:
+    report = state.verification
+    env = state.environment
+    ok = (
+        report is not None
+        and report.passed
+        and report.env_instance_id == env.instance_id
+        and report.env_version == env.version
+        and report.env_fingerprint == env.fingerprint
+        and (state.last_write_env_version is None
+             or report.env_version >= state.last_write_env_version)
+        and any(e.outcome is TraceOutcome.VERIFIED and e.verifier == report
+                for e in state.trace)
+    )
+    if not ok:
+        return _reject(state, now, TraceOutcome.REJECTED_UNVERIFIED,
+                       "no passing verifier event at the current environment version", action)
+    event = _event(state, now, TraceOutcome.COMPLETED, action=action,
+                   detail={"summary": action.args["summary"][:1024]})
+    new = _with(state, event, phase=transition(state.phase, Event.COMPLETE),
+                stop_reason="completed", plan_cursor=state.plan_cursor + 1)
+    return Proposal(new, Disposition.FINISHED, TraceOutcome.COMPLETED, action)
+
+
+# --- approvals ---------------------------------------------------------------------------
+
+
+def _check_approval(state: RunState, scenario: Scenario, evidence: ApprovalEvidence,
+                    approvers: TrustRoots, *, generation: int, now: int) -> PendingWrite:
+    pending = state.pending
+    if pending is None:
+        raise ApprovalError("there is no pending write to approve", reason="no_pending")
+    if pending.receipt is not None:
+        raise ApprovalError("the pending write already has a receipt", reason="has_receipt")
+    approvers.verify_approval(evidence)
+    c, action, env = evidence.claims, pending.action, state.environment
+    bound = {
+        "task_id": (c.task_id, scenario.task_id),
+        "run_id": (c.run_id, state.run_id),
+        "policy": ((c.policy_id, c.policy_version),
+                   (scenario.policy_id, scenario.policy_version)),
+        "action_id": (c.action_id, action.action_id),
+        "idempotency_key": (c.idempotency_key, action.idempotency_key),
+        "intent_digest": (c.intent_digest, pending.intent_digest),
+        "env_instance_id": (c.env_instance_id, env.instance_id),
+        "env_fingerprint": (c.env_fingerprint, env.fingerprint),
+        "env_version": (c.env_version, env.version),
+        "generation": (c.generation, generation),
+    }
+    for name, (claimed, actual) in bound.items():
+        if claimed != actual:
+            raise ApprovalError(f"approval is bound to another {name}", reason="binding",
+                                field=name)
+    if c.nonce in state.consumed_nonces:
+        raise ApprovalError("approval nonce was already consumed", reason="replayed_nonce",
+                            nonce=c.nonce)
+    if c.expired(now=now, proposals_used=state.usage.proposals):
+        raise ApprovalError("approval has expired", reason="expired")
+    return pending
+
+
+def attach_approval(state: RunState, scenario: Scenario, evidence: ApprovalEvidence,
+                    approvers: TrustRoots, *, generation: int, now: int) -> RunState:
+    """Bind a fresh, exact, trusted approval to the pending write and consume its nonce.
+
+    Any approval the pending write held before is sealed in the trace. Raises
+    ApprovalError (``reason`` says which check failed); the state is then unchanged.
+    """
+    pending = _check_approval(state, scenario, evidence, approvers,
+                              generation=generation, now=now)
+    phase = state.phase
+    if phase is Phase.AWAITING_APPROVAL:
+        phase = transition(phase, Event.APPROVAL_GRANTED)
+    elif phase is not Phase.RUNNING:
+        raise ApprovalError(f"run is {phase.value}; approvals are not accepted",
+                            reason="phase")
+    event = _event(state, now, TraceOutcome.APPROVAL_REFRESHED, action=pending.action,
+                   detail={"approver_id": evidence.approver_id,
+                           "approval_digest": evidence.digest},
+                   sealed_approval=pending.approval)
+    return _with(state, event, phase=phase,
+                 pending=pending.model_copy(update={"approval": evidence}),
+                 consumed_nonces=(*state.consumed_nonces, evidence.claims.nonce))
+
+
+refresh_pending_approval = attach_approval
+
+
+def check_executable(state: RunState, scenario: Scenario, *, now: int) -> RunState | None:
+    """Decide whether the pending write may be sent to the adapter now.
+
+    Returns None when it may. Otherwise returns the new state: an approval-requiring write
+    whose approval is missing or expired is frozen in ``awaiting_approval`` with the
+    expired evidence still visible.
+    """
+    pending = state.pending
+    if pending is None or pending.receipt is not None:
+        raise InvalidTransitionError("there is no pending write to execute")
+    if state.phase is not Phase.RUNNING:
+        raise InvalidTransitionError(f"run is {state.phase.value}; nothing may execute",
+                                     phase=state.phase.value)
+    if not scenario.needs_approval(pending.action.kind):
+        return None
+    approval = pending.approval
+    if approval is not None and not approval.claims.expired(
+        now=now, proposals_used=state.usage.proposals
+    ):
+        return None
+    reason = "approval missing" if approval is None else "approval expired"
+    event = _event(state, now, TraceOutcome.APPROVAL_EXPIRED, action=pending.action,
+                   detail={"reason": reason})
+    return _with(state, event, phase=transition(state.phase, Event.APPROVAL_NEEDED))
+
+
+# --- receipts ------------------------------------------------------------------------------
+
+
+def open_review(state: RunState, reason: ReviewReason, receipt: Receipt | None, *,
+                now: int, detail: str = "") -> RunState:
+    """Freeze the run in ``needs_review``, keeping the pending write and the receipt."""
+    pending = state.pending
+    if pending is None:
+        raise InvalidTransitionError("a review case needs a pending write")
+    case = ReviewCase(
+        case_id=f"case-{state.next_seq}",
+        reason=reason,
+        pending=pending,
+        receipt=receipt,
+        receipt_fingerprint=receipt.fingerprint if receipt is not None else None,
+        environment=state.environment,
+        opened_seq=state.next_seq,
+    )
+    info: dict[str, Any] = {"reason": reason.value, "case_id": case.case_id}
+    if receipt is not None:
+        info |= {"receipt_intent_digest": receipt.intent_digest,
+                 "receipt_fingerprint": case.receipt_fingerprint or ""}
+    if detail:
+        info["detail"] = detail[:1024]
+    event = _event(state, now, TraceOutcome.REVIEW_OPENED, action=pending.action, detail=info)
+    return _with(state, event, phase=transition(state.phase, Event.REVIEW_OPENED), review=case)
+
+
+def record_receipt(state: RunState, receipt: Receipt, *, now: int) -> RunState:
+    """Commit the adapter's receipt for the pending write (before the state advances).
+
+    A receipt for another intent, or one that does not bind the pending approval (or was
+    committed after that approval expired), opens a review case instead.
+    """
+    pending = state.pending
+    if pending is None or pending.receipt is not None:
+        raise InvalidTransitionError("no pending write is waiting for a receipt")
+    action = pending.action
+    if receipt.idempotency_key != action.idempotency_key:
+        return open_review(state, ReviewReason.RECEIPT_DRIFT, receipt, now=now,
+                           detail="receipt names another idempotency key")
+    if receipt.intent_digest != pending.intent_digest:
+        return open_review(state, ReviewReason.INTENT_CONFLICT, receipt, now=now)
+    approval = pending.approval
+    if approval is not None and (
+        receipt.approval_digest != approval.digest
+        or receipt.committed_at > approval.claims.expires_at
+    ):
+        return open_review(state, ReviewReason.APPROVAL_UNBOUND, receipt, now=now,
+                           detail="receipt does not bind the approval or postdates its expiry")
+    event = _event(state, now, TraceOutcome.RECEIPT_RECORDED, action=action,
+                   detail={"receipt_id": receipt.receipt_id,
+                           "receipt_fingerprint": receipt.fingerprint})
+    return _with(state, event, pending=pending.model_copy(update={"receipt": receipt}))
+
+
+def complete_write(state: RunState, observed: Observation, *, now: int,
+                   outcome: TraceOutcome = TraceOutcome.EXECUTED) -> RunState:
+    """Advance the state after a recorded receipt: the deterministic transition.
+
+    Raises:
+        EnvironmentMismatchError: the environment is not the write's one-commit state.
+    """
+    pending = state.pending
+    if pending is None or pending.receipt is None:
+        raise InvalidTransitionError("no recorded receipt to apply")
+    receipt = pending.receipt
+    if observed.instance_id != state.environment.instance_id:
+        raise EnvironmentMismatchError("environment instance changed",
+                                       expected=state.environment.instance_id,
+                                       observed=observed.instance_id)
+    expected = pending.env_after
+    if expected is not None and not observed.same_state(expected):
+        raise EnvironmentMismatchError(
+            "environment is not the pending write's one-commit state",
+            expected_version=expected.version, observed_version=observed.version)
+    if expected is None and observed.version != receipt.env_version_after:
+        raise EnvironmentMismatchError(
+            "environment version differs from the receipt's",
+            expected_version=receipt.env_version_after, observed_version=observed.version)
+    entry = ExecutedWrite(
+        action_id=pending.action.action_id,
+        idempotency_key=receipt.idempotency_key,
+        intent_digest=receipt.intent_digest,
+        receipt=receipt,
+        receipt_fingerprint=receipt.fingerprint,
+    )
+    moved = state.model_copy(update={"environment": observed})
+    event = _event(moved, now, outcome, action=pending.action,
+                   detail={"receipt_id": receipt.receipt_id})
+    return _with(moved, event, pending=None, executed=(*state.executed, entry),
+                 last_write_env_version=observed.version, verification=None,
+                 plan_cursor=state.plan_cursor + 1)
+
+
+def record_replay(state: RunState, authoritative: Receipt | None, *, now: int) -> RunState:
+    """Check a cached key's replay against the adapter's receipt.
+
+    Only an authoritative receipt identical in every field to the cached one is a replay;
+    a missing receipt or any drift (namespace, version, id, digest, result) opens a review.
+    """
+    pending = state.pending
+    if pending is None or pending.replay_of is None:
+        raise InvalidTransitionError("the pending write is not a replay")
+    if authoritative is None:
+        return open_review(state, ReviewReason.RECEIPT_MISSING, None, now=now,
+                           detail="the adapter has no receipt for a cached key")
+    if authoritative.fingerprint != pending.replay_of:
+        reason = (ReviewReason.INTENT_CONFLICT
+                  if authoritative.intent_digest != pending.intent_digest
+                  else ReviewReason.RECEIPT_DRIFT)
+        return open_review(state, reason, authoritative, now=now,
+                           detail="the adapter's receipt differs from the cached copy")
+    event = _event(state, now, TraceOutcome.REPLAYED, action=pending.action,
+                   detail={"receipt_id": authoritative.receipt_id})
+    return _with(state, event, pending=None, plan_cursor=state.plan_cursor + 1)
+
+
+def record_execution_error(state: RunState, message: str, *, now: int,
+                           fatal: bool) -> RunState:
+    """The adapter refused the pending write for good, with no effect: drop it.
+
+    ``fatal`` ends the run in ``failed``; otherwise the agent may plan again.
+    """
+    pending = state.pending
+    if pending is None or pending.receipt is not None:
+        raise InvalidTransitionError("no unexecuted pending write to drop")
+    event = _event(state, now, TraceOutcome.EXECUTION_ERROR, action=pending.action,
+                   detail={"error": message[:1024], "fatal": int(fatal)})
+    changes: dict[str, Any] = {"pending": None}
+    if fatal:
+        changes |= {"phase": transition(state.phase, Event.FATAL_ERROR),
+                    "stop_reason": f"execution error: {message[:200]}"}
+    return _with(state, event, **changes)
+
+
+# --- reads and verification ---------------------------------------------------------------
+
+
+def apply_read(state: RunState, action: Action, result: ReadResult, *, now: int) -> RunState:
+    """Record a read (its content digest, not its content)."""
+    event = _event(state, now, TraceOutcome.READ, action=action, detail={
+        "path": action.args.get("path", ""),
+        "content_digest": digest(Domain.ENVIRONMENT, result.content),
+    })
+    return _with(state, event, plan_cursor=state.plan_cursor + 1)
+
+
+def apply_verification(state: RunState, action: Action, report: VerifierReport, *,
+                       now: int) -> RunState:
+    """Record a verifier report bound to the current environment.
+
+    Raises:
+        EnvironmentMismatchError: the report was made against another state.
+    """
+    env = state.environment
+    if (report.env_instance_id, report.env_version, report.env_fingerprint) != (
+        env.instance_id, env.version, env.fingerprint
+    ):
+        raise EnvironmentMismatchError("verifier ran against another environment state",
+                                       expected_version=env.version,
+                                       observed_version=report.env_version)
+    event = _event(state, now, TraceOutcome.VERIFIED, action=action,
+                   detail={"passed": int(report.passed), "target": report.target},
+                   verifier=report)
+    return _with(state, event, verification=report, plan_cursor=state.plan_cursor + 1)
+
+
+# --- review decisions and cancellation -------------------------------------------------------
+
+
+def apply_review_decision(state: RunState, scenario: Scenario, decision: ReviewDecision,
+                          reviewers: TrustRoots, *, authoritative: Receipt | None,
+                          observed: Observation, now: int) -> RunState:
+    """Consume a signed reviewer decision on the open case.
+
+    ``authoritative`` is the adapter's receipt for the case's key, read again just now;
+    ``observed`` is the environment observed just now. Any unknown reviewer, bad
+    signature, binding mismatch, replayed nonce, environment change or receipt drift
+    raises ReviewDecisionError and leaves the case frozen (the state is unchanged).
+    """
+    case = state.review
+    if state.phase is not Phase.NEEDS_REVIEW or case is None:
+        raise ReviewDecisionError("no review case is open", reason="no_open_case")
+    reviewers.verify_review(decision)
+    c, action = decision.claims, case.pending.action
+    bound = {
+        "task_id": (c.task_id, scenario.task_id),
+        "run_id": (c.run_id, state.run_id),
+        "policy": ((c.policy_id, c.policy_version),
+                   (scenario.policy_id, scenario.policy_version)),
+        "case_id": (c.case_id, case.case_id),
+        "action_id": (c.action_id, action.action_id),
+        "idempotency_key": (c.idempotency_key, action.idempotency_key),
+        "pending_intent_digest": (c.pending_intent_digest, case.pending.intent_digest),
+        "receipt_intent_digest": (c.receipt_intent_digest,
+                                  case.receipt.intent_digest if case.receipt else None),
+        "receipt_fingerprint": (c.receipt_fingerprint, case.receipt_fingerprint),
+        "env_instance_id": (c.env_instance_id, case.environment.instance_id),
+        "env_version": (c.env_version, case.environment.version),
+    }
+    for name, (claimed, actual) in bound.items():
+        if claimed != actual:
+            raise ReviewDecisionError(f"decision is bound to another {name}",
+                                      reason="binding", field=name)
+    if c.nonce in state.consumed_nonces:
+        raise ReviewDecisionError("decision nonce was already consumed",
+                                  reason="replayed_nonce", nonce=c.nonce)
+    if not observed.same_state(case.environment):
+        raise ReviewDecisionError("environment changed after the decision was signed",
+                                  reason="environment_changed")
+    fresh = authoritative.fingerprint if authoritative is not None else None
+    if fresh != case.receipt_fingerprint:
+        raise ReviewDecisionError("the authoritative receipt drifted since the case opened",
+                                  reason="receipt_drift")
+    sealed = case.model_copy(update={"decision": decision})
+    common: dict[str, Any] = {
+        "review": None,
+        "pending": None,
+        "closed_reviews": (*state.closed_reviews, sealed),
+        "consumed_nonces": (*state.consumed_nonces, c.nonce),
+        "environment": observed,
+    }
+    detail = {"case_id": case.case_id, "reviewer_id": decision.reviewer_id}
+    key = action.idempotency_key
+    if c.verdict is ReviewVerdict.REPLAN:
+        event = _event(state, now, TraceOutcome.REVIEW_REPLANNED, action=action, detail=detail)
+        return _with(state, event, phase=transition(state.phase, Event.REVIEW_REPLAN),
+                     quarantined_keys=(*state.quarantined_keys, key), **common)
+    event = _event(state, now, TraceOutcome.REVIEW_ABORTED, action=action, detail=detail)
+    return _with(state, event, phase=transition(state.phase, Event.REVIEW_ABORT),
+                 stop_reason=f"aborted by reviewer {decision.reviewer_id}", **common)
+
+
+def cancel(state: RunState, reason: str, *, now: int) -> RunState:
+    """Cancel a running or waiting run.
+
+    A pending write that may already have reached the adapter must be reconciled first;
+    one that is only waiting for approval is dropped and recorded in the trace.
+
+    Raises:
+        InvalidTransitionError: terminal, under review, or a write is in flight.
+    """
+    pending = state.pending
+    if pending is not None and state.phase is not Phase.AWAITING_APPROVAL:
+        raise InvalidTransitionError("a pending write is in flight; reconcile it first")
+    phase = transition(state.phase, Event.CANCEL)
+    info: dict[str, Any] = {"reason": reason[:1024]}
+    if pending is not None:
+        info |= {"dropped_key": pending.action.idempotency_key or "",
+                 "dropped_intent": pending.intent_digest}
+    event = _event(state, now, TraceOutcome.CANCELLED, detail=info)
+    return _with(state, event, phase=phase, pending=None, stop_reason=f"cancelled: {reason}")

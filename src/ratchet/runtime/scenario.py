@@ -1,0 +1,147 @@
+"""The scenario: the externally fixed task contract a run executes under.
+
+A scenario is loaded strictly from JSON or YAML (see :func:`load_scenario`) and never
+from a checkpoint: restore takes it from outside and compares its fingerprint, so a
+changed task version, policy version, permission, allowlist, initial state or verifier
+expectation makes every older checkpoint fail closed.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from ratchet.errors import ScenarioError
+from ratchet.runtime.actions import KIND_SPECS, ActionKind
+from ratchet.runtime.canonical import (
+    Domain,
+    model_digest,
+    strict_json_loads,
+    strict_yaml_loads,
+)
+from ratchet.runtime.types import Frozen, Identifier, NonNegInt, PosInt, RelPath, Text
+
+__all__ = ["SCENARIO_SCHEMA_VERSION", "Budgets", "Scenario", "VerifierSpec", "load_scenario"]
+
+SCENARIO_SCHEMA_VERSION = 1
+
+
+class Budgets(Frozen):
+    """Limits for one run. A rejected proposal still spends a proposal."""
+
+    proposals: PosInt
+    steps: PosInt
+    wall_clock_seconds: PosInt
+    cost_units: NonNegInt
+
+
+class VerifierSpec(Frozen):
+    """What the verifier must see: the target to run and the files expected at the end."""
+
+    target: Identifier
+    expected_files: dict[RelPath, Text] = Field(default_factory=dict)
+
+
+def _path_allowed(path: str, allowed: tuple[str, ...]) -> bool:
+    """A path is allowed if it equals an allowed path or lies under an allowed folder."""
+    p = PurePosixPath(path)
+    return any(p == PurePosixPath(a) or PurePosixPath(a) in p.parents for a in allowed)
+
+
+class Scenario(Frozen):
+    """A task contract: who may do what, within which budget, from which initial state."""
+
+    schema_version: Literal[1]
+    task_id: Identifier
+    task_version: Identifier
+    policy_id: Identifier
+    policy_version: Identifier
+    permissions: tuple[ActionKind, ...]
+    allowed_paths: tuple[RelPath, ...]
+    allowed_verifier_targets: tuple[Identifier, ...]
+    allowed_operations: tuple[Identifier, ...] = ()
+    approval_required: tuple[ActionKind, ...]
+    budgets: Budgets
+    initial_files: dict[RelPath, Text]
+    verifier: VerifierSpec
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Scenario:
+        for name in (
+            "permissions",
+            "allowed_paths",
+            "allowed_verifier_targets",
+            "allowed_operations",
+            "approval_required",
+        ):
+            items = getattr(self, name)
+            if len(set(items)) != len(items):
+                raise ValueError(f"{name} has duplicate entries")
+        if self.budgets.steps > self.budgets.proposals:
+            raise ValueError("budgets.steps exceeds budgets.proposals")
+        for kind in self.approval_required:
+            if kind not in self.permissions:
+                raise ValueError(f"approval_required names {kind}, which is not permitted")
+        for path in self.verifier.expected_files:
+            if not _path_allowed(path, self.allowed_paths):
+                raise ValueError(f"verifier.expected_files has {path!r} outside allowed_paths")
+        if self.verifier.target not in self.allowed_verifier_targets:
+            raise ValueError("verifier.target is not in allowed_verifier_targets")
+        return self
+
+    def path_allowed(self, path: str) -> bool:
+        return _path_allowed(path, self.allowed_paths)
+
+    def target_allowed(self, kind: ActionKind, target: str) -> bool:
+        if kind is ActionKind.RUN_VERIFIER:
+            return target in self.allowed_verifier_targets
+        if kind is ActionKind.EXTERNAL_CALL:
+            return target in self.allowed_operations
+        return True
+
+    def needs_approval(self, kind: ActionKind) -> bool:
+        return kind in self.approval_required
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Digest over the whole contract, including the schema version."""
+        return model_digest(Domain.SCENARIO, self)
+
+
+
+
+def _validation_to_error(exc: ValidationError) -> ScenarioError:
+    first = exc.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "scenario"
+    return ScenarioError(f"scenario field {field}: {first['msg']}", field=field)
+
+
+def load_scenario(text: str | bytes, *, fmt: Literal["json", "yaml"] = "json") -> Scenario:
+    """Load a scenario strictly from JSON or YAML text.
+
+    Raises:
+        ScenarioError: naming the field, for unknown or missing fields, duplicate keys,
+            NaN/Infinity/floats, booleans where integers belong, non-canonical or traversing
+            paths, steps above proposals, duplicate list entries, expected files outside
+            the allowed paths.
+    """
+    try:
+        data: Any = strict_json_loads(text) if fmt == "json" else strict_yaml_loads(text)
+    except Exception as exc:  # ContractError from the strict parsers
+        field = getattr(exc, "field", None) or "scenario"
+        raise ScenarioError(f"scenario is not strict {fmt}: {exc}", field=field) from None
+    if not isinstance(data, dict):
+        raise ScenarioError("scenario must be an object", field="scenario")
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_to_error(exc) from None
+
+
+def kind_spec_target(kind: ActionKind, args: dict[str, str]) -> str | None:
+    """The allow-listed target an action names (verifier target or operation), if any."""
+    arg = KIND_SPECS[kind].target_arg
+    return args[arg] if arg else None

@@ -1,0 +1,67 @@
+"""Shared strict field types and the frozen model base for everything persisted or signed."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+
+__all__ = [
+    "Digest",
+    "Frozen",
+    "Identifier",
+    "NonNegInt",
+    "PosInt",
+    "RelPath",
+    "SignatureHex",
+    "StrictBool",
+    "StrictStr",
+    "Text",
+    "check_rel_path",
+]
+
+
+class Frozen(BaseModel):
+    """Base for persisted, signed or cross-process models: immutable, no unknown fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=False)
+
+
+StrictStr = Annotated[str, Strict()]
+StrictBool = Annotated[bool, Strict()]
+NonNegInt = Annotated[int, Strict(), Field(ge=0, le=2**63 - 1)]
+PosInt = Annotated[int, Strict(), Field(ge=1, le=2**63 - 1)]
+Identifier = Annotated[
+    str, Strict(), Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]*$")
+]
+Digest = Annotated[str, Strict(), Field(pattern=r"^[0-9a-f]{64}$")]
+SignatureHex = Annotated[str, Strict(), Field(pattern=r"^[0-9a-f]{128}$")]
+Text = Annotated[str, Strict(), Field(max_length=1 << 20)]
+
+_SEGMENT = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def check_rel_path(value: str) -> str:
+    """Accept only canonical, relative, non-traversing POSIX paths.
+
+    Refused: empty, absolute, backslashes, ``.``/``..`` segments, empty segments (``a//b``,
+    trailing ``/``), characters outside ``[A-Za-z0-9._-]`` per segment, and text that is
+    not in Unicode NFC form.
+    """
+    if not value or len(value) > 1024:
+        raise ValueError("path must be 1..1024 characters")
+    if unicodedata.normalize("NFC", value) != value:
+        raise ValueError("path is not in canonical (NFC) form")
+    if value.startswith("/") or "\\" in value:
+        raise ValueError("path must be relative and use '/'")
+    for segment in value.split("/"):
+        if segment in ("", ".", ".."):
+            raise ValueError("path has an empty, '.' or '..' segment")
+        if not _SEGMENT.match(segment):
+            raise ValueError(f"path segment {segment!r} has characters outside [A-Za-z0-9._-]")
+    return value
+
+
+RelPath = Annotated[str, Strict(), AfterValidator(check_rel_path)]

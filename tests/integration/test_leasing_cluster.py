@@ -1,0 +1,97 @@
+"""Every script on a three-master Redis Cluster on loopback, for runs on different slots."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.crc import key_slot
+
+from ratchet.errors import GenerationMismatchError, LeaseLostError, NonceReplayError
+from ratchet.leasing import LocalCluster, RedisStore, run_keys
+from ratchet.runtime.ports import RunKey
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(Path(tmp_path_factory.mktemp("cluster"))) as started:
+        yield started
+
+
+@pytest.fixture
+def cluster_store(cluster: LocalCluster) -> Iterator[RedisStore]:
+    client = cluster.client()
+    yield RedisStore(client)
+    client.close()
+
+
+def runs_on_every_master(client: Any, prefix: str) -> list[str]:
+    """One run id per master, so the scripts run on every node of the cluster."""
+    wanted = {node.name for node in client.get_primaries()}
+    chosen: dict[str, str] = {}
+    for i in range(10_000):
+        run_id = f"{prefix}-{i}"
+        node = client.get_node_from_key(run_keys(run_id).lease)
+        chosen.setdefault(node.name, run_id)
+        if set(chosen) == wanted:
+            break
+    assert set(chosen) == wanted
+    return list(chosen.values())
+
+
+def test_every_script_runs_for_runs_whose_keys_land_on_different_masters(
+        cluster_store: RedisStore, new_run_id: Any) -> None:
+    store = cluster_store
+    run_ids = runs_on_every_master(store.client, new_run_id())
+    assert len({key_slot(r.encode()) for r in run_ids}) == len(run_ids) == 3
+    nonce = f"n-{new_run_id()}"
+    for index, run_id in enumerate(run_ids):
+        key = RunKey("t", run_id, "e")
+        created = store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
+                                   checkpoint=b"g1", commit_id="create-1")
+        assert store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
+                                checkpoint=b"g1", commit_id="create-1").already_applied
+        assert created.generation == 1
+        run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+        assert run is not None
+        assert store.acquire(run_id, owner="w2", ttl_ms=60_000) is None
+        assert run.high_water(key) == 1
+        if index == 0:
+            run.advance(key, expected_generation=1, blob=b"g2", nonces=[nonce])
+        else:
+            with pytest.raises(NonceReplayError):
+                run.advance(key, expected_generation=1, blob=b"g2", nonces=[nonce])
+            run.advance(key, expected_generation=1, blob=b"g2")
+        again = run.commit(b"g3", commit_id="c-3")
+        assert run.commit(b"g3", generation=3, commit_id="c-3").already_applied
+        assert again.generation == 3
+        with pytest.raises(GenerationMismatchError):
+            run.commit(b"g9", generation=9)
+        run.renew()
+        assert run.load(key).blob == b"g3"
+        snap = store.read_run(run_id, with_checkpoint=True, with_scenario=True)
+        assert (snap.generation, snap.checkpoint, snap.scenario) == (3, b"g3", b"s")
+        run.release()
+        with pytest.raises(LeaseLostError):
+            run.renew()
+        assert store.acquire(run_id, owner="w2", ttl_ms=60_000) is not None
+    assert set(run_ids) <= set(store.run_ids(limit=100_000))
+
+
+def test_scripts_are_reloaded_on_every_master_after_script_flush(
+        cluster_store: RedisStore, new_run_id: Any) -> None:
+    store = cluster_store
+    run_ids = runs_on_every_master(store.client, new_run_id())
+    for run_id in run_ids:
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
+                         checkpoint=b"g1")
+    store.client.script_flush()
+    for run_id in run_ids:
+        run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+        assert run is not None
+        run.commit(b"g2")
+        assert store.read_run(run_id).generation == 2

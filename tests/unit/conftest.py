@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.world import World
+
+
+@pytest.fixture
+def world() -> World:
+    return World()

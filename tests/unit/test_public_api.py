@@ -1,0 +1,35 @@
+"""The public surface is pinned: changing it is a visible decision."""
+
+from __future__ import annotations
+
+import ratchet.errors
+import ratchet.runtime
+
+
+def test_the_runtime_public_names_are_pinned() -> None:
+    assert sorted(ratchet.runtime.__all__) == sorted([
+        "KIND_SPECS", "TRANSITIONS", "Action", "ActionKind", "Adapter", "ApprovalClaims",
+        "ApprovalEvidence", "Budgets", "CheckpointPayload", "Clock", "CrashWindow", "Event",
+        "Fence", "GenerationStore", "KeyRing", "Observation", "Phase", "ReadResult", "Receipt",
+        "Restored", "ReviewDecision", "ReviewDecisionClaims", "ReviewReason", "ReviewVerdict",
+        "Risk", "RunEngine", "RunKey", "RunState", "Scenario", "SecretKey", "StepResult",
+        "StoredCheckpoint", "TraceOutcome", "TrustRoots", "VerifierReport", "VerifierSpec",
+        "canonical_json", "check_invariants", "derive_idempotency_key", "digest",
+        "intent_digest", "load_scenario", "parse_action", "restore_checkpoint",
+        "seal_checkpoint", "sign_approval", "sign_review_decision", "strict_json_loads",
+        "transition",
+    ])
+    for name in ratchet.runtime.__all__:
+        assert hasattr(ratchet.runtime, name)
+
+
+def test_every_error_derives_from_one_root() -> None:
+    for name in ratchet.errors.__all__:
+        cls = getattr(ratchet.errors, name)
+        assert issubclass(cls, ratchet.errors.RatchetError)
+
+
+def test_errors_carry_their_context_as_attributes() -> None:
+    err = ratchet.errors.LeaseLostError("lost", run_id="r-1", lease_version=4)
+    assert (err.run_id, err.lease_version) == ("r-1", 4)  # type: ignore[attr-defined]
+    assert "r-1" in repr(err)
