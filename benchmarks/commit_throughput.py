@@ -16,7 +16,10 @@ Goals: one process reaches at least 0.7x the bare EVALSHA rate; four processes r
 least 1.5x SqliteSaver's four-process aggregate. Absolute rates depend on the machine's
 fsync; the ratios are what travel. ``--json`` prints one JSON object.
 
-    python benchmarks/commit_throughput.py [--seconds 3] [--json]
+    python benchmarks/commit_throughput.py [--seconds 1.5] [--rounds 3] [--json]
+
+Phases run interleaved, ``--rounds`` times each; every figure is its best round (the
+machine's noise only ever lowers a rate), the same rule for every contender.
 """
 
 from __future__ import annotations
@@ -169,34 +172,41 @@ def _have_langgraph() -> bool:
     return True
 
 
-def run(seconds: float) -> dict[str, Any]:
+PHASES: list[tuple[str, str, int]] = [
+    ("set_per_s", "set", 1),
+    ("evalsha_per_s", "evalsha", 1),
+    ("commits_per_s_1proc", "commit", 1),
+    ("commits_per_s_4proc", "commit", 4),
+    ("langgraph_sqlite_put_per_s_1proc", "sqlite", 1),
+    ("langgraph_sqlite_put_per_s_4proc", "sqlite", 4),
+]
+
+
+def run(seconds: float, rounds: int) -> dict[str, Any]:
+    """Every phase ``rounds`` times, interleaved; each figure is its best round."""
     from ratchet.leasing import RedisServer
 
+    langgraph = _have_langgraph()
     with tempfile.TemporaryDirectory(prefix="ratchet-bench-") as tmp:
         server = RedisServer(Path(tmp) / "redis", appendonly=True, appendfsync="always")
         with server:
             info = server.client().info("server")
             url = server.url
             db = str(Path(tmp) / "langgraph.sqlite")
-            figures: dict[str, Any] = {
-                "set_per_s": measure("set", 1, url, db, seconds),
-                "evalsha_per_s": measure("evalsha", 1, url, db, seconds),
-                "commits_per_s_1proc": measure("commit", 1, url, db, seconds),
-                "commits_per_s_4proc": measure("commit", 4, url, db, seconds),
-            }
-            if _have_langgraph():
-                conn = sqlite3.connect(db)
+            if langgraph:
                 from langgraph.checkpoint.sqlite import SqliteSaver
 
+                conn = sqlite3.connect(db)
                 SqliteSaver(conn).setup()
                 conn.close()
-                figures["langgraph_sqlite_put_per_s_1proc"] = measure("sqlite", 1, url, db,
-                                                                      seconds)
-                figures["langgraph_sqlite_put_per_s_4proc"] = measure("sqlite", 4, url, db,
-                                                                      seconds)
-            else:
-                figures["langgraph_sqlite_put_per_s_1proc"] = None
-                figures["langgraph_sqlite_put_per_s_4proc"] = None
+            best: dict[str, Any] = {name: None for name, _, _ in PHASES}
+            for _round in range(rounds):
+                for name, op, processes in PHASES:
+                    if op == "sqlite" and not langgraph:
+                        continue
+                    rate = measure(op, processes, url, db, seconds)
+                    best[name] = rate if best[name] is None else max(best[name], rate)
+            figures: dict[str, Any] = dict(best)
     figures = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in figures.items()}
     figures["ratio_vs_evalsha"] = round(
         figures["commits_per_s_1proc"] / figures["evalsha_per_s"], 3)
@@ -210,6 +220,7 @@ def run(seconds: float) -> dict[str, Any]:
     figures.update({
         "payload_bytes": PAYLOAD_BYTES,
         "seconds_per_phase": seconds,
+        "rounds": rounds,
         "redis_version": info.get("redis_version"),
         "appendonly": "yes",
         "appendfsync": "always",
@@ -233,12 +244,16 @@ def _print_table(figures: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each phase")
+    parser.add_argument("--seconds", type=float, default=1.5, help="duration of each phase")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="repeat every phase, interleaved; report each one's best round")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if not 0.2 <= args.seconds <= 60:
         parser.error("--seconds must be between 0.2 and 60")
-    figures = run(args.seconds)
+    if not 1 <= args.rounds <= 10:
+        parser.error("--rounds must be between 1 and 10")
+    figures = run(args.seconds, args.rounds)
     if args.json:
         print(json.dumps(figures, sort_keys=True))
     else:

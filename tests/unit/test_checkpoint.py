@@ -217,3 +217,22 @@ def test_flipping_any_bit_of_a_signed_checkpoint_is_rejected(world: World, engin
     blob[position % len(blob)] ^= 1 << bit
     with pytest.raises(CheckpointError):
         restore(world, bytes(blob))
+
+
+def test_a_checkpoint_records_policy_permissions_receipts_budgets_and_environment(
+    world: World, engine: RunEngine
+) -> None:
+    """Not just messages: everything recovery must re-check is in the signed payload."""
+    _, body = parse_envelope(engine.checkpoint)
+    payload = json.loads(body)
+    state = payload["state"]
+    assert payload["scenario_fingerprint"] == world.scenario.fingerprint  # covers permissions
+    assert (state["policy_id"], state["policy_version"]) == ("default", "3")
+    assert (state["task_id"], state["task_version"]) == ("fix-greeting", "1")
+    assert state["usage"] == {"proposals": 1, "steps": 1, "cost_units": 0}
+    assert state["environment"]["instance_id"] == "ws-a"
+    assert state["environment"]["fingerprint"] == world.adapter.observe().fingerprint
+    executed = state["executed"][0]
+    assert executed["idempotency_key"] == executed["receipt"]["idempotency_key"]
+    assert executed["receipt_fingerprint"] == engine.state.executed[0].receipt.fingerprint
+    assert state["phase"] == "running" and "plan_cursor" in state

@@ -49,16 +49,18 @@
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
 
-if redis.call('EXISTS', KEYS[2]) == 0 then
+local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version')
+if not st[1] then
   return {'no_run'}
 end
+local generation = tonumber(st[1])
+local state_version = tonumber(st[2])
 
 local seen = redis.call('HGET', KEYS[5], ARGV[6])
 if seen then
   local gen, digest = string.match(seen, '^(%d+)|(.*)$')
-  local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version')
   if digest == ARGV[7] then
-    return {'already_applied', tonumber(gen), tonumber(st[1]), tonumber(st[2])}
+    return {'already_applied', tonumber(gen), generation, state_version}
   end
   return {'commit_id_conflict', tonumber(gen)}
 end
@@ -76,9 +78,6 @@ if now_ms >= expires then
   return {'lease_expired', owner, version, expires, now_ms}
 end
 
-local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version')
-local generation = tonumber(st[1])
-local state_version = tonumber(st[2])
 if tonumber(ARGV[4]) ~= generation + 1 then
   return {'generation_mismatch', generation, state_version}
 end
@@ -100,15 +99,16 @@ for i = 9, #ARGV do
   redis.call('SADD', KEYS[6], ARGV[i])
 end
 -- history entry: generation|state_version|lease_version|owner|commit_id|digest|at_ms
-redis.call('LPUSH', KEYS[4], generation .. '|' .. state_version .. '|' .. version .. '|' ..
-  owner .. '|' .. ARGV[6] .. '|' .. ARGV[7] .. '|' .. now_ms)
+local length = redis.call('LPUSH', KEYS[4], generation .. '|' .. state_version .. '|' ..
+  version .. '|' .. owner .. '|' .. ARGV[6] .. '|' .. ARGV[7] .. '|' .. now_ms)
 redis.call('HSET', KEYS[5], ARGV[6], generation .. '|' .. ARGV[7])
 local limit = tonumber(ARGV[8])
-while redis.call('LLEN', KEYS[4]) > limit do
+while length > limit do
   local old = redis.call('RPOP', KEYS[4])
   local old_id = string.match(old, '^[^|]*|[^|]*|[^|]*|[^|]*|([^|]*)|')
   if old_id then
     redis.call('HDEL', KEYS[5], old_id)
   end
+  length = length - 1
 end
 return {'committed', generation, state_version, expires, now_ms}
