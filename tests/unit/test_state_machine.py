@@ -208,3 +208,26 @@ def test_random_operations_stay_inside_the_transition_table(ops: list[str]) -> N
     # The signed checkpoint always restores to the same state.
     restored = world.resume(engine.checkpoint, lease_version=9)
     assert restored.state == engine.state
+
+
+def test_the_agents_own_state_is_signed_committed_and_handed_back_on_resume(
+    world: World,
+) -> None:
+    engine = world.start()
+    notes = {"cursor": 2, "notes": ["read app.py"], "done": False, "summary": None}
+    engine.propose(world.action(engine, "read_file", {"path": "app.py"}), agent_state=notes)
+    resumed = world.resume()
+    assert resumed.state.agent_state == notes
+    assert resumed.state.agent_state["done"] is False  # a bool stays a bool
+
+
+def test_agent_state_with_a_float_is_refused_before_anything_is_committed(world: World) -> None:
+    from ratchet.errors import InvariantViolation
+
+    engine = world.start()
+    generation = engine.generation
+    with pytest.raises(InvariantViolation):
+        engine.propose(world.action(engine, "read_file", {"path": "app.py"}),
+                       agent_state={"score": 0.5})
+    assert engine.generation == generation
+    assert world.store.high_water(engine.key) == generation

@@ -91,7 +91,7 @@ def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
     try:
         # Re-validate: model_copy(update=...) skips validation, so a bad value set by a
         # caller would otherwise only surface at restore.
-        checked = RunState.model_validate(state.model_dump())
+        checked = RunState.model_validate(state.model_dump(warnings=False))
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvariantViolation(f"run state fails its schema at {first['loc']}: "

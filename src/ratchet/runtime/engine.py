@@ -194,8 +194,12 @@ class RunEngine:
                           window)
 
     def propose(self, raw: Action | dict[str, Any], *,
-                approval: ApprovalEvidence | None = None) -> StepResult:
+                approval: ApprovalEvidence | None = None,
+                agent_state: dict[str, Any] | None = None) -> StepResult:
         """Gate one proposal and carry it out: commit, call the adapter, commit again.
+
+        ``agent_state`` is the agent's own JSON state; it is signed and committed with the
+        proposal's first commit.
 
         Raises:
             InvalidTransitionError: the run is terminal.
@@ -207,6 +211,7 @@ class RunEngine:
         proposal = machine.propose(
             self.state, self.scenario, raw, now=self.clock.now(), generation=self.generation,
             project=self.adapter.project, approval=approval, approvers=self.approvers,
+            agent_state=agent_state,
         )
         disposition, action = proposal.disposition, proposal.action
         if disposition is Disposition.READ and action is not None:

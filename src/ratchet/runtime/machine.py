@@ -159,8 +159,12 @@ def _exhaust(state: RunState, now: int, which: str, action: Action | None = None
 def propose(state: RunState, scenario: Scenario, raw: Action | dict[str, Any], *, now: int,
             generation: int, project: Projector | None = None,
             approval: ApprovalEvidence | None = None,
-            approvers: TrustRoots | None = None) -> Proposal:
+            approvers: TrustRoots | None = None,
+            agent_state: dict[str, Any] | None = None) -> Proposal:
     """Gate one proposal. See the module docstring for the order of checks.
+
+    ``agent_state``, when given, replaces the agent's own JSON state in whatever this
+    proposal commits (it is validated with the state before the commit).
 
     Raises:
         InvalidTransitionError: the run is terminal (nothing is recorded).
@@ -168,6 +172,8 @@ def propose(state: RunState, scenario: Scenario, raw: Action | dict[str, Any], *
     if state.phase in TERMINAL_PHASES:
         raise InvalidTransitionError(f"run is {state.phase.value}; it takes no proposals",
                                      phase=state.phase.value)
+    if agent_state is not None:
+        state = state.model_copy(update={"agent_state": agent_state})
     if state.phase is not Phase.RUNNING:
         return _reject(state, now, TraceOutcome.REJECTED_PHASE,
                        f"run is {state.phase.value}: proposals are frozen")

@@ -27,7 +27,7 @@ from ratchet.runtime.actions import Action
 from ratchet.runtime.evidence import ApprovalEvidence, ReviewDecision
 from ratchet.runtime.ports import Observation, Receipt, VerifierReport
 from ratchet.runtime.scenario import Scenario
-from ratchet.runtime.types import Digest, Frozen, Identifier, NonNegInt, PosInt
+from ratchet.runtime.types import Digest, Frozen, Identifier, JsonObject, NonNegInt, PosInt
 
 __all__ = [
     "STATE_SCHEMA_VERSION",
@@ -220,6 +220,9 @@ class RunState(Frozen):
     phase: Phase
     stop_reason: Annotated[str, Strict(), Field(max_length=4096)] | None = None
     plan_cursor: NonNegInt = 0
+    # The agent's own JSON state, signed and committed with each proposal and handed back
+    # on resume. Evidence of intent only: receipts and observations say what happened.
+    agent_state: JsonObject = Field(default_factory=dict)
     usage: Usage
     started_at: NonNegInt
     environment: Observation

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from typing import Annotated
+from typing import Annotated, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from typing_extensions import TypeAliasType
 
 __all__ = [
     "Digest",
     "Frozen",
     "Identifier",
+    "JsonObject",
+    "JsonValue",
     "NonNegInt",
     "PosInt",
     "RelPath",
@@ -65,3 +68,13 @@ def check_rel_path(value: str) -> str:
 
 
 RelPath = Annotated[str, Strict(), AfterValidator(check_rel_path)]
+
+
+# JSON without floats, for state that agents keep (plan cursors, notes, summaries). Strict
+# members: a bool stays a bool and never passes for an int.
+JsonValue = TypeAliasType(
+    "JsonValue",
+    "Union[Annotated[str, Strict()], Annotated[int, Strict()], Annotated[bool, Strict()], "
+    "None, list[JsonValue], dict[str, JsonValue]]",
+)
+JsonObject = dict[Annotated[str, Strict()], JsonValue]
