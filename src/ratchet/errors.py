@@ -10,7 +10,8 @@ versions a caller acts on as attributes; their messages never contain key materi
     ├── ContractError                      a caller broke the contract (bad input)
     │   ├── ScenarioError                  a task contract failed strict loading
     │   ├── ActionError                    an action is malformed (kinds, args, keys)
-    │   └── InvalidTransitionError         an event is not legal in the current phase
+    │   ├── InvalidTransitionError         an event is not legal in the current phase
+    │   └── ConformanceError               an adapter broke the adapter contract (a check failed)
     ├── IntegrityError                     stored or supplied evidence cannot be trusted
     │   ├── CheckpointError                a checkpoint failed restore (``reason`` says which check)
     │   │   └── CheckpointTooLargeError    a checkpoint exceeds the configured cap
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointTooLargeError",
     "CommitOutcomeUnknownError",
     "ConfigurationError",
+    "ConformanceError",
     "ContractError",
     "EnvironmentMismatchError",
     "EvidenceError",
@@ -208,3 +210,7 @@ class FenceRejectedError(AdapterError):
 
 class IdempotencyConflictError(AdapterError):
     """The adapter holds a receipt for this key with a different intent digest."""
+
+
+class ConformanceError(ContractError):
+    """An adapter broke the adapter contract: ``check`` names the conformance check."""

@@ -376,7 +376,7 @@ def test_the_port_refuses_a_key_for_another_task_or_environment(
                   RunKey(key.task_id, "other-run", key.env_instance_id)):
         with pytest.raises(HighWaterUnavailableError):
             run.high_water(wrong)
-        with pytest.raises(HighWaterUnavailableError):
+        with pytest.raises(ContractError):
             run.advance(wrong, expected_generation=1, blob=b"x")
 
 

@@ -55,7 +55,11 @@ __all__ = ["LeasedRun", "RunCreator", "new_commit_id"]
 
 
 class LeasedRun:
-    """The caller's lease on one run plus the versions it last saw. Not thread-safe."""
+    """The caller's lease on one run plus the versions it last saw.
+
+    One thread commits; a heartbeat thread may call :meth:`renew` meanwhile (a renewal only
+    swaps in a lease with the same owner and version and a later expiry).
+    """
 
     def __init__(self, store: RedisStore, acquired: Acquired, *, ttl_ms: int) -> None:
         self._store = store
@@ -156,13 +160,13 @@ class LeasedRun:
 
         Raises RunExistsError (``expected_generation == 0``), GenerationMismatchError,
         StaleStateError, LeaseLostError, NonceReplayError, CheckpointTooLargeError,
-        CommitOutcomeUnknownError (re-read before acting), HighWaterUnavailableError
-        (key mismatch), StoreProtocolError.
+        CommitOutcomeUnknownError (re-read before acting), ContractError (the key names
+        another run, task or environment instance), StoreProtocolError.
         """
         if (key.run_id, key.task_id, key.env_instance_id) != (
                 self.run_id, self._task_id, self._env_instance_id):
-            raise HighWaterUnavailableError("the key does not name this run",
-                                            run_id=self.run_id, reason="key_mismatch")
+            raise ContractError("the key does not name this run", field="key",
+                                run_id=self.run_id)
         if expected_generation == 0:
             raise RunExistsError("the run exists; create runs with RedisStore.create_run",
                                  run_id=self.run_id)

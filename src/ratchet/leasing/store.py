@@ -42,9 +42,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError, ResponseError
 
 from ratchet.errors import (
     CheckpointTooLargeError,
@@ -80,7 +78,6 @@ __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 _T = TypeVar("_T")
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError)
 
 
 def _decodes_responses(client: Any) -> bool:
@@ -143,14 +140,17 @@ class RedisStore:
 
     @contextmanager
     def _reachable(self, what: str, run_id: str | None) -> Iterator[None]:
+        # A ResponseError is the server refusing the command (a script error, a wrong
+        # type); every other RedisError (connection refused, dropped, timed out, cluster
+        # down, loading) means the call's outcome is unknown.
         try:
             yield
-        except _UNREACHABLE as exc:
-            raise StoreUnavailableError(f"Redis unreachable during {what}", run_id=run_id,
-                                        cause=type(exc).__name__) from exc
         except ResponseError as exc:
             raise StoreProtocolError(f"Redis refused {what}", run_id=run_id,
                                      cause=type(exc).__name__) from exc
+        except RedisError as exc:
+            raise StoreUnavailableError(f"Redis unreachable during {what}", run_id=run_id,
+                                        cause=type(exc).__name__) from exc
 
     def _call(self, what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
         with self._reachable(what, run_id):
@@ -367,12 +367,12 @@ class RedisStore:
             # now or answers already_applied; it never applies twice.
             try:
                 reply = self._runner.run(ScriptName.COMMIT, all_keys, args)
-            except _UNREACHABLE as exc:
-                last = exc
-                continue
             except ResponseError as exc:
                 raise StoreProtocolError("Redis refused the commit", run_id=run_id,
                                          commit_id=commit_id) from exc
+            except RedisError as exc:
+                last = exc
+                continue
             result = decode_commit(reply, lease, commit_id=commit_id, generation=generation,
                                    expected_state_version=expected_state_version)
             if finished:

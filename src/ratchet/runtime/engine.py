@@ -45,6 +45,7 @@ from ratchet.runtime.ports import (
     Fence,
     GenerationStore,
     Observation,
+    ReadResult,
     Receipt,
     RunKey,
 )
@@ -86,6 +87,7 @@ class StepResult:
     phase: Phase
     generation: int
     window: CrashWindow | None = None
+    read: ReadResult | None = None  # what a read-only action returned (not persisted)
 
 
 class RunEngine:
@@ -189,9 +191,10 @@ class RunEngine:
 
     # -- proposals -----------------------------------------------------------------------
 
-    def _result(self, window: CrashWindow | None = None) -> StepResult:
+    def _result(self, window: CrashWindow | None = None,
+                read: ReadResult | None = None) -> StepResult:
         return StepResult(self.state.trace[-1].outcome, self.state.phase, self.generation,
-                          window)
+                          window, read)
 
     def propose(self, raw: Action | dict[str, Any], *,
                 approval: ApprovalEvidence | None = None,
@@ -218,6 +221,7 @@ class RunEngine:
             result = self.adapter.read(action)
             self._commit(machine.apply_read(proposal.state, action, result,
                                             now=self.clock.now()))
+            return self._result(read=result)
         elif disposition is Disposition.VERIFY and action is not None:
             report = self.adapter.verify(action.args["target"])
             self._commit(machine.apply_verification(proposal.state, action, report,

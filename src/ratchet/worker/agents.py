@@ -1,0 +1,207 @@
+"""Agents: what proposes the next action of a run.
+
+An agent sees an :class:`AgentView` (the run's observation, phase, plan cursor, budgets
+used, the last outcome, what the last read returned, and its own JSON state) and returns
+an :class:`AgentStep`: an action (as plain data; ratchet fills in the environment
+precondition and the deadline when the agent leaves them out) plus its new JSON state, or
+``None`` when it has nothing to propose.
+
+The agent's state is signed and committed with each proposal and handed back on resume,
+so a resumed agent continues its plan. It is evidence of intent only: what happened
+outside is known from receipts and observations, never from the agent's notes.
+
+Idempotency keys are fixed before any side effect: the shipped agents derive them from
+the run id and the step's position (:func:`ratchet.runtime.derive_idempotency_key`), salted
+by the number of keys a reviewer quarantined, so a retry after a crash proposes the same
+key and a replan proposes a new one.
+
+Users plug their own agent by dotted path (``package.module:factory``); the factory is
+called with the run's agent configuration (a JSON object) and returns an :class:`Agent`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from ratchet.errors import ConfigurationError
+from ratchet.runtime import (
+    KIND_SPECS,
+    ActionKind,
+    Observation,
+    Phase,
+    TraceOutcome,
+    derive_idempotency_key,
+)
+from ratchet.runtime.state import Usage
+
+__all__ = [
+    "Agent",
+    "AgentStep",
+    "AgentView",
+    "GreetingAgent",
+    "ScriptedAgent",
+    "load_agent",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentView:
+    """What an agent is shown before each proposal."""
+
+    run_id: str
+    phase: Phase
+    observation: Observation
+    plan_cursor: int
+    usage: Usage
+    last_outcome: TraceOutcome
+    quarantined_keys: tuple[str, ...]
+    agent_state: dict[str, Any]
+    now: int
+    executed_keys: frozenset[str] = frozenset()
+    verified: bool = False  # a passing verifier report at the current environment version
+    last_read: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStep:
+    """One proposal: the action as plain data, and the agent's new JSON state."""
+
+    action: dict[str, Any]
+    agent_state: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Agent(Protocol):
+    def next_step(self, view: AgentView) -> AgentStep | None:
+        """The next action, or None when the agent has nothing more to propose."""
+
+
+def step_key(view: AgentView, position: int) -> str:
+    """The idempotency key of the write at ``position``: stable across crashes, renewed only
+    when a reviewer quarantined a key (replan)."""
+    return derive_idempotency_key(view.run_id, position, salt=str(len(view.quarantined_keys)))
+
+
+def make_action(view: AgentView, position: int, kind: str, args: dict[str, str], *,
+                deadline_s: int = 600) -> dict[str, Any]:
+    """Complete a planned step into an action: risk label, key, precondition, deadline."""
+    try:
+        spec = KIND_SPECS[ActionKind(kind)]
+    except ValueError:
+        raise ConfigurationError(f"unknown action kind {kind!r} in the plan",
+                                 field="kind") from None
+    return {
+        "action_id": f"{view.run_id}-s{position}-p{view.usage.proposals + 1}",
+        "kind": kind,
+        "risk": spec.risk.value,
+        "args": args,
+        "idempotency_key": step_key(view, position) if spec.risk.is_write else None,
+        "expected_env_version": view.observation.version,
+        "deadline_at": view.now + deadline_s,
+    }
+
+
+class ScriptedAgent:
+    """Plays a fixed plan: a list of ``{"kind": ..., "args": {...}}`` steps, in order.
+
+    The position comes from the run's plan cursor (the number of completed steps), which
+    the runtime advances only when a step took effect, so a rejected or crashed step is
+    proposed again with the same idempotency key.
+    """
+
+    def __init__(self, steps: list[dict[str, Any]]) -> None:
+        if not steps:
+            raise ConfigurationError("a plan needs at least one step", field="steps")
+        for index, step in enumerate(steps):
+            if not isinstance(step, dict) or set(step) - {"kind", "args"} or "kind" not in step:
+                raise ConfigurationError(f"plan step {index} must be {{kind, args}}",
+                                         field=f"steps[{index}]")
+        self.steps = steps
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ScriptedAgent:
+        steps = config.get("steps")
+        if not isinstance(steps, list):
+            raise ConfigurationError("scripted agent needs a 'steps' list", field="steps")
+        return cls(steps)
+
+    def next_step(self, view: AgentView) -> AgentStep | None:
+        position = view.plan_cursor
+        if position >= len(self.steps):
+            return None
+        step = self.steps[position]
+        action = make_action(view, position, step["kind"], dict(step.get("args", {})))
+        return AgentStep(action, {"cursor": position, "plan_length": len(self.steps)})
+
+
+class GreetingAgent:
+    """The spec's example task: read ``app.py``, fix the greeting, verify, finish.
+
+    It decides from evidence, not from its notes: whether the fix's key has a receipt
+    (executed keys) and whether a passing verification binds the current version. It keeps
+    the fix it planned in its own state, so after a crash between the read and the write
+    it proposes the very same write (same content, same key) without re-reading.
+    """
+
+    WRITE_POSITION = 1
+
+    def __init__(self, path: str = "app.py", target: str = "unit") -> None:
+        self.path = path
+        self.target = target
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GreetingAgent:
+        return cls(path=str(config.get("path", "app.py")),
+                   target=str(config.get("target", "unit")))
+
+    def next_step(self, view: AgentView) -> AgentStep | None:
+        key = step_key(view, self.WRITE_POSITION)
+        planned = view.agent_state.get("planned")
+        if key in view.executed_keys:
+            if view.verified:
+                return AgentStep(make_action(view, 3, "finish", {"summary": "greeting fixed"}),
+                                 {"step": "finish", "planned": planned})
+            return AgentStep(make_action(view, 2, "run_verifier", {"target": self.target}),
+                             {"step": "verify", "planned": planned})
+        if planned is None and view.last_read is not None:
+            planned = view.last_read.replace("wrold", "world")
+        if isinstance(planned, str):
+            return AgentStep(make_action(view, self.WRITE_POSITION, "write_file",
+                                         {"path": self.path, "content": planned}),
+                             {"step": "write", "planned": planned})
+        return AgentStep(make_action(view, 0, "read_file", {"path": self.path}),
+                         {"step": "read"})
+
+
+_BUILTIN: dict[str, Any] = {
+    "scripted": ScriptedAgent.from_config,
+    "greeting": GreetingAgent.from_config,
+}
+
+
+def load_agent(spec: str, config: dict[str, Any] | None = None) -> Agent:
+    """Build an agent from a built-in name (``scripted``, ``greeting``) or a dotted path
+    ``package.module:factory`` whose factory takes the config dict.
+
+    Raises:
+        ConfigurationError: unknown name, import failure, or a factory that returns
+            something without ``next_step``.
+    """
+    config = config or {}
+    factory = _BUILTIN.get(spec)
+    if factory is None:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise ConfigurationError(f"agent {spec!r} is neither built in nor "
+                                     "'package.module:factory'", field="agent")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigurationError(f"cannot load agent {spec!r}: {exc}",
+                                     field="agent") from None
+    agent = factory(config)
+    if not isinstance(agent, Agent):
+        raise ConfigurationError(f"agent {spec!r} has no next_step(view)", field="agent")
+    return agent

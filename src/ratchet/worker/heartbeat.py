@@ -1,0 +1,185 @@
+"""Lease heartbeats, and the guards that stop a worker the moment its lease is in doubt.
+
+A :class:`Heartbeat` thread renews the lease every ``renew_interval_ms`` by compare-and-set
+(``LeasedRun.renew``). It treats the lease as **lost** when
+
+* a renewal is refused (taken over, released, already expired), or
+* a renewal's outcome is unknown (Redis unreachable, no reply): never assume it worked, or
+* it could not renew before the lease's own expiry as last confirmed by Redis, or
+* the executor made no progress for longer than ``stall_timeout_ms``: a wedged worker
+  stops renewing so that its run is taken over instead of being held forever.
+
+Once lost, it stays lost. :class:`GuardedStore` and :class:`GuardedAdapter` check it
+before every commit and every adapter write, so a worker that cannot prove its lease makes
+no further commit or adapter call; the fences in Redis and in the adapters refuse it
+anyway if a check races with the loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from ratchet.errors import LeaseLostError, RatchetError
+from ratchet.runtime import (
+    Action,
+    Adapter,
+    Fence,
+    GenerationStore,
+    Observation,
+    ReadResult,
+    Receipt,
+    RunKey,
+    StoredCheckpoint,
+    VerifierReport,
+)
+
+__all__ = ["GuardedAdapter", "GuardedStore", "Heartbeat"]
+
+log = logging.getLogger("ratchet.worker.heartbeat")
+
+
+class Heartbeat:
+    """Renews one lease from a background thread until stopped or lost."""
+
+    def __init__(self, renew: Callable[[], int], *, run_id: str, interval_ms: int,
+                 stall_timeout_ms: int, lease_ttl_ms: int, acquired_at: float | None = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        """``acquired_at`` is the monotonic time just *before* the acquire call was sent:
+        the lease cannot have started earlier, so counting the TTL from it is safe."""
+        self._renew = renew  # returns the new expiry (Redis ms); raises when not renewed
+        self.run_id = run_id
+        self._interval = interval_ms / 1000
+        self._stall = stall_timeout_ms / 1000
+        self._ttl = lease_ttl_ms / 1000
+        self._monotonic = monotonic
+        self._stop = threading.Event()
+        self._lost = threading.Event()
+        self._lock = threading.Lock()
+        self._last_progress = monotonic()
+        start = monotonic() if acquired_at is None else acquired_at
+        self._valid_until = start + self._ttl  # conservative local bound
+        self.renewals = 0
+        self.reason: str | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{run_id}",
+                                        daemon=True)
+
+    def __repr__(self) -> str:
+        return (f"Heartbeat(run_id={self.run_id!r}, renewals={self.renewals}, "
+                f"lost={self.lost})")
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=max(self._interval * 2, 1.0))
+
+    def progress(self) -> None:
+        """The executor finished a step: it is not wedged."""
+        with self._lock:
+            self._last_progress = self._monotonic()
+
+    @property
+    def lost(self) -> bool:
+        if not self._lost.is_set() and self._monotonic() >= self._valid_until:
+            # Not renewed in time (the thread was starved or Redis was slow): by the
+            # local clock the lease may already have expired on Redis' clock.
+            self._mark_lost("lease not renewed before its expiry")
+        return self._lost.is_set()
+
+    def check(self) -> None:
+        """Raise LeaseLostError if the lease is lost or in doubt."""
+        if self.lost:
+            raise LeaseLostError("lease lost or in doubt; stopping before any effect",
+                                 run_id=self.run_id, reason=self.reason or "lost")
+
+    def _mark_lost(self, reason: str) -> None:
+        if not self._lost.is_set():
+            self.reason = reason
+            self._lost.set()
+            log.warning("lease lost", extra={"run_id": self.run_id, "reason": reason})
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                stalled = self._monotonic() - self._last_progress > self._stall
+            if stalled:
+                self._mark_lost("executor stalled; renewal withheld")
+                return
+            started = self._monotonic()
+            try:
+                self._renew()
+            except RatchetError as exc:
+                # Refused or unknown outcome: either way the lease cannot be proven.
+                self._mark_lost(f"renewal failed: {type(exc).__name__}")
+                return
+            except Exception as exc:
+                self._mark_lost(f"renewal failed: {type(exc).__name__}")
+                return
+            self.renewals += 1
+            # The renewal extended the lease by the TTL from a moment no earlier than
+            # when we sent it; count from the send time to stay on the safe side.
+            self._valid_until = started + self._ttl
+
+
+class GuardedStore:
+    """A ``GenerationStore`` that refuses to commit once the heartbeat has lost the lease."""
+
+    def __init__(self, inner: GenerationStore, heartbeat: Heartbeat) -> None:
+        self._inner = inner
+        self._heartbeat = heartbeat
+
+    def high_water(self, key: RunKey) -> int:
+        return self._inner.high_water(key)
+
+    def load(self, key: RunKey) -> StoredCheckpoint:
+        return self._inner.load(key)
+
+    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
+                nonces: Sequence[str] = ()) -> None:
+        self._heartbeat.check()
+        self._inner.advance(key, expected_generation=expected_generation, blob=blob,
+                            nonces=nonces)
+        self._heartbeat.progress()
+
+
+class GuardedAdapter:
+    """An ``Adapter`` that makes no write once the heartbeat has lost the lease."""
+
+    def __init__(self, inner: Adapter, heartbeat: Heartbeat) -> None:
+        self._inner = inner
+        self._heartbeat = heartbeat
+
+    @property
+    def namespace(self) -> str:
+        return self._inner.namespace
+
+    def observe(self) -> Observation:
+        return self._inner.observe()
+
+    def project(self, action: Action, before: Observation) -> Observation | None:
+        return self._inner.project(action, before)
+
+    def raise_fence(self, fence: Fence) -> None:
+        self._heartbeat.check()
+        self._inner.raise_fence(fence)
+
+    def execute(self, action: Action, intent_digest: str, fence: Fence,
+                approval_digest: str | None) -> Receipt:
+        self._heartbeat.check()
+        return self._inner.execute(action, intent_digest, fence, approval_digest)
+
+    def lookup(self, idempotency_key: str) -> Receipt | None:
+        return self._inner.lookup(idempotency_key)
+
+    def read(self, action: Action) -> ReadResult:
+        return self._inner.read(action)
+
+    def verify(self, target: str) -> VerifierReport:
+        self._heartbeat.check()
+        return self._inner.verify(target)

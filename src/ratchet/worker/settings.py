@@ -1,0 +1,77 @@
+"""Worker settings, from ``RATCHET_*`` environment variables (pydantic-settings).
+
+Timing rules checked at load: the renew interval is shorter than the lease TTL (default
+TTL/3), the stall timeout is longer than the renew interval, and the RQ job timeout is far
+longer than any lease, so RQ's own abandoned-job handling never races ratchet's leases.
+
+Keys never live in settings output: the checkpoint key is a ``SecretStr`` and key files
+are paths; :meth:`Settings.__repr__` shows neither key material nor the Redis password.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Self
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+_Ms = Annotated[int, Field(ge=50, le=24 * 3600 * 1000)]
+
+
+class Settings(BaseSettings):
+    """Everything a worker, submitter or operator command needs to find and fence runs."""
+
+    model_config = SettingsConfigDict(env_prefix="RATCHET_", extra="forbid",
+                                      validate_default=True)
+
+    redis_url: SecretStr | None = Field(
+        default=None, description="Redis primary; unset: a private embedded redis-server")
+    state_dir: Path = Field(default=Path(".ratchet"),
+                            description="local state: embedded Redis data, generated keys")
+    queue: str = Field(default="ratchet", min_length=1, max_length=100)
+    lease_ttl_ms: _Ms = 15_000
+    renew_interval_ms: _Ms | None = None
+    stall_timeout_ms: _Ms = 120_000
+    reaper_interval_ms: _Ms = 1_000
+    job_timeout_s: Annotated[int, Field(ge=10)] = 24 * 3600
+    max_steps_per_job: Annotated[int, Field(ge=1)] = 10_000
+    checkpoint_key: SecretStr | None = Field(
+        default=None, description="hex key (>= 32 bytes) used as key id 'env'")
+    checkpoint_keys_file: Path | None = Field(
+        default=None, description='JSON {"signing": kid, "keys": {kid: hex}, "retired": []}')
+    approvers_file: Path | None = Field(default=None,
+                                        description='JSON {"approver-id": "<public hex>"}')
+    reviewers_file: Path | None = Field(default=None,
+                                        description='JSON {"reviewer-id": "<public hex>"}')
+    worker_name: str | None = Field(default=None, max_length=100)
+
+    @model_validator(mode="after")
+    def _timing(self) -> Self:
+        renew = self.renew_interval
+        if renew >= self.lease_ttl_ms:
+            raise ValueError("renew_interval_ms must be shorter than lease_ttl_ms")
+        if self.stall_timeout_ms <= renew:
+            raise ValueError("stall_timeout_ms must be longer than renew_interval_ms")
+        if self.job_timeout_s * 1000 <= 4 * self.lease_ttl_ms:
+            raise ValueError("job_timeout_s must be far longer than the lease TTL")
+        return self
+
+    @property
+    def renew_interval(self) -> int:
+        """Milliseconds between renewals: the setting, or a third of the TTL."""
+        return self.renew_interval_ms or max(self.lease_ttl_ms // 3, 1)
+
+    @property
+    def embedded(self) -> bool:
+        return self.redis_url is None
+
+    def __repr__(self) -> str:
+        return (f"Settings(redis={'set' if self.redis_url else 'embedded'}, "
+                f"queue={self.queue!r}, lease_ttl_ms={self.lease_ttl_ms}, "
+                f"renew_interval_ms={self.renew_interval}, "
+                f"stall_timeout_ms={self.stall_timeout_ms})")
+
+    __str__ = __repr__
