@@ -19,6 +19,10 @@ key                             type     holds
 ``ratchet:{<run>}:commits``     hash     commit id -> ``generation|digest`` for the
                                          commits still in the history
 ``ratchet:{<run>}:nonces``      set      approval / review nonces consumed by this run
+``ratchet:{<run>}:incidents``   list     bounded, newest first: JSON records of restores
+                                         that failed closed (for operators)
+``ratchet:{<run>}:inbox``       list     bounded: signed approvals and reviewer
+                                         decisions waiting for a worker to consume them
 ``ratchet:index:expiry``        zset     run id scored by lease expiry (ms): reaper index
 ``ratchet:index:runs``          zset     run id scored by creation time (ms)
 ``ratchet:nonce:<nonce>``       string   the run id that claimed this nonce, for good
@@ -76,6 +80,8 @@ class RunKeys:
     history: str
     commits: str
     nonces: str
+    incidents: str
+    inbox: str
 
 
 @functools.lru_cache(maxsize=4096)
@@ -92,6 +98,8 @@ def run_keys(run_id: str) -> RunKeys:
         history=f"{base}:history",
         commits=f"{base}:commits",
         nonces=f"{base}:nonces",
+        incidents=f"{base}:incidents",
+        inbox=f"{base}:inbox",
     )
 
 

@@ -28,6 +28,7 @@ from ratchet.leasing.results import (
     CommitResult,
     Lease,
     LeaseHolder,
+    ReapClaim,
     Released,
     RunCreated,
     RunSnapshot,
@@ -35,8 +36,10 @@ from ratchet.leasing.results import (
 
 __all__ = [
     "decode_acquire",
+    "decode_claim_reap",
     "decode_commit",
     "decode_create",
+    "decode_drop_expiry",
     "decode_read",
     "decode_release",
     "decode_renew",
@@ -289,3 +292,41 @@ def decode_read(reply: object, run_id: str, *, with_checkpoint: bool,
         checkpoint=checkpoint,
         scenario=scenario,
     )
+
+
+def decode_claim_reap(reply: object, run_id: str) -> ReapClaim:
+    """Decode claim_reap. Raises StoreProtocolError for anything unexpected."""
+    script = "claim_reap"
+    status, f = _split(reply, script)
+    if status == "claimed":
+        _arity(f, 2, script, status)
+        return ReapClaim(run_id, True, status, _int(f[0], script, "lease_version"),
+                         _int(f[1], script, "now_ms"))
+    if status == "live":
+        _arity(f, 4, script, status)
+        return ReapClaim(run_id, False, status, _int(f[1], script, "lease_version"),
+                         _int(f[3], script, "now_ms"))
+    if status == "already":
+        _arity(f, 3, script, status)
+        return ReapClaim(run_id, False, status, _int(f[0], script, "lease_version"),
+                         _int(f[2], script, "now_ms"))
+    if status == "no_run":
+        _arity(f, 0, script, status)
+        return ReapClaim(run_id, False, status, 0, 0)
+    _unknown(status, script)
+
+
+def decode_drop_expiry(reply: object) -> bool:
+    """Decode drop_expiry_entry: True when the entry was removed."""
+    script = "drop_expiry_entry"
+    status, f = _split(reply, script)
+    if status == "dropped":
+        _arity(f, 0, script, status)
+        return True
+    if status == "kept":
+        _arity(f, 1, script, status)
+        return False
+    if status == "absent":
+        _arity(f, 0, script, status)
+        return False
+    _unknown(status, script)

@@ -11,6 +11,7 @@ __all__ = [
     "CommitResult",
     "Lease",
     "LeaseHolder",
+    "ReapClaim",
     "Released",
     "RunCreated",
     "RunSnapshot",
@@ -87,6 +88,20 @@ class CommitResult:
 @dataclass(frozen=True, slots=True)
 class Released:
     run_id: str
+    lease_version: int
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReapClaim:
+    """The outcome of a reaper's claim on one expired run.
+
+    ``claimed`` is True only for the one caller that may enqueue it for ``lease_version``.
+    """
+
+    run_id: str
+    claimed: bool
+    status: str  # claimed | live | already | no_run
     lease_version: int
     now_ms: int
 

@@ -37,6 +37,10 @@ class ScriptName(StrEnum):
     RELEASE_LEASE = "release_lease"
     COMMIT = "commit"
     READ_RUN = "read_run"
+    CLAIM_REAP = "claim_reap"
+    DROP_EXPIRY_ENTRY = "drop_expiry_entry"
+    RECORD_INCIDENT = "record_incident"
+    POST_EVIDENCE = "post_evidence"
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,8 +88,12 @@ class RedisServer:
                  executable: str | os.PathLike[str] | None = None, appendonly: bool = True,
                  appendfsync: Literal["always", "everysec", "no"] = "always",
                  cluster: bool = False, extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 15.0) -> None:
+                 startup_timeout_s: float = 15.0, detached: bool = False) -> None:
+        """``detached=True`` starts the server in its own session, so it outlives the
+        process that started it and ignores that terminal's Ctrl+C (the embedded default:
+        every process of one machine shares it)."""
         self.data_dir = Path(data_dir)
+        self.detached = detached
         self.executable = find_redis_server(executable)
         self._auto_port = port is None
         self.port = port if port is not None else free_port()
@@ -159,7 +163,7 @@ class RedisServer:
         for attempt in range(attempts):
             self._proc = subprocess.Popen(  # noqa: S603 - fixed argument list, no shell
                 self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL)
+                stderr=subprocess.DEVNULL, start_new_session=self.detached)
             try:
                 self.wait_ready()
             except ConfigurationError:

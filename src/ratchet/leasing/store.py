@@ -37,6 +37,7 @@ an ``EVALSHA`` after a dropped connection; the commit id makes that safe.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -51,6 +52,7 @@ from ratchet.errors import (
     ContractError,
     LeaseHeldElsewhereError,
     NonceReplayError,
+    RunNotFoundError,
     StoreProtocolError,
     StoreUnavailableError,
 )
@@ -58,8 +60,10 @@ from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.keys import EXPIRY_INDEX, RUNS_INDEX, check_id, nonce_key, run_keys
 from ratchet.leasing.replies import (
     decode_acquire,
+    decode_claim_reap,
     decode_commit,
     decode_create,
+    decode_drop_expiry,
     decode_read,
     decode_release,
     decode_renew,
@@ -68,6 +72,7 @@ from ratchet.leasing.results import (
     CommitResult,
     Lease,
     LeaseHolder,
+    ReapClaim,
     Released,
     RunCreated,
     RunSnapshot,
@@ -404,6 +409,95 @@ class RedisStore:
         members = self._call("expiry index", None, lambda: self._client.zrangebyscore(
             EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit))
         return [self._member(m) for m in members]
+
+    def expired_entries(self, *, limit: int = 100) -> list[tuple[str, int]]:
+        """``(run id, indexed expiry ms)`` pairs at or before Redis' now (a reaper hint).
+
+        Raises StoreUnavailableError, StoreProtocolError.
+        """
+        now_ms = self.server_time_ms()
+        members = self._call("expiry index", None, lambda: self._client.zrangebyscore(
+            EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit, withscores=True))
+        return [(self._member(m), int(score)) for m, score in members]
+
+    def claim_reap(self, run_id: str, *, reclaim_after_ms: int = 30_000) -> ReapClaim:
+        """Claim the right to re-enqueue ``run_id`` for its current (expired) lease version.
+
+        Exactly one caller gets ``claimed=True`` per lease version (unless a claim is older
+        than ``reclaim_after_ms``: its reaper died before enqueuing). Raises
+        StoreUnavailableError, StoreProtocolError.
+        """
+        check_id(run_id, "run_id")
+        reply = self._run(ScriptName.CLAIM_REAP, run_id, [run_keys(run_id).lease],
+                          [reclaim_after_ms])
+        return decode_claim_reap(reply, run_id)
+
+    def drop_expiry_entry(self, run_id: str, score_ms: int) -> bool:
+        """Remove ``run_id`` from the expiry index if its score is still ``score_ms``.
+
+        Raises StoreUnavailableError, StoreProtocolError.
+        """
+        check_id(run_id, "run_id")
+        reply = self._run(ScriptName.DROP_EXPIRY_ENTRY, run_id, [EXPIRY_INDEX],
+                          [run_id, score_ms])
+        return decode_drop_expiry(reply)
+
+    def record_incident(self, run_id: str, record: dict[str, Any], *, keep: int = 50) -> int:
+        """Append an operator-facing incident (JSON) to the run; returns Redis' time (ms).
+
+        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(run_id)
+        text = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        reply = self._run(ScriptName.RECORD_INCIDENT, run_id, [keys.incidents, keys.state],
+                          [text, keep])
+        status, fields = (reply[0], reply[1:]) if isinstance(reply, list) and reply else ("", [])
+        status = status.decode() if isinstance(status, bytes) else status
+        if status == "recorded" and len(fields) == 1 and isinstance(fields[0], int):
+            return fields[0]
+        if status == "no_run":
+            raise RunNotFoundError("no run with this id", run_id=run_id)
+        raise StoreProtocolError("record_incident reply is malformed", run_id=run_id)
+
+    def incidents(self, run_id: str, *, limit: int = 50) -> list[dict[str, Any]]:
+        """The run's incidents, newest first, each with ``at_ms``."""
+        keys = run_keys(run_id)
+        raw = self._call("incidents", run_id,
+                         lambda: self._client.lrange(keys.incidents, 0, limit - 1))
+        out: list[dict[str, Any]] = []
+        for item in raw:
+            text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
+            at, _, body = text.partition("|")
+            try:
+                record = json.loads(body)
+            except ValueError:
+                record = {"malformed": body[:200]}
+            record["at_ms"] = int(at) if at.isdigit() else None
+            out.append(record)
+        return out
+
+    def post_evidence(self, run_id: str, evidence: bytes, *, keep: int = 20) -> int:
+        """Leave signed evidence (JSON) in the run's inbox; returns the inbox length.
+
+        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(run_id)
+        self._check_blob(evidence, run_id, "evidence", 64 * 1024)
+        reply = self._run(ScriptName.POST_EVIDENCE, run_id, [keys.inbox, keys.state],
+                          [evidence, keep])
+        status, fields = (reply[0], reply[1:]) if isinstance(reply, list) and reply else ("", [])
+        status = status.decode() if isinstance(status, bytes) else status
+        if status == "posted" and len(fields) == 1 and isinstance(fields[0], int):
+            return fields[0]
+        if status == "no_run":
+            raise RunNotFoundError("no run with this id", run_id=run_id)
+        raise StoreProtocolError("post_evidence reply is malformed", run_id=run_id)
+
+    def inbox(self, run_id: str, *, limit: int = 20) -> list[bytes]:
+        """Evidence waiting in the run's inbox, newest first."""
+        keys = run_keys(run_id)
+        raw = self._call("inbox", run_id, lambda: self._client.lrange(keys.inbox, 0, limit - 1))
+        return [item if isinstance(item, bytes) else str(item).encode() for item in raw]
 
     def run_ids(self, *, limit: int = 1000) -> list[str]:
         """Run ids created through this store, oldest first (up to ``limit``)."""

@@ -22,6 +22,7 @@ called with the run's agent configuration (a JSON object) and returns an :class:
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -147,16 +148,22 @@ class GreetingAgent:
 
     WRITE_POSITION = 1
 
-    def __init__(self, path: str = "app.py", target: str = "unit") -> None:
+    def __init__(self, path: str = "app.py", target: str = "unit", think_ms: int = 0) -> None:
         self.path = path
         self.target = target
+        self.think_ms = think_ms  # stands in for a model's latency in demos and drills
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GreetingAgent:
+        think = config.get("think_ms", 0)
+        if isinstance(think, bool) or not isinstance(think, int) or not 0 <= think <= 60_000:
+            raise ConfigurationError("think_ms must be an integer 0..60000", field="think_ms")
         return cls(path=str(config.get("path", "app.py")),
-                   target=str(config.get("target", "unit")))
+                   target=str(config.get("target", "unit")), think_ms=think)
 
     def next_step(self, view: AgentView) -> AgentStep | None:
+        if self.think_ms:
+            time.sleep(self.think_ms / 1000)
         key = step_key(view, self.WRITE_POSITION)
         planned = view.agent_state.get("planned")
         if key in view.executed_keys:

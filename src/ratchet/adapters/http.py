@@ -1,0 +1,313 @@
+"""The HTTP adapter: ``external_call`` actions sent to an idempotent HTTP API.
+
+Every write carries an ``Idempotency-Key`` header (the action's key), the fence
+(``Ratchet-Run-Id``, ``Ratchet-Lease-Version``, ``Ratchet-State-Version``), the intent
+digest and, when approved, the approval digest. The service's answers map to the
+runtime's outcomes:
+
+==========================  ==================================================================
+answer                      outcome
+==========================  ==================================================================
+201 / 200 + receipt         :class:`~ratchet.runtime.ports.Receipt` (a receipt for another
+                            intent raises IdempotencyConflictError carrying it)
+422 + existing receipt      :class:`~ratchet.errors.IdempotencyConflictError` (``receipt``)
+409 (in flight)             :class:`~ratchet.errors.AdapterError`, ``retryable=True``
+412 (stale fence)           :class:`~ratchet.errors.FenceRejectedError`
+other 4xx                   :class:`~ratchet.errors.AdapterError`, ``retryable=False``
+5xx, timeout, reset, a      outcome unknown: **look the key up** (never resend blindly);
+malformed reply             the receipt found is the answer, none found raises
+                            AdapterError(``retryable=True``, ``outcome="unknown"``)
+==========================  ==================================================================
+
+The observation is the service's identity and revision: ``instance_id`` is the service id
+(a reset service gets a new one), ``version`` its revision (every committed order moves it
+on by one), and the fingerprint digests both with the namespace. Any other caller's order
+therefore changes the observation too: between a checkpoint and its recovery that fails
+closed, as it must for an environment others can reach.
+"""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from pydantic import ValidationError
+
+from ratchet.errors import (
+    AdapterError,
+    ConfigurationError,
+    ContractError,
+    FenceRejectedError,
+    IdempotencyConflictError,
+)
+from ratchet.runtime.actions import Action, ActionKind
+from ratchet.runtime.canonical import Domain, canonical_json, digest, strict_json_loads
+from ratchet.runtime.ports import Fence, Observation, ReadResult, Receipt, VerifierReport
+
+__all__ = ["DEFAULT_OPERATIONS", "HttpAdapter"]
+
+DEFAULT_OPERATIONS: Mapping[str, str] = {"place-order": "/v1/orders"}
+_MAX_REPLY = 1 << 20
+
+
+def _seen(payload: Any) -> Any:
+    return payload.get("seen") if isinstance(payload, dict) else None
+
+
+class _OutcomeUnknown(Exception):  # noqa: N818 - internal signal, never escapes
+    """The request may or may not have been applied."""
+
+
+class HttpAdapter:
+    """An HTTP API as an environment of irreversible external calls.
+
+    Args:
+        base_url: ``http://host:port`` (or https) of the service.
+        namespace: the receipt namespace the service uses; receipts in another namespace
+            are refused.
+        operations: allow-listed operation names mapped to request paths.
+        timeout_seconds: per request (connect and read).
+
+    Raises (constructor):
+        ConfigurationError: the URL is not http(s) with a host, or a path is not absolute.
+    """
+
+    def __init__(self, base_url: str, *, namespace: str = "orders-api",
+                 operations: Mapping[str, str] = DEFAULT_OPERATIONS,
+                 timeout_seconds: float = 10.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigurationError("base_url must be http(s)://host[:port]",
+                                     base_url=base_url)
+        for name, path in operations.items():
+            if not path.startswith("/"):
+                raise ConfigurationError("operation paths must start with '/'",
+                                         operation=name)
+        self._scheme = parts.scheme
+        self._host = parts.hostname
+        self._port = parts.port
+        self._prefix = parts.path.rstrip("/")
+        self._namespace = namespace
+        self._operations = dict(operations)
+        self._timeout = timeout_seconds
+
+    def __repr__(self) -> str:
+        return (f"HttpAdapter(host={self._host!r}, port={self._port!r}, "
+                f"namespace={self._namespace!r})")
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    # -- transport --------------------------------------------------------------------------
+
+    def _send(self, method: str, path: str, body: bytes | None = None,
+              headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
+        """One request on a fresh connection. Raises _OutcomeUnknown on any transport
+        failure or unreadable reply."""
+        conn_type = (http.client.HTTPSConnection if self._scheme == "https"
+                     else http.client.HTTPConnection)
+        conn = conn_type(self._host, self._port, timeout=self._timeout)
+        try:
+            conn.request(method, self._prefix + path, body=body, headers=dict(headers or {}))
+            response = conn.getresponse()
+            raw = response.read(_MAX_REPLY + 1)
+            status = response.status
+        except (OSError, http.client.HTTPException) as exc:
+            raise _OutcomeUnknown(type(exc).__name__) from None
+        finally:
+            conn.close()
+        if len(raw) > _MAX_REPLY:
+            raise _OutcomeUnknown("reply too large")
+        try:
+            return status, strict_json_loads(raw) if raw else {}
+        except ContractError:
+            raise _OutcomeUnknown("reply is not strict JSON") from None
+
+    def _get(self, path: str) -> tuple[int, Any]:
+        try:
+            return self._send("GET", path)
+        except _OutcomeUnknown as exc:
+            raise AdapterError("service unreachable or reply unreadable", retryable=True,
+                               error=str(exc)) from None
+
+    def _receipt(self, payload: Any) -> Receipt:
+        try:
+            receipt = Receipt.model_validate(payload)
+        except ValidationError:
+            raise _OutcomeUnknown("malformed receipt") from None
+        if receipt.namespace != self._namespace:
+            raise AdapterError("receipt is from another namespace", retryable=False,
+                               namespace=receipt.namespace)
+        return receipt
+
+    # -- observation ----------------------------------------------------------------------------
+
+    def observe(self) -> Observation:
+        """The service's identity and revision.
+
+        Raises:
+            AdapterError: unreachable or malformed (retryable=True), other namespace
+                (retryable=False).
+        """
+        status, payload = self._get("/v1/identity")
+        if status != 200 or not isinstance(payload, dict):
+            raise AdapterError("identity request failed", retryable=status >= 500,
+                               status=status)
+        service_id, revision = payload.get("service_id"), payload.get("revision")
+        if payload.get("namespace") != self._namespace:
+            raise AdapterError("service is in another namespace", retryable=False)
+        if not isinstance(service_id, str) or not isinstance(revision, int) or isinstance(
+                revision, bool):
+            raise AdapterError("identity reply is malformed", retryable=True)
+        return self._observation(service_id, revision)
+
+    def _observation(self, service_id: str, revision: int) -> Observation:
+        fingerprint = digest(Domain.ENVIRONMENT, {"service_id": service_id,
+                                                  "namespace": self._namespace,
+                                                  "revision": revision})
+        return Observation(instance_id=service_id, version=revision, fingerprint=fingerprint,
+                           details={"service_id": service_id, "namespace": self._namespace})
+
+    def project(self, action: Action, before: Observation) -> Observation | None:
+        """One committed call moves the revision on by one; None when ``before`` is not
+        current or the action is not an allow-listed external call."""
+        if action.kind is not ActionKind.EXTERNAL_CALL:
+            return None
+        if action.args["operation"] not in self._operations:
+            return None
+        current = self.observe()
+        if current != before:
+            return None
+        return self._observation(current.instance_id, current.version + 1)
+
+    # -- fences and writes ----------------------------------------------------------------------
+
+    def raise_fence(self, fence: Fence) -> None:
+        """Record a new owner's fence at the service.
+
+        Raises:
+            FenceRejectedError: the service has seen a higher fence for the run.
+            AdapterError: unreachable (retryable=True) or refused (retryable=False).
+        """
+        try:
+            status, payload = self._send("POST", "/v1/fences",
+                                         canonical_json(fence.model_dump()),
+                                         {"Content-Type": "application/json"})
+        except _OutcomeUnknown as exc:
+            raise AdapterError("fence could not be raised", retryable=True,
+                               error=str(exc)) from None
+        if status == 412:
+            raise FenceRejectedError("service has seen a newer fence", run_id=fence.run_id,
+                                     fence=fence.key(), seen=_seen(payload))
+        if status != 200:
+            raise AdapterError("fence request failed", retryable=status >= 500, status=status)
+
+    def execute(self, action: Action, intent_digest: str, fence: Fence,
+                approval_digest: str | None) -> Receipt:
+        """Send one external call under ``action.idempotency_key``; see the module table.
+
+        Raises:
+            FenceRejectedError, IdempotencyConflictError, AdapterError.
+        """
+        if action.kind is not ActionKind.EXTERNAL_CALL:
+            raise AdapterError("the HTTP adapter performs external_call only",
+                               retryable=False, kind=action.kind.value)
+        path = self._operations.get(action.args["operation"])
+        if path is None:
+            raise AdapterError("operation is not configured", retryable=False,
+                               operation=action.args["operation"])
+        key = action.idempotency_key
+        if key is None:
+            raise AdapterError("writes need an idempotency key", retryable=False)
+        headers = {
+            "Content-Type": "application/json", "Idempotency-Key": key,
+            "Ratchet-Run-Id": fence.run_id, "Ratchet-Lease-Version": str(fence.lease_version),
+            "Ratchet-State-Version": str(fence.state_version),
+            "Ratchet-Intent-Digest": intent_digest,
+        }
+        if approval_digest is not None:
+            headers["Ratchet-Approval-Digest"] = approval_digest
+        receipt: Receipt | None = None
+        try:
+            status, payload = self._send("POST", path, action.args["body"].encode(), headers)
+            if status >= 500:
+                raise _OutcomeUnknown(f"status {status}")
+            if status in (200, 201):
+                receipt = self._receipt(payload)
+            elif status == 422:
+                receipt = self._receipt(payload.get("receipt") if isinstance(payload, dict)
+                                        else None)
+        except _OutcomeUnknown:
+            # Timeline: request sent -> [reply lost] -> the service may have committed.
+            # Never resend blindly: the key's receipt (or its absence) is the answer.
+            return self._after_unknown(key, intent_digest)
+        if status == 412:
+            raise FenceRejectedError("service has seen a newer fence", run_id=fence.run_id,
+                                     fence=fence.key(), seen=_seen(payload))
+        if status == 409:
+            raise AdapterError("a request with this key is in flight", retryable=True,
+                               idempotency_key=key)
+        if receipt is not None:
+            if status == 422 or receipt.intent_digest != intent_digest:
+                raise IdempotencyConflictError("key was used for another intent",
+                                               idempotency_key=key, receipt=receipt)
+            if receipt.idempotency_key != key:
+                raise AdapterError("receipt names another key", retryable=False,
+                                   idempotency_key=key)
+            return receipt
+        raise AdapterError("service refused the call", retryable=False, status=status)
+
+    def _after_unknown(self, key: str, intent_digest: str) -> Receipt:
+        receipt = self.lookup(key)
+        if receipt is None:
+            raise AdapterError("outcome unknown and the service has no receipt yet; look "
+                               "the key up again before any retry", retryable=True,
+                               outcome="unknown", idempotency_key=key)
+        if receipt.intent_digest != intent_digest:
+            raise IdempotencyConflictError("key was used for another intent",
+                                           idempotency_key=key, receipt=receipt)
+        return receipt
+
+    def lookup(self, idempotency_key: str) -> Receipt | None:
+        """The service's receipt for a key, or None.
+
+        Raises:
+            AdapterError: unreachable, malformed, or the key is in flight (retryable=True).
+        """
+        status, payload = self._get("/v1/receipts/" + quote(idempotency_key, safe=""))
+        if status == 404:
+            return None
+        if status == 409:
+            raise AdapterError("a request with this key is in flight", retryable=True,
+                               idempotency_key=idempotency_key)
+        if status != 200:
+            raise AdapterError("receipt lookup failed", retryable=status >= 500,
+                               status=status)
+        try:
+            return self._receipt(payload)
+        except _OutcomeUnknown:
+            raise AdapterError("receipt is malformed", retryable=True,
+                               idempotency_key=idempotency_key) from None
+
+    def read(self, action: Action) -> ReadResult:
+        """Raises AdapterError: the HTTP adapter performs no reads."""
+        raise AdapterError("the HTTP adapter performs no reads", retryable=False,
+                           kind=action.kind.value)
+
+    def verify(self, target: str) -> VerifierReport:
+        """Raises AdapterError: the HTTP adapter has no verifier."""
+        raise AdapterError("the HTTP adapter has no verifier", retryable=False, target=target)
+
+    def stats(self) -> dict[str, int]:
+        """The reference service's counters (``effects``, ``refused_stale``, ``revision``).
+
+        Raises:
+            AdapterError: unreachable or not a reference service.
+        """
+        status, payload = self._get("/v1/stats")
+        if status != 200 or not isinstance(payload, dict):
+            raise AdapterError("stats request failed", retryable=status >= 500, status=status)
+        return {k: int(v) for k, v in payload.items() if isinstance(v, int)}

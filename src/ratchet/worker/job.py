@@ -1,0 +1,275 @@
+"""The RQ job: take a run's lease, restore it against Redis, reconcile, and step it.
+
+RQ hands out work; ratchet's lease decides who owns a run. The job carries only the run
+id (JSON). One job advances a run through as many steps as it can (RQ costs milliseconds
+per job): until the run ends, waits for a human, the agent has nothing to propose, the
+worker is asked to stop, or the lease is in doubt.
+
+Order of a job, and why:
+
+1. acquire the lease (compare-and-set on Redis time). Held by a live worker: end quietly;
+2. start the heartbeat (renew every TTL/3); from now on every commit and adapter write is
+   guarded by it;
+3. read the run document and the checkpoint; a terminal run is released untouched;
+4. ``RunEngine.resume``: verify the checkpoint, raise the adapter's fence to this lease,
+   re-observe the environment, check the generation against Redis;
+5. ``reconcile`` the pending write the previous owner may have left;
+6. loop: agent proposes -> engine gates, commits the intent, calls the adapter with the
+   fence, commits receipt and state;
+7. end: terminal or waiting -> release (off the reaper's index); asked to stop or out of
+   steps -> release for reaping (another worker continues at once); lease in doubt -> stop
+   with no further effect (the lease expires and the reaper hands the run on); a retryable
+   adapter failure -> stop renewing and let the lease expire (a natural back-off).
+
+A restore that fails closed (tampered checkpoint, drifted environment, rolled-back store)
+is recorded as the run's incident, the lease is released off the index and nothing runs:
+an operator has to look (``ratchet show``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ratchet.errors import (
+    AdapterError,
+    ConfigurationError,
+    EvidenceError,
+    FenceRejectedError,
+    IntegrityError,
+    LeaseLostError,
+    RatchetError,
+    StoreError,
+)
+from ratchet.leasing import LeasedRun, LeaseHolder
+from ratchet.runtime import ApprovalEvidence, Phase, ReviewDecision, RunEngine
+from ratchet.runtime.engine import Probe
+from ratchet.runtime.state import TERMINAL_PHASES
+from ratchet.worker.agents import AgentView, load_agent
+from ratchet.worker.context import Fleet
+from ratchet.worker.heartbeat import GuardedAdapter, GuardedStore, Heartbeat
+from ratchet.worker.runs import RunDocument, build_adapter, parse_evidence
+
+__all__ = ["STOP", "JobReport", "SystemClock", "execute_run", "run_job"]
+
+log = logging.getLogger("ratchet.worker.job")
+
+#: Set when the worker is asked to stop (first SIGTERM): finish the current step, then
+#: commit, release the lease for reaping and end the job.
+STOP = threading.Event()
+
+
+
+@dataclass
+class _Process:
+    """This worker process's fleet and failpoint probe, set once by the pool."""
+
+    fleet: Fleet | None = None
+    probe: Probe | None = None
+
+
+_PROCESS = _Process()
+
+
+class SystemClock:
+    """Wall-clock seconds, for budgets and approval expiry only (leases use Redis time)."""
+
+    def now(self) -> int:
+        return int(time.time())
+
+
+@dataclass
+class JobReport:
+    run_id: str
+    outcome: str  # held_elsewhere | terminal | waiting | finished | yielded | lease_lost |
+    #               retry_later | restore_refused | no_proposal
+    phase: str | None = None
+    lease_version: int | None = None
+    generation: int | None = None
+    steps: int = 0
+    detail: str = ""
+    windows: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def configure(fleet: Fleet, probe: Probe | None = None) -> None:
+    """Set this process's fleet (the pool calls it once per worker process)."""
+    _PROCESS.fleet = fleet
+    _PROCESS.probe = probe
+
+
+def run_job(run_id: str) -> dict[str, Any]:
+    """The RQ entry point: ``{run_id}`` in, a JSON report out."""
+    if _PROCESS.fleet is None:
+        _PROCESS.fleet = Fleet.connect()
+    return execute_run(_PROCESS.fleet, run_id, probe=_PROCESS.probe).as_dict()
+
+
+def _owner(fleet: Fleet) -> str:
+    base = fleet.settings.worker_name or socket.gethostname().split(".")[0] or "worker"
+    return f"{base}-{os.getpid()}"
+
+
+def execute_run(fleet: Fleet, run_id: str, *, probe: Probe | None = None,
+                owner: str | None = None) -> JobReport:
+    """Run one job for ``run_id``. Never raises for outcomes a fleet expects."""
+    settings = fleet.settings
+    owner = owner or _owner(fleet)
+    acquired_at = time.monotonic()
+    got = fleet.store.try_acquire(run_id, owner=owner, ttl_ms=settings.lease_ttl_ms)
+    if isinstance(got, LeaseHolder):
+        return JobReport(run_id, "held_elsewhere", detail=f"held by {got.owner}")
+    lease: LeasedRun = got
+    report = JobReport(run_id, "lease_lost", lease_version=lease.lease_version)
+
+    def renew() -> int:
+        return lease.renew().expires_at_ms
+
+    heartbeat = Heartbeat(renew, run_id=run_id, interval_ms=settings.renew_interval,
+                          stall_timeout_ms=settings.stall_timeout_ms,
+                          lease_ttl_ms=settings.lease_ttl_ms, acquired_at=acquired_at).start()
+    adapter = None
+    try:
+        snap = fleet.store.read_run(run_id, with_checkpoint=True, with_scenario=True)
+        if snap.checkpoint is None or snap.scenario is None:
+            raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
+        document = RunDocument.from_bytes(snap.scenario)
+        adapter = build_adapter(document)
+        try:
+            engine = RunEngine.resume(
+                snap.checkpoint, scenario=document.scenario, keyring=fleet.keyring,
+                adapter=GuardedAdapter(adapter, heartbeat), store=GuardedStore(lease, heartbeat),
+                clock=SystemClock(), approvers=fleet.approvers, reviewers=fleet.reviewers,
+                lease_version=lease.lease_version, probe=probe)
+        except (IntegrityError, FenceRejectedError) as exc:
+            _refuse(fleet, lease, report, exc)
+            return report
+        if engine.state.phase in TERMINAL_PHASES:
+            lease.release()
+            report.outcome, report.phase = "terminal", engine.state.phase.value
+            report.generation = engine.generation
+            return report
+        recovered = engine.reconcile()
+        if recovered.window is not None and engine.state.trace[-1].seq > 1:
+            report.windows.append(recovered.window.value)
+        heartbeat.progress()
+        _consume_inbox(fleet, engine)
+        _step(fleet, engine, document, heartbeat, report)
+        report.phase, report.generation = engine.state.phase.value, engine.generation
+        _finish(lease, engine, report)
+    except (LeaseLostError, FenceRejectedError) as exc:
+        # No further commit or adapter call: the lease expires, the reaper hands it on.
+        report.outcome, report.detail = "lease_lost", type(exc).__name__
+    except AdapterError as exc:
+        if not exc.context.get("retryable"):
+            raise
+        report.outcome, report.detail = "retry_later", exc.message
+    except StoreError as exc:
+        report.outcome, report.detail = "lease_lost", f"store: {type(exc).__name__}"
+    finally:
+        heartbeat.stop()
+        if adapter is not None:
+            close = getattr(adapter, "close", None)
+            if callable(close):
+                close()
+    return report
+
+
+def _consume_inbox(fleet: Fleet, engine: RunEngine) -> None:
+    """Apply signed evidence an operator left for a waiting run (approve / review).
+
+    Each piece is verified by the engine (trust root, signature, bindings, nonce, expiry,
+    fresh receipt and environment); refused evidence changes nothing and is recorded as
+    an incident for the operator.
+    """
+    run_id = engine.state.run_id
+    for raw in fleet.store.inbox(run_id):
+        phase = engine.state.phase
+        if phase not in (Phase.AWAITING_APPROVAL, Phase.NEEDS_REVIEW):
+            return
+        evidence = parse_evidence(raw)
+        try:
+            if isinstance(evidence, ApprovalEvidence) and phase is Phase.AWAITING_APPROVAL:
+                if evidence.claims.nonce in engine.state.consumed_nonces:
+                    continue
+                engine.refresh_pending_approval(evidence)
+            elif isinstance(evidence, ReviewDecision) and phase is Phase.NEEDS_REVIEW:
+                if evidence.claims.nonce in engine.state.consumed_nonces:
+                    continue
+                engine.apply_review_decision(evidence)
+        except (EvidenceError, ConfigurationError) as exc:
+            fleet.store.record_incident(run_id, {
+                "kind": "evidence_refused", "reason": str(getattr(exc, "reason", "")),
+                "message": exc.message})
+
+
+def _view(engine: RunEngine, last_read: str | None) -> AgentView:
+    state = engine.state
+    report = state.verification
+    env = state.environment
+    verified = bool(report is not None and report.passed and report.env_version == env.version
+                    and report.env_fingerprint == env.fingerprint)
+    return AgentView(
+        run_id=state.run_id, phase=state.phase, observation=env,
+        plan_cursor=state.plan_cursor, usage=state.usage,
+        last_outcome=state.trace[-1].outcome, quarantined_keys=state.quarantined_keys,
+        agent_state=dict(state.agent_state), now=engine.clock.now(),
+        executed_keys=frozenset(e.idempotency_key for e in state.executed),
+        verified=verified, last_read=last_read)
+
+
+def _step(fleet: Fleet, engine: RunEngine, document: RunDocument, heartbeat: Heartbeat,
+          report: JobReport) -> None:
+    agent = load_agent(document.agent, dict(document.agent_config))
+    last_read: str | None = None
+    for _ in range(fleet.settings.max_steps_per_job):
+        if engine.state.phase is not Phase.RUNNING:
+            return
+        if STOP.is_set():
+            report.outcome = "yielded"
+            return
+        heartbeat.check()
+        step = agent.next_step(_view(engine, last_read))
+        if step is None:
+            report.outcome = "no_proposal"
+            return
+        result = engine.propose(step.action, agent_state=step.agent_state)
+        last_read = result.read.content if result.read is not None else None
+        report.steps += 1
+        heartbeat.progress()
+    report.outcome = "yielded"
+
+
+def _finish(lease: LeasedRun, engine: RunEngine, report: JobReport) -> None:
+    phase = engine.state.phase
+    if phase in TERMINAL_PHASES:
+        report.outcome = "finished"
+        lease.release()
+    elif phase in (Phase.AWAITING_APPROVAL, Phase.NEEDS_REVIEW):
+        report.outcome = "waiting"
+        lease.release()  # off the reaper's index; approve / review re-enqueue it
+    elif report.outcome == "no_proposal":
+        lease.release()  # the agent is done proposing but the run is not: an operator looks
+    else:
+        report.outcome = "yielded"
+        lease.release(reap=True)  # another worker continues at once
+
+
+def _refuse(fleet: Fleet, lease: LeasedRun, report: JobReport, exc: RatchetError) -> None:
+    """A restore failed closed: record why, take the run off the index, run nothing."""
+    reason = str(getattr(exc, "reason", "") or type(exc).__name__)
+    report.outcome, report.detail = "restore_refused", f"{reason}: {exc.message}"
+    log.error("restore refused", extra={"run_id": lease.run_id, "reason": reason})
+    try:
+        fleet.store.record_incident(lease.run_id, {"kind": "restore_refused",
+                                                   "reason": reason, "message": exc.message,
+                                                   "lease_version": lease.lease_version})
+    finally:
+        lease.release()

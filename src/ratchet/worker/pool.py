@@ -1,0 +1,99 @@
+"""Worker processes: an RQ ``SimpleWorker`` per process, plus a reaper thread.
+
+``SimpleWorker`` runs each job in the worker process itself (no fork per job: RQ's forking
+worker costs about 10 ms per job), so a SIGKILL of the worker is a SIGKILL of the job, and
+ratchet's lease expiry plus the reaper recover the run.
+
+Signals: the first SIGTERM (or SIGINT) sets :data:`ratchet.worker.job.STOP`; the running
+job finishes its current step, which is committed, releases the lease for reaping and
+returns; RQ then stops the worker (warm shutdown). A second SIGTERM is RQ's cold shutdown;
+the lease then expires and another worker's reaper hands the run on.
+
+:func:`run_pool` starts N such processes and forwards SIGTERM/SIGINT to them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+from typing import Any
+
+from rq import SimpleWorker
+from rq.serializers import JSONSerializer
+
+from ratchet.worker import job
+from ratchet.worker.context import Fleet, ensure_embedded_redis
+from ratchet.worker.failpoints import probe_from_env
+from ratchet.worker.reaper import Reaper
+from ratchet.worker.settings import Settings
+
+__all__ = ["RatchetWorker", "run_pool", "worker_main"]
+
+log = logging.getLogger("ratchet.worker.pool")
+
+
+class RatchetWorker(SimpleWorker):
+    """RQ's in-process worker, with JSON jobs and a graceful stop between steps."""
+
+    def handle_warm_shutdown_request(self) -> None:
+        job.STOP.set()
+        super().handle_warm_shutdown_request()  # type: ignore[no-untyped-call]
+
+
+def worker_main(settings_json: str, index: int, burst: bool = False) -> None:
+    """Entry point of one worker process."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = Settings.model_validate_json(settings_json)
+    fleet = Fleet.connect(settings)
+    job.configure(fleet, probe_from_env())
+    base = settings.worker_name or socket.gethostname().split(".")[0] or "worker"
+    reaper = Reaper(fleet.store, fleet.enqueue, interval_ms=settings.reaper_interval_ms).start()
+    worker = RatchetWorker([fleet.queue], connection=fleet.rq_connection,
+                           serializer=JSONSerializer, name=f"{base}-{os.getpid()}-{index}")
+    try:
+        worker.work(burst=burst, with_scheduler=False, logging_level="WARNING")
+    finally:
+        reaper.stop()
+
+
+def _settings_json(settings: Settings) -> str:
+    # Secrets travel to the child processes through this JSON (never through argv or logs).
+    data: dict[str, Any] = settings.model_dump(mode="json")
+    for name in ("redis_url", "checkpoint_key"):
+        secret = getattr(settings, name)
+        data[name] = secret.get_secret_value() if secret is not None else None
+    return json.dumps(data)
+
+
+def run_pool(settings: Settings, *, concurrency: int, burst: bool = False) -> int:
+    """Start ``concurrency`` worker processes and wait for them. Returns an exit code."""
+    if settings.embedded:
+        # Start the shared embedded server once, before the children race for it.
+        ensure_embedded_redis(settings.state_dir)
+    ctx = mp.get_context("spawn")
+    payload = _settings_json(settings)
+    procs = [ctx.Process(target=worker_main, args=(payload, i, burst), daemon=False)
+             for i in range(concurrency)]
+    for proc in procs:
+        proc.start()
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        for proc in procs:
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for proc in procs:
+            proc.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return max((proc.exitcode or 0) for proc in procs)

@@ -1,0 +1,92 @@
+"""The reaper: re-enqueue runs whose lease expired while work remained.
+
+Choice: every worker process runs a reaper thread (no dedicated process to deploy, watch
+or lose). Each tick, every ``reaper_interval_ms``:
+
+1. read the expiry index (run id scored by lease expiry, Redis time) for entries at or
+   before Redis' now. A run is on the index while a worker holds it, and stays there if
+   that worker dies; a worker that finishes, or waits for a human, takes it off;
+2. for each: ``claim_reap`` on the run's own lease hash. Exactly one reaper wins per lease
+   version, so a run is never enqueued twice for the same lease expiry;
+3. the winner enqueues ``{run_id}``, then drops the index entry only if its score is still
+   the one it read (a worker that re-acquired the run meanwhile re-scored it, and its entry
+   must stay).
+
+Bound: a run whose worker died is re-enqueued at most ``lease TTL + reaper interval`` (plus
+one Redis round trip) after the worker's last renewal, whichever worker's reaper ticks first.
+A reaper that dies between its claim and its enqueue leaves the entry on the index; after
+``reclaim_after_ms`` another reaper may claim it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ratchet.errors import RatchetError
+from ratchet.leasing import RedisStore
+
+__all__ = ["ReapResult", "Reaper", "reap_once"]
+
+log = logging.getLogger("ratchet.worker.reaper")
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    examined: int
+    enqueued: tuple[str, ...]
+
+
+def reap_once(store: RedisStore, enqueue: Callable[[str], object], *, limit: int = 100,
+              reclaim_after_ms: int = 30_000) -> ReapResult:
+    """One reaper tick. Raises StoreUnavailableError when Redis cannot be read."""
+    entries = store.expired_entries(limit=limit)
+    enqueued: list[str] = []
+    for run_id, score in entries:
+        claim = store.claim_reap(run_id, reclaim_after_ms=reclaim_after_ms)
+        if claim.status == "no_run":
+            store.drop_expiry_entry(run_id, score)
+            continue
+        if not claim.claimed:
+            continue
+        enqueue(run_id)
+        enqueued.append(run_id)
+        store.drop_expiry_entry(run_id, score)
+        log.info("re-enqueued", extra={"run_id": run_id,
+                                       "lease_version": claim.lease_version})
+    return ReapResult(len(entries), tuple(enqueued))
+
+
+class Reaper:
+    """A daemon thread running :func:`reap_once` every ``interval_ms``."""
+
+    def __init__(self, store: RedisStore, enqueue: Callable[[str], object], *,
+                 interval_ms: int, reclaim_after_ms: int = 30_000) -> None:
+        self._store = store
+        self._enqueue = enqueue
+        self._interval = interval_ms / 1000
+        self._reclaim_after_ms = reclaim_after_ms
+        self._stop = threading.Event()
+        self.enqueued = 0
+        self._thread = threading.Thread(target=self._loop, name="ratchet-reaper", daemon=True)
+
+    def start(self) -> Reaper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=max(2 * self._interval, 1.0))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                result = reap_once(self._store, self._enqueue,
+                                   reclaim_after_ms=self._reclaim_after_ms)
+            except RatchetError as exc:
+                log.warning("reaper tick failed", extra={"error": type(exc).__name__})
+                continue
+            self.enqueued += len(result.enqueued)

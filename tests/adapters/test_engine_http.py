@@ -1,0 +1,153 @@
+"""The engine over the router (workspace + HTTP orders API): every write crash window
+recovers with exactly one order on the service's side, stale owners are refused, the
+trust boundary sends unbound or late receipts to review, and a changed service identity
+fails closed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ratchet.adapters import CommandVerifier, HttpAdapter, RouterAdapter, WorkspaceAdapter
+from ratchet.errors import CheckpointError, FenceRejectedError
+from ratchet.runtime import CrashWindow, Fence, Phase, ReviewReason, RunEngine, TraceOutcome
+from tests.adapters.conftest import ServiceBox
+from tests.adapters.harness import (
+    QUICK_CHECK,
+    WRITE_WINDOWS,
+    Harness,
+    SimulatedCrash,
+    crash_at,
+    make_workspace,
+    scenario,
+)
+from tests.adapters.test_http import raw_post
+
+OTHER_CALLER = Fence(run_id="another-caller", lease_version=1, state_version=1)
+
+
+class Routers:
+    def __init__(self, root: Path, orders: ServiceBox) -> None:
+        self.root = root
+        self.orders = orders
+        self.handles: list[WorkspaceAdapter] = []
+
+    def open(self) -> RouterAdapter:
+        files = WorkspaceAdapter(self.root, ["app.py", "tests"],
+                                 verifier=CommandVerifier({"unit": QUICK_CHECK}))
+        self.handles.append(files)
+        return RouterAdapter(files, HttpAdapter(self.orders.url))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()
+
+
+@pytest.fixture
+def run(tmp_path: Path, orders: ServiceBox) -> Iterator[Harness]:
+    routers = Routers(make_workspace(tmp_path / "ws"), orders)
+    harness = Harness(open_adapter=routers.open, effects=orders.effects, clock=orders.clock,
+                      scenario=scenario(approval_required=["external_call"]))
+    yield harness
+    routers.close()
+
+
+def place(run: Harness, engine: RunEngine, *, ttl: int = 300) -> None:
+    action = run.order(engine)
+    engine.propose(action, approval=run.approve(engine, action, ttl=ttl))
+
+
+@pytest.mark.parametrize("window", WRITE_WINDOWS)
+def test_a_crash_in_each_write_window_recovers_with_exactly_one_order(
+        run: Harness, orders: ServiceBox, window: CrashWindow) -> None:
+    engine = run.start(probe=crash_at(window))
+    with pytest.raises(SimulatedCrash):
+        place(run, engine)
+
+    resumed = run.resume(lease_version=2)
+    assert resumed.reconcile().window is window
+    assert orders.effects() == 1
+    assert resumed.state.phase is Phase.RUNNING and resumed.state.pending is None
+    receipt = resumed.state.executed[-1].receipt
+    pending_approval = engine.state.pending.approval if engine.state.pending else None
+    assert pending_approval is not None and receipt.approval_digest == pending_approval.digest
+    # The run goes on: fix the file, verify, finish; still one order.
+    assert resumed.propose(run.write(resumed)).outcome is TraceOutcome.EXECUTED
+    assert resumed.propose(run.verify(resumed)).outcome is TraceOutcome.VERIFIED
+    assert resumed.propose(run.finish(resumed)).phase is Phase.COMPLETED
+    assert orders.effects() == 1
+
+
+def test_the_old_owners_late_order_is_refused_after_the_new_owner_placed_it(
+        run: Harness, orders: ServiceBox) -> None:
+    new_owner: list[RunEngine] = []
+
+    def paused_then_late(window: CrashWindow) -> None:
+        if window is CrashWindow.AFTER_PENDING_BEFORE_ADAPTER and not new_owner:
+            resumed = run.resume(lease_version=2)
+            resumed.reconcile()
+            new_owner.append(resumed)
+
+    old = run.start(probe=paused_then_late)
+    with pytest.raises(FenceRejectedError):
+        place(run, old)
+    assert orders.effects() == 1
+    assert new_owner[0].state.executed[-1].idempotency_key == "order-1"
+    assert orders.service.stats()[1]["refused_stale"] == 1
+
+
+def test_a_receipt_that_does_not_bind_the_approval_sends_the_run_to_review(
+        run: Harness, orders: ServiceBox) -> None:
+    engine = run.start()
+    action = run.order(engine)
+    # Another caller reached the service first with the same key and body, unapproved.
+    assert raw_post(orders, "order-1", action.args["body"], OTHER_CALLER,
+                    action.intent_digest) == 201
+    engine.propose(action, approval=run.approve(engine, action))
+    assert engine.state.phase is Phase.NEEDS_REVIEW
+    assert engine.state.review is not None
+    assert engine.state.review.reason is ReviewReason.APPROVAL_UNBOUND
+    assert engine.state.review.receipt is not None
+    assert engine.state.review.receipt.approval_digest is None
+    assert orders.effects() == 1
+
+
+def test_a_receipt_committed_after_the_approval_expired_sends_the_run_to_review(
+        run: Harness, orders: ServiceBox) -> None:
+    orders.offset = 1_000  # the service's commit time is past the approval's expiry
+    engine = run.start(probe=crash_at(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT))
+    with pytest.raises(SimulatedCrash):
+        place(run, engine, ttl=300)
+    resumed = run.resume(lease_version=2)
+    resumed.reconcile()
+    assert resumed.state.phase is Phase.NEEDS_REVIEW
+    assert resumed.state.review is not None
+    assert resumed.state.review.reason is ReviewReason.APPROVAL_UNBOUND
+    assert orders.effects() == 1
+
+
+def test_a_reset_service_is_a_new_identity_and_fails_recovery_closed(
+        run: Harness, orders: ServiceBox) -> None:
+    engine = run.start()
+    place(run, engine)
+    assert engine.state.executed
+    recorded = engine.state.environment.details["calls.service_id"]
+    orders.reset()
+    with pytest.raises(CheckpointError) as caught:
+        run.resume(lease_version=2)
+    assert caught.value.reason == "environment"  # type: ignore[attr-defined]
+    assert "instance differs" in caught.value.message
+    assert HttpAdapter(orders.url).observe().instance_id != recorded
+
+
+def test_an_order_placed_by_another_caller_between_checkpoints_fails_recovery_closed(
+        run: Harness, orders: ServiceBox) -> None:
+    run.start()
+    assert raw_post(orders, "someone-else", '{"sku":"Z","qty":1}', OTHER_CALLER,
+                    "0" * 64) == 201
+    with pytest.raises(CheckpointError) as caught:
+        run.resume(lease_version=2)
+    assert caught.value.reason == "environment"  # type: ignore[attr-defined]
+
