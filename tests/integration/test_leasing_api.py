@@ -31,8 +31,8 @@ def test_the_public_names_of_ratchet_leasing_are_pinned() -> None:
         "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "RUNS_INDEX", "Acquired",
         "CommitResult", "Lease", "LeaseHolder", "LeasedRun", "LocalCluster", "ReapClaim",
         "RedisServer", "RedisStore", "Released", "RunCreated", "RunCreator", "RunKeys",
-        "RunSnapshot", "find_redis_cli", "find_redis_server", "free_port", "new_commit_id", "nonce_key",
-        "run_keys",
+        "RunSnapshot", "find_redis_cli", "find_redis_server", "free_port", "new_commit_id",
+        "nonce_key", "run_keys",
     ])
     for name in ratchet.leasing.__all__:
         assert hasattr(ratchet.leasing, name)
