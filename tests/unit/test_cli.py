@@ -13,8 +13,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ratchet import cli
-from ratchet.cli import CHECKPOINT_KEY_ENV, app
+from ratchet.cli import local as cli_local
+from ratchet.cli import app
+from ratchet.cli.common import CHECKPOINT_KEY_ENV
 from ratchet.worker.demo import DemoReport
 from tests.unit.world import CHECKPOINT_SECRET, scenario_data
 
@@ -40,7 +41,7 @@ def valid_scenario(tmp_path: Path) -> Path:
 
 
 def test_demo_recovers_the_crash_window_with_exactly_one_write_and_completes() -> None:
-    result = invoke("demo", "--json", env=CANARY_ENV)
+    result = invoke("demo", "--local", "--json", env=CANARY_ENV)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["ok"] is True
@@ -56,10 +57,10 @@ def test_demo_recovers_the_crash_window_with_exactly_one_write_and_completes() -
 
 
 def test_demo_prints_a_trace_table_and_says_it_runs_on_in_memory_stand_ins() -> None:
-    result = invoke("demo")
+    result = invoke("demo", "--local")
     assert result.exit_code == 0, result.output
     assert "in-memory stand-ins" in result.stdout
-    assert "embedded Redis arrives with the worker pool" in " ".join(result.stdout.split())
+    assert "ratchet demo` without --local" in " ".join(result.stdout.split())
     assert "reconciled" in result.stdout
     assert "after_adapter_before_receipt" in result.stdout
 
@@ -76,15 +77,15 @@ def test_demo_exits_non_zero_when_one_of_its_checks_fails(
         report.checks = {"exactly one write": False}
         return report
 
-    monkeypatch.setattr(cli, "run_demo", broken_demo)
-    result = invoke("demo", "--json")
+    monkeypatch.setattr(cli_local, "run_demo", broken_demo)
+    result = invoke("demo", "--local", "--json")
     assert result.exit_code == 1
     assert json.loads(result.stdout)["ok"] is False
     assert "exactly one write" in result.stderr
 
 
 def test_a_bad_checkpoint_key_is_one_line_on_stderr_with_exit_2_and_no_traceback() -> None:
-    result = invoke("demo", env={CHECKPOINT_KEY_ENV: "00ff" * 4})
+    result = invoke("demo", "--local", env={CHECKPOINT_KEY_ENV: "00ff" * 4})
     assert result.exit_code == 2
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1
@@ -206,8 +207,8 @@ def test_no_command_output_contains_the_checkpoint_key(
     tmp_path: Path, valid_scenario: Path,
 ) -> None:
     runs = [
-        invoke("demo", env=CANARY_ENV),
-        invoke("demo", "--json", env=CANARY_ENV),
+        invoke("demo", "--local", env=CANARY_ENV),
+        invoke("demo", "--local", "--json", env=CANARY_ENV),
         invoke("scenario", "check", str(valid_scenario), env=CANARY_ENV),
         invoke("keys", "gen-signer", "--role", "approver", "--id", "carol",
                "--out", str(tmp_path / "keys"), env=CANARY_ENV),

@@ -10,8 +10,8 @@ write.
 
 Everything runs in one process on the in-memory stand-ins of :mod:`ratchet.runtime.memory`
 (a dict workspace, a dict generation store, a hand-moved clock): it shows the contract,
-not the distributed system. The multi-worker demo on embedded Redis arrives with the
-worker pool.
+not the distributed system. The multi-worker demo on embedded Redis is
+:mod:`ratchet.worker.fleet_demo`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ __all__ = ["DEMO_NOTE", "DemoReport", "InjectedCrash", "run_demo"]
 
 DEMO_NOTE = (
     "This demo runs in one process on in-memory stand-ins (a dict workspace and an "
-    "in-memory generation store). The multi-worker demo on embedded Redis arrives with "
-    "the worker pool."
+    "in-memory generation store). The multi-worker demo on embedded Redis, with a worker "
+    "killed mid-run, is `ratchet demo` without --local."
 )
 WRONG_GREETING = 'print("Hello, wrold")\n'
 RIGHT_GREETING = 'print("Hello, world")\n'

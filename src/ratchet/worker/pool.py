@@ -48,7 +48,8 @@ class RatchetWorker(SimpleWorker):
 
 def worker_main(settings_json: str, index: int, burst: bool = False) -> None:
     """Entry point of one worker process."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=os.environ.get("RATCHET_LOG_LEVEL", "INFO").upper(),
+                        stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = Settings.model_validate_json(settings_json)
     fleet = Fleet.connect(settings)

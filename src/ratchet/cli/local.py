@@ -1,33 +1,15 @@
-"""The ``ratchet`` command line: wiring only.
-
-Commands::
-
-    ratchet demo [--json]                      the example task, with a crash and recovery
-    ratchet scenario check FILE [--format F]   strict-load a task contract, print its fingerprint
-    ratchet keys gen-checkpoint-key            a fresh 32-byte checkpoint HMAC key, as hex
-    ratchet keys gen-signer --role R --id N --out DIR
-                                               an Ed25519 approver or reviewer key pair
-    ratchet version [--json]
-
-Every command that prints a report takes ``--json`` and then prints exactly one JSON object
-on stdout. A :class:`~ratchet.errors.RatchetError` becomes one line on stderr and exit code
-2, never a traceback; its message never carries key material. A demo whose own checks fail
-exits 1.
-"""
+"""Local commands: the in-process demo, scenario checks, key generation, version."""
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import re
 import secrets
 import sys
-from collections.abc import Callable
 from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
+from typing import Annotated
 
 import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -40,62 +22,25 @@ from cryptography.hazmat.primitives.serialization import (
 from rich.console import Console
 from rich.table import Table
 
-from ratchet.errors import ConfigurationError, RatchetError, ScenarioError
+from ratchet.cli.common import (
+    CHECKPOINT_KEY_ENV,
+    EXIT_CHECK_FAILED,
+    JsonFlag,
+    app,
+    fail,
+    keys_app,
+    print_json,
+    ratchet_errors,
+    scenario_app,
+    write_private,
+)
+from ratchet.errors import ConfigurationError, ScenarioError
 from ratchet.runtime import load_scenario
 from ratchet.worker.demo import DemoReport, run_demo
 
-__all__ = ["CHECKPOINT_KEY_ENV", "app", "main"]
+__all__ = ["local_demo"]
 
-CHECKPOINT_KEY_ENV = "RATCHET_CHECKPOINT_KEY"
-EXIT_CHECK_FAILED = 1
-EXIT_ERROR = 2
 _SIGNER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-app = typer.Typer(
-    name="ratchet",
-    help="Signed checkpoints, leases and fenced commits for long agent tasks.",
-    no_args_is_help=True,
-    add_completion=False,
-    # Never render locals in a traceback: they may hold key material.
-    pretty_exceptions_enable=False,
-    pretty_exceptions_show_locals=False,
-)
-scenario_app = typer.Typer(help="Task contracts (scenarios).", no_args_is_help=True)
-keys_app = typer.Typer(help="Checkpoint keys and approver / reviewer signing keys.",
-                       no_args_is_help=True)
-app.add_typer(scenario_app, name="scenario")
-app.add_typer(keys_app, name="keys")
-
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")]
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _fail(message: str, field: str | None = None) -> NoReturn:
-    """One line on stderr, exit code 2."""
-    suffix = f" (field: {field})" if field else ""
-    line = " ".join(f"{message}{suffix}".split())
-    typer.echo(f"ratchet: error: {line}", err=True)
-    raise typer.Exit(EXIT_ERROR)
-
-
-def _ratchet_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn a RatchetError into one line on stderr and exit code 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return fn(*args, **kwargs)
-        except RatchetError as exc:
-            field = exc.context.get("field")
-            _fail(exc.message, str(field) if field else None)
-
-    return wrapper
-
-
-def _print_json(data: dict[str, Any]) -> None:
-    typer.echo(json.dumps(data, sort_keys=True))
 
 
 # --- demo ------------------------------------------------------------------------------------
@@ -141,9 +86,8 @@ def _print_demo(report: DemoReport) -> None:
     console.print(summary)
 
 
-@app.command()
-@_ratchet_errors
-def demo(as_json: JsonFlag = False) -> None:
+@ratchet_errors
+def local_demo(as_json: bool = False) -> None:
     """Run the example task through a crash and a recovery by a new owner.
 
     The first owner dies after the adapter wrote and before the receipt was committed; a
@@ -154,7 +98,7 @@ def demo(as_json: JsonFlag = False) -> None:
     """
     report = run_demo(_checkpoint_key_from_env())
     if as_json:
-        _print_json(report.to_json())
+        print_json(report.to_json())
     else:
         _print_demo(report)
     if not report.ok:
@@ -172,7 +116,7 @@ class ScenarioFormat(StrEnum):
 
 
 @scenario_app.command("check")
-@_ratchet_errors
+@ratchet_errors
 def scenario_check(
     file: Annotated[Path, typer.Argument(help="Scenario file (JSON or YAML).")],
     fmt: Annotated[ScenarioFormat | None, typer.Option(
@@ -187,7 +131,7 @@ def scenario_check(
     try:
         text = file.read_bytes().decode("utf-8")
     except OSError as exc:
-        _fail(f"cannot read {file}: {exc.strerror or exc}")
+        fail(f"cannot read {file}: {exc.strerror or exc}")
     except UnicodeDecodeError:
         raise ScenarioError("scenario file is not UTF-8", field="scenario") from None
     scenario = load_scenario(text, fmt="yaml" if fmt is ScenarioFormat.YAML else "json")
@@ -195,7 +139,7 @@ def scenario_check(
             "task_version": scenario.task_version, "policy_id": scenario.policy_id,
             "policy_version": scenario.policy_version, "fingerprint": scenario.fingerprint}
     if as_json:
-        _print_json(info)
+        print_json(info)
         return
     console = Console(highlight=False)
     console.print(f"ok: {file} ({fmt.value}) task {scenario.task_id} v{scenario.task_version},"
@@ -219,23 +163,8 @@ def gen_checkpoint_key() -> None:
                "supply it to workers as a secret", err=True)
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    """Create ``path`` with mode 0600; refuse to replace an existing file."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise ConfigurationError(f"{path} already exists; not overwriting a key") from None
-    except OSError as exc:
-        raise ConfigurationError(f"cannot create {path}: {exc.strerror or exc}") from None
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
 @keys_app.command("gen-signer")
-@_ratchet_errors
+@ratchet_errors
 def gen_signer(
     role: Annotated[SignerRole, typer.Option("--role", help="approver or reviewer.")],
     signer_id: Annotated[str, typer.Option("--id", help="Signer id, e.g. alice.")],
@@ -256,10 +185,10 @@ def gen_signer(
         raise ConfigurationError(f"cannot create {out}: {exc.strerror or exc}") from None
     key = Ed25519PrivateKey.generate()
     path = out / f"{role.value}-{signer_id}.pem"
-    _write_private(path, key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+    write_private(path, key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
     public_hex = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
     if as_json:
-        _print_json({"role": role.value, "id": signer_id, "private_key_path": str(path),
+        print_json({"role": role.value, "id": signer_id, "private_key_path": str(path),
                      "public_key_hex": public_hex})
         return
     typer.echo(public_hex)
@@ -281,12 +210,7 @@ def _version() -> str:
 def version(as_json: JsonFlag = False) -> None:
     """Print the installed ratchet version."""
     if as_json:
-        _print_json({"name": "ratchet", "version": _version(),
+        print_json({"name": "ratchet", "version": _version(),
                      "python": ".".join(map(str, sys.version_info[:3]))})
     else:
         typer.echo(f"ratchet {_version()}")
-
-
-def main() -> None:
-    """Console entry point (``ratchet``)."""
-    app()

@@ -1,0 +1,33 @@
+"""The ``ratchet`` command line: wiring only.
+
+Commands::
+
+    ratchet demo [--local] [--json]            the fleet demo (or the one-process demo)
+    ratchet worker [--concurrency N] [--burst] run worker processes
+    ratchet submit TASK_FILE --agent A         create and enqueue a run; prints its id
+    ratchet runs [--phase P]                   list runs
+    ratchet show RUN_ID                        one run: phase, budgets, pending, review, trace
+    ratchet approve RUN_ID ACTION_ID --key F   sign an approval of the pending write
+    ratchet review RUN_ID --decision D --key F sign a reviewer decision (replan | abort)
+    ratchet scenario check FILE                strict-load a task contract
+    ratchet keys generate --kind K --out DIR   checkpoint key file or Ed25519 key pair
+    ratchet keys gen-checkpoint-key | gen-signer
+    ratchet version
+
+Every command that prints a report takes ``--json`` and then prints exactly one JSON
+object on stdout. A :class:`~ratchet.errors.RatchetError` becomes one line on stderr and
+exit code 2, never a traceback; its message never carries key material.
+"""
+
+from __future__ import annotations
+
+from ratchet.cli import fleet as _fleet  # noqa: F401 - registers the fleet commands
+from ratchet.cli import local as _local  # noqa: F401 - registers the local commands
+from ratchet.cli.common import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    """Console entry point (``ratchet``)."""
+    app()

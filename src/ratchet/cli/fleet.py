@@ -1,0 +1,341 @@
+"""Fleet commands: demo, worker, submit, runs, show, approve, review, keys generate."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
+from rich.console import Console
+from rich.table import Table
+
+from ratchet.cli.common import (
+    EXIT_CHECK_FAILED,
+    JsonFlag,
+    app,
+    keys_app,
+    print_json,
+    ratchet_errors,
+    write_private,
+)
+from ratchet.cli.local import local_demo
+from ratchet.cli.render import render_run, run_summary, run_to_json
+from ratchet.errors import ConfigurationError, ContractError
+from ratchet.runtime import Phase, Scenario
+from ratchet.runtime.canonical import strict_json_loads, strict_yaml_loads
+from ratchet.worker.context import Fleet
+from ratchet.worker.examples import greeting_document, make_greeting_workspace
+from ratchet.worker.fleet_demo import run_fleet_demo
+from ratchet.worker.ops import approve as sign_approval_for
+from ratchet.worker.ops import inspect_run, load_private_key, submit
+from ratchet.worker.ops import review as sign_review_for
+from ratchet.worker.pool import run_pool
+from ratchet.worker.runs import EnvironmentSpec, RunDocument
+from ratchet.worker.settings import Settings
+
+__all__: list[str] = []
+
+
+def _load_structured(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"cannot read {path}: {exc}", field=str(path)) from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return strict_yaml_loads(text)
+    return strict_json_loads(text)
+
+
+# --- demo ------------------------------------------------------------------------------------
+
+
+@app.command()
+@ratchet_errors
+def demo(
+    local: Annotated[bool, typer.Option("--local", help="One process, in-memory stand-ins, "
+                                        "a crash injected in one window.")] = False,
+    runs: Annotated[int, typer.Option(min=1, max=50, help="Runs to submit.")] = 6,
+    workers: Annotated[int, typer.Option(min=2, max=8, help="Worker processes.")] = 2,
+    as_json: JsonFlag = False,
+) -> None:
+    """Start worker processes on the embedded Redis, submit runs of the example task,
+    SIGKILL a worker while it holds a lease mid-run, and show that every run completes with
+    each write done exactly once. Exits 1 if the demo's own checks fail."""
+    if local:
+        local_demo(as_json)
+        return
+    os.environ.setdefault("RATCHET_LOG_LEVEL", "WARNING")
+    report = run_fleet_demo(runs=runs, workers=workers)
+    data = report.as_dict()
+    if as_json:
+        print_json(data)
+    else:
+        console = Console(highlight=False)
+        table = Table(title="ratchet fleet demo (embedded Redis, real worker processes)",
+                      show_header=False)
+        for name in ("runs", "completed", "duplicate_effects", "stale_writes_rejected",
+                     "takeovers", "workers_killed", "workers", "lease_ttl_ms", "elapsed_s"):
+            table.add_row(name, str(data[name]))
+        table.add_row("killed while holding", ", ".join(report.killed_holding) or "-")
+        table.add_row("result", "ok" if report.ok else "FAILED")
+        console.print(table)
+    if not report.ok:
+        typer.echo("ratchet: demo check failed", err=True)
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+# --- worker ----------------------------------------------------------------------------------
+
+
+@app.command()
+@ratchet_errors
+def worker(
+    concurrency: Annotated[int, typer.Option(min=1, max=64, help="Worker processes.")] = 1,
+    burst: Annotated[bool, typer.Option(help="Exit when the queue is empty.")] = False,
+) -> None:
+    """Run worker processes (RQ SimpleWorker + reaper each) until SIGTERM.
+
+    The first SIGTERM finishes each current step, commits, releases the lease and exits;
+    a second one stops at once (leases then expire and other workers take over).
+    """
+    raise typer.Exit(run_pool(Settings(), concurrency=concurrency, burst=burst))
+
+
+# --- submit ------------------------------------------------------------------------------------
+
+
+def _document_from_task(task_file: Path, agent: str) -> RunDocument:
+    data = _load_structured(task_file)
+    if not isinstance(data, dict):
+        raise ContractError("the task file must hold an object", field="task")
+    base = task_file.resolve().parent
+    scenario_data = data.get("scenario")
+    if scenario_data is None and "scenario_file" in data:
+        scenario_data = _load_structured(base / str(data["scenario_file"]))
+    environment = dict(data.get("environment") or {})
+    root = Path(str(environment.get("root", ".")))
+    environment["root"] = str(root if root.is_absolute() else (base / root).resolve())
+    agent_name, agent_config = agent, dict(data.get("agent_config") or {})
+    plan = Path(agent)
+    if plan.suffix.lower() in (".json", ".yaml", ".yml") and plan.is_file():
+        loaded = _load_structured(plan)
+        steps = loaded.get("steps") if isinstance(loaded, dict) else loaded
+        agent_name, agent_config = "scripted", {"steps": steps}
+    return RunDocument.model_validate({
+        "scenario": Scenario.model_validate(scenario_data),
+        "agent": agent_name, "agent_config": agent_config,
+        "environment": EnvironmentSpec.model_validate(environment),
+    })
+
+
+@app.command("submit")
+@ratchet_errors
+def submit_command(
+    task_file: Annotated[Path | None, typer.Argument(
+        help="Task file (JSON/YAML): scenario (or scenario_file), environment, agent_config."
+    )] = None,
+    agent: Annotated[str, typer.Option(
+        help="Built-in agent (greeting, scripted), package.module:factory, or a plan file."
+    )] = "greeting",
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id to use.")] = None,
+    example: Annotated[str | None, typer.Option(
+        help="Submit the built-in example task ('greeting') instead of a task file.")] = None,
+    workspace: Annotated[Path | None, typer.Option(
+        help="Workspace folder for --example (created if missing).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Create a run (document + signed generation 1) and enqueue it. Prints the run id."""
+    if example is not None:
+        if example != "greeting":
+            raise ConfigurationError("the only built-in example is 'greeting'", field="example")
+        root = workspace or Path(f"ratchet-example-{secrets.token_hex(3)}")
+        if not (root / "app.py").exists():
+            make_greeting_workspace(root)
+        document = greeting_document(root)
+    elif task_file is not None:
+        document = _document_from_task(task_file, agent)
+    else:
+        raise ContractError("give a task file or --example greeting", field="task_file")
+    fleet = Fleet.connect()
+    new_id = submit(fleet, document, run_id=run_id)
+    if as_json:
+        print_json({"run_id": new_id, "queue": fleet.settings.queue})
+    else:
+        typer.echo(new_id)
+
+
+# --- runs and show -------------------------------------------------------------------------------
+
+
+@app.command("runs")
+@ratchet_errors
+def runs_command(
+    phase: Annotated[Phase | None, typer.Option(help="Only runs in this phase.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 200,
+    as_json: JsonFlag = False,
+) -> None:
+    """List runs with phase, owner, lease expiry and generation."""
+    fleet = Fleet.connect()
+    rows = []
+    for run_id in fleet.store.run_ids(limit=limit):
+        summary = run_summary(fleet, run_id)
+        if phase is None or summary.get("phase") == phase.value:
+            rows.append(summary)
+    if as_json:
+        print_json({"runs": rows})
+        return
+    table = Table(title=f"{len(rows)} runs")
+    for column in ("run_id", "phase", "owner", "lease", "generation", "note"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["run_id"], row.get("phase") or "?", row.get("owner") or "-",
+                      row.get("lease") or "-", str(row.get("generation")),
+                      row.get("note") or "")
+    Console(highlight=False).print(table)
+
+
+@app.command("show")
+@ratchet_errors
+def show_command(run_id: str, as_json: JsonFlag = False) -> None:
+    """Show one run: phase and stop reason, budgets, the pending intent and its approval
+    evidence (expired evidence marked), any review case with both digests and the receipt,
+    executed writes with their receipts, incidents, and the trace."""
+    fleet = Fleet.connect()
+    view = inspect_run(fleet, run_id)
+    now = int(time.time())
+    if as_json:
+        print_json(run_to_json(view, now))
+    else:
+        render_run(Console(highlight=False), view, now)
+
+
+# --- approvals and reviews ---------------------------------------------------------------------
+
+
+def _signer(key_file: Path, signer_id: str | None, role: str) -> tuple[Ed25519PrivateKey, str]:
+    try:
+        pem = key_file.read_bytes()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read {key_file}: {exc.strerror or exc}") from None
+    key = load_private_key(pem)
+    if signer_id is None:
+        stem = key_file.stem
+        signer_id = stem.split("-", 1)[1] if stem.startswith(f"{role}-") else stem
+    return key, signer_id
+
+
+@app.command("approve")
+@ratchet_errors
+def approve_command(
+    run_id: str,
+    action_id: str,
+    key: Annotated[Path, typer.Option("--key", help="Approver private key (PEM).")],
+    signer_id: Annotated[str | None, typer.Option("--id", help="Approver id (default: "
+                                                  "from the key file name).")] = None,
+    ttl: Annotated[int, typer.Option(min=1, max=30 * 24 * 3600,
+                                     help="Seconds the approval stays valid.")] = 3600,
+    as_json: JsonFlag = False,
+) -> None:
+    """Sign an approval of exactly the pending write `show` displays, and re-enqueue."""
+    private, signer = _signer(key, signer_id, "approver")
+    evidence = sign_approval_for(Fleet.connect(), run_id, action_id, key=private,
+                                 approver_id=signer, ttl_s=ttl)
+    info = {"run_id": run_id, "action_id": action_id, "approver_id": signer,
+            "nonce": evidence.claims.nonce, "expires_at": evidence.claims.expires_at,
+            "approval_digest": evidence.digest}
+    if as_json:
+        print_json(info)
+    else:
+        typer.echo(f"approved {action_id} of {run_id} as {signer}; run re-enqueued")
+
+
+class Decision(StrEnum):
+    REPLAN = "replan"
+    ABORT = "abort"
+
+
+@app.command("review")
+@ratchet_errors
+def review_command(
+    run_id: str,
+    decision: Annotated[Decision, typer.Option("--decision")],
+    key: Annotated[Path, typer.Option("--key", help="Reviewer private key (PEM).")],
+    signer_id: Annotated[str | None, typer.Option("--id", help="Reviewer id.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Sign a decision on the run's open review case, and re-enqueue."""
+    private, signer = _signer(key, signer_id, "reviewer")
+    signed = sign_review_for(Fleet.connect(), run_id, decision.value, key=private,
+                             reviewer_id=signer)
+    info = {"run_id": run_id, "decision": decision.value, "reviewer_id": signer,
+            "case_id": signed.claims.case_id, "nonce": signed.claims.nonce}
+    if as_json:
+        print_json(info)
+    else:
+        typer.echo(f"{decision.value} signed for {run_id} ({signed.claims.case_id}) as "
+                   f"{signer}; run re-enqueued")
+
+
+# --- keys generate -------------------------------------------------------------------------------
+
+
+class KeyKind(StrEnum):
+    CHECKPOINT = "checkpoint"
+    APPROVER = "approver"
+    REVIEWER = "reviewer"
+
+
+@keys_app.command("generate")
+@ratchet_errors
+def keys_generate(
+    kind: Annotated[KeyKind, typer.Option("--kind")],
+    out: Annotated[Path, typer.Option("--out", help="Folder to write into.")],
+    signer_id: Annotated[str | None, typer.Option("--id", help="Signer id (approver or "
+                                                  "reviewer).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Write a checkpoint key file, or an Ed25519 key pair, with owner-only permissions.
+
+    checkpoint: OUT/checkpoint-keys.json ({"signing", "keys", "retired"}), for
+    RATCHET_CHECKPOINT_KEYS_FILE. approver / reviewer: OUT/ROLE-ID.pem (private, for the
+    signer only) and the public key added to OUT/ROLEs.json (for RATCHET_APPROVERS_FILE or
+    RATCHET_REVIEWERS_FILE on the workers).
+    """
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if kind is KeyKind.CHECKPOINT:
+        path = out / "checkpoint-keys.json"
+        kid = f"k-{secrets.token_hex(4)}"
+        doc = {"signing": kid, "keys": {kid: secrets.token_hex(32)}, "retired": []}
+        write_private(path, json.dumps(doc).encode())
+        info: dict[str, Any] = {"kind": kind.value, "path": str(path), "kid": kid}
+    else:
+        if not signer_id:
+            raise ConfigurationError("--id is required for signer keys", field="id")
+        private = Ed25519PrivateKey.generate()
+        path = out / f"{kind.value}-{signer_id}.pem"
+        write_private(path, private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8,
+                                                  NoEncryption()))
+        public_hex = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+        trust = out / f"{kind.value}s.json"
+        roots = json.loads(trust.read_text()) if trust.exists() else {}
+        roots[signer_id] = public_hex
+        trust.write_text(json.dumps(roots, indent=2, sort_keys=True) + "\n")
+        info = {"kind": kind.value, "id": signer_id, "private_key_path": str(path),
+                "trust_file": str(trust), "public_key_hex": public_hex}
+    if as_json:
+        print_json(info)
+    else:
+        typer.echo(f"wrote {info['path'] if 'path' in info else info['private_key_path']}"
+                   " (mode 0600)")
