@@ -1,0 +1,91 @@
+"""Real worker processes for the fleet tests: start, kill, pause, stop, all bounded."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
+
+from ratchet.worker.context import Fleet
+from ratchet.worker.ops import inspect_run
+from ratchet.worker.pool import _settings_json, worker_main
+from ratchet.worker.settings import Settings
+
+
+def poll(predicate: Callable[[], bool], *, deadline_s: float, what: str) -> None:
+    """Poll ``predicate`` until true or fail after ``deadline_s`` (never a fixed sleep)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+def process_state(pid: int) -> str:
+    """The kernel's state letter for ``pid`` (R, S, T for stopped, Z...)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+class Workers:
+    def __init__(self, settings: Settings) -> None:
+        self._payload = _settings_json(settings)
+        self._ctx = mp.get_context("spawn")
+        self.procs: list[BaseProcess] = []
+
+    def start(self, n: int = 1, *, env: dict[str, str] | None = None) -> list[BaseProcess]:
+        started = []
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        try:
+            for _ in range(n):
+                proc = self._ctx.Process(target=worker_main,
+                                         args=(self._payload, len(self.procs), False),
+                                         daemon=True)
+                proc.start()
+                self.procs.append(proc)
+                started.append(proc)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        return started
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive() and proc.pid is not None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+
+
+@contextmanager
+def workers(settings: Settings) -> Iterator[Workers]:
+    pool = Workers(settings)
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+def phase(fleet: Fleet, run_id: str) -> str:
+    return inspect_run(fleet, run_id).state.phase.value
+
+
+def holder_pid(fleet: Fleet, run_id: str) -> int | None:
+    snap = fleet.store.read_run(run_id)
+    if not snap.lease_live or snap.owner is None:
+        return None
+    tail = snap.owner.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
