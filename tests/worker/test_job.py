@@ -80,3 +80,38 @@ def test_a_job_that_dies_in_a_window_is_finished_by_the_next_owner_with_one_writ
     assert report.windows == [window.value]
     assert effects(root) == 1
     assert (root / "app.py").read_text() == RIGHT_GREETING
+
+
+def test_a_file_edited_behind_ratchets_back_fails_closed_with_a_visible_reason(
+    fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]]
+) -> None:
+    from ratchet.worker.reaper import reap_once
+
+    root, document = workspace()
+    run_id = submit(fleet, document)
+    (root / "app.py").write_text("print('edited by someone else')\n")
+    report = execute_run(fleet, run_id, owner="w-1")
+    assert report.outcome == "restore_refused"
+    assert report.detail.startswith("environment")
+    view = inspect_run(fleet, run_id)
+    assert view.incidents[0]["reason"] == "environment"
+    assert view.state.phase.value == "running"  # the last trusted state, untouched
+    assert not fleet.store.read_run(run_id).lease_live
+    assert effects(root) == 0
+    enqueued: list[str] = []
+    reap_once(fleet.store, enqueued.append)
+    assert run_id not in enqueued  # no retry loop: an operator has to look
+
+
+def test_a_broken_environment_is_refused_once_not_retried_forever(
+    fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]]
+) -> None:
+    import shutil
+
+    root, document = workspace()
+    run_id = submit(fleet, document)
+    shutil.rmtree(root)
+    report = execute_run(fleet, run_id, owner="w-1")
+    assert report.outcome == "restore_refused"
+    assert inspect_run(fleet, run_id).incidents
+    assert not fleet.store.read_run(run_id).lease_live

@@ -21,9 +21,10 @@ Order of a job, and why:
    with no further effect (the lease expires and the reaper hands the run on); a retryable
    adapter failure -> stop renewing and let the lease expire (a natural back-off).
 
-A restore that fails closed (tampered checkpoint, drifted environment, rolled-back store)
-is recorded as the run's incident, the lease is released off the index and nothing runs:
-an operator has to look (``ratchet show``).
+A restore that fails closed (tampered checkpoint, drifted environment, rolled-back store,
+a run document or environment that cannot be built) is recorded as the run's incident, the
+lease is released off the index and nothing runs: an operator has to look
+(``ratchet show``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 from ratchet.errors import (
     AdapterError,
     ConfigurationError,
+    ContractError,
     EvidenceError,
     FenceRejectedError,
     IntegrityError,
@@ -138,17 +140,24 @@ def execute_run(fleet: Fleet, run_id: str, *, probe: Probe | None = None,
     adapter = None
     try:
         snap = fleet.store.read_run(run_id, with_checkpoint=True, with_scenario=True)
-        if snap.checkpoint is None or snap.scenario is None:
-            raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
-        document = RunDocument.from_bytes(snap.scenario)
-        adapter = build_adapter(document)
         try:
+            if snap.checkpoint is None or snap.scenario is None:
+                raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
+            document = RunDocument.from_bytes(snap.scenario)
+            adapter = build_adapter(document)
             engine = RunEngine.resume(
                 snap.checkpoint, scenario=document.scenario, keyring=fleet.keyring,
                 adapter=GuardedAdapter(adapter, heartbeat), store=GuardedStore(lease, heartbeat),
                 clock=SystemClock(), approvers=fleet.approvers, reviewers=fleet.reviewers,
                 lease_version=lease.lease_version, probe=probe)
-        except (IntegrityError, FenceRejectedError) as exc:
+        except (IntegrityError, FenceRejectedError, ConfigurationError, ContractError) as exc:
+            # Failing closed: nothing about this run can be trusted or built as it is.
+            # Retrying would fail the same way, so it leaves the reaper's index.
+            _refuse(fleet, lease, report, exc)
+            return report
+        except AdapterError as exc:
+            if exc.context.get("retryable"):
+                raise
             _refuse(fleet, lease, report, exc)
             return report
         if engine.state.phase in TERMINAL_PHASES:
