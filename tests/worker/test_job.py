@@ -115,3 +115,55 @@ def test_a_broken_environment_is_refused_once_not_retried_forever(
     assert report.outcome == "restore_refused"
     assert inspect_run(fleet, run_id).incidents
     assert not fleet.store.read_run(run_id).lease_live
+
+
+def test_a_key_conflict_waits_for_review_and_a_signed_replan_completes_the_run(
+    fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]], tmp_path: Path
+) -> None:
+    import json as _json
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    from ratchet.runtime import Fence, derive_idempotency_key, parse_action
+    from ratchet.worker.context import Fleet as FleetClass
+    from ratchet.worker.examples import RIGHT_GREETING as FIX
+    from ratchet.worker.ops import review
+
+    reviewer = Ed25519PrivateKey.generate()
+    trust = tmp_path / "reviewers.json"
+    trust.write_text(_json.dumps({"rita": reviewer.public_key().public_bytes(
+        Encoding.Raw, PublicFormat.Raw).hex()}))
+    fleet = FleetClass.connect(fleet.settings.model_copy(update={"reviewers_file": trust}))
+    root, document = workspace()
+    plan = [{"kind": "write_file", "args": {"path": "app.py", "content": FIX}},
+            {"kind": "run_verifier", "args": {"target": "unit"}},
+            {"kind": "finish", "args": {"summary": "fixed"}}]
+    document = document.model_copy(update={"agent": "scripted",
+                                           "agent_config": {"steps": plan}})
+    run_id = "r-conflict-1"
+    key = derive_idempotency_key(run_id, 0, salt="0")
+    # Another caller already used the key the run will derive, for another intent.
+    with WorkspaceAdapter(root, ["app.py"]) as other:
+        foreign = parse_action({"action_id": "x-1", "kind": "write_file",
+                                "risk": "reversible_write",
+                                "args": {"path": "app.py", "content": "print('other')\n"},
+                                "idempotency_key": key,
+                                "expected_env_version": other.observe().version,
+                                "deadline_at": 2**40})
+        other.execute(foreign, foreign.intent_digest,
+                      Fence(run_id="someone-else", lease_version=1, state_version=1), None)
+    submit(fleet, document, run_id=run_id)
+    first = execute_run(fleet, run_id, owner="w-1")
+    assert (first.outcome, first.phase) == ("waiting", "needs_review")
+    case = inspect_run(fleet, run_id).state.review
+    assert case is not None and case.reason.value == "intent_conflict"
+    assert effects(root) == 1  # only the foreign write
+    review(fleet, run_id, "replan", key=reviewer, reviewer_id="rita")
+    second = execute_run(fleet, run_id, owner="w-2")
+    assert (second.outcome, second.phase) == ("finished", "completed")
+    state = inspect_run(fleet, run_id).state
+    assert key in state.quarantined_keys
+    assert state.closed_reviews[-1].decision is not None
+    assert (root / "app.py").read_text() == FIX
+    assert effects(root) == 2  # the foreign write and the run's own, once each

@@ -204,7 +204,10 @@ def load_agent(spec: str, config: dict[str, Any] | None = None) -> Agent:
             raise ConfigurationError(f"agent {spec!r} is neither built in nor "
                                      "'package.module:factory'", field="agent")
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
+            target: Any = importlib.import_module(module_name)
+            for part in attr.split("."):  # package.module:Class.factory works too
+                target = getattr(target, part)
+            factory = target
         except (ImportError, AttributeError) as exc:
             raise ConfigurationError(f"cannot load agent {spec!r}: {exc}",
                                      field="agent") from None
