@@ -33,6 +33,7 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.checkpoint import run_key
 from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
+from ratchet.worker.examples import RIGHT_GREETING, greeting_scenario
 
 __all__ = ["DEMO_NOTE", "DemoReport", "InjectedCrash", "run_demo"]
 
@@ -41,8 +42,6 @@ DEMO_NOTE = (
     "in-memory generation store). The multi-worker demo on embedded Redis, with a worker "
     "killed mid-run, is `ratchet demo` without --local."
 )
-WRONG_GREETING = 'print("Hello, wrold")\n'
-RIGHT_GREETING = 'print("Hello, world")\n'
 RUN_ID = "demo-run-1"
 CRASH_WINDOW = CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT
 _RISKS = {"read_file": "read_only", "write_file": "reversible_write",
@@ -55,21 +54,8 @@ class InjectedCrash(Exception):  # noqa: N818 - it is a simulated crash, not an 
 
 def demo_scenario() -> Scenario:
     """The task contract of the example: fix the greeting in ``app.py``."""
-    return Scenario.model_validate({
-        "schema_version": 1,
-        "task_id": "fix-greeting",
-        "task_version": "1",
-        "policy_id": "default",
-        "policy_version": "1",
-        "permissions": ["read_file", "write_file", "run_verifier", "finish"],
-        "allowed_paths": ["app.py"],
-        "allowed_verifier_targets": ["unit"],
-        "approval_required": [],
-        "budgets": {"proposals": 20, "steps": 10, "wall_clock_seconds": 600,
-                    "cost_units": 100},
-        "initial_files": {"app.py": WRONG_GREETING},
-        "verifier": {"target": "unit", "expected_files": {"app.py": RIGHT_GREETING}},
-    })
+    return greeting_scenario(budgets={"proposals": 20, "steps": 10,
+                                      "wall_clock_seconds": 600, "cost_units": 100})
 
 
 @dataclass
