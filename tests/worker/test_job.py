@@ -167,3 +167,46 @@ def test_a_key_conflict_waits_for_review_and_a_signed_replan_completes_the_run(
     assert state.closed_reviews[-1].decision is not None
     assert (root / "app.py").read_text() == FIX
     assert effects(root) == 2  # the foreign write and the run's own, once each
+
+
+def _git(root: Path, *args: str) -> None:
+    import subprocess
+
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+                   cwd=root, check=True, capture_output=True, timeout=30)
+
+
+def test_a_moved_git_head_fails_closed_with_a_visible_reason(
+    fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]]
+) -> None:
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    root, document = workspace()
+    _git(root, "init", "-q")
+    _git(root, "add", "app.py", "test_app.py")
+    _git(root, "commit", "-q", "-m", "base")
+    run_id = submit(fleet, document)
+    (root / "NOTES").write_text("another commit\n")
+    _git(root, "add", "NOTES")
+    _git(root, "commit", "-q", "-m", "someone moved HEAD")
+    report = execute_run(fleet, run_id, owner="w-1")
+    assert report.outcome == "restore_refused"
+    assert inspect_run(fleet, run_id).incidents[0]["reason"] == "environment"
+    assert effects(root) == 0
+
+
+def test_a_reset_workspace_is_another_instance_and_fails_closed(
+    fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]]
+) -> None:
+    import shutil
+
+    root, document = workspace()
+    run_id = submit(fleet, document)
+    shutil.rmtree(root / ".ratchet")  # journal and instance id gone: a new environment
+    report = execute_run(fleet, run_id, owner="w-1")
+    assert report.outcome == "restore_refused"
+    incident = inspect_run(fleet, run_id).incidents[0]
+    assert incident["reason"] == "environment"
+    assert "instance" in incident["message"]
