@@ -14,6 +14,7 @@ from ratchet.errors import (
 )
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
 from ratchet.runtime.engine import Probe
+from ratchet.runtime.memory import ObserveFailsAfterWrite
 from tests.unit.world import RIGHT_GREETING, World
 
 
@@ -45,6 +46,10 @@ WRITE_WINDOWS = [
 def test_a_crash_in_each_write_window_recovers_with_exactly_one_write(world: World,
                                                                       window: CrashWindow) -> None:
     engine = world.start(probe=crash_at(window))
+    if window is CrashWindow.AFTER_RECEIPT_BEFORE_STATE:
+        # Receipt and state are one commit; the receipt is committed alone only when the
+        # environment cannot be observed right after the write.
+        engine.adapter = ObserveFailsAfterWrite(engine.adapter)
     with pytest.raises(SimulatedCrash):
         engine.propose(world.write(engine, key="fix-1"))
 
@@ -76,6 +81,8 @@ def test_recovery_is_idempotent_when_the_recovering_worker_crashes_too(world: Wo
         engine.propose(world.write(engine, key="fix-1"))
     second = world.resume(probe=crash_at(CrashWindow.AFTER_RECEIPT_BEFORE_STATE),
                           lease_version=2)
+    second.adapter = ObserveFailsAfterWrite(second.adapter)
+    second.adapter._armed = True  # the recovering worker cannot observe either
     with pytest.raises(SimulatedCrash):
         second.reconcile()
     third = world.resume(lease_version=3)
@@ -177,6 +184,7 @@ def test_an_unexplained_effect_without_a_receipt_opens_a_review(world: World) ->
 
 def test_a_recorded_receipt_that_drifted_before_recovery_opens_a_review(world: World) -> None:
     engine = world.start(probe=crash_at(CrashWindow.AFTER_RECEIPT_BEFORE_STATE))
+    engine.adapter = ObserveFailsAfterWrite(engine.adapter)
     with pytest.raises(SimulatedCrash):
         engine.propose(world.write(engine, key="fix-1"))
     world.adapter.replace_receipt("fix-1", receipt_id="rcpt-rewritten")

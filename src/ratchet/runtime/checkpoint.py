@@ -27,18 +27,21 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import orjson
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 
 from ratchet.errors import (
     CheckpointError,
     CheckpointTooLargeError,
+    ContractError,
     EvidenceError,
     HighWaterUnavailableError,
     InvariantViolation,
 )
-from ratchet.runtime.canonical import is_canonical, model_json
+from ratchet.runtime.canonical import canonical_json, is_canonical
 from ratchet.runtime.evidence import TrustRoots
 from ratchet.runtime.ports import GenerationStore, Observation, RunKey
 from ratchet.runtime.scenario import Scenario
@@ -81,34 +84,75 @@ def run_key(state: RunState) -> RunKey:
 
 def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
                     generation: int,
-                    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES) -> bytes:
+                    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+                    previous: RunState | None = None) -> bytes:
     """Validate ``state`` and sign it as ``generation``.
+
+    Order: cross-object invariants (only the entries that are new since ``previous``, the
+    state last committed, are re-fingerprinted), canonical serialisation, then the schema
+    of exactly the bytes that will be signed (``model_copy(update=...)`` skips validation,
+    so a bad value set by a caller is caught here, not at restore), then HMAC.
 
     Raises:
         InvariantViolation: the state is not valid; nothing may be committed.
         CheckpointTooLargeError: the envelope would exceed ``max_bytes``.
     """
     try:
-        # Re-validate: model_copy(update=...) skips validation, so a bad value set by a
-        # caller would otherwise only surface at restore.
-        checked = RunState.model_validate(state.model_dump(warnings=False))
+        check_invariants(state, scenario, previous=previous)
+        dumped = state.model_dump(mode="json", warnings=False)
+        # Every field but the agent's free-form JSON is typed without floats, and the schema
+        # check below refuses a float in any of them; only agent_state needs the float walk
+        # (the encoder would turn a NaN there into null instead of refusing it).
+        canonical_json(dumped.get("agent_state"))
+        data = {
+            "schema_version": CHECKPOINT_SCHEMA_VERSION,
+            "generation": generation,
+            "scenario_fingerprint": scenario.fingerprint,
+            "state": dumped,
+        }
+        body = orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, ValueError, AttributeError, PydanticSerializationError,
+            ContractError) as exc:
+        raise InvariantViolation(f"run state cannot be serialised: {type(exc).__name__}",
+                                 field="state") from None
+    try:
+        CheckpointPayload.model_validate_json(_schema_probe(data, state, previous, body))
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvariantViolation(f"run state fails its schema at {first['loc']}: "
                                  f"{first['msg']}", field=str(first["loc"])) from None
-    check_invariants(checked, scenario)
-    payload = CheckpointPayload(
-        schema_version=CHECKPOINT_SCHEMA_VERSION,
-        generation=generation,
-        scenario_fingerprint=scenario.fingerprint,
-        state=checked,
-    )
-    body = model_json(payload)
     blob = seal_envelope(keyring, body)
     if len(blob) > max_bytes:
         raise CheckpointTooLargeError("checkpoint exceeds the size cap", size=len(blob),
                                       max_bytes=max_bytes, reason="too_large")
     return blob
+
+
+def _shared_prefix(old: tuple[object, ...], new: tuple[object, ...]) -> int:
+    """How many leading entries of ``new`` are the very same objects as in ``old``."""
+    if len(old) > len(new) or not all(a is b for a, b in zip(old, new, strict=False)):
+        return 0
+    return len(old)
+
+
+def _schema_probe(data: dict[str, Any], state: RunState, previous: RunState | None,
+                  body: bytes) -> bytes:
+    """The bytes whose schema must be checked before signing ``body``.
+
+    Trace events and executed writes that are the very same (frozen, already validated)
+    objects as in the state last committed are left out, so the check costs what changed,
+    not the whole history. Everything else, every scalar included, is checked.
+    """
+    if previous is None:
+        return body
+    trace = _shared_prefix(previous.trace, state.trace)
+    executed = _shared_prefix(previous.executed, state.executed)
+    if not trace and not executed:
+        return body
+    reduced = dict(data["state"])
+    reduced["trace"] = reduced["trace"][trace:]
+    reduced["executed"] = reduced["executed"][executed:]
+    return orjson.dumps({**data, "state": reduced})
 
 
 def _fail(reason: str, message: str, **context: object) -> CheckpointError:

@@ -4,10 +4,10 @@ The engine is the only place where the order of commits and adapter calls is dec
 It imports no I/O: the adapter, the generation store and the clock are passed in, so the
 same engine runs in-memory in unit tests and on Redis with real adapters in a worker.
 
-One write, end to end::
+One write, end to end: two fenced, signed commits::
 
     propose ──▶ commit pending intent (gen g+1) ──▶ adapter.execute(key, fence) ──▶
-    commit receipt (gen g+2) ──▶ observe ──▶ commit advanced state (gen g+3)
+    observe ──▶ commit receipt + advanced state (gen g+2)
 
 Each arrow is a place a worker can die; :class:`CrashWindow` names them and
 :meth:`RunEngine.reconcile` is the recovery for each (timeline comments there). A
@@ -25,6 +25,7 @@ from ratchet.errors import (
     AdapterError,
     CommitOutcomeUnknownError,
     ConfigurationError,
+    EnvironmentMismatchError,
     FenceRejectedError,
     IdempotencyConflictError,
     InvalidTransitionError,
@@ -178,7 +179,7 @@ class RunEngine:
         nonces = [n for n in new.consumed_nonces if n not in known]
         target = self.generation + 1
         blob = seal_checkpoint(new, self.scenario, self._keyring, generation=target,
-                               max_bytes=self._max_bytes)
+                               max_bytes=self._max_bytes, previous=self.state)
         try:
             self.store.advance(self.key, expected_generation=self.generation, blob=blob,
                                nonces=nonces)
@@ -285,12 +286,28 @@ class RunEngine:
         self._record_and_complete(receipt, TraceOutcome.EXECUTED)
 
     def _record_and_complete(self, receipt: Receipt, outcome: TraceOutcome) -> None:
-        recorded = machine.record_receipt(self.state, receipt, now=self.clock.now())
-        self._commit(recorded)
-        if recorded.pending is None or recorded.pending.receipt is None:
-            return  # a review case was opened instead
-        self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
-        self._complete(outcome)
+        """Commit the adapter's receipt together with the state it implies: one commit.
+
+        Timeline: adapter wrote -> receipt checked -> environment observed -> ONE commit of
+        receipt + advanced state. A worker dying before that commit is in
+        AFTER_ADAPTER_BEFORE_RECEIPT (recovery looks the key up at the adapter). Only when
+        the environment cannot be observed, or is not the write's one-commit state, is the
+        receipt committed alone as evidence; the state then advances on recovery
+        (AFTER_RECEIPT_BEFORE_STATE), or the restore fails closed on the drift.
+        """
+        now = self.clock.now()
+        checked = machine.record_receipt(self.state, receipt, now=now, traced=False)
+        if checked.pending is None or checked.pending.receipt is None:
+            self._commit(checked)  # a review case was opened instead
+            return
+        try:
+            observed = self.adapter.observe()
+            completed = machine.complete_write(checked, observed, now=now, outcome=outcome)
+        except (AdapterError, EnvironmentMismatchError):
+            self._commit(machine.record_receipt(self.state, receipt, now=now))
+            self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
+            raise
+        self._commit(completed)
 
     def _complete(self, outcome: TraceOutcome) -> None:
         observed = self.adapter.observe()

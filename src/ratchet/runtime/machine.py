@@ -417,11 +417,14 @@ def open_review(state: RunState, reason: ReviewReason, receipt: Receipt | None, 
     return _with(state, event, phase=transition(state.phase, Event.REVIEW_OPENED), review=case)
 
 
-def record_receipt(state: RunState, receipt: Receipt, *, now: int) -> RunState:
-    """Commit the adapter's receipt for the pending write (before the state advances).
+def record_receipt(state: RunState, receipt: Receipt, *, now: int,
+                   traced: bool = True) -> RunState:
+    """Attach the adapter's receipt to the pending write (before the state advances).
 
     A receipt for another intent, or one that does not bind the pending approval (or was
-    committed after that approval expired), opens a review case instead.
+    committed after that approval expired), opens a review case instead. ``traced=False``
+    leaves out the ``receipt_recorded`` event, for a caller that commits the receipt
+    together with :func:`complete_write` (whose event names the receipt).
     """
     pending = state.pending
     if pending is None or pending.receipt is not None:
@@ -439,10 +442,13 @@ def record_receipt(state: RunState, receipt: Receipt, *, now: int) -> RunState:
     ):
         return open_review(state, ReviewReason.APPROVAL_UNBOUND, receipt, now=now,
                            detail="receipt does not bind the approval or postdates its expiry")
+    with_receipt = pending.model_copy(update={"receipt": receipt})
+    if not traced:
+        return state.model_copy(update={"pending": with_receipt})
     event = _event(state, now, TraceOutcome.RECEIPT_RECORDED, action=action,
                    detail={"receipt_id": receipt.receipt_id,
                            "receipt_fingerprint": receipt.fingerprint})
-    return _with(state, event, pending=pending.model_copy(update={"receipt": receipt}))
+    return _with(state, event, pending=with_receipt)
 
 
 def complete_write(state: RunState, observed: Observation, *, now: int,
@@ -478,7 +484,8 @@ def complete_write(state: RunState, observed: Observation, *, now: int,
     )
     moved = state.model_copy(update={"environment": observed})
     event = _event(moved, now, outcome, action=pending.action,
-                   detail={"receipt_id": receipt.receipt_id})
+                   detail={"receipt_id": receipt.receipt_id,
+                           "receipt_fingerprint": entry.receipt_fingerprint})
     return _with(moved, event, pending=None, executed=(*state.executed, entry),
                  last_write_env_version=observed.version, verification=None,
                  plan_cursor=state.plan_cursor + 1)

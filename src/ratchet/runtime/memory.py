@@ -40,6 +40,7 @@ __all__ = [
     "ManualClock",
     "MemoryGenerationStore",
     "MemoryWorkspace",
+    "ObserveFailsAfterWrite",
     "files_fingerprint",
 ]
 
@@ -296,3 +297,31 @@ class LeasedMemoryStore:
         self.claim(key.run_id)
         self.store.advance(key, expected_generation=expected_generation, blob=blob,
                            nonces=nonces)
+
+
+class ObserveFailsAfterWrite:
+    """Wraps an adapter so that the first observation after a write fails (tests).
+
+    Plays an environment that becomes unobservable right after the adapter committed a
+    write (the adapter's host went away): the engine then commits the receipt alone and
+    the state advances on recovery (``CrashWindow.AFTER_RECEIPT_BEFORE_STATE``).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._armed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def execute(self, *args: Any, **kwargs: Any) -> Receipt:
+        receipt: Receipt = self._inner.execute(*args, **kwargs)
+        self._armed = True
+        return receipt
+
+    def observe(self) -> Observation:
+        if self._armed:
+            self._armed = False
+            raise AdapterError("environment unreachable right after the write", retryable=True)
+        observed: Observation = self._inner.observe()
+        return observed
