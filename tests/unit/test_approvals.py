@@ -183,3 +183,39 @@ def test_restoring_approval_evidence_needs_the_approver_trust_root(world: World,
     with pytest.raises(CheckpointError) as err:
         Engine.resume(waiting.checkpoint, **ports)
     assert err.value.reason == "trust"
+
+
+def test_a_revoked_approvers_executed_approval_does_not_strand_the_checkpoint(
+    world: World, waiting: RunEngine
+) -> None:
+    """Sealed evidence was verified when it was used; a later revocation does not unmake
+    it (the run restores, with the evidence visible)."""
+    from ratchet.runtime import TrustRoots
+    from tests.unit.world import public_bytes
+
+    waiting.refresh_pending_approval(world.approve(waiting))
+    assert world.adapter.write_count == 1
+    revoked = TrustRoots.from_public_bytes(
+        "approver", {"alice": public_bytes(world.approver_key)}, frozenset({"alice"}))
+    resumed = RunEngine.resume(waiting.checkpoint, **world.ports(
+        approvers=revoked, store=world.store.leased(2)))
+    assert resumed.state.executed[-1].receipt.approval_digest is not None
+
+
+def test_a_pending_write_approved_by_a_since_revoked_approver_never_executes(
+    world: World, waiting: RunEngine
+) -> None:
+    from ratchet.runtime import TrustRoots
+    from tests.unit.world import public_bytes
+
+    waiting.refresh_pending_approval(world.approve(waiting), execute=False)
+    revoked = TrustRoots.from_public_bytes(
+        "approver", {"alice": public_bytes(world.approver_key)}, frozenset({"alice"}))
+    store = world.store.leased(2)
+    store.claim(world.run_id)
+    resumed = RunEngine.resume(waiting.checkpoint, lease_version=2,
+                               **world.ports(approvers=revoked, store=store))
+    resumed.reconcile()
+    assert resumed.state.phase is Phase.AWAITING_APPROVAL
+    assert resumed.state.trace[-1].detail["reason"] == "approver revoked"
+    assert world.adapter.write_count == 0

@@ -26,3 +26,53 @@ def test_checkpoint_cost_quick_json_reports_the_four_ratios_as_positive_numbers(
         assert isinstance(value, int | float) and not isinstance(value, bool), key
         assert value > 0, key
     assert report["size_4k"] < report["size_64k"]
+
+
+def _run_quick(script: str, timeout_s: float) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json"],
+        capture_output=True, text=True, check=False, timeout=timeout_s, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert isinstance(report, dict)
+    return report
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_durable_steps_quick_json_reports_every_contender_as_a_rate_or_a_reason() -> None:
+    # DBOS and LangGraph come with the ``bench`` extra and DBOS needs PostgreSQL; without
+    # them the script must still succeed, reporting null with the reason.
+    report = _run_quick("durable_steps.py", 200)
+    assert _positive(report["ratchet_steps_per_s"])
+    assert report["ratchet_reason"] is None
+    assert _positive(report["ratchet_commits_per_step"])
+    assert _positive(report["ratchet_checkpoint_bytes_end_of_run"])
+    assert _positive(report["payload_bytes"])
+    for peer in ("dbos", "langgraph"):
+        rate, ratio = report[f"{peer}_steps_per_s"], report[f"ratio_vs_{peer}"]
+        if rate is None:
+            reason = report[f"{peer}_reason"]
+            assert isinstance(reason, str) and reason, peer
+            assert ratio is None, peer
+        else:
+            assert _positive(rate), peer
+            assert _positive(ratio), peer
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_takeover_quick_json_reports_percentiles_of_real_takeovers() -> None:
+    report = _run_quick("takeover.py", 200)
+    kills = report["kills"]
+    assert isinstance(kills, int) and kills >= 1
+    for key in ("lease_ttl_ms", "reaper_interval_ms", "p50_ms", "p99_ms"):
+        assert _positive(report[key]), key
+    p50, p99 = report["p50_ms"], report["p99_ms"]
+    assert isinstance(p50, int) and isinstance(p99, int) and p50 <= p99
+    assert report["duplicate_effects"] == 0

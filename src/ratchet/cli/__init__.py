@@ -12,6 +12,9 @@ Commands::
     ratchet scenario check FILE                strict-load a task contract
     ratchet keys generate --kind K --out DIR   checkpoint key file or Ed25519 key pair
     ratchet keys gen-checkpoint-key | gen-signer
+    ratchet keys rotate | retire KID | revoke --role R --id ID | list
+    ratchet console [--host H] [--port P]     the read-only web console
+    ratchet redis acl --out DIR | load-scripts least-privilege Redis users
     ratchet version
 
 Every command that prints a report takes ``--json`` and then prints exactly one JSON
@@ -21,7 +24,11 @@ exit code 2, never a traceback; its message never carries key material.
 
 from __future__ import annotations
 
+from ratchet.cli import access as _access  # noqa: F401 - registers ratchet redis ...
+from ratchet.cli import console as _console  # noqa: F401 - registers ratchet console
+from ratchet.cli import drill as _drill  # noqa: F401 - registers the drill command
 from ratchet.cli import fleet as _fleet  # noqa: F401 - registers the fleet commands
+from ratchet.cli import keys as _keys  # noqa: F401 - registers keys rotate/retire/revoke
 from ratchet.cli import local as _local  # noqa: F401 - registers the local commands
 from ratchet.cli.common import app
 

@@ -3,25 +3,28 @@
 Each script is one ``.lua`` file under ``ratchet/leasing/lua/`` whose header names every
 ``KEYS[i]``, every ``ARGV[i]`` with its unit, and every reply.
 
-:class:`ScriptRunner` sends ``SCRIPT LOAD`` once per script and client, then calls
-``EVALSHA`` with the loaded SHA. If the server answers ``NOSCRIPT`` (after ``SCRIPT
-FLUSH``, a restart without the script cache, or a failover to a node that never saw the
-script) it loads the script again and repeats the call once. Repeating is safe: a script
-that was not found did not run. redis-py ``Script`` objects are not used, because inside
-pipelines they add a ``SCRIPT EXISTS`` round trip per execute.
+:class:`ScriptRunner` calls ``EVALSHA`` with the script's SHA-1. Only if the server
+answers ``NOSCRIPT`` (a fresh server, ``SCRIPT FLUSH``, a restart, a failover to a node
+that never saw the script) does it send ``SCRIPT LOAD`` and repeat the call once.
+Repeating is safe: a script that was not found did not run. So a client whose Redis user
+may only ``EVALSHA`` (see :mod:`ratchet.leasing.acl`) works as long as an admin loaded
+the scripts (``RedisStore.load_scripts``); if they are missing it fails with a
+:class:`StoreProtocolError` that says so instead of loading them. redis-py ``Script``
+objects are not used, because inside pipelines they add a ``SCRIPT EXISTS`` round trip
+per execute.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoPermissionError, NoScriptError
 
 from ratchet.errors import StoreProtocolError
 
@@ -45,35 +48,44 @@ class ScriptName(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class LuaScript:
-    name: ScriptName
+    name: StrEnum
     source: str
     sha: str
 
 
-def load_script(name: ScriptName) -> LuaScript:
-    """Read one script from package data and compute its SHA-1 (what Redis names it by)."""
-    source = resources.files("ratchet.leasing").joinpath("lua", f"{name.value}.lua").read_text(
+def load_script(name: StrEnum, package: str = "ratchet.leasing") -> LuaScript:
+    """Read one script from package data and compute its SHA-1 (what Redis names it by).
+
+    The file is ``<package>/lua/<name>.lua``; other ratchet packages that ship scripts
+    (``ratchet.langgraph``) pass their own ``package``.
+    """
+    source = resources.files(package).joinpath("lua", f"{name.value}.lua").read_text(
         encoding="utf-8"
     )
     sha = hashlib.sha1(source.encode("utf-8"), usedforsecurity=False).hexdigest()
     return LuaScript(name=name, source=source, sha=sha)
 
 
-_SCRIPTS: dict[ScriptName, LuaScript] = {name: load_script(name) for name in ScriptName}
+_SCRIPTS: dict[StrEnum, LuaScript] = {name: load_script(name) for name in ScriptName}
 
 
 class ScriptRunner:
-    """Runs ratchet's scripts on one client (a ``redis.Redis``, ``RedisCluster`` or fake)."""
+    """Runs ratchet's scripts on one client (a ``redis.Redis``, ``RedisCluster`` or fake).
 
-    def __init__(self, client: Any) -> None:
+    ``scripts`` names the set it runs (by default the leasing scripts); other packages pass
+    their own scripts, loaded with :func:`load_script`.
+    """
+
+    def __init__(self, client: Any, scripts: Mapping[StrEnum, LuaScript] | None = None) -> None:
         self._client = client
-        self._loaded: set[ScriptName] = set()
+        self._scripts: Mapping[StrEnum, LuaScript] = _SCRIPTS if scripts is None else scripts
+        self._loaded: set[StrEnum] = set()
         self._lock = threading.Lock()
 
     def load_all(self) -> None:
-        """Load every script now (otherwise each is loaded on first use)."""
-        for name in ScriptName:
-            self._load(_SCRIPTS[name])
+        """Load every script now (otherwise each is loaded on its first NOSCRIPT)."""
+        for script in self._scripts.values():
+            self._load(script)
 
     def _load(self, script: LuaScript) -> None:
         # On a cluster client SCRIPT LOAD goes to every primary.
@@ -87,17 +99,24 @@ class ScriptRunner:
         with self._lock:
             self._loaded.add(script.name)
 
-    def run(self, name: ScriptName, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Any:
+    def run(self, name: StrEnum, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Any:
         """Run script ``name`` with ``keys`` and ``args`` and return the raw reply.
 
         Raises redis ConnectionError / TimeoutError as they come (the caller decides what an
-        unknown outcome means) and redis ResponseError for a script error.
+        unknown outcome means), redis ResponseError for a script error (NoPermissionError
+        when the Redis user may not run a command the script issues), and
+        StoreProtocolError when the script is missing and this user may not load it.
         """
-        script = _SCRIPTS[name]
-        if name not in self._loaded:
-            self._load(script)
+        script = self._scripts[name]
         try:
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:
-            self._load(script)
+            try:
+                self._load(script)
+            except NoPermissionError:
+                # A least-privilege user (EVALSHA only) never loads scripts itself.
+                raise StoreProtocolError(
+                    "the script is not loaded on the server and this Redis user may not "
+                    "load it; load the scripts with the admin user "
+                    "(ratchet redis load-scripts)", script=script.name.value) from None
             return self._client.evalsha(script.sha, len(keys), *keys, *args)

@@ -32,6 +32,13 @@ They are hints for the reaper, which re-reads each run's lease before acting.
 
 Clients must not decode responses (checkpoints are bytes). redis-py's own retry may re-send
 an ``EVALSHA`` after a dropped connection; the commit id makes that safe.
+
+Drill hook: ``RedisStore.reply_hook`` (None by default, then it costs one ``is None``
+test per commit) is called as ``hook(run_id, commit_id)`` after the commit script replied
+and before the reply is decoded. Returning True throws the reply away, exactly as if the
+connection had dropped after the script ran (the retry answers ``already_applied``, or,
+if that reply is dropped too, :class:`CommitOutcomeUnknownError`); the hook may also kill
+the process there. Worker failpoints install it (``after_commit_before_reply``).
 """
 
 from __future__ import annotations
@@ -128,6 +135,8 @@ class RedisStore:
         self.history_limit = history_limit
         self.commit_retries = commit_retries
         self.nonce_ttl_s = nonce_ttl_s
+        #: Drill hook ``(run_id, commit_id) -> drop the reply?`` (see the module docstring).
+        self.reply_hook: Callable[[str, str], bool] | None = None
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisStore:
@@ -377,6 +386,9 @@ class RedisStore:
                                          commit_id=commit_id) from exc
             except RedisError as exc:
                 last = exc
+                continue
+            if self.reply_hook is not None and self.reply_hook(run_id, commit_id):
+                last = RedisError("commit reply dropped by a drill hook")
                 continue
             result = decode_commit(reply, lease, commit_id=commit_id, generation=generation,
                                    expected_state_version=expected_state_version)

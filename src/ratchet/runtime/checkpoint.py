@@ -183,6 +183,14 @@ def check_environment(state: RunState, observed: Observation) -> None:
 
 def _check_trust(state: RunState, approvers: TrustRoots | None,
                  reviewers: TrustRoots | None) -> None:
+    """Every approval and decision inside must verify under the supplied trust roots.
+
+    A signer revoked since is accepted here: the evidence was verified when it was used
+    and is sealed under the checkpoint's HMAC, and refusing the whole checkpoint would
+    strand the run and hide that evidence. The one approval that may still authorise an
+    effect, the pending write's, is checked for revocation again right before it would
+    execute (``machine.check_executable``), never trusted from here.
+    """
     approvals = [e.sealed_approval for e in state.trace if e.sealed_approval is not None]
     cases = [*state.closed_reviews, *([state.review] if state.review else [])]
     approvals += [c.pending.approval for c in cases if c.pending.approval is not None]
@@ -197,10 +205,10 @@ def _check_trust(state: RunState, approvers: TrustRoots | None,
     try:
         if approvers is not None:
             for approval in approvals:
-                approvers.verify_approval(approval)
+                approvers.verify_approval(approval, allow_revoked=True)
         if reviewers is not None:
             for decision in decisions:
-                reviewers.verify_review(decision)
+                reviewers.verify_review(decision, allow_revoked=True)
     except EvidenceError as exc:
         raise _fail("trust", f"evidence inside the checkpoint does not verify: {exc.message}",
                     evidence_reason=getattr(exc, "reason", "")) from None

@@ -246,7 +246,8 @@ class RunEngine:
 
     def _execute_pending(self) -> None:
         state = self.state
-        frozen = machine.check_executable(state, self.scenario, now=self.clock.now())
+        frozen = machine.check_executable(state, self.scenario, now=self.clock.now(),
+                                          approvers=self.approvers)
         if frozen is not None:
             self._commit(frozen)
             return

@@ -130,12 +130,14 @@ class TrustRoots:
         return f"TrustRoots(role={self.role!r}, signers={sorted(self.keys)!r})"
 
     def verify(self, domain: bytes, signer: str, claims: Frozen, signature_hex: str,
-               error: type[EvidenceError]) -> None:
+               error: type[EvidenceError], *, allow_revoked: bool = False) -> None:
+        """Verify one signature. ``allow_revoked`` is for sealed, historical evidence that
+        was verified when it was used: a later revocation does not unmake it."""
         key = self.keys.get(signer)
         if key is None:
             raise error(f"unknown {self.role} {signer!r}", reason="unknown_signer",
                         signer=signer)
-        if signer in self.revoked:
+        if signer in self.revoked and not allow_revoked:
             raise error(f"{self.role} {signer!r} is revoked", reason="revoked_signer",
                         signer=signer)
         try:
@@ -144,15 +146,19 @@ class TrustRoots:
             raise error(f"signature by {self.role} {signer!r} does not verify",
                         reason="bad_signature", signer=signer) from None
 
-    def verify_approval(self, evidence: ApprovalEvidence) -> None:
+    def verify_approval(self, evidence: ApprovalEvidence, *,
+                        allow_revoked: bool = False) -> None:
         """Raises ApprovalError (``reason``: unknown_signer, revoked_signer, bad_signature)."""
         self.verify(Domain.APPROVAL, evidence.approver_id, evidence.claims,
-                    evidence.signature, ApprovalError)
+                    evidence.signature, ApprovalError, allow_revoked=allow_revoked)
 
-    def verify_review(self, decision: ReviewDecision) -> None:
+    def verify_review(self, decision: ReviewDecision, *, allow_revoked: bool = False) -> None:
         """Raises ReviewDecisionError (same reasons as :meth:`verify_approval`)."""
         self.verify(Domain.REVIEW, decision.reviewer_id, decision.claims,
-                    decision.signature, ReviewDecisionError)
+                    decision.signature, ReviewDecisionError, allow_revoked=allow_revoked)
+
+    def is_revoked(self, signer: str) -> bool:
+        return signer in self.revoked
 
 
 def sign_approval(private_key: Ed25519PrivateKey, approver_id: str,

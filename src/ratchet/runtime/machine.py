@@ -363,12 +363,14 @@ def attach_approval(state: RunState, scenario: Scenario, evidence: ApprovalEvide
 refresh_pending_approval = attach_approval
 
 
-def check_executable(state: RunState, scenario: Scenario, *, now: int) -> RunState | None:
+def check_executable(state: RunState, scenario: Scenario, *, now: int,
+                     approvers: TrustRoots | None = None) -> RunState | None:
     """Decide whether the pending write may be sent to the adapter now.
 
     Returns None when it may. Otherwise returns the new state: an approval-requiring write
-    whose approval is missing or expired is frozen in ``awaiting_approval`` with the
-    expired evidence still visible.
+    whose approval is missing, expired, or signed by an approver revoked since (checked
+    when ``approvers`` is given) is frozen in ``awaiting_approval`` with the evidence
+    still visible.
     """
     pending = state.pending
     if pending is None or pending.receipt is not None:
@@ -379,11 +381,14 @@ def check_executable(state: RunState, scenario: Scenario, *, now: int) -> RunSta
     if not scenario.needs_approval(pending.action.kind):
         return None
     approval = pending.approval
-    if approval is not None and not approval.claims.expired(
+    revoked = (approval is not None and approvers is not None
+               and approvers.is_revoked(approval.approver_id))
+    if approval is not None and not revoked and not approval.claims.expired(
         now=now, proposals_used=state.usage.proposals
     ):
         return None
-    reason = "approval missing" if approval is None else "approval expired"
+    reason = ("approval missing" if approval is None
+              else "approver revoked" if revoked else "approval expired")
     event = _event(state, now, TraceOutcome.APPROVAL_EXPIRED, action=pending.action,
                    detail={"reason": reason})
     return _with(state, event, phase=transition(state.phase, Event.APPROVAL_NEEDED))

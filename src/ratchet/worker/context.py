@@ -10,7 +10,11 @@ Keys: the checkpoint key ring comes from ``RATCHET_CHECKPOINT_KEY`` (hex, key id
 or ``RATCHET_CHECKPOINT_KEYS_FILE``. On the embedded default only, a missing key is
 generated once into ``<state_dir>/keys/checkpoint.json`` with owner-only permissions; with
 a configured Redis a missing key is a configuration error. Approver and reviewer trust
-roots are JSON files of public keys (``{"id": "<hex>"}``).
+roots are JSON files of public keys (``{"id": "<hex>"}``, revoked signer ids listed under
+``"_revoked"``).
+
+Queue: RQ talks to ``RATCHET_QUEUE_REDIS_URL`` when set (same server, its own Redis user),
+else to ``RATCHET_REDIS_URL``.
 """
 
 from __future__ import annotations
@@ -191,7 +195,11 @@ class Fleet:
             url = ensure_embedded_redis(settings.state_dir)
         client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
         store = RedisStore(client)
-        rq_connection = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+        # The queue may use its own Redis user (RQ needs broad writes on rq:* keys, which
+        # the store's least-privilege user must not have): see ratchet.leasing.acl.
+        rq_url = os.environ.get("RATCHET_QUEUE_REDIS_URL", "").strip() or url
+        rq_connection = redis.Redis.from_url(rq_url, socket_timeout=30,
+                                             socket_connect_timeout=5)
         return cls(settings=settings, url=url, store=store, rq_connection=rq_connection,
                    keyring=load_keyring(settings),
                    approvers=load_trust_roots(settings.approvers_file, "approver"),

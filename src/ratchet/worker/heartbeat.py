@@ -13,6 +13,13 @@ Once lost, it stays lost. :class:`GuardedStore` and :class:`GuardedAdapter` chec
 before every commit and every adapter write, so a worker that cannot prove its lease makes
 no further commit or adapter call; the fences in Redis and in the adapters refuse it
 anyway if a check races with the loss.
+
+Drills (:mod:`ratchet.worker.failpoints`): the heartbeat fires ``during_renewal`` before
+each renewal (``drop-reply`` there: the renewal is sent, its outcome treated as unknown,
+so the lease is lost); the guards fire ``after_guard_before_commit`` and
+``after_guard_before_adapter`` between their check and the call, so a worker paused there
+and resumed after a takeover really sends a stale commit or write, and the fences, not the
+guard, must refuse it. Without failpoints (``tripwires=None``) none of this runs.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from ratchet.runtime import (
     StoredCheckpoint,
     VerifierReport,
 )
+from ratchet.worker import metrics
+from ratchet.worker.failpoints import Failpoints, Tripwires
 
 __all__ = ["GuardedAdapter", "GuardedStore", "Heartbeat"]
 
@@ -46,9 +55,11 @@ class Heartbeat:
 
     def __init__(self, renew: Callable[[], int], *, run_id: str, interval_ms: int,
                  stall_timeout_ms: int, lease_ttl_ms: int, acquired_at: float | None = None,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 failpoints: Failpoints | None = None) -> None:
         """``acquired_at`` is the monotonic time just *before* the acquire call was sent:
         the lease cannot have started earlier, so counting the TTL from it is safe."""
+        self._failpoints = failpoints
         self._renew = renew  # returns the new expiry (Redis ms); raises when not renewed
         self.run_id = run_id
         self._interval = interval_ms / 1000
@@ -102,6 +113,7 @@ class Heartbeat:
         if not self._lost.is_set():
             self.reason = reason
             self._lost.set()
+            metrics.lease_lost(reason)
             log.warning("lease lost", extra={"run_id": self.run_id, "reason": reason})
 
     def _loop(self) -> None:
@@ -113,6 +125,11 @@ class Heartbeat:
                 return
             started = self._monotonic()
             try:
+                if self._failpoints is not None and self._failpoints.renewal():
+                    # The renewal is sent and its reply dropped: never assume it landed.
+                    self._renew()
+                    self._mark_lost("renewal reply lost")
+                    return
                 self._renew()
             except RatchetError as exc:
                 # Refused or unknown outcome: either way the lease cannot be proven.
@@ -122,6 +139,7 @@ class Heartbeat:
                 self._mark_lost(f"renewal failed: {type(exc).__name__}")
                 return
             self.renewals += 1
+            metrics.LEASES_RENEWED.inc()
             # The renewal extended the lease by the TTL from a moment no earlier than
             # when we sent it; count from the send time to stay on the safe side.
             self._valid_until = started + self._ttl
@@ -130,9 +148,11 @@ class Heartbeat:
 class GuardedStore:
     """A ``GenerationStore`` that refuses to commit once the heartbeat has lost the lease."""
 
-    def __init__(self, inner: GenerationStore, heartbeat: Heartbeat) -> None:
+    def __init__(self, inner: GenerationStore, heartbeat: Heartbeat,
+                 tripwires: Tripwires | None = None) -> None:
         self._inner = inner
         self._heartbeat = heartbeat
+        self._tripwires = tripwires
 
     def high_water(self, key: RunKey) -> int:
         return self._inner.high_water(key)
@@ -143,23 +163,33 @@ class GuardedStore:
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
                 nonces: Sequence[str] = ()) -> None:
         self._heartbeat.check()
-        self._inner.advance(key, expected_generation=expected_generation, blob=blob,
-                            nonces=nonces)
+        if self._tripwires is None:
+            self._inner.advance(key, expected_generation=expected_generation, blob=blob,
+                                nonces=nonces)
+        else:
+            self._tripwires.commit(
+                lambda: self._inner.advance(key, expected_generation=expected_generation,
+                                            blob=blob, nonces=nonces),
+                generation=expected_generation + 1, blob=blob)
         self._heartbeat.progress()
 
 
 class GuardedAdapter:
     """An ``Adapter`` that makes no write once the heartbeat has lost the lease."""
 
-    def __init__(self, inner: Adapter, heartbeat: Heartbeat) -> None:
+    def __init__(self, inner: Adapter, heartbeat: Heartbeat,
+                 tripwires: Tripwires | None = None) -> None:
         self._inner = inner
         self._heartbeat = heartbeat
+        self._tripwires = tripwires
 
     @property
     def namespace(self) -> str:
         return self._inner.namespace
 
     def observe(self) -> Observation:
+        if self._tripwires is not None:
+            self._tripwires.observe()
         return self._inner.observe()
 
     def project(self, action: Action, before: Observation) -> Observation | None:
@@ -172,7 +202,11 @@ class GuardedAdapter:
     def execute(self, action: Action, intent_digest: str, fence: Fence,
                 approval_digest: str | None) -> Receipt:
         self._heartbeat.check()
-        return self._inner.execute(action, intent_digest, fence, approval_digest)
+        if self._tripwires is None:
+            return self._inner.execute(action, intent_digest, fence, approval_digest)
+        return self._tripwires.write(
+            lambda: self._inner.execute(action, intent_digest, fence, approval_digest),
+            key=action.idempotency_key, kind=action.kind.value)
 
     def lookup(self, idempotency_key: str) -> Receipt | None:
         return self._inner.lookup(idempotency_key)

@@ -24,7 +24,16 @@ Order of a job, and why:
 A restore that fails closed (tampered checkpoint, drifted environment, rolled-back store,
 a run document or environment that cannot be built) is recorded as the run's incident, the
 lease is released off the index and nothing runs: an operator has to look
-(``ratchet show``).
+(``ratchet show``). The incident keeps the evidence: for an adapter that refused this
+lease's fence (it has seen a newer lease version than Redis now hands out: a rolled-back
+or failed-over store) the fence it was offered and the one it had seen, with the lease
+version and the high-water mark Redis reported. The run is frozen, never continued on the
+rewound state. A high-water mark that could not be *read* (Redis unreachable during the
+restore) is not such evidence: the job ends as ``lease_lost`` and the run is retried.
+
+Drills: with failpoints or ``RATCHET_DRILL_EVENTS`` configured (see
+:mod:`ratchet.worker.failpoints`) the job also logs its lease, its accepted restore, every
+acknowledged commit and any stale attempt after a pause; otherwise none of that runs.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from ratchet.errors import (
     ContractError,
     EvidenceError,
     FenceRejectedError,
+    HighWaterUnavailableError,
     IntegrityError,
     LeaseLostError,
     RatchetError,
@@ -52,9 +62,12 @@ from ratchet.leasing import LeasedRun, LeaseHolder
 from ratchet.runtime import ApprovalEvidence, Phase, ReviewDecision, RunEngine
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.state import TERMINAL_PHASES
+from ratchet.worker import logs, metrics
 from ratchet.worker.agents import AgentView, load_agent
 from ratchet.worker.context import Fleet
+from ratchet.worker.failpoints import EventLog, Failpoints, Tripwires
 from ratchet.worker.heartbeat import GuardedAdapter, GuardedStore, Heartbeat
+from ratchet.worker.observe import ObservedAdapter, ObservedStore, job_ended
 from ratchet.worker.runs import RunDocument, build_adapter, parse_evidence
 
 __all__ = ["STOP", "JobReport", "SystemClock", "execute_run", "run_job"]
@@ -73,6 +86,7 @@ class _Process:
 
     fleet: Fleet | None = None
     probe: Probe | None = None
+    events: EventLog | None = None
 
 
 _PROCESS = _Process()
@@ -101,17 +115,21 @@ class JobReport:
         return asdict(self)
 
 
-def configure(fleet: Fleet, probe: Probe | None = None) -> None:
-    """Set this process's fleet (the pool calls it once per worker process)."""
+def configure(fleet: Fleet, probe: Probe | None = None,
+              events: EventLog | None = None) -> None:
+    """Set this process's fleet, failpoints and drill event log (the pool calls it once
+    per worker process)."""
     _PROCESS.fleet = fleet
     _PROCESS.probe = probe
+    _PROCESS.events = events
 
 
 def run_job(run_id: str) -> dict[str, Any]:
     """The RQ entry point: ``{run_id}`` in, a JSON report out."""
     if _PROCESS.fleet is None:
         _PROCESS.fleet = Fleet.connect()
-    return execute_run(_PROCESS.fleet, run_id, probe=_PROCESS.probe).as_dict()
+    return execute_run(_PROCESS.fleet, run_id, probe=_PROCESS.probe,
+                       events=_PROCESS.events).as_dict()
 
 
 def _owner(fleet: Fleet) -> str:
@@ -119,25 +137,64 @@ def _owner(fleet: Fleet) -> str:
     return f"{base}-{os.getpid()}"
 
 
+def _tripwires(fleet: Fleet, lease: LeasedRun, points: Failpoints | None,
+               events: EventLog | None) -> Tripwires | None:
+    if points is None and events is None:
+        return None
+    if points is not None:
+        points.enter(lease.run_id, lease.lease_version)
+    owner, version, run_id = lease.owner, lease.lease_version, lease.run_id
+
+    def lease_gone() -> bool:
+        return not fleet.store.read_run(run_id).is_held_by(owner, version)
+
+    wires = Tripwires(run_id, version, points, events, lease_gone)
+    wires.emit("acquire", owner=owner)
+    return wires
+
+
 def execute_run(fleet: Fleet, run_id: str, *, probe: Probe | None = None,
-                owner: str | None = None) -> JobReport:
-    """Run one job for ``run_id``. Never raises for outcomes a fleet expects."""
+                owner: str | None = None, events: EventLog | None = None) -> JobReport:
+    """Run one job for ``run_id``. Never raises for outcomes a fleet expects.
+
+    ``events`` (drills only) receives the lease, restore, acknowledged commits and stale
+    attempts of this job. Raises FailpointFired (drills only) and unexpected errors.
+    """
+    report = _execute(fleet, run_id, probe=probe, owner=owner, events=events)
+    job_ended(run_id, outcome=report.outcome, phase=report.phase,
+              lease_version=report.lease_version, generation=report.generation,
+              steps=report.steps)
+    if events is not None:
+        events.emit("job_end", run_id=run_id, outcome=report.outcome, phase=report.phase,
+                    lease_version=report.lease_version, generation=report.generation)
+    return report
+
+
+def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | None,
+             events: EventLog | None) -> JobReport:
     settings = fleet.settings
     owner = owner or _owner(fleet)
+    took_over = metrics.expired_holder(fleet.store, run_id)  # a read, for the metric only
     acquired_at = time.monotonic()
     got = fleet.store.try_acquire(run_id, owner=owner, ttl_ms=settings.lease_ttl_ms)
     if isinstance(got, LeaseHolder):
         return JobReport(run_id, "held_elsewhere", detail=f"held by {got.owner}")
     lease: LeasedRun = got
+    metrics.lease_acquired(took_over=took_over)
     report = JobReport(run_id, "lease_lost", lease_version=lease.lease_version)
+    points = probe if isinstance(probe, Failpoints) else None
+    wires = _tripwires(fleet, lease, points, events)
 
     def renew() -> int:
         return lease.renew().expires_at_ms
 
     heartbeat = Heartbeat(renew, run_id=run_id, interval_ms=settings.renew_interval,
                           stall_timeout_ms=settings.stall_timeout_ms,
-                          lease_ttl_ms=settings.lease_ttl_ms, acquired_at=acquired_at).start()
+                          lease_ttl_ms=settings.lease_ttl_ms, acquired_at=acquired_at,
+                          failpoints=points).start()
     adapter = None
+    log_context = logs.enter_run(run_id, lease_version=lease.lease_version,
+                                 generation=lease.generation)
     try:
         snap = fleet.store.read_run(run_id, with_checkpoint=True, with_scenario=True)
         try:
@@ -147,10 +204,19 @@ def execute_run(fleet: Fleet, run_id: str, *, probe: Probe | None = None,
             adapter = build_adapter(document)
             engine = RunEngine.resume(
                 snap.checkpoint, scenario=document.scenario, keyring=fleet.keyring,
-                adapter=GuardedAdapter(adapter, heartbeat), store=GuardedStore(lease, heartbeat),
+                adapter=GuardedAdapter(ObservedAdapter(adapter), heartbeat, wires),
+                store=GuardedStore(ObservedStore(lease, run_id), heartbeat, wires),
                 clock=SystemClock(), approvers=fleet.approvers, reviewers=fleet.reviewers,
                 lease_version=lease.lease_version, probe=probe)
-        except (IntegrityError, FenceRejectedError, ConfigurationError, ContractError) as exc:
+        except IntegrityError as exc:
+            if isinstance(exc.__context__, HighWaterUnavailableError) and (
+                    exc.__context__.context.get("cause") == "StoreUnavailableError"):
+                # Redis could not be read mid-restore: no evidence of anything; retry.
+                report.outcome, report.detail = "lease_lost", "store: high water unreadable"
+                return report
+            _refuse(fleet, lease, report, exc)
+            return report
+        except (FenceRejectedError, ConfigurationError, ContractError) as exc:
             # Failing closed: nothing about this run can be trusted or built as it is.
             # Retrying would fail the same way, so it leaves the reaper's index.
             _refuse(fleet, lease, report, exc)
@@ -165,6 +231,10 @@ def execute_run(fleet: Fleet, run_id: str, *, probe: Probe | None = None,
             report.outcome, report.phase = "terminal", engine.state.phase.value
             report.generation = engine.generation
             return report
+        restored_seq = engine.state.trace[-1].seq
+        if wires is not None:
+            wires.emit("restore", generation=engine.generation,
+                       phase=engine.state.phase.value)
         recovered = engine.reconcile()
         if recovered.window is not None and engine.state.trace[-1].seq > 1:
             report.windows.append(recovered.window.value)
@@ -172,6 +242,7 @@ def execute_run(fleet: Fleet, run_id: str, *, probe: Probe | None = None,
         _consume_inbox(fleet, engine)
         _step(fleet, engine, document, heartbeat, report)
         report.phase, report.generation = engine.state.phase.value, engine.generation
+        metrics.observe_trace(engine.state, since_seq=restored_seq)
         _finish(lease, engine, report)
     except (LeaseLostError, FenceRejectedError) as exc:
         # No further commit or adapter call: the lease expires, the reaper hands it on.
@@ -184,6 +255,7 @@ def execute_run(fleet: Fleet, run_id: str, *, probe: Probe | None = None,
         report.outcome, report.detail = "lease_lost", f"store: {type(exc).__name__}"
     finally:
         heartbeat.stop()
+        logs.leave_run(log_context)
         if adapter is not None:
             close = getattr(adapter, "close", None)
             if callable(close):
@@ -276,9 +348,17 @@ def _refuse(fleet: Fleet, lease: LeasedRun, report: JobReport, exc: RatchetError
     reason = str(getattr(exc, "reason", "") or type(exc).__name__)
     report.outcome, report.detail = "restore_refused", f"{reason}: {exc.message}"
     log.error("restore refused", extra={"run_id": lease.run_id, "reason": reason})
+    record: dict[str, Any] = {"kind": "restore_refused", "reason": reason,
+                              "message": exc.message, "lease_version": lease.lease_version,
+                              "high_water": lease.generation}
+    # The evidence an operator (and a drill's checker) needs: what the adapter had seen
+    # against what it was offered, or what the environment check compared.
+    evidence = {name: exc.context[name] for name in
+                ("fence", "seen", "expected", "observed", "generation", "high_water")
+                if name in exc.context}
+    if evidence:
+        record["evidence"] = evidence
     try:
-        fleet.store.record_incident(lease.run_id, {"kind": "restore_refused",
-                                                   "reason": reason, "message": exc.message,
-                                                   "lease_version": lease.lease_version})
+        fleet.store.record_incident(lease.run_id, record)
     finally:
         lease.release()

@@ -27,9 +27,9 @@ from typing import Any
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
-from ratchet.worker import job
+from ratchet.worker import job, logs, metrics
 from ratchet.worker.context import Fleet, ensure_embedded_redis
-from ratchet.worker.failpoints import probe_from_env
+from ratchet.worker.failpoints import events_from_env, probe_from_env
 from ratchet.worker.reaper import Reaper
 from ratchet.worker.settings import Settings
 
@@ -48,13 +48,18 @@ class RatchetWorker(SimpleWorker):
 
 def worker_main(settings_json: str, index: int, burst: bool = False) -> None:
     """Entry point of one worker process."""
-    logging.basicConfig(level=os.environ.get("RATCHET_LOG_LEVEL", "INFO").upper(),
-                        stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # Text by default, JSON lines with RATCHET_LOG_FORMAT=json; level RATCHET_LOG_LEVEL.
+    logs.configure_logging(stream=sys.stderr)
     settings = Settings.model_validate_json(settings_json)
     fleet = Fleet.connect(settings)
-    job.configure(fleet, probe_from_env())
+    points = probe_from_env()
+    if points is not None:
+        # Drills: the store lets the failpoints drop or kill at a commit's reply.
+        fleet.store.reply_hook = points.commit_reply
+    job.configure(fleet, points, events_from_env())
     base = settings.worker_name or socket.gethostname().split(".")[0] or "worker"
+    logs.set_worker_id(f"{base}-{os.getpid()}")  # the lease owner id of this process
+    metrics.serve_metrics(index)  # RATCHET_METRICS_PORT + index, if set
     reaper = Reaper(fleet.store, fleet.enqueue, interval_ms=settings.reaper_interval_ms).start()
     worker = RatchetWorker([fleet.queue], connection=fleet.rq_connection,
                            serializer=JSONSerializer, name=f"{base}-{os.getpid()}-{index}")

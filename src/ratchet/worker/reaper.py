@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ratchet.errors import RatchetError
 from ratchet.leasing import RedisStore
+from ratchet.worker import metrics
 
 __all__ = ["ReapResult", "Reaper", "reap_once"]
 
@@ -54,9 +55,23 @@ def reap_once(store: RedisStore, enqueue: Callable[[str], object], *, limit: int
         enqueue(run_id)
         enqueued.append(run_id)
         store.drop_expiry_entry(run_id, score)
-        log.info("re-enqueued", extra={"run_id": run_id,
-                                       "lease_version": claim.lease_version})
+        cause, generation = _cause(store, run_id)
+        metrics.REAPER_REQUEUES.labels(cause=cause).inc()
+        log.info("re-enqueued", extra={"run_id": run_id, "cause": cause,
+                                       "lease_version": claim.lease_version,
+                                       "generation": generation})
     return ReapResult(len(entries), tuple(enqueued))
+
+
+def _cause(store: RedisStore, run_id: str) -> tuple[str, int | None]:
+    """Why a re-enqueued run was on the index: its holder let the lease expire (the owner
+    is still named: it died, stalled or was paused) or released it for reaping. For
+    metrics and logs only; never raises."""
+    try:
+        snap = store.read_run(run_id)
+    except RatchetError:
+        return "unknown", None
+    return ("lease_expired" if snap.owner else "released"), snap.generation
 
 
 class Reaper:

@@ -1,0 +1,787 @@
+"""Durable steps per second: ratchet against DBOS and LangGraph, each step one external write.
+
+A *durable step* here is one external write that a crash cannot lose or repeat unnoticed:
+the runtime knows, after any crash, whether the write happened. Every contender performs
+the same write, an append of a ~512 B record (idempotency key + payload) to a ledger file
+followed by ``fdatasync`` (one fsync'd append; see "The write" below), and runs in one
+process:
+
+* **ratchet**: a real :class:`~ratchet.runtime.RunEngine` on Redis (its own
+  ``redis-server``, ``appendonly yes`` + ``appendfsync always``). Each run is created with
+  ``RunEngine.start`` through ``RedisStore.creator``, its lease is acquired, then
+  ``RunEngine.resume`` takes the :class:`~ratchet.leasing.LeasedRun` as its store and the
+  run proposes ``external_call`` writes. One step = pending-intent commit, the adapter's
+  fsync'd append, receipt commit, state commit: **three** fenced, signed commits (counted
+  from the generation high-water mark, reported as ``ratchet_commits_per_step``).
+* **DBOS**: a ``@DBOS.workflow()`` calling a ``@DBOS.step()`` that performs the write, on
+  the machine's PostgreSQL (system database ``ratchet_bench_dbos``, created by DBOS).
+* **LangGraph**: a graph whose node performs the write and loops back to itself, with
+  ``SqliteSaver`` on a file database (WAL, ``synchronous=FULL``), invoked with
+  ``durability="sync"`` (every superstep's checkpoint is written before the next starts).
+
+All three run the same shape of work: runs (workflows, graph threads) of ``--steps-per-run``
+writes each, back to back; a run's set-up (creating the run, the workflow record, the
+graph's input checkpoint) is inside the timing. Rates are steps of completed runs divided
+by elapsed time. Rounds are interleaved (every round runs every contender, in rotating
+order, each in its own long-lived process, so DBOS's and LangGraph's background threads
+never share a process with ratchet); each figure is the **median** of its rounds, the
+same rule for every contender (the best round is reported beside it).
+
+The write. Ratchet's adapter (:class:`LedgerAdapter`, below) keeps its receipts in the
+same ledger: one record per write, written and ``fdatasync``'d before the receipt is
+returned, so the adapter can answer ``lookup(key)`` after a crash by re-reading the file.
+That is the whole effect, for every contender. The repository's ``WorkspaceAdapter``
+(SQLite journal with intent and receipt rows, temp file, rename, directory fsync: four
+fsyncs and two directory scans per write) would be a realistic file adapter, but its cost
+would dominate every contender equally and hide the runtimes' own costs;
+``--effect workspace`` runs all three on it instead, for comparison.
+
+A contender that cannot run (package missing, PostgreSQL unreachable) is reported as null
+with the reason. ``--json`` prints one JSON object.
+
+    python benchmarks/durable_steps.py [--rounds 5] [--seconds 2.5] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, TypedDict
+
+PAYLOAD_BYTES = 512
+STEPS_PER_RUN = 20
+SECRET = b"benchmark-only-checkpoint-key-0123456789abcdef"
+PG_URL = "postgresql://postgres@127.0.0.1:5432/ratchet_bench_dbos"
+PG_PROBE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+OPERATION = "append-record"
+CONTENDERS = ("ratchet", "dbos", "langgraph")
+SETUP_TIMEOUT_S = 90.0
+
+
+def payload_text(size: int = PAYLOAD_BYTES) -> str:
+    """A fixed printable payload of ``size`` bytes (the same for every contender)."""
+    seed = hashlib.sha256(b"ratchet-bench-payload").hexdigest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+# -- the write ------------------------------------------------------------------------------
+
+
+class Ledger:
+    """An append-only file; every record is written and ``fdatasync``'d before returning."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.records = 0
+
+    def append(self, record: bytes) -> int:
+        os.write(self._fd, record)
+        os.fdatasync(self._fd)
+        self.records += 1
+        return self.records
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def ledger_record(kind: str, key: str, body: str, **extra: Any) -> bytes:
+    return json.dumps({"t": kind, "k": key, "b": body, **extra},
+                      separators=(",", ":")).encode() + b"\n"
+
+
+class LedgerAdapter:
+    """A ratchet adapter whose writes are fsync'd appends to a :class:`Ledger`.
+
+    Receipts and fences are records in the ledger itself (authoritative after a crash: a
+    restart re-reads the file), cached in memory for lookups. The environment is the
+    ledger: its version counts writes, its fingerprint chains them, so ``project`` can
+    predict the one-commit state of a write before it happens.
+    """
+
+    namespace = "ledger"
+
+    def __init__(self, ledger: Ledger, instance_id: str) -> None:
+        from ratchet.runtime import Receipt
+
+        self._ledger = ledger
+        self._instance = instance_id
+        self._version = 0
+        self._fingerprint = hashlib.sha256(instance_id.encode()).hexdigest()
+        self._fences: dict[str, tuple[int, int]] = {}
+        self._receipts: dict[str, Receipt] = {}
+        self.writes = 0
+
+    @staticmethod
+    def _chain(fingerprint: str, key: str, intent: str) -> str:
+        return hashlib.sha256(f"{fingerprint}|{key}|{intent}".encode()).hexdigest()
+
+    def observe(self) -> Any:
+        from ratchet.runtime import Observation
+
+        return Observation(instance_id=self._instance, version=self._version,
+                           fingerprint=self._fingerprint)
+
+    def project(self, action: Any, before: Any) -> Any:
+        from ratchet.runtime import ActionKind, Observation
+
+        if action.kind is not ActionKind.EXTERNAL_CALL or before.version != self._version \
+                or before.fingerprint != self._fingerprint:
+            return None
+        return Observation(instance_id=self._instance, version=self._version + 1,
+                           fingerprint=self._chain(self._fingerprint,
+                                                   action.idempotency_key or "",
+                                                   action.intent_digest))
+
+    def raise_fence(self, fence: Any) -> None:
+        from ratchet.errors import FenceRejectedError
+
+        seen = self._fences.get(fence.run_id)
+        if seen is not None and fence.key() < seen:
+            raise FenceRejectedError("fence is older than one already seen",
+                                     run_id=fence.run_id, fence=fence.key(), seen=seen)
+        self._ledger.append(ledger_record("fence", fence.run_id, "",
+                                          fence=list(fence.key())))
+        self._fences[fence.run_id] = fence.key()
+
+    def execute(self, action: Any, intent_digest: str, fence: Any,
+                approval_digest: str | None) -> Any:
+        from ratchet.errors import AdapterError, FenceRejectedError, IdempotencyConflictError
+        from ratchet.runtime import ActionKind, Receipt
+
+        if action.kind is not ActionKind.EXTERNAL_CALL or action.idempotency_key is None:
+            raise AdapterError("the ledger takes keyed external_call writes only",
+                               retryable=False)
+        seen = self._fences.get(fence.run_id)
+        if seen is not None and fence.key() < seen:
+            raise FenceRejectedError("fence is older than one already seen",
+                                     run_id=fence.run_id, fence=fence.key(), seen=seen)
+        key = action.idempotency_key
+        existing = self._receipts.get(key)
+        if existing is not None:
+            if existing.intent_digest == intent_digest:
+                return existing
+            raise IdempotencyConflictError("key was used for another intent",
+                                           idempotency_key=key, receipt=existing)
+        if action.expected_env_version != self._version:
+            raise AdapterError("the ledger moved since the action was planned",
+                               retryable=False)
+        offset = self._ledger.append(ledger_record(
+            "write", key, action.args["body"], intent=intent_digest,
+            fence=list(fence.key()), run=fence.run_id))
+        self._fingerprint = self._chain(self._fingerprint, key, intent_digest)
+        self._version += 1
+        self._fences[fence.run_id] = max(seen or fence.key(), fence.key())
+        receipt = Receipt(namespace=self.namespace, receipt_version=1,
+                          receipt_id=f"rc-{self._version}", idempotency_key=key,
+                          intent_digest=intent_digest, result={"offset": offset},
+                          committed_at=int(time.time()), env_version_after=self._version,
+                          approval_digest=approval_digest)
+        self._receipts[key] = receipt
+        self.writes += 1
+        return receipt
+
+    def lookup(self, idempotency_key: str) -> Any:
+        return self._receipts.get(idempotency_key)
+
+    def read(self, action: Any) -> Any:
+        from ratchet.errors import AdapterError
+
+        raise AdapterError("the ledger has no reads", retryable=False)
+
+    def verify(self, target: str) -> Any:
+        from ratchet.errors import AdapterError
+
+        raise AdapterError("the ledger has no verifier", retryable=False)
+
+
+class WorkspaceEffect:
+    """``--effect workspace``: the same write through the repository's WorkspaceAdapter
+    (intent row, temp file, rename, receipt row), for the peers that have no adapter."""
+
+    def __init__(self, root: Path) -> None:
+        from ratchet.adapters.workspace import WorkspaceAdapter
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.adapter = WorkspaceAdapter(root, ["data"])
+        self._lease = 0
+
+    def write(self, key: str, body: str, index: int) -> None:
+        from ratchet.runtime import Action, Fence
+
+        version = self.adapter.observe().version
+        action = Action.model_validate({
+            "action_id": f"a-{index}", "kind": "write_file", "risk": "reversible_write",
+            "args": {"path": f"data/f{index % 8}.txt", "content": body},
+            "idempotency_key": key, "expected_env_version": version,
+            "deadline_at": int(time.time()) + 600})
+        self._lease += 1
+        self.adapter.execute(action, action.intent_digest,
+                             Fence(run_id="peer", lease_version=1, state_version=self._lease),
+                             None)
+
+
+# -- contenders -----------------------------------------------------------------------------
+
+
+@dataclass
+class Contender:
+    """One contender inside its process: ``run_once(n)`` performs one run of writes and
+    returns the number of steps it completed; ``info`` is reported with the figures."""
+
+    run_once: Callable[[int], int]
+    info: dict[str, Any] = field(default_factory=dict)
+    finish: Callable[[], dict[str, Any]] = dict
+    breakdown: Callable[[int], dict[str, Any]] | None = None
+
+
+def _scenario(steps: int, effect: str) -> Any:
+    from ratchet.runtime import Scenario
+
+    kinds = ["external_call", "finish"] if effect == "ledger" else ["write_file", "finish"]
+    return Scenario.model_validate({
+        "schema_version": 1, "task_id": "bench-steps", "task_version": "1",
+        "policy_id": "bench", "policy_version": "1",
+        "permissions": kinds,
+        "allowed_paths": ["data"],
+        "allowed_verifier_targets": ["unit"],
+        "allowed_operations": [OPERATION],
+        "approval_required": [],
+        # Budgets fit the run: each run proposes exactly ``steps`` writes.
+        "budgets": {"proposals": steps + 5, "steps": steps + 5,
+                    "wall_clock_seconds": 3600, "cost_units": 0},
+        "initial_files": {},
+        "verifier": {"target": "unit", "expected_files": {}},
+    })
+
+
+class _Clock:
+    def now(self) -> int:
+        return int(time.time())
+
+
+def _ratchet(url: str, work: Path, steps: int, effect: str) -> Contender:
+    from ratchet.leasing import RedisStore
+    from ratchet.runtime import KeyRing, RunEngine, TraceOutcome, derive_idempotency_key
+    from ratchet.runtime.canonical import model_json
+
+    store = RedisStore.from_url(url)
+    store.load_scripts()
+    keyring = KeyRing.from_secrets({"k1": SECRET}, signing_kid="k1")
+    scenario = _scenario(steps, effect)
+    scenario_bytes = model_json(scenario)
+    clock = _Clock()
+    body = payload_text()
+    ledger = Ledger(work / "ratchet-ledger.log")
+    adapter: Any
+    if effect == "ledger":
+        adapter = LedgerAdapter(ledger, "ledger-ratchet")
+    else:
+        adapter = WorkspaceEffect(work / "ratchet-ws").adapter
+    owner = f"bench-{os.getpid()}"
+    tag = f"{os.getpid()}-{os.urandom(3).hex()}"
+    stats: dict[str, Any] = {"commits_in_steps": 0, "steps": 0, "runs": 0,
+                             "checkpoint_bytes_end": 0, "checkpoint_bytes_start": 0,
+                             "generation_end": 0}
+
+    def action(engine: Any, run_id: str, index: int) -> dict[str, Any]:
+        state = engine.state
+        key = derive_idempotency_key(run_id, index)
+        if effect == "ledger":
+            kind, risk = "external_call", "irreversible_external_write"
+            args = {"operation": OPERATION, "body": body}
+        else:
+            kind, risk = "write_file", "reversible_write"
+            args = {"path": f"data/f{index % 8}.txt", "content": body}
+        return {"action_id": f"a-{state.next_seq}", "kind": kind, "risk": risk, "args": args,
+                "idempotency_key": key, "expected_env_version": state.environment.version,
+                "deadline_at": clock.now() + 600}
+
+    def run_once(n: int) -> int:
+        run_id = f"bench-{tag}-{n}"
+        first = RunEngine.start(run_id, scenario=scenario, keyring=keyring, adapter=adapter,
+                                store=store.creator(scenario_bytes), clock=clock)
+        lease = store.acquire(run_id, owner=owner, ttl_ms=600_000)
+        if lease is None:
+            raise RuntimeError("could not acquire the benchmark run's lease")
+        engine = RunEngine.resume(first.checkpoint, scenario=scenario, keyring=keyring,
+                                  adapter=adapter, store=lease, clock=clock,
+                                  lease_version=lease.lease_version)
+        engine.reconcile()
+        stats["checkpoint_bytes_start"] = len(engine.checkpoint)
+        before = engine.generation
+        for index in range(steps):
+            result = engine.propose(action(engine, run_id, index),
+                                    agent_state={"cursor": index, "plan_length": steps})
+            if result.outcome is not TraceOutcome.EXECUTED:
+                raise RuntimeError(f"step {index} ended {result.outcome.value}")
+        stats["commits_in_steps"] += engine.generation - before
+        stats["steps"] += steps
+        stats["runs"] += 1
+        stats["checkpoint_bytes_end"] = len(engine.checkpoint)
+        stats["generation_end"] = engine.generation
+        lease.release()
+        return steps
+
+    def breakdown(runs: int) -> dict[str, Any]:
+        return _ratchet_breakdown(run_once, runs, steps)
+
+    def finish() -> dict[str, Any]:
+        s = stats
+        return {
+            "commits_per_step": round(s["commits_in_steps"] / s["steps"], 3) if s["steps"]
+            else None,
+            "commits_per_run": s["generation_end"],
+            "checkpoint_bytes_first_step": s["checkpoint_bytes_start"],
+            "checkpoint_bytes_end_of_run": s["checkpoint_bytes_end"],
+            "runs": s["runs"],
+            "redis_appendfsync": _config(store.client, "appendfsync"),
+        }
+
+    return Contender(run_once, {"adapter": type(adapter).__name__}, finish, breakdown)
+
+
+def _config(client: Any, name: str) -> str | None:
+    reply = client.config_get(name)
+    value = reply.get(name, reply.get(name.encode()))
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ratchet_breakdown(run_once: Callable[[int], int], runs: int,
+                       steps: int) -> dict[str, Any]:
+    """Where a ratchet step's time goes: time the parts by wrapping them in this process
+    (outside the timed rounds). Microseconds per step, averaged over ``runs`` runs."""
+    import ratchet.runtime.engine as engine_mod
+    from ratchet.leasing import LeasedRun
+    from ratchet.runtime import machine
+
+    spent: dict[str, float] = {"step_total": 0.0, "seal_checkpoint": 0.0,
+                               "redis_commit": 0.0, "adapter_execute": 0.0,
+                               "adapter_observe": 0.0, "machine_transitions": 0.0}
+    originals: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, bucket: str) -> None:
+        original = getattr(owner, name)
+        originals.append((owner, name, original))
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[bucket] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    wrap(engine_mod.RunEngine, "propose", "step_total")
+    wrap(engine_mod, "seal_checkpoint", "seal_checkpoint")
+    wrap(LeasedRun, "advance", "redis_commit")
+    wrap(LedgerAdapter, "execute", "adapter_execute")
+    wrap(LedgerAdapter, "observe", "adapter_observe")
+    for name in ("propose", "record_receipt", "complete_write"):  # propose calls project
+        wrap(machine, name, "machine_transitions")
+    try:
+        start = time.perf_counter()
+        total_steps = sum(run_once(10_000_000 + i) for i in range(runs))
+        elapsed = time.perf_counter() - start
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+    per_step = {k: round(v / total_steps * 1e6, 1) for k, v in spent.items()}
+    per_step["engine_other"] = round(per_step["step_total"] - sum(
+        v for k, v in per_step.items() if k != "step_total"), 1)
+    per_step["run_setup_amortized"] = round(elapsed / total_steps * 1e6
+                                            - per_step["step_total"], 1)
+    per_step["runs"] = runs
+    per_step["steps_per_run"] = steps
+    return per_step
+
+
+def _dbos(work: Path, steps: int, effect: str) -> Contender:
+    import psycopg
+
+    try:  # a clear reason when PostgreSQL is not there, before DBOS tries
+        psycopg.connect(PG_PROBE_URL, connect_timeout=3).close()
+    except psycopg.Error as exc:
+        raise _Unavailable(f"PostgreSQL at 127.0.0.1:5432 unreachable: "
+                           f"{type(exc).__name__}: {str(exc).strip()[:200]}") from None
+    import logging
+
+    from dbos import DBOS
+
+    body = payload_text()
+    ledger = Ledger(work / "dbos-ledger.log")
+    workspace = WorkspaceEffect(work / "dbos-ws") if effect == "workspace" else None
+
+    @DBOS.step()
+    def write(key: str, index: int) -> int:
+        if workspace is not None:
+            workspace.write(key, body, index)
+            return index
+        return ledger.append(ledger_record("write", key, body))
+
+    @DBOS.workflow()
+    def run_workflow(run: str, count: int) -> int:
+        for index in range(count):
+            write(f"{run}-{index}", index)
+        return count
+
+    DBOS(config={"name": "ratchet-bench", "system_database_url": PG_URL,
+                 "log_level": "WARNING"})
+    DBOS.launch()
+    logging.getLogger("dbos").setLevel(logging.WARNING)
+    tag = f"{os.getpid()}"
+
+    def run_once(n: int) -> int:
+        return int(run_workflow(f"d{tag}-{n}", steps))
+
+    def finish() -> dict[str, Any]:
+        with psycopg.connect(PG_PROBE_URL, connect_timeout=3) as conn:
+            row = conn.execute("SHOW synchronous_commit").fetchone()
+        DBOS.destroy()
+        return {"postgres_synchronous_commit": row[0] if row else None}
+
+    import dbos as dbos_pkg
+
+    return Contender(run_once, {"dbos_version": getattr(dbos_pkg, "__version__", None)
+                                or _dist_version("dbos")}, finish)
+
+
+def _langgraph(work: Path, steps: int, effect: str) -> Contender:
+    import sqlite3
+    import uuid
+
+    from langgraph.checkpoint.sqlite import SqliteSaver
+    from langgraph.graph import END, START, StateGraph
+
+    body = payload_text()
+    ledger = Ledger(work / "langgraph-ledger.log")
+    workspace = WorkspaceEffect(work / "langgraph-ws") if effect == "workspace" else None
+
+    def write(state: _GraphState) -> dict[str, Any]:
+        index = state["count"]
+        key = f"{state['run']}-{index}"
+        if workspace is not None:
+            workspace.write(key, body, index)
+            offset = index
+        else:
+            offset = ledger.append(ledger_record("write", key, body))
+        return {"count": index + 1, "last": offset}
+
+    def again(state: _GraphState) -> str:
+        return "write" if state["count"] < state["limit"] else END
+
+    graph = StateGraph(_GraphState)
+    graph.add_node("write", write)
+    graph.add_edge(START, "write")
+    graph.add_conditional_edges("write", again)
+    conn = sqlite3.connect(str(work / "langgraph.sqlite"), check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    saver = SqliteSaver(conn)
+    calls = {"put": 0, "put_writes": 0}
+    put, put_writes = saver.put, saver.put_writes
+
+    def counted_put(*args: Any, **kwargs: Any) -> Any:
+        calls["put"] += 1
+        return put(*args, **kwargs)
+
+    def counted_put_writes(*args: Any, **kwargs: Any) -> Any:
+        calls["put_writes"] += 1
+        return put_writes(*args, **kwargs)
+
+    saver.put = counted_put  # type: ignore[method-assign]
+    saver.put_writes = counted_put_writes  # type: ignore[method-assign]
+    app = graph.compile(checkpointer=saver)
+    done = {"steps": 0}
+
+    def run_once(n: int) -> int:
+        thread = uuid.uuid4().hex
+        out = app.invoke({"run": thread, "count": 0, "limit": steps, "last": 0},
+                         {"configurable": {"thread_id": thread},
+                          "recursion_limit": steps + 10},
+                         durability="sync")
+        if out["count"] != steps:
+            raise RuntimeError(f"the graph stopped after {out['count']} steps")
+        done["steps"] += steps
+        return steps
+
+    def finish() -> dict[str, Any]:
+        n = done["steps"] or 1
+        conn.close()
+        return {"checkpointer_writes_per_step": round((calls["put"] + calls["put_writes"])
+                                                      / n, 3),
+                "sqlite_journal_mode": "wal", "sqlite_synchronous": "full"}
+
+    return Contender(run_once, {"langgraph_version": _dist_version("langgraph")}, finish)
+
+
+class _GraphState(TypedDict):
+    """The LangGraph contender's state: which run, how far, the last ledger offset."""
+
+    run: str
+    count: int
+    limit: int
+    last: int
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+class _Unavailable(Exception):  # noqa: N818 - a signal, reported as the reason
+    """The contender cannot run on this machine; the message is the reason."""
+
+
+def _build(name: str, url: str, work: Path, steps: int, effect: str) -> Contender:
+    if name == "ratchet":
+        return _ratchet(url, work, steps, effect)
+    try:
+        if name == "dbos":
+            return _dbos(work, steps, effect)
+        return _langgraph(work, steps, effect)
+    except ImportError as exc:
+        extra = "dbos" if name == "dbos" else "langgraph"
+        raise _Unavailable(f"{extra} is not installed ({exc.name or exc}); "
+                           f"pip install -e '.[bench]'") from None
+
+
+def _child(name: str, url: str, work: str, steps: int, effect: str,
+           conn: Connection) -> None:
+    """A contender's process: set up, then run rounds on the parent's command."""
+    os.dup2(2, 1)  # libraries that log to stdout must not mix into the parent's JSON
+    try:
+        contender = _build(name, url, Path(work), steps, effect)
+        contender.run_once(-1)  # warm-up run (imports, caches, connections)
+    except _Unavailable as exc:
+        conn.send(("unavailable", str(exc)))
+        return
+    except Exception as exc:
+        conn.send(("unavailable", f"set-up failed: {type(exc).__name__}: {exc}"[:500]))
+        return
+    conn.send(("ready", contender.info))
+    n = 0
+    while True:
+        if not conn.poll(SETUP_TIMEOUT_S * 4):
+            return  # the parent went away
+        command, arg = conn.recv()
+        try:
+            if command == "round":
+                count, start = 0, time.perf_counter()
+                end = start + float(arg)
+                while time.perf_counter() < end:
+                    count += contender.run_once(n)
+                    n += 1
+                conn.send(("done", (count, time.perf_counter() - start)))
+            elif command == "breakdown":
+                result = contender.breakdown(int(arg)) if contender.breakdown else None
+                conn.send(("done", result))
+            else:
+                conn.send(("done", contender.finish()))
+                return
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n"
+                                f"{traceback.format_exc(limit=4)}"[:2000]))
+            return
+
+
+# -- the parent -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Proc:
+    name: str
+    proc: Any
+    conn: Connection
+    reason: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    rates: list[float] = field(default_factory=list)
+    steps: int = 0
+
+    def ask(self, command: str, arg: Any, timeout_s: float) -> Any:
+        self.conn.send((command, arg))
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"{self.name}: no answer to {command} in {timeout_s:.0f} s")
+        status, value = self.conn.recv()
+        if status != "done":
+            raise RuntimeError(f"{self.name}: {value}")
+        return value
+
+
+def run(*, rounds: int, seconds: float, steps: int, effect: str,
+        breakdown_runs: int) -> dict[str, Any]:
+    """Start Redis and the contenders, run interleaved rounds, return the report."""
+    from ratchet.leasing import RedisServer
+
+    started = time.monotonic()
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="ratchet-steps-") as tmp:
+        work = Path(tmp)
+        server = RedisServer(work / "redis", appendonly=True, appendfsync="always")
+        procs: list[_Proc] = []
+        with server:
+            redis_version = server.client().info("server").get("redis_version")
+            try:
+                for name in CONTENDERS:
+                    parent, child = ctx.Pipe()
+                    proc = ctx.Process(target=_child, daemon=True,
+                                       args=(name, server.url, str(work), steps, effect, child))
+                    proc.start()
+                    procs.append(_Proc(name, proc, parent))
+                for p in procs:  # set-up runs in parallel; each answer has a deadline
+                    if not p.conn.poll(SETUP_TIMEOUT_S):
+                        p.reason = f"set-up took longer than {SETUP_TIMEOUT_S:.0f} s"
+                        continue
+                    status, value = p.conn.recv()
+                    if status == "ready":
+                        p.info = value
+                    else:
+                        p.reason = str(value)
+                live = [p for p in procs if p.reason is None]
+                if not any(p.name == "ratchet" for p in live):
+                    reason = next(p.reason for p in procs if p.name == "ratchet")
+                    raise RuntimeError(f"ratchet could not run: {reason}")
+                for r in range(rounds):
+                    order = live[r % len(live):] + live[:r % len(live)]
+                    for p in order:
+                        count, elapsed = p.ask("round", seconds, seconds + 120)
+                        p.rates.append(count / elapsed)
+                        p.steps += count
+                ratchet = next(p for p in live if p.name == "ratchet")
+                breakdown = (ratchet.ask("breakdown", breakdown_runs, 120)
+                             if effect == "ledger" and breakdown_runs else None)
+                for p in live:
+                    p.info.update(p.ask("finish", None, 60))
+            finally:
+                for p in procs:
+                    p.proc.join(timeout=10)
+                    if p.proc.is_alive():
+                        p.proc.kill()
+                        p.proc.join(timeout=5)
+    return _report(procs, rounds=rounds, seconds=seconds, steps=steps, effect=effect,
+                   breakdown=breakdown, redis_version=redis_version,
+                   elapsed=time.monotonic() - started)
+
+
+def _report(procs: list[_Proc], *, rounds: int, seconds: float, steps: int, effect: str,
+            breakdown: dict[str, Any] | None, redis_version: str | None,
+            elapsed: float) -> dict[str, Any]:
+    by = {p.name: p for p in procs}
+    report: dict[str, Any] = {}
+    for name in CONTENDERS:
+        p = by[name]
+        rate = statistics.median(p.rates) if p.rates else None
+        report[f"{name}_steps_per_s"] = round(rate, 1) if rate is not None else None
+        report[f"{name}_steps_per_s_best"] = round(max(p.rates), 1) if p.rates else None
+        report[f"{name}_steps_per_s_rounds"] = [round(x, 1) for x in p.rates]
+        report[f"{name}_us_per_step"] = round(1e6 / rate, 1) if rate else None
+        report[f"{name}_reason"] = p.reason
+    ours = report["ratchet_steps_per_s"]
+    for peer in ("dbos", "langgraph"):
+        theirs = report[f"{peer}_steps_per_s"]
+        report[f"ratio_vs_{peer}"] = round(ours / theirs, 3) if ours and theirs else None
+    report["goal_vs_dbos"] = 1.5
+    report["goal_vs_langgraph"] = 1.0
+    report["goal_vs_dbos_met"] = (None if report["ratio_vs_dbos"] is None
+                                  else report["ratio_vs_dbos"] >= 1.5)
+    report["goal_vs_langgraph_met"] = (None if report["ratio_vs_langgraph"] is None
+                                       else report["ratio_vs_langgraph"] >= 1.0)
+    r = by["ratchet"].info
+    report["ratchet_commits_per_step"] = r.get("commits_per_step")
+    report["ratchet_commits_per_run"] = r.get("commits_per_run")
+    report["ratchet_checkpoint_bytes_first_step"] = r.get("checkpoint_bytes_first_step")
+    report["ratchet_checkpoint_bytes_end_of_run"] = r.get("checkpoint_bytes_end_of_run")
+    report["ratchet_adapter"] = r.get("adapter")
+    report["ratchet_breakdown_us_per_step"] = breakdown
+    report["langgraph_checkpointer_writes_per_step"] = by["langgraph"].info.get(
+        "checkpointer_writes_per_step")
+    report["postgres_synchronous_commit"] = by["dbos"].info.get("postgres_synchronous_commit")
+    report.update({
+        "statistic": "median of rounds (best round beside it)",
+        "payload_bytes": PAYLOAD_BYTES,
+        "steps_per_run": steps,
+        "effect": effect,
+        "rounds": rounds,
+        "seconds_per_round": seconds,
+        "processes_per_contender": 1,
+        "redis_version": redis_version,
+        "redis_appendonly": "yes",
+        "redis_appendfsync": r.get("redis_appendfsync"),
+        "dbos_version": by["dbos"].info.get("dbos_version"),
+        "langgraph_version": by["langgraph"].info.get("langgraph_version"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "elapsed_s": round(elapsed, 1),
+    })
+    return report
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Durable steps per second ({report['payload_bytes']} B fsync'd "
+                        f"write per step, {report['steps_per_run']} steps per run, "
+                        f"{report['statistic']})")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in report.items():
+        shown = (", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict)
+                 else value)
+        table.add_row(key, "-" if shown is None else str(shown))
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--seconds", type=float, default=2.5,
+                        help="duration of each contender's turn in a round")
+    parser.add_argument("--steps-per-run", type=int, default=STEPS_PER_RUN,
+                        help="writes per run (workflow, graph thread)")
+    parser.add_argument("--effect", choices=("ledger", "workspace"), default="ledger",
+                        help="the write: an fsync'd ledger append (default) or a "
+                             "WorkspaceAdapter file write for every contender")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run of about 10 s (2 rounds of 1 s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds = 2, 1.0
+    if not 1 <= args.rounds <= 20:
+        parser.error("--rounds must be between 1 and 20")
+    if not 0.2 <= args.seconds <= 30:
+        parser.error("--seconds must be between 0.2 and 30")
+    if not 1 <= args.steps_per_run <= 500:
+        parser.error("--steps-per-run must be between 1 and 500")
+    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the one JSON object
+        report = run(rounds=args.rounds, seconds=args.seconds, steps=args.steps_per_run,
+                     effect=args.effect, breakdown_runs=0 if args.quick else 10)
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        _print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

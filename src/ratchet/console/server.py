@@ -1,0 +1,210 @@
+"""The console's HTTP server: standard library only, GET and HEAD only, loopback by default.
+
+Choice: ``http.server.ThreadingHTTPServer`` and server-side HTML. The console is a handful
+of read-only pages for a few operators; a web framework would add a dependency and an
+attack surface for nothing. There is no JavaScript at all, so the Content-Security-Policy
+can forbid every script, every inline style, frames and form targets off-site.
+
+Routes::
+
+    GET /                     the runs list (same as /runs)
+    GET /runs?phase=&owner=   runs, filtered by phase and by lease owner (substring)
+    GET /runs/<run_id>        one run
+    GET /reviews              the review queue
+    GET /metrics              fleet gauges in Prometheus text format
+    GET /healthz              "ok"
+    GET /static/console.css   the style sheet
+
+Every other method answers 405 and reads no body: there is no write endpoint, and signing
+stays with the command line, where the private keys are.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from ratchet.console.data import ConsoleData, waiting_runs
+from ratchet.console.pages import CSS, error_page, review_queue_page, run_page, runs_page
+from ratchet.errors import ConfigurationError, RatchetError, RunNotFoundError
+from ratchet.runtime import Phase
+
+__all__ = ["CSP", "ConsoleServer", "serve_console"]
+
+log = logging.getLogger("ratchet.console")
+
+CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+       "base-uri 'none'; frame-ancestors 'none'")
+_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Resource-Policy": "same-origin",
+}
+_MAX_PATH = 2048
+_PHASES = frozenset(p.value for p in Phase)
+
+
+class _FleetGauges:
+    """Runs by phase and runs waiting for a human, read when Prometheus scrapes."""
+
+    def __init__(self, data: ConsoleData) -> None:
+        self._data = data
+
+    def collect(self) -> Any:
+        rows = self._data.list_runs(self._data.limit)
+        runs = GaugeMetricFamily("ratchet_runs", "Runs by phase (unverifiable: phase "
+                                 "'unverifiable').", labels=["phase"])
+        counts = dict.fromkeys(sorted(_PHASES), 0) | {"unverifiable": 0}
+        for row in rows:
+            phase = row.get("phase")
+            counts[phase if phase in _PHASES else "unverifiable"] += 1
+        for phase, count in counts.items():
+            runs.add_metric([phase], count)
+        yield runs
+        waiting = GaugeMetricFamily("ratchet_approvals_waiting",
+                                    "Runs waiting for a signed approval.")
+        waiting.add_metric([], counts[Phase.AWAITING_APPROVAL.value])
+        yield waiting
+        reviews = GaugeMetricFamily("ratchet_reviews_waiting",
+                                    "Runs frozen in needs_review, waiting for a reviewer.")
+        reviews.add_metric([], counts[Phase.NEEDS_REVIEW.value])
+        yield reviews
+
+
+class ConsoleServer(ThreadingHTTPServer):
+    """A threading HTTP server bound to one :class:`ConsoleData`."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], data: ConsoleData) -> None:
+        super().__init__(address, _Handler)
+        self.data = data
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_FleetGauges(data))
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[0], self.server_address[1]
+        return f"http://{host!s}:{port}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: ConsoleServer
+    server_version = "ratchet-console"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("request", extra={"outcome": format % args})
+
+    # -- no writes, ever -------------------------------------------------------------
+
+    def _refuse(self) -> None:
+        self.close_connection = True
+        self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"read-only: GET and HEAD only\n",
+                   "text/plain; charset=utf-8", extra={"Allow": "GET, HEAD"})
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = _refuse  # noqa: N815 - http.server's names
+    do_OPTIONS = do_TRACE = do_CONNECT = _refuse  # noqa: N815
+
+    # -- reads -----------------------------------------------------------------------
+
+    def do_HEAD(self) -> None:
+        self._dispatch(head=True)
+
+    def do_GET(self) -> None:
+        self._dispatch(head=False)
+
+    def _send(self, status: HTTPStatus, body: bytes, content_type: str, *,
+              head: bool = False, extra: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in {**_HEADERS, **(extra or {})}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _html(self, status: HTTPStatus, page: str, head: bool) -> None:
+        self._send(status, page.encode("utf-8"), "text/html; charset=utf-8", head=head)
+
+    def _dispatch(self, *, head: bool) -> None:
+        if len(self.path) > _MAX_PATH:
+            self._html(HTTPStatus.REQUEST_URI_TOO_LONG, error_page("too long", "URI too long"),
+                       head)
+            return
+        parts = urlsplit(self.path)
+        path, query = parts.path, parse_qs(parts.query, max_num_fields=10)
+        data = self.server.data
+        try:
+            if path in ("/", "/runs"):
+                self._html(HTTPStatus.OK, self._runs(query), head)
+            elif path.startswith("/runs/") and path.count("/") == 2:
+                run_id = unquote(path.removeprefix("/runs/"))
+                now = data.now()
+                self._html(HTTPStatus.OK, run_page(data.run_detail(run_id, now), now=now),
+                           head)
+            elif path == "/reviews":
+                reviews, approvals, broken = waiting_runs(data)
+                self._html(HTTPStatus.OK, review_queue_page(reviews, approvals, broken,
+                                                            now=data.now()), head)
+            elif path == "/static/console.css":
+                self._send(HTTPStatus.OK, CSS.encode(), "text/css; charset=utf-8", head=head)
+            elif path == "/metrics":
+                self._send(HTTPStatus.OK, generate_latest(self.server.registry),
+                           "text/plain; version=0.0.4; charset=utf-8", head=head)
+            elif path == "/healthz":
+                self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8", head=head)
+            else:
+                self._html(HTTPStatus.NOT_FOUND, error_page("not found", unquote(path)), head)
+        except RunNotFoundError as exc:
+            self._html(HTTPStatus.NOT_FOUND, error_page("no such run", exc.message), head)
+        except RatchetError as exc:
+            # Unverifiable checkpoint, unreachable store: say so, show nothing unverified.
+            reason = exc.context.get("reason")
+            text = f"{exc.message}" + (f" (reason: {reason})" if reason else "")
+            self._html(HTTPStatus.CONFLICT, error_page("cannot show this", text), head)
+
+    def _runs(self, query: dict[str, list[str]]) -> str:
+        data = self.server.data
+        phase = (query.get("phase") or [""])[0] or None
+        owner = ((query.get("owner") or [""])[0]).strip() or None
+        notice = None
+        if phase is not None and phase not in _PHASES:
+            notice, phase = f"unknown phase {phase!r}: showing every phase", None
+        rows = data.list_runs(data.limit)
+        if phase is not None:
+            rows = [r for r in rows if r.get("phase") == phase]
+        if owner is not None:
+            rows = [r for r in rows if owner in str(r.get("owner") or "")]
+        return runs_page(rows, phase=phase, owner=owner, notice=notice)
+
+
+def serve_console(data: ConsoleData, *, host: str = "127.0.0.1", port: int = 8765,
+                  background: bool = False) -> ConsoleServer:
+    """Bind the console. ``background=True`` serves from a daemon thread and returns;
+    otherwise the caller runs ``serve_forever()``. Port 0 picks a free port.
+
+    Raises ConfigurationError when the address cannot be bound.
+    """
+    try:
+        server = ConsoleServer((host, port), data)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                                 field="port") from None
+    if background:
+        threading.Thread(target=server.serve_forever, name="ratchet-console",
+                         daemon=True).start()
+    return server

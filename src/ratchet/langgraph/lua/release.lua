@@ -1,0 +1,26 @@
+-- release: give a thread's lease up; only the current owner with the current lease
+-- version. The owner is cleared and the expiry set to now; the version is kept, so the
+-- next holder still gets a higher one.
+--
+-- KEYS[1]  thread meta hash  ratchet:lg:{<T>}:meta
+--
+-- ARGV[1]  owner id (text)
+-- ARGV[2]  lease version the caller holds (integer)
+--
+-- Replies:
+--   {"released", lease_version, now_ms}
+--   {"lease_lost", owner, lease_version, expires_at_ms, now_ms}
+--
+-- Time: *_ms values are Redis server time, milliseconds since the epoch.
+
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local m = redis.call('HMGET', KEYS[1], 'owner', 'lease_version', 'expires_at_ms')
+local owner = m[1] or ''
+local version = tonumber(m[2] or '0')
+local expires = tonumber(m[3] or '0')
+if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
+  return {'lease_lost', owner, version, expires, now_ms}
+end
+redis.call('HSET', KEYS[1], 'owner', '', 'expires_at_ms', now_ms)
+return {'released', version, now_ms}

@@ -1,0 +1,362 @@
+"""Every reply of the saver's scripts is decoded here into a typed result or a typed error.
+
+Scripts reply ``{status, ...}``. Anything else (not a list, an unknown status, a wrong
+length, a wrong type, text that is not UTF-8) raises
+:class:`~ratchet.errors.StoreProtocolError`. Nothing is guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from ratchet.errors import (
+    ContractError,
+    LeaseHeldElsewhereError,
+    LeaseLostError,
+    StoreProtocolError,
+)
+
+__all__ = [
+    "LEASE_KEY",
+    "Entry",
+    "GenerationMoved",
+    "LeaseInfo",
+    "ListReply",
+    "ReadReply",
+    "Rewritten",
+    "Stored",
+    "ThreadLease",
+    "WritesStored",
+    "decode_claim",
+    "decode_lease_info",
+    "decode_list",
+    "decode_put",
+    "decode_put_writes",
+    "decode_read",
+    "decode_release",
+    "decode_renew",
+    "decode_rewrite",
+]
+
+
+LEASE_KEY = "ratchet_lease"
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadLease:
+    """A lease on one thread: pass :meth:`as_config` in ``config["configurable"]``.
+
+    ``expires_at_ms`` and ``now_ms`` are Redis server time when the lease was granted or
+    last extended.
+    """
+
+    thread_id: str
+    owner: str
+    lease_version: int
+    expires_at_ms: int
+    now_ms: int
+
+    def as_config(self) -> dict[str, Any]:
+        """The nested object the saver reads from ``config["configurable"]["ratchet_lease"]``."""
+        return {"owner": self.owner, "version": self.lease_version}
+
+    def config(self, **configurable: Any) -> dict[str, Any]:
+        """A LangGraph config for this thread carrying this lease (plus ``configurable``)."""
+        return {"configurable": {"thread_id": self.thread_id, LEASE_KEY: self.as_config(),
+                                 **configurable}}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """A thread's lease and generation as Redis reads them now."""
+
+    thread_id: str
+    owner: str | None
+    lease_version: int
+    expires_at_ms: int
+    now_ms: int
+    generation: int
+
+    @property
+    def live(self) -> bool:
+        """True while an owner holds an unexpired lease (by Redis time)."""
+        return self.owner is not None and self.now_ms < self.expires_at_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    generation: int
+    lease_version: int
+    expires_at_ms: int
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class WritesStored:
+    lease_version: int
+    expires_at_ms: int
+    now_ms: int
+    written: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationMoved:
+    generation: int
+    head: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    digest: str
+    record: bytes
+    blobs: list[tuple[str, bytes]]
+    writes: list[tuple[str, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadReply:
+    generation: int
+    head: bytes
+    entries: list[Entry]
+
+
+@dataclass(frozen=True, slots=True)
+class ListReply:
+    generation: int
+    head: bytes
+    before_generation: int
+    members: list[tuple[str, int, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Rewritten:
+    generation: int
+    lease_version: int
+
+
+def _fail(message: str, script: str, **context: Any) -> NoReturn:
+    raise StoreProtocolError(message, script=script, **context)
+
+
+def _split(reply: object, script: str) -> tuple[str, list[Any]]:
+    if not isinstance(reply, list) or not reply:
+        _fail("reply is not a non-empty list", script)
+    head = reply[0]
+    if isinstance(head, bytes):
+        head = head.decode("ascii", errors="replace")
+    if not isinstance(head, str):
+        _fail("reply status is not a string", script)
+    return head, list(reply[1:])
+
+
+def _arity(fields: list[Any], n: int, script: str, status: str) -> None:
+    if len(fields) != n:
+        _fail(f"reply '{status}' has {len(fields)} fields, expected {n}", script,
+              status=status)
+
+
+def _int(value: object, script: str, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        _fail(f"field {name} is not a non-negative integer", script, field=name)
+    return value
+
+
+def _text(value: object, script: str, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            _fail(f"field {name} is not UTF-8", script, field=name)
+    _fail(f"field {name} is not a string", script, field=name)
+
+
+def _blob(value: object, script: str, name: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):  # fakeredis may hand back "" as str
+        return value.encode("utf-8")
+    _fail(f"field {name} is not bytes", script, field=name)
+
+
+def _pairs(value: object, script: str, name: str) -> list[tuple[str, bytes]]:
+    if not isinstance(value, list) or len(value) % 2:
+        _fail(f"field {name} is not a list of pairs", script, field=name)
+    return [(_text(value[i], script, name), _blob(value[i + 1], script, name))
+            for i in range(0, len(value), 2)]
+
+
+def _unknown(status: str, script: str) -> NoReturn:
+    _fail(f"unknown reply status '{status}'", script, status=status)
+
+
+def _lease_refused(status: str, f: list[Any], script: str, thread_id: str, owner: str,
+                   lease_version: int) -> NoReturn:
+    _arity(f, 4, script, status)
+    current_owner = _text(f[0], script, "owner")
+    current_version = _int(f[1], script, "lease_version")
+    expires = _int(f[2], script, "expires_at_ms")
+    now = _int(f[3], script, "now_ms")
+    if status == "held":
+        raise LeaseHeldElsewhereError(
+            "another live worker holds the thread's lease", thread_id=thread_id,
+            owner=current_owner, lease_version=current_version, expires_at_ms=expires,
+            now_ms=now)
+    reason = status
+    if status == "lease_lost" and current_version < lease_version:
+        # The store hands out an older lease version than the caller already holds: it
+        # went backwards (a restored snapshot, a failover that lost writes).
+        reason = "store_rolled_back"
+    raise LeaseLostError(
+        f"the thread's lease is no longer held ({reason})", thread_id=thread_id,
+        owner=owner, lease_version=lease_version, reason=reason,
+        current_owner=current_owner or None, current_lease_version=current_version,
+        expires_at_ms=expires, now_ms=now)
+
+
+def decode_put(reply: object, thread_id: str, owner: str,
+               lease_version: int) -> Stored | GenerationMoved:
+    """Decode put. Raises LeaseHeldElsewhereError, LeaseLostError, ContractError (a blob the
+    checkpoint reads was never stored), StoreProtocolError."""
+    script = "put"
+    status, f = _split(reply, script)
+    if status == "stored":
+        _arity(f, 4, script, status)
+        return Stored(_int(f[0], script, "generation"), _int(f[1], script, "lease_version"),
+                      _int(f[2], script, "expires_at_ms"), _int(f[3], script, "now_ms"))
+    if status == "generation_moved":
+        _arity(f, 2, script, status)
+        return GenerationMoved(_int(f[0], script, "generation"), _blob(f[1], script, "head"))
+    if status in ("held", "lease_lost", "lease_expired"):
+        _lease_refused(status, f, script, thread_id, owner, lease_version)
+    if status == "missing_blob":
+        _arity(f, 1, script, status)
+        raise ContractError("the checkpoint holds a channel value that was never stored "
+                            "(its channel is missing from new_versions)",
+                            field="new_versions", thread_id=thread_id)
+    _unknown(status, script)
+
+
+def decode_put_writes(reply: object, thread_id: str, owner: str,
+                      lease_version: int) -> WritesStored:
+    """Decode put_writes. Raises LeaseHeldElsewhereError, LeaseLostError, StoreProtocolError."""
+    script = "put_writes"
+    status, f = _split(reply, script)
+    if status == "stored":
+        _arity(f, 4, script, status)
+        return WritesStored(_int(f[0], script, "lease_version"),
+                            _int(f[1], script, "expires_at_ms"),
+                            _int(f[2], script, "now_ms"), _int(f[3], script, "written"))
+    if status in ("held", "lease_lost", "lease_expired"):
+        _lease_refused(status, f, script, thread_id, owner, lease_version)
+    _unknown(status, script)
+
+
+def decode_read(reply: object) -> ReadReply:
+    """Decode read. Raises StoreProtocolError."""
+    script = "read"
+    status, f = _split(reply, script)
+    if status != "read":
+        _unknown(status, script)
+    _arity(f, 3, script, status)
+    raw = f[2]
+    if not isinstance(raw, list):
+        _fail("entries is not a list", script)
+    entries: list[Entry] = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 4:
+            _fail("an entry is not a 4-list", script)
+        entries.append(Entry(_text(item[0], script, "digest"), _blob(item[1], script, "record"),
+                             _pairs(item[2], script, "blobs"),
+                             _pairs(item[3], script, "writes")))
+    return ReadReply(_int(f[0], script, "generation"), _blob(f[1], script, "head"), entries)
+
+
+def decode_list(reply: object) -> ListReply:
+    """Decode list. Raises StoreProtocolError."""
+    script = "list"
+    status, f = _split(reply, script)
+    if status != "ids":
+        _unknown(status, script)
+    _arity(f, 4, script, status)
+    if not isinstance(f[3], list):
+        _fail("members is not a list", script)
+    members: list[tuple[str, int, str]] = []
+    for raw in f[3]:
+        parts = _text(raw, script, "member").split("|")
+        if len(parts) != 3 or not parts[1].isdigit():
+            _fail("an index member is malformed", script)
+        members.append((parts[0], int(parts[1]), parts[2]))
+    return ListReply(_int(f[0], script, "generation"), _blob(f[1], script, "head"),
+                     _int(f[2], script, "before_generation"), members)
+
+
+def decode_rewrite(reply: object) -> Rewritten | GenerationMoved | None:
+    """Decode rewrite (None: the thread was never written). Raises StoreProtocolError."""
+    script = "rewrite"
+    status, f = _split(reply, script)
+    if status == "rewritten":
+        _arity(f, 2, script, status)
+        return Rewritten(_int(f[0], script, "generation"), _int(f[1], script, "lease_version"))
+    if status == "generation_moved":
+        _arity(f, 2, script, status)
+        return GenerationMoved(_int(f[0], script, "generation"), _blob(f[1], script, "head"))
+    if status == "absent":
+        _arity(f, 0, script, status)
+        return None
+    _unknown(status, script)
+
+
+def decode_claim(reply: object, thread_id: str, owner: str) -> ThreadLease:
+    """Decode claim. Raises LeaseHeldElsewhereError, StoreProtocolError."""
+    script = "claim"
+    status, f = _split(reply, script)
+    if status == "acquired":
+        _arity(f, 4, script, status)
+        return ThreadLease(thread_id, owner, _int(f[0], script, "lease_version"),
+                           _int(f[1], script, "expires_at_ms"), _int(f[2], script, "now_ms"))
+    if status == "held":
+        _lease_refused(status, f, script, thread_id, owner, 0)
+    _unknown(status, script)
+
+
+def decode_renew(reply: object, lease: ThreadLease) -> ThreadLease:
+    """Decode renew. Raises LeaseLostError, StoreProtocolError."""
+    script = "renew"
+    status, f = _split(reply, script)
+    if status == "renewed":
+        _arity(f, 3, script, status)
+        if _int(f[0], script, "lease_version") != lease.lease_version:
+            _fail("renewed another lease version", script)
+        return ThreadLease(lease.thread_id, lease.owner, lease.lease_version,
+                           _int(f[1], script, "expires_at_ms"), _int(f[2], script, "now_ms"))
+    if status in ("lease_lost", "lease_expired"):
+        _lease_refused(status, f, script, lease.thread_id, lease.owner, lease.lease_version)
+    _unknown(status, script)
+
+
+def decode_release(reply: object, lease: ThreadLease) -> None:
+    """Decode release. Raises LeaseLostError, StoreProtocolError."""
+    script = "release"
+    status, f = _split(reply, script)
+    if status == "released":
+        _arity(f, 2, script, status)
+        return
+    if status == "lease_lost":
+        _lease_refused(status, f, script, lease.thread_id, lease.owner, lease.lease_version)
+    _unknown(status, script)
+
+
+def decode_lease_info(reply: object, thread_id: str) -> LeaseInfo:
+    """Decode lease_info. Raises StoreProtocolError."""
+    script = "lease_info"
+    status, f = _split(reply, script)
+    if status != "lease":
+        _unknown(status, script)
+    _arity(f, 5, script, status)
+    owner = _text(f[0], script, "owner")
+    return LeaseInfo(thread_id, owner or None, _int(f[1], script, "lease_version"),
+                     _int(f[2], script, "expires_at_ms"), _int(f[3], script, "now_ms"),
+                     _int(f[4], script, "generation"))

@@ -1,0 +1,163 @@
+"""Read what a drill left behind: failpoint hits, worker events, adapter records, Redis.
+
+Everything here reads; nothing decides. The checker (:mod:`ratchet.worker.drill.checker`)
+turns these facts into invariant verdicts.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.errors import RatchetError
+from ratchet.leasing import run_keys
+from ratchet.worker.context import Fleet
+from ratchet.worker.drill.runner import DrillRecord
+from ratchet.worker.drill.services import NOTE
+from ratchet.worker.ops import inspect_run
+
+__all__ = ["AdapterRecords", "Evidence", "RunFacts", "gather"]
+
+
+@dataclass
+class AdapterRecords:
+    """One run's effects as its adapters recorded them."""
+
+    file_effects: dict[str, int] = field(default_factory=dict)  # intent digest -> writes
+    order_effects: dict[str, int] = field(default_factory=dict)  # order body -> orders
+    receipt_keys: set[str] = field(default_factory=set)  # keys with a committed effect
+    lease_inversions: int = 0  # a committed write under a lower lease than an earlier one
+    refused_workspace: int = 0
+    refused_orders: int = 0
+    unresolved: int = 0  # requests or intents still in flight
+
+    @property
+    def effects(self) -> int:
+        return sum(self.file_effects.values()) + sum(self.order_effects.values())
+
+    @property
+    def duplicates(self) -> int:
+        return sum(max(0, n - 1) for n in (*self.file_effects.values(),
+                                            *self.order_effects.values()))
+
+
+@dataclass
+class RunFacts:
+    run_id: str
+    index: int
+    status: str
+    phase: str
+    generation: int | None
+    history: list[tuple[int, int, str]]  # (generation, lease_version, digest), newest first
+    executed_keys: set[str]
+    review_reason: str | None
+    incidents: list[dict[str, Any]]
+    adapters: AdapterRecords
+
+
+@dataclass
+class Evidence:
+    fired: list[dict[str, Any]]
+    events: dict[str, list[dict[str, Any]]]
+    runs: dict[str, RunFacts]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a kill mid-write is not evidence
+    return out
+
+
+def _read_only(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+
+
+def _workspace(root: Path, records: AdapterRecords) -> None:
+    # Opening the adapter resolves any write a killed worker left half-done (under the
+    # workspace lock), so the journal read next is final.
+    with WorkspaceAdapter(root, [NOTE]) as adapter:
+        records.refused_workspace = adapter.refused_stale
+    db = _read_only(root / ".ratchet" / "journal.sqlite3")
+    try:
+        rows = db.execute("SELECT idempotency_key, intent_digest, lease_version, status "
+                          "FROM writes ORDER BY seq").fetchall()
+    finally:
+        db.close()
+    highest = 0
+    for key, intent, lease_version, status in rows:
+        if status == "intent":
+            records.unresolved += 1
+        if status != "committed":
+            continue
+        records.file_effects[intent] = records.file_effects.get(intent, 0) + 1
+        records.receipt_keys.add(key)
+        if int(lease_version) < highest:
+            records.lease_inversions += 1
+        highest = max(highest, int(lease_version))
+
+
+def _orders(db_path: Path, records: AdapterRecords) -> None:
+    if not db_path.exists():
+        return
+    db = _read_only(db_path)
+    try:
+        for key, body in db.execute("SELECT idempotency_key, body FROM orders"):
+            records.order_effects[body] = records.order_effects.get(body, 0) + 1
+            records.receipt_keys.add(key)
+        row = db.execute("SELECT value FROM meta WHERE key = 'refused_stale'").fetchone()
+        records.refused_orders = int(row[0]) if row else 0
+        records.unresolved += int(db.execute(
+            "SELECT count(*) FROM requests WHERE status = 'in_flight'").fetchone()[0])
+    finally:
+        db.close()
+
+
+def _history(fleet: Fleet, run_id: str) -> list[tuple[int, int, str]]:
+    out = []
+    for raw in fleet.store.client.lrange(run_keys(run_id).history, 0, -1):
+        parts = raw.decode("utf-8", "replace").split("|")
+        if len(parts) >= 6 and parts[0].isdigit() and parts[2].isdigit():
+            out.append((int(parts[0]), int(parts[2]), parts[5]))
+    return out
+
+
+def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
+    """Read every record the drill left. Raises StoreUnavailableError if Redis is down."""
+    events: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(record.events_dir.glob("events-*.jsonl")):
+        for event in _jsonl(path):
+            events[str(event.get("kind"))].append(event)
+    runs: dict[str, RunFacts] = {}
+    for run_id, index in record.runs.items():
+        adapters = AdapterRecords()
+        _workspace(record.folder / "workspaces" / f"ws-{index}", adapters)
+        _orders(record.folder / "orders" / f"t{index}.sqlite3", adapters)
+        status, phase = record.final.get(run_id, ("unreadable", "unknown"))
+        generation: int | None = None
+        executed: set[str] = set()
+        reason: str | None = None
+        incidents: list[dict[str, Any]] = []
+        try:
+            view = inspect_run(fleet, run_id)
+            generation = view.generation
+            executed = {e.idempotency_key for e in view.state.executed}
+            if view.state.review is not None:
+                reason = str(view.state.review.reason)
+            incidents = view.incidents
+        except RatchetError:
+            pass
+        runs[run_id] = RunFacts(run_id, index, status, phase, generation,
+                                _history(fleet, run_id), executed, reason, incidents,
+                                adapters)
+    return Evidence(_jsonl(record.fired_log), dict(events), runs)

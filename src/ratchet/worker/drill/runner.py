@@ -1,0 +1,446 @@
+"""Run a drill: Redis, the orders service, workers, runs, and faults from the schedule.
+
+Timeline of one drill (every wait is a poll with a deadline):
+
+1. start a private ``redis-server`` (AOF, ``appendfsync always``; timestamps when the
+   binary supports rollback) and the orders service, in the drill folder;
+2. start W worker processes, each with the next failpoint spec of the schedule; submit
+   runs, at most ``max_in_flight`` unsettled at a time, so faults land across the drill;
+3. every tick: replace dead workers (next spec); notice workers stopped by a ``pause``
+   failpoint, start a replacement, and SIGCONT the zombie only once another worker has
+   taken its run over (a higher lease version and progress, or the run settled), so its
+   next write and commit are genuinely stale; recycle (SIGTERM) workers whose spec was
+   non-lethal and fired, or never fired; at fixed fractions of runs settled, ``kill -9``
+   Redis and restart it, roll it back, and enqueue runs that already ended again;
+4. when every run settled, or ``duration`` passed, stop injecting, resume any zombie,
+   and let clean workers settle what is left within ``settle_bound_s``;
+5. stop every process (``finally``, also on errors), then hand everything to the checker.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr
+from redis.exceptions import RedisError
+
+from ratchet.errors import ConfigurationError, RatchetError
+from ratchet.leasing import EXPIRY_INDEX, RedisServer
+from ratchet.runtime import Phase, RunEngine
+from ratchet.runtime.state import TERMINAL_PHASES
+from ratchet.worker.context import Fleet
+from ratchet.worker.drill.cluster import RedisChoice, choose_redis, truncate_aof
+from ratchet.worker.drill.schedule import FAULTS, Schedule
+from ratchet.worker.drill.services import TenantOrders, drill_document, make_workspace
+from ratchet.worker.drill.workers import DrillWorker, WorkerPool
+from ratchet.worker.job import SystemClock
+from ratchet.worker.ops import inspect_run
+from ratchet.worker.runs import build_adapter
+from ratchet.worker.settings import Settings
+
+__all__ = ["DrillOptions", "DrillRecord", "classify_run", "run_drill_processes"]
+
+_TICK_S = 0.05
+_LETHAL = ("kill",)
+
+
+@dataclass
+class DrillOptions:
+    workers: int = 3
+    runs: int = 24
+    lease_ttl_s: float = 1.0
+    duration_s: float = 240.0
+    faults: frozenset[str] = frozenset(FAULTS)
+    seed: int = 1
+    folder: Path | None = None
+    think_ms: int = 150
+    redis_server: str | None = None
+    max_in_flight: int | None = None
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(50, round(self.lease_ttl_s * 1000))
+
+    @property
+    def settle_bound_s(self) -> float:
+        """How long after injection stops a run may still be unsettled before it counts as
+        stuck: a takeover (TTL + reaper tick) several times over, plus the run's own work."""
+        return max(20.0, 15 * self.lease_ttl_s)
+
+
+@dataclass
+class DrillRecord:
+    """What the runner saw and did; the checker reads it with the logs and the stores."""
+
+    folder: Path
+    options: DrillOptions
+    redis: RedisChoice
+    runs: dict[str, int] = field(default_factory=dict)
+    redis_kills: list[float] = field(default_factory=list)
+    rollback: dict[str, Any] | None = None
+    rollback_skipped: str | None = None
+    duplicate_enqueues: list[dict[str, Any]] = field(default_factory=list)
+    pauses: list[dict[str, Any]] = field(default_factory=list)
+    deaths: list[dict[str, object]] = field(default_factory=list)
+    specs_used: int = 0
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    started_at: float = 0.0
+    injection_ended_at: float = 0.0
+    finished_at: float = 0.0
+    final: dict[str, tuple[str, str]] = field(default_factory=dict)  # run -> (status, phase)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def fired_log(self) -> Path:
+        return self.folder / "failpoints.jsonl"
+
+    @property
+    def events_dir(self) -> Path:
+        return self.folder / "events"
+
+
+def classify_run(fleet: Fleet, run_id: str) -> tuple[str, str]:
+    """``(status, phase)``: status is terminal, waiting, frozen or active.
+
+    Frozen: a restore was refused (incident), the lease is free and the run is off the
+    reaper's index, so nothing continues it until an operator acts. Raises RatchetError.
+    """
+    view = inspect_run(fleet, run_id)
+    phase, snap = view.state.phase, view.snapshot
+    if phase in TERMINAL_PHASES:
+        return "terminal", phase.value
+    if phase in (Phase.NEEDS_REVIEW, Phase.AWAITING_APPROVAL) and not snap.lease_live:
+        return "waiting", phase.value
+    refused = any(i.get("kind") == "restore_refused" for i in view.incidents)
+    if refused and not snap.lease_live and \
+            fleet.store.client.zscore(EXPIRY_INDEX, run_id) is None:
+        return "frozen", phase.value
+    return "active", phase.value
+
+
+Progress = Callable[[str, int, int], None]
+
+
+class _Drill:
+    def __init__(self, options: DrillOptions, record: DrillRecord, server: RedisServer,
+                 orders: TenantOrders, fleet: Fleet, pool: WorkerPool,
+                 progress: Progress | None) -> None:
+        self.o, self.rec, self.server, self.orders = options, record, server, orders
+        self.fleet, self.pool, self.progress = fleet, pool, progress
+        self.schedule = Schedule(seed=options.seed, faults=options.faults, runs=options.runs)
+        self.rng = random.Random(options.seed + 7)  # noqa: S311 - reproducible, not secret
+        self.settled: dict[str, tuple[str, str]] = {}
+        self.fired_offset = 0
+        self.pending: list[str] = []
+        self.index: dict[str, int] = {}
+        self.last_observe = 0.0
+        self.quick_deaths = 0  # workers that exited at start-up in a row
+        self.last_redis_fault = time.time()
+        self.injecting = True
+
+    # -- one tick -----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self._read_fired()  # first: a worker that fired "kill" is dead by now
+        for dead in self.pool.reap_dead():
+            if dead.spec and dead.fired_at is None and self.injecting:
+                self.schedule.put_back(dead.spec)
+            early = dead.fired_at is None and time.time() - dead.started_at < 5.0
+            self.quick_deaths = self.quick_deaths + 1 if early else 0
+        self._watch_pauses()
+        self._recycle()
+        self._staff()
+        self._submit()
+        self._observe()
+        if self.injecting:
+            self._cluster_faults()
+
+    def _read_fired(self) -> None:
+        path = self.rec.fired_log
+        if not path.exists():
+            return
+        with path.open("rb") as fh:
+            fh.seek(self.fired_offset)
+            data = fh.read()
+        cut = data.rfind(b"\n") + 1
+        self.fired_offset += cut
+        for line in data[:cut].splitlines():
+            entry = json.loads(line)
+            worker = self.pool.everyone.get(int(entry["pid"]))
+            if worker is not None:
+                worker.fired_at, worker.fired_action = float(entry["at"]), entry["action"]
+                if entry["action"] == "pause":
+                    worker.pause = {"run_id": entry.get("run_id"),
+                                    "lease_version": entry.get("lease_version"),
+                                    "point": entry["window"]}
+
+    def _watch_pauses(self) -> None:
+        now = time.time()
+        for worker in self.pool.stopped():
+            worker.paused_at = now
+            run_id = worker.pause.get("run_id")
+            if isinstance(run_id, str):
+                try:
+                    worker.pause["generation"] = self.fleet.store.read_run(run_id).generation
+                except RatchetError:
+                    worker.pause["generation"] = None
+        for worker in list(self.pool.workers.values()):
+            if worker.paused_at is None or worker.resumed_at is not None:
+                continue
+            if self._taken_over(worker) or now - worker.paused_at > 10 * self.o.lease_ttl_s + 10:
+                self.pool.resume(worker)
+                self.rec.pauses.append({"pid": worker.pid, "paused_at": worker.paused_at,
+                                        "resumed_at": worker.resumed_at, **worker.pause})
+
+    def _taken_over(self, worker: DrillWorker) -> bool:
+        """The paused worker's run has a newer lease and moved on (or settled)."""
+        run_id, version = worker.pause.get("run_id"), worker.pause.get("lease_version")
+        if not isinstance(run_id, str) or not isinstance(version, int):
+            return time.time() - (worker.paused_at or 0) > 3 * self.o.lease_ttl_s
+        try:
+            snap = self.fleet.store.read_run(run_id)
+        except RatchetError:
+            return False
+        if snap.lease_version <= version:
+            return False
+        generation = worker.pause.get("generation")
+        moved = not isinstance(generation, int) or snap.generation > generation
+        return moved or not snap.lease_live
+
+    def _recycle(self) -> None:
+        now = time.time()
+        patience = max(12.0, 12 * self.o.lease_ttl_s)
+        for worker in list(self.pool.workers.values()):
+            if worker.terminating_at is not None or (
+                    worker.paused_at is not None and worker.resumed_at is None):
+                continue
+            spent = worker.fired_at is not None and worker.fired_action not in _LETHAL \
+                and now - max(worker.fired_at, worker.resumed_at or 0) > 1.0
+            idle = worker.fired_at is None and now - worker.started_at > patience \
+                and worker.spec != "" and self.schedule.remaining > 0
+            if spent or idle:
+                self.pool.terminate(worker)
+        self.pool.enforce(grace_s=15.0)
+
+    def _staff(self) -> None:
+        while self.pool.active < self.o.workers and len(self.pool.workers) < self.o.workers + 4:
+            spec = self.schedule.next_spec() if self.injecting else ""
+            self.rec.specs_used += bool(spec)
+            self.pool.spawn(spec)
+
+    def create_runs(self) -> None:
+        """Create every run up front (not enqueued yet): a later AOF rollback then never
+        cuts a run out of existence, only back to an earlier checkpoint."""
+        for index in range(self.o.runs):
+            root = make_workspace(self.rec.folder / "workspaces" / f"ws-{index}")
+            url = self.orders.add(f"t{index}")
+            doc = drill_document(root, url, index, think_ms=self.o.think_ms)
+            run_id = f"drill-{self.o.seed}-{index}"
+            adapter = build_adapter(doc)
+            try:
+                RunEngine.start(run_id, scenario=doc.scenario, keyring=self.fleet.keyring,
+                                adapter=adapter, store=self.fleet.store.creator(doc.to_bytes()),
+                                clock=SystemClock())
+            finally:
+                close = getattr(adapter, "close", None)
+                if callable(close):
+                    close()
+            self.pending.append(run_id)
+            self.index[run_id] = index
+
+    def _submit(self) -> None:
+        # While worker faults are still to come, keep few runs in flight so the runs last
+        # as long as the schedule does (a fault needs a run in progress to land in).
+        limit = self.o.max_in_flight or (
+            self.o.workers + 1 if self.schedule.remaining else 2 * self.o.workers)
+        while self.pending and len(self.rec.runs) - len(self.settled) < limit:
+            run_id = self.pending[0]
+            try:
+                self.fleet.enqueue(run_id)
+            except RedisError as exc:
+                self.rec.errors.append(f"enqueue {run_id}: {type(exc).__name__}")
+                return
+            self.pending.pop(0)
+            self.rec.runs[run_id] = self.index[run_id]
+
+    def _observe(self) -> None:
+        now = time.time()
+        if now - self.last_observe < 0.2:
+            return
+        self.last_observe = now
+        for run_id in [r for r in self.rec.runs if r not in self.settled]:
+            try:
+                status = classify_run(self.fleet, run_id)
+            except RatchetError:
+                continue  # Redis restarting, or mid-rollback: look again next tick
+            if status[0] != "active":
+                self.settled[run_id] = status
+        if self.progress is not None:
+            label = "injecting" if self.injecting else "settling"
+            self.progress(label, len(self.settled), self.o.runs)
+
+    def _fraction(self) -> float:
+        return len(self.settled) / max(self.o.runs, 1)
+
+    # -- cluster faults -------------------------------------------------------------------
+
+    def _cluster_faults(self) -> None:
+        now, fraction = time.time(), self._fraction()
+        if self.schedule.redis_kills_at and fraction >= self.schedule.redis_kills_at[0] \
+                and now - self.last_redis_fault > 2:
+            self.schedule.redis_kills_at.pop(0)
+            self.server.kill()
+            time.sleep(0.2)  # down long enough for workers to notice
+            self.server.start()
+            self.rec.redis_kills.append(now)
+            self.last_redis_fault = time.time()
+        if self.schedule.rollback_at is not None and self.rec.rollback is None \
+                and self.rec.rollback_skipped is None and fraction >= self.schedule.rollback_at:
+            if self.rec.redis.check_aof is None:
+                self.rec.rollback_skipped = self.rec.redis.rollback_skip_reason
+            elif now - self.last_redis_fault > 2.5:
+                self._rollback(self.rec.redis.check_aof)
+        if len(self.rec.duplicate_enqueues) < self.schedule.duplicate_enqueues \
+                and self.rng.random() < 0.05:
+            done = sorted(r for r, (s, _) in self.settled.items() if s == "terminal"
+                          and r not in {d["run_id"] for d in self.rec.duplicate_enqueues})
+            if done:
+                self._duplicate(self.rng.choice(done))
+
+    def _generations(self) -> dict[str, int]:
+        return {r: self.fleet.store.read_run(r).generation for r in self.rec.runs}
+
+    def _rollback(self, check_aof: str) -> None:
+        before = self._generations()
+        cut = int(time.time()) - 1  # AOF timestamps are whole seconds
+        self.server.kill()
+        output = truncate_aof(check_aof, self.server.data_dir, cut)
+        self.server.start()
+        after = self._generations()
+        rewound = {r: [before[r], after[r]] for r in before if after[r] < before[r]}
+        self.rec.rollback = {"at": time.time(), "cut_s": cut, "rewound": rewound,
+                             "tool": output[-200:]}
+        self.last_redis_fault = time.time()
+        # The queue was rolled back too: hand every unfinished run to the workers again.
+        for run_id in self.rec.runs:
+            self.settled.pop(run_id, None)
+            self.fleet.enqueue(run_id)
+
+    def _duplicate(self, run_id: str) -> None:
+        try:
+            view = inspect_run(self.fleet, run_id)
+            self.fleet.enqueue(run_id)
+            self.fleet.enqueue(run_id)
+        except RatchetError:
+            return
+        self.rec.duplicate_enqueues.append({"run_id": run_id, "at": time.time(),
+                                            "generation": view.generation,
+                                            "phase": view.state.phase.value})
+
+    # -- the whole drill ------------------------------------------------------------------
+
+    def run(self) -> None:
+        start = time.time()
+        while time.time() - start < self.o.duration_s:
+            self._guarded_tick()
+            everything_done = (len(self.rec.runs) == self.o.runs
+                               and len(self.settled) == self.o.runs)
+            zombies = any(w.paused_at is not None and w.resumed_at is None
+                          for w in self.pool.workers.values())
+            if everything_done and not zombies and (
+                    self.rec.rollback is not None or self.schedule.rollback_at is None
+                    or self.rec.rollback_skipped is not None):
+                break
+            time.sleep(_TICK_S)
+        self.injecting = False
+        self.rec.injection_ended_at = time.time()
+        for worker in list(self.pool.workers.values()):
+            if worker.paused_at is not None and worker.resumed_at is None:
+                self.pool.resume(worker)
+                self.rec.pauses.append({"pid": worker.pid, "paused_at": worker.paused_at,
+                                        "resumed_at": worker.resumed_at, **worker.pause})
+            if worker.spec:
+                self.pool.terminate(worker)  # faults stop: clean workers settle the rest
+        settle_end = time.time() + self.o.settle_bound_s
+        while time.time() < settle_end:
+            self._guarded_tick()
+            if len(self.settled) == len(self.rec.runs):
+                break
+            time.sleep(_TICK_S)
+
+    def _guarded_tick(self) -> None:
+        try:
+            self.tick()
+        except (RatchetError, RedisError) as exc:
+            self.rec.errors.append(f"tick: {type(exc).__name__}")
+        if self.quick_deaths >= 3 * self.o.workers + 10:
+            raise ConfigurationError("worker processes keep exiting at start-up; see "
+                                     "the logs folder of the drill", folder=str(self.rec.folder))
+
+
+def run_drill_processes(options: DrillOptions, *,
+                        progress: Progress | None = None) -> tuple[DrillRecord, Fleet, Any]:
+    """Run the drill; returns the record, a fleet on the drill's Redis and a ``close``
+    callable (the checker reads the stores before everything stops). Processes are stopped
+    in ``finally`` on any error. Raises ConfigurationError on a bad setup."""
+    folder = Path(options.folder) if options.folder is not None else Path(
+        tempfile.mkdtemp(prefix="ratchet-drill-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    choice = choose_redis(options.redis_server, want_rollback="rollback" in options.faults)
+    record = DrillRecord(folder=folder, options=options, redis=choice)
+    server = choice.server(folder / "redis").start()
+    orders: TenantOrders | None = None
+    pool: WorkerPool | None = None
+    try:
+        orders = TenantOrders(folder / "orders")
+        ttl = options.ttl_ms
+        settings = Settings(
+            redis_url=SecretStr(server.url), state_dir=folder / "state",
+            queue=f"drill-{options.seed}", lease_ttl_ms=ttl,
+            renew_interval_ms=max(ttl // 3, 50), stall_timeout_ms=max(20 * ttl, 20_000),
+            reaper_interval_ms=max(ttl // 5, 50), job_timeout_s=max(600, ttl // 100),
+            checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name="drill")
+        fleet = Fleet.connect(settings)
+        record.events_dir.mkdir(parents=True, exist_ok=True)
+        pool = WorkerPool(settings, folder, fired_log=record.fired_log,
+                          events_dir=record.events_dir)
+        record.started_at = time.time()
+        drill = _Drill(options, record, server, orders, fleet, pool, progress)
+        drill.create_runs()
+        created = int(time.time())
+        while int(time.time()) <= created + 1:  # creations sit before any later AOF cut
+            time.sleep(_TICK_S)
+        drill.run()
+        record.workers = [{"pid": w.pid, "spec": w.spec, "fired": w.fired_action}
+                          for w in pool.everyone.values()]
+        pool.stop_all()
+        record.deaths = pool.deaths
+        record.final = {}
+        for run_id in record.runs:
+            try:
+                record.final[run_id] = classify_run(fleet, run_id)
+            except RatchetError as exc:
+                record.final[run_id] = ("unreadable", type(exc).__name__)
+        record.finished_at = time.time()
+    except BaseException:
+        if pool is not None:
+            pool.stop_all(grace_s=2.0)
+        if orders is not None:
+            orders.stop()
+        server.kill()
+        raise
+    final_orders, final_server = orders, server
+
+    def close() -> None:
+        final_orders.stop()
+        final_server.stop()
+
+    return record, fleet, close

@@ -1,0 +1,151 @@
+"""The seeded fault schedule of a drill.
+
+Two kinds of fault:
+
+* **worker faults**: each worker process the drill starts gets one ``RATCHET_FAILPOINTS``
+  spec from :meth:`Schedule.next_spec` (SIGKILL, SIGSTOP, drop-reply, delay or raise at a
+  named failpoint, on its N-th hit). A worker that dies is replaced by one with the next
+  spec. The first specs cover every (point, action) pair the requested faults need, each
+  ``repeats`` times, so a short drill fires every failpoint at least twice; the rest are
+  drawn at random;
+* **cluster faults**, at fixed fractions of the runs settled: Redis ``kill -9`` and
+  restart on the same folder, a rollback of Redis to an earlier point of its AOF, and
+  duplicate enqueues of runs that already ended.
+
+The same seed gives the same schedule (the order in which processes reach their points
+still depends on timing; the report says what actually fired).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ratchet.errors import ConfigurationError
+
+__all__ = ["FAULTS", "Schedule", "parse_faults"]
+
+#: Every fault kind ``--faults`` accepts (``all`` means every one).
+FAULTS = ("kill", "pause", "drop-reply", "delay", "raise", "redis-kill",
+          "duplicate-enqueue", "rollback")
+
+_Maker = Callable[[random.Random], str]  # draws one worker's failpoint spec
+_WINDOWS = ("before_proposal", "after_pending_before_adapter",
+            "after_adapter_before_receipt", "after_receipt_before_state")
+
+
+def parse_faults(text: str) -> frozenset[str]:
+    """``all`` or a comma list of :data:`FAULTS`. Raises ConfigurationError."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    if not names:
+        raise ConfigurationError("--faults needs at least one fault", field="faults")
+    if "all" in names:
+        return frozenset(FAULTS)
+    unknown = sorted(names - set(FAULTS))
+    if unknown:
+        raise ConfigurationError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}",
+                                 field="faults")
+    return frozenset(names)
+
+
+@dataclass
+class Schedule:
+    """Worker specs in the order they are handed out, and the cluster fault plan."""
+
+    seed: int
+    faults: frozenset[str]
+    runs: int
+    repeats: int = 3
+    specs: list[str] = field(default_factory=list)
+    redis_kills_at: list[float] = field(default_factory=list)
+    rollback_at: float | None = None
+    duplicate_enqueues: int = 0
+    _next: int = 0
+    _returns: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)  # noqa: S311 - a reproducible schedule, not a secret
+        coverage = self._coverage()
+        specs: list[str] = []
+        repeats = max(self.repeats, self.runs // max(4 * len(coverage), 1))
+        for _ in range(repeats):
+            block = [make(rng) for make in coverage]
+            rng.shuffle(block)
+            specs += block
+        extras = self._extras()
+        for _ in range(max(0, self.runs // 2 - len(specs))):
+            if extras:
+                specs.append(rng.choice(extras)(rng))
+        self.specs = specs
+        if "redis-kill" in self.faults:
+            self.redis_kills_at = [0.25, 0.6] if self.runs < 100 else [0.15, 0.35, 0.55, 0.8]
+        if "rollback" in self.faults:
+            self.rollback_at = 0.45
+        if "duplicate-enqueue" in self.faults:
+            self.duplicate_enqueues = max(3, self.runs // 8)
+
+    def __repr__(self) -> str:
+        return f"Schedule(seed={self.seed}, specs={len(self.specs)}, faults={sorted(self.faults)})"
+
+    def _coverage(self) -> list[_Maker]:
+        makers: list[_Maker] = []
+        want = self.faults
+        if "kill" in want:
+            for window in _WINDOWS[:3]:
+                makers.append(_one(window, "kill", 1, 2))
+            # The receipt is committed alone only when the observation after the write
+            # fails: make it fail, then die in the window that opens.
+            makers.append(lambda r: f"observe_after_write=raise@{r.randint(1, 2)};"
+                                    "after_receipt_before_state=kill@1")
+            makers.append(_one("after_commit_before_reply", "kill", 2, 8))
+            makers.append(_one("during_renewal", "kill", 1, 2))
+        if "drop-reply" in want:
+            # Drop both the reply and its retry's: the engine sees an unknown outcome and
+            # fires commit_reply_lost, where the worker then dies (or, without kill, waits).
+            then = "kill" if "kill" in want else "delay:50"
+            makers.append(lambda r: f"after_commit_before_reply=drop-reply@{r.randint(2, 8)};"
+                                    f"commit_reply_lost={then}@1")
+            makers.append(_one("during_renewal", "drop-reply", 1, 2))
+        if "pause" in want:
+            # Zombies past the guard: their write / commit must be refused by the fences.
+            makers.append(_one("after_guard_before_adapter", "pause", 1, 2))
+            makers.append(_one("after_guard_before_commit", "pause", 2, 6))
+        if "delay" in want:
+            makers.append(lambda r: f"after_adapter_before_receipt=delay:{r.randint(50, 300)}@*")
+        if "raise" in want:
+            makers.append(lambda r: f"{r.choice(_WINDOWS[:3])}=raise@{r.randint(1, 2)}")
+        return makers
+
+    def _extras(self) -> list[_Maker]:
+        extras = self._coverage()
+        if "pause" in self.faults:
+            extras.append(lambda r: f"{r.choice(_WINDOWS[:3])}=pause@{r.randint(1, 3)}")
+            extras.append(lambda r: f"during_renewal=pause@{r.randint(1, 2)}")
+        return extras
+
+    def put_back(self, spec: str) -> None:
+        """A worker left before its spec fired (Redis restarted under it, or it was
+        recycled): hand the spec to a later worker, at most three times."""
+        self._returns[spec] = self._returns.get(spec, 0) + 1
+        if spec and self._returns[spec] <= 3 * self.repeats:
+            self.specs.insert(self._next, spec)
+
+    def next_spec(self) -> str:
+        """The next worker's failpoints ("" once the schedule is used up)."""
+        if self._next >= len(self.specs):
+            return ""
+        spec = self.specs[self._next]
+        self._next += 1
+        return spec
+
+    @property
+    def remaining(self) -> int:
+        return len(self.specs) - self._next
+
+
+def _one(point: str, action: str, low: int, high: int) -> _Maker:
+    def make(r: random.Random) -> str:
+        return f"{point}={action}@{r.randint(low, high)}"
+
+    return make

@@ -1,0 +1,198 @@
+"""What a drill's runs write to: a workspace each, and the reference orders API.
+
+Each run gets its own workspace folder and its own orders *tenant*: one
+:class:`~ratchet.adapters.reference_service.OrdersService` (its own SQLite database), all
+served by one loopback HTTP server under ``/t/<tenant>``. Why not one shared service: the
+orders API's observation is its global revision, so any other run's order would move it,
+and a run recovering after a crash would (correctly) fail closed on the drift. A tenant per
+run keeps each run's environment its own, exactly as the workspace is.
+
+The drill agent plays a fixed plan (read, write, place an order, write again, verify,
+finish) and "thinks" a little before each step, as a model would, so faults land mid-run.
+No step needs an approval: drills exercise crash windows, fences and leases, not humans.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from types import TracebackType
+from typing import Any, cast
+
+from ratchet.adapters.reference_service import OrdersService, _Handler
+from ratchet.errors import ConfigurationError
+from ratchet.runtime import Scenario
+from ratchet.worker.agents import AgentStep, AgentView, ScriptedAgent
+from ratchet.worker.runs import EnvironmentSpec, RunDocument, VerifierSpec
+
+__all__ = ["DrillAgent", "TenantOrders", "drill_agent", "drill_document", "expected_note",
+           "make_workspace", "order_body", "plan"]
+
+NOTE = "note.txt"
+#: Writes each run intends: two file writes and one order.
+INTENTS_PER_RUN = 3
+
+
+def expected_note(index: int) -> str:
+    return f"run {index}: done\n"
+
+
+def order_body(index: int) -> str:
+    return f'{{"qty":1,"run":{index},"sku":"drill-{index}"}}'
+
+
+def plan(index: int) -> list[dict[str, Any]]:
+    """The drill run's plan: every write is an intent with a key fixed by its position."""
+    return [
+        {"kind": "read_file", "args": {"path": NOTE}},
+        {"kind": "write_file", "args": {"path": NOTE, "content": f"run {index}: step 1\n"}},
+        {"kind": "external_call", "args": {"operation": "place-order",
+                                           "body": order_body(index)}},
+        {"kind": "write_file", "args": {"path": NOTE, "content": expected_note(index)}},
+        {"kind": "run_verifier", "args": {"target": "check"}},
+        {"kind": "finish", "args": {"summary": "drill plan done"}},
+    ]
+
+
+class DrillAgent:
+    """The scripted plan, with ``think_ms`` of latency before each proposal."""
+
+    def __init__(self, steps: list[dict[str, Any]], think_ms: int) -> None:
+        self._inner = ScriptedAgent(steps)
+        self.think_ms = think_ms
+
+    def next_step(self, view: AgentView) -> AgentStep | None:
+        if self.think_ms:
+            time.sleep(self.think_ms / 1000)
+        return self._inner.next_step(view)
+
+
+def drill_agent(config: dict[str, Any]) -> DrillAgent:
+    """Agent factory (``ratchet.worker.drill.services:drill_agent``).
+
+    Raises ConfigurationError for a bad ``think_ms`` or plan.
+    """
+    think = config.get("think_ms", 0)
+    if isinstance(think, bool) or not isinstance(think, int) or not 0 <= think <= 10_000:
+        raise ConfigurationError("think_ms must be an integer 0..10000", field="think_ms")
+    steps = config.get("steps")
+    if not isinstance(steps, list):
+        raise ConfigurationError("the drill agent needs a 'steps' list", field="steps")
+    return DrillAgent(steps, think)
+
+
+def _scenario(index: int) -> Scenario:
+    return Scenario.model_validate({
+        "schema_version": 1, "task_id": "drill-order", "task_version": "1",
+        "policy_id": "drill", "policy_version": "1",
+        "permissions": ["read_file", "write_file", "external_call", "run_verifier", "finish"],
+        "allowed_paths": [NOTE], "allowed_verifier_targets": ["check"],
+        "allowed_operations": ["place-order"], "approval_required": [],
+        # Generous: every crash re-proposes the step it died in.
+        "budgets": {"proposals": 400, "steps": 300, "wall_clock_seconds": 24 * 3600,
+                    "cost_units": 0},
+        "initial_files": {NOTE: "draft\n"},
+        "verifier": {"target": "check", "expected_files": {NOTE: expected_note(index)}},
+    })
+
+
+def make_workspace(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / NOTE).write_text("draft\n")
+    return root
+
+
+def drill_document(root: Path, base_url: str, index: int, *, think_ms: int) -> RunDocument:
+    """The run document of drill run ``index``. Raises ConfigurationError without grep."""
+    grep = shutil.which("grep", path="/usr/bin:/bin")
+    if grep is None:
+        raise ConfigurationError("the drill's verifier needs grep in /usr/bin or /bin")
+    verifier = VerifierSpec(argv=(grep, "-qx", expected_note(index).rstrip("\n"), NOTE),
+                            timeout_seconds=60)
+    return RunDocument(
+        scenario=_scenario(index), agent="ratchet.worker.drill.services:drill_agent",
+        agent_config=cast(Any, {"think_ms": think_ms, "steps": plan(index)}),
+        environment=EnvironmentSpec(root=str(root.resolve()), verifiers={"check": verifier},
+                                    http_base_url=base_url))
+
+
+class _TenantServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], tenants: dict[str, OrdersService]) -> None:
+        self.tenants = tenants
+        self.dropped = 0
+        super().__init__(address, _TenantHandler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A worker killed mid-request resets its connection: expected in a drill, and
+        # the order's outcome is settled by the service's transaction, not by the socket.
+        self.dropped += 1
+
+
+class _Routed:
+    """What the reference handler sees as its server: one tenant's service."""
+
+    def __init__(self, service: OrdersService) -> None:
+        self.service = service
+
+
+class _TenantHandler(_Handler):
+    def _route(self) -> bool:
+        parts = self.path.split("/", 3)  # "", "t", tenant, rest
+        tenants: dict[str, OrdersService] = getattr(self.server, "tenants", {})
+        if len(parts) < 4 or parts[1] != "t" or parts[2] not in tenants:
+            self._reply(404, {"error": "no_tenant"})
+            return False
+        self.server = _Routed(tenants[parts[2]])  # type: ignore[assignment]
+        self.path = "/" + parts[3]
+        return True
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server name
+        if self._route():
+            super().do_GET()
+
+    def do_POST(self) -> None:  # noqa: N802 - the http.server name
+        if self._route():
+            super().do_POST()
+
+
+class TenantOrders:
+    """One loopback HTTP server for many orders tenants (one SQLite database each)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tenants: dict[str, OrdersService] = {}
+        self._server = _TenantServer(("127.0.0.1", 0), self.tenants)
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": 0.05},
+                                        name="drill-orders", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"TenantOrders(port={self.port}, tenants={len(self.tenants)})"
+
+    def add(self, name: str) -> str:
+        """Create tenant ``name``; returns its base URL."""
+        self.tenants[name] = OrdersService(self.db_path(name))
+        return f"http://127.0.0.1:{self.port}/t/{name}"
+
+    def db_path(self, name: str) -> Path:
+        return self.folder / f"{name}.sqlite3"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> TenantOrders:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

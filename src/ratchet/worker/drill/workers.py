@@ -1,0 +1,159 @@
+"""The drill's worker processes: spawn with a failpoint spec, watch, pause, resume, recycle.
+
+Each worker is a real ``ratchet worker`` process (``worker_main``: RQ ``SimpleWorker`` and a
+reaper thread) started with ``spawn``, its stdout and stderr sent to a log file in the
+drill folder, and its own ``RATCHET_FAILPOINTS`` spec. Every wait here is a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from ratchet.worker.pool import _settings_json, worker_main
+from ratchet.worker.settings import Settings
+
+__all__ = ["DrillWorker", "WorkerPool", "process_state"]
+
+
+def process_state(pid: int) -> str:
+    """The kernel's state letter for ``pid`` (``T`` when stopped); ``?`` when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _entry(payload: str, index: int, log_path: str) -> None:
+    """A worker process: output to its log file, then the ordinary worker main loop."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    worker_main(payload, index, False)
+
+
+@dataclass
+class DrillWorker:
+    proc: BaseProcess
+    pid: int
+    spec: str
+    started_at: float
+    fired_at: float | None = None
+    fired_action: str | None = None
+    paused_at: float | None = None
+    resumed_at: float | None = None
+    terminating_at: float | None = None
+    pause: dict[str, object] = field(default_factory=dict)  # run, lease version, generation
+
+    @property
+    def active(self) -> bool:
+        """Counts towards the wanted number of workers (not stopped, not leaving)."""
+        return self.paused_at is None and self.terminating_at is None
+
+
+class WorkerPool:
+    """Worker processes of one drill, by pid."""
+
+    def __init__(self, settings: Settings, folder: Path, *, fired_log: Path,
+                 events_dir: Path) -> None:
+        self._payload = _settings_json(settings)
+        self._ctx = mp.get_context("spawn")
+        self._folder = folder
+        self._env = {"RATCHET_FAILPOINTS_LOG": os.fspath(fired_log),
+                     "RATCHET_DRILL_EVENTS": os.fspath(events_dir),
+                     "RATCHET_LOG_LEVEL": "WARNING"}
+        self.workers: dict[int, DrillWorker] = {}
+        self.everyone: dict[int, DrillWorker] = {}  # every worker ever started, by pid
+        self.deaths: list[dict[str, object]] = []
+        self.started = 0
+
+    def __repr__(self) -> str:
+        return f"WorkerPool(live={len(self.workers)}, started={self.started})"
+
+    def spawn(self, spec: str) -> DrillWorker:
+        """Start one worker with ``spec`` as its ``RATCHET_FAILPOINTS``."""
+        env = dict(self._env, RATCHET_FAILPOINTS=spec)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # spawn copies the environment at start()
+        try:
+            log = self._folder / "logs" / f"worker-{self.started}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            proc = self._ctx.Process(target=_entry, args=(self._payload, self.started,
+                                                          os.fspath(log)), daemon=True)
+            proc.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        self.started += 1
+        if proc.pid is None:  # pragma: no cover - start() always sets it
+            raise RuntimeError("worker process has no pid")
+        worker = DrillWorker(proc, proc.pid, spec, time.time())
+        self.workers[proc.pid] = worker
+        self.everyone[worker.pid] = worker
+        return worker
+
+    @property
+    def active(self) -> int:
+        return sum(1 for w in self.workers.values() if w.active)
+
+    def reap_dead(self) -> list[DrillWorker]:
+        """Forget workers that exited; returns them (their exit is recorded)."""
+        dead = [w for w in self.workers.values() if w.proc.exitcode is not None]
+        for worker in dead:
+            worker.proc.join(timeout=1)
+            del self.workers[worker.pid]
+            self.deaths.append({"pid": worker.pid, "at": time.time(), "spec": worker.spec,
+                                "exitcode": worker.proc.exitcode})
+        return dead
+
+    def stopped(self) -> list[DrillWorker]:
+        """Workers the kernel shows stopped (SIGSTOP) that are not yet known as paused."""
+        return [w for w in self.workers.values()
+                if w.paused_at is None and process_state(w.pid) == "T"]
+
+    def resume(self, worker: DrillWorker) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGCONT)
+        worker.resumed_at = time.time()
+
+    def terminate(self, worker: DrillWorker) -> None:
+        """Warm shutdown: the job finishes its step, releases the lease for reaping."""
+        if worker.terminating_at is None:
+            worker.terminating_at = time.time()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGCONT)
+                os.kill(worker.pid, signal.SIGTERM)
+
+    def enforce(self, grace_s: float) -> None:
+        """SIGKILL workers that have not left ``grace_s`` after SIGTERM."""
+        now = time.time()
+        for worker in self.workers.values():
+            if worker.terminating_at is not None and now - worker.terminating_at > grace_s:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGKILL)
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """Resume, SIGTERM, and after ``grace_s`` SIGKILL every worker; wait for all."""
+        for worker in list(self.workers.values()):
+            self.terminate(worker)
+        deadline = time.monotonic() + grace_s
+        for worker in list(self.workers.values()):
+            worker.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in list(self.workers.values()):
+            if worker.proc.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGCONT)
+                    os.kill(worker.pid, signal.SIGKILL)
+                worker.proc.join(timeout=10)
+        self.reap_dead()

@@ -1,0 +1,258 @@
+"""Prometheus metrics of one worker process, and the HTTP endpoint that serves them.
+
+Every worker process counts what it did itself (``prometheus-client``'s default registry,
+so the process collectors come along); Prometheus scrapes each process and sums. Names
+follow Prometheus conventions: ``ratchet_`` prefix, ``_total`` for counters, base units
+(``_seconds``), and label values from small fixed sets only (never a run id, a worker id,
+a key, or an exception message):
+
+==============================================  ==========================================
+metric                                          meaning
+==============================================  ==========================================
+``ratchet_jobs_total{outcome,phase}``           jobs ended, by outcome and the phase they
+                                                left their run in
+``ratchet_leases_acquired_total``               leases this process acquired
+``ratchet_leases_taken_over_total``             ... of which the previous holder had
+                                                neither finished nor released (it expired)
+``ratchet_leases_renewed_total``                heartbeat renewals that landed
+``ratchet_leases_lost_total{reason}``           leases given up as lost or in doubt
+``ratchet_commits_total``                       fenced commits that landed
+``ratchet_commit_duration_seconds``             latency of those commits (histogram)
+``ratchet_stale_commits_refused_total{reason}`` commits Redis' fence refused
+                                                (``lease_lost``, ``generation_mismatch``,
+                                                ``stale_state``); commits the heartbeat
+                                                guard withheld first count as lost leases
+``ratchet_stale_adapter_writes_refused_total    writes (``execute``) or fence raises
+{call}``                                        (``raise_fence``: the adapter has seen a
+                                                newer lease, e.g. a rolled-back store)
+                                                refused by the adapter's fence
+``ratchet_receipt_conflicts_total{reason}``     review cases opened (intent conflict,
+                                                receipt missing or drifted, unbound approval)
+``ratchet_approvals_requested_total``           runs that started waiting for an approval
+``ratchet_approvals_expired_total``             approvals found expired before execution
+``ratchet_reaper_requeues_total{cause}``        runs re-enqueued by this process' reaper:
+                                                ``lease_expired`` (a holder died or stalled)
+                                                or ``released`` (yielded for reaping)
+==============================================  ==========================================
+
+Fleet-wide gauges (runs by phase, approvals waiting) need a view of every run; the read-only
+console serves them on its own ``/metrics`` (``ratchet.console``).
+
+Serving: ``RATCHET_METRICS_PORT`` unset means no endpoint. Set, worker process ``i`` of a
+``ratchet worker --concurrency N`` serves on ``port + i`` at ``RATCHET_METRICS_ADDR``
+(``127.0.0.1`` by default: metrics say which runs wait for whom, keep them off the network
+unless a scraper needs them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from time import perf_counter
+from typing import Any
+
+from prometheus_client import Counter, Histogram, start_http_server
+
+from ratchet.errors import (
+    ConfigurationError,
+    GenerationMismatchError,
+    LeaseLostError,
+    RatchetError,
+    StaleStateError,
+)
+from ratchet.runtime import Phase, RunState
+from ratchet.runtime.state import TraceOutcome
+
+__all__ = [
+    "APPROVALS_EXPIRED",
+    "APPROVALS_REQUESTED",
+    "COMMITS",
+    "COMMIT_SECONDS",
+    "JOBS",
+    "LEASES_ACQUIRED",
+    "LEASES_LOST",
+    "LEASES_RENEWED",
+    "LEASES_TAKEN_OVER",
+    "REAPER_REQUEUES",
+    "RECEIPT_CONFLICTS",
+    "STALE_ADAPTER_WRITES",
+    "STALE_COMMITS",
+    "MetricsEndpoint",
+    "expired_holder",
+    "lease_acquired",
+    "lease_lost",
+    "metrics_port",
+    "observe_commit",
+    "observe_job",
+    "observe_trace",
+    "serve_metrics",
+]
+
+log = logging.getLogger("ratchet.worker.metrics")
+
+JOBS = Counter("ratchet_jobs_total", "Jobs ended, by outcome and the phase of their run.",
+               ["outcome", "phase"])
+LEASES_ACQUIRED = Counter("ratchet_leases_acquired_total", "Leases acquired.")
+LEASES_TAKEN_OVER = Counter(
+    "ratchet_leases_taken_over_total",
+    "Leases acquired whose previous holder let them expire without releasing them.")
+LEASES_RENEWED = Counter("ratchet_leases_renewed_total", "Lease renewals that landed.")
+LEASES_LOST = Counter("ratchet_leases_lost_total", "Leases given up as lost or in doubt.",
+                      ["reason"])
+COMMITS = Counter("ratchet_commits_total", "Fenced checkpoint commits that landed.")
+COMMIT_SECONDS = Histogram(
+    "ratchet_commit_duration_seconds", "Latency of fenced checkpoint commits that landed.",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+STALE_COMMITS = Counter("ratchet_stale_commits_refused_total",
+                        "Commits refused by the store's fence (lease, generation, state).",
+                        ["reason"])
+STALE_ADAPTER_WRITES = Counter(
+    "ratchet_stale_adapter_writes_refused_total",
+    "Adapter writes or fence raises from this process refused by the adapter's fence.",
+    ["call"])
+RECEIPT_CONFLICTS = Counter(
+    "ratchet_receipt_conflicts_total",
+    "Review cases opened because the world and the records disagree.", ["reason"])
+APPROVALS_REQUESTED = Counter("ratchet_approvals_requested_total",
+                              "Runs that started waiting for a signed approval.")
+APPROVALS_EXPIRED = Counter("ratchet_approvals_expired_total",
+                            "Approvals found expired before their write executed.")
+REAPER_REQUEUES = Counter("ratchet_reaper_requeues_total",
+                          "Runs re-enqueued by this process' reaper.", ["cause"])
+
+_LOST_REASONS = (
+    ("renewal failed: LeaseLostError", "refused"),
+    ("renewal failed", "unknown_outcome"),
+    ("renewal reply lost", "unknown_outcome"),
+    ("lease not renewed", "not_renewed_in_time"),
+    ("executor stalled", "stalled"),
+)
+_REVIEW_REASONS = frozenset({"intent_conflict", "receipt_missing", "receipt_drift",
+                             "approval_unbound"})
+
+
+def lease_lost(reason: str) -> None:
+    """Count a lost lease; the heartbeat's free-text reason maps to a fixed label."""
+    label = next((name for prefix, name in _LOST_REASONS if reason.startswith(prefix)),
+                 "other")
+    LEASES_LOST.labels(reason=label).inc()
+
+
+def expired_holder(store: Any, run_id: str) -> bool:
+    """Whether the run's lease is, right now, held by someone whose lease expired.
+
+    Read just before an acquire: if the acquire then succeeds, it took the lease over from
+    a holder that died, stalled or was paused. Never raises (metrics must not change what
+    a job does); an unreadable run counts as no takeover.
+    """
+    try:
+        snap = store.read_run(run_id)
+    except RatchetError:
+        return False
+    return bool(snap.owner) and not snap.lease_live
+
+
+@contextmanager
+def observe_commit() -> Iterator[None]:
+    """Time one fenced commit and count how it ended. Re-raises whatever the commit raised."""
+    started = perf_counter()
+    try:
+        yield
+    except LeaseLostError:
+        STALE_COMMITS.labels(reason="lease_lost").inc()
+        raise
+    except GenerationMismatchError:
+        STALE_COMMITS.labels(reason="generation_mismatch").inc()
+        raise
+    except StaleStateError:
+        STALE_COMMITS.labels(reason="stale_state").inc()
+        raise
+    COMMITS.inc()
+    COMMIT_SECONDS.observe(perf_counter() - started)
+
+
+def observe_trace(state: RunState, *, since_seq: int) -> None:
+    """Count approvals requested or expired and review cases opened after ``since_seq``."""
+    for event in state.trace:
+        if event.seq <= since_seq:
+            continue
+        if event.outcome is TraceOutcome.AWAITING_APPROVAL:
+            APPROVALS_REQUESTED.inc()
+        elif event.outcome is TraceOutcome.APPROVAL_EXPIRED:
+            APPROVALS_EXPIRED.inc()
+        elif event.outcome is TraceOutcome.REVIEW_OPENED:
+            reason = str(event.detail.get("reason", ""))
+            if reason not in _REVIEW_REASONS:
+                reason = state.review.reason.value if state.review is not None else "other"
+            RECEIPT_CONFLICTS.labels(reason=reason).inc()
+
+
+def lease_acquired(*, took_over: bool) -> None:
+    """Count an acquired lease, and a takeover when its previous holder had expired."""
+    LEASES_ACQUIRED.inc()
+    if took_over:
+        LEASES_TAKEN_OVER.inc()
+
+
+def observe_job(outcome: str, phase: str | None) -> None:
+    """Count one ended job. ``phase`` is None when the job never read its run."""
+    known = {p.value for p in Phase}
+    JOBS.labels(outcome=outcome, phase=phase if phase in known else "unknown").inc()
+
+
+def metrics_port(index: int = 0) -> int | None:
+    """The port worker process ``index`` serves on, from ``RATCHET_METRICS_PORT``.
+
+    Raises ConfigurationError for a value that is not a port number.
+    """
+    raw = os.environ.get("RATCHET_METRICS_PORT", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 0 < int(raw) + index < 65536:
+        raise ConfigurationError("RATCHET_METRICS_PORT must be a TCP port number",
+                                 field="RATCHET_METRICS_PORT")
+    return int(raw) + index
+
+
+class MetricsEndpoint:
+    """A running metrics endpoint (``prometheus_client``'s threaded HTTP server)."""
+
+    def __init__(self, server: Any, thread: Any, host: str, port: int) -> None:
+        self._server = server
+        self._thread = thread
+        self.host = host
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(index: int = 0, *, port: int | None = None,
+                  host: str | None = None) -> MetricsEndpoint | None:
+    """Serve this process' metrics if a port is configured; None when it is not.
+
+    ``port`` 0 picks a free port. A port that cannot be bound is logged and skipped: a
+    worker without metrics still does its job. Raises ConfigurationError for a malformed
+    ``RATCHET_METRICS_PORT``.
+    """
+    chosen = metrics_port(index) if port is None else port
+    if chosen is None:
+        return None
+    addr = host or os.environ.get("RATCHET_METRICS_ADDR", "").strip() or "127.0.0.1"
+    try:
+        server, thread = start_http_server(chosen, addr=addr)
+    except OSError as exc:
+        log.warning("metrics endpoint not started",
+                    extra={"port": chosen, "error": type(exc).__name__})
+        return None
+    bound = int(server.server_address[1])
+    log.info("metrics endpoint started", extra={"port": bound})
+    return MetricsEndpoint(server, thread, addr, bound)

@@ -1,0 +1,82 @@
+"""Runs in the states operators look at: waiting for a review, waiting for an approval."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.runtime import Fence, derive_idempotency_key, parse_action
+from ratchet.worker.context import Fleet
+from ratchet.worker.examples import RIGHT_GREETING
+from ratchet.worker.job import execute_run
+from ratchet.worker.ops import submit
+from ratchet.worker.runs import RunDocument
+
+MakeWorkspace = Callable[..., tuple[Path, RunDocument]]
+
+PLAN = [{"kind": "write_file", "args": {"path": "app.py", "content": RIGHT_GREETING}},
+        {"kind": "run_verifier", "args": {"target": "unit"}},
+        {"kind": "finish", "args": {"summary": "fixed"}}]
+
+
+def public_hex(key: Ed25519PrivateKey) -> str:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+
+def trust_file(path: Path, signers: dict[str, Ed25519PrivateKey]) -> Path:
+    path.write_text(json.dumps({name: public_hex(key) for name, key in signers.items()}))
+    return path
+
+
+def with_trust(fleet: Fleet, **files: Path) -> Fleet:
+    """The same fleet with trust files (``approvers_file=...``, ``reviewers_file=...``)."""
+    return Fleet.connect(fleet.settings.model_copy(update=files))
+
+
+def run_in_review(fleet: Fleet, workspace: MakeWorkspace, run_id: str) -> str:
+    """A run frozen in needs_review: another caller already used its idempotency key for
+    another intent (an ``intent_conflict`` with a real receipt)."""
+    root, document = workspace()
+    document = document.model_copy(update={"agent": "scripted",
+                                           "agent_config": {"steps": PLAN}})
+    key = derive_idempotency_key(run_id, 0, salt="0")
+    with WorkspaceAdapter(root, ["app.py"]) as other:
+        foreign = parse_action({"action_id": "x-1", "kind": "write_file",
+                                "risk": "reversible_write",
+                                "args": {"path": "app.py", "content": "print('other')\n"},
+                                "idempotency_key": key,
+                                "expected_env_version": other.observe().version,
+                                "deadline_at": 2**40})
+        other.execute(foreign, foreign.intent_digest,
+                      Fence(run_id="someone-else", lease_version=1, state_version=1), None)
+    submit(fleet, document, run_id=run_id)
+    report = execute_run(fleet, run_id, owner="w-review")
+    if report.phase != "needs_review":
+        raise AssertionError(f"expected needs_review, got {report}")
+    return run_id
+
+
+def run_awaiting_approval(fleet: Fleet, workspace: MakeWorkspace, run_id: str) -> str:
+    """A run whose first write needs a signed approval."""
+    _root, document = workspace(approval_required=("write_file",))
+    submit(fleet, document, run_id=run_id)
+    report = execute_run(fleet, run_id, owner="w-approve")
+    if report.phase != "awaiting_approval":
+        raise AssertionError(f"expected awaiting_approval, got {report}")
+    return run_id
+
+
+def poll(predicate: Callable[[], bool], *, deadline_s: float, what: str) -> None:
+    """Poll until true or fail after the deadline (never a fixed sleep to synchronise)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for: {what}")

@@ -1,0 +1,205 @@
+"""The read-only web console: HTTP behaviour, escaping, filters, and the pages in Chromium."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ratchet.cli.console import fleet_console_data
+from ratchet.console import CSP, ConsoleData, ConsoleServer, serve_console
+from ratchet.console.pages import run_page
+from ratchet.runtime import ApprovalClaims, sign_approval
+from ratchet.worker.context import Fleet
+from tests.ops.helpers import MakeWorkspace, run_awaiting_approval, run_in_review
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def console(fleet: Fleet, workspace: MakeWorkspace) -> Iterator[tuple[ConsoleServer, str, str]]:
+    review_id = run_in_review(fleet, workspace, "r-console-review")
+    approval_id = run_awaiting_approval(fleet, workspace, "r-console-approve")
+    server = serve_console(fleet_console_data(fleet), port=0, background=True)
+    try:
+        yield server, review_id, approval_id
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def fetch(server: ConsoleServer, path: str, method: str = "GET") -> tuple[int, dict[str, str],
+                                                                          str]:
+    host, port = str(server.server_address[0]), int(server.server_address[1])
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request(method, path)
+        response = conn.getresponse()
+        return (response.status, {k.lower(): v for k, v in response.getheaders()},
+                response.read().decode())
+    finally:
+        conn.close()
+
+
+def test_the_console_listens_on_loopback_and_serves_pages_with_a_strict_csp(
+        console: tuple[ConsoleServer, str, str]) -> None:
+    server, review_id, _ = console
+    assert server.server_address[0] == "127.0.0.1"
+    status, headers, body = fetch(server, "/runs")
+    assert status == 200
+    assert headers["content-security-policy"] == CSP
+    assert "script-src" not in CSP and "default-src 'none'" in CSP
+    assert headers["x-frame-options"] == "DENY"
+    assert review_id in body and "<script" not in body
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
+def test_the_console_has_no_write_endpoint(console: tuple[ConsoleServer, str, str],
+                                           method: str) -> None:
+    server, review_id, _ = console
+    status, headers, _ = fetch(server, f"/runs/{review_id}", method)
+    assert status == 405
+    assert headers["allow"] == "GET, HEAD"
+
+
+def test_the_runs_list_filters_by_phase_and_owner(console: tuple[ConsoleServer, str, str]
+                                                  ) -> None:
+    server, review_id, approval_id = console
+    _, _, body = fetch(server, "/runs?phase=needs_review")
+    assert review_id in body and approval_id not in body
+    _, _, body = fetch(server, "/runs?owner=nobody-holds-this")
+    assert review_id not in body and approval_id not in body
+    _, _, body = fetch(server, "/runs?phase=%3Cscript%3E")
+    assert "<script>" not in body and "unknown phase" in body
+
+
+def test_a_missing_run_is_a_404_and_a_hostile_id_is_never_echoed_raw(
+        console: tuple[ConsoleServer, str, str]) -> None:
+    server, _, _ = console
+    status, _, body = fetch(server, "/runs/r-no-such-run")
+    assert status == 404 and "no such run" in body
+    status, _, body = fetch(server, "/runs/%3Cimg%20src%3Dx%20onerror%3Dalert(1)%3E")
+    assert status == 409 and "not a valid id" in body
+    assert "<img" not in body
+    status, _, body = fetch(server, "/%3Cb%3Enowhere")
+    assert status == 404 and "<b>" not in body and "&lt;b&gt;" in body
+
+
+def test_the_console_serves_fleet_gauges_for_prometheus(
+        console: tuple[ConsoleServer, str, str]) -> None:
+    server, _, _ = console
+    _, _, text = fetch(server, "/metrics")
+    assert 'ratchet_runs{phase="needs_review"} 1.0' in text
+    assert "ratchet_approvals_waiting 1.0" in text
+    assert "ratchet_reviews_waiting 1.0" in text
+
+
+def test_expired_approval_evidence_stays_visible_and_is_marked(
+        fleet: Fleet, workspace: MakeWorkspace) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    run_id = run_awaiting_approval(fleet, workspace, "r-console-expired")
+    data = fleet_console_data(fleet)
+    run = data.run_detail(run_id, data.now())
+    pending = run["pending"]
+    claims = ApprovalClaims(
+        task_id=run["task"]["task_id"], run_id=run_id, policy_id=run["task"]["policy_id"],
+        policy_version=run["task"]["policy_version"],
+        action_id=pending["action"]["action_id"],
+        idempotency_key=pending["action"]["idempotency_key"],
+        intent_digest=pending["intent_digest"], env_instance_id=run["environment"]["instance_id"],
+        env_fingerprint=run["environment"]["fingerprint"],
+        env_version=run["environment"]["version"], generation=run["generation"],
+        nonce="ap-expired-1", expires_at=data.now() - 120, max_proposals=50)
+    evidence = sign_approval(Ed25519PrivateKey.generate(), "alice", claims)
+    pending["approval"] = evidence.model_dump(mode="json")
+    page = run_page(run, now=data.now())
+    assert "EXPIRED" in page and 'class="badge expired"' in page
+    assert "alice" in page and claims.nonce in page
+
+
+# --- the pages in a real browser ------------------------------------------------------------
+
+CHROMIUM = os.environ.get("RATCHET_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("RATCHET_CHROMEDRIVER", "/usr/bin/chromedriver")
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--window-size=1400,2200")
+
+
+def _browser(profile: Path) -> Any:
+    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+        pytest.skip(f"headless browser test needs Debian's chromium and chromium-driver "
+                    f"({CHROMIUM}, {CHROMEDRIVER}); apt-get install chromium chromium-driver")
+    webdriver = pytest.importorskip("selenium.webdriver",
+                                    reason="the browser test needs selenium (test extra)")
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={profile}")
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def _screenshot(driver: Any, path: Path, record_property: Any) -> Path:
+    assert driver.save_screenshot(str(path)), f"screenshot {path} not written"
+    copy_to = os.environ.get("RATCHET_SCREENSHOT_DIR")
+    if copy_to:
+        Path(copy_to).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(copy_to) / path.name)
+    record_property(f"screenshot:{path.name}", str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
+def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
+        console: tuple[ConsoleServer, str, str], fleet: Fleet, tmp_path: Path,
+        record_property: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    server, review_id, approval_id = console
+    driver = _browser(tmp_path / "chromium-profile")
+    data: ConsoleData = server.data
+    review = data.run_detail(review_id, data.now())["review"]
+    pending = data.run_detail(approval_id, data.now())["pending"]
+    try:
+        driver.get(f"{server.url}/runs/{review_id}")
+        text = driver.find_element(By.TAG_NAME, "body").text
+        assert "needs_review" in text and review["case_id"] in text
+        assert review["pending"]["intent_digest"] in text  # both digests
+        assert review["receipt"]["intent_digest"] in text
+        assert review["receipt_fingerprint"] in text  # the receipt and its fingerprint
+        assert f"ratchet review {review_id} --decision replan --key REVIEWER_KEY.pem" in text
+        assert "Timeline" in text and "review_opened" in text
+        css = driver.find_element(By.TAG_NAME, "header").value_of_css_property("background-color")
+        assert css != "rgba(0, 0, 0, 0)", "the style sheet loaded under the CSP"
+        _screenshot(driver, tmp_path / "console-run-needs-review.png", record_property)
+
+        driver.get(f"{server.url}/reviews")
+        text = driver.find_element(By.TAG_NAME, "body").text
+        assert review_id in text and approval_id in text and review["case_id"] in text
+        assert f"ratchet approve {approval_id} {pending['action']['action_id']}" in text
+        _screenshot(driver, tmp_path / "console-review-queue.png", record_property)
+
+        driver.get(f"{server.url}/runs/{approval_id}")
+        text = driver.find_element(By.TAG_NAME, "body").text
+        assert "awaiting_approval" in text and pending["intent_digest"] in text
+        _screenshot(driver, tmp_path / "console-run-awaiting-approval.png", record_property)
+
+        driver.get(f"{server.url}/runs?phase=needs_review")
+        rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
+        assert len(rows) == 2 and review_id in rows[1].text
+        assert not driver.find_elements(By.TAG_NAME, "script")
+    finally:
+        driver.quit()
+    with urllib.request.urlopen(f"{server.url}/healthz", timeout=10) as response:
+        assert response.read() == b"ok\n"
