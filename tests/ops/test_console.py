@@ -135,6 +135,8 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage
 
 def _browser(profile: Path) -> Any:
     if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+        if os.environ.get("RATCHET_REQUIRE_BROWSER") == "1":  # CI installs it: never skip
+            pytest.fail(f"chromium / chromedriver missing at {CHROMIUM}, {CHROMEDRIVER}")
         pytest.skip(f"headless browser test needs Debian's chromium and chromium-driver "
                     f"({CHROMIUM}, {CHROMEDRIVER}); apt-get install chromium chromium-driver")
     webdriver = pytest.importorskip("selenium.webdriver",
