@@ -318,9 +318,13 @@ def run(quick: bool) -> dict[str, Any]:
             f"baseline_dumps_hmac_us_{label}": round(med(t["dumps_hmac"]), 1),
             f"baseline_loads_verify_us_{label}": round(med(t["loads_verify"]), 1),
             f"sign_ratio_{label}": _ratio(t["sign"], t["dumps_hmac"]),
-            f"restore_ratio_{label}": _ratio(t["restore"], t["loads_verify"]),
-            f"restore_ratio_vs_dumps_hmac_{label}": _ratio(t["restore"], t["dumps_hmac"]),
-            f"restore_ratio_without_trust_{label}": _ratio(without_trust, t["loads_verify"]),
+            # The baseline for every ratio: json.dumps + stdlib HMAC of the same
+            # data. The stricter mirror (json.loads + HMAC verify) is reported beside it.
+            f"restore_ratio_{label}": _ratio(t["restore"], t["dumps_hmac"]),
+            f"restore_ratio_vs_loads_verify_{label}": _ratio(t["restore"], t["loads_verify"]),
+            f"restore_ratio_without_trust_{label}": _ratio(without_trust, t["dumps_hmac"]),
+            f"restore_ratio_without_trust_vs_loads_verify_{label}": _ratio(
+                without_trust, t["loads_verify"]),
         }
     return report
 
@@ -334,8 +338,9 @@ ROWS = [
     ("restore: restore_checkpoint (us)", "restore_us_{}", "{:.1f}"),
     ("  of which Ed25519 trust check (us)", "trust_check_us_{}", "{:.1f}"),
     ("baseline json.loads + HMAC verify (us)", "baseline_loads_verify_us_{}", "{:.1f}"),
-    ("restore ratio (vs loads + verify)", "restore_ratio_{}", "{:.2f}x"),
-    ("restore ratio (vs dumps + HMAC)", "restore_ratio_vs_dumps_hmac_{}", "{:.2f}x"),
+    ("restore ratio (vs dumps + HMAC, the issue's baseline)", "restore_ratio_{}", "{:.2f}x"),
+    ("restore ratio (vs loads + HMAC verify)", "restore_ratio_vs_loads_verify_{}",
+     "{:.2f}x"),
     ("restore ratio without the trust check", "restore_ratio_without_trust_{}", "{:.2f}x"),
 ]
 
