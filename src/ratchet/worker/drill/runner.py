@@ -302,6 +302,12 @@ class _Drill:
             self.server.start()
             self.rec.redis_kills.append(now)
             self.last_redis_fault = time.time()
+            # The operator's runbook after a Redis restart: hand unfinished runs out again.
+            # (A job an RQ worker had popped when Redis died is otherwise lost until RQ's
+            # own sweep, and a run never leased since is not on the reaper's index.)
+            for run_id in self.rec.runs:
+                if run_id not in self.settled:
+                    self.fleet.enqueue(run_id)
         if self.schedule.rollback_at is not None and self.rec.rollback is None \
                 and self.rec.rollback_skipped is None and fraction >= self.schedule.rollback_at:
             if self.rec.redis.check_aof is None:

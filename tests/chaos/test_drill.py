@@ -1,0 +1,81 @@
+"""`ratchet drill` end to end: the short profile passes with every failpoint fired, a build
+without the workspace fence fails naming the invariant, and the long profile (opt-in)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ratchet.worker.drill.schedule import Schedule, parse_faults
+from ratchet.worker.failpoints import POINTS
+
+RATCHET = str(Path(sys.executable).with_name("ratchet"))
+
+
+def drill(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+          timeout_s: float = 420) -> tuple[int, dict[str, Any]]:
+    folder = tmp_path / "drill"
+    done = subprocess.run([RATCHET, "drill", *args, "--json", "--dir", str(folder)],
+                          capture_output=True, timeout=timeout_s, check=False,
+                          env={**os.environ, **(env or {})})
+    assert done.stdout, done.stderr.decode(errors="replace")[-2000:]
+    return done.returncode, json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_the_short_profile_passes_with_every_failpoint_fired_and_zombies_refused(
+        tmp_path: Path) -> None:
+    code, report = drill(tmp_path, "--workers", "3", "--runs", "24", "--lease-ttl", "1",
+                         "--faults", "all")
+    failing = {k: v for k, v in report["invariants"].items() if v["status"] != "pass"}
+    assert report["verdict"] == "pass", failing
+    assert code == 0
+    for point in POINTS:
+        assert report["failpoint_hits"].get(point, 0) >= 2, (point, report["failpoint_hits"])
+    assert report["stale_writes_attempted"] >= 1
+    assert report["stale_writes_refused_by_fence"] >= 1
+    assert report["stale_writes_accepted"] == 0
+    assert report["stale_commits_attempted"] >= 1
+    assert report["stale_commits_accepted"] == 0
+    assert report["duplicate_effects"] == 0
+    assert report["runs_by_phase"].get("completed", 0) >= report["runs"] - report[
+        "rewound_runs"]
+
+
+def _seed_with_a_workspace_zombie(runs: int) -> int:
+    """A seed whose first zombie pauses before its first write (the workspace's)."""
+    for seed in range(1, 200):
+        specs = Schedule(seed=seed, faults=parse_faults("pause"), runs=runs).specs
+        if specs and specs[0] == "after_guard_before_adapter=pause@1":
+            return seed
+    raise AssertionError("no such seed")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_build_without_the_workspace_fence_fails_the_drill_naming_the_invariant(
+        tmp_path: Path) -> None:
+    seed = _seed_with_a_workspace_zombie(8)
+    code, report = drill(tmp_path, "--workers", "2", "--runs", "8", "--lease-ttl", "1",
+                         "--faults", "pause", "--seed", str(seed),
+                         env={"RATCHET_TEST_DISABLE_FENCES": "1"})
+    assert code == 1
+    assert report["verdict"] == "fail"
+    assert "stale_writes_refused" in report["failed_invariants"]
+    assert report["stale_writes_accepted"] >= 1
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(1500)
+def test_the_long_profile_passes(tmp_path: Path) -> None:
+    code, report = drill(tmp_path, "--workers", "4", "--runs", "200", "--lease-ttl", "1",
+                         "--duration", "600", "--faults", "all", timeout_s=1400)
+    assert report["verdict"] == "pass", report["invariants"]
+    assert code == 0
