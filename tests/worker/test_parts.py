@@ -232,3 +232,20 @@ def test_the_reaper_leaves_live_and_waiting_runs_alone(
     enqueued: list[str] = []
     reap_once(fleet.store, enqueued.append, limit=10_000)
     assert live not in enqueued and waiting not in enqueued
+
+
+def test_a_run_whose_job_was_lost_before_any_worker_took_it_is_re_enqueued(
+    settings: Settings, workspace: Callable[..., tuple[Path, RunDocument]]
+) -> None:
+    fleet = Fleet.connect(settings.model_copy(update={"pickup_timeout_ms": 100}))
+    _, document = workspace()
+    run_id = submit(fleet, document)
+    fleet.queue.empty()  # the job is gone (a worker popped it and died, or Redis lost it)
+    enqueued: list[str] = []
+
+    def reaped() -> bool:
+        reap_once(fleet.store, enqueued.append, limit=10_000)
+        return run_id in enqueued
+
+    poll(reaped)
+    assert enqueued.count(run_id) == 1

@@ -432,6 +432,18 @@ class RedisStore:
             EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit, withscores=True))
         return [(self._member(m), int(score)) for m, score in members]
 
+    def expect_pickup(self, run_id: str, *, within_ms: int) -> None:
+        """Put ``run_id`` on the expiry index with a pickup deadline (``ZADD GT``).
+
+        Called when a run is enqueued: if no worker acquires it by then (its job was lost
+        with a worker, or with Redis), the reaper re-enqueues it. A later score (a live
+        lease) is kept. Raises StoreUnavailableError.
+        """
+        check_id(run_id, "run_id")
+        deadline = self.server_time_ms() + within_ms
+        self._call("expiry index", run_id, lambda: self._client.zadd(
+            EXPIRY_INDEX, {run_id: deadline}, gt=True))
+
     def claim_reap(self, run_id: str, *, reclaim_after_ms: int = 30_000) -> ReapClaim:
         """Claim the right to re-enqueue ``run_id`` for its current (expired) lease version.
 

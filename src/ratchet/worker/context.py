@@ -215,6 +215,10 @@ class Fleet:
 
     def enqueue(self, run_id: str) -> str:
         """Put ``{run_id}`` on the queue as JSON. Returns the RQ job id."""
+        # A job can be lost with the worker that popped it, or with Redis: a pickup
+        # deadline on the reaper's index, set before the job exists, makes sure some
+        # worker takes the run anyway.
+        self.store.expect_pickup(run_id, within_ms=self.settings.pickup_timeout_ms)
         job = self.queue.enqueue(JOB_FUNCTION, run_id, job_timeout=self.settings.job_timeout_s,
                                  result_ttl=3600, failure_ttl=7 * 24 * 3600,
                                  description=f"ratchet run {run_id}")

@@ -192,6 +192,7 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                           stall_timeout_ms=settings.stall_timeout_ms,
                           lease_ttl_ms=settings.lease_ttl_ms, acquired_at=acquired_at,
                           failpoints=points).start()
+    held = _HeldLease(lease, heartbeat)
     adapter = None
     log_context = logs.enter_run(run_id, lease_version=lease.lease_version,
                                  generation=lease.generation)
@@ -214,20 +215,20 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                 # Redis could not be read mid-restore: no evidence of anything; retry.
                 report.outcome, report.detail = "lease_lost", "store: high water unreadable"
                 return report
-            _refuse(fleet, lease, report, exc)
+            _refuse(fleet, held, report, exc)
             return report
         except (FenceRejectedError, ConfigurationError, ContractError) as exc:
             # Failing closed: nothing about this run can be trusted or built as it is.
             # Retrying would fail the same way, so it leaves the reaper's index.
-            _refuse(fleet, lease, report, exc)
+            _refuse(fleet, held, report, exc)
             return report
         except AdapterError as exc:
             if exc.context.get("retryable"):
                 raise
-            _refuse(fleet, lease, report, exc)
+            _refuse(fleet, held, report, exc)
             return report
         if engine.state.phase in TERMINAL_PHASES:
-            lease.release()
+            held.release()
             report.outcome, report.phase = "terminal", engine.state.phase.value
             report.generation = engine.generation
             return report
@@ -243,7 +244,7 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
         _step(fleet, engine, document, heartbeat, report)
         report.phase, report.generation = engine.state.phase.value, engine.generation
         metrics.observe_trace(engine.state, since_seq=restored_seq)
-        _finish(lease, engine, report)
+        _finish(held, engine, report)
     except (LeaseLostError, FenceRejectedError) as exc:
         # No further commit or adapter call: the lease expires, the reaper hands it on.
         report.outcome, report.detail = "lease_lost", type(exc).__name__
@@ -328,7 +329,35 @@ def _step(fleet: Fleet, engine: RunEngine, document: RunDocument, heartbeat: Hea
     report.outcome = "yielded"
 
 
-def _finish(lease: LeasedRun, engine: RunEngine, report: JobReport) -> None:
+class _HeldLease:
+    """The job's lease, released only once its heartbeat has stopped.
+
+    A renewal still in flight when the lease is released would be refused and reported as
+    a lost lease; stopping (and joining) the heartbeat first rules that out.
+    """
+
+    def __init__(self, lease: LeasedRun, heartbeat: Heartbeat) -> None:
+        self._lease = lease
+        self._heartbeat = heartbeat
+
+    @property
+    def run_id(self) -> str:
+        return self._lease.run_id
+
+    @property
+    def lease_version(self) -> int:
+        return self._lease.lease_version
+
+    @property
+    def generation(self) -> int:
+        return self._lease.generation
+
+    def release(self, *, reap: bool = False) -> None:
+        self._heartbeat.stop()
+        self._lease.release(reap=reap)
+
+
+def _finish(lease: _HeldLease, engine: RunEngine, report: JobReport) -> None:
     phase = engine.state.phase
     if phase in TERMINAL_PHASES:
         report.outcome = "finished"
@@ -343,7 +372,7 @@ def _finish(lease: LeasedRun, engine: RunEngine, report: JobReport) -> None:
         lease.release(reap=True)  # another worker continues at once
 
 
-def _refuse(fleet: Fleet, lease: LeasedRun, report: JobReport, exc: RatchetError) -> None:
+def _refuse(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: RatchetError) -> None:
     """A restore failed closed: record why, take the run off the index, run nothing."""
     reason = str(getattr(exc, "reason", "") or type(exc).__name__)
     report.outcome, report.detail = "restore_refused", f"{reason}: {exc.message}"

@@ -60,7 +60,10 @@ def worker_main(settings_json: str, index: int, burst: bool = False) -> None:
     base = settings.worker_name or socket.gethostname().split(".")[0] or "worker"
     logs.set_worker_id(f"{base}-{os.getpid()}")  # the lease owner id of this process
     metrics.serve_metrics(index)  # RATCHET_METRICS_PORT + index, if set
-    reaper = Reaper(fleet.store, fleet.enqueue, interval_ms=settings.reaper_interval_ms).start()
+    # A claim older than the pickup deadline whose run no worker took means the job that
+    # claim enqueued was lost: another reaper may claim the run again.
+    reaper = Reaper(fleet.store, fleet.enqueue, interval_ms=settings.reaper_interval_ms,
+                    reclaim_after_ms=settings.pickup_timeout_ms).start()
     worker = RatchetWorker([fleet.queue], connection=fleet.rq_connection,
                            serializer=JSONSerializer, name=f"{base}-{os.getpid()}-{index}")
     try:

@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     renew_interval_ms: _Ms | None = None
     stall_timeout_ms: _Ms = 120_000
     reaper_interval_ms: _Ms = 1_000
+    pickup_timeout_ms: _Ms = 60_000  # an enqueued run no worker took by then is re-enqueued
     job_timeout_s: Annotated[int, Field(ge=10)] = 24 * 3600
     max_steps_per_job: Annotated[int, Field(ge=1)] = 10_000
     checkpoint_key: SecretStr | None = Field(

@@ -302,12 +302,8 @@ class _Drill:
             self.server.start()
             self.rec.redis_kills.append(now)
             self.last_redis_fault = time.time()
-            # The operator's runbook after a Redis restart: hand unfinished runs out again.
-            # (A job an RQ worker had popped when Redis died is otherwise lost until RQ's
-            # own sweep, and a run never leased since is not on the reaper's index.)
-            for run_id in self.rec.runs:
-                if run_id not in self.settled:
-                    self.fleet.enqueue(run_id)
+            # No runbook step: a job lost with Redis (or with the worker that popped it) is
+            # handed out again by the reaper when the run's pickup deadline passes.
         if self.schedule.rollback_at is not None and self.rec.rollback is None \
                 and self.rec.rollback_skipped is None and fraction >= self.schedule.rollback_at:
             if self.rec.redis.check_aof is None:
@@ -413,6 +409,7 @@ def run_drill_processes(options: DrillOptions, *,
             queue=f"drill-{options.seed}", lease_ttl_ms=ttl,
             renew_interval_ms=max(ttl // 3, 50), stall_timeout_ms=max(20 * ttl, 20_000),
             reaper_interval_ms=max(ttl // 5, 50), job_timeout_s=max(600, ttl // 100),
+            pickup_timeout_ms=max(3 * ttl, 1000),
             checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name="drill")
         fleet = Fleet.connect(settings)
         record.events_dir.mkdir(parents=True, exist_ok=True)
