@@ -14,7 +14,13 @@ from ratchet.errors import (
     ContractError,
     LeaseHeldElsewhereError,
     LeaseLostError,
-    StoreProtocolError,
+)
+from ratchet.leasing.replies import (
+    check_arity,
+    int_field,
+    protocol_error,
+    split_reply,
+    text_field,
 )
 
 __all__ = [
@@ -135,42 +141,12 @@ class Rewritten:
     lease_version: int
 
 
-def _fail(message: str, script: str, **context: Any) -> NoReturn:
-    raise StoreProtocolError(message, script=script, **context)
-
-
-def _split(reply: object, script: str) -> tuple[str, list[Any]]:
-    if not isinstance(reply, list) or not reply:
-        _fail("reply is not a non-empty list", script)
-    head = reply[0]
-    if isinstance(head, bytes):
-        head = head.decode("ascii", errors="replace")
-    if not isinstance(head, str):
-        _fail("reply status is not a string", script)
-    return head, list(reply[1:])
-
-
-def _arity(fields: list[Any], n: int, script: str, status: str) -> None:
-    if len(fields) != n:
-        _fail(f"reply '{status}' has {len(fields)} fields, expected {n}", script,
-              status=status)
-
-
-def _int(value: object, script: str, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        _fail(f"field {name} is not a non-negative integer", script, field=name)
-    return value
-
-
-def _text(value: object, script: str, name: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            _fail(f"field {name} is not UTF-8", script, field=name)
-    _fail(f"field {name} is not a string", script, field=name)
+# One set of reply primitives for every script ratchet ships.
+_fail = protocol_error
+_split = split_reply
+_arity = check_arity
+_int = int_field
+_text = text_field
 
 
 def _blob(value: object, script: str, name: str) -> bytes:

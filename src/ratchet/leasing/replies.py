@@ -35,6 +35,7 @@ from ratchet.leasing.results import (
 )
 
 __all__ = [
+    "check_arity",
     "decode_acquire",
     "decode_claim_reap",
     "decode_commit",
@@ -43,6 +44,10 @@ __all__ = [
     "decode_read",
     "decode_release",
     "decode_renew",
+    "int_field",
+    "protocol_error",
+    "split_reply",
+    "text_field",
 ]
 
 
@@ -90,6 +95,14 @@ def _text(value: object, script: str, name: str) -> str:
         except UnicodeDecodeError:
             _fail(f"field {name} is not UTF-8", script, field=name)
     _fail(f"field {name} is not a string", script, field=name)
+
+
+# Shared with every other module that decodes script replies (the LangGraph saver's).
+protocol_error = _fail
+split_reply = _split
+check_arity = _arity
+int_field = _int
+text_field = _text
 
 
 def _blob(value: object, script: str, name: str) -> bytes:
