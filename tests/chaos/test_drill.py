@@ -1,5 +1,6 @@
-"""`ratchet drill` end to end: the short profile passes with every failpoint fired, a build
-without the workspace fence fails naming the invariant, and the long profile (opt-in)."""
+"""`ratchet drill` end to end: the short profile passes with every failpoint fired and its
+scraped worker metrics matching the report, a build without the workspace fence fails
+naming the invariant, and the long profile (opt-in)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ def test_the_short_profile_passes_with_every_failpoint_fired_and_zombies_refused
     assert report["duplicate_effects"] == 0
     assert report["runs_by_phase"].get("completed", 0) >= report["runs"] - report[
         "rewound_runs"]
+    # The workers' own metrics, scraped during the drill, agree with what the drill saw.
+    metrics = report["metrics"]
+    assert report["invariants"]["metrics_match_report"]["status"] == "pass", metrics
+    assert metrics["workers_scraped"] > 0
+    assert metrics["stale_commits_refused"] >= 1
+    assert metrics["stale_adapter_writes_refused"] >= 1
+    assert metrics["stale_adapter_writes_refused"] <= metrics["report_adapter_refusals"]
+    low, high = metrics["takeovers_bounds"]
+    assert 1 <= low <= metrics["takeovers"] <= high
+    assert metrics["reaper_requeues"] >= 1
 
 
 def _seed_with_a_workspace_zombie(runs: int) -> int:

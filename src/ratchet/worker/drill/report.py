@@ -52,6 +52,11 @@ def run_drill(options: DrillOptions, *, progress: Progress | None = None) -> dic
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     (record.folder / "report.json").write_text(json.dumps(report, sort_keys=True, indent=2))
+    if record.metrics is not None:  # every worker's last scrape, for a closer look
+        (record.folder / "metrics.json").write_text(json.dumps(
+            {str(w.pid): {"port": w.port, "last_scrape_at": w.started_at, "scrapes": w.scrapes,
+                          "failures": w.failures, "values": w.values}
+             for w in record.metrics.workers.values()}, sort_keys=True, indent=2))
     return report
 
 
@@ -73,6 +78,14 @@ def render(report: dict[str, Any], console: Console) -> None:
     figures.add_row("takeover p50 / p99 / max",
                     f"{ms['p50']} / {ms['p99']} / {ms['max']} ms "
                     f"({ttl['p50']} / {ttl['p99']} / {ttl['max']} x TTL)")
+    metrics = report.get("metrics") or {}
+    if metrics.get("workers_scraped"):
+        figures.add_row("metrics: workers scraped / spawned",
+                        f"{metrics['workers_scraped']} / {metrics['workers_spawned']}")
+        figures.add_row("metrics: takeovers, stale commits, stale writes, re-enqueues",
+                        f"{metrics['takeovers']}, {metrics['stale_commits_refused']}, "
+                        f"{metrics['stale_adapter_writes_refused']}, "
+                        f"{metrics['reaper_requeues']}")
     console.print(figures)
     invariants = Table(title="invariants")
     for column in ("invariant", "status", "injections", "detail"):

@@ -15,6 +15,11 @@ Timeline of one drill (every wait is a poll with a deadline):
 4. when every run settled, or ``duration`` passed, stop injecting, resume any zombie,
    and let clean workers settle what is left within ``settle_bound_s``;
 5. stop every process (``finally``, also on errors), then hand everything to the checker.
+
+Every tick also scrapes each running worker's ``/metrics`` (a loopback port per worker,
+from a block the drill picked; :mod:`ratchet.worker.drill.scrape`), and the workers are
+scraped once more before and while they stop, so the checker can hold the fleet's own
+counters against what the drill saw.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.context import Fleet
 from ratchet.worker.drill.cluster import RedisChoice, choose_redis, truncate_aof
 from ratchet.worker.drill.schedule import FAULTS, Schedule
+from ratchet.worker.drill.scrape import MetricsWatch, free_port_block
 from ratchet.worker.drill.services import TenantOrders, drill_document, make_workspace
 from ratchet.worker.drill.workers import DrillWorker, WorkerPool
 from ratchet.worker.job import SystemClock
@@ -97,6 +103,7 @@ class DrillRecord:
     finished_at: float = 0.0
     final: dict[str, tuple[str, str]] = field(default_factory=dict)  # run -> (status, phase)
     errors: list[str] = field(default_factory=list)
+    metrics: MetricsWatch | None = None
 
     @property
     def fired_log(self) -> Path:
@@ -162,6 +169,12 @@ class _Drill:
         self._observe()
         if self.injecting:
             self._cluster_faults()
+        self.scrape()
+
+    def scrape(self) -> None:
+        """Scrape every running worker's metrics once (each request bounded)."""
+        if self.rec.metrics is not None:
+            self.rec.metrics.scrape(self.pool.scrapable())
 
     def _read_fired(self) -> None:
         path = self.rec.fired_log
@@ -323,12 +336,14 @@ class _Drill:
     def _rollback(self, check_aof: str) -> None:
         before = self._generations()
         cut = int(time.time()) - 1  # AOF timestamps are whole seconds
+        killed_at = time.time()
         self.server.kill()
         output = truncate_aof(check_aof, self.server.data_dir, cut)
         self.server.start()
         after = self._generations()
         rewound = {r: [before[r], after[r]] for r in before if after[r] < before[r]}
-        self.rec.rollback = {"at": time.time(), "cut_s": cut, "rewound": rewound,
+        self.rec.rollback = {"at": time.time(), "killed_at": killed_at, "cut_s": cut,
+                             "rewound": rewound,
                              "tool": output[-200:]}
         self.last_redis_fault = time.time()
         # The queue was rolled back too: hand every unfinished run to the workers again.
@@ -413,8 +428,10 @@ def run_drill_processes(options: DrillOptions, *,
             checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name="drill")
         fleet = Fleet.connect(settings)
         record.events_dir.mkdir(parents=True, exist_ok=True)
+        block = options.workers + 6  # live workers never exceed workers + 4
+        record.metrics = MetricsWatch(free_port_block(block), block)
         pool = WorkerPool(settings, folder, fired_log=record.fired_log,
-                          events_dir=record.events_dir)
+                          events_dir=record.events_dir, metrics=record.metrics)
         record.started_at = time.time()
         drill = _Drill(options, record, server, orders, fleet, pool, progress)
         drill.create_runs()
@@ -424,7 +441,8 @@ def run_drill_processes(options: DrillOptions, *,
         drill.run()
         record.workers = [{"pid": w.pid, "spec": w.spec, "fired": w.fired_action}
                           for w in pool.everyone.values()]
-        pool.stop_all()
+        drill.scrape()  # the last counts of every worker still running
+        pool.stop_all(while_waiting=drill.scrape)
         record.deaths = pool.deaths
         record.final = {}
         for run_id in record.runs:

@@ -2,7 +2,10 @@
 
 Each worker is a real ``ratchet worker`` process (``worker_main``: RQ ``SimpleWorker`` and a
 reaper thread) started with ``spawn``, its stdout and stderr sent to a log file in the
-drill folder, and its own ``RATCHET_FAILPOINTS`` spec. Every wait here is a deadline.
+drill folder, and its own ``RATCHET_FAILPOINTS`` spec. With a :class:`MetricsWatch`, each
+worker also serves its metrics on a free port of the drill's block: ``worker_main`` serves
+on ``RATCHET_METRICS_PORT`` + its index, so each process gets ``RATCHET_METRICS_PORT`` set
+to its port minus its index. Every wait here is a deadline.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from ratchet.worker.drill.scrape import MetricsWatch
 from ratchet.worker.pool import _settings_json, worker_main
 from ratchet.worker.settings import Settings
 
@@ -52,6 +57,7 @@ class DrillWorker:
     resumed_at: float | None = None
     terminating_at: float | None = None
     pause: dict[str, object] = field(default_factory=dict)  # run, lease version, generation
+    metrics_port: int | None = None
 
     @property
     def active(self) -> bool:
@@ -63,7 +69,7 @@ class WorkerPool:
     """Worker processes of one drill, by pid."""
 
     def __init__(self, settings: Settings, folder: Path, *, fired_log: Path,
-                 events_dir: Path) -> None:
+                 events_dir: Path, metrics: MetricsWatch | None = None) -> None:
         self._payload = _settings_json(settings)
         self._ctx = mp.get_context("spawn")
         self._folder = folder
@@ -74,6 +80,7 @@ class WorkerPool:
         self.everyone: dict[int, DrillWorker] = {}  # every worker ever started, by pid
         self.deaths: list[dict[str, object]] = []
         self.started = 0
+        self.metrics = metrics
 
     def __repr__(self) -> str:
         return f"WorkerPool(live={len(self.workers)}, started={self.started})"
@@ -81,6 +88,12 @@ class WorkerPool:
     def spawn(self, spec: str) -> DrillWorker:
         """Start one worker with ``spec`` as its ``RATCHET_FAILPOINTS``."""
         env = dict(self._env, RATCHET_FAILPOINTS=spec)
+        port: int | None = None
+        if self.metrics is not None:
+            busy = {w.metrics_port for w in self.workers.values() if w.metrics_port}
+            port = self.metrics.port_for(busy)
+            env["RATCHET_METRICS_PORT"] = str(port - self.started)  # + index = port
+            env["RATCHET_METRICS_ADDR"] = "127.0.0.1"
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # spawn copies the environment at start()
         try:
@@ -98,7 +111,9 @@ class WorkerPool:
         self.started += 1
         if proc.pid is None:  # pragma: no cover - start() always sets it
             raise RuntimeError("worker process has no pid")
-        worker = DrillWorker(proc, proc.pid, spec, time.time())
+        worker = DrillWorker(proc, proc.pid, spec, time.time(), metrics_port=port)
+        if self.metrics is not None and port is not None:
+            self.metrics.add(proc.pid, port)
         self.workers[proc.pid] = worker
         self.everyone[worker.pid] = worker
         return worker
@@ -143,11 +158,26 @@ class WorkerPool:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.pid, signal.SIGKILL)
 
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        """Resume, SIGTERM, and after ``grace_s`` SIGKILL every worker; wait for all."""
+    def scrapable(self) -> list[int]:
+        """Pids of live workers that can answer a scrape now (not stopped by SIGSTOP)."""
+        return [w.pid for w in self.workers.values()
+                if w.proc.exitcode is None and (w.paused_at is None or w.resumed_at is not None)
+                and process_state(w.pid) not in ("T", "t", "Z", "X", "?")]
+
+    def stop_all(self, grace_s: float = 10.0,
+                 while_waiting: Callable[[], None] | None = None) -> None:
+        """Resume, SIGTERM, and after ``grace_s`` SIGKILL every worker; wait for all.
+
+        ``while_waiting`` is called about every 50 ms while workers are still leaving
+        (the drill scrapes their metrics until they exit)."""
         for worker in list(self.workers.values()):
             self.terminate(worker)
         deadline = time.monotonic() + grace_s
+        if while_waiting is not None:
+            while time.monotonic() < deadline and any(
+                    w.proc.exitcode is None for w in self.workers.values()):
+                while_waiting()
+                time.sleep(0.05)
         for worker in list(self.workers.values()):
             worker.proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for worker in list(self.workers.values()):
