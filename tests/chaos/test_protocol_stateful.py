@@ -138,6 +138,7 @@ class Protocol(RuleBasedStateMachine):
             return
         snap = self.store.read_run(self.run_id, with_checkpoint=True)
         assert snap.checkpoint is not None
+        worker.crash = None  # a new incarnation: the crash point of the one that died is gone
         try:
             engine = RunEngine.resume(snap.checkpoint, scenario=self.scenario,
                                       keyring=self.world.keyring, adapter=worker.adapter,

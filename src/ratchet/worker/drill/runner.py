@@ -333,9 +333,28 @@ class _Drill:
     def _generations(self) -> dict[str, int]:
         return {r: self.fleet.store.read_run(r).generation for r in self.rec.runs}
 
+    def _cut_after_a_commit(self) -> int:
+        """A cut (whole seconds, as AOF timestamps are) that rewinds at least one commit.
+
+        Wait for the next second to begin, then (for at most 3 s) for any unsettled run to
+        commit: that commit is stamped after the cut, so the rollback really rewinds a run
+        and the invariant it exercises is judged, not left unknown.
+        """
+        cut = int(time.time())
+        while time.time() < cut + 1:
+            time.sleep(0.01)
+        live = [r for r in self.rec.runs if r not in self.settled]
+        start = {r: self.fleet.store.read_run(r).generation for r in live}
+        deadline = time.time() + 3.0
+        while time.time() < deadline:
+            if any(self.fleet.store.read_run(r).generation > g for r, g in start.items()):
+                break
+            time.sleep(0.05)
+        return cut
+
     def _rollback(self, check_aof: str) -> None:
+        cut = self._cut_after_a_commit()
         before = self._generations()
-        cut = int(time.time()) - 1  # AOF timestamps are whole seconds
         killed_at = time.time()
         self.server.kill()
         output = truncate_aof(check_aof, self.server.data_dir, cut)
