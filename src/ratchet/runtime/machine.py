@@ -29,30 +29,36 @@ from typing import Any
 from ratchet.errors import (
     ActionError,
     ApprovalError,
-    EnvironmentMismatchError,
     InvalidTransitionError,
-    ReviewDecisionError,
 )
 from ratchet.runtime.actions import Action, ActionKind, parse_action
-from ratchet.runtime.canonical import Domain, digest
-from ratchet.runtime.evidence import ApprovalEvidence, ReviewDecision, ReviewVerdict, TrustRoots
-from ratchet.runtime.ports import Observation, ReadResult, Receipt, VerifierReport
+from ratchet.runtime.evidence import ApprovalEvidence, TrustRoots
+from ratchet.runtime.outcomes import (  # re-exported: one place to import from
+    apply_read,
+    apply_review_decision,
+    apply_verification,
+    cancel,
+    complete_write,
+    open_review,
+    record_execution_error,
+    record_receipt,
+    record_replay,
+)
+from ratchet.runtime.ports import Observation
 from ratchet.runtime.scenario import Scenario, kind_spec_target
 from ratchet.runtime.state import (
     STATE_SCHEMA_VERSION,
     TERMINAL_PHASES,
     Event,
-    ExecutedWrite,
     PendingWrite,
     Phase,
-    ReviewCase,
-    ReviewReason,
     RunState,
-    TraceEvent,
     TraceOutcome,
     Usage,
     transition,
 )
+from ratchet.runtime.tracing import append_event as _with
+from ratchet.runtime.tracing import make_event as _event
 
 __all__ = [
     "Disposition",
@@ -97,26 +103,6 @@ class Proposal:
     reason: str = ""
 
 
-def _event(state: RunState, now: int, outcome: TraceOutcome, *, action: Action | None = None,
-           intent: str | None = None, detail: dict[str, Any] | None = None,
-           **extra: Any) -> TraceEvent:
-    return TraceEvent(
-        seq=state.next_seq,
-        at=now,
-        outcome=outcome,
-        action_id=action.action_id if action else None,
-        idempotency_key=action.idempotency_key if action else None,
-        intent_digest=intent if intent is not None else (
-            action.intent_digest if action and action.is_write else None),
-        env_version=state.environment.version,
-        detail=detail or {},
-        **extra,
-    )
-
-
-def _with(state: RunState, event: TraceEvent, **changes: Any) -> RunState:
-    """Return ``state`` with ``changes`` applied and ``event`` appended to the trace."""
-    return state.model_copy(update={**changes, "trace": (*state.trace, event)})
 
 
 def new_run(run_id: str, scenario: Scenario, observation: Observation, now: int) -> RunState:
@@ -392,265 +378,3 @@ def check_executable(state: RunState, scenario: Scenario, *, now: int,
     event = _event(state, now, TraceOutcome.APPROVAL_EXPIRED, action=pending.action,
                    detail={"reason": reason})
     return _with(state, event, phase=transition(state.phase, Event.APPROVAL_NEEDED))
-
-
-# --- receipts ------------------------------------------------------------------------------
-
-
-def open_review(state: RunState, reason: ReviewReason, receipt: Receipt | None, *,
-                now: int, detail: str = "") -> RunState:
-    """Freeze the run in ``needs_review``, keeping the pending write and the receipt."""
-    pending = state.pending
-    if pending is None:
-        raise InvalidTransitionError("a review case needs a pending write")
-    case = ReviewCase(
-        case_id=f"case-{state.next_seq}",
-        reason=reason,
-        pending=pending,
-        receipt=receipt,
-        receipt_fingerprint=receipt.fingerprint if receipt is not None else None,
-        environment=state.environment,
-        opened_seq=state.next_seq,
-    )
-    info: dict[str, Any] = {"reason": reason.value, "case_id": case.case_id}
-    if receipt is not None:
-        info |= {"receipt_intent_digest": receipt.intent_digest,
-                 "receipt_fingerprint": case.receipt_fingerprint or ""}
-    if detail:
-        info["detail"] = detail[:1024]
-    event = _event(state, now, TraceOutcome.REVIEW_OPENED, action=pending.action, detail=info)
-    return _with(state, event, phase=transition(state.phase, Event.REVIEW_OPENED), review=case)
-
-
-def record_receipt(state: RunState, receipt: Receipt, *, now: int,
-                   traced: bool = True) -> RunState:
-    """Attach the adapter's receipt to the pending write (before the state advances).
-
-    A receipt for another intent, or one that does not bind the pending approval (or was
-    committed after that approval expired), opens a review case instead. ``traced=False``
-    leaves out the ``receipt_recorded`` event, for a caller that commits the receipt
-    together with :func:`complete_write` (whose event names the receipt).
-    """
-    pending = state.pending
-    if pending is None or pending.receipt is not None:
-        raise InvalidTransitionError("no pending write is waiting for a receipt")
-    action = pending.action
-    if receipt.idempotency_key != action.idempotency_key:
-        return open_review(state, ReviewReason.RECEIPT_DRIFT, receipt, now=now,
-                           detail="receipt names another idempotency key")
-    if receipt.intent_digest != pending.intent_digest:
-        return open_review(state, ReviewReason.INTENT_CONFLICT, receipt, now=now)
-    approval = pending.approval
-    if approval is not None and (
-        receipt.approval_digest != approval.digest
-        or receipt.committed_at > approval.claims.expires_at
-    ):
-        return open_review(state, ReviewReason.APPROVAL_UNBOUND, receipt, now=now,
-                           detail="receipt does not bind the approval or postdates its expiry")
-    with_receipt = pending.model_copy(update={"receipt": receipt})
-    if not traced:
-        return state.model_copy(update={"pending": with_receipt})
-    event = _event(state, now, TraceOutcome.RECEIPT_RECORDED, action=action,
-                   detail={"receipt_id": receipt.receipt_id,
-                           "receipt_fingerprint": receipt.fingerprint})
-    return _with(state, event, pending=with_receipt)
-
-
-def complete_write(state: RunState, observed: Observation, *, now: int,
-                   outcome: TraceOutcome = TraceOutcome.EXECUTED) -> RunState:
-    """Advance the state after a recorded receipt: the deterministic transition.
-
-    Raises:
-        EnvironmentMismatchError: the environment is not the write's one-commit state.
-    """
-    pending = state.pending
-    if pending is None or pending.receipt is None:
-        raise InvalidTransitionError("no recorded receipt to apply")
-    receipt = pending.receipt
-    if observed.instance_id != state.environment.instance_id:
-        raise EnvironmentMismatchError("environment instance changed",
-                                       expected=state.environment.instance_id,
-                                       observed=observed.instance_id)
-    expected = pending.env_after
-    if expected is not None and not observed.same_state(expected):
-        raise EnvironmentMismatchError(
-            "environment is not the pending write's one-commit state",
-            expected_version=expected.version, observed_version=observed.version)
-    if expected is None and observed.version != receipt.env_version_after:
-        raise EnvironmentMismatchError(
-            "environment version differs from the receipt's",
-            expected_version=receipt.env_version_after, observed_version=observed.version)
-    entry = ExecutedWrite(
-        action_id=pending.action.action_id,
-        idempotency_key=receipt.idempotency_key,
-        intent_digest=receipt.intent_digest,
-        receipt=receipt,
-        receipt_fingerprint=receipt.fingerprint,
-    )
-    moved = state.model_copy(update={"environment": observed})
-    event = _event(moved, now, outcome, action=pending.action,
-                   detail={"receipt_id": receipt.receipt_id,
-                           "receipt_fingerprint": entry.receipt_fingerprint})
-    return _with(moved, event, pending=None, executed=(*state.executed, entry),
-                 last_write_env_version=observed.version, verification=None,
-                 plan_cursor=state.plan_cursor + 1)
-
-
-def record_replay(state: RunState, authoritative: Receipt | None, *, now: int) -> RunState:
-    """Check a cached key's replay against the adapter's receipt.
-
-    Only an authoritative receipt identical in every field to the cached one is a replay;
-    a missing receipt or any drift (namespace, version, id, digest, result) opens a review.
-    """
-    pending = state.pending
-    if pending is None or pending.replay_of is None:
-        raise InvalidTransitionError("the pending write is not a replay")
-    if authoritative is None:
-        return open_review(state, ReviewReason.RECEIPT_MISSING, None, now=now,
-                           detail="the adapter has no receipt for a cached key")
-    if authoritative.fingerprint != pending.replay_of:
-        reason = (ReviewReason.INTENT_CONFLICT
-                  if authoritative.intent_digest != pending.intent_digest
-                  else ReviewReason.RECEIPT_DRIFT)
-        return open_review(state, reason, authoritative, now=now,
-                           detail="the adapter's receipt differs from the cached copy")
-    event = _event(state, now, TraceOutcome.REPLAYED, action=pending.action,
-                   detail={"receipt_id": authoritative.receipt_id})
-    return _with(state, event, pending=None, plan_cursor=state.plan_cursor + 1)
-
-
-def record_execution_error(state: RunState, message: str, *, now: int,
-                           fatal: bool) -> RunState:
-    """The adapter refused the pending write for good, with no effect: drop it.
-
-    ``fatal`` ends the run in ``failed``; otherwise the agent may plan again.
-    """
-    pending = state.pending
-    if pending is None or pending.receipt is not None:
-        raise InvalidTransitionError("no unexecuted pending write to drop")
-    event = _event(state, now, TraceOutcome.EXECUTION_ERROR, action=pending.action,
-                   detail={"error": message[:1024], "fatal": int(fatal)})
-    changes: dict[str, Any] = {"pending": None}
-    if fatal:
-        changes |= {"phase": transition(state.phase, Event.FATAL_ERROR),
-                    "stop_reason": f"execution error: {message[:200]}"}
-    return _with(state, event, **changes)
-
-
-# --- reads and verification ---------------------------------------------------------------
-
-
-def apply_read(state: RunState, action: Action, result: ReadResult, *, now: int) -> RunState:
-    """Record a read (its content digest, not its content)."""
-    event = _event(state, now, TraceOutcome.READ, action=action, detail={
-        "path": action.args.get("path", ""),
-        "content_digest": digest(Domain.ENVIRONMENT, result.content),
-    })
-    return _with(state, event, plan_cursor=state.plan_cursor + 1)
-
-
-def apply_verification(state: RunState, action: Action, report: VerifierReport, *,
-                       now: int) -> RunState:
-    """Record a verifier report bound to the current environment.
-
-    Raises:
-        EnvironmentMismatchError: the report was made against another state.
-    """
-    env = state.environment
-    if (report.env_instance_id, report.env_version, report.env_fingerprint) != (
-        env.instance_id, env.version, env.fingerprint
-    ):
-        raise EnvironmentMismatchError("verifier ran against another environment state",
-                                       expected_version=env.version,
-                                       observed_version=report.env_version)
-    event = _event(state, now, TraceOutcome.VERIFIED, action=action,
-                   detail={"passed": int(report.passed), "target": report.target},
-                   verifier=report)
-    return _with(state, event, verification=report, plan_cursor=state.plan_cursor + 1)
-
-
-# --- review decisions and cancellation -------------------------------------------------------
-
-
-def apply_review_decision(state: RunState, scenario: Scenario, decision: ReviewDecision,
-                          reviewers: TrustRoots, *, authoritative: Receipt | None,
-                          observed: Observation, now: int) -> RunState:
-    """Consume a signed reviewer decision on the open case.
-
-    ``authoritative`` is the adapter's receipt for the case's key, read again just now;
-    ``observed`` is the environment observed just now. Any unknown reviewer, bad
-    signature, binding mismatch, replayed nonce, environment change or receipt drift
-    raises ReviewDecisionError and leaves the case frozen (the state is unchanged).
-    """
-    case = state.review
-    if state.phase is not Phase.NEEDS_REVIEW or case is None:
-        raise ReviewDecisionError("no review case is open", reason="no_open_case")
-    reviewers.verify_review(decision)
-    c, action = decision.claims, case.pending.action
-    bound = {
-        "task_id": (c.task_id, scenario.task_id),
-        "run_id": (c.run_id, state.run_id),
-        "policy": ((c.policy_id, c.policy_version),
-                   (scenario.policy_id, scenario.policy_version)),
-        "case_id": (c.case_id, case.case_id),
-        "action_id": (c.action_id, action.action_id),
-        "idempotency_key": (c.idempotency_key, action.idempotency_key),
-        "pending_intent_digest": (c.pending_intent_digest, case.pending.intent_digest),
-        "receipt_intent_digest": (c.receipt_intent_digest,
-                                  case.receipt.intent_digest if case.receipt else None),
-        "receipt_fingerprint": (c.receipt_fingerprint, case.receipt_fingerprint),
-        "env_instance_id": (c.env_instance_id, case.environment.instance_id),
-        "env_version": (c.env_version, case.environment.version),
-    }
-    for name, (claimed, actual) in bound.items():
-        if claimed != actual:
-            raise ReviewDecisionError(f"decision is bound to another {name}",
-                                      reason="binding", field=name)
-    if c.nonce in state.consumed_nonces:
-        raise ReviewDecisionError("decision nonce was already consumed",
-                                  reason="replayed_nonce", nonce=c.nonce)
-    if not observed.same_state(case.environment):
-        raise ReviewDecisionError("environment changed after the decision was signed",
-                                  reason="environment_changed")
-    fresh = authoritative.fingerprint if authoritative is not None else None
-    if fresh != case.receipt_fingerprint:
-        raise ReviewDecisionError("the authoritative receipt drifted since the case opened",
-                                  reason="receipt_drift")
-    sealed = case.model_copy(update={"decision": decision})
-    common: dict[str, Any] = {
-        "review": None,
-        "pending": None,
-        "closed_reviews": (*state.closed_reviews, sealed),
-        "consumed_nonces": (*state.consumed_nonces, c.nonce),
-        "environment": observed,
-    }
-    detail = {"case_id": case.case_id, "reviewer_id": decision.reviewer_id}
-    key = action.idempotency_key
-    if c.verdict is ReviewVerdict.REPLAN:
-        event = _event(state, now, TraceOutcome.REVIEW_REPLANNED, action=action, detail=detail)
-        return _with(state, event, phase=transition(state.phase, Event.REVIEW_REPLAN),
-                     quarantined_keys=(*state.quarantined_keys, key), **common)
-    event = _event(state, now, TraceOutcome.REVIEW_ABORTED, action=action, detail=detail)
-    return _with(state, event, phase=transition(state.phase, Event.REVIEW_ABORT),
-                 stop_reason=f"aborted by reviewer {decision.reviewer_id}", **common)
-
-
-def cancel(state: RunState, reason: str, *, now: int) -> RunState:
-    """Cancel a running or waiting run.
-
-    A pending write that may already have reached the adapter must be reconciled first;
-    one that is only waiting for approval is dropped and recorded in the trace.
-
-    Raises:
-        InvalidTransitionError: terminal, under review, or a write is in flight.
-    """
-    pending = state.pending
-    if pending is not None and state.phase is not Phase.AWAITING_APPROVAL:
-        raise InvalidTransitionError("a pending write is in flight; reconcile it first")
-    phase = transition(state.phase, Event.CANCEL)
-    info: dict[str, Any] = {"reason": reason[:1024]}
-    if pending is not None:
-        info |= {"dropped_key": pending.action.idempotency_key or "",
-                 "dropped_intent": pending.intent_digest}
-    event = _event(state, now, TraceOutcome.CANCELLED, detail=info)
-    return _with(state, event, phase=phase, pending=None, stop_reason=f"cancelled: {reason}")

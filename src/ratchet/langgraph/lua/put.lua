@@ -3,19 +3,6 @@
 -- the generation compare-and-set, the checkpoint, its new channel values and the head
 -- never move apart.
 --
--- Order of checks (the first that fails decides the reply; nothing is written then):
---   1. the lease. ARGV[3] = 0 means "no lease in the config": the caller claims the thread
---      if it is free, expired or already the caller's (a claim of a free or expired lease
---      bumps the lease version; the caller's own live lease keeps its version). Otherwise
---      owner and lease version must be the current ones and the lease unexpired by Redis
---      server time (TIME). The parent pointer is not checked: forks are legal new heads.
---   2. the generation: the high-water mark must still be ARGV[5], the one the caller built
---      the new signed head record on (else the caller re-reads and re-signs).
---   3. every blob field the checkpoint reads (ARGV[10]) is either sent now or stored.
--- Then: store the new blobs, the checkpoint record, its blob list, its generation and
--- index entry (replacing an earlier record of the same checkpoint), point the namespace's
--- head at it, advance the generation, store the head record and extend the lease.
---
 -- KEYS[1]  thread meta hash       ratchet:lg:{<T>}:meta
 -- KEYS[2]  heads hash             ratchet:lg:{<T>}:heads
 -- KEYS[3]  checkpoint records     ratchet:lg:{<T>}:ckpts
@@ -43,6 +30,19 @@
 --   {"lease_expired", owner, lease_version, expires_at_ms, now_ms}
 --   {"generation_moved", generation, head_record}             head_record "" when none
 --   {"missing_blob", field}
+--
+-- Order of checks (the first that fails decides the reply; nothing is written then):
+--   1. the lease. ARGV[3] = 0 means "no lease in the config": the caller claims the thread
+--      if it is free, expired or already the caller's (a claim of a free or expired lease
+--      bumps the lease version; the caller's own live lease keeps its version). Otherwise
+--      owner and lease version must be the current ones and the lease unexpired by Redis
+--      server time (TIME). The parent pointer is not checked: forks are legal new heads.
+--   2. the generation: the high-water mark must still be ARGV[5], the one the caller built
+--      the new signed head record on (else the caller re-reads and re-signs).
+--   3. every blob field the checkpoint reads (ARGV[10]) is either sent now or stored.
+-- Then: store the new blobs, the checkpoint record, its blob list, its generation and
+-- index entry (replacing an earlier record of the same checkpoint), point the namespace's
+-- head at it, advance the generation, store the head record and extend the lease.
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
 

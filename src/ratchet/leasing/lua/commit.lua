@@ -1,24 +1,6 @@
 -- commit: the fenced checkpoint commit. One script, so the checkpoint content and the
 -- generation high-water mark never move apart.
 --
--- Order of checks (the first that fails decides the reply; nothing is written then):
---   1. the run exists;
---   2. the commit id was applied before (a retry after a lost reply) -> already_applied,
---      whatever the lease says now; the same id with a different checkpoint is a conflict;
---   3. owner and lease version are the lease's current ones, and the lease has not
---      expired by Redis server time (TIME);
---   4. the checkpoint's generation is exactly high-water + 1;
---   5. the expected state version is the current one;
---   6. no nonce in ARGV[9..] is already in this run's consumed-nonce set.
--- Then: store the checkpoint, advance generation and state version together, add the
--- nonces to the run's set, push a history entry and remember the commit id; the history
--- and the commit-id hash are trimmed together to ARGV[8] entries.
---
--- Nonces: this script consumes them for this run only (the per-run set lives in this
--- run's slot). The global record that stops a nonce from being used by a second run is a
--- separate key per nonce, claimed with SET NX before this script is called (see
--- ratchet.leasing.store): a Redis Cluster script cannot reach keys in other slots.
---
 -- KEYS[1]  lease hash          ratchet:{<run>}:lease
 -- KEYS[2]  run state hash      ratchet:{<run>}:state
 -- KEYS[3]  checkpoint string   ratchet:{<run>}:ckpt
@@ -46,6 +28,24 @@
 --   {"generation_mismatch", generation, state_version}   generation = the high-water mark
 --   {"stale_state", generation, state_version}
 --   {"nonce_replayed", nonce}
+--
+-- Order of checks (the first that fails decides the reply; nothing is written then):
+--   1. the run exists;
+--   2. the commit id was applied before (a retry after a lost reply) -> already_applied,
+--      whatever the lease says now; the same id with a different checkpoint is a conflict;
+--   3. owner and lease version are the lease's current ones, and the lease has not
+--      expired by Redis server time (TIME);
+--   4. the checkpoint's generation is exactly high-water + 1;
+--   5. the expected state version is the current one;
+--   6. no nonce in ARGV[9..] is already in this run's consumed-nonce set.
+-- Then: store the checkpoint, advance generation and state version together, add the
+-- nonces to the run's set, push a history entry and remember the commit id; the history
+-- and the commit-id hash are trimmed together to ARGV[8] entries.
+--
+-- Nonces: this script consumes them for this run only (the per-run set lives in this
+-- run's slot). The global record that stops a nonce from being used by a second run is a
+-- separate key per nonce, claimed with SET NX before this script is called (see
+-- ratchet.leasing.store): a Redis Cluster script cannot reach keys in other slots.
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
 
