@@ -8,11 +8,13 @@ import ratchet.runtime
 
 def test_the_runtime_public_names_are_pinned() -> None:
     assert sorted(ratchet.runtime.__all__) == sorted([
-        "KIND_SPECS", "TRANSITIONS", "Action", "ActionKind", "Adapter", "ApprovalClaims",
+        "KIND_SPECS", "TRANSITIONS", "Action", "ActionKind", "Adapter", "AdapterProxy",
+        "ApprovalClaims",
         "ApprovalEvidence", "Budgets", "CheckpointPayload", "Clock", "CrashWindow", "Event",
         "Fence", "GenerationStore", "KeyRing", "Observation", "Phase", "ReadResult", "Receipt",
         "Restored", "ReviewDecision", "ReviewDecisionClaims", "ReviewReason", "ReviewVerdict",
         "Risk", "RunEngine", "RunKey", "RunState", "Scenario", "SecretKey", "StepResult",
+        "StoreProxy",
         "StoredCheckpoint", "TraceOutcome", "TrustRoots", "VerifierReport", "VerifierSpec",
         "canonical_json", "check_invariants", "derive_idempotency_key", "digest",
         "intent_digest", "load_scenario", "parse_action", "restore_checkpoint",

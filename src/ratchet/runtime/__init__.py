@@ -34,6 +34,7 @@ from ratchet.runtime.evidence import (
 )
 from ratchet.runtime.ports import (
     Adapter,
+    AdapterProxy,
     Clock,
     Fence,
     GenerationStore,
@@ -42,6 +43,7 @@ from ratchet.runtime.ports import (
     Receipt,
     RunKey,
     StoredCheckpoint,
+    StoreProxy,
     VerifierReport,
 )
 from ratchet.runtime.scenario import Budgets, Scenario, VerifierSpec, load_scenario
@@ -63,6 +65,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "Adapter",
+    "AdapterProxy",
     "ApprovalClaims",
     "ApprovalEvidence",
     "Budgets",
@@ -89,6 +92,7 @@ __all__ = [
     "Scenario",
     "SecretKey",
     "StepResult",
+    "StoreProxy",
     "StoredCheckpoint",
     "TraceOutcome",
     "TrustRoots",

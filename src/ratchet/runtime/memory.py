@@ -26,6 +26,7 @@ from ratchet.errors import (
 from ratchet.runtime.actions import Action, ActionKind
 from ratchet.runtime.canonical import Domain, digest
 from ratchet.runtime.ports import (
+    AdapterProxy,
     Fence,
     Observation,
     ReadResult,
@@ -299,7 +300,7 @@ class LeasedMemoryStore:
                            nonces=nonces)
 
 
-class ObserveFailsAfterWrite:
+class ObserveFailsAfterWrite(AdapterProxy):
     """Wraps an adapter so that the first observation after a write fails (tests).
 
     Plays an environment that becomes unobservable right after the adapter committed a
@@ -308,14 +309,12 @@ class ObserveFailsAfterWrite:
     """
 
     def __init__(self, inner: Any) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._armed = False
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def execute(self, *args: Any, **kwargs: Any) -> Receipt:
-        receipt: Receipt = self._inner.execute(*args, **kwargs)
+    def execute(self, action: Action, intent_digest: str, fence: Fence,
+                approval_digest: str | None) -> Receipt:
+        receipt = super().execute(action, intent_digest, fence, approval_digest)
         self._armed = True
         return receipt
 
@@ -323,5 +322,4 @@ class ObserveFailsAfterWrite:
         if self._armed:
             self._armed = False
             raise AdapterError("environment unreachable right after the write", retryable=True)
-        observed: Observation = self._inner.observe()
-        return observed
+        return super().observe()

@@ -27,6 +27,7 @@ from ratchet.runtime.types import Digest, Frozen, Identifier, NonNegInt, StrictB
 
 __all__ = [
     "Adapter",
+    "AdapterProxy",
     "Clock",
     "Fence",
     "GenerationStore",
@@ -34,6 +35,7 @@ __all__ = [
     "ReadResult",
     "Receipt",
     "RunKey",
+    "StoreProxy",
     "StoredCheckpoint",
     "VerifierReport",
 ]
@@ -199,3 +201,61 @@ class GenerationStore(Protocol):
 class Clock(Protocol):
     def now(self) -> int:
         """Wall-clock seconds since the epoch."""
+
+
+class AdapterProxy:
+    """An adapter that passes every call to ``inner``; wrappers override what they watch."""
+
+    def __init__(self, inner: Adapter) -> None:
+        self._inner = inner
+
+    @property
+    def namespace(self) -> str:
+        return self._inner.namespace
+
+    def observe(self) -> Observation:
+        return self._inner.observe()
+
+    def project(self, action: Action, before: Observation) -> Observation | None:
+        return self._inner.project(action, before)
+
+    def raise_fence(self, fence: Fence) -> None:
+        self._inner.raise_fence(fence)
+
+    def execute(self, action: Action, intent_digest: str, fence: Fence,
+                approval_digest: str | None) -> Receipt:
+        return self._inner.execute(action, intent_digest, fence, approval_digest)
+
+    def lookup(self, idempotency_key: str) -> Receipt | None:
+        return self._inner.lookup(idempotency_key)
+
+    def read(self, action: Action) -> ReadResult:
+        return self._inner.read(action)
+
+    def verify(self, target: str) -> VerifierReport:
+        return self._inner.verify(target)
+
+    def close(self) -> None:
+        """Close the inner adapter if it holds resources."""
+        close = getattr(self._inner, "close", None)
+        if callable(close):
+            close()
+
+
+class StoreProxy:
+    """A generation store that passes every call to ``inner``."""
+
+    def __init__(self, inner: GenerationStore) -> None:
+        self._inner = inner
+
+    def high_water(self, key: RunKey) -> int:
+        return self._inner.high_water(key)
+
+    def load(self, key: RunKey) -> StoredCheckpoint:
+        return self._inner.load(key)
+
+    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
+                nonces: Sequence[str] = ()) -> None:
+        self._inner.advance(key, expected_generation=expected_generation, blob=blob,
+                            nonces=nonces)
+

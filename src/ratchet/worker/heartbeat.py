@@ -33,13 +33,13 @@ from ratchet.errors import LeaseLostError, RatchetError
 from ratchet.runtime import (
     Action,
     Adapter,
+    AdapterProxy,
     Fence,
     GenerationStore,
     Observation,
-    ReadResult,
     Receipt,
     RunKey,
-    StoredCheckpoint,
+    StoreProxy,
     VerifierReport,
 )
 from ratchet.worker import metrics
@@ -145,20 +145,14 @@ class Heartbeat:
             self._valid_until = started + self._ttl
 
 
-class GuardedStore:
+class GuardedStore(StoreProxy):
     """A ``GenerationStore`` that refuses to commit once the heartbeat has lost the lease."""
 
     def __init__(self, inner: GenerationStore, heartbeat: Heartbeat,
                  tripwires: Tripwires | None = None) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._heartbeat = heartbeat
         self._tripwires = tripwires
-
-    def high_water(self, key: RunKey) -> int:
-        return self._inner.high_water(key)
-
-    def load(self, key: RunKey) -> StoredCheckpoint:
-        return self._inner.load(key)
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
                 nonces: Sequence[str] = ()) -> None:
@@ -174,26 +168,19 @@ class GuardedStore:
         self._heartbeat.progress()
 
 
-class GuardedAdapter:
+class GuardedAdapter(AdapterProxy):
     """An ``Adapter`` that makes no write once the heartbeat has lost the lease."""
 
     def __init__(self, inner: Adapter, heartbeat: Heartbeat,
                  tripwires: Tripwires | None = None) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._heartbeat = heartbeat
         self._tripwires = tripwires
-
-    @property
-    def namespace(self) -> str:
-        return self._inner.namespace
 
     def observe(self) -> Observation:
         if self._tripwires is not None:
             self._tripwires.observe()
         return self._inner.observe()
-
-    def project(self, action: Action, before: Observation) -> Observation | None:
-        return self._inner.project(action, before)
 
     def raise_fence(self, fence: Fence) -> None:
         self._heartbeat.check()
@@ -207,12 +194,6 @@ class GuardedAdapter:
         return self._tripwires.write(
             lambda: self._inner.execute(action, intent_digest, fence, approval_digest),
             key=action.idempotency_key, kind=action.kind.value)
-
-    def lookup(self, idempotency_key: str) -> Receipt | None:
-        return self._inner.lookup(idempotency_key)
-
-    def read(self, action: Action) -> ReadResult:
-        return self._inner.read(action)
 
     def verify(self, target: str) -> VerifierReport:
         self._heartbeat.check()

@@ -15,14 +15,12 @@ from collections.abc import Sequence
 from ratchet.errors import FenceRejectedError
 from ratchet.runtime import (
     Action,
-    Adapter,
+    AdapterProxy,
     Fence,
     GenerationStore,
-    Observation,
-    ReadResult,
     Receipt,
     RunKey,
-    StoredCheckpoint,
+    StoreProxy,
     VerifierReport,
 )
 from ratchet.worker import logs, metrics
@@ -44,18 +42,12 @@ def job_ended(run_id: str, *, outcome: str, phase: str | None, lease_version: in
                                  "phase": phase, "steps": steps})
 
 
-class ObservedStore:
+class ObservedStore(StoreProxy):
     """A ``GenerationStore`` that measures its commits (see the module docstring)."""
 
     def __init__(self, inner: GenerationStore, run_id: str) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._run_id = run_id
-
-    def high_water(self, key: RunKey) -> int:
-        return self._inner.high_water(key)
-
-    def load(self, key: RunKey) -> StoredCheckpoint:
-        return self._inner.load(key)
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
                 nonces: Sequence[str] = ()) -> None:
@@ -67,21 +59,8 @@ class ObservedStore:
         log.debug("committed", extra={"run_id": self._run_id})
 
 
-class ObservedAdapter:
+class ObservedAdapter(AdapterProxy):
     """An ``Adapter`` that counts fence refusals (see the module docstring)."""
-
-    def __init__(self, inner: Adapter) -> None:
-        self._inner = inner
-
-    @property
-    def namespace(self) -> str:
-        return self._inner.namespace
-
-    def observe(self) -> Observation:
-        return self._inner.observe()
-
-    def project(self, action: Action, before: Observation) -> Observation | None:
-        return self._inner.project(action, before)
 
     def raise_fence(self, fence: Fence) -> None:
         """Raises what the inner adapter raises."""
@@ -99,12 +78,6 @@ class ObservedAdapter:
         except FenceRejectedError:
             metrics.STALE_ADAPTER_WRITES.labels(call="execute").inc()
             raise
-
-    def lookup(self, idempotency_key: str) -> Receipt | None:
-        return self._inner.lookup(idempotency_key)
-
-    def read(self, action: Action) -> ReadResult:
-        return self._inner.read(action)
 
     def verify(self, target: str) -> VerifierReport:
         return self._inner.verify(target)
