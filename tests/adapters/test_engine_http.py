@@ -155,4 +155,3 @@ def test_an_order_placed_by_another_caller_between_checkpoints_fails_recovery_cl
     with pytest.raises(CheckpointError) as caught:
         run.resume(lease_version=2)
     assert caught.value.reason == "environment"  # type: ignore[attr-defined]
-

@@ -336,4 +336,3 @@ def review_queue_page(reviews: list[dict[str, Any]], approvals: list[dict[str, A
 def error_page(title: str, message: str) -> str:
     return _layout(title, f"<h1>{_e(title)}</h1><p class=\"warn\">{_e(message)}</p>"
                           '<p><a href="/runs">back to the runs</a></p>')
-

@@ -51,6 +51,7 @@ def new_commit_id() -> str:
     """A fresh random commit id (128 bits)."""
     return "c-" + secrets.token_hex(16)
 
+
 __all__ = ["LeasedRun", "RunCreator", "new_commit_id"]
 
 

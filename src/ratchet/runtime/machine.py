@@ -103,8 +103,6 @@ class Proposal:
     reason: str = ""
 
 
-
-
 def new_run(run_id: str, scenario: Scenario, observation: Observation, now: int) -> RunState:
     """The initial state of a run on an observed environment."""
     state = RunState(

@@ -258,4 +258,3 @@ class StoreProxy:
                 nonces: Sequence[str] = ()) -> None:
         self._inner.advance(key, expected_generation=expected_generation, blob=blob,
                             nonces=nonces)
-

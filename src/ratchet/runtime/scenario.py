@@ -111,8 +111,6 @@ class Scenario(Frozen):
         return model_digest(Domain.SCENARIO, self)
 
 
-
-
 def _validation_to_error(exc: ValidationError) -> ScenarioError:
     first = exc.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or "scenario"

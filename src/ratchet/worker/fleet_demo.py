@@ -188,4 +188,3 @@ def _wait_terminal(fleet: Fleet, run_ids: list[str], deadline: float) -> dict[st
             return phases
         time.sleep(0.05)
     return phases
-

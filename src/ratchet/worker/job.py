@@ -79,7 +79,6 @@ log = logging.getLogger("ratchet.worker.job")
 STOP = threading.Event()
 
 
-
 @dataclass
 class _Process:
     """This worker process's fleet and failpoint probe, set once by the pool."""

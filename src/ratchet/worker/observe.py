@@ -21,7 +21,6 @@ from ratchet.runtime import (
     Receipt,
     RunKey,
     StoreProxy,
-    VerifierReport,
 )
 from ratchet.worker import logs, metrics
 
@@ -78,6 +77,3 @@ class ObservedAdapter(AdapterProxy):
         except FenceRejectedError:
             metrics.STALE_ADAPTER_WRITES.labels(call="execute").inc()
             raise
-
-    def verify(self, target: str) -> VerifierReport:
-        return self._inner.verify(target)

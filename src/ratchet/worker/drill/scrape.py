@@ -167,4 +167,3 @@ class MetricsWatch:
     def last_scrape(self, pid: int) -> float | None:
         entry = self.workers.get(pid)
         return entry.started_at if entry is not None else None
-
