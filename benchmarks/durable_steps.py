@@ -10,9 +10,14 @@ process:
   ``redis-server``, ``appendonly yes`` + ``appendfsync always``). Each run is created with
   ``RunEngine.start`` through ``RedisStore.creator``, its lease is acquired, then
   ``RunEngine.resume`` takes the :class:`~ratchet.leasing.LeasedRun` as its store and the
-  run proposes ``external_call`` writes. One step = pending-intent commit, the adapter's
-  fsync'd append, receipt commit, state commit: **three** fenced, signed commits (counted
-  from the generation high-water mark, reported as ``ratchet_commits_per_step``).
+  run proposes ``external_call`` writes, as a worker does for an agent that plans ahead.
+  One step = the pending-intent commit, the adapter's fsync'd append, the receipt + state
+  commit: **two** fenced, signed commits (counted from the generation high-water mark,
+  reported as ``ratchet_commits_per_step``). The engine coalesces: a write's receipt
+  commit is sent in one pipeline with the next write's intent commit, so one AOF fsync
+  covers both; the last one is flushed before the lease is released.
+* **ratchet_separate**: the same with ``coalesce=False``: every commit is its own round
+  trip and fsync (what the worker does for an agent that thinks between steps).
 * **DBOS**: a ``@DBOS.workflow()`` calling a ``@DBOS.step()`` that performs the write, on
   the machine's PostgreSQL (system database ``ratchet_bench_dbos``, created by DBOS).
 * **LangGraph**: a graph whose node performs the write and loops back to itself, with
@@ -68,7 +73,7 @@ SECRET = b"benchmark-only-checkpoint-key-0123456789abcdef"
 PG_URL = "postgresql://postgres@127.0.0.1:5432/ratchet_bench_dbos"
 PG_PROBE_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 OPERATION = "append-record"
-CONTENDERS = ("ratchet", "dbos", "langgraph")
+CONTENDERS = ("ratchet", "ratchet_separate", "dbos", "langgraph")
 SETUP_TIMEOUT_S = 90.0
 
 
@@ -274,9 +279,16 @@ class _Clock:
         return int(time.time())
 
 
-def _ratchet(url: str, work: Path, steps: int, effect: str) -> Contender:
+def _ratchet(url: str, work: Path, steps: int, effect: str, *,
+             coalesce: bool = True) -> Contender:
     from ratchet.leasing import RedisStore
-    from ratchet.runtime import KeyRing, RunEngine, TraceOutcome, derive_idempotency_key
+    from ratchet.runtime import (
+        KeyRing,
+        RunEngine,
+        StoreProxy,
+        TraceOutcome,
+        derive_idempotency_key,
+    )
     from ratchet.runtime.canonical import model_json
 
     store = RedisStore.from_url(url)
@@ -286,17 +298,31 @@ def _ratchet(url: str, work: Path, steps: int, effect: str) -> Contender:
     scenario_bytes = model_json(scenario)
     clock = _Clock()
     body = payload_text()
-    ledger = Ledger(work / "ratchet-ledger.log")
+    name = "ratchet" if coalesce else "ratchet-separate"
+    ledger = Ledger(work / f"{name}-ledger.log")
     adapter: Any
     if effect == "ledger":
-        adapter = LedgerAdapter(ledger, "ledger-ratchet")
+        adapter = LedgerAdapter(ledger, f"ledger-{name}")
     else:
-        adapter = WorkspaceEffect(work / "ratchet-ws").adapter
+        adapter = WorkspaceEffect(work / f"{name}-ws").adapter
     owner = f"bench-{os.getpid()}"
     tag = f"{os.getpid()}-{os.urandom(3).hex()}"
     stats: dict[str, Any] = {"commits_in_steps": 0, "steps": 0, "runs": 0,
                              "checkpoint_bytes_end": 0, "checkpoint_bytes_start": 0,
-                             "generation_end": 0}
+                             "generation_end": 0, "round_trips": 0, "trips_in_steps": 0}
+
+    class Counted(StoreProxy):
+        """The lease handle, counting commit round trips (one per advance call)."""
+
+        def advance(self, key: Any, *, expected_generation: int, blob: bytes,
+                    nonces: Any = ()) -> None:
+            stats["round_trips"] += 1
+            super().advance(key, expected_generation=expected_generation, blob=blob,
+                            nonces=nonces)
+
+        def advance_many(self, key: Any, commits: Any) -> None:
+            stats["round_trips"] += 1
+            super().advance_many(key, commits)
 
     def action(engine: Any, run_id: str, index: int) -> dict[str, Any]:
         state = engine.state
@@ -319,17 +345,19 @@ def _ratchet(url: str, work: Path, steps: int, effect: str) -> Contender:
         if lease is None:
             raise RuntimeError("could not acquire the benchmark run's lease")
         engine = RunEngine.resume(first.checkpoint, scenario=scenario, keyring=keyring,
-                                  adapter=adapter, store=lease, clock=clock,
-                                  lease_version=lease.lease_version)
+                                  adapter=adapter, store=Counted(lease), clock=clock,
+                                  lease_version=lease.lease_version, coalesce=coalesce)
         engine.reconcile()
         stats["checkpoint_bytes_start"] = len(engine.checkpoint)
-        before = engine.generation
+        before, trips = engine.generation, stats["round_trips"]
         for index in range(steps):
             result = engine.propose(action(engine, run_id, index),
                                     agent_state={"cursor": index, "plan_length": steps})
             if result.outcome is not TraceOutcome.EXECUTED:
                 raise RuntimeError(f"step {index} ended {result.outcome.value}")
+        engine.flush()  # the last write's receipt commit, before the lease goes
         stats["commits_in_steps"] += engine.generation - before
+        stats["trips_in_steps"] += stats["round_trips"] - trips
         stats["steps"] += steps
         stats["runs"] += 1
         stats["checkpoint_bytes_end"] = len(engine.checkpoint)
@@ -345,6 +373,8 @@ def _ratchet(url: str, work: Path, steps: int, effect: str) -> Contender:
         return {
             "commits_per_step": round(s["commits_in_steps"] / s["steps"], 3) if s["steps"]
             else None,
+            "round_trips_per_step": round(s["trips_in_steps"] / s["steps"], 3)
+            if s["steps"] else None,
             "commits_per_run": s["generation_end"],
             "checkpoint_bytes_first_step": s["checkpoint_bytes_start"],
             "checkpoint_bytes_end_of_run": s["checkpoint_bytes_end"],
@@ -390,6 +420,7 @@ def _ratchet_breakdown(run_once: Callable[[int], int], runs: int,
     wrap(engine_mod.RunEngine, "propose", "step_total")
     wrap(engine_mod, "seal_checkpoint", "seal_checkpoint")
     wrap(LeasedRun, "advance", "redis_commit")
+    wrap(LeasedRun, "advance_many", "redis_commit")
     wrap(LedgerAdapter, "execute", "adapter_execute")
     wrap(LedgerAdapter, "observe", "adapter_observe")
     for name in ("propose", "record_receipt", "complete_write"):  # propose calls project
@@ -553,8 +584,8 @@ class _Unavailable(Exception):  # noqa: N818 - a signal, reported as the reason
 
 
 def _build(name: str, url: str, work: Path, steps: int, effect: str) -> Contender:
-    if name == "ratchet":
-        return _ratchet(url, work, steps, effect)
+    if name in ("ratchet", "ratchet_separate"):
+        return _ratchet(url, work, steps, effect, coalesce=name == "ratchet")
     try:
         if name == "dbos":
             return _dbos(work, steps, effect)
@@ -699,6 +730,11 @@ def _report(procs: list[_Proc], *, rounds: int, seconds: float, steps: int, effe
     for peer in ("dbos", "langgraph"):
         theirs = report[f"{peer}_steps_per_s"]
         report[f"ratio_vs_{peer}"] = round(ours / theirs, 3) if ours and theirs else None
+    separate = report["ratchet_separate_steps_per_s"]
+    for peer in ("dbos", "langgraph"):
+        theirs = report[f"{peer}_steps_per_s"]
+        report[f"ratio_separate_vs_{peer}"] = (round(separate / theirs, 3)
+                                               if separate and theirs else None)
     report["goal_vs_dbos"] = 1.5
     report["goal_vs_langgraph"] = 1.0
     report["goal_vs_dbos_met"] = (None if report["ratio_vs_dbos"] is None
@@ -711,6 +747,11 @@ def _report(procs: list[_Proc], *, rounds: int, seconds: float, steps: int, effe
     report["ratchet_checkpoint_bytes_first_step"] = r.get("checkpoint_bytes_first_step")
     report["ratchet_checkpoint_bytes_end_of_run"] = r.get("checkpoint_bytes_end_of_run")
     report["ratchet_adapter"] = r.get("adapter")
+    report["ratchet_round_trips_per_step"] = r.get("round_trips_per_step")
+    report["ratchet_separate_commits_per_step"] = by["ratchet_separate"].info.get(
+        "commits_per_step")
+    report["ratchet_separate_round_trips_per_step"] = by["ratchet_separate"].info.get(
+        "round_trips_per_step")
     report["ratchet_breakdown_us_per_step"] = breakdown
     report["langgraph_checkpointer_writes_per_step"] = by["langgraph"].info.get(
         "checkpointer_writes_per_step")

@@ -31,7 +31,7 @@ from ratchet.errors import (
     StoreError,
 )
 from ratchet.leasing import LeasedRun, RedisServer, RedisStore, run_keys
-from ratchet.runtime import CrashWindow, KeyRing, Phase, RunEngine, RunKey
+from ratchet.runtime import Advance, CrashWindow, KeyRing, Phase, RunEngine, RunKey
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.agents import ScriptedAgent
 from ratchet.worker.drill.services import NOTE, _scenario, make_workspace, plan
@@ -67,6 +67,12 @@ class Acks:
                            nonces=nonces)
         self.log.append((self.inner.lease_version, expected_generation + 1,
                          hashlib.sha256(blob).hexdigest()))
+
+    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
+        self.inner.advance_many(key, commits)
+        for commit in commits:
+            self.log.append((self.inner.lease_version, commit.expected_generation + 1,
+                             hashlib.sha256(commit.blob).hexdigest()))
 
 
 @dataclass
@@ -130,8 +136,8 @@ class Protocol(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------
 
-    @rule(k=st.integers(0, WORKERS - 1))
-    def acquire(self, k: int) -> None:
+    @rule(k=st.integers(0, WORKERS - 1), coalesce=st.booleans())
+    def acquire(self, k: int, coalesce: bool) -> None:
         worker = self.workers[k]
         lease = self.store.acquire(self.run_id, owner=worker.name, ttl_ms=TTL_MS)
         if lease is None:
@@ -143,7 +149,8 @@ class Protocol(RuleBasedStateMachine):
             engine = RunEngine.resume(snap.checkpoint, scenario=self.scenario,
                                       keyring=self.world.keyring, adapter=worker.adapter,
                                       store=Acks(lease, self.acks), clock=SystemClock(),
-                                      lease_version=lease.lease_version, probe=worker.probe)
+                                      lease_version=lease.lease_version, probe=worker.probe,
+                                      coalesce=coalesce)
             self.restores.append((lease.lease_version, engine.generation))
             engine.reconcile()
         except (LeaseLostError, StoreError, FenceRejectedError, CheckpointError):

@@ -29,7 +29,8 @@ LEASE = Lease(run_id="r-1", owner="w1", lease_version=1, expires_at_ms=10, now_m
 def test_the_public_names_of_ratchet_leasing_are_pinned() -> None:
     assert sorted(ratchet.leasing.__all__) == sorted([
         "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "RUNS_INDEX", "Acquired",
-        "CommitResult", "Lease", "LeaseHolder", "LeasedRun", "LocalCluster", "ReapClaim",
+        "CommitResult", "Lease", "LeaseHolder", "LeasedRun", "LocalCluster", "PreparedCommit",
+        "ReapClaim",
         "RedisServer", "RedisStore", "Released", "RunCreated", "RunCreator", "RunKeys",
         "RunSnapshot", "find_redis_cli", "find_redis_server", "free_port", "new_commit_id",
         "nonce_key", "run_keys",

@@ -11,7 +11,7 @@ from redis.crc import key_slot
 
 from ratchet.errors import GenerationMismatchError, LeaseLostError, NonceReplayError
 from ratchet.leasing import LocalCluster, RedisStore, run_keys
-from ratchet.runtime.ports import RunKey
+from ratchet.runtime.ports import Advance, RunKey
 
 pytestmark = pytest.mark.cluster
 
@@ -95,3 +95,23 @@ def test_scripts_are_reloaded_on_every_master_after_script_flush(
         assert run is not None
         run.commit(b"g2")
         assert store.read_run(run_id).generation == 2
+
+
+def test_batched_commits_run_on_every_master_also_after_script_flush(
+        cluster_store: RedisStore, new_run_id: Any) -> None:
+    store = cluster_store
+    run_ids = runs_on_every_master(store.client, new_run_id())
+    for run_id in run_ids:
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
+                         checkpoint=b"g1")
+    store.client.script_flush()
+    for run_id in run_ids:
+        key = RunKey("t", run_id, "e")
+        run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+        assert run is not None
+        run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+        snap = store.read_run(run_id, with_checkpoint=True)
+        assert (snap.generation, snap.state_version, snap.checkpoint) == (3, 3, b"g3")
+        with pytest.raises(GenerationMismatchError):
+            run.advance_many(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
+        assert store.read_run(run_id).generation == 3

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.serialization import (
 from prometheus_client import REGISTRY, generate_latest
 
 from ratchet.leasing import RedisServer
+from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint
 from ratchet.worker.examples import make_greeting_workspace
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,12 @@ def redis_values(server: RedisServer) -> bytes:
     for key in client.scan_iter(count=500):
         kind = client.type(key)
         if kind == b"string":
-            out.append(client.get(key) or b"")
+            value = client.get(key) or b""
+            out.append(value)
+            if value.startswith(ZSTD_MAGIC):  # a stored checkpoint: scan what it holds
+                envelope = decode_checkpoint(value, max_bytes=1 << 24)
+                assert envelope != value, "a stored frame did not decompress"
+                out.append(envelope)
         elif kind == b"hash":
             out += [k + b"=" + v for k, v in client.hgetall(key).items()]
         elif kind == b"list":

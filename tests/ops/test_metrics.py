@@ -57,9 +57,25 @@ def test_a_job_counts_its_lease_commits_and_the_phase_it_left(
     assert sample("ratchet_leases_acquired_total") == before["ratchet_leases_acquired_total"] + 1
     commits = sample("ratchet_commits_total") - before["ratchet_commits_total"]
     assert commits == report.generation - 1  # every generation after the first, one commit
+    # One round trip per commit, but the write's receipt commit travelled with the next
+    # proposal's commit (the example agent plans ahead): one round trip fewer.
+    assert sample("ratchet_commit_duration_seconds_count") == (
+        before["ratchet_commit_duration_seconds_count"] + commits - 1)
+    assert sample("ratchet_jobs_total", outcome="finished", phase="completed") == done + 1
+
+
+def test_without_coalescing_every_commit_is_its_own_round_trip(
+        settings: Settings, workspace: MakeWorkspace) -> None:
+    fleet = Fleet.connect(settings.model_copy(update={"coalesce_commits": False}))
+    before = {n: sample(n) for n in ("ratchet_commits_total",
+                                     "ratchet_commit_duration_seconds_count")}
+    _root, document = workspace()
+    report = execute_run(fleet, submit(fleet, document), owner="w-metrics-separate")
+    assert report.phase == "completed"
+    commits = sample("ratchet_commits_total") - before["ratchet_commits_total"]
+    assert commits == report.generation - 1
     assert sample("ratchet_commit_duration_seconds_count") == (
         before["ratchet_commit_duration_seconds_count"] + commits)
-    assert sample("ratchet_jobs_total", outcome="finished", phase="completed") == done + 1
 
 
 def test_waiting_runs_count_approvals_and_receipt_conflicts(

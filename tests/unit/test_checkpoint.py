@@ -4,6 +4,7 @@ unknown fields, changed contracts, environment drift and untrusted evidence."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 
 import pytest
@@ -236,3 +237,24 @@ def test_a_checkpoint_records_policy_permissions_receipts_budgets_and_environmen
     assert executed["idempotency_key"] == executed["receipt"]["idempotency_key"]
     assert executed["receipt_fingerprint"] == engine.state.executed[0].receipt.fingerprint
     assert state["phase"] == "running" and "plan_cursor" in state
+
+
+def test_sealing_after_a_previous_state_gives_the_bytes_of_a_fresh_seal(world: World) -> None:
+    engine = world.start()
+    states = [engine.state]
+    for content in ("print('a')\n", "print('b')\n"):
+        engine.propose(world.write(engine, content))
+        states.append(engine.state)
+    engine.propose(world.action(engine, "read_file", {"path": "app.py"}))
+    states.append(engine.state)
+    # A state that shares no entry object with the one before it (rebuilt from JSON).
+    rebuilt = type(engine.state).model_validate_json(engine.state.model_dump_json())
+    states.append(rebuilt)
+    # A state whose newest entry was swapped for an equal-looking different one.
+    last = states[-2].trace[-1].model_copy(update={"at": 7})
+    states.append(states[-2].model_copy(update={"trace": (*states[-2].trace[:-1], last)}))
+    for generation, (previous, state) in enumerate(itertools.pairwise(states), 2):
+        incremental = seal_checkpoint(state, world.scenario, world.keyring,
+                                      generation=generation, previous=previous)
+        fresh = seal_checkpoint(state, world.scenario, world.keyring, generation=generation)
+        assert incremental == fresh

@@ -9,6 +9,7 @@ import ratchet.runtime
 def test_the_runtime_public_names_are_pinned() -> None:
     assert sorted(ratchet.runtime.__all__) == sorted([
         "KIND_SPECS", "TRANSITIONS", "Action", "ActionKind", "Adapter", "AdapterProxy",
+        "Advance",
         "ApprovalClaims",
         "ApprovalEvidence", "Budgets", "CheckpointPayload", "Clock", "CrashWindow", "Event",
         "Fence", "GenerationStore", "KeyRing", "Observation", "Phase", "ReadResult", "Receipt",

@@ -41,7 +41,7 @@ from ratchet.errors import (
     StoreUnavailableError,
 )
 from ratchet.leasing.results import Acquired, CommitResult, Lease, Released, RunSnapshot
-from ratchet.runtime.ports import Fence, RunKey, StoredCheckpoint
+from ratchet.runtime.ports import Advance, Fence, RunKey, StoredCheckpoint
 
 if TYPE_CHECKING:
     from ratchet.leasing.store import RedisStore
@@ -164,14 +164,42 @@ class LeasedRun:
         CommitOutcomeUnknownError (re-read before acting), ContractError (the key names
         another run, task or environment instance), StoreProtocolError.
         """
-        if (key.run_id, key.task_id, key.env_instance_id) != (
-                self.run_id, self._task_id, self._env_instance_id):
-            raise ContractError("the key does not name this run", field="key",
-                                run_id=self.run_id)
+        self._check_key(key)
         if expected_generation == 0:
             raise RunExistsError("the run exists; create runs with RedisStore.create_run",
                                  run_id=self.run_id)
         self.commit(blob, generation=expected_generation + 1, nonces=nonces)
+
+    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
+        """Commit a batch of consecutive generations in one round trip, each fenced by
+        this lease (see :meth:`RedisStore.commit_many`).
+
+        Raises what :meth:`advance` raises; the commits before a refused one are applied.
+        """
+        if not commits:
+            return
+        self._check_key(key)
+        if commits[0].expected_generation == 0:
+            raise RunExistsError("the run exists; create runs with RedisStore.create_run",
+                                 run_id=self.run_id)
+        prepared = [self._store.prepare_commit(self.run_id,
+                                               generation=c.expected_generation + 1,
+                                               checkpoint=c.blob, nonces=c.nonces)
+                    for c in commits]
+        self._store.commit_many(self._lease, prepared,
+                                expected_state_version=self._state_version,
+                                applied=self._apply)
+
+    def _check_key(self, key: RunKey) -> None:
+        if (key.run_id, key.task_id, key.env_instance_id) != (
+                self.run_id, self._task_id, self._env_instance_id):
+            raise ContractError("the key does not name this run", field="key",
+                                run_id=self.run_id)
+
+    def _apply(self, result: CommitResult) -> None:
+        if result.current_generation == result.generation:
+            self._generation = result.generation
+            self._state_version = result.state_version
 
     # -- beyond the port -------------------------------------------------------------------
 
@@ -186,9 +214,7 @@ class LeasedRun:
             self._lease, generation=self._generation + 1 if generation is None else generation,
             expected_state_version=self._state_version, checkpoint=blob, commit_id=commit_id,
             nonces=nonces, finished=finished)
-        if result.current_generation == result.generation:
-            self._generation = result.generation
-            self._state_version = result.state_version
+        self._apply(result)
         return result
 
     def renew(self, ttl_ms: int | None = None) -> Lease:
@@ -266,3 +292,15 @@ class RunCreator:
             raise CommitOutcomeUnknownError("no reply to create_run; re-read before acting",
                                             run_id=key.run_id,
                                             commit_id=self._commit_id) from exc
+
+    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
+        """Create the run (a batch of exactly one commit at generation 0).
+
+        Raises what :meth:`advance` raises; LeaseLostError for any longer batch.
+        """
+        if len(commits) > 1:
+            raise LeaseLostError("commits after creation need a lease", run_id=key.run_id,
+                                 reason="no_lease")
+        for commit in commits:
+            self.advance(key, expected_generation=commit.expected_generation,
+                         blob=commit.blob, nonces=commit.nonces)

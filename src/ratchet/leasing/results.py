@@ -11,6 +11,7 @@ __all__ = [
     "CommitResult",
     "Lease",
     "LeaseHolder",
+    "PreparedCommit",
     "ReapClaim",
     "Released",
     "RunCreated",
@@ -66,6 +67,18 @@ class RunCreated:
     state_version: int
     created_at_ms: int
     already_applied: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedCommit:
+    """One commit checked and ready to send (``RedisStore.prepare_commit``)."""
+
+    generation: int
+    checkpoint: bytes = field(repr=False)  # the signed envelope
+    commit_id: str
+    digest: str  # SHA-256 of the envelope
+    nonces: tuple[str, ...] = ()
+    stored: bytes = field(default=b"", repr=False)  # what Redis keeps (see encoding)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import redis
@@ -63,6 +64,7 @@ from ratchet.errors import (
     StoreProtocolError,
     StoreUnavailableError,
 )
+from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.keys import EXPIRY_INDEX, RUNS_INDEX, check_id, nonce_key, run_keys
 from ratchet.leasing.replies import (
@@ -79,6 +81,7 @@ from ratchet.leasing.results import (
     CommitResult,
     Lease,
     LeaseHolder,
+    PreparedCommit,
     ReapClaim,
     Released,
     RunCreated,
@@ -111,13 +114,14 @@ class RedisStore:
     ``commit_retries`` is how often a commit whose reply was lost is re-sent with the same
     commit id before :class:`CommitOutcomeUnknownError` is raised. ``nonce_ttl_s`` bounds
     how long the global nonce records live (None: for good; set it above the longest
-    approval lifetime if set at all).
+    approval lifetime if set at all). ``compress_checkpoints`` stores checkpoints as zstd
+    frames (:mod:`ratchet.leasing.encoding`); either way, reads accept both.
     """
 
     def __init__(self, client: Any, *, max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
                  max_scenario_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
                  history_limit: int = 64, commit_retries: int = 1,
-                 nonce_ttl_s: int | None = None) -> None:
+                 nonce_ttl_s: int | None = None, compress_checkpoints: bool = True) -> None:
         if _decodes_responses(client):
             raise ConfigurationError("the Redis client must use decode_responses=False")
         for name, value, low in (("max_checkpoint_bytes", max_checkpoint_bytes, 1),
@@ -135,6 +139,7 @@ class RedisStore:
         self.history_limit = history_limit
         self.commit_retries = commit_retries
         self.nonce_ttl_s = nonce_ttl_s
+        self.compress_checkpoints = bool(compress_checkpoints)
         #: Drill hook ``(run_id, commit_id) -> drop the reply?`` (see the module docstring).
         self.reply_hook: Callable[[str, str], bool] | None = None
 
@@ -206,7 +211,9 @@ class RedisStore:
         reply = self._run(
             ScriptName.CREATE_RUN, run_id,
             [keys.state, keys.scenario, keys.ckpt, keys.history, keys.commits, keys.lease],
-            [task_id, env_instance_id, scenario, checkpoint, commit_id, digest])
+            [task_id, env_instance_id, scenario,
+             encode_checkpoint(checkpoint, compress=self.compress_checkpoints), commit_id,
+             digest])
         created = decode_create(reply, run_id)
         self._call("runs index", run_id, lambda: self._client.zadd(
             RUNS_INDEX, {run_id: created.created_at_ms}, nx=True))
@@ -222,8 +229,12 @@ class RedisStore:
         reply = self._run(ScriptName.READ_RUN, run_id,
                           [keys.state, keys.lease, keys.ckpt, keys.scenario],
                           ["1" if with_checkpoint else "0", "1" if with_scenario else "0"])
-        return decode_read(reply, run_id, with_checkpoint=with_checkpoint,
+        snap = decode_read(reply, run_id, with_checkpoint=with_checkpoint,
                            with_scenario=with_scenario)
+        if snap.checkpoint is not None and snap.checkpoint.startswith(ZSTD_MAGIC):
+            snap = replace(snap, checkpoint=decode_checkpoint(
+                snap.checkpoint, max_bytes=self.max_checkpoint_bytes))
+        return snap
 
     def creator(self, scenario: bytes) -> RunCreator:
         """A ``GenerationStore`` whose ``advance(expected_generation=0)`` creates a run with
@@ -340,6 +351,37 @@ class RedisStore:
 
     # -- commits ----------------------------------------------------------------------
 
+    def _commit_call(self, lease: Lease, commit: PreparedCommit,
+                     expected_state_version: int) -> tuple[list[str], list[str | bytes | int]]:
+        keys = run_keys(lease.run_id)
+        return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces],
+                [lease.owner, lease.lease_version, expected_state_version, commit.generation,
+                 commit.stored or commit.checkpoint, commit.commit_id, commit.digest,
+                 self.history_limit, *commit.nonces])
+
+    def prepare_commit(self, run_id: str, *, generation: int, checkpoint: bytes,
+                       commit_id: str | None = None,
+                       nonces: Sequence[str] = ()) -> PreparedCommit:
+        """Check one commit's arguments and compute its digest (no I/O).
+
+        Raises ContractError, CheckpointTooLargeError.
+        """
+        commit_id = new_commit_id() if commit_id is None else check_id(commit_id, "commit_id")
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 2:
+            raise ContractError("a commit's generation must be an integer >= 2",
+                                field="generation", run_id=run_id)
+        nonces = list(nonces)
+        for nonce in nonces:
+            check_id(nonce, "nonce")
+        if len(set(nonces)) != len(nonces):
+            raise ContractError("nonces repeat within one commit", field="nonces",
+                                run_id=run_id)
+        self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
+        return PreparedCommit(generation, checkpoint, commit_id,
+                              hashlib.sha256(checkpoint).hexdigest(), tuple(nonces),
+                              encode_checkpoint(checkpoint,
+                                                compress=self.compress_checkpoints))
+
     def commit(self, lease: Lease, *, generation: int, expected_state_version: int,
                checkpoint: bytes, commit_id: str | None = None, nonces: Sequence[str] = (),
                finished: bool = False) -> CommitResult:
@@ -354,52 +396,81 @@ class RedisStore:
         CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
         CommitOutcomeUnknownError when no reply arrived (re-read the run before acting).
         """
+        prepared = self.prepare_commit(lease.run_id, generation=generation,
+                                       checkpoint=checkpoint, commit_id=commit_id,
+                                       nonces=nonces)
+        results = self.commit_many(lease, [prepared],
+                                   expected_state_version=expected_state_version)
+        if finished:
+            self._call("expiry index", lease.run_id,
+                       lambda: self._client.zrem(EXPIRY_INDEX, lease.run_id))
+        return results[0]
+
+    def commit_many(self, lease: Lease, commits: Sequence[PreparedCommit], *,
+                    expected_state_version: int,
+                    applied: Callable[[CommitResult], None] | None = None,
+                    ) -> list[CommitResult]:
+        """Fenced commits of consecutive generations in one round trip (one pipeline of
+        commit scripts, so Redis appends them to the AOF and fsyncs once).
+
+        Each commit is the commit script on its own: commit ``i`` expects state version
+        ``expected_state_version + i`` and generation high-water + 1, so it can only apply
+        after every commit before it. Replies are decoded in order and the first refusal
+        is raised (the commits before it are applied, and were each passed to
+        ``applied`` as they were decoded). Nonces of every commit are claimed
+        globally first. A lost reply (of any commit) re-sends the whole batch with the
+        same commit ids: applied ones answer ``already_applied``.
+
+        Raises what :meth:`commit` raises.
+        """
         run_id = lease.run_id
-        keys = run_keys(run_id)
-        commit_id = new_commit_id() if commit_id is None else check_id(commit_id, "commit_id")
-        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 2:
-            raise ContractError("a commit's generation must be an integer >= 2",
-                                field="generation", run_id=run_id)
-        nonces = list(nonces)
-        for nonce in nonces:
-            check_id(nonce, "nonce")
-        if len(set(nonces)) != len(nonces):
-            raise ContractError("nonces repeat within one commit", field="nonces",
-                                run_id=run_id)
-        self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
-        digest = hashlib.sha256(checkpoint).hexdigest()
+        if not commits:
+            return []
+        for index, commit in enumerate(commits[1:], start=1):
+            if commit.generation != commits[0].generation + index:
+                raise ContractError("a batch's generations must be consecutive",
+                                    field="generation", run_id=run_id)
+        nonces = [nonce for commit in commits for nonce in commit.nonces]
         if nonces:
             self.claim_nonces(run_id, nonces)
-        all_keys = [keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces]
-        args: list[str | bytes | int] = [
-            lease.owner, lease.lease_version, expected_state_version, generation, checkpoint,
-            commit_id, digest, self.history_limit, *nonces]
+        calls = [self._commit_call(lease, commit, expected_state_version + index)
+                 for index, commit in enumerate(commits)]
         last: Exception | None = None
         for _attempt in range(1 + self.commit_retries):
-            # Timeline of a lost reply: the script ran (or not), the connection dropped
-            # before the reply arrived. Re-sending the same commit id either applies it
-            # now or answers already_applied; it never applies twice.
+            # Timeline of a lost reply: the scripts ran (or not), the connection dropped
+            # before the replies arrived. Re-sending the same commit ids either applies
+            # them now or answers already_applied; nothing applies twice.
             try:
-                reply = self._runner.run(ScriptName.COMMIT, all_keys, args)
+                if len(calls) == 1:
+                    replies = [self._runner.run(ScriptName.COMMIT, *calls[0])]
+                else:
+                    replies = self._runner.run_many(ScriptName.COMMIT, calls)
             except ResponseError as exc:
                 raise StoreProtocolError("Redis refused the commit", run_id=run_id,
-                                         commit_id=commit_id) from exc
+                                         commit_id=commits[0].commit_id) from exc
             except RedisError as exc:
                 last = exc
                 continue
-            if self.reply_hook is not None and self.reply_hook(run_id, commit_id):
+            hook = self.reply_hook
+            if hook is not None and any([hook(run_id, c.commit_id) for c in commits]):
                 last = RedisError("commit reply dropped by a drill hook")
                 continue
-            result = decode_commit(reply, lease, commit_id=commit_id, generation=generation,
-                                   expected_state_version=expected_state_version)
-            if finished:
-                self._call("expiry index", run_id,
-                           lambda: self._client.zrem(EXPIRY_INDEX, run_id))
-            return result
+            results = []
+            for index, (commit, reply) in enumerate(zip(commits, replies, strict=True)):
+                if isinstance(reply, ResponseError):
+                    raise StoreProtocolError("Redis refused the commit", run_id=run_id,
+                                             commit_id=commit.commit_id) from reply
+                result = decode_commit(
+                    reply, lease, commit_id=commit.commit_id, generation=commit.generation,
+                    expected_state_version=expected_state_version + index)
+                if applied is not None:
+                    applied(result)
+                results.append(result)
+            return results
         raise CommitOutcomeUnknownError(
             "no reply to the commit; re-read the run before acting", run_id=run_id,
-            commit_id=commit_id, generation=generation, lease_version=lease.lease_version,
-            cause=type(last).__name__)
+            commit_id=commits[-1].commit_id, generation=commits[-1].generation,
+            lease_version=lease.lease_version, cause=type(last).__name__)
 
     # -- cross-run indexes --------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from ratchet.runtime.evidence import (
 from ratchet.runtime.ports import (
     Adapter,
     AdapterProxy,
+    Advance,
     Clock,
     Fence,
     GenerationStore,
@@ -66,6 +67,7 @@ __all__ = [
     "ActionKind",
     "Adapter",
     "AdapterProxy",
+    "Advance",
     "ApprovalClaims",
     "ApprovalEvidence",
     "Budgets",

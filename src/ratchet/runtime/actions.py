@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from typing import Annotated, Any
 
 from pydantic import Field, Strict, ValidationError, model_validator
@@ -125,8 +126,9 @@ class Action(Frozen):
     def is_write(self) -> bool:
         return self.risk.is_write
 
-    @property
+    @cached_property
     def intent_digest(self) -> str:
+        """Computed once per (frozen) action."""
         return intent_digest(self)
 
 

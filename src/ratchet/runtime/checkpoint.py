@@ -99,7 +99,7 @@ def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
     """
     try:
         check_invariants(state, scenario, previous=previous)
-        dumped = state.model_dump(mode="json", warnings=False)
+        dumped = _dump(state, previous)
         # Every field but the agent's free-form JSON is typed without floats, and the schema
         # check below refuses a float in any of them; only agent_state needs the float walk
         # (the encoder would turn a NaN there into null instead of refusing it).
@@ -128,11 +128,52 @@ def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
     return blob
 
 
+# The JSON dumps of the trace and executed entries of recently sealed states, by the
+# state's id (the state itself is kept, so the id cannot be reused while it is here).
+# Entries are frozen models: an entry that is the very same object as in ``previous`` dumps
+# to the same JSON, so only new entries are dumped. Bounded; a miss only costs time.
+# Every operation on it is a single dict call (atomic under the GIL); eviction that races
+# with another thread just skips a turn.
+_DUMPS: dict[int, tuple[RunState, list[Any], list[Any]]] = {}
+_DUMPS_KEPT = 8
+
+
+def _dump(state: RunState, previous: RunState | None) -> dict[str, Any]:
+    """``state.model_dump(mode="json")``, re-dumping only entries new since ``previous``."""
+    cached = _DUMPS.get(id(previous)) if previous is not None else None
+    if previous is None or cached is None or cached[0] is not previous:
+        dumped = state.model_dump(mode="json", warnings=False)
+        trace, executed = dumped["trace"], dumped["executed"]
+    else:
+        dumped = state.model_dump(mode="json", warnings=False,
+                                  exclude={"trace", "executed"})
+        _, old_trace, old_executed = cached
+        keep = _shared_prefix(previous.trace, state.trace)
+        trace = old_trace[:keep] + [e.model_dump(mode="json", warnings=False)
+                                    for e in state.trace[keep:]]
+        keep = _shared_prefix(previous.executed, state.executed)
+        executed = old_executed[:keep] + [e.model_dump(mode="json", warnings=False)
+                                          for e in state.executed[keep:]]
+        dumped["trace"], dumped["executed"] = trace, executed
+    _DUMPS[id(state)] = (state, trace, executed)
+    try:
+        while len(_DUMPS) > _DUMPS_KEPT:
+            _DUMPS.pop(next(iter(_DUMPS)), None)
+    except (RuntimeError, StopIteration):  # another thread changed it meanwhile
+        pass
+    return dumped
+
+
 def _shared_prefix(old: tuple[object, ...], new: tuple[object, ...]) -> int:
-    """How many leading entries of ``new`` are the very same objects as in ``old``."""
-    if len(old) > len(new) or not all(a is b for a, b in zip(old, new, strict=False)):
-        return 0
-    return len(old)
+    """``len(old)`` when ``new`` starts with ``old``'s entries, else 0.
+
+    Tuple comparison runs in C and takes an entry that is the very same object as equal
+    without calling its ``__eq__`` (the common case: states grow by appending); an entry
+    that is only equal in value is a frozen, validated model with the same fields, so it
+    dumps to the same JSON and needs no second schema check either.
+    """
+    count = len(old)
+    return count if count <= len(new) and new[:count] == old else 0
 
 
 def _schema_probe(data: dict[str, Any], state: RunState, previous: RunState | None,

@@ -12,6 +12,17 @@ One write, end to end: two fenced, signed commits::
 Each arrow is a place a worker can die; :class:`CrashWindow` names them and
 :meth:`RunEngine.reconcile` is the recovery for each (timeline comments there). A
 ``probe`` callback is invoked at every window so tests and drills can inject a crash.
+
+Coalesced commits (``coalesce=True``): the receipt + state commit that ends a write is
+sealed at once but *held*, then sent in the same round trip as the run's next commit
+(usually the next write's pending intent) or at :meth:`RunEngine.flush`. Both stay
+separate fenced, signed commits at consecutive generations; on Redis they travel in one
+pipeline, so one AOF ``fsync`` covers both. Nothing reaches an adapter while a commit is
+held (every adapter write follows a commit, which sends the held one first), so a worker
+that dies with a held commit is in ``AFTER_ADAPTER_BEFORE_RECEIPT``, and
+:meth:`RunEngine.reconcile` settles it by the adapter's receipt as usual. The durable
+checkpoint lags one commit behind while a commit is held: a caller that is about to wait
+(for a model, a human, a release of the lease) calls :meth:`RunEngine.flush` first.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from ratchet.runtime.evidence import ApprovalEvidence, ReviewDecision, TrustRoot
 from ratchet.runtime.machine import Disposition
 from ratchet.runtime.ports import (
     Adapter,
+    Advance,
     Clock,
     Fence,
     GenerationStore,
@@ -99,7 +111,8 @@ class RunEngine:
                  blob: bytes, approvers: TrustRoots | None = None,
                  reviewers: TrustRoots | None = None, lease_version: int = 1,
                  probe: Probe | None = None,
-                 max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES) -> None:
+                 max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+                 coalesce: bool = False) -> None:
         self.scenario = scenario
         self.adapter = adapter
         self.store = store
@@ -110,6 +123,9 @@ class RunEngine:
         self._keyring = keyring
         self._probe = probe or _no_probe
         self._max_bytes = max_checkpoint_bytes
+        self._coalesce = coalesce
+        self._held: list[Advance] = []  # sealed commits not sent yet (coalesce only)
+        self._durable = (state, generation, blob)  # the last commit the store acknowledged
         self.state = state
         self.generation = generation
         self.checkpoint = blob
@@ -168,27 +184,70 @@ class RunEngine:
         return Fence(run_id=self.state.run_id, lease_version=self.lease_version,
                      state_version=self.generation)
 
-    def _commit(self, new: RunState) -> None:
+    @property
+    def held_commits(self) -> int:
+        """How many sealed commits wait to be sent with the next commit or :meth:`flush`."""
+        return len(self._held)
+
+    @property
+    def durable_generation(self) -> int:
+        """The generation the store last acknowledged (``generation`` minus held ones)."""
+        return self._durable[1]
+
+    def flush(self) -> None:
+        """Send every held commit now (one round trip). A no-op when nothing is held.
+
+        Raises what the store's commit raises; the engine then stands at the last
+        acknowledged commit (see :meth:`_send`).
+        """
+        if self._held:
+            self._send(list(self._held), self.state, self.generation, self.checkpoint)
+
+    def _commit(self, new: RunState, *, hold: bool = False) -> None:
         """Validate, sign and commit ``new`` as the next generation, consuming new nonces.
 
-        Timeline of a lost reply (CrashWindow.COMMIT_REPLY_LOST): the store may or may not
-        have applied the commit. Re-read it; only our exact blob at our generation counts
-        as applied. Anything else propagates: never assume.
+        With ``hold`` (and ``coalesce``), the sealed commit is kept to travel with the next
+        one instead of being sent now; otherwise it is sent together with any held ones.
         """
         known = set(self.state.consumed_nonces)
-        nonces = [n for n in new.consumed_nonces if n not in known]
+        nonces = tuple(n for n in new.consumed_nonces if n not in known)
         target = self.generation + 1
         blob = seal_checkpoint(new, self.scenario, self._keyring, generation=target,
                                max_bytes=self._max_bytes, previous=self.state)
+        commit = Advance(self.generation, blob, nonces)
+        if hold and self._coalesce:
+            self._held.append(commit)
+            self.state, self.generation, self.checkpoint = new, target, blob
+            return
+        self._send([*self._held, commit], new, target, blob)
+
+    def _send(self, batch: list[Advance], new: RunState, target: int, blob: bytes) -> None:
+        """Send ``batch`` (held commits, then the one that ends in ``new``) and adopt it.
+
+        Timeline of a lost reply (CrashWindow.COMMIT_REPLY_LOST): the store may or may not
+        have applied the commits. Re-read it; only our exact last blob at our last
+        generation counts as applied. Anything else propagates: never assume. On any
+        failure the engine falls back to the last acknowledged commit, so it never claims
+        a state the store may not hold.
+        """
+        self._held = []
         try:
-            self.store.advance(self.key, expected_generation=self.generation, blob=blob,
-                               nonces=nonces)
-        except CommitOutcomeUnknownError:
-            self._probe(CrashWindow.COMMIT_REPLY_LOST)
-            stored = self.store.load(self.key)
-            if stored.generation != target or stored.blob != blob:
-                raise
+            try:
+                if len(batch) == 1:
+                    self.store.advance(self.key, expected_generation=batch[0].expected_generation,
+                                       blob=batch[0].blob, nonces=batch[0].nonces)
+                else:
+                    self.store.advance_many(self.key, batch)
+            except CommitOutcomeUnknownError:
+                self._probe(CrashWindow.COMMIT_REPLY_LOST)
+                stored = self.store.load(self.key)
+                if stored.generation != target or stored.blob != blob:
+                    raise
+        except BaseException:
+            self.state, self.generation, self.checkpoint = self._durable
+            raise
         self.state, self.generation, self.checkpoint = new, target, blob
+        self._durable = (new, target, blob)
 
     # -- proposals -----------------------------------------------------------------------
 
@@ -308,7 +367,7 @@ class RunEngine:
             self._commit(machine.record_receipt(self.state, receipt, now=now))
             self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
             raise
-        self._commit(completed)
+        self._commit(completed, hold=completed.phase is Phase.RUNNING)
 
     def _complete(self, outcome: TraceOutcome) -> None:
         observed = self.adapter.observe()

@@ -27,6 +27,7 @@ from ratchet.runtime.actions import Action, ActionKind
 from ratchet.runtime.canonical import Domain, digest
 from ratchet.runtime.ports import (
     AdapterProxy,
+    Advance,
     Fence,
     Observation,
     ReadResult,
@@ -259,6 +260,11 @@ class MemoryGenerationStore:
             raise CommitOutcomeUnknownError("reply lost after the commit was applied",
                                             run_id=key.run_id)
 
+    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
+        for commit in commits:
+            self.advance(key, expected_generation=commit.expected_generation,
+                         blob=commit.blob, nonces=commit.nonces)
+
     def roll_back_to(self, key: RunKey, stored: StoredCheckpoint) -> None:
         """Simulate a restored backup (tests): the high-water mark moves back."""
         self.checkpoints[key] = stored
@@ -298,6 +304,10 @@ class LeasedMemoryStore:
         self.claim(key.run_id)
         self.store.advance(key, expected_generation=expected_generation, blob=blob,
                            nonces=nonces)
+
+    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
+        self.claim(key.run_id)
+        self.store.advance_many(key, commits)
 
 
 class ObserveFailsAfterWrite(AdapterProxy):

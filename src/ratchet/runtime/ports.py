@@ -28,6 +28,7 @@ from ratchet.runtime.types import Digest, Frozen, Identifier, NonNegInt, StrictB
 __all__ = [
     "Adapter",
     "AdapterProxy",
+    "Advance",
     "Clock",
     "Fence",
     "GenerationStore",
@@ -175,6 +176,15 @@ class StoredCheckpoint:
     blob: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Advance:
+    """One commit of a batch: ``blob`` as generation ``expected_generation + 1``."""
+
+    expected_generation: int
+    blob: bytes
+    nonces: tuple[str, ...] = ()
+
+
 @runtime_checkable
 class GenerationStore(Protocol):
     """An external, durable, compare-and-set store of checkpoints and high-water marks.
@@ -195,6 +205,16 @@ class GenerationStore(Protocol):
         ``expected_generation == 0`` creates the run. Raises GenerationMismatchError,
         NonceReplayError, CommitOutcomeUnknownError (re-read before acting), and lease
         errors for stores that fence by lease.
+        """
+
+    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
+        """Apply ``commits`` in order, each its own fenced, atomic :meth:`advance`, in as
+        few round trips as the store allows (one for Redis: one AOF fsync covers them).
+
+        Each commit's expected generation is the one before it plus one. The first commit
+        refused stops the batch and its error is raised; a later commit never applies
+        without every earlier one (its expected generation would not be the high-water
+        mark). Raises what :meth:`advance` raises.
         """
 
 
@@ -258,3 +278,6 @@ class StoreProxy:
                 nonces: Sequence[str] = ()) -> None:
         self._inner.advance(key, expected_generation=expected_generation, blob=blob,
                             nonces=nonces)
+
+    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
+        self._inner.advance_many(key, commits)

@@ -75,8 +75,22 @@ class AgentStep:
 
 @runtime_checkable
 class Agent(Protocol):
+    """Proposes the run's next action from what the runtime shows it.
+
+    An agent may also set ``plans_ahead = True`` when ``next_step`` answers at once (a
+    plan, no model call): the worker then lets a write's receipt commit travel with the
+    next proposal's commit (one round trip, one fsync, for both) instead of sending it on
+    its own before asking. Leave it unset for an agent that thinks (a model call), so the
+    receipt is durable while it does; see :func:`plans_ahead`.
+    """
+
     def next_step(self, view: AgentView) -> AgentStep | None:
         """The next action, or None when the agent has nothing more to propose."""
+
+
+def plans_ahead(agent: object) -> bool:
+    """True only when ``agent`` declares ``plans_ahead = True`` (see :class:`Agent`)."""
+    return getattr(agent, "plans_ahead", False) is True
 
 
 def step_key(view: AgentView, position: int) -> str:
@@ -111,6 +125,8 @@ class ScriptedAgent:
     the runtime advances only when a step took effect, so a rejected or crashed step is
     proposed again with the same idempotency key.
     """
+
+    plans_ahead = True  # the next step is read off the plan: no thinking to wait for
 
     def __init__(self, steps: list[dict[str, Any]]) -> None:
         if not steps:
@@ -152,6 +168,7 @@ class GreetingAgent:
         self.path = path
         self.target = target
         self.think_ms = think_ms  # stands in for a model's latency in demos and drills
+        self.plans_ahead = think_ms == 0
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GreetingAgent:

@@ -194,7 +194,7 @@ class Fleet:
         else:
             url = ensure_embedded_redis(settings.state_dir)
         client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
-        store = RedisStore(client)
+        store = RedisStore(client, compress_checkpoints=settings.compress_checkpoints)
         # The queue may use its own Redis user (RQ needs broad writes on rq:* keys, which
         # the store's least-privilege user must not have): see ratchet.leasing.acl.
         rq_url = os.environ.get("RATCHET_QUEUE_REDIS_URL", "").strip() or url

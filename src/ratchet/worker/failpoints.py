@@ -48,7 +48,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -282,11 +282,14 @@ class Tripwires:
         except RatchetError:
             return True  # cannot prove the lease: count the attempt as stale
 
-    def commit(self, send: Callable[[], None], *, generation: int, blob: bytes) -> None:
-        """Send a commit past the guard; log a stale attempt's outcome and every ack.
+    def commit(self, send: Callable[[], None], *,
+               commits: Sequence[tuple[int, bytes]]) -> None:
+        """Send commits (``(generation, blob)`` each, one round trip) past the guard; log
+        a stale attempt's outcome and every ack.
 
         Raises whatever ``send`` raises.
         """
+        generation = commits[-1][0]
         stale = self._zombie(WorkerPoint.AFTER_GUARD_BEFORE_COMMIT)
         try:
             send()
@@ -301,7 +304,8 @@ class Tripwires:
             raise
         if stale:
             self.emit("stale_commit", outcome="accepted", generation=generation)
-        self.emit("ack", generation=generation, digest=hashlib.sha256(blob).hexdigest())
+        for acked, blob in commits:
+            self.emit("ack", generation=acked, digest=hashlib.sha256(blob).hexdigest())
 
     def write(self, send: Callable[[], _T], *, key: str | None, kind: str) -> _T:
         """Send an adapter write past the guard; log a stale attempt's outcome.

@@ -34,6 +34,7 @@ from ratchet.runtime import (
     Action,
     Adapter,
     AdapterProxy,
+    Advance,
     Fence,
     GenerationStore,
     Observation,
@@ -156,16 +157,24 @@ class GuardedStore(StoreProxy):
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
                 nonces: Sequence[str] = ()) -> None:
+        self.advance_many(key, [Advance(expected_generation, blob, tuple(nonces))])
+
+    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         self._heartbeat.check()
         if self._tripwires is None:
-            self._inner.advance(key, expected_generation=expected_generation, blob=blob,
-                                nonces=nonces)
+            self._send(key, commits)
         else:
-            self._tripwires.commit(
-                lambda: self._inner.advance(key, expected_generation=expected_generation,
-                                            blob=blob, nonces=nonces),
-                generation=expected_generation + 1, blob=blob)
+            self._tripwires.commit(lambda: self._send(key, commits), commits=[
+                (c.expected_generation + 1, c.blob) for c in commits])
         self._heartbeat.progress()
+
+    def _send(self, key: RunKey, commits: Sequence[Advance]) -> None:
+        if len(commits) == 1:
+            c = commits[0]
+            self._inner.advance(key, expected_generation=c.expected_generation, blob=c.blob,
+                                nonces=c.nonces)
+        else:
+            self._inner.advance_many(key, commits)
 
 
 class GuardedAdapter(AdapterProxy):

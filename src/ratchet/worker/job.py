@@ -15,11 +15,15 @@ Order of a job, and why:
    re-observe the environment, check the generation against Redis;
 5. ``reconcile`` the pending write the previous owner may have left;
 6. loop: agent proposes -> engine gates, commits the intent, calls the adapter with the
-   fence, commits receipt and state;
-7. end: terminal or waiting -> release (off the reaper's index); asked to stop or out of
-   steps -> release for reaping (another worker continues at once); lease in doubt -> stop
-   with no further effect (the lease expires and the reaper hands the run on); a retryable
-   adapter failure -> stop renewing and let the lease expire (a natural back-off).
+   fence, commits receipt and state. For an agent that plans ahead (no thinking between
+   steps) the receipt commit is held and sent in one round trip with the next
+   proposal's commit (``coalesce_commits``); otherwise it is sent before the agent is
+   asked again;
+7. end: any held commit is sent; terminal or waiting -> release (off the reaper's
+   index); asked to stop or out of steps -> release for reaping (another worker continues
+   at once); lease in doubt -> stop with no further effect (the lease expires and the
+   reaper hands the run on); a retryable adapter failure -> stop renewing and let the
+   lease expire (a natural back-off).
 
 A restore that fails closed (tampered checkpoint, drifted environment, rolled-back store,
 a run document or environment that cannot be built) is recorded as the run's incident, the
@@ -63,7 +67,7 @@ from ratchet.runtime import ApprovalEvidence, Phase, ReviewDecision, RunEngine
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker import logs, metrics
-from ratchet.worker.agents import AgentView, load_agent
+from ratchet.worker.agents import AgentView, load_agent, plans_ahead
 from ratchet.worker.context import Fleet
 from ratchet.worker.failpoints import EventLog, Failpoints, Tripwires
 from ratchet.worker.heartbeat import GuardedAdapter, GuardedStore, Heartbeat
@@ -207,7 +211,8 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                 adapter=GuardedAdapter(ObservedAdapter(adapter), heartbeat, wires),
                 store=GuardedStore(ObservedStore(lease, run_id), heartbeat, wires),
                 clock=SystemClock(), approvers=fleet.approvers, reviewers=fleet.reviewers,
-                lease_version=lease.lease_version, probe=probe)
+                lease_version=lease.lease_version, probe=probe,
+                coalesce=settings.coalesce_commits)
         except IntegrityError as exc:
             if isinstance(exc.__context__, HighWaterUnavailableError) and (
                     exc.__context__.context.get("cause") == "StoreUnavailableError"):
@@ -309,6 +314,7 @@ def _view(engine: RunEngine, last_read: str | None) -> AgentView:
 def _step(fleet: Fleet, engine: RunEngine, document: RunDocument, heartbeat: Heartbeat,
           report: JobReport) -> None:
     agent = load_agent(document.agent, dict(document.agent_config))
+    coalesce = plans_ahead(agent)
     last_read: str | None = None
     for _ in range(fleet.settings.max_steps_per_job):
         if engine.state.phase is not Phase.RUNNING:
@@ -322,6 +328,8 @@ def _step(fleet: Fleet, engine: RunEngine, document: RunDocument, heartbeat: Hea
             report.outcome = "no_proposal"
             return
         result = engine.propose(step.action, agent_state=step.agent_state)
+        if not coalesce:
+            engine.flush()  # durable before the agent thinks; see Agent.plans_ahead
         last_read = result.read.content if result.read is not None else None
         report.steps += 1
         heartbeat.progress()
@@ -357,6 +365,8 @@ class _HeldLease:
 
 
 def _finish(lease: _HeldLease, engine: RunEngine, report: JobReport) -> None:
+    engine.flush()  # a held receipt commit goes out before the lease does
+    report.generation = engine.generation
     phase = engine.state.phase
     if phase in TERMINAL_PHASES:
         report.outcome = "finished"

@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     pickup_timeout_ms: _Ms = 60_000  # an enqueued run no worker took by then is re-enqueued
     job_timeout_s: Annotated[int, Field(ge=10)] = 24 * 3600
     max_steps_per_job: Annotated[int, Field(ge=1)] = 10_000
+    # A write's receipt commit travels with the next proposal's commit when the agent
+    # plans ahead (see ratchet.worker.agents.Agent); off: every commit goes on its own.
+    coalesce_commits: bool = True
+    # Checkpoints are stored as zstd frames (the signature covers the envelope inside);
+    # reads accept both forms, so this can change at any time.
+    compress_checkpoints: bool = True
     checkpoint_key: SecretStr | None = Field(
         default=None, description="hex key (>= 32 bytes) used as key id 'env'")
     checkpoint_keys_file: Path | None = Field(

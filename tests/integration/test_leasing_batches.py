@@ -1,0 +1,185 @@
+"""Batched commits (``LeasedRun.advance_many`` / ``RedisStore.commit_many``): consecutive
+fenced commits in one pipeline, on a real server, fakeredis[lua] and the env server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ratchet.errors import (
+    CommitOutcomeUnknownError,
+    ContractError,
+    GenerationMismatchError,
+    LeaseLostError,
+    NonceReplayError,
+    RunExistsError,
+)
+from ratchet.leasing import RedisStore, run_keys
+from ratchet.runtime.ports import Advance, RunKey
+
+MakeRun = Callable[..., RunKey]
+Expire = Callable[[RedisStore, str], None]
+
+
+def _history(store: RedisStore, run_id: str) -> list[tuple[int, int, str]]:
+    """(generation, state_version, commit id) of every history entry, oldest first."""
+    entries = [e.decode().split("|") for e in
+               store.client.lrange(run_keys(run_id).history, 0, -1)]
+    return [(int(e[0]), int(e[1]), e[4]) for e in reversed(entries)]
+
+
+def test_a_batch_applies_each_commit_at_its_own_generation_in_one_call(
+        store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
+    snap = store.read_run(key.run_id, with_checkpoint=True)
+    assert (snap.generation, snap.state_version, snap.checkpoint) == (4, 4, b"g4")
+    assert [(g, v) for g, v, _ in _history(store, key.run_id)] == [
+        (1, 1), (2, 2), (3, 3), (4, 4)]
+    assert (run.generation, run.state_version) == (4, 4)
+    assert run.fence.state_version == 4
+    run.advance(key, expected_generation=4, blob=b"g5")  # the handle moved with the batch
+    assert store.read_run(key.run_id).generation == 5
+
+
+def test_a_batch_from_a_stale_lease_applies_nothing(
+        store: RedisStore, make_run: MakeRun, expire: Expire) -> None:
+    key = make_run()
+    old = store.acquire(key.run_id, owner="w1", ttl_ms=150)
+    assert old is not None
+    expire(store, key.run_id)
+    new = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
+    assert new is not None
+    with pytest.raises(LeaseLostError):
+        old.advance_many(key, [Advance(1, b"stale-2"), Advance(2, b"stale-3")])
+    snap = store.read_run(key.run_id, with_checkpoint=True)
+    assert (snap.generation, snap.checkpoint) == (1, b"ckpt-1")
+    assert len(_history(store, key.run_id)) == 1
+
+
+def test_a_refused_commit_stops_the_batch_and_keeps_the_ones_before_it(
+        store: RedisStore, make_run: MakeRun) -> None:
+    other = make_run()
+    holder = store.acquire(other.run_id, owner="w9", ttl_ms=60_000)
+    assert holder is not None
+    holder.advance(other, expected_generation=1, blob=b"o2")
+    key = make_run()
+    taken, mine = f"n-taken-{key.run_id}", f"n-mine-{key.run_id}"  # unique per test run
+    holder.advance(other, expected_generation=2, blob=b"o3", nonces=[taken])
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    # The nonce is claimed globally before anything is sent: nothing of the batch lands.
+    with pytest.raises(NonceReplayError):
+        run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3", (taken,))])
+    assert store.read_run(key.run_id).generation == 1
+    # A nonce this run already consumed is refused by the script of the second commit:
+    # the first commit stays applied and the handle knows it.
+    run.advance(key, expected_generation=1, blob=b"g2", nonces=[mine])
+    with pytest.raises(NonceReplayError):
+        run.advance_many(key, [Advance(2, b"g3"), Advance(3, b"g4", (mine,))])
+    snap = store.read_run(key.run_id, with_checkpoint=True)
+    assert (snap.generation, snap.checkpoint) == (3, b"g3")
+    assert run.generation == 3
+    with pytest.raises(GenerationMismatchError):
+        run.advance_many(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
+    assert store.read_run(key.run_id).generation == 3
+
+
+def test_a_lost_batch_reply_is_resent_and_reported_applied_once(
+        store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    dropped: list[str] = []
+
+    def drop_first_reply(run_id: str, commit_id: str) -> bool:
+        if not dropped:
+            dropped.append(commit_id)
+            return True
+        return False
+
+    store.reply_hook = drop_first_reply
+    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+    assert dropped  # the first send's replies were thrown away
+    history = _history(store, key.run_id)
+    assert [g for g, _, _ in history] == [1, 2, 3]  # each commit applied exactly once
+    assert (run.generation, run.state_version) == (3, 3)
+
+
+def test_a_batch_whose_replies_never_arrive_is_an_unknown_outcome(
+        store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    store.reply_hook = lambda run_id, commit_id: True
+    with pytest.raises(CommitOutcomeUnknownError) as err:
+        run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+    assert err.value.generation == 3
+    store.reply_hook = None
+    assert store.read_run(key.run_id).generation == 3  # applied, only the replies were lost
+
+
+def test_a_batch_survives_script_flush(store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    store.client.script_flush()
+    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+    assert store.read_run(key.run_id).generation == 3
+
+
+def test_bad_batches_are_refused_before_reaching_redis(
+        store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    prepared = [store.prepare_commit(key.run_id, generation=g, checkpoint=b"x")
+                for g in (2, 4)]
+    with pytest.raises(ContractError):
+        store.commit_many(run.lease, prepared, expected_state_version=1)
+    with pytest.raises(RunExistsError):
+        run.advance_many(key, [Advance(0, b"again")])
+    with pytest.raises(ContractError):
+        run.advance_many(RunKey(task_id="other", run_id=key.run_id,
+                                env_instance_id="env-1"), [Advance(1, b"g2")])
+    run.advance_many(key, [])  # an empty batch sends nothing
+    assert store.read_run(key.run_id).generation == 1
+
+
+def test_the_creator_takes_a_batch_of_one_creation_only(
+        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    key = RunKey(task_id="task-a", run_id=new_run_id(), env_instance_id="env-1")
+    creator = store.creator(b"scenario")
+    with pytest.raises(LeaseLostError):
+        creator.advance_many(key, [Advance(0, b"g1"), Advance(1, b"g2")])
+    creator.advance_many(key, [Advance(0, b"g1")])
+    assert store.read_run(key.run_id).generation == 1
+
+
+def test_commit_many_sends_one_pipeline(store: RedisStore, make_run: MakeRun,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    store.load_scripts()  # a fresh server would answer NOSCRIPT first (one more send)
+    calls: list[str] = []
+    client: Any = store.client
+    original_pipeline, original_evalsha = client.pipeline, client.evalsha
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        calls.append("pipeline")
+        return original_pipeline(*args, **kwargs)
+
+    def evalsha(*args: Any, **kwargs: Any) -> Any:
+        calls.append("evalsha")
+        return original_evalsha(*args, **kwargs)
+
+    monkeypatch.setattr(client, "pipeline", pipeline)
+    monkeypatch.setattr(client, "evalsha", evalsha)
+    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
+    assert calls == ["pipeline"]
+    assert store.read_run(key.run_id).generation == 4
