@@ -6,18 +6,26 @@ One run of this script starts its own ``redis-server`` with ``appendonly yes`` a
 for ``--seconds``:
 
 * fenced, signed commits of a ~4 KB checkpoint (HMAC envelope + the commit script) from 1
-  and from 4 worker processes, each process committing to its own run;
+  and from 4 worker processes, each process committing to its own run, through a default
+  ``RedisStore`` (checkpoints stored as zstd frames) and through one with
+  ``compress_checkpoints=False`` (the envelope as it is);
 * a bare ``EVALSHA`` of a trivial script that stores the same payload (from 1 and from 4
-  processes: the second is the ceiling any Redis client reaches here), and a bare ``SET``;
+  processes), and a bare ``SET``;
 * LangGraph ``SqliteSaver.put`` of the same payload into a file database in WAL mode with
   ``synchronous=FULL`` (so also on disk at every put), from 1 and from 4 processes
   (needs the ``bench`` extra: ``pip install -e '.[bench]'``).
+
+The payload is the signed payload of a real ~4 KB checkpoint (a run with receipted writes,
+verifications and an approved pending write; ``--payload random`` uses 4 KB of random
+bytes instead, which no encoding can shrink). Every contender stores the same bytes; a
+ratchet commit signs them into an envelope (~200 B of header) first.
 
 Goals: one process reaches at least 0.7x the bare EVALSHA rate; four processes reach at
 least 1.5x SqliteSaver's four-process aggregate. Absolute rates depend on the machine's
 fsync; the ratios are what travel. ``--json`` prints one JSON object.
 
-    python benchmarks/commit_throughput.py [--seconds 1.5] [--rounds 3] [--json]
+    python benchmarks/commit_throughput.py [--seconds 1.5] [--rounds 3]
+        [--payload checkpoint|random] [--json]
 
 Phases run interleaved, ``--rounds`` times each; every figure is its best round (the
 machine's noise only ever lowers a rate), the same rule for every contender.
@@ -44,8 +52,29 @@ TRIVIAL_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]) return 1"
 WARMUP_OPS = 20
 
 
+def checkpoint_payload() -> bytes:
+    """The signed payload of a real ~4 KB checkpoint: a run driven on the in-memory ports
+    (writes with receipts, verifications, reads, an approved pending write), exactly what
+    a worker commits; see ``benchmarks/checkpoint_cost.py``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from checkpoint_cost import build_checkpoint
+
+    from ratchet.runtime.signing import parse_envelope
+
+    return parse_envelope(build_checkpoint("4k", PAYLOAD_BYTES).blob)[1]
+
+
+def random_payload() -> bytes:
+    return os.urandom(PAYLOAD_BYTES)
+
+
+_PAYLOAD: dict[str, bytes] = {}  # set in each worker process from the parent's bytes
+
+
 def _payload(worker: int) -> bytes:
-    return os.urandom(PAYLOAD_BYTES - 16) + worker.to_bytes(16, "big")
+    # Every contender stores the same bytes; the last 8 differ per worker process.
+    base = _PAYLOAD["bytes"]
+    return base[:-8] + worker.to_bytes(8, "big")
 
 
 # -- one operation per phase, built inside the worker process ------------------------------
@@ -73,14 +102,15 @@ def _op_evalsha(url: str, worker: int, _db: str) -> Callable[[int], None]:
     return lambda i: client.evalsha(sha, 1, key, payload)
 
 
-def _op_commit(url: str, worker: int, _db: str) -> Callable[[int], None]:
+def _op_commit(url: str, worker: int, _db: str, *,
+               compress: bool = True) -> Callable[[int], None]:
     from ratchet.leasing import RedisStore
     from ratchet.runtime.signing import KeyRing, seal_envelope
 
-    store = RedisStore(_client(url))
+    store = RedisStore(_client(url), compress_checkpoints=compress)
     keyring = KeyRing.from_secrets({"k1": SECRET}, signing_kid="k1")
     run_id = f"bench-{uuid.uuid4().hex[:12]}-{worker}"
-    base = _payload(worker)[: PAYLOAD_BYTES - 200]  # the envelope header brings it to ~4 KB
+    base = _payload(worker)[:-8]  # + an 8-byte counter: a new checkpoint every commit
     store.create_run(run_id, task_id="bench", env_instance_id="bench-env", scenario=b"{}",
                      checkpoint=seal_envelope(keyring, base))
     run = store.acquire(run_id, owner=f"bench-worker-{worker}", ttl_ms=600_000)
@@ -116,13 +146,19 @@ def _op_sqlite(_url: str, worker: int, db: str) -> Callable[[int], None]:
     return put
 
 
+def _op_commit_raw(url: str, worker: int, db: str) -> Callable[[int], None]:
+    return _op_commit(url, worker, db, compress=False)
+
+
 OPS: dict[str, Callable[[str, int, str], Callable[[int], None]]] = {
-    "set": _op_set, "evalsha": _op_evalsha, "commit": _op_commit, "sqlite": _op_sqlite,
+    "set": _op_set, "evalsha": _op_evalsha, "commit": _op_commit,
+    "commit_raw": _op_commit_raw, "sqlite": _op_sqlite,
 }
 
 
 def _worker(op_name: str, url: str, worker: int, db: str, seconds: float, *, ready: Any,
-            go: Any, results: Any) -> None:
+            go: Any, results: Any, payload: bytes) -> None:
+    _PAYLOAD["bytes"] = payload
     try:
         op = OPS[op_name](url, worker, db)
         for i in range(WARMUP_OPS):
@@ -143,12 +179,14 @@ def _worker(op_name: str, url: str, worker: int, db: str, seconds: float, *, rea
         results.put((worker, 0, 0.0, f"{type(exc).__name__}: {exc}"))
 
 
-def measure(op_name: str, processes: int, url: str, db: str, seconds: float) -> float:
+def measure(op_name: str, processes: int, url: str, db: str, seconds: float,
+            payload: bytes) -> float:
     """Aggregate operations per second of ``processes`` workers started together."""
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_worker, args=(op_name, url, w, db, seconds),
-                         kwargs={"ready": ready, "go": go, "results": results})
+                         kwargs={"ready": ready, "go": go, "results": results,
+                                 "payload": payload})
              for w in range(processes)]
     for proc in procs:
         proc.start()
@@ -167,7 +205,7 @@ def measure(op_name: str, processes: int, url: str, db: str, seconds: float) -> 
         raise RuntimeError(f"{op_name}: {errors[0]}")
     total = sum(count for _, count, _, _ in outcomes)
     elapsed = max(el for _, _, el, _ in outcomes)
-    return total / elapsed
+    return float(total / elapsed)
 
 
 def _have_langgraph() -> bool:
@@ -184,15 +222,18 @@ PHASES: list[tuple[str, str, int]] = [
     ("commits_per_s_1proc", "commit", 1),
     ("evalsha_per_s_4proc", "evalsha", 4),
     ("commits_per_s_4proc", "commit", 4),
+    ("commits_uncompressed_per_s_1proc", "commit_raw", 1),
+    ("commits_uncompressed_per_s_4proc", "commit_raw", 4),
     ("langgraph_sqlite_put_per_s_1proc", "sqlite", 1),
     ("langgraph_sqlite_put_per_s_4proc", "sqlite", 4),
 ]
 
 
-def run(seconds: float, rounds: int) -> dict[str, Any]:
+def run(seconds: float, rounds: int, payload_kind: str = "checkpoint") -> dict[str, Any]:
     """Every phase ``rounds`` times, interleaved; each figure is its best round."""
     from ratchet.leasing import RedisServer
 
+    payload = checkpoint_payload() if payload_kind == "checkpoint" else random_payload()
     langgraph = _have_langgraph()
     with tempfile.TemporaryDirectory(prefix="ratchet-bench-") as tmp:
         server = RedisServer(Path(tmp) / "redis", appendonly=True, appendfsync="always")
@@ -211,7 +252,7 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
                 for name, op, processes in PHASES:
                     if op == "sqlite" and not langgraph:
                         continue
-                    rate = measure(op, processes, url, db, seconds)
+                    rate = measure(op, processes, url, db, seconds, payload)
                     best[name] = rate if best[name] is None else max(best[name], rate)
             figures: dict[str, Any] = dict(best)
     figures = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in figures.items()}
@@ -222,12 +263,17 @@ def run(seconds: float, rounds: int) -> dict[str, Any]:
         round(figures["commits_per_s_4proc"] / sqlite4, 3) if sqlite4 else None)
     figures["ratio_4proc_vs_evalsha_4proc"] = round(
         figures["commits_per_s_4proc"] / figures["evalsha_per_s_4proc"], 3)
+    figures["ratio_uncompressed_vs_evalsha"] = round(
+        figures["commits_uncompressed_per_s_1proc"] / figures["evalsha_per_s"], 3)
+    figures["ratio_uncompressed_vs_langgraph_sqlite_4proc"] = (
+        round(figures["commits_uncompressed_per_s_4proc"] / sqlite4, 3) if sqlite4 else None)
     figures["goal_1proc_vs_evalsha_met"] = figures["ratio_vs_evalsha"] >= 0.7
     figures["goal_4proc_vs_langgraph_met"] = (
         figures["ratio_vs_langgraph_sqlite_4proc"] is not None
         and figures["ratio_vs_langgraph_sqlite_4proc"] >= 1.5)
     figures.update({
-        "payload_bytes": PAYLOAD_BYTES,
+        "payload": payload_kind,
+        "payload_bytes": len(payload),
         "seconds_per_phase": seconds,
         "rounds": rounds,
         "redis_version": info.get("redis_version"),
@@ -256,13 +302,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=1.5, help="duration of each phase")
     parser.add_argument("--rounds", type=int, default=3,
                         help="repeat every phase, interleaved; report each one's best round")
+    parser.add_argument("--payload", choices=("checkpoint", "random"), default="checkpoint",
+                        help="what every contender stores: a real ~4 KB checkpoint "
+                             "(default) or 4 KB of random bytes (incompressible)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if not 0.2 <= args.seconds <= 60:
         parser.error("--seconds must be between 0.2 and 60")
     if not 1 <= args.rounds <= 10:
         parser.error("--rounds must be between 1 and 10")
-    figures = run(args.seconds, args.rounds)
+    figures = run(args.seconds, args.rounds, args.payload)
     if args.json:
         print(json.dumps(figures, sort_keys=True))
     else:

@@ -54,6 +54,13 @@ def test_durable_steps_quick_json_reports_every_contender_as_a_rate_or_a_reason(
     assert _positive(report["ratchet_commits_per_step"])
     assert _positive(report["ratchet_checkpoint_bytes_end_of_run"])
     assert _positive(report["payload_bytes"])
+    # Counted, not timed: two fenced commits per write either way; coalesced, a write's
+    # receipt commit shares the next write's round trip (20 writes: 21 round trips).
+    assert report["ratchet_commits_per_step"] == report["ratchet_separate_commits_per_step"] \
+        == 2.0
+    assert report["ratchet_separate_round_trips_per_step"] == 2.0
+    assert report["ratchet_round_trips_per_step"] == 1.05
+    assert _positive(report["ratchet_separate_steps_per_s"])
     for peer in ("dbos", "langgraph"):
         rate, ratio = report[f"{peer}_steps_per_s"], report[f"ratio_vs_{peer}"]
         if rate is None:

@@ -166,3 +166,26 @@ def test_a_run_waiting_for_approval_completes_after_it_is_approved(
     assert journal(root)[0] == 1
     receipt = inspect_run(fleet, run_id).state.executed[-1].receipt
     assert receipt.approval_digest is not None
+
+
+def test_a_worker_killed_while_holding_a_coalesced_receipt_commit_loses_no_write(
+    fleet: Fleet, settings: Settings, tmp_path: Path
+) -> None:
+    # The example agent without a think delay plans ahead, so the write's receipt commit
+    # is held to travel with the verification's commit. The first worker dies right before
+    # that proposal (its third: read, write, verify): the receipt never left the process.
+    (run_id, root), = submit_greetings(fleet, tmp_path, 1, think_ms=0).items()
+    with workers(settings) as pool:
+        doomed, = pool.start(1, env={"RATCHET_FAILPOINTS": "before_proposal=kill@3"})
+        poll(lambda: not doomed.is_alive(), deadline_s=60, what="the doomed worker died")
+        assert doomed.exitcode == -signal.SIGKILL
+        stored = inspect_run(fleet, run_id).state
+        assert stored.pending is not None and stored.pending.receipt is None  # intent only
+        assert journal(root)[0] == 1  # ... and the write happened
+        pool.start(1)
+        poll(lambda: phase(fleet, run_id) == "completed", deadline_s=60,
+             what="the run completed on the second worker")
+    state = inspect_run(fleet, run_id).state
+    assert [e.outcome.value for e in state.trace].count("reconciled") == 1
+    assert journal(root)[0] == 1
+    assert (root / "app.py").read_text() == RIGHT_GREETING
