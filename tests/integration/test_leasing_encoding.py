@@ -4,6 +4,7 @@ a damaged frame fails closed at restore (on a real server, fakeredis and the env
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -12,12 +13,17 @@ import zstandard
 
 from ratchet.errors import CheckpointError
 from ratchet.leasing import RedisStore, run_keys
-from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
+from ratchet.leasing.encoding import (
+    COMPRESS_MIN_BYTES,
+    ZSTD_MAGIC,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from ratchet.runtime import KeyRing, restore_checkpoint
 from ratchet.runtime.signing import seal_envelope
 
 KEYRING = KeyRing.from_secrets({"k": b"encoding-test-key-0123456789abcdef!"}, signing_kid="k")
-ENVELOPE = seal_envelope(KEYRING, b'{"state":"' + b"evidence " * 400 + b'"}')
+ENVELOPE = seal_envelope(KEYRING, b'{"state":"' + b"evidence " * 2000 + b'"}')  # ~18 KB
 
 
 def _stored(store: RedisStore, run_id: str) -> bytes:
@@ -38,7 +44,7 @@ def test_checkpoints_are_stored_compressed_and_read_back_as_signed(
                      checkpoint=ENVELOPE)
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    second = seal_envelope(KEYRING, b'{"state":"' + b"more evidence " * 300 + b'"}')
+    second = seal_envelope(KEYRING, b'{"state":"' + b"more evidence " * 1500 + b'"}')
     run.commit(second)
     stored = _stored(store, run_id)
     assert stored.startswith(ZSTD_MAGIC) and len(stored) < len(second) // 4
@@ -101,3 +107,17 @@ def test_decoding_passes_anything_that_is_not_a_whole_frame_through_unchanged() 
     streamed = unsized.compress(ENVELOPE) + unsized.flush()
     assert decode_checkpoint(streamed, max_bytes=1 << 20) == streamed  # no recorded size
     assert encode_checkpoint(ENVELOPE, compress=False) == ENVELOPE
+
+
+def test_small_or_incompressible_checkpoints_are_stored_as_they_are(
+        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    small = seal_envelope(KEYRING, b'{"state":"' + b"x" * 1000 + b'"}')
+    noise = seal_envelope(KEYRING, os.urandom(COMPRESS_MIN_BYTES * 2))  # no frame saves
+    assert len(small) < COMPRESS_MIN_BYTES <= len(noise)
+    for envelope in (small, noise):
+        assert encode_checkpoint(envelope, compress=True) == envelope
+        run_id = new_run_id()
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
+                         checkpoint=envelope)
+        assert _stored(store, run_id) == envelope
+        assert store.read_run(run_id, with_checkpoint=True).checkpoint == envelope

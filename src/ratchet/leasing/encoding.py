@@ -3,7 +3,9 @@
 A checkpoint envelope carries the run's whole evidence (trace, receipts), so it grows with
 the run, and every commit sends and fsyncs all of it. Stored compressed (zstd level 1, a
 few tens of microseconds), a commit carries several times fewer bytes to Redis, its AOF
-and its replicas. The encoding is a storage detail below the signature:
+and its replicas. Small envelopes (under :data:`COMPRESS_MIN_BYTES`) and ones that do not
+shrink by an eighth are stored as they are. The encoding is a storage detail below the
+signature:
 
 * the HMAC, the checksum and the commit's digest (history entries, ``already_applied``,
   drill acks) are all over the *envelope*, never over the stored bytes;
@@ -24,10 +26,15 @@ import threading
 
 import zstandard
 
-__all__ = ["ZSTD_MAGIC", "decode_checkpoint", "encode_checkpoint"]
+__all__ = ["COMPRESS_MIN_BYTES", "ZSTD_MAGIC", "decode_checkpoint", "encode_checkpoint"]
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 LEVEL = 1
+# Below this an envelope is stored as it is: a few KiB take one or two pages of the AOF
+# either way, so compressing costs CPU (scarce when many workers share a host) and saves
+# no fsync time. Measured: 4.5 KB checkpoints commit no faster compressed; 11 KB ones
+# commit in pairs about 1.6x faster (benchmarks, BENCHMARKS.md).
+COMPRESS_MIN_BYTES = 8192
 
 _local = threading.local()  # zstd (de)compressor objects are not safe to share by threads
 
@@ -49,9 +56,15 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return found
 
 
-def encode_checkpoint(envelope: bytes, *, compress: bool) -> bytes:
-    """The bytes to store for ``envelope``."""
-    return _compressor().compress(envelope) if compress else envelope
+def encode_checkpoint(envelope: bytes, *, compress: bool,
+                      min_bytes: int = COMPRESS_MIN_BYTES) -> bytes:
+    """The bytes to store for ``envelope``: a zstd frame when ``compress`` is on, the
+    envelope is at least ``min_bytes`` long and the frame saves at least an eighth;
+    otherwise the envelope as it is."""
+    if not compress or len(envelope) < min_bytes:
+        return envelope
+    frame = _compressor().compress(envelope)
+    return frame if len(frame) <= len(envelope) - len(envelope) // 8 else envelope
 
 
 def decode_checkpoint(stored: bytes, *, max_bytes: int) -> bytes:

@@ -63,6 +63,9 @@ class DrillAgent:
     def __init__(self, steps: list[dict[str, Any]], think_ms: int) -> None:
         self._inner = ScriptedAgent(steps)
         self.think_ms = think_ms
+        # Without a think delay it plans ahead: receipt commits then travel with the next
+        # proposal's commit, and the drill's faults hit the coalesced path.
+        self.plans_ahead = think_ms == 0
 
     def next_step(self, view: AgentView) -> AgentStep | None:
         if self.think_ms:
