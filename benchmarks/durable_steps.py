@@ -15,7 +15,9 @@ process:
   commit: **two** fenced, signed commits (counted from the generation high-water mark,
   reported as ``ratchet_commits_per_step``). The engine coalesces: a write's receipt
   commit is sent in one pipeline with the next write's intent commit, so one AOF fsync
-  covers both; the last one is flushed before the lease is released.
+  covers both; the last one is flushed before the lease is released. Runs archive their
+  trace (``archive_trace=True``, the worker's default): each commit carries the run's
+  head and the segment of trace events and receipts that is new, not the whole history.
 * **ratchet_separate**: the same with ``coalesce=False``: every commit is its own round
   trip and fsync (what the worker does for an agent that thinks between steps).
 * **DBOS**: a ``@DBOS.workflow()`` calling a ``@DBOS.step()`` that performs the write, on
@@ -315,10 +317,10 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
         """The lease handle, counting commit round trips (one per advance call)."""
 
         def advance(self, key: Any, *, expected_generation: int, blob: bytes,
-                    nonces: Any = ()) -> None:
+                    nonces: Any = (), segment: bytes = b"") -> None:
             stats["round_trips"] += 1
             super().advance(key, expected_generation=expected_generation, blob=blob,
-                            nonces=nonces)
+                            nonces=nonces, segment=segment)
 
         def advance_many(self, key: Any, commits: Any) -> None:
             stats["round_trips"] += 1
@@ -339,14 +341,19 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
 
     def run_once(n: int) -> int:
         run_id = f"bench-{tag}-{n}"
-        first = RunEngine.start(run_id, scenario=scenario, keyring=keyring, adapter=adapter,
-                                store=store.creator(scenario_bytes), clock=clock)
+        RunEngine.start(run_id, scenario=scenario, keyring=keyring, adapter=adapter,
+                        store=store.creator(scenario_bytes), clock=clock,
+                        archive_trace=True)
         lease = store.acquire(run_id, owner=owner, ttl_ms=600_000)
         if lease is None:
             raise RuntimeError("could not acquire the benchmark run's lease")
-        engine = RunEngine.resume(first.checkpoint, scenario=scenario, keyring=keyring,
-                                  adapter=adapter, store=Counted(lease), clock=clock,
-                                  lease_version=lease.lease_version, coalesce=coalesce)
+        snap = store.read_run(run_id, with_checkpoint=True)  # as a worker's job does
+        if snap.checkpoint is None:
+            raise RuntimeError("the benchmark run has no checkpoint")
+        engine = RunEngine.resume(snap.checkpoint, archive=snap.archive, scenario=scenario,
+                                  keyring=keyring, adapter=adapter, store=Counted(lease),
+                                  clock=clock, lease_version=lease.lease_version,
+                                  coalesce=coalesce)
         engine.reconcile()
         stats["checkpoint_bytes_start"] = len(engine.checkpoint)
         before, trips = engine.generation, stats["round_trips"]
@@ -419,6 +426,7 @@ def _ratchet_breakdown(run_once: Callable[[int], int], runs: int,
 
     wrap(engine_mod.RunEngine, "propose", "step_total")
     wrap(engine_mod, "seal_checkpoint", "seal_checkpoint")
+    wrap(engine_mod, "seal_split", "seal_checkpoint")  # archived runs seal with seal_split
     wrap(LeasedRun, "advance", "redis_commit")
     wrap(LeasedRun, "advance_many", "redis_commit")
     wrap(LedgerAdapter, "execute", "adapter_execute")

@@ -62,9 +62,9 @@ class Acks:
         return self.inner.load(key)
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
         self.inner.advance(key, expected_generation=expected_generation, blob=blob,
-                           nonces=nonces)
+                           nonces=nonces, segment=segment)
         self.log.append((self.inner.lease_version, expected_generation + 1,
                          hashlib.sha256(blob).hexdigest()))
 
@@ -136,8 +136,8 @@ class Protocol(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------
 
-    @rule(k=st.integers(0, WORKERS - 1), coalesce=st.booleans())
-    def acquire(self, k: int, coalesce: bool) -> None:
+    @rule(k=st.integers(0, WORKERS - 1), coalesce=st.booleans(), archive=st.booleans())
+    def acquire(self, k: int, coalesce: bool, archive: bool) -> None:
         worker = self.workers[k]
         lease = self.store.acquire(self.run_id, owner=worker.name, ttl_ms=TTL_MS)
         if lease is None:
@@ -150,7 +150,8 @@ class Protocol(RuleBasedStateMachine):
                                       keyring=self.world.keyring, adapter=worker.adapter,
                                       store=Acks(lease, self.acks), clock=SystemClock(),
                                       lease_version=lease.lease_version, probe=worker.probe,
-                                      coalesce=coalesce)
+                                      coalesce=coalesce, archive=snap.archive,
+                                      archive_trace=archive)
             self.restores.append((lease.lease_version, engine.generation))
             engine.reconcile()
         except (LeaseLostError, StoreError, FenceRejectedError, CheckpointError):

@@ -96,7 +96,7 @@ def test_every_decoder_refuses_to_guess(decode: Any, reply: Any) -> None:
 
 
 def test_a_checkpoint_that_arrives_as_text_is_a_protocol_error() -> None:
-    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, "decoded-text", 0]
+    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, "decoded-text", 0, []]
     with pytest.raises(StoreProtocolError):
         decode_read(reply, "r-1", with_checkpoint=True, with_scenario=False)
 
@@ -104,3 +104,16 @@ def test_a_checkpoint_that_arrives_as_text_is_a_protocol_error() -> None:
 def test_a_renewal_of_another_lease_version_is_a_protocol_error() -> None:
     with pytest.raises(StoreProtocolError):
         decode_renew([b"renewed", 2, 100, 5], LEASE)
+
+
+@pytest.mark.parametrize("archive", [0, b"not a list", [b"ok", "text"], [b"ok", 7]])
+def test_an_archive_that_is_not_a_list_of_bytes_is_a_protocol_error(archive: Any) -> None:
+    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, b"ckpt", 0, archive]
+    with pytest.raises(StoreProtocolError):
+        decode_read(reply, "r-1", with_checkpoint=True, with_scenario=False)
+
+
+def test_an_unrequested_archive_is_a_protocol_error() -> None:
+    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, 0, 0, [b"seg"]]
+    with pytest.raises(StoreProtocolError):
+        decode_read(reply, "r-1", with_checkpoint=False, with_scenario=False)

@@ -97,7 +97,7 @@ def test_scripts_are_reloaded_on_every_master_after_script_flush(
         assert store.read_run(run_id).generation == 2
 
 
-def test_batched_commits_run_on_every_master_also_after_script_flush(
+def test_batched_commits_and_archives_run_on_every_master_also_after_script_flush(
         cluster_store: RedisStore, new_run_id: Any) -> None:
     store = cluster_store
     run_ids = runs_on_every_master(store.client, new_run_id())
@@ -109,9 +109,10 @@ def test_batched_commits_run_on_every_master_also_after_script_flush(
         key = RunKey("t", run_id, "e")
         run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
         assert run is not None
-        run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+        run.advance_many(key, [Advance(1, b"g2", segment=b"s2"), Advance(2, b"g3")])
         snap = store.read_run(run_id, with_checkpoint=True)
         assert (snap.generation, snap.state_version, snap.checkpoint) == (3, 3, b"g3")
+        assert snap.archive == (b"s2",)  # the archive shares the run's slot
         with pytest.raises(GenerationMismatchError):
             run.advance_many(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
         assert store.read_run(run_id).generation == 3

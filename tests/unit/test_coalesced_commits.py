@@ -31,9 +31,9 @@ class Recorder(StoreProxy):
         self.blobs: list[bytes] = []
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
         super().advance(key, expected_generation=expected_generation, blob=blob,
-                        nonces=nonces)
+                        nonces=nonces, segment=segment)
         self.trips.append([expected_generation + 1])
         self.blobs.append(blob)
 

@@ -153,11 +153,13 @@ class LeasedRun:
         snap = self._snapshot(key, with_checkpoint=True)
         if snap.checkpoint is None:
             raise StoreProtocolError("the run has no checkpoint", run_id=self.run_id)
-        return StoredCheckpoint(generation=snap.generation, blob=snap.checkpoint)
+        return StoredCheckpoint(generation=snap.generation, blob=snap.checkpoint,
+                                archive=snap.archive)
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
-        """Commit ``blob`` as generation ``expected_generation + 1``, fenced by this lease.
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+        """Commit ``blob`` as generation ``expected_generation + 1``, fenced by this lease
+        (``segment``, when not empty, is appended to the run's archive with it).
 
         Raises RunExistsError (``expected_generation == 0``), GenerationMismatchError,
         StaleStateError, LeaseLostError, NonceReplayError, CheckpointTooLargeError,
@@ -168,7 +170,7 @@ class LeasedRun:
         if expected_generation == 0:
             raise RunExistsError("the run exists; create runs with RedisStore.create_run",
                                  run_id=self.run_id)
-        self.commit(blob, generation=expected_generation + 1, nonces=nonces)
+        self.commit(blob, generation=expected_generation + 1, nonces=nonces, segment=segment)
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         """Commit a batch of consecutive generations in one round trip, each fenced by
@@ -184,7 +186,8 @@ class LeasedRun:
                                  run_id=self.run_id)
         prepared = [self._store.prepare_commit(self.run_id,
                                                generation=c.expected_generation + 1,
-                                               checkpoint=c.blob, nonces=c.nonces)
+                                               checkpoint=c.blob, nonces=c.nonces,
+                                               segment=c.segment)
                     for c in commits]
         self._store.commit_many(self._lease, prepared,
                                 expected_state_version=self._state_version,
@@ -205,7 +208,7 @@ class LeasedRun:
 
     def commit(self, blob: bytes, *, generation: int | None = None,
                commit_id: str | None = None, nonces: Sequence[str] = (),
-               finished: bool = False) -> CommitResult:
+               finished: bool = False, segment: bytes = b"") -> CommitResult:
         """Fenced commit of ``blob`` as ``generation`` (default: last seen + 1).
 
         Raises what :meth:`RedisStore.commit` raises.
@@ -213,7 +216,7 @@ class LeasedRun:
         result = self._store.commit(
             self._lease, generation=self._generation + 1 if generation is None else generation,
             expected_state_version=self._state_version, checkpoint=blob, commit_id=commit_id,
-            nonces=nonces, finished=finished)
+            nonces=nonces, finished=finished, segment=segment)
         self._apply(result)
         return result
 
@@ -267,11 +270,13 @@ class RunCreator:
         snap = self._read(key, with_checkpoint=True)
         if snap.checkpoint is None:
             raise StoreProtocolError("the run has no checkpoint", run_id=key.run_id)
-        return StoredCheckpoint(generation=snap.generation, blob=snap.checkpoint)
+        return StoredCheckpoint(generation=snap.generation, blob=snap.checkpoint,
+                                archive=snap.archive)
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
-        """Create the run (``expected_generation == 0`` only).
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+        """Create the run (``expected_generation == 0`` only), with its first archive
+        segment when the checkpoint names an archive.
 
         Raises RunExistsError, LeaseLostError (a later generation without a lease),
         ContractError (nonces at creation), CheckpointTooLargeError,
@@ -287,7 +292,7 @@ class RunCreator:
             self._store.create_run(key.run_id, task_id=key.task_id,
                                    env_instance_id=key.env_instance_id,
                                    scenario=self._scenario, checkpoint=blob,
-                                   commit_id=self._commit_id)
+                                   commit_id=self._commit_id, archive_segment=segment)
         except StoreUnavailableError as exc:
             raise CommitOutcomeUnknownError("no reply to create_run; re-read before acting",
                                             run_id=key.run_id,
@@ -303,4 +308,4 @@ class RunCreator:
                                  reason="no_lease")
         for commit in commits:
             self.advance(key, expected_generation=commit.expected_generation,
-                         blob=commit.blob, nonces=commit.nonces)
+                         blob=commit.blob, nonces=commit.nonces, segment=commit.segment)

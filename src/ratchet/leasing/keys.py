@@ -82,6 +82,7 @@ class RunKeys:
     nonces: str
     incidents: str
     inbox: str
+    archive: str
 
 
 @functools.lru_cache(maxsize=4096)
@@ -100,6 +101,7 @@ def run_keys(run_id: str) -> RunKeys:
         nonces=f"{base}:nonces",
         incidents=f"{base}:incidents",
         inbox=f"{base}:inbox",
+        archive=f"{base}:archive",
     )
 
 

@@ -283,9 +283,16 @@ def decode_read(reply: object, run_id: str, *, with_checkpoint: bool,
         raise RunNotFoundError("no run with this id", run_id=run_id)
     if status != "run":
         _unknown(status, script)
-    _arity(f, 11, script, status)
+    _arity(f, 12, script, status)
     checkpoint = _blob(f[9], script, "checkpoint") if with_checkpoint else None
     scenario = _blob(f[10], script, "scenario") if with_scenario else None
+    archive: tuple[bytes, ...] = ()
+    if with_checkpoint:
+        if not isinstance(f[11], list):
+            _fail("archive is not a list", script, run_id=run_id)
+        archive = tuple(_blob(segment, script, "archive") for segment in f[11])
+    elif f[11] != 0:
+        _fail("unrequested archive in reply", script, run_id=run_id)
     if not with_checkpoint and f[9] != 0:
         _fail("unrequested checkpoint in reply", script, run_id=run_id)
     if not with_scenario and f[10] != 0:
@@ -304,6 +311,7 @@ def decode_read(reply: object, run_id: str, *, with_checkpoint: bool,
         now_ms=_int(f[8], script, "now_ms"),
         checkpoint=checkpoint,
         scenario=scenario,
+        archive=archive,
     )
 
 

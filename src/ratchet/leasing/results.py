@@ -79,6 +79,7 @@ class PreparedCommit:
     digest: str  # SHA-256 of the envelope
     nonces: tuple[str, ...] = ()
     stored: bytes = field(default=b"", repr=False)  # what Redis keeps (see encoding)
+    segment: bytes = field(default=b"", repr=False)  # appended to the run's archive
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,7 @@ class RunSnapshot:
     now_ms: int
     checkpoint: bytes | None = field(default=None, repr=False)
     scenario: bytes | None = field(default=None, repr=False)
+    archive: tuple[bytes, ...] = field(default=(), repr=False)  # with the checkpoint
 
     @property
     def lease_live(self) -> bool:

@@ -194,8 +194,10 @@ class RedisStore:
     # -- runs -------------------------------------------------------------------------
 
     def create_run(self, run_id: str, *, task_id: str, env_instance_id: str, scenario: bytes,
-                   checkpoint: bytes, commit_id: str | None = None) -> RunCreated:
-        """Create a run with its scenario and signed first checkpoint (generation 1).
+                   checkpoint: bytes, commit_id: str | None = None,
+                   archive_segment: bytes = b"") -> RunCreated:
+        """Create a run with its scenario and signed first checkpoint (generation 1), and
+        the first segment of its archive when the checkpoint names one.
 
         Retrying with the same ``commit_id`` after a lost reply reports
         ``already_applied``. Raises RunExistsError, CheckpointTooLargeError, ContractError,
@@ -207,13 +209,17 @@ class RedisStore:
         commit_id = check_id(commit_id or new_commit_id(), "commit_id")
         self._check_blob(scenario, run_id, "scenario", self.max_scenario_bytes)
         self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
+        if archive_segment:
+            self._check_blob(archive_segment, run_id, "archive_segment",
+                             self.max_checkpoint_bytes)
         digest = hashlib.sha256(checkpoint).hexdigest()
         reply = self._run(
             ScriptName.CREATE_RUN, run_id,
-            [keys.state, keys.scenario, keys.ckpt, keys.history, keys.commits, keys.lease],
+            [keys.state, keys.scenario, keys.ckpt, keys.history, keys.commits, keys.lease,
+             keys.archive],
             [task_id, env_instance_id, scenario,
              encode_checkpoint(checkpoint, compress=self.compress_checkpoints), commit_id,
-             digest])
+             digest, archive_segment])
         created = decode_create(reply, run_id)
         self._call("runs index", run_id, lambda: self._client.zadd(
             RUNS_INDEX, {run_id: created.created_at_ms}, nx=True))
@@ -227,7 +233,7 @@ class RedisStore:
         """
         keys = run_keys(run_id)
         reply = self._run(ScriptName.READ_RUN, run_id,
-                          [keys.state, keys.lease, keys.ckpt, keys.scenario],
+                          [keys.state, keys.lease, keys.ckpt, keys.scenario, keys.archive],
                           ["1" if with_checkpoint else "0", "1" if with_scenario else "0"])
         snap = decode_read(reply, run_id, with_checkpoint=with_checkpoint,
                            with_scenario=with_scenario)
@@ -354,14 +360,15 @@ class RedisStore:
     def _commit_call(self, lease: Lease, commit: PreparedCommit,
                      expected_state_version: int) -> tuple[list[str], list[str | bytes | int]]:
         keys = run_keys(lease.run_id)
-        return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces],
+        return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
+                 keys.archive],
                 [lease.owner, lease.lease_version, expected_state_version, commit.generation,
                  commit.stored or commit.checkpoint, commit.commit_id, commit.digest,
-                 self.history_limit, *commit.nonces])
+                 self.history_limit, commit.segment, *commit.nonces])
 
     def prepare_commit(self, run_id: str, *, generation: int, checkpoint: bytes,
-                       commit_id: str | None = None,
-                       nonces: Sequence[str] = ()) -> PreparedCommit:
+                       commit_id: str | None = None, nonces: Sequence[str] = (),
+                       segment: bytes = b"") -> PreparedCommit:
         """Check one commit's arguments and compute its digest (no I/O).
 
         Raises ContractError, CheckpointTooLargeError.
@@ -377,20 +384,24 @@ class RedisStore:
             raise ContractError("nonces repeat within one commit", field="nonces",
                                 run_id=run_id)
         self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
+        if segment:
+            self._check_blob(segment, run_id, "archive_segment", self.max_checkpoint_bytes)
         return PreparedCommit(generation, checkpoint, commit_id,
                               hashlib.sha256(checkpoint).hexdigest(), tuple(nonces),
                               encode_checkpoint(checkpoint,
-                                                compress=self.compress_checkpoints))
+                                                compress=self.compress_checkpoints),
+                              bytes(segment))
 
     def commit(self, lease: Lease, *, generation: int, expected_state_version: int,
                checkpoint: bytes, commit_id: str | None = None, nonces: Sequence[str] = (),
-               finished: bool = False) -> CommitResult:
+               finished: bool = False, segment: bytes = b"") -> CommitResult:
         """The fenced commit: store ``checkpoint`` as ``generation`` (high-water + 1).
 
         ``nonces`` are claimed globally for this run first, then consumed in the commit
         itself. A lost reply is retried ``commit_retries`` times with the same commit id;
         a retry that finds the commit applied returns it with ``already_applied=True``.
-        ``finished=True`` takes the run off the expiry index after the commit.
+        ``finished=True`` takes the run off the expiry index after the commit. ``segment``
+        (when not empty) is appended to the run's archive in the same script.
 
         Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
         CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
@@ -398,7 +409,7 @@ class RedisStore:
         """
         prepared = self.prepare_commit(lease.run_id, generation=generation,
                                        checkpoint=checkpoint, commit_id=commit_id,
-                                       nonces=nonces)
+                                       nonces=nonces, segment=segment)
         results = self.commit_many(lease, [prepared],
                                    expected_state_version=expected_state_version)
         if finished:

@@ -48,6 +48,7 @@ class Domain:
     CHECKPOINT = b"ratchet/checkpoint/v1"
     STATE = b"ratchet/state/v1"
     ENVIRONMENT = b"ratchet/environment/v1"
+    ARCHIVE = b"ratchet/archive/v1"
 
 
 def _reject_floats(value: Any, path: str = "$") -> None:

@@ -13,6 +13,9 @@ problem with a :class:`CheckpointError` whose ``reason`` names the check:
 2. plain checksum (``checksum``): random corruption;
 3. HMAC in constant time (``unknown_kid``, ``retired_kid``, ``bad_mac``): authenticity;
 4. payload schema version (``schema_version``) and strict, canonical payload (``schema``);
+   then, for a checkpoint that names an archive, the archive (``archive``): exactly the
+   named number of segments, each strict canonical JSON, whose hash chain ends in the
+   signed chain value and whose entries add up to the signed counts;
 5. scenario fingerprint against the externally supplied scenario (``scenario``);
 6. run state invariants (``invariant``);
 7. generation equal to the external high-water mark (``high_water_missing``,
@@ -24,8 +27,9 @@ problem with a :class:`CheckpointError` whose ``reason`` names the check:
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,27 +45,71 @@ from ratchet.errors import (
     HighWaterUnavailableError,
     InvariantViolation,
 )
-from ratchet.runtime.canonical import canonical_json, is_canonical
+from ratchet.runtime.canonical import Domain, canonical_json, is_canonical
 from ratchet.runtime.evidence import TrustRoots
 from ratchet.runtime.ports import GenerationStore, Observation, RunKey
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.signing import KeyRing, open_envelope, seal_envelope
-from ratchet.runtime.state import RunState, check_invariants
-from ratchet.runtime.types import Digest, Frozen, PosInt
+from ratchet.runtime.state import ExecutedWrite, RunState, TraceEvent, check_invariants
+from ratchet.runtime.types import Digest, Frozen, NonNegInt, PosInt
 
 __all__ = [
     "CHECKPOINT_SCHEMA_VERSION",
     "DEFAULT_MAX_CHECKPOINT_BYTES",
+    "ArchiveRef",
+    "ArchiveSegment",
     "CheckpointPayload",
     "Restored",
+    "Sealed",
+    "archive_genesis",
     "check_environment",
+    "empty_archive",
+    "open_checkpoint",
     "restore_checkpoint",
     "run_key",
     "seal_checkpoint",
+    "seal_split",
 ]
 
 CHECKPOINT_SCHEMA_VERSION: Literal[1] = 1
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
+
+
+class ArchiveRef(Frozen):
+    """What of a run's trace and executed writes lives in its archive, not in the
+    checkpoint: how many of each, in how many segments, and the hash chain over them.
+
+    Signed inside the checkpoint, it binds the archive: restore recomputes the chain over
+    the segments the store returns and refuses any difference (a segment changed, dropped,
+    added, reordered, or taken from another run).
+    """
+
+    trace: NonNegInt
+    executed: NonNegInt
+    segments: NonNegInt
+    chain: Digest
+
+
+class ArchiveSegment(Frozen):
+    """One commit's new trace events and executed writes, appended to the archive."""
+
+    executed: tuple[ExecutedWrite, ...] = ()
+    trace: tuple[TraceEvent, ...] = ()
+
+
+def archive_genesis(run_id: str) -> str:
+    """Where run ``run_id``'s archive chain starts: an archive is bound to its run."""
+    return hashlib.sha256(Domain.ARCHIVE + b"\x00genesis\x00" + run_id.encode()).hexdigest()
+
+
+def empty_archive(run_id: str) -> ArchiveRef:
+    """The reference of run ``run_id``'s archive while it holds nothing yet."""
+    return ArchiveRef(trace=0, executed=0, segments=0, chain=archive_genesis(run_id))
+
+
+def _chain(previous: str, segment: bytes) -> str:
+    return hashlib.sha256(Domain.ARCHIVE + b"\x00" + bytes.fromhex(previous)
+                          + hashlib.sha256(segment).digest()).hexdigest()
 
 
 class CheckpointPayload(Frozen):
@@ -69,6 +117,7 @@ class CheckpointPayload(Frozen):
     generation: PosInt
     scenario_fingerprint: Digest
     state: RunState
+    archive: ArchiveRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +125,17 @@ class Restored:
     state: RunState
     generation: int
     blob: bytes
+    archive: ArchiveRef | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """A checkpoint sealed with an archive: the envelope, the segment to append with it
+    (b"" when nothing is new), and the archive reference the envelope signs."""
+
+    blob: bytes
+    segment: bytes
+    archive: ArchiveRef
 
 
 def run_key(state: RunState) -> RunKey:
@@ -126,6 +186,71 @@ def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
         raise CheckpointTooLargeError("checkpoint exceeds the size cap", size=len(blob),
                                       max_bytes=max_bytes, reason="too_large")
     return blob
+
+
+def seal_split(state: RunState, scenario: Scenario, keyring: KeyRing, *, generation: int,
+               archived: ArchiveRef, max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+               previous: RunState | None = None) -> Sealed:
+    """Seal ``state`` as a checkpoint whose trace and executed writes live in the archive.
+
+    ``archived`` is what the archive already holds (the reference the last checkpoint
+    signed); the entries of ``state`` beyond it become the new segment. The envelope
+    carries everything else of the state (phase, budgets, environment, pending write,
+    agent state, reviews) and signs the new archive reference, so what a commit sends and
+    what sealing costs no longer grow with the run. The same checks as
+    :func:`seal_checkpoint` run first (invariants on the whole state, then the schema of
+    exactly the bytes that are signed or appended).
+
+    Raises:
+        InvariantViolation: the state is not valid, or it does not extend ``archived``.
+        CheckpointTooLargeError: the envelope would exceed ``max_bytes``.
+    """
+    if archived.trace > len(state.trace) or archived.executed > len(state.executed):
+        raise InvariantViolation("the archive holds more entries than the state",
+                                 field="archive")
+    new_trace = state.trace[archived.trace:]
+    new_executed = state.executed[archived.executed:]
+    try:
+        check_invariants(state, scenario, previous=previous)
+        head = state.model_dump(mode="json", warnings=False, exclude={"trace", "executed"})
+        head["trace"], head["executed"] = [], []
+        canonical_json(head.get("agent_state"))  # refuse floats / NaN in the free-form part
+        segment = b""
+        ref = archived
+        if new_trace or new_executed:
+            segment = orjson.dumps({
+                "executed": [e.model_dump(mode="json", warnings=False) for e in new_executed],
+                "trace": [e.model_dump(mode="json", warnings=False) for e in new_trace],
+            }, option=orjson.OPT_SORT_KEYS)
+            ref = ArchiveRef(trace=archived.trace + len(new_trace),
+                             executed=archived.executed + len(new_executed),
+                             segments=archived.segments + 1,
+                             chain=_chain(archived.chain, segment))
+        data = {
+            "archive": ref.model_dump(mode="json"),
+            "generation": generation,
+            "schema_version": CHECKPOINT_SCHEMA_VERSION,
+            "scenario_fingerprint": scenario.fingerprint,
+            "state": head,
+        }
+        body = orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, ValueError, AttributeError, PydanticSerializationError,
+            ContractError) as exc:
+        raise InvariantViolation(f"run state cannot be serialised: {type(exc).__name__}",
+                                 field="state") from None
+    try:
+        CheckpointPayload.model_validate_json(body)
+        if segment:
+            ArchiveSegment.model_validate_json(segment)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvariantViolation(f"run state fails its schema at {first['loc']}: "
+                                 f"{first['msg']}", field=str(first["loc"])) from None
+    blob = seal_envelope(keyring, body)
+    if len(blob) > max_bytes:
+        raise CheckpointTooLargeError("checkpoint exceeds the size cap", size=len(blob),
+                                      max_bytes=max_bytes, reason="too_large")
+    return Sealed(blob, segment, ref)
 
 
 # The JSON dumps of the trace and executed entries of recently sealed states, by the
@@ -255,19 +380,10 @@ def _check_trust(state: RunState, approvers: TrustRoots | None,
                     evidence_reason=getattr(exc, "reason", "")) from None
 
 
-def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
-                       store: GenerationStore | None,
-                       observe: Callable[[RunState, int], Observation],
-                       approvers: TrustRoots | None = None,
-                       reviewers: TrustRoots | None = None) -> Restored:
-    """Verify a checkpoint and return its state. See the module docstring for the order.
-
-    ``observe(state, generation)`` is called once the checkpoint is proven authentic and
-    fresh, and returns the environment as it is now (the engine raises the adapter's
-    fence inside it, before observing).
-
-    Expired approvals load (they are evidence an operator must see); whether they may
-    still execute is decided later by the state machine, never here.
+def open_checkpoint(blob: bytes, *, keyring: KeyRing,
+                    archive: Sequence[bytes] = ()) -> CheckpointPayload:
+    """Checks 1-4 of the module docstring: the authentic, strict, canonical payload, with
+    the trace and executed writes of its archive put back into its state.
 
     Raises:
         CheckpointError: ``reason`` names the failed check.
@@ -287,6 +403,69 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
         first = exc.errors()[0]
         raise _fail("schema", f"checkpoint payload fails its schema at {first['loc']}: "
                     f"{first['msg']}") from None
+    ref = payload.archive
+    if ref is None:
+        if archive:
+            raise _fail("archive", "the store holds an archive this checkpoint does not name",
+                        segments=len(archive))
+        return payload
+    return payload.model_copy(update={"state": _unarchive(payload.state, ref, archive)})
+
+
+def _unarchive(head: RunState, ref: ArchiveRef, archive: Sequence[bytes]) -> RunState:
+    """``head`` with the trace and executed writes of ``archive`` put back, after checking
+    the archive against the signed ``ref``."""
+    if head.trace or head.executed:
+        raise _fail("archive", "a checkpoint with an archive carries trace entries itself")
+    if len(archive) != ref.segments:
+        raise _fail("archive", "the archive does not have the signed number of segments",
+                    segments=len(archive), expected=ref.segments)
+    chain = archive_genesis(head.run_id)
+    trace: list[TraceEvent] = []
+    executed: list[ExecutedWrite] = []
+    for index, segment in enumerate(archive):
+        if not isinstance(segment, bytes) or not is_canonical(segment):
+            raise _fail("archive", "an archive segment is not canonical JSON", segment=index)
+        try:
+            parsed = ArchiveSegment.model_validate_json(segment)
+        except ValidationError:
+            raise _fail("archive", "an archive segment fails its schema",
+                        segment=index) from None
+        if not parsed.trace and not parsed.executed:
+            raise _fail("archive", "an archive segment is empty", segment=index)
+        chain = _chain(chain, segment)
+        trace.extend(parsed.trace)
+        executed.extend(parsed.executed)
+    if chain != ref.chain:
+        raise _fail("archive", "the archive's hash chain is not the signed one")
+    if (len(trace), len(executed)) != (ref.trace, ref.executed):
+        raise _fail("archive", "the archive does not hold the signed number of entries",
+                    trace=len(trace), executed=len(executed))
+    return head.model_copy(update={"trace": tuple(trace), "executed": tuple(executed)})
+
+
+def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
+                       store: GenerationStore | None,
+                       observe: Callable[[RunState, int], Observation],
+                       approvers: TrustRoots | None = None,
+                       reviewers: TrustRoots | None = None,
+                       archive: Sequence[bytes] = ()) -> Restored:
+    """Verify a checkpoint and return its state. See the module docstring for the order.
+
+    ``archive`` is the run's archive segments as the store returned them with ``blob``
+    (oldest first); a checkpoint that names an archive restores only with exactly it.
+
+    ``observe(state, generation)`` is called once the checkpoint is proven authentic and
+    fresh, and returns the environment as it is now (the engine raises the adapter's
+    fence inside it, before observing).
+
+    Expired approvals load (they are evidence an operator must see); whether they may
+    still execute is decided later by the state machine, never here.
+
+    Raises:
+        CheckpointError: ``reason`` names the failed check.
+    """
+    payload = open_checkpoint(blob, keyring=keyring, archive=archive)
     if payload.scenario_fingerprint != scenario.fingerprint:
         raise _fail("scenario", "checkpoint was made under another scenario (task, policy, "
                     "permissions, allowlists, initial state or verifier expectations changed)")
@@ -307,7 +486,8 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
                     generation=payload.generation, high_water=high_water)
     check_environment(state, observe(state, payload.generation))
     _check_trust(state, approvers, reviewers)
-    return Restored(state=state, generation=payload.generation, blob=blob)
+    return Restored(state=state, generation=payload.generation, blob=blob,
+                    archive=payload.archive)
 
 
 def _peek_schema_version(body: bytes) -> object:

@@ -27,7 +27,7 @@ checkpoint lags one commit behind while a commit is held: a caller that is about
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -45,9 +45,12 @@ from ratchet.runtime import machine
 from ratchet.runtime.actions import Action
 from ratchet.runtime.checkpoint import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
+    ArchiveRef,
+    empty_archive,
     restore_checkpoint,
     run_key,
     seal_checkpoint,
+    seal_split,
 )
 from ratchet.runtime.evidence import ApprovalEvidence, ReviewDecision, TrustRoots
 from ratchet.runtime.machine import Disposition
@@ -112,7 +115,8 @@ class RunEngine:
                  reviewers: TrustRoots | None = None, lease_version: int = 1,
                  probe: Probe | None = None,
                  max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
-                 coalesce: bool = False) -> None:
+                 coalesce: bool = False, archive_trace: bool = False,
+                 archive: ArchiveRef | None = None) -> None:
         self.scenario = scenario
         self.adapter = adapter
         self.store = store
@@ -125,7 +129,12 @@ class RunEngine:
         self._max_bytes = max_checkpoint_bytes
         self._coalesce = coalesce
         self._held: list[Advance] = []  # sealed commits not sent yet (coalesce only)
-        self._durable = (state, generation, blob)  # the last commit the store acknowledged
+        # What the run's archive holds (None: the checkpoint carries its whole trace).
+        # A checkpoint that names an archive keeps one; archive_trace starts one.
+        self._archive = archive if archive is not None else (
+            empty_archive(state.run_id) if archive_trace else None)
+        # The last commit the store acknowledged.
+        self._durable = (state, generation, blob, archive)
         self.state = state
         self.generation = generation
         self.checkpoint = blob
@@ -143,6 +152,14 @@ class RunEngine:
         observed = adapter.observe()
         state = machine.new_run(run_id, scenario, observed, clock.now())
         max_bytes = options.get("max_checkpoint_bytes", DEFAULT_MAX_CHECKPOINT_BYTES)
+        if options.pop("archive_trace", False):
+            sealed = seal_split(state, scenario, keyring, generation=1,
+                                archived=empty_archive(run_id), max_bytes=max_bytes)
+            store.advance(run_key(state), expected_generation=0, blob=sealed.blob,
+                          segment=sealed.segment)
+            return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
+                       clock=clock, state=state, generation=1, blob=sealed.blob,
+                       archive=sealed.archive, **options)
         blob = seal_checkpoint(state, scenario, keyring, generation=1, max_bytes=max_bytes)
         store.advance(run_key(state), expected_generation=0, blob=blob)
         return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
@@ -152,9 +169,11 @@ class RunEngine:
     def resume(cls, blob: bytes, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
                store: GenerationStore, clock: Clock, approvers: TrustRoots | None = None,
                reviewers: TrustRoots | None = None, lease_version: int = 1,
-               **options: Any) -> RunEngine:
+               archive: Sequence[bytes] = (), **options: Any) -> RunEngine:
         """Restore a checkpoint (all checks of :func:`restore_checkpoint`), then raise the
         adapter's fence to this lease and observe the environment.
+
+        ``archive`` is the run's archive segments as the store returned them with ``blob``.
 
         The fence goes up before the observation that restore compares, so from then on a
         previous owner that is still running can no longer land a write we have not seen.
@@ -168,11 +187,11 @@ class RunEngine:
 
         restored = restore_checkpoint(blob, scenario=scenario, keyring=keyring, store=store,
                                       observe=fence_then_observe, approvers=approvers,
-                                      reviewers=reviewers)
+                                      reviewers=reviewers, archive=archive)
         return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
                    clock=clock, state=restored.state, generation=restored.generation,
                    blob=restored.blob, approvers=approvers, reviewers=reviewers,
-                   lease_version=lease_version, **options)
+                   lease_version=lease_version, archive=restored.archive, **options)
 
     # -- commits -------------------------------------------------------------------------
 
@@ -201,7 +220,8 @@ class RunEngine:
         acknowledged commit (see :meth:`_send`).
         """
         if self._held:
-            self._send(list(self._held), self.state, self.generation, self.checkpoint)
+            self._send(list(self._held), self.state, self.generation, self.checkpoint,
+                       self._archive)
 
     def _commit(self, new: RunState, *, hold: bool = False) -> None:
         """Validate, sign and commit ``new`` as the next generation, consuming new nonces.
@@ -212,16 +232,26 @@ class RunEngine:
         known = set(self.state.consumed_nonces)
         nonces = tuple(n for n in new.consumed_nonces if n not in known)
         target = self.generation + 1
-        blob = seal_checkpoint(new, self.scenario, self._keyring, generation=target,
-                               max_bytes=self._max_bytes, previous=self.state)
-        commit = Advance(self.generation, blob, nonces)
+        archive = self._archive
+        if archive is None:
+            blob = seal_checkpoint(new, self.scenario, self._keyring, generation=target,
+                                   max_bytes=self._max_bytes, previous=self.state)
+            commit = Advance(self.generation, blob, nonces)
+        else:
+            sealed = seal_split(new, self.scenario, self._keyring, generation=target,
+                                archived=archive, max_bytes=self._max_bytes,
+                                previous=self.state)
+            blob, archive = sealed.blob, sealed.archive
+            commit = Advance(self.generation, blob, nonces, sealed.segment)
         if hold and self._coalesce:
             self._held.append(commit)
             self.state, self.generation, self.checkpoint = new, target, blob
+            self._archive = archive
             return
-        self._send([*self._held, commit], new, target, blob)
+        self._send([*self._held, commit], new, target, blob, archive)
 
-    def _send(self, batch: list[Advance], new: RunState, target: int, blob: bytes) -> None:
+    def _send(self, batch: list[Advance], new: RunState, target: int, blob: bytes,
+              archive: ArchiveRef | None) -> None:
         """Send ``batch`` (held commits, then the one that ends in ``new``) and adopt it.
 
         Timeline of a lost reply (CrashWindow.COMMIT_REPLY_LOST): the store may or may not
@@ -234,8 +264,9 @@ class RunEngine:
         try:
             try:
                 if len(batch) == 1:
-                    self.store.advance(self.key, expected_generation=batch[0].expected_generation,
-                                       blob=batch[0].blob, nonces=batch[0].nonces)
+                    one = batch[0]
+                    self.store.advance(self.key, expected_generation=one.expected_generation,
+                                       blob=one.blob, nonces=one.nonces, segment=one.segment)
                 else:
                     self.store.advance_many(self.key, batch)
             except CommitOutcomeUnknownError:
@@ -244,10 +275,10 @@ class RunEngine:
                 if stored.generation != target or stored.blob != blob:
                     raise
         except BaseException:
-            self.state, self.generation, self.checkpoint = self._durable
+            self.state, self.generation, self.checkpoint, self._archive = self._durable
             raise
-        self.state, self.generation, self.checkpoint = new, target, blob
-        self._durable = (new, target, blob)
+        self.state, self.generation, self.checkpoint, self._archive = new, target, blob, archive
+        self._durable = (new, target, blob, archive)
 
     # -- proposals -----------------------------------------------------------------------
 

@@ -238,7 +238,7 @@ class MemoryGenerationStore:
         return stored
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
         if not self.available:
             raise HighWaterUnavailableError("generation store unavailable", run_id=key.run_id)
         current = self.checkpoints.get(key)
@@ -253,7 +253,10 @@ class MemoryGenerationStore:
                                        run_id=self.nonces[nonce])
         for nonce in nonces:
             self.nonces[nonce] = key.run_id
-        self.checkpoints[key] = StoredCheckpoint(high + 1, bytes(blob))
+        archive = current.archive if current is not None else ()
+        if segment:
+            archive = (*archive, bytes(segment))
+        self.checkpoints[key] = StoredCheckpoint(high + 1, bytes(blob), archive)
         self.commits += 1
         if self.lose_next_reply:
             self.lose_next_reply = False
@@ -263,7 +266,7 @@ class MemoryGenerationStore:
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         for commit in commits:
             self.advance(key, expected_generation=commit.expected_generation,
-                         blob=commit.blob, nonces=commit.nonces)
+                         blob=commit.blob, nonces=commit.nonces, segment=commit.segment)
 
     def roll_back_to(self, key: RunKey, stored: StoredCheckpoint) -> None:
         """Simulate a restored backup (tests): the high-water mark moves back."""
@@ -300,10 +303,10 @@ class LeasedMemoryStore:
         self.store.leases[run_id] = self.lease_version
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
         self.claim(key.run_id)
         self.store.advance(key, expected_generation=expected_generation, blob=blob,
-                           nonces=nonces)
+                           nonces=nonces, segment=segment)
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         self.claim(key.run_id)

@@ -172,8 +172,12 @@ class RunKey:
 
 @dataclass(frozen=True, slots=True)
 class StoredCheckpoint:
+    """The checkpoint at the high-water mark, and the run's archive segments (oldest
+    first; empty for a checkpoint that carries its whole trace)."""
+
     generation: int
     blob: bytes
+    archive: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +187,7 @@ class Advance:
     expected_generation: int
     blob: bytes
     nonces: tuple[str, ...] = ()
+    segment: bytes = b""  # appended to the run's archive with the commit (b"": nothing)
 
 
 @runtime_checkable
@@ -199,8 +204,9 @@ class GenerationStore(Protocol):
         """The checkpoint at the high-water mark. Raises HighWaterUnavailableError."""
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
-        """Store ``blob`` as generation ``expected_generation + 1`` and consume ``nonces``.
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+        """Store ``blob`` as generation ``expected_generation + 1``, consume ``nonces`` and
+        append ``segment`` (when not empty) to the run's archive, all in one atomic step.
 
         ``expected_generation == 0`` creates the run. Raises GenerationMismatchError,
         NonceReplayError, CommitOutcomeUnknownError (re-read before acting), and lease
@@ -275,9 +281,9 @@ class StoreProxy:
         return self._inner.load(key)
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
         self._inner.advance(key, expected_generation=expected_generation, blob=blob,
-                            nonces=nonces)
+                            nonces=nonces, segment=segment)
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         self._inner.advance_many(key, commits)

@@ -128,7 +128,7 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
                                 expectations={"unit": scenario.verifier.expected_files})
     store = MemoryGenerationStore()
     ports: dict[str, Any] = {"scenario": scenario, "keyring": keyring, "adapter": workspace,
-                             "store": store, "clock": clock}
+                             "store": store, "clock": clock, "archive_trace": True}
 
     crashed: list[CrashWindow] = []
 
@@ -150,8 +150,8 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
 
     # Owner 2 (lease version 2): restore the checkpoint at the high-water mark (which
     # raises the fence), then reconcile the pending write from the adapter's receipt.
-    blob = store.load(run_key(first.state)).blob
-    second = RunEngine.resume(blob, lease_version=2, **ports)
+    stored = store.load(run_key(first.state))
+    second = RunEngine.resume(stored.blob, archive=stored.archive, lease_version=2, **ports)
     reconciled = second.reconcile()
 
     # The old owner wakes up and retries its write: the fence refuses it.
@@ -165,7 +165,8 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
     clock.advance(1)
     second.propose(_action(second, clock, "finish", {"summary": "greeting fixed"}))
     # The final checkpoint restores under every check, as a third owner would see it.
-    final = RunEngine.resume(store.load(second.key).blob, lease_version=3, **ports)
+    stored = store.load(second.key)
+    final = RunEngine.resume(stored.blob, archive=stored.archive, lease_version=3, **ports)
 
     state = final.state
     report = DemoReport(

@@ -156,8 +156,8 @@ class GuardedStore(StoreProxy):
         self._tripwires = tripwires
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
-        self.advance_many(key, [Advance(expected_generation, blob, tuple(nonces))])
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+        self.advance_many(key, [Advance(expected_generation, blob, tuple(nonces), segment)])
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         self._heartbeat.check()
@@ -172,7 +172,7 @@ class GuardedStore(StoreProxy):
         if len(commits) == 1:
             c = commits[0]
             self._inner.advance(key, expected_generation=c.expected_generation, blob=c.blob,
-                                nonces=c.nonces)
+                                nonces=c.nonces, segment=c.segment)
         else:
             self._inner.advance_many(key, commits)
 

@@ -211,8 +211,8 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                 adapter=GuardedAdapter(ObservedAdapter(adapter), heartbeat, wires),
                 store=GuardedStore(ObservedStore(lease, run_id), heartbeat, wires),
                 clock=SystemClock(), approvers=fleet.approvers, reviewers=fleet.reviewers,
-                lease_version=lease.lease_version, probe=probe,
-                coalesce=settings.coalesce_commits)
+                lease_version=lease.lease_version, probe=probe, archive=snap.archive,
+                coalesce=settings.coalesce_commits, archive_trace=settings.archive_trace)
         except IntegrityError as exc:
             if isinstance(exc.__context__, HighWaterUnavailableError) and (
                     exc.__context__.context.get("cause") == "StoreUnavailableError"):

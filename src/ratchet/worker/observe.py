@@ -50,11 +50,11 @@ class ObservedStore(StoreProxy):
         self._run_id = run_id
 
     def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = ()) -> None:
+                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
         """Raises what the inner store raises."""
         with metrics.observe_commit():
             self._inner.advance(key, expected_generation=expected_generation, blob=blob,
-                                nonces=nonces)
+                                nonces=nonces, segment=segment)
         logs.set_generation(self._run_id, expected_generation + 1)
         log.debug("committed", extra={"run_id": self._run_id})
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
-from pydantic import ValidationError
 
 from ratchet.errors import ConfigurationError, ContractError, IntegrityError
 from ratchet.leasing import RunSnapshot
@@ -36,8 +35,7 @@ from ratchet.runtime import (
     sign_review_decision,
 )
 from ratchet.runtime.canonical import model_json
-from ratchet.runtime.checkpoint import CheckpointPayload
-from ratchet.runtime.signing import open_envelope
+from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.worker.context import Fleet
 from ratchet.worker.job import SystemClock
 from ratchet.worker.runs import RunDocument, build_adapter
@@ -81,12 +79,7 @@ def inspect_run(fleet: Fleet, run_id: str) -> RunView:
     if snap.checkpoint is None or snap.scenario is None:
         raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
     document = RunDocument.from_bytes(snap.scenario)
-    body = open_envelope(fleet.keyring, snap.checkpoint)
-    try:
-        payload = CheckpointPayload.model_validate_json(body)
-    except ValidationError:
-        raise IntegrityError("the checkpoint payload fails its schema", run_id=run_id) \
-            from None
+    payload = open_checkpoint(snap.checkpoint, keyring=fleet.keyring, archive=snap.archive)
     if payload.scenario_fingerprint != document.scenario.fingerprint:
         raise IntegrityError("the checkpoint was made under another scenario", run_id=run_id)
     if payload.generation != snap.generation:

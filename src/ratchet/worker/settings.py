@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     # Checkpoints are stored as zstd frames (the signature covers the envelope inside);
     # reads accept both forms, so this can change at any time.
     compress_checkpoints: bool = True
+    # Trace events and receipts go to the run's signed, hash-chained archive beside the
+    # checkpoint, so a commit's size and cost do not grow with the run. Runs that already
+    # have an archive keep it whatever this says.
+    archive_trace: bool = True
     checkpoint_key: SecretStr | None = Field(
         default=None, description="hex key (>= 32 bytes) used as key id 'env'")
     checkpoint_keys_file: Path | None = Field(

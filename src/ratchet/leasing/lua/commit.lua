@@ -7,6 +7,7 @@
 -- KEYS[4]  history list        ratchet:{<run>}:history
 -- KEYS[5]  commit ids hash     ratchet:{<run>}:commits
 -- KEYS[6]  consumed nonces set ratchet:{<run>}:nonces
+-- KEYS[7]  archive list        ratchet:{<run>}:archive
 --
 -- ARGV[1]  owner id (text)
 -- ARGV[2]  lease version the caller holds (integer)
@@ -16,7 +17,8 @@
 -- ARGV[6]  commit id (text, no '|')
 -- ARGV[7]  checkpoint digest (lowercase hex text, computed by the caller)
 -- ARGV[8]  history limit (integer entries, >= 1)
--- ARGV[9..] nonces to consume (text), zero or more
+-- ARGV[9]  archive segment to append (bytes, opaque; empty: nothing to append)
+-- ARGV[10..] nonces to consume (text), zero or more
 --
 -- Replies:
 --   {"committed", generation, state_version, lease_expires_at_ms, now_ms}
@@ -37,10 +39,12 @@
 --      expired by Redis server time (TIME);
 --   4. the checkpoint's generation is exactly high-water + 1;
 --   5. the expected state version is the current one;
---   6. no nonce in ARGV[9..] is already in this run's consumed-nonce set.
--- Then: store the checkpoint, advance generation and state version together, add the
--- nonces to the run's set, push a history entry and remember the commit id; the history
--- and the commit-id hash are trimmed together to ARGV[8] entries.
+--   6. no nonce in ARGV[10..] is already in this run's consumed-nonce set.
+-- Then: store the checkpoint, append the archive segment (the checkpoint signs the chain
+-- over every segment, so they move together), advance generation and state version
+-- together, add the nonces to the run's set, push a history entry and remember the commit
+-- id; the history and the commit-id hash are trimmed together to ARGV[8] entries. The
+-- archive is never trimmed: it is the run's evidence.
 --
 -- Nonces: this script consumes them for this run only (the per-run set lives in this
 -- run's slot). The global record that stops a nonce from being used by a second run is a
@@ -84,7 +88,7 @@ end
 if tonumber(ARGV[3]) ~= state_version then
   return {'stale_state', generation, state_version}
 end
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   if redis.call('SISMEMBER', KEYS[6], ARGV[i]) == 1 then
     return {'nonce_replayed', ARGV[i]}
   end
@@ -93,9 +97,12 @@ end
 generation = generation + 1
 state_version = state_version + 1
 redis.call('SET', KEYS[3], ARGV[5])
+if ARGV[9] ~= '' then
+  redis.call('RPUSH', KEYS[7], ARGV[9])
+end
 redis.call('HSET', KEYS[2], 'generation', generation, 'state_version', state_version,
   'updated_at_ms', now_ms, 'last_commit_id', ARGV[6])
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   redis.call('SADD', KEYS[6], ARGV[i])
 end
 -- history entry: generation|state_version|lease_version|owner|commit_id|digest|at_ms

@@ -9,6 +9,7 @@
 -- KEYS[4]  history list      ratchet:{<run>}:history
 -- KEYS[5]  commit ids hash   ratchet:{<run>}:commits
 -- KEYS[6]  lease hash        ratchet:{<run>}:lease
+-- KEYS[7]  archive list      ratchet:{<run>}:archive
 --
 -- ARGV[1]  task id (text, no '|')
 -- ARGV[2]  environment instance id (text, no '|')
@@ -16,6 +17,7 @@
 -- ARGV[4]  checkpoint for generation 1 (bytes, signed by the caller, opaque to the script)
 -- ARGV[5]  commit id (text, no '|'), recognised on a retry after a lost reply
 -- ARGV[6]  checkpoint digest (lowercase hex text, computed by the caller)
+-- ARGV[7]  first archive segment (bytes, opaque; empty: the checkpoint names no archive)
 --
 -- Replies:
 --   {"created", generation, state_version, now_ms}
@@ -48,7 +50,10 @@ redis.call('HSET', KEYS[1],
 redis.call('SET', KEYS[2], ARGV[3])
 redis.call('SET', KEYS[3], ARGV[4])
 redis.call('HSET', KEYS[6], 'owner', '', 'lease_version', 0, 'expires_at_ms', 0)
-redis.call('DEL', KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[4], KEYS[5], KEYS[7])
+if ARGV[7] ~= '' then
+  redis.call('RPUSH', KEYS[7], ARGV[7])
+end
 -- history entry: generation|state_version|lease_version|owner|commit_id|digest|at_ms
 redis.call('LPUSH', KEYS[4], '1|1|0||' .. ARGV[5] .. '|' .. ARGV[6] .. '|' .. now_ms)
 redis.call('HSET', KEYS[5], ARGV[5], '1|' .. ARGV[6])

@@ -6,15 +6,18 @@
 -- KEYS[2]  lease hash         ratchet:{<run>}:lease
 -- KEYS[3]  checkpoint string  ratchet:{<run>}:ckpt
 -- KEYS[4]  scenario string    ratchet:{<run>}:scenario
+-- KEYS[5]  archive list       ratchet:{<run>}:archive
 --
--- ARGV[1]  "1" to include the checkpoint, "0" not to
+-- ARGV[1]  "1" to include the checkpoint and the archive, "0" not to
 -- ARGV[2]  "1" to include the scenario, "0" not to
 --
 -- Replies:
 --   {"run", task_id, env_instance_id, generation, state_version, created_at_ms,
---    owner, lease_version, expires_at_ms, now_ms, checkpoint_or_0, scenario_or_0}
+--    owner, lease_version, expires_at_ms, now_ms, checkpoint_or_0, scenario_or_0,
+--    archive_or_0}
 --     owner is "" when the lease is free; checkpoint_or_0 / scenario_or_0 are the bytes
---     when requested and the integer 0 when not
+--     when requested and the integer 0 when not; archive_or_0 is the list of archive
+--     segments, oldest first, with the checkpoint (in the same step) and 0 without it
 --   {"no_run"}
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
@@ -29,8 +32,10 @@ local st = redis.call('HMGET', KEYS[1], 'task_id', 'env_instance_id', 'generatio
   'state_version', 'created_at_ms')
 local lease = redis.call('HMGET', KEYS[2], 'owner', 'lease_version', 'expires_at_ms')
 local ckpt = 0
+local archive = 0
 if ARGV[1] == '1' then
   ckpt = redis.call('GET', KEYS[3])
+  archive = redis.call('LRANGE', KEYS[5], 0, -1)
 end
 local scenario = 0
 if ARGV[2] == '1' then
@@ -38,4 +43,4 @@ if ARGV[2] == '1' then
 end
 return {'run', st[1], st[2], tonumber(st[3]), tonumber(st[4]), tonumber(st[5]),
   lease[1] or '', tonumber(lease[2] or '0'), tonumber(lease[3] or '0'), now_ms,
-  ckpt, scenario}
+  ckpt, scenario, archive}

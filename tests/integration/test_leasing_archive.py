@@ -1,0 +1,131 @@
+"""The run's archive in Redis: segments are appended by the same script that stores the
+checkpoint, never twice and never by a stale lease; read_run returns them with the
+checkpoint in one step (real server, fakeredis[lua] and the env server)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ratchet.errors import LeaseLostError
+from ratchet.leasing import RedisStore, run_keys
+from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario
+from ratchet.runtime.memory import MemoryWorkspace
+from ratchet.runtime.ports import Advance, RunKey
+from tests.unit.world import RIGHT_GREETING, scenario_data
+
+MakeRun = Callable[..., RunKey]
+Expire = Callable[[RedisStore, str], None]
+
+
+def _archive(store: RedisStore, run_id: str) -> list[bytes]:
+    return list(store.client.lrange(run_keys(run_id).archive, 0, -1))
+
+
+def test_segments_are_appended_with_their_commits_and_read_back_in_order(
+        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    run_id = new_run_id()
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
+                     checkpoint=b"g1", archive_segment=b"s1")
+    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    key = RunKey("t", run_id, "e")
+    run.advance(key, expected_generation=1, blob=b"g2", segment=b"s2")
+    run.advance(key, expected_generation=2, blob=b"g3")  # nothing new to archive
+    run.advance_many(key, [Advance(3, b"g4", segment=b"s4"), Advance(4, b"g5"),
+                           Advance(5, b"g6", segment=b"s6")])
+    snap = store.read_run(run_id, with_checkpoint=True)
+    assert (snap.generation, snap.checkpoint) == (6, b"g6")
+    assert snap.archive == (b"s1", b"s2", b"s4", b"s6")
+    assert store.read_run(run_id).archive == ()  # only with the checkpoint
+    stored = run.load(key)
+    assert (stored.blob, stored.archive) == (b"g6", (b"s1", b"s2", b"s4", b"s6"))
+
+
+def test_a_retried_commit_appends_its_segment_once(
+        store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    dropped: list[str] = []
+
+    def drop_first(run_id: str, commit_id: str) -> bool:
+        if not dropped:
+            dropped.append(commit_id)
+            return True
+        return False
+
+    store.reply_hook = drop_first
+    run.advance_many(key, [Advance(1, b"g2", segment=b"a"), Advance(2, b"g3", segment=b"b")])
+    store.reply_hook = None
+    assert dropped and _archive(store, key.run_id) == [b"a", b"b"]
+
+
+def test_a_stale_lease_appends_nothing(store: RedisStore, make_run: MakeRun,
+                                       expire: Expire) -> None:
+    key = make_run()
+    old = store.acquire(key.run_id, owner="w1", ttl_ms=150)
+    assert old is not None
+    expire(store, key.run_id)
+    assert store.acquire(key.run_id, owner="w2", ttl_ms=60_000) is not None
+    for attempt in (lambda: old.advance(key, expected_generation=1, blob=b"x", segment=b"z"),
+                    lambda: old.advance_many(key, [Advance(1, b"x", segment=b"z")])):
+        try:
+            attempt()
+        except LeaseLostError:
+            pass
+        else:
+            raise AssertionError("a stale lease committed")
+    assert _archive(store, key.run_id) == []
+
+
+def test_an_archived_engine_runs_and_restores_on_redis(
+        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    scenario = Scenario.model_validate(scenario_data(approval_required=[]))
+    keyring = KeyRing.from_secrets({"k": b"archive-on-redis-key-0123456789abcdef"},
+                                   signing_kid="k")
+
+    class Clock:
+        def now(self) -> int:
+            return int(time.time())
+
+    adapter = MemoryWorkspace("ws-redis", scenario.initial_files, clock=Clock(),
+                              expectations={"unit": scenario.verifier.expected_files})
+    run_id = new_run_id()
+    RunEngine.start(run_id, scenario=scenario, keyring=keyring, adapter=adapter,
+                    store=store.creator(b"scenario"), clock=Clock(), archive_trace=True)
+
+    def resume(owner: str) -> RunEngine:
+        lease = store.acquire(run_id, owner=owner, ttl_ms=60_000)
+        assert lease is not None
+        snap = store.read_run(run_id, with_checkpoint=True)
+        assert snap.checkpoint is not None
+        return RunEngine.resume(snap.checkpoint, archive=snap.archive, scenario=scenario,
+                                keyring=keyring, adapter=adapter, store=lease, clock=Clock(),
+                                lease_version=lease.lease_version, coalesce=True)
+
+    def action(engine: RunEngine, kind: str, args: dict[str, str],
+               key: str | None = None) -> dict[str, object]:
+        risk = {"write_file": "reversible_write", "run_verifier": "verification",
+                "finish": "control"}[kind]
+        return {"action_id": f"a-{engine.state.next_seq}", "kind": kind, "risk": risk,
+                "args": args, "idempotency_key": key,
+                "expected_env_version": engine.state.environment.version,
+                "deadline_at": int(time.time()) + 600}
+
+    first = resume("w1")
+    for n in range(3):
+        first.propose(action(first, "write_file", {"path": "app.py",
+                                                   "content": f"print({n})\n"}, f"k{n}"))
+    first.propose(action(first, "write_file", {"path": "app.py", "content": RIGHT_GREETING},
+                         "fix"))
+    first.flush()
+    before = first.state
+    store.release(first.store.lease)  # type: ignore[attr-defined]
+    second = resume("w2")
+    assert second.state == before
+    second.propose(action(second, "run_verifier", {"target": "unit"}))
+    second.propose(action(second, "finish", {"summary": "done"}))
+    assert second.state.phase.value == "completed"
+    assert len(store.read_run(run_id, with_checkpoint=True).archive) == second.generation
+    assert isinstance(second.state.environment, Observation)
