@@ -141,3 +141,18 @@ def real_redis_url(request: pytest.FixtureRequest) -> str:
         return ENV_URL
     server: RedisServer = request.getfixturevalue("shared_redis_server")
     return server.url
+
+
+def lose_first_reply(store: RedisStore) -> list[str]:
+    """Make the store throw away the replies of its next commit call (once), as a dropped
+    connection would; returns the commit ids whose reply was lost."""
+    dropped: list[str] = []
+
+    def hook(run_id: str, commit_id: str) -> bool:
+        if not dropped:
+            dropped.append(commit_id)
+            return True
+        return False
+
+    store.reply_hook = hook
+    return dropped

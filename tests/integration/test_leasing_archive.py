@@ -12,6 +12,7 @@ from ratchet.leasing import RedisStore, run_keys
 from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario
 from ratchet.runtime.memory import MemoryWorkspace
 from ratchet.runtime.ports import Advance, RunKey
+from tests.integration.conftest import lose_first_reply
 from tests.unit.world import RIGHT_GREETING, scenario_data
 
 MakeRun = Callable[..., RunKey]
@@ -47,15 +48,7 @@ def test_a_retried_commit_appends_its_segment_once(
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    dropped: list[str] = []
-
-    def drop_first(run_id: str, commit_id: str) -> bool:
-        if not dropped:
-            dropped.append(commit_id)
-            return True
-        return False
-
-    store.reply_hook = drop_first
+    dropped = lose_first_reply(store)
     run.advance_many(key, [Advance(1, b"g2", segment=b"a"), Advance(2, b"g3", segment=b"b")])
     store.reply_hook = None
     assert dropped and _archive(store, key.run_id) == [b"a", b"b"]

@@ -18,6 +18,7 @@ from ratchet.errors import (
 )
 from ratchet.leasing import RedisStore, run_keys
 from ratchet.runtime.ports import Advance, RunKey
+from tests.integration.conftest import lose_first_reply
 
 MakeRun = Callable[..., RunKey]
 Expire = Callable[[RedisStore, str], None]
@@ -94,15 +95,7 @@ def test_a_lost_batch_reply_is_resent_and_reported_applied_once(
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    dropped: list[str] = []
-
-    def drop_first_reply(run_id: str, commit_id: str) -> bool:
-        if not dropped:
-            dropped.append(commit_id)
-            return True
-        return False
-
-    store.reply_hook = drop_first_reply
+    dropped = lose_first_reply(store)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
     assert dropped  # the first send's replies were thrown away
     history = _history(store, key.run_id)

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -157,30 +158,55 @@ def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
         InvariantViolation: the state is not valid; nothing may be committed.
         CheckpointTooLargeError: the envelope would exceed ``max_bytes``.
     """
-    try:
+    with _serialising():
         check_invariants(state, scenario, previous=previous)
         dumped = _dump(state, previous)
         # Every field but the agent's free-form JSON is typed without floats, and the schema
         # check below refuses a float in any of them; only agent_state needs the float walk
         # (the encoder would turn a NaN there into null instead of refusing it).
         canonical_json(dumped.get("agent_state"))
-        data = {
-            "schema_version": CHECKPOINT_SCHEMA_VERSION,
-            "generation": generation,
-            "scenario_fingerprint": scenario.fingerprint,
-            "state": dumped,
-        }
+        data = _payload(generation, scenario, dumped)
         body = orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
+    with _schema_checked():
+        CheckpointPayload.model_validate_json(_schema_probe(data, state, previous, body))
+    return _sign(keyring, body, max_bytes)
+
+
+def _payload(generation: int, scenario: Scenario, state: dict[str, Any],
+             archive: ArchiveRef | None = None) -> dict[str, Any]:
+    data = {
+        "schema_version": CHECKPOINT_SCHEMA_VERSION,
+        "generation": generation,
+        "scenario_fingerprint": scenario.fingerprint,
+        "state": state,
+    }
+    if archive is not None:
+        data["archive"] = {"chain": archive.chain, "executed": archive.executed,
+                           "segments": archive.segments, "trace": archive.trace}
+    return data
+
+
+@contextmanager
+def _serialising() -> Iterator[None]:
+    try:
+        yield
     except (TypeError, ValueError, AttributeError, PydanticSerializationError,
             ContractError) as exc:
         raise InvariantViolation(f"run state cannot be serialised: {type(exc).__name__}",
                                  field="state") from None
+
+
+@contextmanager
+def _schema_checked() -> Iterator[None]:
     try:
-        CheckpointPayload.model_validate_json(_schema_probe(data, state, previous, body))
+        yield
     except ValidationError as exc:
         first = exc.errors()[0]
         raise InvariantViolation(f"run state fails its schema at {first['loc']}: "
                                  f"{first['msg']}", field=str(first["loc"])) from None
+
+
+def _sign(keyring: KeyRing, body: bytes, max_bytes: int) -> bytes:
     blob = seal_envelope(keyring, body)
     if len(blob) > max_bytes:
         raise CheckpointTooLargeError("checkpoint exceeds the size cap", size=len(blob),
@@ -210,7 +236,7 @@ def seal_split(state: RunState, scenario: Scenario, keyring: KeyRing, *, generat
                                  field="archive")
     new_trace = state.trace[archived.trace:]
     new_executed = state.executed[archived.executed:]
-    try:
+    with _serialising():
         check_invariants(state, scenario, previous=previous)
         head = state.model_dump(mode="json", warnings=False, exclude={"trace", "executed"})
         head["trace"], head["executed"] = [], []
@@ -226,31 +252,13 @@ def seal_split(state: RunState, scenario: Scenario, keyring: KeyRing, *, generat
                              executed=archived.executed + len(new_executed),
                              segments=archived.segments + 1,
                              chain=_chain(archived.chain, segment))
-        data = {
-            "archive": ref.model_dump(mode="json"),
-            "generation": generation,
-            "schema_version": CHECKPOINT_SCHEMA_VERSION,
-            "scenario_fingerprint": scenario.fingerprint,
-            "state": head,
-        }
-        body = orjson.dumps(data, option=orjson.OPT_SORT_KEYS)
-    except (TypeError, ValueError, AttributeError, PydanticSerializationError,
-            ContractError) as exc:
-        raise InvariantViolation(f"run state cannot be serialised: {type(exc).__name__}",
-                                 field="state") from None
-    try:
+        body = orjson.dumps(_payload(generation, scenario, head, ref),
+                            option=orjson.OPT_SORT_KEYS)
+    with _schema_checked():
         CheckpointPayload.model_validate_json(body)
         if segment:
             ArchiveSegment.model_validate_json(segment)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise InvariantViolation(f"run state fails its schema at {first['loc']}: "
-                                 f"{first['msg']}", field=str(first["loc"])) from None
-    blob = seal_envelope(keyring, body)
-    if len(blob) > max_bytes:
-        raise CheckpointTooLargeError("checkpoint exceeds the size cap", size=len(blob),
-                                      max_bytes=max_bytes, reason="too_large")
-    return Sealed(blob, segment, ref)
+    return Sealed(_sign(keyring, body, max_bytes), segment, ref)
 
 
 # The JSON dumps of the trace and executed entries of recently sealed states, by the
