@@ -71,3 +71,29 @@ def test_derived_keys_are_fixed_by_run_and_position() -> None:
     assert derive_idempotency_key("r", 3) != derive_idempotency_key("r", 4)
     assert derive_idempotency_key("r", 3) != derive_idempotency_key("r", 3, salt="replan-1")
     parse_action(raw(idempotency_key=derive_idempotency_key("r", 3)))
+
+
+def test_a_copy_with_other_arguments_never_inherits_the_cached_intent_digest() -> None:
+    action = parse_action({
+        "action_id": "a-1", "kind": "write_file", "risk": "reversible_write",
+        "args": {"path": "app.py", "content": "one"}, "idempotency_key": "k-1",
+        "expected_env_version": 0, "deadline_at": 10})
+    first = action.intent_digest  # cached on the instance from now on
+    changed = action.model_copy(update={"args": {"path": "app.py", "content": "two"}})
+    assert changed.intent_digest != first
+    assert changed.intent_digest == parse_action({**action.model_dump(mode="json"),
+                                                  "args": changed.args}).intent_digest
+    same = action.model_copy(update={"expected_env_version": 3})  # not part of the intent
+    assert same.intent_digest == first
+
+
+def test_a_changed_receipt_copy_never_inherits_the_cached_fingerprint() -> None:
+    from ratchet.runtime import Receipt
+
+    receipt = Receipt(namespace="ws", receipt_version=1, receipt_id="r-1",
+                      idempotency_key="k-1", intent_digest="0" * 64, result={"n": 1},
+                      committed_at=5, env_version_after=2)
+    first = receipt.fingerprint
+    changed = receipt.model_copy(update={"result": {"n": 2}})
+    assert changed.fingerprint != first
+    assert changed.fingerprint == Receipt.model_validate(changed.model_dump()).fingerprint

@@ -10,6 +10,7 @@ different intent" is detectable).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
@@ -128,8 +129,16 @@ class Action(Frozen):
 
     @cached_property
     def intent_digest(self) -> str:
-        """Computed once per (frozen) action."""
+        """Computed once per (frozen) action; a copy computes its own (see model_copy)."""
         return intent_digest(self)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> Action:
+        """pydantic copies the instance dict, cached digest included; a copy with other
+        arguments must not inherit it, so every copy computes its own."""
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("intent_digest", None)
+        return copied
 
 
 def intent_digest(action: Action) -> str:

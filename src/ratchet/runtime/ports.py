@@ -15,9 +15,10 @@ unit tests; the Redis store and the real adapters live in other layers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Protocol, runtime_checkable
+from functools import cached_property
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 from pydantic import Field, Strict
 
@@ -102,10 +103,19 @@ class Receipt(Frozen):
     env_version_after: NonNegInt
     approval_digest: Digest | None = None
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
-        """Digest over every field: two receipts with equal fingerprints are the same."""
+        """Digest over every field: two receipts with equal fingerprints are the same.
+        Computed once per (frozen) receipt; a copy computes its own (see model_copy)."""
         return model_digest(Domain.RECEIPT, self)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None,
+                   deep: bool = False) -> Receipt:
+        """pydantic copies the instance dict, cached fingerprint included; a changed copy
+        must not inherit it, so every copy computes its own."""
+        copied = super().model_copy(update=update, deep=deep)
+        copied.__dict__.pop("fingerprint", None)
+        return copied
 
 
 class ReadResult(Frozen):
