@@ -51,6 +51,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 import redis
+from redis.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from ratchet.errors import (
@@ -134,6 +135,10 @@ class RedisStore:
             raise ConfigurationError("nonce_ttl_s must be a positive integer or None")
         self._client = client
         self._runner = ScriptRunner(client)
+        # On a single Redis the lease and create scripts update the cross-run indexes
+        # themselves (one round trip, one fsync); in Redis Cluster those live in other
+        # slots, so they are separate calls after the script.
+        self._inline_indexes = not isinstance(client, RedisCluster)
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.max_scenario_bytes = max_scenario_bytes
         self.history_limit = history_limit
@@ -213,16 +218,19 @@ class RedisStore:
             self._check_blob(archive_segment, run_id, "archive_segment",
                              self.max_checkpoint_bytes)
         digest = hashlib.sha256(checkpoint).hexdigest()
+        inline = self._inline_indexes
         reply = self._run(
             ScriptName.CREATE_RUN, run_id,
             [keys.state, keys.scenario, keys.ckpt, keys.history, keys.commits, keys.lease,
-             keys.archive],
+             keys.archive, *([RUNS_INDEX] if inline else [])],
             [task_id, env_instance_id, scenario,
              encode_checkpoint(checkpoint, compress=self.compress_checkpoints), commit_id,
-             digest, archive_segment])
+             digest, archive_segment, *([run_id] if inline else [])])
         created = decode_create(reply, run_id)
-        self._call("runs index", run_id, lambda: self._client.zadd(
-            RUNS_INDEX, {run_id: created.created_at_ms}, nx=True))
+        if not inline or created.already_applied:
+            # A retry that finds the run created must still see it indexed.
+            self._call("runs index", run_id, lambda: self._client.zadd(
+                RUNS_INDEX, {run_id: created.created_at_ms}, nx=True))
         return created
 
     def read_run(self, run_id: str, *, with_checkpoint: bool = False,
@@ -258,14 +266,17 @@ class RedisStore:
         check_id(owner, "owner")
         if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
             raise ContractError("ttl_ms must be a positive integer", field="ttl_ms")
-        reply = self._run(ScriptName.ACQUIRE_LEASE, run_id, [keys.lease, keys.state],
-                          [owner, ttl_ms])
+        inline = self._inline_indexes
+        reply = self._run(ScriptName.ACQUIRE_LEASE, run_id,
+                          [keys.lease, keys.state, *([EXPIRY_INDEX] if inline else [])],
+                          [owner, ttl_ms, *([run_id] if inline else [])])
         outcome = decode_acquire(reply, run_id, owner)
         if isinstance(outcome, LeaseHolder):
             return outcome
         lease = outcome.lease
-        self._call("expiry index", run_id,
-                   lambda: self._client.zadd(EXPIRY_INDEX, {run_id: lease.expires_at_ms}))
+        if not inline:
+            self._call("expiry index", run_id, lambda: self._client.zadd(
+                EXPIRY_INDEX, {run_id: lease.expires_at_ms}))
         return LeasedRun(self, outcome, ttl_ms=ttl_ms)
 
     def acquire(self, run_id: str, *, owner: str, ttl_ms: int) -> LeasedRun | None:
@@ -295,11 +306,15 @@ class RedisStore:
         keys = run_keys(lease.run_id)
         if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
             raise ContractError("ttl_ms must be a positive integer", field="ttl_ms")
-        reply = self._run(ScriptName.RENEW_LEASE, lease.run_id, [keys.lease],
-                          [lease.owner, lease.lease_version, ttl_ms])
+        inline = self._inline_indexes
+        reply = self._run(ScriptName.RENEW_LEASE, lease.run_id,
+                          [keys.lease, *([EXPIRY_INDEX] if inline else [])],
+                          [lease.owner, lease.lease_version, ttl_ms,
+                           *([lease.run_id] if inline else [])])
         renewed = decode_renew(reply, lease)
-        self._call("expiry index", lease.run_id, lambda: self._client.zadd(
-            EXPIRY_INDEX, {lease.run_id: renewed.expires_at_ms}))
+        if not inline:
+            self._call("expiry index", lease.run_id, lambda: self._client.zadd(
+                EXPIRY_INDEX, {lease.run_id: renewed.expires_at_ms}))
         return renewed
 
     def release(self, lease: Lease, *, reap: bool = False) -> Released:
@@ -311,13 +326,16 @@ class RedisStore:
         StoreUnavailableError, StoreProtocolError.
         """
         keys = run_keys(lease.run_id)
-        reply = self._run(ScriptName.RELEASE_LEASE, lease.run_id, [keys.lease],
-                          [lease.owner, lease.lease_version])
+        inline = self._inline_indexes
+        reply = self._run(ScriptName.RELEASE_LEASE, lease.run_id,
+                          [keys.lease, *([EXPIRY_INDEX] if inline else [])],
+                          [lease.owner, lease.lease_version,
+                           *([lease.run_id, "reap" if reap else "drop"] if inline else [])])
         released = decode_release(reply, lease)
-        if reap:
+        if not inline and reap:
             self._call("expiry index", lease.run_id, lambda: self._client.zadd(
                 EXPIRY_INDEX, {lease.run_id: released.now_ms}))
-        else:
+        elif not inline:
             self._call("expiry index", lease.run_id,
                        lambda: self._client.zrem(EXPIRY_INDEX, lease.run_id))
         return released

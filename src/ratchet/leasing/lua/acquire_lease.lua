@@ -7,9 +7,13 @@
 --
 -- KEYS[1]  lease hash      ratchet:{<run>}:lease
 -- KEYS[2]  run state hash  ratchet:{<run>}:state
+-- KEYS[3]  optional: the expiry index ratchet:index:expiry (zset). Given only on a single
+--          Redis: in Redis Cluster it lives in another slot and the caller updates it in
+--          a call of its own.
 --
 -- ARGV[1]  owner id (text, non-empty, no '|')
 -- ARGV[2]  ttl (integer milliseconds, > 0)
+-- ARGV[3]  with KEYS[3]: the run id (text), scored by the new expiry once acquired
 --
 -- Replies:
 --   {"acquired", lease_version, expires_at_ms, now_ms, generation, state_version,
@@ -38,6 +42,9 @@ version = version + 1
 expires = now_ms + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_version', version,
   'expires_at_ms', expires, 'acquired_at_ms', now_ms)
+if #KEYS >= 3 then
+  redis.call('ZADD', KEYS[3], expires, ARGV[3])
+end
 local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version', 'task_id',
   'env_instance_id')
 return {'acquired', version, expires, now_ms, tonumber(st[1]), tonumber(st[2]), st[3], st[4]}

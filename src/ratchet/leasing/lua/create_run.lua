@@ -10,6 +10,8 @@
 -- KEYS[5]  commit ids hash   ratchet:{<run>}:commits
 -- KEYS[6]  lease hash        ratchet:{<run>}:lease
 -- KEYS[7]  archive list      ratchet:{<run>}:archive
+-- KEYS[8]  optional: the runs index ratchet:index:runs (zset), on a single Redis only
+--          (in Redis Cluster it lives in another slot; the caller adds the run itself)
 --
 -- ARGV[1]  task id (text, no '|')
 -- ARGV[2]  environment instance id (text, no '|')
@@ -18,6 +20,7 @@
 -- ARGV[5]  commit id (text, no '|'), recognised on a retry after a lost reply
 -- ARGV[6]  checkpoint digest (lowercase hex text, computed by the caller)
 -- ARGV[7]  first archive segment (bytes, opaque; empty: the checkpoint names no archive)
+-- ARGV[8]  with KEYS[8]: the run id (text), added scored by its creation time
 --
 -- Replies:
 --   {"created", generation, state_version, now_ms}
@@ -57,4 +60,7 @@ end
 -- history entry: generation|state_version|lease_version|owner|commit_id|digest|at_ms
 redis.call('LPUSH', KEYS[4], '1|1|0||' .. ARGV[5] .. '|' .. ARGV[6] .. '|' .. now_ms)
 redis.call('HSET', KEYS[5], ARGV[5], '1|' .. ARGV[6])
+if #KEYS >= 8 then
+  redis.call('ZADD', KEYS[8], 'NX', now_ms, ARGV[8])
+end
 return {'created', 1, 1, now_ms}

@@ -5,9 +5,14 @@
 -- allowed while nobody has taken the lease over (it changes nothing but the owner field).
 --
 -- KEYS[1]  lease hash  ratchet:{<run>}:lease
+-- KEYS[2]  optional: the expiry index ratchet:index:expiry (zset), on a single Redis only
+--          (see acquire_lease)
 --
 -- ARGV[1]  owner id (text)
 -- ARGV[2]  lease version the caller holds (integer)
+-- ARGV[3]  with KEYS[2]: the run id (text)
+-- ARGV[4]  with KEYS[2]: "reap" keeps the run in the index scored now (another worker
+--          picks it up at once), "drop" takes it off the index
 --
 -- Replies:
 --   {"released", lease_version, now_ms}
@@ -32,4 +37,11 @@ if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
 end
 
 redis.call('HSET', KEYS[1], 'owner', '', 'expires_at_ms', now_ms)
+if #KEYS >= 2 then
+  if ARGV[4] == 'reap' then
+    redis.call('ZADD', KEYS[2], now_ms, ARGV[3])
+  else
+    redis.call('ZREM', KEYS[2], ARGV[3])
+  end
+end
 return {'released', version, now_ms}

@@ -2,10 +2,13 @@
 -- version may renew, and only before the lease has expired (Redis server time).
 --
 -- KEYS[1]  lease hash  ratchet:{<run>}:lease
+-- KEYS[2]  optional: the expiry index ratchet:index:expiry (zset), on a single Redis only
+--          (see acquire_lease)
 --
 -- ARGV[1]  owner id (text)
 -- ARGV[2]  lease version the caller holds (integer)
 -- ARGV[3]  ttl (integer milliseconds, > 0), counted from now
+-- ARGV[4]  with KEYS[2]: the run id (text), scored by the new expiry once renewed
 --
 -- Replies:
 --   {"renewed", lease_version, expires_at_ms, now_ms}
@@ -35,4 +38,7 @@ end
 
 expires = now_ms + tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'expires_at_ms', expires)
+if #KEYS >= 2 then
+  redis.call('ZADD', KEYS[2], expires, ARGV[4])
+end
 return {'renewed', version, expires, now_ms}
