@@ -121,6 +121,10 @@ def test_workers_do_their_job_under_acls_and_cannot_move_a_lease_or_hwm_by_hand(
     # The reader may call the scripts, but Redis checks each command a script issues: a
     # lease grab or a commit fails at its first write, before anything is written.
     acquire = load_script(ScriptName.ACQUIRE_LEASE)
+    # A live lease would make the script answer "held" before any write: wait until the
+    # worker's lease is gone (released, or expired if the worker was stopped before).
+    poll(lambda: not reader.store.read_run(run_id).lease_live, deadline_s=10,
+         what="the worker's lease released or expired")
     with pytest.raises(ResponseError, match="can't run this command"):
         as_reader.evalsha(acquire.sha, 2, keys.lease, keys.state, "intruder", 60_000)
     # RQ's user may load and run its own Lua, confined to rq:* keys the same way.
