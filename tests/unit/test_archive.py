@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ratchet.errors import CheckpointError, InvariantViolation
+from ratchet.errors import CheckpointError, HighWaterUnavailableError, InvariantViolation
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.checkpoint import (
@@ -216,3 +216,19 @@ def test_flipping_any_bit_of_any_archive_segment_is_refused(world: World,
     archive[index] = bytes(flipped)
     with pytest.raises(CheckpointError):
         restore(world, stored(world).blob, tuple(archive))
+
+
+def test_a_plain_run_whose_first_archived_commit_is_refused_still_starts_its_archive(
+        world: World) -> None:
+    plain = RunEngine.start(world.run_id, **world.ports(store=world.store.leased(1)))
+    writes(world, plain, 1)
+    converting = resume(world, archive_trace=True)
+    world.store.available = False  # the first archived commit cannot be sent
+    with pytest.raises(HighWaterUnavailableError):
+        converting.propose(world.action(converting, "read_file", {"path": "app.py"}))
+    world.store.available = True
+    assert converting.generation == converting.durable_generation
+    converting.propose(world.action(converting, "read_file", {"path": "app.py"}))
+    first = json.loads(stored(world).archive[0])  # the retry starts the archive whole
+    assert len(first["trace"]) == len(converting.state.trace)
+    assert resume(world, lease_version=3).state == converting.state

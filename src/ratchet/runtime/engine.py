@@ -133,8 +133,8 @@ class RunEngine:
         # A checkpoint that names an archive keeps one; archive_trace starts one.
         self._archive = archive if archive is not None else (
             empty_archive(state.run_id) if archive_trace else None)
-        # The last commit the store acknowledged.
-        self._durable = (state, generation, blob, archive)
+        # The last commit the store acknowledged, with the archive the next commit extends.
+        self._durable = (state, generation, blob, self._archive)
         self.state = state
         self.generation = generation
         self.checkpoint = blob
