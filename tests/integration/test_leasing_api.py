@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 
 import ratchet.leasing
-from ratchet.errors import StoreProtocolError
+from ratchet.errors import RunNotFoundError, StoreProtocolError
 from ratchet.leasing import Lease
 from ratchet.leasing.replies import (
     decode_acquire,
     decode_commit,
+    decode_counted,
     decode_create,
     decode_read,
     decode_release,
@@ -117,3 +118,16 @@ def test_an_unrequested_archive_is_a_protocol_error() -> None:
     reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, 0, 0, [b"seg"]]
     with pytest.raises(StoreProtocolError):
         decode_read(reply, "r-1", with_checkpoint=False, with_scenario=False)
+
+
+@pytest.mark.parametrize("reply", [None, [], [b"posted"], [b"posted", b"3"], [b"posted", 1, 2],
+                                   [b"no_run", 1], [b"bogus", 1]])
+def test_a_counted_reply_that_is_not_exactly_ok_and_one_integer_is_refused(reply: Any) -> None:
+    with pytest.raises(StoreProtocolError):
+        decode_counted(reply, "r-1", script="post_evidence", ok="posted")
+
+
+def test_a_counted_reply_decodes_its_integer_or_names_the_missing_run() -> None:
+    assert decode_counted([b"posted", 3], "r-1", script="post_evidence", ok="posted") == 3
+    with pytest.raises(RunNotFoundError):
+        decode_counted([b"no_run"], "r-1", script="post_evidence", ok="posted")

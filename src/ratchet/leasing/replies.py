@@ -39,6 +39,7 @@ __all__ = [
     "decode_acquire",
     "decode_claim_reap",
     "decode_commit",
+    "decode_counted",
     "decode_create",
     "decode_drop_expiry",
     "decode_read",
@@ -351,3 +352,18 @@ def decode_drop_expiry(reply: object) -> bool:
         _arity(f, 0, script, status)
         return False
     _unknown(status, script)
+
+
+def decode_counted(reply: object, run_id: str, *, script: str, ok: str) -> int:
+    """Decode a ``{ok, n}`` reply (record_incident, post_evidence): the integer ``n``.
+
+    Raises RunNotFoundError (``{"no_run"}``), StoreProtocolError.
+    """
+    status, f = _split(reply, script)
+    if status == "no_run":
+        _arity(f, 0, script, status)
+        raise RunNotFoundError("no run with this id", run_id=run_id)
+    if status != ok:
+        _unknown(status, script)
+    _arity(f, 1, script, status)
+    return _int(f[0], script, "count")

@@ -14,7 +14,7 @@ Protocol (each step is one script call on the run's own slot; see ``lua/`` and
 4. ``renew`` and ``release`` work only for the current owner and lease version; renew only
    before expiry.
 5. ``read_run`` returns the authoritative lease and high-water state (and optionally the
-   checkpoint and scenario) for restore.
+   checkpoint with its archive, and the scenario) for restore.
 
 Nonces (approvals, reviewer decisions) are consumed in two places. First a global record
 ``ratchet:nonce:<nonce>`` is claimed with ``SET NX`` naming the run; if another run holds
@@ -25,10 +25,17 @@ call because in Redis Cluster it lives in another slot; a claim whose commit the
 stays with the same run, so that run may still use the nonce once, and no other run ever
 can.
 
-Cross-run indexes are separate calls after the script: the expiry index (acquire and
-renew add the run scored by its lease expiry; release removes it, or scores it "now" with
-``reap=True``; a commit with ``finished=True`` removes it) and the runs index (create).
-They are hints for the reaper, which re-reads each run's lease before acting.
+Cross-run indexes: the expiry index (acquire and renew add the run scored by its lease
+expiry; release removes it, or scores it "now" with ``reap=True``; a commit with
+``finished=True`` removes it) and the runs index (create). On a single Redis the lease and
+create scripts update them in the same call; in Redis Cluster they live in other slots and
+are separate calls after the script. They are hints for the reaper, which re-reads each
+run's lease before acting.
+
+Batches (``commit_many``) pipeline the commit script for consecutive generations; a
+checkpoint that names an archive appends its segment in the same script (see
+``docs/redis.md``). Incidents and the evidence inbox live in :mod:`ratchet.leasing.records`,
+the client and error translation in :mod:`ratchet.leasing.plumbing`.
 
 Clients must not decode responses (checkpoints are bytes). redis-py's own retry may re-send
 an ``EVALSHA`` after a dropped connection; the commit id makes that safe.
@@ -44,30 +51,26 @@ the process there. Worker failpoints install it (``after_commit_before_reply``).
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from ratchet.errors import (
-    CheckpointTooLargeError,
     CommitOutcomeUnknownError,
     ConfigurationError,
     ContractError,
     LeaseHeldElsewhereError,
     NonceReplayError,
-    RunNotFoundError,
     StoreProtocolError,
-    StoreUnavailableError,
 )
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.keys import EXPIRY_INDEX, RUNS_INDEX, check_id, nonce_key, run_keys
+from ratchet.leasing.records import RunRecords
 from ratchet.leasing.replies import (
     decode_acquire,
     decode_claim_reap,
@@ -88,25 +91,14 @@ from ratchet.leasing.results import (
     RunCreated,
     RunSnapshot,
 )
-from ratchet.leasing.scripts import ScriptName, ScriptRunner
+from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
-_T = TypeVar("_T")
 
 
-def _decodes_responses(client: Any) -> bool:
-    kwargs: Any = None
-    pool = getattr(client, "connection_pool", None)
-    if pool is not None:
-        kwargs = getattr(pool, "connection_kwargs", None)
-    if kwargs is None and callable(getattr(client, "get_connection_kwargs", None)):
-        kwargs = client.get_connection_kwargs()
-    return bool(isinstance(kwargs, dict) and kwargs.get("decode_responses"))
-
-
-class RedisStore:
+class RedisStore(RunRecords):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
     ``client`` is a ``redis.Redis``, ``redis.cluster.RedisCluster`` or
@@ -123,8 +115,7 @@ class RedisStore:
                  max_scenario_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
                  history_limit: int = 64, commit_retries: int = 1,
                  nonce_ttl_s: int | None = None, compress_checkpoints: bool = True) -> None:
-        if _decodes_responses(client):
-            raise ConfigurationError("the Redis client must use decode_responses=False")
+        super().__init__(client)
         for name, value, low in (("max_checkpoint_bytes", max_checkpoint_bytes, 1),
                                  ("max_scenario_bytes", max_scenario_bytes, 1),
                                  ("history_limit", history_limit, 1),
@@ -133,8 +124,6 @@ class RedisStore:
                 raise ConfigurationError(f"{name} must be an integer >= {low}", field=name)
         if nonce_ttl_s is not None and (not isinstance(nonce_ttl_s, int) or nonce_ttl_s < 1):
             raise ConfigurationError("nonce_ttl_s must be a positive integer or None")
-        self._client = client
-        self._runner = ScriptRunner(client)
         # On a single Redis the lease and create scripts update the cross-run indexes
         # themselves (one round trip, one fsync); in Redis Cluster those live in other
         # slots, so they are separate calls after the script.
@@ -152,49 +141,6 @@ class RedisStore:
     def from_url(cls, url: str, **kwargs: Any) -> RedisStore:
         """A store on a new ``redis.Redis`` client for ``url`` (``redis://host:port/db``)."""
         return cls(redis.Redis.from_url(url, decode_responses=False), **kwargs)
-
-    def __repr__(self) -> str:
-        return f"RedisStore(client={type(self._client).__name__})"
-
-    @property
-    def client(self) -> Any:
-        return self._client
-
-    # -- plumbing ---------------------------------------------------------------------
-
-    @contextmanager
-    def _reachable(self, what: str, run_id: str | None) -> Iterator[None]:
-        # A ResponseError is the server refusing the command (a script error, a wrong
-        # type); every other RedisError (connection refused, dropped, timed out, cluster
-        # down, loading) means the call's outcome is unknown.
-        try:
-            yield
-        except ResponseError as exc:
-            raise StoreProtocolError(f"Redis refused {what}", run_id=run_id,
-                                     cause=type(exc).__name__) from exc
-        except RedisError as exc:
-            raise StoreUnavailableError(f"Redis unreachable during {what}", run_id=run_id,
-                                        cause=type(exc).__name__) from exc
-
-    def _call(self, what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
-        with self._reachable(what, run_id):
-            return fn()
-
-    def _run(self, name: ScriptName, run_id: str, keys: Sequence[str],
-             args: Sequence[str | bytes | int]) -> Any:
-        return self._call(name.value, run_id, lambda: self._runner.run(name, keys, args))
-
-    def load_scripts(self) -> None:
-        """Load every script now. Raises StoreUnavailableError, StoreProtocolError."""
-        self._call("SCRIPT LOAD", None, self._runner.load_all)
-
-    def _check_blob(self, blob: bytes, run_id: str, field: str, limit: int) -> None:
-        if not isinstance(blob, bytes) or not blob:
-            raise ContractError(f"{field} must be non-empty bytes", field=field, run_id=run_id)
-        if len(blob) > limit:
-            raise CheckpointTooLargeError(
-                f"{field} exceeds the configured cap", reason="too_large", field=field,
-                run_id=run_id, size=len(blob), limit=limit)
 
     # -- runs -------------------------------------------------------------------------
 
@@ -566,73 +512,8 @@ class RedisStore:
                           [run_id, score_ms])
         return decode_drop_expiry(reply)
 
-    def record_incident(self, run_id: str, record: dict[str, Any], *, keep: int = 50) -> int:
-        """Append an operator-facing incident (JSON) to the run; returns Redis' time (ms).
-
-        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
-        """
-        keys = run_keys(run_id)
-        text = json.dumps(record, sort_keys=True, separators=(",", ":"))
-        reply = self._run(ScriptName.RECORD_INCIDENT, run_id, [keys.incidents, keys.state],
-                          [text, keep])
-        status, fields = (reply[0], reply[1:]) if isinstance(reply, list) and reply else ("", [])
-        status = status.decode() if isinstance(status, bytes) else status
-        if status == "recorded" and len(fields) == 1 and isinstance(fields[0], int):
-            return fields[0]
-        if status == "no_run":
-            raise RunNotFoundError("no run with this id", run_id=run_id)
-        raise StoreProtocolError("record_incident reply is malformed", run_id=run_id)
-
-    def incidents(self, run_id: str, *, limit: int = 50) -> list[dict[str, Any]]:
-        """The run's incidents, newest first, each with ``at_ms``."""
-        keys = run_keys(run_id)
-        raw = self._call("incidents", run_id,
-                         lambda: self._client.lrange(keys.incidents, 0, limit - 1))
-        out: list[dict[str, Any]] = []
-        for item in raw:
-            text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
-            at, _, body = text.partition("|")
-            try:
-                record = json.loads(body)
-            except ValueError:
-                record = {"malformed": body[:200]}
-            record["at_ms"] = int(at) if at.isdigit() else None
-            out.append(record)
-        return out
-
-    def post_evidence(self, run_id: str, evidence: bytes, *, keep: int = 20) -> int:
-        """Leave signed evidence (JSON) in the run's inbox; returns the inbox length.
-
-        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
-        """
-        keys = run_keys(run_id)
-        self._check_blob(evidence, run_id, "evidence", 64 * 1024)
-        reply = self._run(ScriptName.POST_EVIDENCE, run_id, [keys.inbox, keys.state],
-                          [evidence, keep])
-        status, fields = (reply[0], reply[1:]) if isinstance(reply, list) and reply else ("", [])
-        status = status.decode() if isinstance(status, bytes) else status
-        if status == "posted" and len(fields) == 1 and isinstance(fields[0], int):
-            return fields[0]
-        if status == "no_run":
-            raise RunNotFoundError("no run with this id", run_id=run_id)
-        raise StoreProtocolError("post_evidence reply is malformed", run_id=run_id)
-
-    def inbox(self, run_id: str, *, limit: int = 20) -> list[bytes]:
-        """Evidence waiting in the run's inbox, newest first."""
-        keys = run_keys(run_id)
-        raw = self._call("inbox", run_id, lambda: self._client.lrange(keys.inbox, 0, limit - 1))
-        return [item if isinstance(item, bytes) else str(item).encode() for item in raw]
-
     def run_ids(self, *, limit: int = 1000) -> list[str]:
         """Run ids created through this store, oldest first (up to ``limit``)."""
         members = self._call("runs index", None,
                              lambda: self._client.zrange(RUNS_INDEX, 0, limit - 1))
         return [self._member(m) for m in members]
-
-    @staticmethod
-    def _member(value: object) -> str:
-        if isinstance(value, bytes):
-            return value.decode("utf-8", "replace")
-        if isinstance(value, str):
-            return value
-        raise StoreProtocolError("index member is not a string")

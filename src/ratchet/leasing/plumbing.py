@@ -1,0 +1,96 @@
+"""What every part of the Redis store shares: the client, the script runner, and the one
+place where redis-py errors become ratchet's typed errors.
+
+A ``ResponseError`` is the server refusing a command (a script error, a wrong type):
+:class:`~ratchet.errors.StoreProtocolError`. Every other ``RedisError`` (connection
+refused, dropped, timed out, cluster down, loading) means the outcome is unknown:
+:class:`~ratchet.errors.StoreUnavailableError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError, ResponseError
+
+from ratchet.errors import (
+    CheckpointTooLargeError,
+    ConfigurationError,
+    ContractError,
+    StoreProtocolError,
+    StoreUnavailableError,
+)
+from ratchet.leasing.scripts import ScriptName, ScriptRunner
+
+__all__ = ["StorePlumbing"]
+
+_T = TypeVar("_T")
+
+
+def _decodes_responses(client: Any) -> bool:
+    kwargs: Any = None
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        kwargs = getattr(pool, "connection_kwargs", None)
+    if kwargs is None and callable(getattr(client, "get_connection_kwargs", None)):
+        kwargs = client.get_connection_kwargs()
+    return bool(isinstance(kwargs, dict) and kwargs.get("decode_responses"))
+
+
+class StorePlumbing:
+    """A Redis client that must not decode responses (checkpoints are bytes), the scripts
+    run on it, and error translation. Raises ConfigurationError for a decoding client."""
+
+    def __init__(self, client: Any) -> None:
+        if _decodes_responses(client):
+            raise ConfigurationError("the Redis client must use decode_responses=False")
+        self._client = client
+        self._runner = ScriptRunner(client)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(client={type(self._client).__name__})"
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    @contextmanager
+    def _reachable(self, what: str, run_id: str | None) -> Iterator[None]:
+        try:
+            yield
+        except ResponseError as exc:
+            raise StoreProtocolError(f"Redis refused {what}", run_id=run_id,
+                                     cause=type(exc).__name__) from exc
+        except RedisError as exc:
+            raise StoreUnavailableError(f"Redis unreachable during {what}", run_id=run_id,
+                                        cause=type(exc).__name__) from exc
+
+    def _call(self, what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
+        with self._reachable(what, run_id):
+            return fn()
+
+    def _run(self, name: ScriptName, run_id: str, keys: Sequence[str],
+             args: Sequence[str | bytes | int]) -> Any:
+        return self._call(name.value, run_id, lambda: self._runner.run(name, keys, args))
+
+    def load_scripts(self) -> None:
+        """Load every script now. Raises StoreUnavailableError, StoreProtocolError."""
+        self._call("SCRIPT LOAD", None, self._runner.load_all)
+
+    def _check_blob(self, blob: bytes, run_id: str, field: str, limit: int) -> None:
+        if not isinstance(blob, bytes) or not blob:
+            raise ContractError(f"{field} must be non-empty bytes", field=field, run_id=run_id)
+        if len(blob) > limit:
+            raise CheckpointTooLargeError(
+                f"{field} exceeds the configured cap", reason="too_large", field=field,
+                run_id=run_id, size=len(blob), limit=limit)
+
+    @staticmethod
+    def _member(value: object) -> str:
+        if isinstance(value, bytes):
+            return value.decode("utf-8", "replace")
+        if isinstance(value, str):
+            return value
+        raise StoreProtocolError("index member is not a string")

@@ -1,0 +1,70 @@
+"""A run's operator-facing records beside its checkpoint: incidents (why a restore was
+refused, evidence that did not verify) and the inbox of signed evidence (approvals,
+reviewer decisions) that ``ratchet approve`` / ``ratchet review`` leave for a waiting run.
+
+Both are bounded lists in the run's slot, appended by one script each (``record_incident``,
+``post_evidence``) that refuses an unknown run.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ratchet.leasing.keys import run_keys
+from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.leasing.replies import decode_counted
+from ratchet.leasing.scripts import ScriptName
+
+__all__ = ["RunRecords"]
+
+EVIDENCE_MAX_BYTES = 64 * 1024
+
+
+class RunRecords(StorePlumbing):
+    """Incidents and the evidence inbox of one run (see the module docstring)."""
+
+    def record_incident(self, run_id: str, record: dict[str, Any], *, keep: int = 50) -> int:
+        """Append an operator-facing incident (JSON) to the run; returns Redis' time (ms).
+
+        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(run_id)
+        text = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        reply = self._run(ScriptName.RECORD_INCIDENT, run_id, [keys.incidents, keys.state],
+                          [text, keep])
+        return decode_counted(reply, run_id, script="record_incident", ok="recorded")
+
+    def incidents(self, run_id: str, *, limit: int = 50) -> list[dict[str, Any]]:
+        """The run's incidents, newest first, each with ``at_ms``."""
+        keys = run_keys(run_id)
+        raw = self._call("incidents", run_id,
+                         lambda: self._client.lrange(keys.incidents, 0, limit - 1))
+        out: list[dict[str, Any]] = []
+        for item in raw:
+            text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
+            at, _, body = text.partition("|")
+            try:
+                record = json.loads(body)
+            except ValueError:
+                record = {"malformed": body[:200]}
+            record["at_ms"] = int(at) if at.isdigit() else None
+            out.append(record)
+        return out
+
+    def post_evidence(self, run_id: str, evidence: bytes, *, keep: int = 20) -> int:
+        """Leave signed evidence (JSON) in the run's inbox; returns the inbox length.
+
+        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(run_id)
+        self._check_blob(evidence, run_id, "evidence", EVIDENCE_MAX_BYTES)
+        reply = self._run(ScriptName.POST_EVIDENCE, run_id, [keys.inbox, keys.state],
+                          [evidence, keep])
+        return decode_counted(reply, run_id, script="post_evidence", ok="posted")
+
+    def inbox(self, run_id: str, *, limit: int = 20) -> list[bytes]:
+        """Evidence waiting in the run's inbox, newest first."""
+        keys = run_keys(run_id)
+        raw = self._call("inbox", run_id, lambda: self._client.lrange(keys.inbox, 0, limit - 1))
+        return [item if isinstance(item, bytes) else str(item).encode() for item in raw]
