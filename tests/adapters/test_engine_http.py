@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters import CommandVerifier, HttpAdapter, RouterAdapter, WorkspaceAdapter
-from ratchet.errors import CheckpointError, FenceRejectedError
-from ratchet.runtime import CrashWindow, Fence, Phase, ReviewReason, RunEngine, TraceOutcome
+from ratchet.errors import AdapterError, CheckpointError, FenceRejectedError
+from ratchet.runtime import Action, CrashWindow, Fence, Phase, ReviewReason, RunEngine, TraceOutcome
 from ratchet.runtime.memory import ObserveFailsAfterWrite
 from tests.adapters.conftest import ServiceBox
 from tests.adapters.harness import (
@@ -101,6 +101,50 @@ def test_the_old_owners_late_order_is_refused_after_the_new_owner_placed_it(
     assert orders.effects() == 1
     assert new_owner[0].state.executed[-1].idempotency_key == "order-1"
     assert orders.service.stats()[1]["refused_stale"] == 1
+
+
+def test_a_late_order_planned_before_the_new_owner_wrote_a_file_is_refused_by_the_fence(
+        run: Harness, orders: ServiceBox) -> None:
+    """The new owner places the order and then writes a file: the old owner's late order
+    fails the cross-part precondition too, but the service's fence is what it hears."""
+    new_owner: list[RunEngine] = []
+
+    def paused_then_late(window: CrashWindow) -> None:
+        if window is CrashWindow.AFTER_PENDING_BEFORE_ADAPTER and not new_owner:
+            resumed = run.resume(lease_version=2)
+            resumed.reconcile()
+            assert resumed.propose(run.write(resumed)).outcome is TraceOutcome.EXECUTED
+            new_owner.append(resumed)
+
+    old = run.start(probe=paused_then_late)
+    with pytest.raises(FenceRejectedError):
+        place(run, old)
+    assert orders.effects() == 1
+    assert orders.service.stats()[1]["refused_stale"] == 1
+
+
+def test_a_current_owners_order_after_a_file_moved_fails_its_precondition(
+        tmp_path: Path, orders: ServiceBox) -> None:
+    """The fence asked on a failed precondition accepts a current owner: the refusal is
+    the precondition, and nothing is placed."""
+    routers = Routers(make_workspace(tmp_path / "ws"), orders)
+    router = routers.open()
+    try:
+        before = router.observe().version
+        (tmp_path / "ws" / "app.py").write_text("print('moved')\n")
+        action = Action.model_validate({
+            "action_id": "a-1", "kind": "external_call", "risk": "irreversible_external_write",
+            "args": {"operation": "place-order", "body": '{"sku":"A-1","qty":1}'},
+            "idempotency_key": "order-x", "expected_env_version": before,
+            "deadline_at": 2**40})
+        with pytest.raises(AdapterError) as caught:
+            router.execute(action, action.intent_digest, Fence(
+                run_id="r", lease_version=1, state_version=1), None)
+        assert not isinstance(caught.value, FenceRejectedError)
+        assert "precondition" in caught.value.message
+        assert orders.effects() == 0
+    finally:
+        routers.close()
 
 
 def test_a_receipt_that_does_not_bind_the_approval_sends_the_run_to_review(

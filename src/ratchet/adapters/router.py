@@ -120,12 +120,18 @@ class RouterAdapter:
         """Send the write to its part, with the expected version translated.
 
         Raises:
-            FenceRejectedError, IdempotencyConflictError, AdapterError (from the part, or
-            a precondition that cannot hold: retryable=False).
+            FenceRejectedError: the target part has seen a newer fence (checked before a
+                failed precondition is reported).
+            IdempotencyConflictError, AdapterError (from the part, or a precondition that
+            cannot hold: retryable=False).
         """
         _, part, other_part = self._part(action)
         other = other_part.observe()
         if action.expected_env_version < other.version:
+            # The other part moved on since the plan. A stale owner is the likeliest cause
+            # (its successor wrote there): let the target part judge the fence first, so a
+            # late write is refused for what it is, not only for the drift it caused.
+            part.raise_fence(fence)
             raise AdapterError("environment precondition failed", retryable=False,
                                expected=action.expected_env_version)
         return part.execute(self._translated(action, other), intent_digest, fence,

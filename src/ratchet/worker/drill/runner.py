@@ -29,7 +29,7 @@ import random
 import secrets
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,17 @@ from ratchet.worker.settings import Settings
 __all__ = ["DrillOptions", "DrillRecord", "classify_run", "run_drill_processes"]
 
 _TICK_S = 0.05
+_CUT_PATIENCE_S = 20.0  # how long an armed rollback waits for a commit after its cut
+
+
+@dataclass
+class _Cut:
+    """An armed AOF rollback: its cut second, and every run's generation once the next
+    second began (the rollback fires when one of them moves on)."""
+
+    second: int
+    deadline: float
+    generations: dict[str, int] | None = None
 _LETHAL = ("kill",)
 
 
@@ -152,6 +163,7 @@ class _Drill:
         self.quick_deaths = 0  # workers that exited at start-up in a row
         self.last_redis_fault = time.time()
         self.injecting = True
+        self.cut: _Cut | None = None  # an armed AOF rollback
 
     # -- one tick -----------------------------------------------------------------------
 
@@ -321,8 +333,10 @@ class _Drill:
                 and self.rec.rollback_skipped is None and fraction >= self.schedule.rollback_at:
             if self.rec.redis.check_aof is None:
                 self.rec.rollback_skipped = self.rec.redis.rollback_skip_reason
+            elif self.cut is not None:
+                self._rollback_when_a_commit_follows_the_cut(self.rec.redis.check_aof)
             elif now - self.last_redis_fault > 2.5:
-                self._rollback(self.rec.redis.check_aof)
+                self.cut = _Cut(second=int(now), deadline=now + _CUT_PATIENCE_S)
         if len(self.rec.duplicate_enqueues) < self.schedule.duplicate_enqueues \
                 and self.rng.random() < 0.05:
             done = sorted(r for r, (s, _) in self.settled.items() if s == "terminal"
@@ -330,40 +344,42 @@ class _Drill:
             if done:
                 self._duplicate(self.rng.choice(done))
 
-    def _generations(self) -> dict[str, int]:
-        return {r: self.fleet.store.read_run(r).generation for r in self.rec.runs}
+    def _generations(self, runs: Iterable[str]) -> dict[str, int]:
+        return {r: self.fleet.store.read_run(r).generation for r in runs}
 
-    def _cut_after_a_commit(self) -> int:
-        """A cut (whole seconds, as AOF timestamps are) that rewinds at least one commit.
+    def _rollback_when_a_commit_follows_the_cut(self, check_aof: str) -> None:
+        """Roll back once a run has committed after the armed cut (whole seconds, as AOF
+        timestamps are), so the rollback really rewinds a run and the invariant it
+        exercises is judged, not left unknown.
 
-        Wait for the next second to begin, then (for at most 3 s) for any unsettled run to
-        commit: that commit is stamped after the cut, so the rollback really rewinds a run
-        and the invariant it exercises is judged, not left unknown.
+        The cut is armed, not waited for: every tick meanwhile still resumes zombies and
+        respawns workers, so a fleet that is all paused or dead when the cut is chosen
+        commits again. Past the deadline the rollback happens anyway (and may rewind
+        nothing: its invariant is then unknown).
         """
-        cut = int(time.time())
-        while time.time() < cut + 1:
-            time.sleep(0.01)
-        live = [r for r in self.rec.runs if r not in self.settled]
-        start = {r: self.fleet.store.read_run(r).generation for r in live}
-        deadline = time.time() + 3.0
-        while time.time() < deadline:
-            if any(self.fleet.store.read_run(r).generation > g for r, g in start.items()):
-                break
-            time.sleep(0.05)
-        return cut
+        cut, now = self.cut, time.time()
+        if cut is None or now < cut.second + 1:
+            return
+        if cut.generations is None:  # the first look once the next second has begun
+            cut.generations = self._generations(self.index)
+            return
+        moved = any(g > cut.generations.get(r, g) for r, g in
+                    self._generations(self.index).items())
+        if moved or now > cut.deadline:
+            self._rollback(check_aof, cut.second)
 
-    def _rollback(self, check_aof: str) -> None:
-        cut = self._cut_after_a_commit()
-        before = self._generations()
+    def _rollback(self, check_aof: str, cut: int) -> None:
+        before = self._generations(self.rec.runs)
         killed_at = time.time()
         self.server.kill()
         output = truncate_aof(check_aof, self.server.data_dir, cut)
         self.server.start()
-        after = self._generations()
+        after = self._generations(self.rec.runs)
         rewound = {r: [before[r], after[r]] for r in before if after[r] < before[r]}
         self.rec.rollback = {"at": time.time(), "killed_at": killed_at, "cut_s": cut,
                              "rewound": rewound,
                              "tool": output[-200:]}
+        self.cut = None
         self.last_redis_fault = time.time()
         # The queue was rolled back too: hand every unfinished run to the workers again.
         for run_id in self.rec.runs:
