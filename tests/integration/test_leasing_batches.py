@@ -1,5 +1,6 @@
 """Batched commits (``LeasedRun.advance_many`` / ``RedisStore.commit_many``): consecutive
-fenced commits in one pipeline, on a real server, fakeredis[lua] and the env server."""
+fenced commits in one call of the commit script, on a real server, fakeredis[lua] and the
+env server."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from ratchet.errors import (
     LeaseLostError,
     NonceReplayError,
     RunExistsError,
+    StoreProtocolError,
 )
 from ratchet.leasing import RedisStore, run_keys
+from ratchet.leasing.replies import batch_entries, decode_commit
+from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.ports import Advance, RunKey
 from tests.integration.conftest import lose_first_reply
 
@@ -153,8 +157,8 @@ def test_the_creator_takes_a_batch_of_one_creation_only(
     assert store.read_run(key.run_id).generation == 1
 
 
-def test_commit_many_sends_one_pipeline(store: RedisStore, make_run: MakeRun,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_commit_many_sends_one_script_call(store: RedisStore, make_run: MakeRun,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -174,5 +178,68 @@ def test_commit_many_sends_one_pipeline(store: RedisStore, make_run: MakeRun,
     monkeypatch.setattr(client, "pipeline", pipeline)
     monkeypatch.setattr(client, "evalsha", evalsha)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
-    assert calls == ["pipeline"]
-    assert store.read_run(key.run_id).generation == 4
+    assert calls == ["evalsha"]
+    snap = store.read_run(key.run_id, with_checkpoint=True)
+    assert snap.generation == 4 and snap.checkpoint == b"g4"
+    # Only the last checkpoint of the batch reaches the checkpoint key; every one of them
+    # is in the history, each at its own generation.
+    assert [g for g, _, _ in _history(store, key.run_id)] == [1, 2, 3, 4]
+
+
+def test_a_batch_that_crosses_the_history_limit_trims_history_and_commit_ids_together(
+        redis_client: Any, new_run_id: Callable[[], str]) -> None:
+    store = RedisStore(redis_client, history_limit=3)
+    run_id = new_run_id()
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"c")
+    key = RunKey("t", run_id, "e")
+    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    run.advance_many(key, [Advance(g, b"g%d" % (g + 1)) for g in range(1, 6)])
+    assert [g for g, _, _ in _history(store, run_id)] == [4, 5, 6]
+    ids = {k.decode() for k in redis_client.hkeys(run_keys(run_id).commits)}
+    assert ids == {c for _, _, c in _history(store, run_id)}
+    assert store.read_run(run_id, with_checkpoint=True).checkpoint == b"g6"
+
+
+@pytest.mark.parametrize("argv", [
+    ["w1", 1, 1, 64, 0],                                     # no commits
+    ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b""],      # nonce count missing
+    ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b"", 2, "n-1"],  # a nonce short
+    ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b"", 0, "extra"],  # one argument over
+    ["w1", 1, 1, 64, 2, 2, b"g2", "c-1", "d" * 64, b"", 0],  # a commit short
+])
+def test_a_batch_whose_arguments_do_not_add_up_is_refused_before_anything_is_read(
+        store: RedisStore, make_run: MakeRun, argv: list[Any]) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    keys = run_keys(key.run_id)
+    reply = store._runner.run(  # the raw script, past the store's own checks
+        ScriptName.COMMIT,
+        [keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
+         keys.archive], argv)
+    assert reply == [[b"bad_batch"]]
+    with pytest.raises(StoreProtocolError):
+        decode_commit(reply[0], run.lease, commit_id="c-1", generation=2,
+                      expected_state_version=1)
+    snap = store.read_run(key.run_id, with_checkpoint=True)
+    assert (snap.generation, snap.state_version) == (1, 1)
+    assert len(_history(store, key.run_id)) == 1
+
+
+@pytest.mark.parametrize("reply", [[], [[b"committed", 2, 2, 1, 1]] * 3, b"committed",
+                                   None])
+def test_a_batch_reply_of_the_wrong_shape_is_a_protocol_error(reply: Any) -> None:
+    with pytest.raises(StoreProtocolError):
+        batch_entries(reply, 2)
+
+
+def test_a_reply_that_stops_short_without_a_refusal_is_a_protocol_error(
+        store: RedisStore, make_run: MakeRun, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    monkeypatch.setattr(store._runner, "run",
+                        lambda *_: [[b"committed", 2, 2, 10**13, 10**12]])
+    with pytest.raises(StoreProtocolError):
+        run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])

@@ -35,6 +35,7 @@ from ratchet.leasing.results import (
 )
 
 __all__ = [
+    "batch_entries",
     "check_arity",
     "decode_acquire",
     "decode_claim_reap",
@@ -218,6 +219,17 @@ def decode_release(reply: object, lease: Lease) -> Released:
     _unknown(status, script)
 
 
+def batch_entries(reply: object, sent: int) -> list[object]:
+    """The commit script's reply for a batch of ``sent`` commits: one entry per commit
+    examined, at least one and at most ``sent`` (each is decoded by :func:`decode_commit`).
+
+    Raises StoreProtocolError for any other shape.
+    """
+    if not isinstance(reply, list) or not reply or len(reply) > sent:
+        _fail("reply is not a list of one entry per commit", "commit", sent=sent)
+    return reply
+
+
 def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: int,
                   expected_state_version: int) -> CommitResult:
     """Decode commit.
@@ -271,6 +283,8 @@ def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: in
     if status == "no_run":
         _arity(f, 0, script, status)
         raise RunNotFoundError("no run with this id", run_id=lease.run_id)
+    if status == "bad_batch":
+        _fail("the commit script refused the batch's layout", script, **ids)
     _unknown(status, script)
 
 

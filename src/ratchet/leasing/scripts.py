@@ -24,8 +24,7 @@ from enum import StrEnum
 from importlib import resources
 from typing import Any
 
-from redis.cluster import RedisCluster
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError
 
 from ratchet.errors import StoreProtocolError
 
@@ -124,34 +123,3 @@ class ScriptRunner:
                 "the script is not loaded on the server and this Redis user may not "
                 "load it; load the scripts with the admin user "
                 "(ratchet redis load-scripts)", script=script.name.value) from None
-
-    def run_many(self, name: StrEnum,
-                 calls: Sequence[tuple[Sequence[str], Sequence[str | bytes | int]]]) -> list[Any]:
-        """Run script ``name`` once per ``(keys, args)`` in one pipeline (one round trip,
-        not a transaction) and return the raw replies in order; a script error is returned
-        in its place as the redis ``ResponseError`` it raised.
-
-        ``NOSCRIPT`` means the script did not run, so the batch is sent again once after
-        loading it. redis-py's cluster pipelines refuse ``EVALSHA``, so on a Redis Cluster
-        client the calls go one by one (same replies, one round trip each). Raises what
-        :meth:`run` raises, except per-call script errors.
-        """
-        script = self._scripts[name]
-        if isinstance(self._client, RedisCluster):
-            replies: list[Any] = []
-            for keys, args in calls:
-                try:
-                    replies.append(self.run(name, keys, args))
-                except ResponseError as exc:
-                    replies.append(exc)
-            return replies
-        for attempt in range(2):
-            pipe = self._client.pipeline(transaction=False)
-            for keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            replies = list(pipe.execute(raise_on_error=False))
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                self._reload(script)
-                continue
-            return replies
-        return replies

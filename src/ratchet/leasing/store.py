@@ -32,7 +32,7 @@ create scripts update them in the same call; in Redis Cluster they live in other
 are separate calls after the script. They are hints for the reaper, which re-reads each
 run's lease before acting.
 
-Batches (``commit_many``) pipeline the commit script for consecutive generations; a
+Batches (``commit_many``) send consecutive generations to one call of the commit script; a
 checkpoint that names an archive appends its segment in the same script (see
 ``docs/redis.md``). Incidents and the evidence inbox live in :mod:`ratchet.leasing.records`,
 the client and error translation in :mod:`ratchet.leasing.plumbing`.
@@ -72,6 +72,7 @@ from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.keys import EXPIRY_INDEX, RUNS_INDEX, check_id, nonce_key, run_keys
 from ratchet.leasing.records import RunRecords
 from ratchet.leasing.replies import (
+    batch_entries,
     decode_acquire,
     decode_claim_reap,
     decode_commit,
@@ -321,14 +322,17 @@ class RedisStore(RunRecords):
 
     # -- commits ----------------------------------------------------------------------
 
-    def _commit_call(self, lease: Lease, commit: PreparedCommit,
+    def _commit_call(self, lease: Lease, commits: Sequence[PreparedCommit],
                      expected_state_version: int) -> tuple[list[str], list[str | bytes | int]]:
         keys = run_keys(lease.run_id)
+        args: list[str | bytes | int] = [lease.owner, lease.lease_version,
+                                         expected_state_version, self.history_limit,
+                                         len(commits)]
+        for commit in commits:
+            args += [commit.generation, commit.stored or commit.checkpoint, commit.commit_id,
+                     commit.digest, commit.segment, len(commit.nonces), *commit.nonces]
         return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
-                 keys.archive],
-                [lease.owner, lease.lease_version, expected_state_version, commit.generation,
-                 commit.stored or commit.checkpoint, commit.commit_id, commit.digest,
-                 self.history_limit, commit.segment, *commit.nonces])
+                 keys.archive], args)
 
     def prepare_commit(self, run_id: str, *, generation: int, checkpoint: bytes,
                        commit_id: str | None = None, nonces: Sequence[str] = (),
@@ -385,16 +389,16 @@ class RedisStore(RunRecords):
                     expected_state_version: int,
                     applied: Callable[[CommitResult], None] | None = None,
                     ) -> list[CommitResult]:
-        """Fenced commits of consecutive generations in one round trip (one pipeline of
-        commit scripts, so Redis appends them to the AOF and fsyncs once).
+        """Fenced commits of consecutive generations in one call of the commit script (one
+        round trip, one AOF fsync, on a single Redis and on a Cluster alike).
 
-        Each commit is the commit script on its own: commit ``i`` expects state version
-        ``expected_state_version + i`` and generation high-water + 1, so it can only apply
-        after every commit before it. Replies are decoded in order and the first refusal
-        is raised (the commits before it are applied, and were each passed to
-        ``applied`` as they were decoded). Nonces of every commit are claimed
-        globally first. A lost reply (of any commit) re-sends the whole batch with the
-        same commit ids: applied ones answer ``already_applied``.
+        Commit ``i`` of the batch expects state version ``expected_state_version + i`` and
+        generation high-water + 1, so it can only apply after every commit before it. The
+        script stops at the first refusal; its replies are decoded in order and that
+        refusal is raised (the commits before it are applied, and were each passed to
+        ``applied`` as they were decoded). Nonces of every commit are claimed globally
+        first. A lost reply re-sends the whole batch with the same commit ids: applied
+        ones answer ``already_applied``.
 
         Raises what :meth:`commit` raises.
         """
@@ -408,18 +412,14 @@ class RedisStore(RunRecords):
         nonces = [nonce for commit in commits for nonce in commit.nonces]
         if nonces:
             self.claim_nonces(run_id, nonces)
-        calls = [self._commit_call(lease, commit, expected_state_version + index)
-                 for index, commit in enumerate(commits)]
+        keys, args = self._commit_call(lease, commits, expected_state_version)
         last: Exception | None = None
         for _attempt in range(1 + self.commit_retries):
-            # Timeline of a lost reply: the scripts ran (or not), the connection dropped
-            # before the replies arrived. Re-sending the same commit ids either applies
+            # Timeline of a lost reply: the script ran (or not), the connection dropped
+            # before the reply arrived. Re-sending the same commit ids either applies
             # them now or answers already_applied; nothing applies twice.
             try:
-                if len(calls) == 1:
-                    replies = [self._runner.run(ScriptName.COMMIT, *calls[0])]
-                else:
-                    replies = self._runner.run_many(ScriptName.COMMIT, calls)
+                reply = self._runner.run(ScriptName.COMMIT, keys, args)
             except ResponseError as exc:
                 raise StoreProtocolError("Redis refused the commit", run_id=run_id,
                                          commit_id=commits[0].commit_id) from exc
@@ -431,16 +431,17 @@ class RedisStore(RunRecords):
                 last = RedisError("commit reply dropped by a drill hook")
                 continue
             results = []
-            for index, (commit, reply) in enumerate(zip(commits, replies, strict=True)):
-                if isinstance(reply, ResponseError):
-                    raise StoreProtocolError("Redis refused the commit", run_id=run_id,
-                                             commit_id=commit.commit_id) from reply
+            for index, (commit, entry) in enumerate(
+                    zip(commits, batch_entries(reply, len(commits)), strict=False)):
                 result = decode_commit(
-                    reply, lease, commit_id=commit.commit_id, generation=commit.generation,
+                    entry, lease, commit_id=commit.commit_id, generation=commit.generation,
                     expected_state_version=expected_state_version + index)
                 if applied is not None:
                     applied(result)
                 results.append(result)
+            if len(results) != len(commits):  # a shorter reply must end in a refusal
+                raise StoreProtocolError("the commit script stopped without a refusal",
+                                         run_id=run_id, script="commit")
             return results
         raise CommitOutcomeUnknownError(
             "no reply to the commit; re-read the run before acting", run_id=run_id,

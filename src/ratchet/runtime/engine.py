@@ -17,10 +17,10 @@ Coalesced commits (``coalesce=True``): the receipt + state commit that ends a wr
 sealed at once but *held*, then sent in the same round trip as the run's next commit
 (usually the next write's pending intent) or at :meth:`RunEngine.flush`. Both stay
 separate fenced, signed commits at consecutive generations; on Redis they travel in one
-pipeline, so one AOF ``fsync`` covers both. Nothing reaches an adapter while a commit is
-held (every adapter write follows a commit, which sends the held one first), so a worker
-that dies with a held commit is in ``AFTER_ADAPTER_BEFORE_RECEIPT``, and
-:meth:`RunEngine.reconcile` settles it by the adapter's receipt as usual. The durable
+call of the commit script, so one AOF ``fsync`` covers both. Nothing reaches an adapter
+while a commit is held (every adapter write follows a commit, which sends the held one
+first), so a worker that dies with a held commit is in ``AFTER_ADAPTER_BEFORE_RECEIPT``,
+and :meth:`RunEngine.reconcile` settles it by the adapter's receipt as usual. The durable
 checkpoint lags one commit behind while a commit is held: a caller that is about to wait
 (for a model, a human, a release of the lease) calls :meth:`RunEngine.flush` first.
 """

@@ -105,7 +105,7 @@ COMMITS = Counter("ratchet_commits_total", "Fenced checkpoint commits that lande
 COMMIT_SECONDS = Histogram(
     "ratchet_commit_duration_seconds",
     "Latency of fenced checkpoint commits that landed, one observation per round trip "
-    "(commits sent together in one pipeline are one observation).",
+    "(commits sent together in one batch are one observation).",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 STALE_COMMITS = Counter("ratchet_stale_commits_refused_total",
                         "Commits refused by the store's fence (lease, generation, state).",

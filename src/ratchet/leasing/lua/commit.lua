@@ -1,5 +1,6 @@
--- commit: the fenced checkpoint commit. One script, so the checkpoint content and the
--- generation high-water mark never move apart.
+-- commit: the fenced checkpoint commit, of one generation or of a batch of consecutive
+-- generations. One script, so the checkpoint content and the generation high-water mark
+-- never move apart.
 --
 -- KEYS[1]  lease hash          ratchet:{<run>}:lease
 -- KEYS[2]  run state hash      ratchet:{<run>}:state
@@ -11,16 +12,20 @@
 --
 -- ARGV[1]  owner id (text)
 -- ARGV[2]  lease version the caller holds (integer)
--- ARGV[3]  expected state version (integer)
--- ARGV[4]  generation of the checkpoint (integer; must be high-water + 1)
--- ARGV[5]  checkpoint (bytes, signed by the caller, opaque to the script)
--- ARGV[6]  commit id (text, no '|')
--- ARGV[7]  checkpoint digest (lowercase hex text, computed by the caller)
--- ARGV[8]  history limit (integer entries, >= 1)
--- ARGV[9]  archive segment to append (bytes, opaque; empty: nothing to append)
--- ARGV[10..] nonces to consume (text), zero or more
+-- ARGV[3]  expected state version of the first commit (integer; commit i of the batch
+--          expects ARGV[3] + i - 1, so it can only apply after every commit before it)
+-- ARGV[4]  history limit (integer entries, >= 1)
+-- ARGV[5]  number of commits in the batch (integer, >= 1)
+-- ARGV[6..] one group per commit, in generation order:
+--          generation of the checkpoint (integer; must be high-water + 1)
+--          checkpoint (bytes, signed by the caller, opaque to the script)
+--          commit id (text, no '|')
+--          checkpoint digest (lowercase hex text, computed by the caller)
+--          archive segment to append (bytes, opaque; empty: nothing to append)
+--          nonce count k (integer, >= 0), then k nonces to consume (text)
 --
--- Replies:
+-- Replies: one entry per commit examined, in order; the script stops after the first entry
+-- that is neither committed nor already_applied (the commits before it are applied):
 --   {"committed", generation, state_version, lease_expires_at_ms, now_ms}
 --   {"already_applied", commit_generation, generation, state_version}
 --   {"commit_id_conflict", commit_generation}
@@ -30,8 +35,10 @@
 --   {"generation_mismatch", generation, state_version}   generation = the high-water mark
 --   {"stale_state", generation, state_version}
 --   {"nonce_replayed", nonce}
+--   {"bad_batch"}   (the only entry) the ARGV groups do not add up; nothing was read
 --
--- Order of checks (the first that fails decides the reply; nothing is written then):
+-- Order of checks for each commit (the first that fails decides its entry; nothing of it
+-- is written then):
 --   1. the run exists;
 --   2. the commit id was applied before (a retry after a lost reply) -> already_applied,
 --      whatever the lease says now; the same id with a different checkpoint is a conflict;
@@ -39,12 +46,15 @@
 --      expired by Redis server time (TIME);
 --   4. the checkpoint's generation is exactly high-water + 1;
 --   5. the expected state version is the current one;
---   6. no nonce in ARGV[10..] is already in this run's consumed-nonce set.
--- Then: store the checkpoint, append the archive segment (the checkpoint signs the chain
--- over every segment, so they move together), advance generation and state version
--- together, add the nonces to the run's set, push a history entry and remember the commit
--- id; the history and the commit-id hash are trimmed together to ARGV[8] entries. The
--- archive is never trimmed: it is the run's evidence.
+--   6. no nonce of the commit is already in this run's consumed-nonce set.
+-- Then the commit applies: its archive segment is appended (the checkpoint signs the chain
+-- over every segment, so they move together), generation and state version advance
+-- together, its nonces join the run's set, a history entry is pushed and its commit id
+-- remembered. The checkpoint key and the state hash are written once, for the last commit
+-- applied (an earlier checkpoint of the batch is superseded inside this one atomic script,
+-- so no reader could ever see it; its digest stays in the history). The history and the
+-- commit-id hash are trimmed together to ARGV[4] entries. The archive is never trimmed:
+-- it is the run's evidence.
 --
 -- Nonces: this script consumes them for this run only (the per-run set lives in this
 -- run's slot). The global record that stops a nonce from being used by a second run is a
@@ -53,69 +63,128 @@
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
 
+-- The layout is checked whole before anything is read or written.
+local count = tonumber(ARGV[5])
+if not count or count < 1 then
+  return {{'bad_batch'}}
+end
+local groups = {}
+local pos = 6
+for c = 1, count do
+  local nonce_count = tonumber(ARGV[pos + 5])
+  if not nonce_count or nonce_count < 0 or pos + 5 + nonce_count > #ARGV then
+    return {{'bad_batch'}}
+  end
+  groups[c] = pos
+  pos = pos + 6 + nonce_count
+end
+if pos ~= #ARGV + 1 then
+  return {{'bad_batch'}}
+end
+
 local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version')
 if not st[1] then
-  return {'no_run'}
+  return {{'no_run'}}
 end
 local generation = tonumber(st[1])
 local state_version = tonumber(st[2])
 
-local seen = redis.call('HGET', KEYS[5], ARGV[6])
-if seen then
-  local gen, digest = string.match(seen, '^(%d+)|(.*)$')
-  if digest == ARGV[7] then
-    return {'already_applied', tonumber(gen), generation, state_version}
+local replies = {}
+local now_ms, owner, version, expires
+local last_ckpt, last_id
+local segments, history, commit_ids = {}, {}, {}
+
+-- Write what the applied commits of the batch changed, then reply.
+local function finish()
+  if last_ckpt then
+    redis.call('SET', KEYS[3], last_ckpt)
+    if #segments > 0 then
+      redis.call('RPUSH', KEYS[7], unpack(segments))
+    end
+    redis.call('HSET', KEYS[2], 'generation', generation, 'state_version', state_version,
+      'updated_at_ms', now_ms, 'last_commit_id', last_id)
+    local length = redis.call('LPUSH', KEYS[4], unpack(history))
+    redis.call('HSET', KEYS[5], unpack(commit_ids))
+    local limit = tonumber(ARGV[4])
+    if length > limit then
+      local old = redis.call('LRANGE', KEYS[4], limit, -1)
+      redis.call('LTRIM', KEYS[4], 0, limit - 1)
+      local gone = {}
+      for _, entry in ipairs(old) do
+        local old_id = string.match(entry, '^[^|]*|[^|]*|[^|]*|[^|]*|([^|]*)|')
+        if old_id then
+          gone[#gone + 1] = old_id
+        end
+      end
+      for i = 1, #gone, 1000 do  -- unpack() has a stack limit: delete in chunks
+        redis.call('HDEL', KEYS[5], unpack(gone, i, math.min(i + 999, #gone)))
+      end
+    end
   end
-  return {'commit_id_conflict', tonumber(gen)}
+  return replies
 end
 
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'lease_version', 'expires_at_ms')
-local owner = lease[1] or ''
-local version = tonumber(lease[2] or '0')
-local expires = tonumber(lease[3] or '0')
-if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
-  return {'lease_lost', owner, version, expires, now_ms}
-end
-if now_ms >= expires then
-  return {'lease_expired', owner, version, expires, now_ms}
-end
+for c = 1, count do
+  local at = groups[c]
+  local target, ckpt, commit_id, digest = tonumber(ARGV[at]), ARGV[at + 1], ARGV[at + 2],
+    ARGV[at + 3]
+  local segment = ARGV[at + 4]
+  local first_nonce, last_nonce = at + 6, at + 5 + tonumber(ARGV[at + 5])
 
-if tonumber(ARGV[4]) ~= generation + 1 then
-  return {'generation_mismatch', generation, state_version}
-end
-if tonumber(ARGV[3]) ~= state_version then
-  return {'stale_state', generation, state_version}
-end
-for i = 10, #ARGV do
-  if redis.call('SISMEMBER', KEYS[6], ARGV[i]) == 1 then
-    return {'nonce_replayed', ARGV[i]}
+  local seen = redis.call('HGET', KEYS[5], commit_id)
+  if seen then
+    local gen, stored_digest = string.match(seen, '^(%d+)|(.*)$')
+    if stored_digest ~= digest then
+      replies[#replies + 1] = {'commit_id_conflict', tonumber(gen)}
+      return finish()
+    end
+    replies[#replies + 1] = {'already_applied', tonumber(gen), generation, state_version}
+  else
+    if not now_ms then
+      local t = redis.call('TIME')
+      now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      local lease = redis.call('HMGET', KEYS[1], 'owner', 'lease_version', 'expires_at_ms')
+      owner = lease[1] or ''
+      version = tonumber(lease[2] or '0')
+      expires = tonumber(lease[3] or '0')
+    end
+    if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
+      replies[#replies + 1] = {'lease_lost', owner, version, expires, now_ms}
+      return finish()
+    end
+    if now_ms >= expires then
+      replies[#replies + 1] = {'lease_expired', owner, version, expires, now_ms}
+      return finish()
+    end
+    if target ~= generation + 1 then
+      replies[#replies + 1] = {'generation_mismatch', generation, state_version}
+      return finish()
+    end
+    if tonumber(ARGV[3]) + c - 1 ~= state_version then
+      replies[#replies + 1] = {'stale_state', generation, state_version}
+      return finish()
+    end
+    for i = first_nonce, last_nonce do
+      if redis.call('SISMEMBER', KEYS[6], ARGV[i]) == 1 then
+        replies[#replies + 1] = {'nonce_replayed', ARGV[i]}
+        return finish()
+      end
+    end
+    for i = first_nonce, last_nonce do
+      redis.call('SADD', KEYS[6], ARGV[i])
+    end
+    generation = generation + 1
+    state_version = state_version + 1
+    last_ckpt, last_id = ckpt, commit_id
+    if segment ~= '' then
+      segments[#segments + 1] = segment
+    end
+    -- history entry: generation|state_version|lease_version|owner|commit_id|digest|at_ms
+    history[#history + 1] = generation .. '|' .. state_version .. '|' .. version .. '|' ..
+      owner .. '|' .. commit_id .. '|' .. digest .. '|' .. now_ms
+    commit_ids[#commit_ids + 1] = commit_id
+    commit_ids[#commit_ids + 1] = generation .. '|' .. digest
+    replies[#replies + 1] = {'committed', generation, state_version, expires, now_ms}
   end
 end
-
-generation = generation + 1
-state_version = state_version + 1
-redis.call('SET', KEYS[3], ARGV[5])
-if ARGV[9] ~= '' then
-  redis.call('RPUSH', KEYS[7], ARGV[9])
-end
-redis.call('HSET', KEYS[2], 'generation', generation, 'state_version', state_version,
-  'updated_at_ms', now_ms, 'last_commit_id', ARGV[6])
-for i = 10, #ARGV do
-  redis.call('SADD', KEYS[6], ARGV[i])
-end
--- history entry: generation|state_version|lease_version|owner|commit_id|digest|at_ms
-local length = redis.call('LPUSH', KEYS[4], generation .. '|' .. state_version .. '|' ..
-  version .. '|' .. owner .. '|' .. ARGV[6] .. '|' .. ARGV[7] .. '|' .. now_ms)
-redis.call('HSET', KEYS[5], ARGV[6], generation .. '|' .. ARGV[7])
-local limit = tonumber(ARGV[8])
-while length > limit do
-  local old = redis.call('RPOP', KEYS[4])
-  local old_id = string.match(old, '^[^|]*|[^|]*|[^|]*|[^|]*|([^|]*)|')
-  if old_id then
-    redis.call('HDEL', KEYS[5], old_id)
-  end
-  length = length - 1
-end
-return {'committed', generation, state_version, expires, now_ms}
+return finish()
