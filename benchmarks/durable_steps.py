@@ -347,7 +347,8 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
         lease = store.acquire(run_id, owner=owner, ttl_ms=600_000)
         if lease is None:
             raise RuntimeError("could not acquire the benchmark run's lease")
-        snap = store.read_run(run_id, with_checkpoint=True)  # as a worker's job does
+        snap = lease.read(with_checkpoint=True)  # as a worker's job does (it also answers
+        # the restore's high-water check)
         if snap.checkpoint is None:
             raise RuntimeError("the benchmark run has no checkpoint")
         engine = RunEngine.resume(snap.checkpoint, archive=snap.archive, scenario=scenario,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 from importlib import resources
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import ratchet.leasing
 from ratchet.errors import RunNotFoundError, StoreProtocolError
 from ratchet.leasing import Lease
+from ratchet.leasing.keys import check_id
 from ratchet.leasing.replies import (
     decode_acquire,
     decode_commit,
@@ -131,3 +133,20 @@ def test_a_counted_reply_decodes_its_integer_or_names_the_missing_run() -> None:
     assert decode_counted([b"posted", 3], "r-1", script="post_evidence", ok="posted") == 3
     with pytest.raises(RunNotFoundError):
         decode_counted([b"no_run"], "r-1", script="post_evidence", ok="posted")
+
+
+def test_commit_ids_are_unique_valid_and_a_forked_child_draws_its_own_prefix() -> None:
+    ids = [ratchet.leasing.new_commit_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    for commit_id in ids[:3]:
+        assert check_id(commit_id, "commit_id") == commit_id and "|" not in commit_id
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report one id and leave at once
+        os.write(write, ratchet.leasing.new_commit_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 200).decode()
+    os.close(read)
+    os.close(write)
+    assert child.rsplit("-", 1)[0] != ids[-1].rsplit("-", 1)[0]

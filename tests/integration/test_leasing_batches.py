@@ -201,6 +201,27 @@ def test_a_batch_that_crosses_the_history_limit_trims_history_and_commit_ids_tog
     assert store.read_run(run_id, with_checkpoint=True).checkpoint == b"g6"
 
 
+def test_a_long_history_is_trimmed_in_steps_of_an_eighth_of_its_limit(
+        redis_client: Any, new_run_id: Callable[[], str]) -> None:
+    store = RedisStore(redis_client, history_limit=16)  # trimmed once over 18 entries
+    run_id = new_run_id()
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"c")
+    key = RunKey("t", run_id, "e")
+    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    lengths = []
+    for generation in range(1, 30):
+        run.advance(key, expected_generation=generation, blob=b"g%d" % (generation + 1))
+        lengths.append(len(_history(store, run_id)))
+    # Generation g leaves g entries until 18; the 19th is trimmed back to 16, and so on.
+    assert lengths == [*range(2, 19), 16, 17, 18, 16, 17, 18, 16, 17, 18, 16, 17, 18]
+    newest = _history(store, run_id)
+    assert newest[-1][0] == 30 and [g for g, _, _ in newest] == list(
+        range(31 - len(newest), 31))
+    ids = {k.decode() for k in redis_client.hkeys(run_keys(run_id).commits)}
+    assert ids == {c for _, _, c in newest}
+
+
 @pytest.mark.parametrize("argv", [
     ["w1", 1, 1, 64, 0],                                     # no commits
     ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b""],      # nonce count missing

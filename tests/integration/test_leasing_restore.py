@@ -104,3 +104,43 @@ def test_an_engine_whose_lease_was_taken_over_cannot_commit(
 
 def run_key_of(world: dict[str, Any]) -> RunKey:
     return RunKey(world["scenario"].task_id, world["run_id"], "ws-a")
+
+
+def test_a_read_under_the_lease_answers_the_restores_high_water_check_once(
+        store: RedisStore, world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    RunEngine.start(world["run_id"], **ports(world, store.creator(world["scenario_bytes"])))
+    run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=60_000)
+    assert run is not None
+    snap = run.read(with_checkpoint=True, with_scenario=True)
+    assert snap.scenario == world["scenario_bytes"] and snap.checkpoint is not None
+    reads: list[str] = []
+    original = store.read_run
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append("read_run")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(store, "read_run", counted)
+    engine = RunEngine.resume(snap.checkpoint, lease_version=run.lease_version,
+                              **ports(world, run))
+    assert reads == []  # the restore's high-water check was the read above
+    engine.propose(read_action(engine, world["clock"]))
+    # Once used (and after a commit), every later check reads Redis again.
+    assert run.high_water(engine.key) == 2 and reads == ["read_run"]
+    # An older checkpoint is still refused: the snapshot proves nothing about it.
+    run.read(with_checkpoint=True)
+    with pytest.raises(CheckpointError) as err:
+        RunEngine.resume(snap.checkpoint, lease_version=run.lease_version,
+                         **ports(world, run))
+    assert err.value.reason == "stale_generation"
+
+
+def test_a_read_under_a_lease_that_was_taken_over_is_refused(
+        store: RedisStore, world: dict[str, Any], expire: Any) -> None:
+    RunEngine.start(world["run_id"], **ports(world, store.creator(world["scenario_bytes"])))
+    run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=60)
+    assert run is not None
+    expire(store, world["run_id"])
+    assert store.acquire(world["run_id"], owner="worker-2", ttl_ms=60_000) is not None
+    with pytest.raises(LeaseLostError):
+        run.read()

@@ -111,6 +111,7 @@ def test_expired_lease_is_taken_over_with_a_higher_version_and_the_late_owner_is
     assert renew_err.value.reason == "expired"
     second = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
     assert second is not None and second.lease_version == first.lease_version + 1
+    assert not first.took_over and second.took_over  # free at first, then expired
     with pytest.raises(LeaseLostError) as late:
         first.commit(b"late")
     assert late.value.current_owner == "w2" and late.value.current_lease_version == 2
@@ -122,6 +123,10 @@ def test_expired_lease_is_taken_over_with_a_higher_version_and_the_late_owner_is
     assert snap.generation == 1 and snap.checkpoint == b"ckpt-1"
     second.commit(b"second")
     assert store.read_run(key.run_id).generation == 2
+    # A live lease re-acquired by its own owner (a higher version) is no takeover.
+    again = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
+    assert again is not None and not again.took_over
+    assert again.lease_version == second.lease_version + 1
 
 
 def test_commit_after_expiry_is_refused_even_before_anyone_takes_over(

@@ -26,6 +26,8 @@ travels beside it.
 
 from __future__ import annotations
 
+import itertools
+import os
 import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -47,9 +49,30 @@ if TYPE_CHECKING:
     from ratchet.leasing.store import RedisStore
 
 
+class _CommitIds:
+    """Commit ids: a random 96-bit prefix per process and a counter, so an id costs no
+    system call (a fresh random draw per commit did) and stays unique: a forked child
+    draws a new prefix."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.prefix = "c-" + secrets.token_hex(12) + "-"
+        self.counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self.prefix}{next(self.counter):x}"
+
+
+_IDS = _CommitIds()
+os.register_at_fork(after_in_child=_IDS.reset)
+
+
 def new_commit_id() -> str:
-    """A fresh random commit id (128 bits)."""
-    return "c-" + secrets.token_hex(16)
+    """A fresh commit id, unique across processes and restarts (a random 96-bit
+    per-process prefix and a counter)."""
+    return _IDS.next()
 
 
 __all__ = ["LeasedRun", "RunCreator", "new_commit_id"]
@@ -70,6 +93,8 @@ class LeasedRun:
         self._env_instance_id = acquired.env_instance_id
         self._generation = acquired.generation
         self._state_version = acquired.state_version
+        self._took_over = acquired.took_over
+        self._primed: RunSnapshot | None = None  # see read()
 
     def __repr__(self) -> str:
         return (f"LeasedRun(run_id={self.run_id!r}, owner={self.owner!r}, "
@@ -107,35 +132,67 @@ class LeasedRun:
         return self._ttl_ms
 
     @property
+    def took_over(self) -> bool:
+        """Whether the acquire took the lease over from an owner whose lease had expired."""
+        return self._took_over
+
+    @property
     def fence(self) -> Fence:
         """The fence for adapter writes: ``(run_id, lease_version, state_version)``."""
         return self._lease.fence(self._state_version)
 
     # -- GenerationStore ---------------------------------------------------------------
 
+    def read(self, *, with_checkpoint: bool = True, with_scenario: bool = False) -> RunSnapshot:
+        """Read the run under this lease (one step): its checkpoint, archive and, when
+        asked, its scenario, with the high-water mark they belong to.
+
+        The snapshot also answers this handle's next ``high_water`` or ``load`` (once, and
+        only while nothing was committed through the handle since), so restoring the
+        checkpoint just read costs no second read: both come from the same atomic read,
+        taken while this lease was live.
+
+        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError, LeaseLostError
+        (the lease is no longer this handle's).
+        """
+        snap = self._store.read_run(self.run_id, with_checkpoint=with_checkpoint,
+                                    with_scenario=with_scenario)
+        self._check_live(snap)
+        self._generation, self._state_version = snap.generation, snap.state_version
+        self._primed = snap
+        return snap
+
     def _snapshot(self, key: RunKey, *, with_checkpoint: bool) -> RunSnapshot:
         if key.run_id != self.run_id:
             raise HighWaterUnavailableError("the key names another run", run_id=self.run_id,
                                             requested_run_id=key.run_id)
-        try:
-            snap = self._store.read_run(self.run_id, with_checkpoint=with_checkpoint)
-        except (RunNotFoundError, StoreUnavailableError) as exc:
-            raise HighWaterUnavailableError("no high-water mark could be read",
-                                            run_id=self.run_id,
-                                            cause=type(exc).__name__) from exc
+        primed, self._primed = self._primed, None
+        if primed is not None and primed.generation == self._generation and (
+                primed.checkpoint is not None or not with_checkpoint):
+            snap = primed
+        else:
+            try:
+                snap = self._store.read_run(self.run_id, with_checkpoint=with_checkpoint)
+            except (RunNotFoundError, StoreUnavailableError) as exc:
+                raise HighWaterUnavailableError("no high-water mark could be read",
+                                                run_id=self.run_id,
+                                                cause=type(exc).__name__) from exc
         if (key.task_id, key.env_instance_id) != (snap.task_id, snap.env_instance_id):
             raise HighWaterUnavailableError(
                 "the key's task or environment instance is not this run's",
                 run_id=self.run_id, reason="key_mismatch")
+        self._check_live(snap)
+        self._generation = snap.generation
+        self._state_version = snap.state_version
+        return snap
+
+    def _check_live(self, snap: RunSnapshot) -> None:
         if not snap.is_held_by(self.owner, self.lease_version):
             raise LeaseLostError(
                 "the lease is no longer held", run_id=self.run_id, owner=self.owner,
                 lease_version=self.lease_version, current_owner=snap.owner,
                 current_lease_version=snap.lease_version, expires_at_ms=snap.expires_at_ms,
                 now_ms=snap.now_ms, reason="not_live")
-        self._generation = snap.generation
-        self._state_version = snap.state_version
-        return snap
 
     def high_water(self, key: RunKey) -> int:
         """The authoritative high-water generation.

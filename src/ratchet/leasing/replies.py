@@ -149,7 +149,10 @@ def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHo
     script = "acquire_lease"
     status, f = _split(reply, script)
     if status == "acquired":
-        _arity(f, 7, script, status)
+        _arity(f, 8, script, status)
+        took_over = _int(f[7], script, "took_over")
+        if took_over not in (0, 1):
+            _fail("took_over is not 0 or 1", script, run_id=run_id)
         lease = Lease(run_id=run_id, owner=owner,
                       lease_version=_int(f[0], script, "lease_version"),
                       expires_at_ms=_int(f[1], script, "expires_at_ms"),
@@ -157,7 +160,8 @@ def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHo
         return Acquired(lease=lease, generation=_int(f[3], script, "generation"),
                         state_version=_int(f[4], script, "state_version"),
                         task_id=_text(f[5], script, "task_id"),
-                        env_instance_id=_text(f[6], script, "env_instance_id"))
+                        env_instance_id=_text(f[6], script, "env_instance_id"),
+                        took_over=took_over == 1)
     if status == "held":
         _arity(f, 4, script, status)
         return LeaseHolder(run_id=run_id, owner=_text(f[0], script, "owner"),

@@ -44,6 +44,7 @@ class Acquired:
     state_version: int
     task_id: str
     env_instance_id: str
+    took_over: bool = False  # the lease had an owner whose lease had expired
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,13 +177,12 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
              events: EventLog | None) -> JobReport:
     settings = fleet.settings
     owner = owner or _owner(fleet)
-    took_over = metrics.expired_holder(fleet.store, run_id)  # a read, for the metric only
     acquired_at = time.monotonic()
     got = fleet.store.try_acquire(run_id, owner=owner, ttl_ms=settings.lease_ttl_ms)
     if isinstance(got, LeaseHolder):
         return JobReport(run_id, "held_elsewhere", detail=f"held by {got.owner}")
     lease: LeasedRun = got
-    metrics.lease_acquired(took_over=took_over)
+    metrics.lease_acquired(took_over=lease.took_over)
     report = JobReport(run_id, "lease_lost", lease_version=lease.lease_version)
     points = probe if isinstance(probe, Failpoints) else None
     wires = _tripwires(fleet, lease, points, events)
@@ -200,7 +199,8 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
     log_context = logs.enter_run(run_id, lease_version=lease.lease_version,
                                  generation=lease.generation)
     try:
-        snap = fleet.store.read_run(run_id, with_checkpoint=True, with_scenario=True)
+        # Under the lease: the restore's high-water check is answered by this same read.
+        snap = lease.read(with_checkpoint=True, with_scenario=True)
         try:
             if snap.checkpoint is None or snap.scenario is None:
                 raise IntegrityError("the run has no checkpoint or document", run_id=run_id)

@@ -59,7 +59,6 @@ from ratchet.errors import (
     ConfigurationError,
     GenerationMismatchError,
     LeaseLostError,
-    RatchetError,
     StaleStateError,
 )
 from ratchet.runtime import Phase, RunState
@@ -80,7 +79,6 @@ __all__ = [
     "STALE_ADAPTER_WRITES",
     "STALE_COMMITS",
     "MetricsEndpoint",
-    "expired_holder",
     "lease_acquired",
     "lease_lost",
     "metrics_port",
@@ -140,20 +138,6 @@ def lease_lost(reason: str) -> None:
     label = next((name for prefix, name in _LOST_REASONS if reason.startswith(prefix)),
                  "other")
     LEASES_LOST.labels(reason=label).inc()
-
-
-def expired_holder(store: Any, run_id: str) -> bool:
-    """Whether the run's lease is, right now, held by someone whose lease expired.
-
-    Read just before an acquire: if the acquire then succeeds, it took the lease over from
-    a holder that died, stalled or was paused. Never raises (metrics must not change what
-    a job does); an unreadable run counts as no takeover.
-    """
-    try:
-        snap = store.read_run(run_id)
-    except RatchetError:
-        return False
-    return bool(snap.owner) and not snap.lease_live
 
 
 @contextmanager

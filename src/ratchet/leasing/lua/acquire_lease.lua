@@ -17,7 +17,8 @@
 --
 -- Replies:
 --   {"acquired", lease_version, expires_at_ms, now_ms, generation, state_version,
---    task_id, env_instance_id}
+--    task_id, env_instance_id, took_over}   took_over: 1 when the lease had an owner whose
+--                                           lease had expired (a takeover), else 0
 --   {"held", owner, lease_version, expires_at_ms, now_ms}  another live owner holds it
 --   {"no_run"}
 --
@@ -38,6 +39,10 @@ if owner ~= '' and owner ~= ARGV[1] and now_ms < expires then
   return {'held', owner, version, expires, now_ms}
 end
 
+local took_over = 0
+if owner ~= '' and now_ms >= expires then
+  took_over = 1
+end
 version = version + 1
 expires = now_ms + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_version', version,
@@ -47,4 +52,5 @@ if #KEYS >= 3 then
 end
 local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version', 'task_id',
   'env_instance_id')
-return {'acquired', version, expires, now_ms, tonumber(st[1]), tonumber(st[2]), st[3], st[4]}
+return {'acquired', version, expires, now_ms, tonumber(st[1]), tonumber(st[2]), st[3], st[4],
+  took_over}

@@ -53,8 +53,9 @@
 -- remembered. The checkpoint key and the state hash are written once, for the last commit
 -- applied (an earlier checkpoint of the batch is superseded inside this one atomic script,
 -- so no reader could ever see it; its digest stays in the history). The history and the
--- commit-id hash are trimmed together to ARGV[4] entries. The archive is never trimmed:
--- it is the run's evidence.
+-- commit-id hash are trimmed together to the newest ARGV[4] entries once they exceed it
+-- by an eighth (so trimming runs once per ARGV[4] / 8 commits, not on every one). The
+-- archive is never trimmed: it is the run's evidence.
 --
 -- Nonces: this script consumes them for this run only (the per-run set lives in this
 -- run's slot). The global record that stops a nonce from being used by a second run is a
@@ -106,7 +107,7 @@ local function finish()
     local length = redis.call('LPUSH', KEYS[4], unpack(history))
     redis.call('HSET', KEYS[5], unpack(commit_ids))
     local limit = tonumber(ARGV[4])
-    if length > limit then
+    if length > limit + math.floor(limit / 8) then
       local old = redis.call('LRANGE', KEYS[4], limit, -1)
       redis.call('LTRIM', KEYS[4], 0, limit - 1)
       local gone = {}
