@@ -14,8 +14,10 @@ process:
   One step = the pending-intent commit, the adapter's fsync'd append, the receipt + state
   commit: **two** fenced, signed commits (counted from the generation high-water mark,
   reported as ``ratchet_commits_per_step``). The engine coalesces: a write's receipt
-  commit is sent in one pipeline with the next write's intent commit, so one AOF fsync
-  covers both; the last one is flushed before the lease is released. Runs archive their
+  commit is sent in one call of the commit script with the next write's intent commit, so
+  one AOF fsync covers both; the last one is flushed with the lease's release in the same
+  call, as a worker's job ends. The lease is read once (``LeasedRun.read``), which also
+  answers the restore's high-water check. Runs archive their
   trace (``archive_trace=True``, the worker's default): each commit carries the run's
   head and the segment of trace events and receipts that is new, not the whole history.
 * **ratchet_separate**: the same with ``coalesce=False``: every commit is its own round
@@ -363,7 +365,9 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
                                     agent_state={"cursor": index, "plan_length": steps})
             if result.outcome is not TraceOutcome.EXECUTED:
                 raise RuntimeError(f"step {index} ended {result.outcome.value}")
-        engine.flush()  # the last write's receipt commit, before the lease goes
+        # The last write's receipt commit, carrying the release (as a worker's job ends).
+        lease.release_with_next_commit()
+        engine.flush()
         stats["commits_in_steps"] += engine.generation - before
         stats["trips_in_steps"] += stats["round_trips"] - trips
         stats["steps"] += steps

@@ -18,7 +18,7 @@ from ratchet.errors import (
     RunExistsError,
     StoreProtocolError,
 )
-from ratchet.leasing import RedisStore, run_keys
+from ratchet.leasing import EXPIRY_INDEX, RedisStore, run_keys
 from ratchet.leasing.replies import batch_entries, decode_commit
 from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.ports import Advance, RunKey
@@ -264,3 +264,61 @@ def test_a_reply_that_stops_short_without_a_refusal_is_a_protocol_error(
                         lambda *_: [[b"committed", 2, 2, 10**13, 10**12]])
     with pytest.raises(StoreProtocolError):
         run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+
+
+@pytest.mark.parametrize("reap", [False, True])
+def test_the_last_commit_can_carry_the_release_in_the_same_call(
+        store: RedisStore, make_run: MakeRun, reap: bool) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    run.release_with_next_commit(reap=reap)
+    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+    snap = store.read_run(key.run_id, with_checkpoint=True)
+    assert (snap.generation, snap.checkpoint, snap.owner) == (3, b"g3", None)
+    assert not snap.lease_live and snap.lease_version == run.lease_version
+    scored = store.client.zscore(EXPIRY_INDEX, key.run_id)
+    assert (scored is not None) is reap  # reap: handed on at once; drop: off the index
+    released = run.release()  # reports the release the commit carried: no second call
+    assert released.lease_version == run.lease_version
+    # The next holder gets a higher version, as after any release.
+    again = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
+    assert again is not None and again.lease_version == run.lease_version + 1
+
+
+def test_a_refused_commit_carries_no_release(store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    run.release_with_next_commit()
+    with pytest.raises(GenerationMismatchError):
+        run.advance(key, expected_generation=5, blob=b"g6")
+    snap = store.read_run(key.run_id)
+    assert snap.generation == 1 and snap.is_held_by("w1", run.lease_version)
+    run.release()  # nothing was carried: an ordinary release
+    assert store.read_run(key.run_id).owner is None
+
+
+def test_a_release_carried_by_a_retried_commit_is_applied_once(
+        store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    dropped = lose_first_reply(store)
+    run.release_with_next_commit()
+    run.advance(key, expected_generation=1, blob=b"g2")
+    assert dropped
+    snap = store.read_run(key.run_id)
+    assert snap.generation == 2 and snap.owner is None
+    assert [g for g, _, _ in _history(store, key.run_id)] == [1, 2]
+
+
+def test_without_a_commit_the_armed_release_is_an_ordinary_one(
+        store: RedisStore, make_run: MakeRun) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    run.release_with_next_commit(reap=True)
+    run.release()
+    assert store.read_run(key.run_id).owner is None
+    assert store.client.zscore(EXPIRY_INDEX, key.run_id) is not None  # the armed mode

@@ -10,7 +10,7 @@ import pytest
 from redis.crc import key_slot
 
 from ratchet.errors import GenerationMismatchError, LeaseLostError, NonceReplayError
-from ratchet.leasing import LocalCluster, RedisStore, run_keys
+from ratchet.leasing import EXPIRY_INDEX, LocalCluster, RedisStore, run_keys
 from ratchet.runtime.ports import Advance, RunKey
 
 pytestmark = pytest.mark.cluster
@@ -116,3 +116,9 @@ def test_batched_commits_and_archives_run_on_every_master_also_after_script_flus
         with pytest.raises(GenerationMismatchError):
             run.advance_many(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
         assert store.read_run(run_id).generation == 3
+        # The last commit carries the release; the expiry index (another slot) follows.
+        run.release_with_next_commit(reap=True)
+        run.advance_many(key, [Advance(3, b"g4")])
+        snap = store.read_run(run_id)
+        assert snap.generation == 4 and snap.owner is None
+        assert store.client.zscore(EXPIRY_INDEX, run_id) is not None

@@ -95,6 +95,8 @@ class LeasedRun:
         self._state_version = acquired.state_version
         self._took_over = acquired.took_over
         self._primed: RunSnapshot | None = None  # see read()
+        self._release_mode: bool | None = None  # armed: reap? (see release_with_next_commit)
+        self._released: Released | None = None
 
     def __repr__(self) -> str:
         return (f"LeasedRun(run_id={self.run_id!r}, owner={self.owner!r}, "
@@ -223,11 +225,7 @@ class LeasedRun:
         CommitOutcomeUnknownError (re-read before acting), ContractError (the key names
         another run, task or environment instance), StoreProtocolError.
         """
-        self._check_key(key)
-        if expected_generation == 0:
-            raise RunExistsError("the run exists; create runs with RedisStore.create_run",
-                                 run_id=self.run_id)
-        self.commit(blob, generation=expected_generation + 1, nonces=nonces, segment=segment)
+        self.advance_many(key, [Advance(expected_generation, blob, tuple(nonces), segment)])
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         """Commit a batch of consecutive generations in one round trip, each fenced by
@@ -246,9 +244,15 @@ class LeasedRun:
                                                checkpoint=c.blob, nonces=c.nonces,
                                                segment=c.segment)
                     for c in commits]
-        self._store.commit_many(self._lease, prepared,
-                                expected_state_version=self._state_version,
-                                applied=self._apply)
+        reap, self._release_mode = self._release_mode, None
+        if reap is None:
+            self._store.commit_many(self._lease, prepared,
+                                    expected_state_version=self._state_version,
+                                    applied=self._apply)
+        else:
+            _, self._released = self._store.commit_and_release(
+                self._lease, prepared, expected_state_version=self._state_version,
+                reap=reap, applied=self._apply)
 
     def _check_key(self, key: RunKey) -> None:
         if (key.run_id, key.task_id, key.env_instance_id) != (
@@ -282,9 +286,22 @@ class LeasedRun:
         self._lease = self._store.renew(self._lease, ttl_ms=ttl_ms or self._ttl_ms)
         return self._lease
 
+    def release_with_next_commit(self, *, reap: bool = False) -> None:
+        """Let the next commit through this handle (``advance`` or ``advance_many``, e.g.
+        the engine's final flush) give the lease up in the same script call, once every
+        commit in it applied (see :meth:`RedisStore.commit_and_release`); a refused commit
+        releases nothing. :meth:`release` then returns that outcome without a call of its
+        own, or releases as usual when no commit was sent (with this ``reap``)."""
+        self._release_mode = reap
+
     def release(self, *, reap: bool = False) -> Released:
-        """Give the lease up (see :meth:`RedisStore.release`). Raises LeaseLostError."""
-        return self._store.release(self._lease, reap=reap)
+        """Give the lease up (see :meth:`RedisStore.release`), unless the last commit
+        already did (:meth:`release_with_next_commit`). Raises LeaseLostError."""
+        released, self._released = self._released, None
+        armed, self._release_mode = self._release_mode, None
+        if released is not None:
+            return released
+        return self._store.release(self._lease, reap=reap if armed is None else armed)
 
 
 class RunCreator:

@@ -279,13 +279,18 @@ class RedisStore(RunRecords):
                           [lease.owner, lease.lease_version,
                            *([lease.run_id, "reap" if reap else "drop"] if inline else [])])
         released = decode_release(reply, lease)
-        if not inline and reap:
-            self._call("expiry index", lease.run_id, lambda: self._client.zadd(
-                EXPIRY_INDEX, {lease.run_id: released.now_ms}))
-        elif not inline:
-            self._call("expiry index", lease.run_id,
-                       lambda: self._client.zrem(EXPIRY_INDEX, lease.run_id))
+        if not inline:
+            self._index_released(lease.run_id, released, reap=reap)
         return released
+
+    def _index_released(self, run_id: str, released: Released, *, reap: bool) -> None:
+        """The expiry index after a release, where scripts cannot reach it (Cluster)."""
+        if reap:
+            self._call("expiry index", run_id, lambda: self._client.zadd(
+                EXPIRY_INDEX, {run_id: released.now_ms}))
+        else:
+            self._call("expiry index", run_id,
+                       lambda: self._client.zrem(EXPIRY_INDEX, run_id))
 
     # -- nonces -----------------------------------------------------------------------
 
@@ -323,16 +328,18 @@ class RedisStore(RunRecords):
     # -- commits ----------------------------------------------------------------------
 
     def _commit_call(self, lease: Lease, commits: Sequence[PreparedCommit],
-                     expected_state_version: int) -> tuple[list[str], list[str | bytes | int]]:
+                     expected_state_version: int, release: str,
+                     ) -> tuple[list[str], list[str | bytes | int]]:
         keys = run_keys(lease.run_id)
+        index = [EXPIRY_INDEX] if release and self._inline_indexes else []
         args: list[str | bytes | int] = [lease.owner, lease.lease_version,
                                          expected_state_version, self.history_limit,
-                                         len(commits)]
+                                         len(commits), release, lease.run_id]
         for commit in commits:
             args += [commit.generation, commit.stored or commit.checkpoint, commit.commit_id,
                      commit.digest, commit.segment, len(commit.nonces), *commit.nonces]
         return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
-                 keys.archive], args)
+                 keys.archive, *index], args)
 
     def prepare_commit(self, run_id: str, *, generation: int, checkpoint: bytes,
                        commit_id: str | None = None, nonces: Sequence[str] = (),
@@ -402,9 +409,39 @@ class RedisStore(RunRecords):
 
         Raises what :meth:`commit` raises.
         """
+        results, _ = self._commit_batch(lease, commits, expected_state_version, "", applied)
+        return results
+
+    def commit_and_release(self, lease: Lease, commits: Sequence[PreparedCommit], *,
+                           expected_state_version: int, reap: bool = False,
+                           applied: Callable[[CommitResult], None] | None = None,
+                           ) -> tuple[list[CommitResult], Released]:
+        """:meth:`commit_many`, then the lease given up in the same script call once every
+        commit applied (as :meth:`release` with ``reap`` would): a job's last commit and
+        its release cost one round trip and one fsync. A refused commit releases nothing.
+
+        Raises what :meth:`commit_many` raises, and LeaseLostError when every commit had
+        been applied before (a retry) and the lease has moved on since.
+        """
+        if not commits:
+            raise ContractError("commit_and_release needs at least one commit",
+                                field="commits", run_id=lease.run_id)
+        results, released = self._commit_batch(lease, commits, expected_state_version,
+                                                "reap" if reap else "drop", applied)
+        if released is None:  # for the type checker: _commit_batch decoded the release
+            raise StoreProtocolError("the commit script did not release the lease",
+                                     run_id=lease.run_id, script="commit")
+        if not self._inline_indexes:
+            self._index_released(lease.run_id, released, reap=reap)
+        return results, released
+
+    def _commit_batch(self, lease: Lease, commits: Sequence[PreparedCommit],
+                      expected_state_version: int, release: str,
+                      applied: Callable[[CommitResult], None] | None,
+                      ) -> tuple[list[CommitResult], Released | None]:
         run_id = lease.run_id
         if not commits:
-            return []
+            return [], None
         for index, commit in enumerate(commits[1:], start=1):
             if commit.generation != commits[0].generation + index:
                 raise ContractError("a batch's generations must be consecutive",
@@ -412,7 +449,8 @@ class RedisStore(RunRecords):
         nonces = [nonce for commit in commits for nonce in commit.nonces]
         if nonces:
             self.claim_nonces(run_id, nonces)
-        keys, args = self._commit_call(lease, commits, expected_state_version)
+        keys, args = self._commit_call(lease, commits, expected_state_version, release)
+        expected_entries = len(commits) + (1 if release else 0)
         last: Exception | None = None
         for _attempt in range(1 + self.commit_retries):
             # Timeline of a lost reply: the script ran (or not), the connection dropped
@@ -430,19 +468,19 @@ class RedisStore(RunRecords):
             if hook is not None and any([hook(run_id, c.commit_id) for c in commits]):
                 last = RedisError("commit reply dropped by a drill hook")
                 continue
+            entries = batch_entries(reply, expected_entries)
             results = []
-            for index, (commit, entry) in enumerate(
-                    zip(commits, batch_entries(reply, len(commits)), strict=False)):
+            for index, (commit, entry) in enumerate(zip(commits, entries, strict=False)):
                 result = decode_commit(
                     entry, lease, commit_id=commit.commit_id, generation=commit.generation,
                     expected_state_version=expected_state_version + index)
                 if applied is not None:
                     applied(result)
                 results.append(result)
-            if len(results) != len(commits):  # a shorter reply must end in a refusal
+            if len(entries) != expected_entries:  # a shorter reply must end in a refusal
                 raise StoreProtocolError("the commit script stopped without a refusal",
                                          run_id=run_id, script="commit")
-            return results
+            return results, (decode_release(entries[-1], lease) if release else None)
         raise CommitOutcomeUnknownError(
             "no reply to the commit; re-read the run before acting", run_id=run_id,
             commit_id=commits[-1].commit_id, generation=commits[-1].generation,

@@ -359,26 +359,30 @@ class _HeldLease:
     def generation(self) -> int:
         return self._lease.generation
 
-    def release(self, *, reap: bool = False) -> None:
+    def release(self, *, reap: bool = False, flush: RunEngine | None = None) -> None:
+        """Stop the heartbeat, then give the lease up; with ``flush``, the engine's held
+        commit goes first and carries the release in the same round trip."""
         self._heartbeat.stop()
+        if flush is not None and flush.held_commits:
+            self._lease.release_with_next_commit(reap=reap)
+            flush.flush()
         self._lease.release(reap=reap)
 
 
 def _finish(lease: _HeldLease, engine: RunEngine, report: JobReport) -> None:
-    engine.flush()  # a held receipt commit goes out before the lease does
-    report.generation = engine.generation
+    # The engine's state already includes any held commit: decide, then send that commit
+    # with the release (a held receipt commit goes out before the lease does).
     phase = engine.state.phase
     if phase in TERMINAL_PHASES:
-        report.outcome = "finished"
-        lease.release()
+        report.outcome, reap = "finished", False
     elif phase in (Phase.AWAITING_APPROVAL, Phase.NEEDS_REVIEW):
-        report.outcome = "waiting"
-        lease.release()  # off the reaper's index; approve / review re-enqueue it
+        report.outcome, reap = "waiting", False  # approve / review re-enqueue it
     elif report.outcome == "no_proposal":
-        lease.release()  # the agent is done proposing but the run is not: an operator looks
+        reap = False  # the agent is done proposing but the run is not: an operator looks
     else:
-        report.outcome = "yielded"
-        lease.release(reap=True)  # another worker continues at once
+        report.outcome, reap = "yielded", True  # another worker continues at once
+    lease.release(reap=reap, flush=engine)
+    report.generation = engine.generation
 
 
 def _refuse(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: RatchetError) -> None:

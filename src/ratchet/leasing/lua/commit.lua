@@ -9,6 +9,8 @@
 -- KEYS[5]  commit ids hash     ratchet:{<run>}:commits
 -- KEYS[6]  consumed nonces set ratchet:{<run>}:nonces
 -- KEYS[7]  archive list        ratchet:{<run>}:archive
+-- KEYS[8]  optional: the expiry index ratchet:index:expiry (zset), on a single Redis only,
+--          updated when the batch releases the lease (see release_lease)
 --
 -- ARGV[1]  owner id (text)
 -- ARGV[2]  lease version the caller holds (integer)
@@ -16,7 +18,12 @@
 --          expects ARGV[3] + i - 1, so it can only apply after every commit before it)
 -- ARGV[4]  history limit (integer entries, >= 1)
 -- ARGV[5]  number of commits in the batch (integer, >= 1)
--- ARGV[6..] one group per commit, in generation order:
+-- ARGV[6]  release: "" keeps the lease; "drop" or "reap" releases it once every commit of
+--          the batch applied (or was already applied), exactly as release_lease would
+--          with that mode: owner cleared, expiry set to now, the run taken off the expiry
+--          index ("drop") or scored now in it ("reap")
+-- ARGV[7]  the run id (text; the expiry index member, used with KEYS[8] only)
+-- ARGV[8..] one group per commit, in generation order:
 --          generation of the checkpoint (integer; must be high-water + 1)
 --          checkpoint (bytes, signed by the caller, opaque to the script)
 --          commit id (text, no '|')
@@ -36,6 +43,15 @@
 --   {"stale_state", generation, state_version}
 --   {"nonce_replayed", nonce}
 --   {"bad_batch"}   (the only entry) the ARGV groups do not add up; nothing was read
+-- and, after the last commit's entry when ARGV[6] asks for a release and every commit
+-- applied:
+--   {"released", lease_version, now_ms}
+--   {"lost", owner, lease_version, expires_at_ms, now_ms}  (only when every commit was
+--                                                          already applied: the lease
+--                                                          moved on since)
+-- A retry whose commits were all applied and whose lease version has no owner any more
+-- (released by the first send; an acquire would have raised the version) answers
+-- "released" again and writes nothing.
 --
 -- Order of checks for each commit (the first that fails decides its entry; nothing of it
 -- is written then):
@@ -66,11 +82,12 @@
 
 -- The layout is checked whole before anything is read or written.
 local count = tonumber(ARGV[5])
-if not count or count < 1 then
+local release = ARGV[6]
+if not count or count < 1 or (release ~= '' and release ~= 'drop' and release ~= 'reap') then
   return {{'bad_batch'}}
 end
 local groups = {}
-local pos = 6
+local pos = 8
 for c = 1, count do
   local nonce_count = tonumber(ARGV[pos + 5])
   if not nonce_count or nonce_count < 0 or pos + 5 + nonce_count > #ARGV then
@@ -95,8 +112,20 @@ local now_ms, owner, version, expires
 local last_ckpt, last_id
 local segments, history, commit_ids = {}, {}, {}
 
--- Write what the applied commits of the batch changed, then reply.
-local function finish()
+local function read_lease()
+  if not now_ms then
+    local t = redis.call('TIME')
+    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local lease = redis.call('HMGET', KEYS[1], 'owner', 'lease_version', 'expires_at_ms')
+    owner = lease[1] or ''
+    version = tonumber(lease[2] or '0')
+    expires = tonumber(lease[3] or '0')
+  end
+end
+
+-- Write what the applied commits of the batch changed (and release the lease when asked
+-- and nothing was refused), then reply.
+local function finish(refused)
   if last_ckpt then
     redis.call('SET', KEYS[3], last_ckpt)
     if #segments > 0 then
@@ -122,6 +151,28 @@ local function finish()
       end
     end
   end
+  if release ~= '' and not refused then
+    read_lease()
+    if owner == '' and version == tonumber(ARGV[2]) and not last_ckpt then
+      -- A retry: every commit was applied and this lease version was released since
+      -- (an acquire would have raised the version), by this batch's first send.
+      replies[#replies + 1] = {'released', version, now_ms}
+      return replies
+    end
+    if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
+      replies[#replies + 1] = {'lost', owner, version, expires, now_ms}
+      return replies
+    end
+    redis.call('HSET', KEYS[1], 'owner', '', 'expires_at_ms', now_ms)
+    if #KEYS >= 8 then
+      if release == 'reap' then
+        redis.call('ZADD', KEYS[8], now_ms, ARGV[7])
+      else
+        redis.call('ZREM', KEYS[8], ARGV[7])
+      end
+    end
+    replies[#replies + 1] = {'released', version, now_ms}
+  end
   return replies
 end
 
@@ -137,38 +188,31 @@ for c = 1, count do
     local gen, stored_digest = string.match(seen, '^(%d+)|(.*)$')
     if stored_digest ~= digest then
       replies[#replies + 1] = {'commit_id_conflict', tonumber(gen)}
-      return finish()
+      return finish(true)
     end
     replies[#replies + 1] = {'already_applied', tonumber(gen), generation, state_version}
   else
-    if not now_ms then
-      local t = redis.call('TIME')
-      now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-      local lease = redis.call('HMGET', KEYS[1], 'owner', 'lease_version', 'expires_at_ms')
-      owner = lease[1] or ''
-      version = tonumber(lease[2] or '0')
-      expires = tonumber(lease[3] or '0')
-    end
+    read_lease()
     if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
       replies[#replies + 1] = {'lease_lost', owner, version, expires, now_ms}
-      return finish()
+      return finish(true)
     end
     if now_ms >= expires then
       replies[#replies + 1] = {'lease_expired', owner, version, expires, now_ms}
-      return finish()
+      return finish(true)
     end
     if target ~= generation + 1 then
       replies[#replies + 1] = {'generation_mismatch', generation, state_version}
-      return finish()
+      return finish(true)
     end
     if tonumber(ARGV[3]) + c - 1 ~= state_version then
       replies[#replies + 1] = {'stale_state', generation, state_version}
-      return finish()
+      return finish(true)
     end
     for i = first_nonce, last_nonce do
       if redis.call('SISMEMBER', KEYS[6], ARGV[i]) == 1 then
         replies[#replies + 1] = {'nonce_replayed', ARGV[i]}
-        return finish()
+        return finish(true)
       end
     end
     for i = first_nonce, last_nonce do
