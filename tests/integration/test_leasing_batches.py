@@ -165,20 +165,20 @@ def test_commit_many_sends_one_script_call(store: RedisStore, make_run: MakeRun,
     store.load_scripts()  # a fresh server would answer NOSCRIPT first (one more send)
     calls: list[str] = []
     client: Any = store.client
-    original_pipeline, original_evalsha = client.pipeline, client.evalsha
+    original_pipeline, original_run = client.pipeline, store._runner.run
 
     def pipeline(*args: Any, **kwargs: Any) -> Any:
         calls.append("pipeline")
         return original_pipeline(*args, **kwargs)
 
-    def evalsha(*args: Any, **kwargs: Any) -> Any:
-        calls.append("evalsha")
-        return original_evalsha(*args, **kwargs)
+    def run_script(name: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(name.value)
+        return original_run(name, *args, **kwargs)
 
     monkeypatch.setattr(client, "pipeline", pipeline)
-    monkeypatch.setattr(client, "evalsha", evalsha)
+    monkeypatch.setattr(store._runner, "run", run_script)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
-    assert calls == ["evalsha"]
+    assert calls == ["commit"]
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert snap.generation == 4 and snap.checkpoint == b"g4"
     # Only the last checkpoint of the batch reaches the checkpoint key; every one of them
@@ -261,7 +261,7 @@ def test_a_reply_that_stops_short_without_a_refusal_is_a_protocol_error(
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     monkeypatch.setattr(store._runner, "run",
-                        lambda *_: [[b"committed", 2, 2, 10**13, 10**12]])
+                        lambda *_, **__: [[b"committed", 2, 2, 10**13, 10**12]])
     with pytest.raises(StoreProtocolError):
         run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
 

@@ -176,14 +176,15 @@ def test_a_lost_commit_reply_is_retried_with_the_same_commit_id_and_reported_app
     store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
+    run.commit(b"g2")  # the commit connection is open: the reply dropped is the commit's
     proxy.drop_next_reply()
-    result = run.commit(b"g2", commit_id="c-lost-1")
+    result = run.commit(b"g3", commit_id="c-lost-1")
     assert proxy.dropped.is_set()
-    assert result.already_applied and result.generation == 2
-    assert run.generation == 2 and run.state_version == 2
+    assert result.already_applied and result.generation == 3
+    assert run.generation == 3 and run.state_version == 3
     history = store.client.lrange(run_keys(run_id).history, 0, -1)
-    assert [e.split(b"|")[0] for e in history] == [b"2", b"1"]
-    run.commit(b"g3")
+    assert [e.split(b"|")[0] for e in history] == [b"3", b"2", b"1"]
+    run.commit(b"g4")
     store.client.close()
 
 
@@ -194,15 +195,16 @@ def test_a_lost_reply_without_retries_is_an_unknown_outcome_that_a_later_retry_r
     store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
+    run.commit(b"g2")  # the commit connection is open: the reply dropped is the commit's
     proxy.drop_next_reply()
     with pytest.raises(CommitOutcomeUnknownError) as err:
-        store.commit(run.lease, generation=2, expected_state_version=1, checkpoint=b"g2",
+        store.commit(run.lease, generation=3, expected_state_version=2, checkpoint=b"g3",
                      commit_id="c-lost-2")
-    assert err.value.commit_id == "c-lost-2" and err.value.generation == 2
-    again = store.commit(run.lease, generation=2, expected_state_version=1, checkpoint=b"g2",
+    assert err.value.commit_id == "c-lost-2" and err.value.generation == 3
+    again = store.commit(run.lease, generation=3, expected_state_version=2, checkpoint=b"g3",
                          commit_id="c-lost-2")
     assert again.already_applied
-    assert store.read_run(run_id).generation == 2
+    assert store.read_run(run_id).generation == 3
     store.client.close()
 
 

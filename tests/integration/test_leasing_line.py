@@ -1,0 +1,105 @@
+"""The commit script's own connection (``ScriptRunner.run(..., hot=True)``): commits of a
+plain ``redis.Redis`` client go over one connection of the pool's making, which survives
+being killed, never crosses a fork, and is not used for any other client."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+
+from ratchet.errors import GenerationMismatchError
+from ratchet.leasing import RedisServer, RedisStore
+from ratchet.runtime.ports import RunKey
+
+
+def _run(store: RedisStore, run_id: str) -> tuple[Any, RunKey]:
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    return run, RunKey("t", run_id, "e")
+
+
+def _commit_clients(client: Any) -> set[int]:
+    """Ids of the server's connections that last ran EVALSHA."""
+    return {c["id"] for c in client.client_list() if c.get("cmd") == "evalsha"}
+
+
+def test_commits_share_one_connection_of_their_own(
+        real_redis_url: str, new_run_id: Callable[[], str]) -> None:
+    client = redis.Redis.from_url(real_redis_url)
+    store = RedisStore(client)
+    run, key = _run(store, new_run_id())
+    before = client.connection_pool._created_connections
+    for generation in range(1, 6):
+        run.advance(key, expected_generation=generation, blob=b"g%d" % (generation + 1))
+    # The pool made exactly one connection more (the line), and kept it.
+    assert client.connection_pool._created_connections == before + 1
+    assert store.read_run(key.run_id, with_checkpoint=True).checkpoint == b"g6"
+    # A refusal over the line is decoded like any other.
+    with pytest.raises(GenerationMismatchError):
+        run.advance(key, expected_generation=1, blob=b"old")
+    store._runner.close()
+    client.close()
+
+
+def test_a_killed_commit_connection_is_reopened_by_the_next_commit(
+        shared_redis_server: RedisServer, new_run_id: Callable[[], str]) -> None:
+    client = shared_redis_server.client()
+    store = RedisStore(client)
+    run, key = _run(store, new_run_id())
+    run.advance(key, expected_generation=1, blob=b"g2")
+    line = _commit_clients(client)
+    admin = shared_redis_server.client()
+    for client_id in line:
+        admin.client_kill_filter(_id=client_id)
+    run.advance(key, expected_generation=2, blob=b"g3")  # reconnects on the retry policy
+    assert store.read_run(key.run_id).generation == 3
+    assert not (_commit_clients(admin) & line)
+    store._runner.close()
+    client.close()
+    admin.close()
+
+
+def test_a_forked_child_commits_on_a_connection_of_its_own(
+        shared_redis_server: RedisServer, new_run_id: Callable[[], str]) -> None:
+    client = shared_redis_server.client()
+    store = RedisStore(client)
+    run, key = _run(store, new_run_id())
+    run.advance(key, expected_generation=1, blob=b"g2")  # the parent's line is open
+    child_run_id = new_run_id()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: commit to a run of its own, report, leave at once
+        code = 1
+        try:
+            child, child_key = _run(store, child_run_id)
+            child.advance(child_key, expected_generation=1, blob=b"c2")
+            os.write(write, b"ok")
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0 and os.read(read, 16) == b"ok"
+    os.close(read)
+    os.close(write)
+    # The parent's connection was not touched: its next reply is its own.
+    run.advance(key, expected_generation=2, blob=b"g3")
+    assert store.read_run(key.run_id).generation == 3
+    assert store.read_run(child_run_id).generation == 2
+    store._runner.close()
+    client.close()
+
+
+def test_other_clients_commit_through_the_client_itself() -> None:
+    fake = RedisStore(fakeredis.FakeRedis(server=fakeredis.FakeServer()))
+    single = RedisStore(redis.Redis(port=1, single_connection_client=False))
+    assert fake._runner._line is None
+    assert single._runner._line is not None
+    pinned = redis.Redis(port=1)
+    pinned.connection = object()  # what single_connection_client=True sets up
+    assert RedisStore(pinned)._runner._line is None
