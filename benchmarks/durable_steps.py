@@ -432,8 +432,7 @@ def _ratchet_breakdown(run_once: Callable[[int], int], runs: int,
     wrap(engine_mod.RunEngine, "propose", "step_total")
     wrap(engine_mod, "seal_checkpoint", "seal_checkpoint")
     wrap(engine_mod, "seal_split", "seal_checkpoint")  # archived runs seal with seal_split
-    wrap(LeasedRun, "advance", "redis_commit")
-    wrap(LeasedRun, "advance_many", "redis_commit")
+    wrap(LeasedRun, "advance_many", "redis_commit")  # advance() is a batch of one
     wrap(LedgerAdapter, "execute", "adapter_execute")
     wrap(LedgerAdapter, "observe", "adapter_observe")
     for name in ("propose", "record_receipt", "complete_write"):  # propose calls project

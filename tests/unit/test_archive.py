@@ -193,6 +193,28 @@ def test_a_state_that_does_not_extend_the_archive_is_not_sealed(world: World) ->
     assert world.store.high_water(run_key(engine.state)) == 1
 
 
+def test_a_schema_invalid_head_or_segment_or_a_float_is_not_sealed(world: World) -> None:
+    """The split seal checks the schema of exactly the bytes it signs and appends: a value
+    set past validation (model_copy, model_construct) is refused, in the head or in the
+    new segment, and so is a float in the agent's free-form state."""
+    engine = start(world)
+    writes(world, engine, 1)
+    archived = engine._archive
+    assert archived is not None
+    seal = lambda state: seal_split(  # noqa: E731 - a one-line helper
+        state, world.scenario, world.keyring, generation=engine.generation + 1,
+        archived=archived, previous=engine.state)
+    with pytest.raises(InvariantViolation, match="schema"):
+        seal(engine.state.model_copy(update={"plan_cursor": -1}))
+    last = engine.state.trace[-1]
+    bad_event = type(last).model_construct(**{**dict(last), "seq": last.seq + 1, "at": -5})
+    with pytest.raises(InvariantViolation, match="schema"):
+        seal(engine.state.model_copy(update={"trace": (*engine.state.trace, bad_event)}))
+    with pytest.raises(InvariantViolation, match="serialised"):
+        seal(engine.state.model_copy(update={"agent_state": {"score": 0.5}}))
+    assert world.store.high_water(run_key(engine.state)) == engine.generation
+
+
 def test_a_lost_reply_of_an_archived_commit_is_resolved_by_re_reading(world: World) -> None:
     engine = start(world)
     world.store.lose_next_reply = True

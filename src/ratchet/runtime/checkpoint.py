@@ -186,14 +186,24 @@ def _payload(generation: int, scenario: Scenario, state: dict[str, Any],
     return data
 
 
+_SERIALISATION_ERRORS = (TypeError, ValueError, AttributeError, PydanticSerializationError,
+                         ContractError)
+_ARCHIVED: set[str] = {"trace", "executed"}  # never mutated
+
+
 @contextmanager
 def _serialising() -> Iterator[None]:
     try:
         yield
-    except (TypeError, ValueError, AttributeError, PydanticSerializationError,
-            ContractError) as exc:
+    except _SERIALISATION_ERRORS as exc:
         raise InvariantViolation(f"run state cannot be serialised: {type(exc).__name__}",
                                  field="state") from None
+
+
+def _schema_error(exc: ValidationError) -> InvariantViolation:
+    first = exc.errors()[0]
+    return InvariantViolation(f"run state fails its schema at {first['loc']}: "
+                              f"{first['msg']}", field=str(first["loc"]))
 
 
 @contextmanager
@@ -201,9 +211,7 @@ def _schema_checked() -> Iterator[None]:
     try:
         yield
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise InvariantViolation(f"run state fails its schema at {first['loc']}: "
-                                 f"{first['msg']}", field=str(first["loc"])) from None
+        raise _schema_error(exc) from None
 
 
 def _sign(keyring: KeyRing, body: bytes, max_bytes: int) -> bytes:
@@ -236,9 +244,11 @@ def seal_split(state: RunState, scenario: Scenario, keyring: KeyRing, *, generat
                                  field="archive")
     new_trace = state.trace[archived.trace:]
     new_executed = state.executed[archived.executed:]
-    with _serialising():
+    # The same guards as _serialising() and _schema_checked(), inline: this runs twice per
+    # write, and the context managers cost more than the dumps they guard.
+    try:
         check_invariants(state, scenario, previous=previous)
-        head = state.model_dump(mode="json", warnings=False, exclude={"trace", "executed"})
+        head = state.model_dump(mode="json", warnings=False, exclude=_ARCHIVED)
         head["trace"], head["executed"] = [], []
         canonical_json(head.get("agent_state"))  # refuse floats / NaN in the free-form part
         segment = b""
@@ -248,16 +258,22 @@ def seal_split(state: RunState, scenario: Scenario, keyring: KeyRing, *, generat
                 "executed": [e.model_dump(mode="json", warnings=False) for e in new_executed],
                 "trace": [e.model_dump(mode="json", warnings=False) for e in new_trace],
             }, option=orjson.OPT_SORT_KEYS)
-            ref = ArchiveRef(trace=archived.trace + len(new_trace),
-                             executed=archived.executed + len(new_executed),
-                             segments=archived.segments + 1,
-                             chain=_chain(archived.chain, segment))
+            # Not validated here: the body's schema check below covers every field of it.
+            ref = ArchiveRef.model_construct(
+                trace=archived.trace + len(new_trace),
+                executed=archived.executed + len(new_executed),
+                segments=archived.segments + 1, chain=_chain(archived.chain, segment))
         body = orjson.dumps(_payload(generation, scenario, head, ref),
                             option=orjson.OPT_SORT_KEYS)
-    with _schema_checked():
+    except _SERIALISATION_ERRORS as exc:
+        raise InvariantViolation(f"run state cannot be serialised: {type(exc).__name__}",
+                                 field="state") from None
+    try:
         CheckpointPayload.model_validate_json(body)
         if segment:
             ArchiveSegment.model_validate_json(segment)
+    except ValidationError as exc:
+        raise _schema_error(exc) from None
     return Sealed(_sign(keyring, body, max_bytes), segment, ref)
 
 

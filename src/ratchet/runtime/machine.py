@@ -156,19 +156,23 @@ def propose(state: RunState, scenario: Scenario, raw: Action | dict[str, Any], *
     if state.phase in TERMINAL_PHASES:
         raise InvalidTransitionError(f"run is {state.phase.value}; it takes no proposals",
                                      phase=state.phase.value)
-    if agent_state is not None:
-        state = state.model_copy(update={"agent_state": agent_state})
-    if state.phase is not Phase.RUNNING:
-        return _reject(state, now, TraceOutcome.REJECTED_PHASE,
-                       f"run is {state.phase.value}: proposals are frozen")
     budgets = scenario.budgets
-    if state.usage.proposals >= budgets.proposals:
-        return _exhaust(state, now, "proposals")
-    if now - state.started_at > budgets.wall_clock_seconds:
+    if state.phase is not Phase.RUNNING or state.usage.proposals >= budgets.proposals or (
+            now - state.started_at > budgets.wall_clock_seconds):
+        if agent_state is not None:
+            state = state.model_copy(update={"agent_state": agent_state})
+        if state.phase is not Phase.RUNNING:
+            return _reject(state, now, TraceOutcome.REJECTED_PHASE,
+                           f"run is {state.phase.value}: proposals are frozen")
+        if state.usage.proposals >= budgets.proposals:
+            return _exhaust(state, now, "proposals")
         return _exhaust(state, now, "wall_clock_seconds")
-    state = state.model_copy(
-        update={"usage": state.usage.model_copy(update={"proposals": state.usage.proposals + 1})}
-    )
+    # The agent's state and the proposal count change together: one copy.
+    counted: dict[str, Any] = {
+        "usage": state.usage.model_copy(update={"proposals": state.usage.proposals + 1})}
+    if agent_state is not None:
+        counted["agent_state"] = agent_state
+    state = state.model_copy(update=counted)
     try:
         action = raw if isinstance(raw, Action) else parse_action(raw)
     except ActionError as exc:
