@@ -16,7 +16,7 @@ from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario, restore_c
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.checkpoint import run_key, seal_checkpoint
 from ratchet.runtime.signing import parse_envelope, seal_envelope
-from ratchet.runtime.state import TraceEvent, TraceOutcome
+from ratchet.runtime.state import TraceEvent, TraceOutcome, check_invariants
 from tests.unit.world import CHECKPOINT_SECRET, OTHER_SECRET, World, scenario_data
 
 
@@ -183,6 +183,28 @@ def test_an_invalid_state_does_not_advance_the_high_water_mark(world: World,
     assert world.store.high_water(run_key(engine.state)) == before
     assert engine.generation == before
     restore(world, engine.checkpoint)  # the last good checkpoint still restores
+
+
+def test_a_gap_inside_the_already_committed_trace_is_still_found(world: World,
+                                                                engine: RunEngine) -> None:
+    """The contiguity check skips only the prefix that is the very trace last committed:
+    a state whose earlier events were replaced is checked whole."""
+    first = engine.state.trace[0]
+    moved = first.model_copy(update={"seq": first.seq + 7})
+    broken = engine.state.model_copy(update={"trace": (moved, *engine.state.trace[1:])})
+    with pytest.raises(InvariantViolation, match="contiguous"):
+        check_invariants(broken, world.scenario, previous=engine.state)
+    check_invariants(engine.state, world.scenario, previous=engine.state)
+
+
+def test_a_key_executed_twice_is_refused_whatever_was_checked_before(
+        world: World, engine: RunEngine) -> None:
+    assert engine.state.executed, "the fixture's run has executed a write"
+    again = engine.state.executed[-1].model_copy(update={"action_id": "a-again"})
+    doubled = engine.state.model_copy(update={"executed": (*engine.state.executed, again)})
+    for previous in (None, engine.state):
+        with pytest.raises(InvariantViolation, match="executed twice"):
+            check_invariants(doubled, world.scenario, previous=previous)
 
 
 def test_a_schema_invalid_state_does_not_advance_the_high_water_mark(
