@@ -29,7 +29,6 @@ import orjson
 from ratchet.errors import CheckpointError, ConfigurationError
 from ratchet.runtime.canonical import (
     Domain,
-    canonical_json,
     constant_time_equal,
     is_canonical,
 )
@@ -139,7 +138,8 @@ def seal_envelope(keyring: KeyRing, payload: bytes) -> bytes:
         "sum": hashlib.sha256(payload).hexdigest(),
         "v": ENVELOPE_VERSION,
     }
-    return canonical_json(header) + b"\n" + payload
+    # Canonical bytes: sorted keys, compact; every value is a str or an int (no float walk).
+    return orjson.dumps(header, option=orjson.OPT_SORT_KEYS) + b"\n" + payload
 
 
 def _bad(reason: str, message: str) -> CheckpointError:
