@@ -13,7 +13,8 @@ import pytest
 import redis
 
 from ratchet.errors import GenerationMismatchError
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisServer, RedisStore, run_keys
+from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.ports import RunKey
 
 
@@ -103,3 +104,23 @@ def test_other_clients_commit_through_the_client_itself() -> None:
     pinned = redis.Redis(port=1)
     pinned.connection = object()  # what single_connection_client=True sets up
     assert RedisStore(pinned)._runner._line is None
+
+
+def test_the_commit_connection_packs_ints_and_text_alike(
+        shared_redis_server: RedisServer, new_run_id: Callable[[], str]) -> None:
+    """Commit arguments travel as text; an int (any caller of the runner may pass one)
+    is packed by redis-py's packer instead, with the same reply."""
+    client = shared_redis_server.client()
+    store = RedisStore(client)
+    run, key = _run(store, new_run_id())
+    keys = run_keys(key.run_id)
+    argv = ["w1", run.lease_version, 1, 64, 1, "", key.run_id, 2, b"g2", "c-int", "d" * 64,
+            b"", 0]
+    reply = store._runner.run(ScriptName.COMMIT, [keys.lease, keys.state, keys.ckpt,
+                                                  keys.history, keys.commits, keys.nonces,
+                                                  keys.archive], argv, hot=True)
+    assert reply[0][:3] == [b"committed", 2, 2]
+    store.commit(run.lease, generation=3, expected_state_version=2, checkpoint=b"g3")
+    assert store.read_run(key.run_id, with_checkpoint=True).checkpoint == b"g3"
+    store._runner.close()
+    client.close()

@@ -36,6 +36,7 @@ from enum import StrEnum
 from importlib import resources
 from typing import Any
 
+import hiredis
 import redis
 from redis.exceptions import NoPermissionError, NoScriptError
 
@@ -109,7 +110,13 @@ class _Line:
 
     @staticmethod
     def _send(conn: Any, command: tuple[Any, ...]) -> Any:
-        conn.send_packed_command(conn.pack_command(*command))
+        # Commit arguments are all str or bytes: hiredis packs them as they are (redis-py's
+        # packer, which takes ints and more, re-checks every argument first).
+        try:
+            packed = [_pack(command)] if _pack is not None else conn.pack_command(*command)
+        except TypeError:
+            packed = conn.pack_command(*command)
+        conn.send_packed_command(packed)
         return conn.read_response()
 
     def close(self) -> None:
@@ -117,6 +124,9 @@ class _Line:
             conn, self._conn = self._conn, None
         if conn is not None:
             conn.disconnect()
+
+
+_pack: Any = getattr(hiredis, "pack_command", None)
 
 
 def _line_for(client: Any) -> _Line | None:
@@ -178,12 +188,12 @@ class ScriptRunner:
         line = self._line if hot else None
         try:
             if line is not None:
-                return line.call("EVALSHA", script.sha, len(keys), *keys, *args)
+                return line.call("EVALSHA", script.sha, str(len(keys)), *keys, *args)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:
             self._reload(script)
             if line is not None:
-                return line.call("EVALSHA", script.sha, len(keys), *keys, *args)
+                return line.call("EVALSHA", script.sha, str(len(keys)), *keys, *args)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
 
     def _reload(self, script: LuaScript) -> None:

@@ -332,12 +332,14 @@ class RedisStore(RunRecords):
                      ) -> tuple[list[str], list[str | bytes | int]]:
         keys = run_keys(lease.run_id)
         index = [EXPIRY_INDEX] if release and self._inline_indexes else []
-        args: list[str | bytes | int] = [lease.owner, lease.lease_version,
-                                         expected_state_version, self.history_limit,
-                                         len(commits), release, lease.run_id]
+        # Numbers travel as text: the commit connection packs str and bytes as they are.
+        args: list[str | bytes | int] = [lease.owner, str(lease.lease_version),
+                                         str(expected_state_version), str(self.history_limit),
+                                         str(len(commits)), release, lease.run_id]
         for commit in commits:
-            args += [commit.generation, commit.stored or commit.checkpoint, commit.commit_id,
-                     commit.digest, commit.segment, len(commit.nonces), *commit.nonces]
+            args += [str(commit.generation), commit.stored or commit.checkpoint,
+                     commit.commit_id, commit.digest, commit.segment, str(len(commit.nonces)),
+                     *commit.nonces]
         return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
                  keys.archive, *index], args)
 
