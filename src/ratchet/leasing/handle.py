@@ -78,6 +78,29 @@ def new_commit_id() -> str:
 __all__ = ["LeasedRun", "RunCreator", "new_commit_id"]
 
 
+def _matching(snap: RunSnapshot, key: RunKey) -> RunSnapshot:
+    """``snap`` if it is the run ``key`` names. Raises HighWaterUnavailableError."""
+    if (key.task_id, key.env_instance_id) != (snap.task_id, snap.env_instance_id):
+        raise HighWaterUnavailableError(
+            "the key's task or environment instance is not this run's",
+            run_id=key.run_id, reason="key_mismatch")
+    return snap
+
+
+def _read_for(store: RedisStore, key: RunKey, *, with_checkpoint: bool) -> RunSnapshot:
+    """Read the run ``key`` names, for the generation-store port.
+
+    Raises HighWaterUnavailableError (unreachable, unknown run, key mismatch),
+    StoreProtocolError.
+    """
+    try:
+        snap = store.read_run(key.run_id, with_checkpoint=with_checkpoint)
+    except (RunNotFoundError, StoreUnavailableError) as exc:
+        raise HighWaterUnavailableError("no high-water mark could be read", run_id=key.run_id,
+                                        cause=type(exc).__name__) from exc
+    return _matching(snap, key)
+
+
 class LeasedRun:
     """The caller's lease on one run plus the versions it last saw.
 
@@ -171,18 +194,9 @@ class LeasedRun:
         primed, self._primed = self._primed, None
         if primed is not None and primed.generation == self._generation and (
                 primed.checkpoint is not None or not with_checkpoint):
-            snap = primed
+            snap = _matching(primed, key)
         else:
-            try:
-                snap = self._store.read_run(self.run_id, with_checkpoint=with_checkpoint)
-            except (RunNotFoundError, StoreUnavailableError) as exc:
-                raise HighWaterUnavailableError("no high-water mark could be read",
-                                                run_id=self.run_id,
-                                                cause=type(exc).__name__) from exc
-        if (key.task_id, key.env_instance_id) != (snap.task_id, snap.env_instance_id):
-            raise HighWaterUnavailableError(
-                "the key's task or environment instance is not this run's",
-                run_id=self.run_id, reason="key_mismatch")
+            snap = _read_for(self._store, key, with_checkpoint=with_checkpoint)
         self._check_live(snap)
         self._generation = snap.generation
         self._state_version = snap.state_version
@@ -323,17 +337,7 @@ class RunCreator:
         return "RunCreator()"
 
     def _read(self, key: RunKey, *, with_checkpoint: bool) -> RunSnapshot:
-        try:
-            snap = self._store.read_run(key.run_id, with_checkpoint=with_checkpoint)
-        except (RunNotFoundError, StoreUnavailableError) as exc:
-            raise HighWaterUnavailableError("no high-water mark could be read",
-                                            run_id=key.run_id,
-                                            cause=type(exc).__name__) from exc
-        if (key.task_id, key.env_instance_id) != (snap.task_id, snap.env_instance_id):
-            raise HighWaterUnavailableError(
-                "the key's task or environment instance is not this run's",
-                run_id=key.run_id, reason="key_mismatch")
-        return snap
+        return _read_for(self._store, key, with_checkpoint=with_checkpoint)
 
     def high_water(self, key: RunKey) -> int:
         """Raises HighWaterUnavailableError, StoreProtocolError."""
