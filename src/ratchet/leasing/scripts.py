@@ -90,14 +90,11 @@ class _Line:
         self._pool = pool
         self._conn: Any = None
         self._lock = threading.Lock()
-        line = weakref.ref(self)
+        _LINES.add(self)
 
-        def forget() -> None:  # in a forked child: the socket is the parent's
-            kept = line()
-            if kept is not None:
-                kept._conn, kept._lock = None, threading.Lock()
-
-        os.register_at_fork(after_in_child=forget)
+    def _forget(self) -> None:
+        """In a forked child: the socket is the parent's; never use or close it here."""
+        self._conn, self._lock = None, threading.Lock()
 
     def call(self, *command: Any) -> Any:
         """Send one command and read its reply. Raises what redis-py raises for it."""
@@ -127,6 +124,15 @@ class _Line:
 
 
 _pack: Any = getattr(hiredis, "pack_command", None)
+_LINES: weakref.WeakSet[_Line] = weakref.WeakSet()
+
+
+def _forget_lines() -> None:
+    for line in list(_LINES):
+        line._forget()
+
+
+os.register_at_fork(after_in_child=_forget_lines)
 
 
 def _line_for(client: Any) -> _Line | None:
