@@ -18,7 +18,7 @@ from ratchet.errors import (
     RunExistsError,
     StoreProtocolError,
 )
-from ratchet.leasing import EXPIRY_INDEX, RedisStore, run_keys
+from ratchet.leasing import EXPIRY_INDEX, LeasedRun, RedisStore, run_keys
 from ratchet.leasing.replies import batch_entries, decode_commit
 from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.ports import Advance, RunKey
@@ -35,11 +35,17 @@ def _history(store: RedisStore, run_id: str) -> list[tuple[int, int, str]]:
     return [(int(e[0]), int(e[1]), e[4]) for e in reversed(entries)]
 
 
-def test_a_batch_applies_each_commit_at_its_own_generation_in_one_call(
-        store: RedisStore, make_run: MakeRun) -> None:
+def _leased(store: RedisStore, make_run: MakeRun) -> tuple[RunKey, LeasedRun]:
+    """A fresh run and w1's lease on it."""
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
+    return key, run
+
+
+def test_a_batch_applies_each_commit_at_its_own_generation_in_one_call(
+        store: RedisStore, make_run: MakeRun) -> None:
+    key, run = _leased(store, make_run)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert (snap.generation, snap.state_version, snap.checkpoint) == (4, 4, b"g4")
@@ -96,9 +102,7 @@ def test_a_refused_commit_stops_the_batch_and_keeps_the_ones_before_it(
 
 def test_a_lost_batch_reply_is_resent_and_reported_applied_once(
         store: RedisStore, make_run: MakeRun) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     dropped = lose_first_reply(store)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
     assert dropped  # the first send's replies were thrown away
@@ -109,9 +113,7 @@ def test_a_lost_batch_reply_is_resent_and_reported_applied_once(
 
 def test_a_batch_whose_replies_never_arrive_is_an_unknown_outcome(
         store: RedisStore, make_run: MakeRun) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     store.reply_hook = lambda run_id, commit_id: True
     with pytest.raises(CommitOutcomeUnknownError) as err:
         run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
@@ -121,9 +123,7 @@ def test_a_batch_whose_replies_never_arrive_is_an_unknown_outcome(
 
 
 def test_a_batch_survives_script_flush(store: RedisStore, make_run: MakeRun) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     store.client.script_flush()
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
     assert store.read_run(key.run_id).generation == 3
@@ -131,9 +131,7 @@ def test_a_batch_survives_script_flush(store: RedisStore, make_run: MakeRun) -> 
 
 def test_bad_batches_are_refused_before_reaching_redis(
         store: RedisStore, make_run: MakeRun) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     prepared = [store.prepare_commit(key.run_id, generation=g, checkpoint=b"x")
                 for g in (2, 4)]
     with pytest.raises(ContractError):
@@ -159,9 +157,7 @@ def test_the_creator_takes_a_batch_of_one_creation_only(
 
 def test_commit_many_sends_one_script_call(store: RedisStore, make_run: MakeRun,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     store.load_scripts()  # a fresh server would answer NOSCRIPT first (one more send)
     calls: list[str] = []
     client: Any = store.client
@@ -231,9 +227,7 @@ def test_a_long_history_is_trimmed_in_steps_of_an_eighth_of_its_limit(
 ])
 def test_a_batch_whose_arguments_do_not_add_up_is_refused_before_anything_is_read(
         store: RedisStore, make_run: MakeRun, argv: list[Any]) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     keys = run_keys(key.run_id)
     reply = store._runner.run(  # the raw script, past the store's own checks
         ScriptName.COMMIT,
@@ -257,9 +251,7 @@ def test_a_batch_reply_of_the_wrong_shape_is_a_protocol_error(reply: Any) -> Non
 
 def test_a_reply_that_stops_short_without_a_refusal_is_a_protocol_error(
         store: RedisStore, make_run: MakeRun, monkeypatch: pytest.MonkeyPatch) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     monkeypatch.setattr(store._runner, "run",
                         lambda *_, **__: [[b"committed", 2, 2, 10**13, 10**12]])
     with pytest.raises(StoreProtocolError):
@@ -269,9 +261,7 @@ def test_a_reply_that_stops_short_without_a_refusal_is_a_protocol_error(
 @pytest.mark.parametrize("reap", [False, True])
 def test_the_last_commit_can_carry_the_release_in_the_same_call(
         store: RedisStore, make_run: MakeRun, reap: bool) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     run.release_with_next_commit(reap=reap)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
     snap = store.read_run(key.run_id, with_checkpoint=True)
@@ -287,9 +277,7 @@ def test_the_last_commit_can_carry_the_release_in_the_same_call(
 
 
 def test_a_refused_commit_carries_no_release(store: RedisStore, make_run: MakeRun) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     run.release_with_next_commit()
     with pytest.raises(GenerationMismatchError):
         run.advance(key, expected_generation=5, blob=b"g6")
@@ -301,9 +289,7 @@ def test_a_refused_commit_carries_no_release(store: RedisStore, make_run: MakeRu
 
 def test_a_release_carried_by_a_retried_commit_is_applied_once(
         store: RedisStore, make_run: MakeRun) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     dropped = lose_first_reply(store)
     run.release_with_next_commit()
     run.advance(key, expected_generation=1, blob=b"g2")
@@ -315,9 +301,7 @@ def test_a_release_carried_by_a_retried_commit_is_applied_once(
 
 def test_without_a_commit_the_armed_release_is_an_ordinary_one(
         store: RedisStore, make_run: MakeRun) -> None:
-    key = make_run()
-    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    key, run = _leased(store, make_run)
     run.release_with_next_commit(reap=True)
     run.release()
     assert store.read_run(key.run_id).owner is None

@@ -5,7 +5,7 @@ being killed, never crosses a fork, and is not used for any other client."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fakeredis
@@ -23,6 +23,16 @@ def _run(store: RedisStore, run_id: str) -> tuple[Any, RunKey]:
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     return run, RunKey("t", run_id, "e")
+
+
+@pytest.fixture
+def line_store(shared_redis_server: RedisServer) -> Iterator[RedisStore]:
+    """A store on a plain client of the session's server; its connections closed after."""
+    client = shared_redis_server.client()
+    store = RedisStore(client)
+    yield store
+    store._runner.close()
+    client.close()
 
 
 def _commit_clients(client: Any) -> set[int]:
@@ -49,27 +59,24 @@ def test_commits_share_one_connection_of_their_own(
 
 
 def test_a_killed_commit_connection_is_reopened_by_the_next_commit(
-        shared_redis_server: RedisServer, new_run_id: Callable[[], str]) -> None:
-    client = shared_redis_server.client()
-    store = RedisStore(client)
+        line_store: RedisStore, new_run_id: Callable[[], str],
+        shared_redis_server: RedisServer) -> None:
+    store = line_store
     run, key = _run(store, new_run_id())
     run.advance(key, expected_generation=1, blob=b"g2")
-    line = _commit_clients(client)
+    line = _commit_clients(store.client)
     admin = shared_redis_server.client()
     for client_id in line:
         admin.client_kill_filter(_id=client_id)
     run.advance(key, expected_generation=2, blob=b"g3")  # reconnects on the retry policy
     assert store.read_run(key.run_id).generation == 3
     assert not (_commit_clients(admin) & line)
-    store._runner.close()
-    client.close()
     admin.close()
 
 
 def test_a_forked_child_commits_on_a_connection_of_its_own(
-        shared_redis_server: RedisServer, new_run_id: Callable[[], str]) -> None:
-    client = shared_redis_server.client()
-    store = RedisStore(client)
+        line_store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store = line_store
     run, key = _run(store, new_run_id())
     run.advance(key, expected_generation=1, blob=b"g2")  # the parent's line is open
     child_run_id = new_run_id()
@@ -92,8 +99,6 @@ def test_a_forked_child_commits_on_a_connection_of_its_own(
     run.advance(key, expected_generation=2, blob=b"g3")
     assert store.read_run(key.run_id).generation == 3
     assert store.read_run(child_run_id).generation == 2
-    store._runner.close()
-    client.close()
 
 
 def test_other_clients_commit_through_the_client_itself() -> None:
@@ -107,11 +112,10 @@ def test_other_clients_commit_through_the_client_itself() -> None:
 
 
 def test_the_commit_connection_packs_ints_and_text_alike(
-        shared_redis_server: RedisServer, new_run_id: Callable[[], str]) -> None:
+        line_store: RedisStore, new_run_id: Callable[[], str]) -> None:
     """Commit arguments travel as text; an int (any caller of the runner may pass one)
     is packed by redis-py's packer instead, with the same reply."""
-    client = shared_redis_server.client()
-    store = RedisStore(client)
+    store = line_store
     run, key = _run(store, new_run_id())
     keys = run_keys(key.run_id)
     argv = ["w1", run.lease_version, 1, 64, 1, "", key.run_id, 2, b"g2", "c-int", "d" * 64,
@@ -122,5 +126,3 @@ def test_the_commit_connection_packs_ints_and_text_alike(
     assert reply[0][:3] == [b"committed", 2, 2]
     store.commit(run.lease, generation=3, expected_state_version=2, checkpoint=b"g3")
     assert store.read_run(key.run_id, with_checkpoint=True).checkpoint == b"g3"
-    store._runner.close()
-    client.close()
