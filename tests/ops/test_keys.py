@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ratchet.errors import CheckpointError
+from ratchet.errors import ApprovalError, CheckpointError, ReviewDecisionError
 from ratchet.leasing import RedisServer
 from ratchet.runtime.signing import parse_envelope
 from ratchet.worker.context import Fleet
@@ -133,7 +133,15 @@ def test_a_revoked_approvers_approval_is_refused_and_the_run_keeps_waiting(
     assert fleet.approvers is not None and "alice" in fleet.approvers.revoked
     pending = inspect_run(fleet, run_id).state.pending
     assert pending is not None
-    approve(fleet, run_id, pending.action.action_id, key=alice, approver_id="alice")
+    with pytest.raises(ApprovalError) as err:  # refused before it is posted
+        approve(fleet, run_id, pending.action.action_id, key=alice, approver_id="alice")
+    assert err.value.reason == "revoked_signer"
+    assert fleet.store.inbox(run_id) == []
+    # Posted from somewhere that cannot check it: the worker's own check refuses it.
+    unchecked = with_trust(fleet, approvers_file=None)
+    posted = approve(unchecked, run_id, pending.action.action_id, key=alice,
+                     approver_id="alice")
+    assert posted.verified is False
     report = execute_run(fleet, run_id, owner="w-after-revoke")
     assert report.phase == "awaiting_approval"
     view = inspect_run(fleet, run_id)
@@ -156,7 +164,12 @@ def test_a_revoked_reviewers_decision_keeps_the_run_frozen(
                       cwd=tmp_path)
     assert unknown.returncode == 2 and "no reviewer 'nobody'" in unknown.stderr
     fleet = with_trust(fleet, reviewers_file=trust)
-    review(fleet, run_id, "replan", key=rita, reviewer_id="rita")
+    with pytest.raises(ReviewDecisionError) as err:  # refused before it is posted
+        review(fleet, run_id, "replan", key=rita, reviewer_id="rita")
+    assert err.value.reason == "revoked_signer"
+    assert fleet.store.inbox(run_id) == []
+    assert review(with_trust(fleet, reviewers_file=None), run_id, "replan", key=rita,
+                  reviewer_id="rita").verified is False
     report = execute_run(fleet, run_id, owner="w-after-revoke")
     assert report.phase == "needs_review"
     view = inspect_run(fleet, run_id)

@@ -85,6 +85,11 @@ def test_workers_do_their_job_under_acls_and_cannot_move_a_lease_or_hwm_by_hand(
         pool.start(1, env={"RATCHET_QUEUE_REDIS_URL": url(acl_server, Role.QUEUE)})
         poll(lambda: inspect_run(reader, run_id).state.phase.value == "completed",
              deadline_s=60, what="the run completed by a worker under ACLs")
+        # The job releases its lease after the completing commit: wait for that before
+        # the pool is stopped, or a kill could land between the two.
+        poll(lambda: client(acl_server, Role.ADMIN).hget(run_keys(run_id).lease,
+                                                         "owner") == b"",
+             deadline_s=30, what="the worker released the run's lease")
     view = inspect_run(reader, run_id)
     assert view.snapshot.lease_version == 1 and view.generation >= 4
     store = Fleet.connect(worker_settings).store

@@ -17,7 +17,7 @@ from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.checkpoint import run_key, seal_checkpoint
 from ratchet.runtime.signing import parse_envelope, seal_envelope
 from ratchet.runtime.state import TraceEvent, TraceOutcome, check_invariants
-from tests.unit.world import CHECKPOINT_SECRET, OTHER_SECRET, World, scenario_data
+from tests.unit.world import CHECKPOINT_SECRET, OTHER_SECRET, World, resign, scenario_data
 
 
 def restore(world: World, blob: bytes, *, scenario: Scenario | None = None,
@@ -38,14 +38,6 @@ def reason_of(world: World, blob: bytes, **kw: object) -> str:
     with pytest.raises(CheckpointError) as err:
         restore(world, blob, **kw)  # type: ignore[arg-type]
     return str(err.value.reason)
-
-
-def resign(world: World, blob: bytes, edit: object) -> bytes:
-    """Tamper with the payload and sign it again with the real key (an insider's view)."""
-    _, body = parse_envelope(blob)
-    data = json.loads(body)
-    edit(data)  # type: ignore[operator]
-    return seal_envelope(world.keyring, canonical_json(data))
 
 
 @pytest.fixture

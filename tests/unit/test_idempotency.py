@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from ratchet.errors import InvalidTransitionError
-from ratchet.runtime import Phase, Receipt, ReviewReason, RunEngine, TraceOutcome
+from ratchet.errors import AdapterError, InvalidTransitionError
+from ratchet.runtime import CrashWindow, Phase, Receipt, ReviewReason, RunEngine, TraceOutcome
+from ratchet.runtime.memory import ObserveFailsAfterWrite
 from tests.unit.world import RIGHT_GREETING, World
 
 
@@ -129,4 +130,71 @@ def test_a_missing_cache_entry_is_rebuilt_from_a_complete_adapter_receipt(world:
     assert resumed.state.executed[-1].receipt == world.adapter.lookup("fix-1")
     assert resumed.state.environment.fingerprint == world.adapter.observe().fingerprint
     assert world.adapter.files["app.py"] == RIGHT_GREETING
+    assert world.adapter.write_count == 1
+
+
+# --- the cache lost an entry the adapter still holds --------------------------------------
+
+
+def second_run(world: World) -> RunEngine:
+    """Another run on the same adapter: its cache of executed writes is empty, while the
+    adapter holds the receipts of what the first run did."""
+    return RunEngine.start("run-2", **world.ports(store=world.store.leased(1)))
+
+
+def test_a_key_the_adapter_holds_but_the_cache_lost_replays_from_the_receipt(
+    world: World, written: RunEngine
+) -> None:
+    other = second_run(world)
+    before = world.adapter.observe()
+    result = other.propose(world.write(other, key="fix-1"))
+    assert result.outcome is TraceOutcome.REPLAYED
+    state = other.state
+    assert state.phase is Phase.RUNNING and state.pending is None
+    assert state.executed[-1].receipt == world.adapter.lookup("fix-1")  # cache rebuilt
+    assert state.environment == before == world.adapter.observe()
+    assert world.adapter.write_count == 1
+    # And the run goes on: verify and finish on the unchanged environment.
+    assert other.propose(world.verify(other)).outcome is TraceOutcome.VERIFIED
+    assert other.propose(world.finish(other)).phase is Phase.COMPLETED
+
+
+@pytest.mark.parametrize("window", ["after_adapter_before_receipt", "receipt_committed_alone"])
+def test_recovering_a_key_the_cache_lost_never_wedges(world: World, written: RunEngine,
+                                                      window: str) -> None:
+    """Reconcile settles it from the adapter's receipt, whichever window the worker died
+    in (before the receipt was committed, or after it was committed alone)."""
+    class Crash(Exception):
+        pass
+
+    def crash(seen: CrashWindow) -> None:
+        if seen.value == ("after_adapter_before_receipt"
+                          if window == "after_adapter_before_receipt"
+                          else "after_receipt_before_state"):
+            raise Crash
+
+    other = RunEngine.start("run-2", **world.ports(store=world.store.leased(1), probe=crash))
+    if window == "receipt_committed_alone":
+        other.adapter = ObserveFailsAfterWrite(other.adapter)
+    with pytest.raises((Crash, AdapterError)):
+        other.propose(world.write(other, key="fix-1"))
+    stored = world.store.load(other.key)
+    store = world.store.leased(2)
+    store.claim("run-2")
+    resumed = RunEngine.resume(stored.blob, lease_version=2, **world.ports(store=store))
+    resumed.reconcile()
+    assert resumed.state.pending is None and resumed.state.phase is Phase.RUNNING
+    assert resumed.state.trace[-1].outcome is TraceOutcome.REPLAYED
+    assert resumed.state.executed[-1].receipt == world.adapter.lookup("fix-1")
+    assert world.adapter.write_count == 1
+
+
+def test_a_key_the_cache_lost_with_another_intent_is_a_conflict_not_a_wedge(
+    world: World, written: RunEngine
+) -> None:
+    other = second_run(world)
+    result = other.propose(world.write(other, "print('other')\n", key="fix-1"))
+    assert result.outcome is TraceOutcome.REVIEW_OPENED
+    assert other.state.review is not None
+    assert other.state.review.reason is ReviewReason.INTENT_CONFLICT
     assert world.adapter.write_count == 1

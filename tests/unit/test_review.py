@@ -9,7 +9,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ratchet.errors import CheckpointError, ReviewDecisionError
-from ratchet.runtime import Phase, RunEngine, TraceOutcome
+from ratchet.runtime import Phase, Receipt, RunEngine, TraceOutcome
 from tests.unit.test_idempotency import plant_foreign_receipt
 from tests.unit.world import World
 
@@ -154,3 +154,97 @@ def test_restoring_review_evidence_needs_the_reviewer_trust_root(world: World,
     with pytest.raises(CheckpointError) as err:
         RunEngine.resume(frozen.checkpoint, **world.ports(reviewers=None))
     assert err.value.reason == "trust"
+
+
+# --- a conflict whose foreign write moved the environment ---------------------------------
+
+
+def plant_foreign_write(world: World, key: str) -> Receipt:
+    """Another caller wrote under ``key`` for another intent, as a real foreign write does:
+    the adapter holds its receipt and the environment moved on (a new version)."""
+    world.adapter.external_edit("docs/foreign.md", "written by another caller\n")
+    receipt = Receipt(namespace=world.adapter.namespace, receipt_version=1,
+                      receipt_id="rcpt-foreign", idempotency_key=key, intent_digest="a" * 64,
+                      result={"path": "docs/foreign.md"}, committed_at=world.clock.now(),
+                      env_version_after=world.adapter.version)
+    world.adapter.plant_receipt(receipt)
+    return receipt
+
+
+@pytest.fixture(params=["engine-checks-preconditions", "adapter-checks-preconditions"])
+def moved(request: pytest.FixtureRequest, world: World) -> RunEngine:
+    """A run frozen by a conflict whose foreign write moved the version. Both ways into
+    the case: the engine's live precondition check finds the receipt, or (for an adapter
+    that declares it checks preconditions itself) the adapter reports the conflict."""
+    if request.param == "adapter-checks-preconditions":
+        world.adapter.enforces_preconditions = True  # type: ignore[attr-defined]
+    engine = world.start()
+    plant_foreign_write(world, "fix-1")
+    engine.propose(world.write(engine, key="fix-1"))
+    assert engine.state.phase is Phase.NEEDS_REVIEW
+    return engine
+
+
+def test_a_conflict_case_records_the_environment_observed_when_it_opened(
+    world: World, moved: RunEngine
+) -> None:
+    case = moved.state.review
+    assert case is not None
+    assert case.environment == world.adapter.observe()
+    assert case.environment.version == moved.state.environment.version + 1
+    assert world.adapter.write_count == 0
+
+
+def test_a_trusted_replan_resolves_a_conflict_whose_foreign_write_moved_the_version(
+    world: World, moved: RunEngine
+) -> None:
+    case = moved.state.review
+    result = moved.apply_review_decision(world.decide(moved, "replan"))
+    assert result.outcome is TraceOutcome.REVIEW_REPLANNED
+    state = moved.state
+    assert state.phase is Phase.RUNNING
+    assert "fix-1" in state.quarantined_keys
+    assert state.closed_reviews[-1].pending == case.pending  # type: ignore[union-attr]
+    assert state.closed_reviews[-1].receipt == case.receipt  # type: ignore[union-attr]
+    assert state.environment == world.adapter.observe()
+    assert moved.propose(world.write(moved, key="fix-1b")).outcome is TraceOutcome.EXECUTED
+    assert moved.propose(world.verify(moved)).outcome is TraceOutcome.VERIFIED
+    assert moved.propose(world.finish(moved)).phase is Phase.COMPLETED
+    assert world.adapter.write_count == 1
+
+
+def test_a_trusted_abort_ends_a_conflict_whose_foreign_write_moved_the_version(
+    world: World, moved: RunEngine
+) -> None:
+    case = moved.state.review
+    decision = world.decide(moved, "abort")
+    assert moved.apply_review_decision(decision).phase is Phase.FAILED
+    sealed = moved.state.closed_reviews[-1]
+    assert case is not None and sealed.pending == case.pending
+    assert sealed.receipt == case.receipt and sealed.decision == decision
+    assert world.resume().state.closed_reviews[-1] == sealed
+    assert world.adapter.write_count == 0
+
+
+def test_a_checkpoint_holding_an_open_case_restores_and_its_decision_applies_there(
+    world: World, moved: RunEngine
+) -> None:
+    """What a worker does: the run was released while frozen; a later job restores the
+    checkpoint (the environment is the one the case recorded, not the run's last) and
+    consumes the decision from the inbox."""
+    decision = world.decide(moved, "replan")
+    resumed = world.resume(moved.checkpoint)
+    assert resumed.state.phase is Phase.NEEDS_REVIEW
+    assert resumed.reconcile().window is None
+    assert resumed.apply_review_decision(decision).phase is Phase.RUNNING
+
+
+def test_an_environment_that_moves_after_the_decision_still_keeps_the_moved_case_frozen(
+    world: World, moved: RunEngine
+) -> None:
+    decision = world.decide(moved, "replan")
+    world.adapter.external_edit("app.py", "print('changed again')\n")
+    with pytest.raises(ReviewDecisionError) as err:
+        moved.apply_review_decision(decision)
+    assert err.value.reason == "environment_changed"
+    assert_still_frozen(moved, moved.generation)

@@ -147,9 +147,19 @@ def test_a_verifier_target_outside_the_allowlist_is_refused() -> None:
 
 
 def test_approval_for_a_kind_that_is_not_permitted_is_refused() -> None:
-    with pytest.raises(ScenarioError, match="not permitted"):
+    with pytest.raises(ScenarioError, match="not permitted") as err:
         load_scenario(dump(scenario_data(permissions=["read_file", "finish"],
                                          approval_required=["write_file"])))
+    assert err.value.field == "approval_required"
+
+
+@pytest.mark.parametrize("kind", ["read_file", "run_verifier", "finish"])
+def test_approval_for_a_kind_that_is_not_a_write_is_refused_by_name(kind: str) -> None:
+    """An approval gates one effect; a scenario that asks it of a read would load and
+    never be enforced, so it is refused at load, naming the field."""
+    with pytest.raises(ScenarioError, match="not a write") as err:
+        load_scenario(dump(scenario_data(approval_required=["write_file", kind])))
+    assert err.value.field == "approval_required"
 
 
 def test_non_object_and_malformed_text_are_typed_errors() -> None:

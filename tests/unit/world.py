@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +25,10 @@ from ratchet.runtime import (
     sign_approval,
     sign_review_decision,
 )
+from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
+from ratchet.runtime.signing import parse_envelope, seal_envelope
 
 CHECKPOINT_SECRET = b"checkpoint-key-0123456789abcdef!!CANARY"
 OTHER_SECRET = b"another-checkpoint-key-0123456789abcdef"
@@ -52,6 +56,14 @@ def scenario_data(**overrides: Any) -> dict[str, Any]:
     }
     data.update(overrides)
     return data
+
+
+def resign(world: World, blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    """Tamper with the payload and sign it again with the real key (an insider's view)."""
+    _, body = parse_envelope(blob)
+    data = json.loads(body)
+    edit(data)
+    return seal_envelope(world.keyring, canonical_json(data))
 
 
 def public_bytes(key: Ed25519PrivateKey) -> bytes:

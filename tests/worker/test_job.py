@@ -114,6 +114,41 @@ def test_a_file_edited_behind_ratchets_back_fails_closed_with_a_visible_reason(
     assert run_id not in enqueued  # no retry loop: an operator has to look
 
 
+def test_a_file_edited_mid_job_stops_the_write_and_freezes_the_run_with_the_reason(
+    fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]]
+) -> None:
+    """The workspace's version does not move when a file is edited on disk; the engine's
+    live check before the write sees the fingerprint change, sends nothing, and the job
+    records why and leaves the run for an operator."""
+    from ratchet.worker.reaper import reap_once
+
+    root, document = workspace()
+    run_id = submit(fleet, document)
+    edit = "print('edited while the run was working')\n"
+    edited: list[CrashWindow] = []
+
+    def edit_once(window: CrashWindow) -> None:
+        if window is CrashWindow.BEFORE_PROPOSAL and not edited:
+            (root / "app.py").write_text(edit)
+            edited.append(window)
+
+    report = execute_run(fleet, run_id, owner="w-1", probe=edit_once)
+    assert report.outcome == "environment_changed"
+    assert report.detail.startswith("stale_observation")
+    view = inspect_run(fleet, run_id)
+    incident = view.incidents[0]
+    assert (incident["kind"], incident["reason"]) == ("environment_changed",
+                                                       "stale_observation")
+    assert incident["evidence"]["fingerprint_changed"] is True
+    assert view.state.pending is not None  # kept as evidence, never sent
+    assert effects(root) == 0
+    assert (root / "app.py").read_text() == edit
+    assert not fleet.store.read_run(run_id).lease_live
+    enqueued: list[str] = []
+    reap_once(fleet.store, enqueued.append)
+    assert run_id not in enqueued
+
+
 def test_a_broken_environment_is_refused_once_not_retried_forever(
     fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]]
 ) -> None:

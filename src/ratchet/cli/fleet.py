@@ -33,7 +33,7 @@ from ratchet.cli.common import (
 from ratchet.cli.local import local_demo
 from ratchet.cli.render import render_run, run_summary, run_to_json
 from ratchet.errors import ConfigurationError, ContractError
-from ratchet.runtime import Phase, Scenario
+from ratchet.runtime import ApprovalEvidence, Phase, ReviewDecisionClaims, Scenario
 from ratchet.runtime.canonical import strict_json_loads, strict_yaml_loads
 from ratchet.worker.context import Fleet
 from ratchet.worker.examples import greeting_document, make_greeting_workspace
@@ -250,15 +250,19 @@ def approve_command(
 ) -> None:
     """Sign an approval of exactly the pending write `show` displays, and re-enqueue."""
     private, signer = _signer(key, signer_id, "approver")
-    evidence = sign_approval_for(Fleet.connect(), run_id, action_id, key=private,
-                                 approver_id=signer, ttl_s=ttl)
+    posted = sign_approval_for(Fleet.connect(), run_id, action_id, key=private,
+                               approver_id=signer, ttl_s=ttl)
+    evidence = posted.evidence
+    if not isinstance(evidence, ApprovalEvidence):  # for the type checker
+        raise ContractError("posted evidence is not an approval")
     info = {"run_id": run_id, "action_id": action_id, "approver_id": signer,
             "nonce": evidence.claims.nonce, "expires_at": evidence.claims.expires_at,
-            "approval_digest": evidence.digest}
+            "approval_digest": evidence.digest, "verified": posted.verified}
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"approved {action_id} of {run_id} as {signer}; run re-enqueued")
+        typer.echo(f"approved {action_id} of {run_id} as {signer}; run re-enqueued"
+                   + _unverified_note(posted.verified, "approver"))
 
 
 class Decision(StrEnum):
@@ -277,15 +281,26 @@ def review_command(
 ) -> None:
     """Sign a decision on the run's open review case, and re-enqueue."""
     private, signer = _signer(key, signer_id, "reviewer")
-    signed = sign_review_for(Fleet.connect(), run_id, decision.value, key=private,
+    posted = sign_review_for(Fleet.connect(), run_id, decision.value, key=private,
                              reviewer_id=signer)
+    claims = posted.evidence.claims
+    if not isinstance(claims, ReviewDecisionClaims):  # for the type checker
+        raise ContractError("posted evidence is not a review decision")
     info = {"run_id": run_id, "decision": decision.value, "reviewer_id": signer,
-            "case_id": signed.claims.case_id, "nonce": signed.claims.nonce}
+            "case_id": claims.case_id, "nonce": claims.nonce, "verified": posted.verified}
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"{decision.value} signed for {run_id} ({signed.claims.case_id}) as "
-                   f"{signer}; run re-enqueued")
+        typer.echo(f"{decision.value} signed for {run_id} ({claims.case_id}) as "
+                   f"{signer}; run re-enqueued" + _unverified_note(posted.verified, "reviewer"))
+
+
+def _unverified_note(verified: bool, role: str) -> str:
+    if verified:
+        return " (verified against the trust root)"
+    env = f"RATCHET_{role.upper()}S_FILE"
+    return (f"\nwarning: signed but NOT verified: no {role} trust root here (set {env}); "
+            "a worker will refuse it if the signer is not trusted")
 
 
 # --- keys generate -------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ problem with a :class:`CheckpointError` whose ``reason`` names the check:
 6. run state invariants (``invariant``);
 7. generation equal to the external high-water mark (``high_water_missing``,
    ``stale_generation``): freshness;
-8. environment (``environment``): same instance id, and exactly the checkpoint's state or
-   the one-commit state of the single pending write;
+8. environment (``environment``): same instance id, and exactly the checkpoint's state,
+   the one-commit state of the single pending write, or the state an open review case
+   recorded;
 9. trust roots for every approval and review decision inside (``trust``).
 """
 
@@ -350,7 +351,9 @@ def _fail(reason: str, message: str, **context: object) -> CheckpointError:
 
 
 def check_environment(state: RunState, observed: Observation) -> None:
-    """Accept only the checkpoint's exact state or its pending write's one-commit state.
+    """Accept only the checkpoint's exact state, its pending write's one-commit state, or,
+    while a review case is open, the state the case recorded when it opened (what the
+    reviewer sees and signs; the foreign write that opened the case usually moved it).
 
     Raises:
         CheckpointError: reason ``environment``.
@@ -365,6 +368,8 @@ def check_environment(state: RunState, observed: Observation) -> None:
     if pending is not None and pending.env_after is not None and observed.same_state(
         pending.env_after
     ):
+        return
+    if state.review is not None and observed.same_state(state.review.environment):
         return
     raise _fail("environment", "environment is neither the checkpoint's state nor the "
                 "one-commit state of its pending write",

@@ -334,9 +334,24 @@ class RunEngine:
         self._execute_pending()
         return self._result()
 
-    def _execute_pending(self) -> None:
+    def _reviewed(self, decide: Callable[[Observation | None], RunState]) -> RunState:
+        """Run a pure decision; when it opens a review case, run it again with the
+        environment observed now, so the case records what the reviewer sees and signs
+        (see :func:`machine.open_review`). Only the uncommon path pays the observation."""
+        new = decide(None)
+        if new.review is not None and self.state.review is None:
+            new = decide(self.adapter.observe())
+        return new
+
+    def _execute_pending(self, observed: Observation | None = None) -> None:
+        """Send the committed pending write to the adapter once, if it may go now.
+
+        ``observed`` is an observation taken just now by the caller (reconcile), which
+        spares the live precondition check its own.
+        """
         state = self.state
-        frozen = machine.check_executable(state, self.scenario, now=self.clock.now(),
+        now = self.clock.now()
+        frozen = machine.check_executable(state, self.scenario, now=now,
                                           approvers=self.approvers)
         if frozen is not None:
             self._commit(frozen)
@@ -347,8 +362,17 @@ class RunEngine:
         key = pending.action.idempotency_key or ""
         if pending.replay_of is not None:
             authoritative = self.adapter.lookup(key)
-            self._commit(machine.record_replay(state, authoritative, now=self.clock.now()))
+            self._commit(self._reviewed(lambda seen: machine.record_replay(
+                state, authoritative, now=now, observed=seen)))
             return
+        if not self._adapter_checks_preconditions:
+            # Defence in depth: the adapter's own version check misses an edit that left
+            # its version where it was. The write goes only onto exactly the state it was
+            # planned against (instance, version and fingerprint).
+            live = observed if observed is not None else self.adapter.observe()
+            if not live.same_state(pending.env_before):
+                self._stale_precondition(live)
+                return
         approval = pending.approval.digest if pending.approval is not None else None
         try:
             receipt = self.adapter.execute(pending.action, pending.intent_digest,
@@ -357,13 +381,15 @@ class RunEngine:
             conflicting = exc.context.get("receipt")
             if conflicting is None:
                 conflicting = self.adapter.lookup(key)
+            seen = self.adapter.observe()
             if conflicting is None:
                 self._commit(machine.open_review(state, ReviewReason.RECEIPT_MISSING, None,
-                                                 now=self.clock.now(),
+                                                 now=now, observed=seen,
                                                  detail="adapter reported a conflict "
                                                  "but shows no receipt"))
             else:
-                self._commit(machine.record_receipt(state, conflicting, now=self.clock.now()))
+                self._commit(machine.record_receipt(state, conflicting, now=now,
+                                                    observed=seen))
             return
         except FenceRejectedError:
             raise  # a newer owner exists: stop before anything else
@@ -376,25 +402,74 @@ class RunEngine:
         self._probe(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
         self._record_and_complete(receipt, TraceOutcome.EXECUTED)
 
-    def _record_and_complete(self, receipt: Receipt, outcome: TraceOutcome) -> None:
+    @property
+    def _adapter_checks_preconditions(self) -> bool:
+        """Whether the adapter declares that its own ``execute`` refuses a write unless
+        the environment is exactly the planned one (see docs/adapters.md)."""
+        return getattr(self.adapter, "enforces_preconditions", False) is True
+
+    def _stale_precondition(self, live: Observation) -> None:
+        """The environment moved under a committed pending write before it was sent.
+
+        Timeline: pending committed -> environment observed -> it is not the write's
+        "before" state -> nothing sent. Something other than this run changed it. A
+        successor that took the run over is the likeliest cause, so the adapter judges
+        this owner's fence first (raising it writes nothing): a stale owner is refused for
+        what it is. If the adapter holds a receipt for the key, that receipt explains the
+        change and is the answer (a conflict opens a review case recording ``live``; the
+        same intent is a write already made). Otherwise the write is refused, the pending
+        write stays committed as evidence, and the run fails closed: restore will not
+        accept the environment either, until an operator acts.
+
+        Raises:
+            FenceRejectedError: the adapter has seen a newer owner.
+            EnvironmentMismatchError: ``reason="stale_observation"``, with the versions.
+        """
+        pending = self.state.pending
+        if pending is None:
+            raise InvalidTransitionError("there is no pending write to execute")
+        self.adapter.raise_fence(self._fence())
+        authoritative = self.adapter.lookup(pending.action.idempotency_key or "")
+        if authoritative is not None:
+            self._record_and_complete(authoritative, TraceOutcome.RECONCILED, observed=live)
+            return
+        raise EnvironmentMismatchError(
+            "the environment changed since the pending write was planned; nothing was sent",
+            reason="stale_observation", expected_version=pending.env_before.version,
+            observed_version=live.version,
+            fingerprint_changed=live.fingerprint != pending.env_before.fingerprint)
+
+    def _record_and_complete(self, receipt: Receipt, outcome: TraceOutcome,
+                             observed: Observation | None = None) -> None:
         """Commit the adapter's receipt together with the state it implies: one commit.
 
-        Timeline: adapter wrote -> receipt checked -> environment observed -> ONE commit of
+        Timeline: adapter wrote -> environment observed -> receipt checked -> ONE commit of
         receipt + advanced state. A worker dying before that commit is in
         AFTER_ADAPTER_BEFORE_RECEIPT (recovery looks the key up at the adapter). Only when
         the environment cannot be observed, or is not the write's one-commit state, is the
         receipt committed alone as evidence; the state then advances on recovery
-        (AFTER_RECEIPT_BEFORE_STATE), or the restore fails closed on the drift.
+        (AFTER_RECEIPT_BEFORE_STATE), or the restore fails closed on the drift. A receipt
+        that opens a review case is committed with the environment observed now; when it
+        cannot be observed nothing is committed and recovery settles it by the key.
         """
         now = self.clock.now()
-        checked = machine.record_receipt(self.state, receipt, now=now, traced=False)
+        if observed is None:
+            try:
+                observed = self.adapter.observe()
+            except AdapterError:
+                alone = machine.record_receipt(self.state, receipt, now=now)
+                if alone.review is None:
+                    self._commit(alone)
+                    self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
+                raise
+        checked = machine.record_receipt(self.state, receipt, now=now, traced=False,
+                                         observed=observed)
         if checked.pending is None or checked.pending.receipt is None:
             self._commit(checked)  # a review case was opened instead
             return
         try:
-            observed = self.adapter.observe()
             completed = machine.complete_write(checked, observed, now=now, outcome=outcome)
-        except (AdapterError, EnvironmentMismatchError):
+        except EnvironmentMismatchError:
             self._commit(machine.record_receipt(self.state, receipt, now=now))
             self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
             raise
@@ -431,7 +506,8 @@ class RunEngine:
             if authoritative is None or authoritative.fingerprint != pending.receipt.fingerprint:
                 reason = (ReviewReason.RECEIPT_MISSING if authoritative is None
                           else ReviewReason.RECEIPT_DRIFT)
-                self._commit(machine.open_review(state, reason, authoritative, now=now))
+                self._commit(machine.open_review(state, reason, authoritative, now=now,
+                                                 observed=self.adapter.observe()))
             else:
                 self._complete(TraceOutcome.RECONCILED)
             return self._result(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
@@ -452,10 +528,10 @@ class RunEngine:
         observed = self.adapter.observe()
         if not observed.same_state(pending.env_before):
             self._commit(machine.open_review(
-                state, ReviewReason.RECEIPT_MISSING, None, now=now,
+                state, ReviewReason.RECEIPT_MISSING, None, now=now, observed=observed,
                 detail="environment changed but the adapter has no receipt for the key"))
         else:
-            self._execute_pending()
+            self._execute_pending(observed)
         return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
 
     # -- human evidence and control ------------------------------------------------------------

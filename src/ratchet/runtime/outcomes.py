@@ -36,6 +36,7 @@ __all__ = [
     "apply_review_decision",
     "apply_verification",
     "cancel",
+    "check_review_decision",
     "complete_write",
     "open_review",
     "record_execution_error",
@@ -48,8 +49,17 @@ __all__ = [
 
 
 def open_review(state: RunState, reason: ReviewReason, receipt: Receipt | None, *,
-                now: int, detail: str = "") -> RunState:
-    """Freeze the run in ``needs_review``, keeping the pending write and the receipt."""
+                now: int, detail: str = "", observed: Observation | None = None) -> RunState:
+    """Freeze the run in ``needs_review``, keeping the pending write and the receipt.
+
+    ``observed`` is the environment as observed when the case opens (the engine observes
+    first). The case records it: a reviewer signs a decision bound to that environment,
+    and the decision is consumed only while the environment still reads the same. A
+    foreign write that caused the case usually moved the environment past the run's last
+    observation, so recording ``state.environment`` instead would make every decision
+    fail as ``environment_changed``. Without an observation the case records the run's
+    last one.
+    """
     pending = state.pending
     if pending is None:
         raise InvalidTransitionError("a review case needs a pending write")
@@ -59,7 +69,7 @@ def open_review(state: RunState, reason: ReviewReason, receipt: Receipt | None, 
         pending=pending,
         receipt=receipt,
         receipt_fingerprint=receipt.fingerprint if receipt is not None else None,
-        environment=state.environment,
+        environment=observed if observed is not None else state.environment,
         opened_seq=state.next_seq,
     )
     info: dict[str, Any] = {"reason": reason.value, "case_id": case.case_id}
@@ -68,18 +78,22 @@ def open_review(state: RunState, reason: ReviewReason, receipt: Receipt | None, 
                  "receipt_fingerprint": case.receipt_fingerprint or ""}
     if detail:
         info["detail"] = detail[:1024]
+    if case.environment is not state.environment:
+        info |= {"env_version": case.environment.version,
+                 "env_fingerprint": case.environment.fingerprint}
     event = _event(state, now, TraceOutcome.REVIEW_OPENED, action=pending.action, detail=info)
     return _with(state, event, phase=transition(state.phase, Event.REVIEW_OPENED), review=case)
 
 
-def record_receipt(state: RunState, receipt: Receipt, *, now: int,
-                   traced: bool = True) -> RunState:
+def record_receipt(state: RunState, receipt: Receipt, *, now: int, traced: bool = True,
+                   observed: Observation | None = None) -> RunState:
     """Attach the adapter's receipt to the pending write (before the state advances).
 
     A receipt for another intent, or one that does not bind the pending approval (or was
-    committed after that approval expired), opens a review case instead. ``traced=False``
-    leaves out the ``receipt_recorded`` event, for a caller that commits the receipt
-    together with :func:`complete_write` (whose event names the receipt).
+    committed after that approval expired), opens a review case instead, recording
+    ``observed`` (see :func:`open_review`). ``traced=False`` leaves out the
+    ``receipt_recorded`` event, for a caller that commits the receipt together with
+    :func:`complete_write` (whose event names the receipt).
     """
     pending = state.pending
     if pending is None or pending.receipt is not None:
@@ -87,16 +101,18 @@ def record_receipt(state: RunState, receipt: Receipt, *, now: int,
     action = pending.action
     if receipt.idempotency_key != action.idempotency_key:
         return open_review(state, ReviewReason.RECEIPT_DRIFT, receipt, now=now,
-                           detail="receipt names another idempotency key")
+                           detail="receipt names another idempotency key", observed=observed)
     if receipt.intent_digest != pending.intent_digest:
-        return open_review(state, ReviewReason.INTENT_CONFLICT, receipt, now=now)
+        return open_review(state, ReviewReason.INTENT_CONFLICT, receipt, now=now,
+                           observed=observed)
     approval = pending.approval
     if approval is not None and (
         receipt.approval_digest != approval.digest
         or receipt.committed_at > approval.claims.expires_at
     ):
         return open_review(state, ReviewReason.APPROVAL_UNBOUND, receipt, now=now,
-                           detail="receipt does not bind the approval or postdates its expiry")
+                           detail="receipt does not bind the approval or postdates its expiry",
+                           observed=observed)
     with_receipt = pending.model_copy(update={"receipt": receipt})
     if not traced:
         return state.model_copy(update={"pending": with_receipt})
@@ -110,8 +126,17 @@ def complete_write(state: RunState, observed: Observation, *, now: int,
                    outcome: TraceOutcome = TraceOutcome.EXECUTED) -> RunState:
     """Advance the state after a recorded receipt: the deterministic transition.
 
+    The adapter's receipt is authoritative, the runtime's cache of executed writes only a
+    copy. When the environment is still exactly the write's "before" state, the receipt
+    cannot come from a write made now (that would have moved the environment): the
+    adapter answered with an earlier effect of the same key and intent, one the cache
+    does not hold (lost, or made outside this run). That is a replay: the cache entry is
+    rebuilt from the receipt, the environment and the verification stay as they are, and
+    nothing is written twice.
+
     Raises:
-        EnvironmentMismatchError: the environment is not the write's one-commit state.
+        EnvironmentMismatchError: the environment is neither the write's one-commit state
+            nor its unchanged "before" state.
     """
     pending = state.pending
     if pending is None or pending.receipt is None:
@@ -122,14 +147,8 @@ def complete_write(state: RunState, observed: Observation, *, now: int,
                                        expected=state.environment.instance_id,
                                        observed=observed.instance_id)
     expected = pending.env_after
-    if expected is not None and not observed.same_state(expected):
-        raise EnvironmentMismatchError(
-            "environment is not the pending write's one-commit state",
-            expected_version=expected.version, observed_version=observed.version)
-    if expected is None and observed.version != receipt.env_version_after:
-        raise EnvironmentMismatchError(
-            "environment version differs from the receipt's",
-            expected_version=receipt.env_version_after, observed_version=observed.version)
+    fresh = (observed.same_state(expected) if expected is not None
+             else observed.version == receipt.env_version_after)
     entry = ExecutedWrite(
         action_id=pending.action.action_id,
         idempotency_key=receipt.idempotency_key,
@@ -137,6 +156,21 @@ def complete_write(state: RunState, observed: Observation, *, now: int,
         receipt=receipt,
         receipt_fingerprint=receipt.fingerprint,
     )
+    if not fresh and observed.same_state(pending.env_before):
+        event = _event(state, now, TraceOutcome.REPLAYED, action=pending.action,
+                       detail={"receipt_id": receipt.receipt_id,
+                               "receipt_fingerprint": entry.receipt_fingerprint,
+                               "rebuilt_from": "adapter_receipt"})
+        return _with(state, event, pending=None, executed=(*state.executed, entry),
+                     plan_cursor=state.plan_cursor + 1)
+    if not fresh and expected is not None:
+        raise EnvironmentMismatchError(
+            "environment is not the pending write's one-commit state",
+            expected_version=expected.version, observed_version=observed.version)
+    if not fresh:
+        raise EnvironmentMismatchError(
+            "environment version differs from the receipt's",
+            expected_version=receipt.env_version_after, observed_version=observed.version)
     moved = state.model_copy(update={"environment": observed})
     event = _event(moved, now, outcome, action=pending.action,
                    detail={"receipt_id": receipt.receipt_id,
@@ -146,24 +180,28 @@ def complete_write(state: RunState, observed: Observation, *, now: int,
                  plan_cursor=state.plan_cursor + 1)
 
 
-def record_replay(state: RunState, authoritative: Receipt | None, *, now: int) -> RunState:
+def record_replay(state: RunState, authoritative: Receipt | None, *, now: int,
+                  observed: Observation | None = None) -> RunState:
     """Check a cached key's replay against the adapter's receipt.
 
     Only an authoritative receipt identical in every field to the cached one is a replay;
-    a missing receipt or any drift (namespace, version, id, digest, result) opens a review.
+    a missing receipt or any drift (namespace, version, id, digest, result) opens a review
+    recording ``observed`` (see :func:`open_review`).
     """
     pending = state.pending
     if pending is None or pending.replay_of is None:
         raise InvalidTransitionError("the pending write is not a replay")
     if authoritative is None:
         return open_review(state, ReviewReason.RECEIPT_MISSING, None, now=now,
-                           detail="the adapter has no receipt for a cached key")
+                           detail="the adapter has no receipt for a cached key",
+                           observed=observed)
     if authoritative.fingerprint != pending.replay_of:
         reason = (ReviewReason.INTENT_CONFLICT
                   if authoritative.intent_digest != pending.intent_digest
                   else ReviewReason.RECEIPT_DRIFT)
         return open_review(state, reason, authoritative, now=now,
-                           detail="the adapter's receipt differs from the cached copy")
+                           detail="the adapter's receipt differs from the cached copy",
+                           observed=observed)
     event = _event(state, now, TraceOutcome.REPLAYED, action=pending.action,
                    detail={"receipt_id": authoritative.receipt_id})
     return _with(state, event, pending=None, plan_cursor=state.plan_cursor + 1)
@@ -222,15 +260,16 @@ def apply_verification(state: RunState, action: Action, report: VerifierReport, 
 # --- review decisions and cancellation -------------------------------------------------------
 
 
-def apply_review_decision(state: RunState, scenario: Scenario, decision: ReviewDecision,
-                          reviewers: TrustRoots, *, authoritative: Receipt | None,
-                          observed: Observation, now: int) -> RunState:
-    """Consume a signed reviewer decision on the open case.
+def check_review_decision(state: RunState, scenario: Scenario, decision: ReviewDecision,
+                          reviewers: TrustRoots) -> ReviewCase:
+    """The checks on a decision that need no adapter: an open case, a trusted reviewer's
+    valid signature, every binding, an unused nonce. Returns the open case.
 
-    ``authoritative`` is the adapter's receipt for the case's key, read again just now;
-    ``observed`` is the environment observed just now. Any unknown reviewer, bad
-    signature, binding mismatch, replayed nonce, environment change or receipt drift
-    raises ReviewDecisionError and leaves the case frozen (the state is unchanged).
+    :func:`apply_review_decision` makes them again, then re-reads the world; an operator
+    command makes them before posting a decision, so a bad one is refused at once.
+
+    Raises:
+        ReviewDecisionError: ``reason`` names the failed check.
     """
     case = state.review
     if state.phase is not Phase.NEEDS_REVIEW or case is None:
@@ -259,6 +298,21 @@ def apply_review_decision(state: RunState, scenario: Scenario, decision: ReviewD
     if c.nonce in state.consumed_nonces:
         raise ReviewDecisionError("decision nonce was already consumed",
                                   reason="replayed_nonce", nonce=c.nonce)
+    return case
+
+
+def apply_review_decision(state: RunState, scenario: Scenario, decision: ReviewDecision,
+                          reviewers: TrustRoots, *, authoritative: Receipt | None,
+                          observed: Observation, now: int) -> RunState:
+    """Consume a signed reviewer decision on the open case.
+
+    ``authoritative`` is the adapter's receipt for the case's key, read again just now;
+    ``observed`` is the environment observed just now. Any unknown reviewer, bad
+    signature, binding mismatch, replayed nonce, environment change or receipt drift
+    raises ReviewDecisionError and leaves the case frozen (the state is unchanged).
+    """
+    case = check_review_decision(state, scenario, decision, reviewers)
+    c, action = decision.claims, case.pending.action
     if not observed.same_state(case.environment):
         raise ReviewDecisionError("environment changed after the decision was signed",
                                   reason="environment_changed")

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ratchet.errors import ScenarioError
 from ratchet.runtime.actions import KIND_SPECS, ActionKind
@@ -68,6 +68,23 @@ class Scenario(Frozen):
     initial_files: dict[RelPath, Text]
     verifier: VerifierSpec
 
+    @field_validator("approval_required")
+    @classmethod
+    def _approvable(cls, kinds: tuple[ActionKind, ...],
+                    info: ValidationInfo) -> tuple[ActionKind, ...]:
+        permitted = info.data.get("permissions", ())
+        for kind in kinds:
+            if kind not in permitted:
+                raise ValueError(f"names {kind}, which is not permitted")
+            # An approval authorises one effect: it binds the write's idempotency key and
+            # intent, and the gate checks it only before a write goes to the adapter. A
+            # read, a verifier run or a finish has neither, so listing one would promise a
+            # check that never happens: refuse the contract instead.
+            if not KIND_SPECS[kind].risk.is_write:
+                raise ValueError(f"names {kind}, which is not a write; approvals gate "
+                                 "writes only")
+        return kinds
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Scenario:
         for name in (
@@ -82,9 +99,6 @@ class Scenario(Frozen):
                 raise ValueError(f"{name} has duplicate entries")
         if self.budgets.steps > self.budgets.proposals:
             raise ValueError("budgets.steps exceeds budgets.proposals")
-        for kind in self.approval_required:
-            if kind not in self.permissions:
-                raise ValueError(f"approval_required names {kind}, which is not permitted")
         for path in self.verifier.expected_files:
             if not _path_allowed(path, self.allowed_paths):
                 raise ValueError(f"verifier.expected_files has {path!r} outside allowed_paths")

@@ -361,9 +361,19 @@ def _check_phase(state: RunState) -> None:
         report = state.verification
         if report is None or not report.passed:
             raise _fail("completed without a passing verifier report", field="verification")
-        if report.env_version != state.environment.version or (
+        env = state.environment
+        if (report.env_instance_id, report.env_version, report.env_fingerprint) != (
+            env.instance_id, env.version, env.fingerprint
+        ) or (
             state.last_write_env_version is not None
             and report.env_version < state.last_write_env_version
         ):
             raise _fail("completion evidence is not bound to the last write's version",
                         field="verification")
+        # The report alone is a claim; the finish gate accepted it only because a passing
+        # verifier event of that very report is in the trace. Restore (of a checkpoint
+        # re-signed by anyone who holds the key) must find the same event.
+        if not any(e.outcome is TraceOutcome.VERIFIED and e.verifier == report
+                   for e in reversed(state.trace)):
+            raise _fail("completed without a passing verifier event in the trace",
+                        field="trace")

@@ -54,6 +54,7 @@ from ratchet.errors import (
     AdapterError,
     ConfigurationError,
     ContractError,
+    EnvironmentMismatchError,
     EvidenceError,
     FenceRejectedError,
     HighWaterUnavailableError,
@@ -252,6 +253,12 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
     except (LeaseLostError, FenceRejectedError) as exc:
         # No further commit or adapter call: the lease expires, the reaper hands it on.
         report.outcome, report.detail = "lease_lost", type(exc).__name__
+    except EnvironmentMismatchError as exc:
+        # The environment is not what the signed state says it should be (edited behind
+        # the run, or a write's result that cannot be explained). Nothing more is sent;
+        # a restore would refuse it the same way, so the run leaves the index with the
+        # reason recorded, for an operator.
+        _refuse(fleet, held, report, exc, kind="environment_changed")
     except AdapterError as exc:
         if not exc.context.get("retryable"):
             raise
@@ -385,18 +392,21 @@ def _finish(lease: _HeldLease, engine: RunEngine, report: JobReport) -> None:
     report.generation = engine.generation
 
 
-def _refuse(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: RatchetError) -> None:
-    """A restore failed closed: record why, take the run off the index, run nothing."""
+def _refuse(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: RatchetError, *,
+            kind: str = "restore_refused") -> None:
+    """A restore (or a step) failed closed: record why, take the run off the index, run
+    nothing more."""
     reason = str(getattr(exc, "reason", "") or type(exc).__name__)
-    report.outcome, report.detail = "restore_refused", f"{reason}: {exc.message}"
-    log.error("restore refused", extra={"run_id": lease.run_id, "reason": reason})
-    record: dict[str, Any] = {"kind": "restore_refused", "reason": reason,
+    report.outcome, report.detail = kind, f"{reason}: {exc.message}"
+    log.error(kind.replace("_", " "), extra={"run_id": lease.run_id, "reason": reason})
+    record: dict[str, Any] = {"kind": kind, "reason": reason,
                               "message": exc.message, "lease_version": lease.lease_version,
                               "high_water": lease.generation}
     # The evidence an operator (and a drill's checker) needs: what the adapter had seen
     # against what it was offered, or what the environment check compared.
     evidence = {name: exc.context[name] for name in
-                ("fence", "seen", "expected", "observed", "generation", "high_water")
+                ("fence", "seen", "expected", "observed", "generation", "high_water",
+                 "expected_version", "observed_version", "fingerprint_changed")
                 if name in exc.context}
     if evidence:
         record["evidence"] = evidence

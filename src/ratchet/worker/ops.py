@@ -9,19 +9,31 @@
   pending write, or the open review case, at the current generation), leave the evidence
   in the run's inbox and re-enqueue the run. Private keys stay with the signer; workers
   verify with public keys only.
+* :func:`post_approval` and :func:`post_review_decision` check signed evidence before it
+  is posted, with the checks the worker makes (trust root, signature, signer, every
+  binding, the nonce in the run and in the store, expiry by the store's clock), so a bad
+  piece is refused at once with a typed error instead of later in a worker. The worker's
+  own checks stay as strict. Without a trust root here (no ``RATCHET_APPROVERS_FILE`` /
+  ``RATCHET_REVIEWERS_FILE``) the evidence is posted signed but unverified, and the
+  result says so.
 """
 
 from __future__ import annotations
 
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
-from ratchet.errors import ConfigurationError, ContractError, IntegrityError
+from ratchet.errors import (
+    ApprovalError,
+    ConfigurationError,
+    ContractError,
+    IntegrityError,
+    ReviewDecisionError,
+)
 from ratchet.leasing import RunSnapshot
 from ratchet.runtime import (
     ApprovalClaims,
@@ -31,6 +43,7 @@ from ratchet.runtime import (
     ReviewVerdict,
     RunEngine,
     RunState,
+    machine,
     sign_approval,
     sign_review_decision,
 )
@@ -40,7 +53,17 @@ from ratchet.worker.context import Fleet
 from ratchet.worker.job import SystemClock
 from ratchet.worker.runs import RunDocument, build_adapter
 
-__all__ = ["RunView", "approve", "inspect_run", "load_private_key", "review", "submit"]
+__all__ = [
+    "Posted",
+    "RunView",
+    "approve",
+    "inspect_run",
+    "load_private_key",
+    "post_approval",
+    "post_review_decision",
+    "review",
+    "submit",
+]
 
 
 def submit(fleet: Fleet, document: RunDocument, *, run_id: str | None = None) -> str:
@@ -89,11 +112,80 @@ def inspect_run(fleet: Fleet, run_id: str) -> RunView:
                    fleet.store.incidents(run_id))
 
 
-def approve(fleet: Fleet, run_id: str, action_id: str, *, key: Ed25519PrivateKey,
-            approver_id: str, ttl_s: int = 3600, extra_proposals: int = 10) -> ApprovalEvidence:
-    """Sign an approval of the run's pending write ``action_id`` and re-enqueue the run.
+@dataclass(frozen=True, slots=True)
+class Posted:
+    """Evidence left in a run's inbox. ``verified`` is False when no trust root was
+    available here to check it (it was signed, not verified; the worker still checks)."""
 
-    Raises ContractError (nothing pending, another action), and what inspect_run raises.
+    evidence: ApprovalEvidence | ReviewDecision
+    verified: bool
+
+
+def _claimed_elsewhere(fleet: Fleet, run_id: str, nonce: str) -> str | None:
+    holder = fleet.store.nonce_claimed_by(nonce)
+    return holder if holder is not None and holder != run_id else None
+
+
+def post_approval(fleet: Fleet, run_id: str, evidence: ApprovalEvidence) -> Posted:
+    """Check ``evidence`` as the worker will, then leave it in the run's inbox and
+    re-enqueue the run.
+
+    Raises:
+        ApprovalError: unknown or revoked approver, bad signature, bound to another run,
+            task, policy, action, key, intent, environment or generation, a nonce already
+            consumed (by this run or another), expired by the store's clock. Nothing is
+            posted.
+        ContractError, and what :func:`inspect_run` raises.
+    """
+    view = inspect_run(fleet, run_id)
+    verified = fleet.approvers is not None
+    if fleet.approvers is not None:
+        now = fleet.store.server_time_ms() // 1000
+        machine.attach_approval(view.state, view.document.scenario, evidence,
+                                fleet.approvers, generation=view.generation, now=now)
+    holder = _claimed_elsewhere(fleet, run_id, evidence.claims.nonce)
+    if holder is not None:
+        raise ApprovalError("approval nonce was already consumed by another run",
+                            reason="replayed_nonce", nonce=evidence.claims.nonce)
+    fleet.store.post_evidence(run_id, model_json(evidence))
+    fleet.enqueue(run_id)
+    return Posted(evidence, verified)
+
+
+def post_review_decision(fleet: Fleet, run_id: str, decision: ReviewDecision) -> Posted:
+    """Check ``decision`` as far as it can be without the adapter (the worker re-reads
+    the receipt and the environment when it consumes it), then post and re-enqueue.
+
+    Raises:
+        ReviewDecisionError: no open case, unknown or revoked reviewer, bad signature,
+            any binding, a nonce already consumed. Nothing is posted.
+        ContractError, and what :func:`inspect_run` raises.
+    """
+    view = inspect_run(fleet, run_id)
+    verified = fleet.reviewers is not None
+    if fleet.reviewers is not None:
+        machine.check_review_decision(view.state, view.document.scenario, decision,
+                                      fleet.reviewers)
+    elif view.state.review is None:
+        raise ReviewDecisionError("no review case is open", reason="no_open_case")
+    holder = _claimed_elsewhere(fleet, run_id, decision.claims.nonce)
+    if holder is not None:
+        raise ReviewDecisionError("decision nonce was already consumed by another run",
+                                  reason="replayed_nonce", nonce=decision.claims.nonce)
+    fleet.store.post_evidence(run_id, model_json(decision))
+    fleet.enqueue(run_id)
+    return Posted(decision, verified)
+
+
+def approve(fleet: Fleet, run_id: str, action_id: str, *, key: Ed25519PrivateKey,
+            approver_id: str, ttl_s: int = 3600, extra_proposals: int = 10) -> Posted:
+    """Sign an approval of the run's pending write ``action_id``, check it as the worker
+    will (:func:`post_approval`), post it and re-enqueue the run.
+
+    The expiry counts from the store's clock, the clock the checks use.
+
+    Raises ContractError (nothing pending, another action), ApprovalError (see
+    :func:`post_approval`), and what inspect_run raises.
     """
     view = inspect_run(fleet, run_id)
     state, pending = view.state, view.state.pending
@@ -109,19 +201,19 @@ def approve(fleet: Fleet, run_id: str, action_id: str, *, key: Ed25519PrivateKey
         idempotency_key=pending.action.idempotency_key or "",
         intent_digest=pending.intent_digest, env_instance_id=env.instance_id,
         env_fingerprint=env.fingerprint, env_version=env.version, generation=view.generation,
-        nonce=f"ap-{secrets.token_hex(12)}", expires_at=int(time.time()) + ttl_s,
+        nonce=f"ap-{secrets.token_hex(12)}",
+        expires_at=fleet.store.server_time_ms() // 1000 + ttl_s,
         max_proposals=state.usage.proposals + extra_proposals)
-    evidence = sign_approval(key, approver_id, claims)
-    fleet.store.post_evidence(run_id, model_json(evidence))
-    fleet.enqueue(run_id)
-    return evidence
+    return post_approval(fleet, run_id, sign_approval(key, approver_id, claims))
 
 
 def review(fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey,
-           reviewer_id: str) -> ReviewDecision:
-    """Sign a reviewer decision on the run's open case and re-enqueue the run.
+           reviewer_id: str) -> Posted:
+    """Sign a reviewer decision on the run's open case, check it
+    (:func:`post_review_decision`), post it and re-enqueue the run.
 
-    Raises ContractError (no open case, bad verdict), and what inspect_run raises.
+    Raises ContractError (no open case, bad verdict), ReviewDecisionError, and what
+    inspect_run raises.
     """
     view = inspect_run(fleet, run_id)
     case = view.state.review
@@ -142,10 +234,7 @@ def review(fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey,
         receipt_fingerprint=case.receipt_fingerprint,
         env_instance_id=case.environment.instance_id, env_version=case.environment.version,
         verdict=decided, nonce=f"rv-{secrets.token_hex(12)}")
-    decision = sign_review_decision(key, reviewer_id, claims)
-    fleet.store.post_evidence(run_id, model_json(decision))
-    fleet.enqueue(run_id)
-    return decision
+    return post_review_decision(fleet, run_id, sign_review_decision(key, reviewer_id, claims))
 
 
 def load_private_key(pem: bytes) -> Ed25519PrivateKey:
