@@ -34,12 +34,13 @@ def console(fleet: Fleet, workspace: MakeWorkspace) -> Iterator[tuple[ConsoleSer
         server.server_close()
 
 
-def fetch(server: ConsoleServer, path: str, method: str = "GET") -> tuple[int, dict[str, str],
-                                                                          str]:
+def fetch(server: ConsoleServer, path: str, method: str = "GET", *,
+          host_header: str | None = None) -> tuple[int, dict[str, str], str]:
     host, port = str(server.server_address[0]), int(server.server_address[1])
     conn = http.client.HTTPConnection(host, port, timeout=30)
     try:
-        conn.request(method, path)
+        headers = {"Host": host_header} if host_header is not None else {}
+        conn.request(method, path, headers=headers)
         response = conn.getresponse()
         return (response.status, {k.lower(): v for k, v in response.getheaders()},
                 response.read().decode())
@@ -57,6 +58,51 @@ def test_the_console_listens_on_loopback_and_serves_pages_with_a_strict_csp(
     assert "script-src" not in CSP and "default-src 'none'" in CSP
     assert headers["x-frame-options"] == "DENY"
     assert review_id in body and "<script" not in body
+
+
+@pytest.mark.parametrize("host", ["evil.example", "rebind.test:{port}", "127.0.0.2:{port}",
+                                  "localhost:1", "localhost", ""])
+def test_the_console_answers_only_its_own_origin(console: tuple[ConsoleServer, str, str],
+                                                 host: str) -> None:
+    server, review_id, _ = console
+    header = host.format(port=server.server_address[1])
+    for path in (f"/runs/{review_id}", "/reviews", "/metrics", "/runs"):
+        status, _, body = fetch(server, path, host_header=header)
+        assert status == 421, (path, header)
+        assert review_id not in body and "case-" not in body
+
+
+def test_a_request_without_a_host_header_is_refused(
+        console: tuple[ConsoleServer, str, str]) -> None:
+    import socket
+
+    server, review_id, _ = console
+    with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+        sock.sendall(f"GET /runs/{review_id} HTTP/1.0\r\n\r\n".encode())
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.0 421") and review_id.encode() not in reply
+
+
+@pytest.mark.parametrize("host", ["localhost:{port}", "127.0.0.1:{port}", "LOCALHOST:{port}"])
+def test_the_console_answers_its_own_names(console: tuple[ConsoleServer, str, str],
+                                           host: str) -> None:
+    server, review_id, _ = console
+    status, _, body = fetch(server, f"/runs/{review_id}",
+                            host_header=host.format(port=server.server_address[1]))
+    assert status == 200 and review_id in body
+
+
+def test_a_reverse_proxys_name_is_answered_once_allowed(fleet: Fleet) -> None:
+    server = serve_console(fleet_console_data(fleet), port=0, background=True,
+                           allowed_hosts=["console.internal.example"])
+    try:
+        assert fetch(server, "/healthz", host_header="console.internal.example")[0] == 200
+        assert fetch(server, "/healthz", host_header="other.example")[0] == 421
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
@@ -128,9 +174,11 @@ def test_expired_approval_evidence_stays_visible_and_is_marked(
 
 CHROMIUM = os.environ.get("RATCHET_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("RATCHET_CHROMEDRIVER", "/usr/bin/chromedriver")
+# rebind.test resolves to 127.0.0.1 inside the browser: a DNS-rebinding page's view.
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--window-size=1400,2200")
+         "--disable-sync", "--window-size=1400,2200",
+         "--host-resolver-rules=MAP rebind.test 127.0.0.1")
 
 
 def _browser(profile: Path) -> Any:
@@ -201,6 +249,13 @@ def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
         rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
         assert len(rows) == 2 and review_id in rows[1].text
         assert not driver.find_elements(By.TAG_NAME, "script")
+
+        # A page on another name that resolves to the console's address (DNS rebinding)
+        # gets nothing of any run.
+        driver.get(f"http://rebind.test:{server.server_address[1]}/runs/{review_id}")
+        text = driver.find_element(By.TAG_NAME, "body").text
+        assert "answers only its own address" in text
+        assert review["case_id"] not in text and review_id not in text
     finally:
         driver.quit()
     with urllib.request.urlopen(f"{server.url}/healthz", timeout=10) as response:

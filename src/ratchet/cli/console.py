@@ -43,18 +43,22 @@ def console_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free).")] = 8765,
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="Runs listed.")] = 500,
+    allow_host: Annotated[list[str] | None, typer.Option(
+        "--allow-host", help="Another Host name to answer (NAME or NAME:PORT), e.g. the "
+        "one a reverse proxy forwards; repeat for more.")] = None,
 ) -> None:
     """Serve the read-only web console: runs, a run's evidence, the review queue.
 
     No signing and no write endpoint: the pages show the exact `ratchet approve` /
     `ratchet review` command to run where the private key is. The console has no login;
-    keep it on loopback (the default) and reach it through an SSH tunnel.
+    keep it on loopback (the default) and reach it through an SSH tunnel. It answers
+    only requests whose Host header names it (DNS rebinding gets 421).
     """
     if not _is_loopback(host):
         typer.echo(f"ratchet: warning: the console has no authentication and is listening "
                    f"on {host}; anyone who can reach it sees every run", err=True)
     server = serve_console(fleet_console_data(Fleet.connect(), limit=limit), host=host,
-                           port=port)
+                           port=port, allowed_hosts=allow_host or ())
     typer.echo(f"ratchet console on {server.url} (read-only; Ctrl+C to stop)")
     try:
         server.serve_forever()

@@ -17,12 +17,20 @@ Routes::
 
 Every other method answers 405 and reads no body: there is no write endpoint, and signing
 stays with the command line, where the private keys are.
+
+Only its own origin is answered. A request whose ``Host`` header is not the address the
+console is bound to (or ``localhost`` / ``127.0.0.1`` / ``[::1]``), with its port, gets
+``421 Misdirected Request`` and no page: a web page the operator visits cannot rebind its
+own name to 127.0.0.1 and read pending writes, approval evidence or review cases. Behind
+a reverse proxy, the names it forwards are added with ``allowed_hosts`` (``ratchet
+console --allow-host``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -36,7 +44,7 @@ from ratchet.console.pages import CSS, error_page, review_queue_page, run_page, 
 from ratchet.errors import ConfigurationError, RatchetError, RunNotFoundError
 from ratchet.runtime import Phase
 
-__all__ = ["CSP", "ConsoleServer", "serve_console"]
+__all__ = ["CSP", "ConsoleServer", "own_hosts", "serve_console"]
 
 log = logging.getLogger("ratchet.console")
 
@@ -82,17 +90,34 @@ class _FleetGauges:
         yield reviews
 
 
+def own_hosts(bound: str, port: int, extra: Iterable[str] = ()) -> frozenset[str]:
+    """The ``Host`` values the console answers: the bound address and the loopback names,
+    each with the port (and without it on port 80), plus ``extra`` names as given
+    (``name`` or ``name:port``, compared case-insensitively)."""
+    names = {bound, "localhost", "127.0.0.1", "[::1]"}
+    if ":" in bound and not bound.startswith("["):
+        names.add(f"[{bound}]")
+    hosts = {f"{name}:{port}" for name in names}
+    if port == 80:
+        hosts |= names
+    hosts |= {h.strip() for h in extra if h.strip()}
+    return frozenset(h.lower() for h in hosts)
+
+
 class ConsoleServer(ThreadingHTTPServer):
     """A threading HTTP server bound to one :class:`ConsoleData`."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], data: ConsoleData) -> None:
+    def __init__(self, address: tuple[str, int], data: ConsoleData, *,
+                 allowed_hosts: Iterable[str] = ()) -> None:
         super().__init__(address, _Handler)
         self.data = data
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_FleetGauges(data))
+        self.allowed_hosts = own_hosts(str(self.server_address[0]),
+                                       int(self.server_address[1]), allowed_hosts)
 
     @property
     def url(self) -> str:
@@ -112,8 +137,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _refuse(self) -> None:
         self.close_connection = True
+        if not self._own_origin():
+            return
         self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"read-only: GET and HEAD only\n",
                    "text/plain; charset=utf-8", extra={"Allow": "GET, HEAD"})
+
+    def _own_origin(self) -> bool:
+        """True when the request names this console in ``Host``; otherwise answer 421
+        (nothing of any run in it) and close."""
+        host = (self.headers.get("Host") or "").strip().lower()
+        if host and host in self.server.allowed_hosts:
+            return True
+        self.close_connection = True
+        self._send(HTTPStatus.MISDIRECTED_REQUEST,
+                   b"this console answers only its own address\n",
+                   "text/plain; charset=utf-8")
+        log.warning("request for another host refused", extra={"outcome": "421"})
+        return False
 
     do_POST = do_PUT = do_PATCH = do_DELETE = _refuse  # noqa: N815 - http.server's names
     do_OPTIONS = do_TRACE = do_CONNECT = _refuse  # noqa: N815
@@ -141,6 +181,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, page.encode("utf-8"), "text/html; charset=utf-8", head=head)
 
     def _dispatch(self, *, head: bool) -> None:
+        if not self._own_origin():
+            return
         if len(self.path) > _MAX_PATH:
             self._html(HTTPStatus.REQUEST_URI_TOO_LONG, error_page("too long", "URI too long"),
                        head)
@@ -193,14 +235,16 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve_console(data: ConsoleData, *, host: str = "127.0.0.1", port: int = 8765,
-                  background: bool = False) -> ConsoleServer:
+                  background: bool = False,
+                  allowed_hosts: Iterable[str] = ()) -> ConsoleServer:
     """Bind the console. ``background=True`` serves from a daemon thread and returns;
     otherwise the caller runs ``serve_forever()``. Port 0 picks a free port.
+    ``allowed_hosts`` adds ``Host`` names beyond the console's own (a reverse proxy's).
 
     Raises ConfigurationError when the address cannot be bound.
     """
     try:
-        server = ConsoleServer((host, port), data)
+        server = ConsoleServer((host, port), data, allowed_hosts=allowed_hosts)
     except OSError as exc:
         raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
                                  field="port") from None
