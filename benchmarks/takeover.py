@@ -147,14 +147,14 @@ def _one_kill(fleet: Any, pool: Pool, root: Path, run_id: str, *, think_ms: int,
     submit(fleet, greeting_document(root, agent_config={"think_ms": think_ms},
                                     runner="python"), run_id=run_id)
     deadline = time.monotonic() + deadline_s
-    pid, _ = _find_holder(fleet, run_id, pool, deadline)
+    pid, held = _find_holder(fleet, run_id, pool, deadline)
     time.sleep(random.uniform(0, renew_ms / 1000))  # jitter, not security
     os.kill(pid, signal.SIGKILL)
     kill_ms = fleet.store.server_time_ms()
     pool.procs[pid].join(timeout=10)
     pool.start(1)  # the replacement starts while the others take the run over
     snap = fleet.store.read_run(run_id)
-    killed_owner = f"{WORKER_NAME}-{pid}"
+    killed_owner = held.owner  # <name>-<incarnation>-<pid>: the id its lease names
     if snap.owner != killed_owner:
         return None  # it released the lease (finished) just before the signal: no takeover
     lease_ms: int | None = None

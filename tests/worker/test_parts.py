@@ -14,7 +14,13 @@ from pydantic import ValidationError
 from ratchet.errors import ConfigurationError, LeaseLostError, StoreUnavailableError
 from ratchet.runtime import Observation, Phase, TraceOutcome
 from ratchet.runtime.state import Usage
-from ratchet.worker.agents import AgentView, GreetingAgent, ScriptedAgent, load_agent
+from ratchet.worker.agents import (
+    AgentPolicy,
+    AgentView,
+    GreetingAgent,
+    ScriptedAgent,
+    load_agent,
+)
 from ratchet.worker.context import Fleet
 from ratchet.worker.heartbeat import GuardedStore, Heartbeat
 from ratchet.worker.ops import submit
@@ -100,12 +106,13 @@ def test_the_greeting_agent_proposes_the_same_fix_after_a_crash() -> None:
 
 
 def test_agents_load_by_name_and_dotted_path_and_refuse_anything_else() -> None:
+    allowed = AgentPolicy(prefixes=("ratchet.worker",))
     assert isinstance(load_agent("greeting"), GreetingAgent)
-    assert isinstance(load_agent("ratchet.worker.agents:GreetingAgent.from_config"),
-                      GreetingAgent)
+    assert isinstance(load_agent("ratchet.worker.agents:GreetingAgent.from_config",
+                                 policy=allowed), GreetingAgent)
     for bad in ("nope", "no.such.module:factory", "ratchet.worker.agents:missing"):
         with pytest.raises(ConfigurationError):
-            load_agent(bad)
+            load_agent(bad, policy=allowed)
     with pytest.raises(ConfigurationError):
         load_agent("greeting", {"think_ms": True})
 

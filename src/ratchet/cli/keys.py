@@ -6,8 +6,11 @@ Checkpoint keys (HMAC, a key file ``{"signing", "keys", "retired"}``):
    so runs restore across the rotation and re-sign with the new key at their next commit.
    Restart the workers (rolling) so each picks the new file up.
 2. ``retire KID`` marks an old key retired: checkpoints signed with it are refused
-   (``retired_kid``). It refuses while any run's current checkpoint is still signed with
-   that key, unless ``--force`` (those runs then fail closed, visibly).
+   (``retired_kid``). Run documents are signed once, at submit, so it first signs every
+   document signed with ``KID`` again with the signing key (each verified under ``KID``
+   first, swapped in by compare-and-set; one that does not verify stops the retirement).
+   It refuses while any run's current checkpoint is still signed with that key, unless
+   ``--force`` (those runs then fail closed, visibly).
 
 Approver and reviewer keys (Ed25519 public keys, a trust file per role): ``revoke`` lists
 a signer under ``"_revoked"``; workers refuse that signer's approvals and decisions
@@ -32,6 +35,7 @@ from ratchet.errors import ConfigurationError, RatchetError
 from ratchet.runtime import KeyRing
 from ratchet.runtime.signing import parse_envelope
 from ratchet.worker.context import Fleet, load_trust_roots
+from ratchet.worker.runs import open_document, seal_document
 from ratchet.worker.settings import Settings
 
 __all__ = ["checkpoint_keys_path", "read_checkpoint_keys", "replace_file", "runs_signed_with"]
@@ -110,6 +114,41 @@ def runs_signed_with(fleet: Fleet, kid: str, *, limit: int = 100_000) -> list[st
     return found
 
 
+def resign_documents(fleet: Fleet, kid: str, *,
+                     limit: int = 100_000) -> tuple[list[str], list[str]]:
+    """Sign again, with the ring's signing key, every run document signed with ``kid``.
+
+    A document is written once, at submit, so retiring the key that signed it would make
+    the run unreadable. Each one is verified under ``kid`` first (a document that does
+    not verify is left alone and reported), re-sealed from the very same document, and
+    swapped in by compare-and-set. Returns (re-signed, left alone). Raises StoreError.
+    """
+    resigned, refused = [], []
+    for run_id in fleet.store.run_ids(limit=limit):
+        snap = fleet.store.read_run(run_id, with_checkpoint=False, with_scenario=True)
+        blob = snap.scenario
+        if blob is None:
+            continue
+        try:
+            header, _ = parse_envelope(blob)
+        except RatchetError:
+            refused.append(run_id)
+            continue
+        if header.kid != kid:
+            continue
+        try:
+            document = open_document(fleet.keyring, run_id, blob)
+        except RatchetError:
+            refused.append(run_id)
+            continue
+        if fleet.store.replace_document(run_id, blob,
+                                        seal_document(fleet.keyring, run_id, document)):
+            resigned.append(run_id)
+        else:
+            refused.append(run_id)
+    return resigned, refused
+
+
 def _write_checkpoint_keys(path: Path, doc: dict[str, Any]) -> None:
     replace_file(path, json.dumps(doc).encode(), mode=0o600)
 
@@ -159,8 +198,17 @@ def keys_retire(
     if kid == doc["signing"]:
         raise ConfigurationError(f"{kid!r} is the signing key; rotate first", field="kid")
     in_use: list[str] = []
+    resigned: list[str] = []
     if not force:
-        in_use = runs_signed_with(Fleet.connect(settings), kid)
+        fleet = Fleet.connect(settings)
+        resigned, unreadable = resign_documents(fleet, kid)
+        if unreadable:
+            shown = ", ".join(unreadable[:5]) + (" ..." if len(unreadable) > 5 else "")
+            raise ConfigurationError(
+                f"{len(unreadable)} run document(s) signed with {kid!r} could not be signed "
+                f"again ({shown}): they do not verify or changed meanwhile; nothing retired",
+                field="kid")
+        in_use = runs_signed_with(fleet, kid)
         if in_use:
             shown = ", ".join(in_use[:5]) + (" ..." if len(in_use) > 5 else "")
             raise ConfigurationError(
@@ -170,11 +218,12 @@ def keys_retire(
     if kid not in doc["retired"]:
         doc["retired"].append(kid)
     _write_checkpoint_keys(path, doc)
-    info = _summary(path, doc)
+    info = {**_summary(path, doc), "documents_resigned": len(resigned)}
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"{path}: {kid} retired; checkpoints signed with it are refused. "
+        typer.echo(f"{path}: {kid} retired; checkpoints signed with it are refused "
+                   f"({len(resigned)} run document(s) signed again first). "
                    "Restart the workers to pick it up.")
 
 

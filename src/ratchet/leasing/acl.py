@@ -69,7 +69,8 @@ _WORKER_SCRIPTS = (ScriptName.ACQUIRE_LEASE, ScriptName.RENEW_LEASE, ScriptName.
                    ScriptName.DROP_EXPIRY_ENTRY, ScriptName.RECORD_INCIDENT)
 _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
     Role.WORKER: _WORKER_SCRIPTS,
-    Role.OPERATOR: (ScriptName.CREATE_RUN, ScriptName.READ_RUN, ScriptName.POST_EVIDENCE),
+    Role.OPERATOR: (ScriptName.CREATE_RUN, ScriptName.READ_RUN, ScriptName.POST_EVIDENCE,
+                    ScriptName.REPLACE_DOCUMENT),
     Role.READER: (ScriptName.READ_RUN,),
 }
 # Direct calls of RedisStore besides the scripts (see store.py).

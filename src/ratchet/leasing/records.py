@@ -13,7 +13,7 @@ from typing import Any
 
 from ratchet.leasing.keys import run_keys
 from ratchet.leasing.plumbing import StorePlumbing
-from ratchet.leasing.replies import decode_counted
+from ratchet.leasing.replies import decode_counted, decode_replaced
 from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["RunRecords"]
@@ -23,6 +23,8 @@ EVIDENCE_MAX_BYTES = 64 * 1024
 
 class RunRecords(StorePlumbing):
     """Incidents and the evidence inbox of one run (see the module docstring)."""
+
+    max_scenario_bytes: int  # set by RedisStore: the cap a document is stored under
 
     def record_incident(self, run_id: str, record: dict[str, Any], *, keep: int = 50) -> int:
         """Append an operator-facing incident (JSON) to the run; returns Redis' time (ms).
@@ -62,6 +64,20 @@ class RunRecords(StorePlumbing):
         reply = self._run(ScriptName.POST_EVIDENCE, run_id, [keys.inbox, keys.state],
                           [evidence, keep])
         return decode_counted(reply, run_id, script="post_evidence", ok="posted")
+
+    def replace_document(self, run_id: str, old: bytes, new: bytes) -> bool:
+        """Swap the run's stored document for ``new`` if it is still exactly ``old``
+        (compare-and-set). Returns False when it changed meanwhile (nothing written).
+
+        The caller verified ``old`` and made ``new`` by signing the very same document
+        again; this only makes the swap atomic. Raises RunNotFoundError,
+        StoreUnavailableError, StoreProtocolError.
+        """
+        keys = run_keys(run_id)
+        self._check_blob(new, run_id, "scenario", self.max_scenario_bytes)
+        reply = self._run(ScriptName.REPLACE_DOCUMENT, run_id, [keys.scenario, keys.state],
+                          [old, new])
+        return decode_replaced(reply, run_id)
 
     def inbox(self, run_id: str, *, limit: int = 20) -> list[bytes]:
         """Evidence waiting in the run's inbox, newest first."""

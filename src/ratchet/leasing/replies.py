@@ -372,6 +372,23 @@ def decode_drop_expiry(reply: object) -> bool:
     _unknown(status, script)
 
 
+def decode_replaced(reply: object, run_id: str) -> bool:
+    """Decode replace_document's reply: True when replaced, False when the stored bytes
+    changed meanwhile.
+
+    Raises RunNotFoundError (``{"no_run"}``), StoreProtocolError.
+    """
+    script = "replace_document"
+    status, f = _split(reply, script)
+    _arity(f, 0, script, status)
+    if status == "no_run":
+        raise RunNotFoundError("no run with this id", run_id=run_id)
+    if status in ("replaced", "changed"):
+        return status == "replaced"
+    _unknown(status, script)
+    return False  # not reached: _unknown raises
+
+
 def decode_counted(reply: object, run_id: str, *, script: str, ok: str) -> int:
     """Decode a ``{ok, n}`` reply (record_incident, post_evidence): the integer ``n``.
 

@@ -58,6 +58,7 @@ class ScriptName(StrEnum):
     DROP_EXPIRY_ENTRY = "drop_expiry_entry"
     RECORD_INCIDENT = "record_incident"
     POST_EVIDENCE = "post_evidence"
+    REPLACE_DOCUMENT = "replace_document"
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ class Domain:
     STATE = b"ratchet/state/v1"
     ENVIRONMENT = b"ratchet/environment/v1"
     ARCHIVE = b"ratchet/archive/v1"
+    DOCUMENT = b"ratchet/document/v1"
 
 
 def _reject_floats(value: Any, path: str = "$") -> None:

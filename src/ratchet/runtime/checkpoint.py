@@ -478,7 +478,8 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
                        observe: Callable[[RunState, int], Observation],
                        approvers: TrustRoots | None = None,
                        reviewers: TrustRoots | None = None,
-                       archive: Sequence[bytes] = ()) -> Restored:
+                       archive: Sequence[bytes] = (),
+                       opened: CheckpointPayload | None = None) -> Restored:
     """Verify a checkpoint and return its state. See the module docstring for the order.
 
     ``archive`` is the run's archive segments as the store returned them with ``blob``
@@ -491,10 +492,14 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
     Expired approvals load (they are evidence an operator must see); whether they may
     still execute is decided later by the state machine, never here.
 
+    ``opened`` is what :func:`open_checkpoint` returned for ``blob`` and ``archive`` (checks
+    1-4), for a caller that opened it already; it is not opened again.
+
     Raises:
         CheckpointError: ``reason`` names the failed check.
     """
-    payload = open_checkpoint(blob, keyring=keyring, archive=archive)
+    payload = opened if opened is not None else open_checkpoint(blob, keyring=keyring,
+                                                                archive=archive)
     if payload.scenario_fingerprint != scenario.fingerprint:
         raise _fail("scenario", "checkpoint was made under another scenario (task, policy, "
                     "permissions, allowlists, initial state or verifier expectations changed)")

@@ -46,6 +46,7 @@ from ratchet.runtime.actions import Action
 from ratchet.runtime.checkpoint import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     ArchiveRef,
+    CheckpointPayload,
     empty_archive,
     restore_checkpoint,
     run_key,
@@ -148,9 +149,13 @@ class RunEngine:
     @classmethod
     def start(cls, run_id: str, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
               store: GenerationStore, clock: Clock, **options: Any) -> RunEngine:
-        """Observe the environment, build the first state and commit it as generation 1."""
+        """Observe the environment, build the first state and commit it as generation 1.
+
+        ``document_digest`` (an option) binds the run's signed document into the state.
+        """
         observed = adapter.observe()
-        state = machine.new_run(run_id, scenario, observed, clock.now())
+        state = machine.new_run(run_id, scenario, observed, clock.now(),
+                                document_digest=options.pop("document_digest", None))
         max_bytes = options.get("max_checkpoint_bytes", DEFAULT_MAX_CHECKPOINT_BYTES)
         if options.pop("archive_trace", False):
             sealed = seal_split(state, scenario, keyring, generation=1,
@@ -169,11 +174,14 @@ class RunEngine:
     def resume(cls, blob: bytes, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
                store: GenerationStore, clock: Clock, approvers: TrustRoots | None = None,
                reviewers: TrustRoots | None = None, lease_version: int = 1,
-               archive: Sequence[bytes] = (), **options: Any) -> RunEngine:
+               archive: Sequence[bytes] = (), opened: CheckpointPayload | None = None,
+               **options: Any) -> RunEngine:
         """Restore a checkpoint (all checks of :func:`restore_checkpoint`), then raise the
         adapter's fence to this lease and observe the environment.
 
         ``archive`` is the run's archive segments as the store returned them with ``blob``.
+        ``opened`` is ``open_checkpoint(blob, archive=archive)`` when the caller made it
+        already (to check the run document against it before building the adapter).
 
         The fence goes up before the observation that restore compares, so from then on a
         previous owner that is still running can no longer land a write we have not seen.
@@ -187,7 +195,7 @@ class RunEngine:
 
         restored = restore_checkpoint(blob, scenario=scenario, keyring=keyring, store=store,
                                       observe=fence_then_observe, approvers=approvers,
-                                      reviewers=reviewers, archive=archive)
+                                      reviewers=reviewers, archive=archive, opened=opened)
         return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
                    clock=clock, state=restored.state, generation=restored.generation,
                    blob=restored.blob, approvers=approvers, reviewers=reviewers,

@@ -105,8 +105,10 @@ class Proposal:
     reason: str = ""
 
 
-def new_run(run_id: str, scenario: Scenario, observation: Observation, now: int) -> RunState:
-    """The initial state of a run on an observed environment."""
+def new_run(run_id: str, scenario: Scenario, observation: Observation, now: int, *,
+            document_digest: str | None = None) -> RunState:
+    """The initial state of a run on an observed environment. ``document_digest`` binds
+    the signed run document the run was created from into every checkpoint."""
     state = RunState(
         schema_version=STATE_SCHEMA_VERSION,
         run_id=run_id,
@@ -115,6 +117,7 @@ def new_run(run_id: str, scenario: Scenario, observation: Observation, now: int)
         policy_id=scenario.policy_id,
         policy_version=scenario.policy_version,
         scenario_fingerprint=scenario.fingerprint,
+        document_digest=document_digest,
         phase=Phase.RUNNING,
         usage=Usage(),
         started_at=now,

@@ -105,7 +105,9 @@ class KeyRing:
     def __repr__(self) -> str:
         return f"KeyRing(kids={sorted(self.keys)!r}, signing_kid={self.signing_kid!r})"
 
-    def mac(self, kid: str, payload: bytes) -> bytes:
+    def mac(self, kid: str, payload: bytes, domain: bytes = Domain.CHECKPOINT) -> bytes:
+        """HMAC-SHA256 of ``payload`` under key ``kid``, domain-separated: a checkpoint's
+        MAC never verifies a run document's, or the other way round."""
         key = self.keys.get(kid)
         if key is None:
             raise CheckpointError("checkpoint was signed with an unknown key id",
@@ -113,11 +115,11 @@ class KeyRing:
         if kid in self.retired:
             raise CheckpointError("checkpoint was signed with a retired key",
                                   reason="retired_kid", kid=kid)
-        return key.mac(_mac_input(kid, payload))
+        return key.mac(_mac_input(kid, payload, domain))
 
 
-def _mac_input(kid: str, payload: bytes) -> bytes:
-    return Domain.CHECKPOINT + b"\x00" + kid.encode("ascii") + b"\x00" + payload
+def _mac_input(kid: str, payload: bytes, domain: bytes = Domain.CHECKPOINT) -> bytes:
+    return domain + b"\x00" + kid.encode("ascii") + b"\x00" + payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +130,15 @@ class EnvelopeHeader:
     checksum: str
 
 
-def seal_envelope(keyring: KeyRing, payload: bytes) -> bytes:
-    """Sign ``payload`` with the ring's signing key and return the envelope bytes."""
+def seal_envelope(keyring: KeyRing, payload: bytes, *,
+                  domain: bytes = Domain.CHECKPOINT) -> bytes:
+    """Sign ``payload`` with the ring's signing key and return the envelope bytes.
+    ``domain`` separates what is signed (checkpoints, run documents)."""
     kid = keyring.signing_kid
     header = {
         "kid": kid,
         "len": len(payload),
-        "mac": keyring.mac(kid, payload).hex(),
+        "mac": keyring.mac(kid, payload, domain).hex(),
         "sum": hashlib.sha256(payload).hexdigest(),
         "v": ENVELOPE_VERSION,
     }
@@ -184,8 +188,9 @@ def _is_hex(text: str) -> bool:
     return _LOWER_HEX.fullmatch(text) is not None
 
 
-def open_envelope(keyring: KeyRing, blob: bytes) -> bytes:
-    """Verify an envelope and return its payload bytes.
+def open_envelope(keyring: KeyRing, blob: bytes, *,
+                  domain: bytes = Domain.CHECKPOINT) -> bytes:
+    """Verify an envelope signed under ``domain`` and return its payload bytes.
 
     Checks, in order: strict parse, checksum, HMAC (constant time). Raises
     CheckpointError with ``reason`` one of ``malformed``, ``envelope_version``,
@@ -194,7 +199,7 @@ def open_envelope(keyring: KeyRing, blob: bytes) -> bytes:
     header, payload = parse_envelope(blob)
     if not constant_time_equal(hashlib.sha256(payload).hexdigest(), header.checksum):
         raise _bad("checksum", "checkpoint checksum does not match: corrupted")
-    expected = keyring.mac(header.kid, payload)
+    expected = keyring.mac(header.kid, payload, domain)
     if not hmac.compare_digest(expected.hex(), header.mac):
         raise _bad("bad_mac", "checkpoint HMAC does not verify: wrong key or tampered payload")
     return payload

@@ -218,6 +218,10 @@ class RunState(Frozen):
     policy_id: Identifier
     policy_version: Identifier
     scenario_fingerprint: Digest
+    # The digest of the signed run document (scenario, agent, its config, environment,
+    # verifier commands) this run was created from; None for a run made without one. It
+    # never changes, and a worker uses a document only if its digest is this one.
+    document_digest: Digest | None = None
     phase: Phase
     stop_reason: Annotated[str, Strict(), Field(max_length=4096)] | None = None
     plan_cursor: NonNegInt = 0
@@ -274,6 +278,8 @@ def check_invariants(state: RunState, scenario: Scenario, *,
         scenario.task_id, scenario.task_version, scenario.policy_id, scenario.policy_version
     ):
         raise _fail("task or policy differs from the scenario", field="task_id")
+    if previous is not None and state.document_digest != previous.document_digest:
+        raise _fail("the run document's digest changed", field="document_digest")
     trace, checked = state.trace, 0
     if previous is not None and len(previous.trace) <= len(trace) and (
         trace[:len(previous.trace)] == previous.trace  # C; identity first

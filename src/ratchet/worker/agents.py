@@ -15,15 +15,24 @@ the run id and the step's position (:func:`ratchet.runtime.derive_idempotency_ke
 by the number of keys a reviewer quarantined, so a retry after a crash proposes the same
 key and a replan proposes a new one.
 
-Users plug their own agent by dotted path (``package.module:factory``); the factory is
-called with the run's agent configuration (a JSON object) and returns an :class:`Agent`.
+Which agents a worker loads is the worker's decision, never the run document's alone
+(:class:`AgentPolicy`): the built-in agents; agents installed as plugins under the
+``ratchet.agents`` entry-point group (the convention Python plugins use: installing the
+package is the operator's decision), by their entry-point name; and dotted paths
+(``package.module:factory``) only inside the module prefixes the operator lists in
+``RATCHET_AGENTS`` (``mypkg`` allows ``mypkg`` and ``mypkg.agents``, not ``mypkg2``).
+Anything else is refused before it is imported. A factory is called with the run's agent
+configuration (a JSON object) and returns an :class:`Agent`.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from ratchet.errors import ConfigurationError
@@ -38,13 +47,20 @@ from ratchet.runtime import (
 from ratchet.runtime.state import Usage
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "Agent",
+    "AgentFactory",
+    "AgentPolicy",
     "AgentStep",
     "AgentView",
     "GreetingAgent",
     "ScriptedAgent",
+    "build_agent",
     "load_agent",
 ]
+
+#: The entry-point group installed agent plugins register under (``name = "pkg.mod:f"``).
+ENTRY_POINT_GROUP = "ratchet.agents"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,36 +215,116 @@ class GreetingAgent:
                          {"step": "read"})
 
 
-_BUILTIN: dict[str, Any] = {
+_BUILTIN: dict[str, Callable[[dict[str, Any]], Any]] = {
     "scripted": ScriptedAgent.from_config,
     "greeting": GreetingAgent.from_config,
 }
 
 
-def load_agent(spec: str, config: dict[str, Any] | None = None) -> Agent:
-    """Build an agent from a built-in name (``scripted``, ``greeting``) or a dotted path
-    ``package.module:factory`` whose factory takes the config dict.
+AgentFactory = Callable[[dict[str, Any]], Any]
 
-    Raises:
-        ConfigurationError: unknown name, import failure, or a factory that returns
-            something without ``next_step``.
+_MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _refuse(spec: str, why: str) -> ConfigurationError:
+    return ConfigurationError(f"agent {spec[:200]!r} {why}", field="agent")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentPolicy:
+    """Which agents this process may load (see the module docstring).
+
+    ``prefixes`` are module paths under which dotted-path agents are allowed
+    (``RATCHET_AGENTS``); ``entry_points`` turns the ``ratchet.agents`` plugin group on.
     """
-    config = config or {}
-    factory = _BUILTIN.get(spec)
-    if factory is None:
-        module_name, _, attr = spec.partition(":")
-        if not module_name or not attr:
-            raise ConfigurationError(f"agent {spec!r} is neither built in nor "
-                                     "'package.module:factory'", field="agent")
+
+    prefixes: tuple[str, ...] = ()
+    entry_points: bool = True
+
+    def __post_init__(self) -> None:
+        for prefix in self.prefixes:
+            if _MODULE_PATH.fullmatch(prefix) is None:
+                raise ConfigurationError(f"agent prefix {prefix!r} is not a module path",
+                                         field="agents")
+
+    def _allows_module(self, module: str) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in self.prefixes)
+
+    def resolve(self, spec: str) -> AgentFactory:
+        """The factory for ``spec``, imported only once the policy allows it.
+
+        Raises:
+            ConfigurationError: ``field="agent"``: not allowed on this worker, not found,
+                or its import failed.
+        """
+        builtin = _BUILTIN.get(spec)
+        if builtin is not None:
+            return builtin
+        module_name, colon, attr = spec.partition(":")
+        if not colon:
+            if self.entry_points:
+                found = entry_points(group=ENTRY_POINT_GROUP, name=spec)
+                for point in found:
+                    try:
+                        loaded: AgentFactory = point.load()
+                    except Exception as exc:  # a plugin's own import error, reported
+                        raise _refuse(spec, f"(entry point {point.value}) cannot be "
+                                            f"imported: {type(exc).__name__}") from None
+                    return loaded
+            raise _refuse(spec, "is neither built in nor an installed ratchet.agents "
+                                "plugin")
+        if _MODULE_PATH.fullmatch(module_name) is None or not attr or not all(
+                part.isidentifier() for part in attr.split(".")):
+            raise _refuse(spec, "is not 'package.module:factory'")
+        if not self._allows_module(module_name):
+            raise _refuse(spec, "is not allowed on this worker: RATCHET_AGENTS lists the "
+                                "module prefixes dotted-path agents may come from")
         try:
             target: Any = importlib.import_module(module_name)
             for part in attr.split("."):  # package.module:Class.factory works too
                 target = getattr(target, part)
-            factory = target
         except (ImportError, AttributeError) as exc:
-            raise ConfigurationError(f"cannot load agent {spec!r}: {exc}",
-                                     field="agent") from None
-    agent = factory(config)
+            raise _refuse(spec, f"cannot be loaded: {type(exc).__name__}: {exc}") from None
+        if not callable(target):
+            raise _refuse(spec, "is not callable")
+        factory: AgentFactory = target
+        return factory
+
+    def build(self, spec: str, config: dict[str, Any] | None = None) -> Agent:
+        """Resolve ``spec`` and call its factory with ``config``.
+
+        Raises:
+            ConfigurationError: see :meth:`resolve`; a factory that refuses its
+                configuration or returns something without ``next_step``.
+        """
+        return build_agent(spec, self.resolve(spec), config or {})
+
+
+def build_agent(spec: str, factory: AgentFactory, config: dict[str, Any]) -> Agent:
+    """Call an agent factory :meth:`AgentPolicy.resolve` returned for ``spec``.
+
+    Raises:
+        ConfigurationError: the factory refused its configuration or returned something
+            without ``next_step``.
+    """
+    try:
+        agent = factory(config)
+    except ConfigurationError:
+        raise
+    except Exception as exc:  # a user's factory: its failure is a configuration error
+        raise _refuse(spec, f"factory failed: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}") from None
     if not isinstance(agent, Agent):
-        raise ConfigurationError(f"agent {spec!r} has no next_step(view)", field="agent")
+        raise _refuse(spec, "has no next_step(view)")
     return agent
+
+
+def load_agent(spec: str, config: dict[str, Any] | None = None, *,
+               policy: AgentPolicy | None = None) -> Agent:
+    """Build an agent allowed by ``policy`` (default: built-ins and installed plugins).
+
+    Raises:
+        ConfigurationError: not allowed, not found, import failure, or a factory that
+            returns something without ``next_step``.
+    """
+    return (policy or AgentPolicy()).build(spec, config)

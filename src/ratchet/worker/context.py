@@ -38,6 +38,7 @@ from rq.serializers import JSONSerializer
 from ratchet.errors import ConfigurationError
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.runtime import KeyRing, TrustRoots
+from ratchet.worker.agents import AgentPolicy
 from ratchet.worker.settings import Settings
 
 __all__ = [
@@ -207,6 +208,11 @@ class Fleet:
 
     def __repr__(self) -> str:
         return f"Fleet(settings={self.settings!r})"
+
+    @property
+    def agent_policy(self) -> AgentPolicy:
+        """Which agents this process may load (``RATCHET_AGENTS``; see AgentPolicy)."""
+        return AgentPolicy(prefixes=self.settings.agents)
 
     @property
     def queue(self) -> Queue:

@@ -43,8 +43,6 @@ acknowledged commit and any stale attempt after a pause; otherwise none of that 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,15 +63,23 @@ from ratchet.errors import (
 )
 from ratchet.leasing import LeasedRun, LeaseHolder
 from ratchet.runtime import ApprovalEvidence, Phase, ReviewDecision, RunEngine
+from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker import logs, metrics
-from ratchet.worker.agents import AgentView, load_agent, plans_ahead
+from ratchet.worker.agents import AgentFactory, AgentView, build_agent, plans_ahead
 from ratchet.worker.context import Fleet
 from ratchet.worker.failpoints import EventLog, Failpoints, Tripwires
 from ratchet.worker.heartbeat import GuardedAdapter, GuardedStore, Heartbeat
+from ratchet.worker.identity import owner_id
 from ratchet.worker.observe import ObservedAdapter, ObservedStore, job_ended
-from ratchet.worker.runs import RunDocument, build_adapter, parse_evidence
+from ratchet.worker.runs import (
+    RunDocument,
+    build_adapter,
+    check_document_binding,
+    open_document,
+    parse_evidence,
+)
 
 __all__ = ["STOP", "JobReport", "SystemClock", "execute_run", "run_job"]
 
@@ -137,8 +143,7 @@ def run_job(run_id: str) -> dict[str, Any]:
 
 
 def _owner(fleet: Fleet) -> str:
-    base = fleet.settings.worker_name or socket.gethostname().split(".")[0] or "worker"
-    return f"{base}-{os.getpid()}"
+    return owner_id(fleet.settings.worker_name)
 
 
 def _tripwires(fleet: Fleet, lease: LeasedRun, points: Failpoints | None,
@@ -205,7 +210,14 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
         try:
             if snap.checkpoint is None or snap.scenario is None:
                 raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
-            document = RunDocument.from_bytes(snap.scenario)
+            # Verify before use: the document's MAC and run id, the checkpoint's MAC and
+            # schema, and that the checkpoint binds this very document, all before the
+            # document's agent, environment or verifier commands are touched.
+            document = open_document(fleet.keyring, run_id, snap.scenario)
+            opened = open_checkpoint(snap.checkpoint, keyring=fleet.keyring,
+                                     archive=snap.archive)
+            check_document_binding(opened.state, document)
+            agent_factory = fleet.agent_policy.resolve(document.agent)
             adapter = build_adapter(document)
             engine = RunEngine.resume(
                 snap.checkpoint, scenario=document.scenario, keyring=fleet.keyring,
@@ -213,7 +225,8 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                 store=GuardedStore(ObservedStore(lease, run_id), heartbeat, wires),
                 clock=SystemClock(), approvers=fleet.approvers, reviewers=fleet.reviewers,
                 lease_version=lease.lease_version, probe=probe, archive=snap.archive,
-                coalesce=settings.coalesce_commits, archive_trace=settings.archive_trace)
+                opened=opened, coalesce=settings.coalesce_commits,
+                archive_trace=settings.archive_trace)
         except IntegrityError as exc:
             if isinstance(exc.__context__, HighWaterUnavailableError) and (
                     exc.__context__.context.get("cause") == "StoreUnavailableError"):
@@ -246,7 +259,7 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
             report.windows.append(recovered.window.value)
         heartbeat.progress()
         _consume_inbox(fleet, engine)
-        _step(fleet, engine, document, heartbeat, report)
+        _step(fleet, engine, document, agent_factory, heartbeat, report)
         report.phase, report.generation = engine.state.phase.value, engine.generation
         metrics.observe_trace(engine.state, since_seq=restored_seq)
         _finish(held, engine, report)
@@ -318,9 +331,9 @@ def _view(engine: RunEngine, last_read: str | None) -> AgentView:
         verified=verified, last_read=last_read)
 
 
-def _step(fleet: Fleet, engine: RunEngine, document: RunDocument, heartbeat: Heartbeat,
-          report: JobReport) -> None:
-    agent = load_agent(document.agent, dict(document.agent_config))
+def _step(fleet: Fleet, engine: RunEngine, document: RunDocument,
+          agent_factory: AgentFactory, heartbeat: Heartbeat, report: JobReport) -> None:
+    agent = build_agent(document.agent, agent_factory, dict(document.agent_config))
     coalesce = plans_ahead(agent)
     last_read: str | None = None
     for _ in range(fleet.settings.max_steps_per_job):

@@ -35,6 +35,7 @@ from ratchet.errors import (
     ReviewDecisionError,
 )
 from ratchet.leasing import RunSnapshot
+from ratchet.leasing.keys import check_id
 from ratchet.runtime import (
     ApprovalClaims,
     ApprovalEvidence,
@@ -51,12 +52,20 @@ from ratchet.runtime.canonical import model_json
 from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.worker.context import Fleet
 from ratchet.worker.job import SystemClock
-from ratchet.worker.runs import RunDocument, build_adapter
+from ratchet.worker.runs import (
+    RunDocument,
+    build_adapter,
+    check_document_binding,
+    document_digest,
+    open_document,
+    seal_document,
+)
 
 __all__ = [
     "Posted",
     "RunView",
     "approve",
+    "create_run",
     "inspect_run",
     "load_private_key",
     "post_approval",
@@ -66,21 +75,39 @@ __all__ = [
 ]
 
 
-def submit(fleet: Fleet, document: RunDocument, *, run_id: str | None = None) -> str:
-    """Create and enqueue a run. Returns its id.
+def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None) -> str:
+    """Create a run without enqueueing it: the signed document and generation 1 (which
+    binds the document's digest) in one script call. Returns its id.
 
-    Raises RunExistsError, ConfigurationError, AdapterError, CheckpointTooLargeError.
+    The agent is resolved and built first, under the same rule a worker applies
+    (:class:`ratchet.worker.agents.AgentPolicy`), so a run whose agent no worker here
+    could load is refused now rather than crash-looping later.
+
+    Raises RunExistsError, ConfigurationError (agent not allowed or unloadable, bad
+    environment), AdapterError, CheckpointTooLargeError.
     """
-    run_id = run_id or f"run-{secrets.token_hex(6)}"
+    run_id = check_id(run_id or f"run-{secrets.token_hex(6)}", "run_id")
+    fleet.agent_policy.build(document.agent, dict(document.agent_config))
     adapter = build_adapter(document)
     try:
         RunEngine.start(run_id, scenario=document.scenario, keyring=fleet.keyring,
-                        adapter=adapter, store=fleet.store.creator(document.to_bytes()),
-                        clock=SystemClock())
+                        adapter=adapter,
+                        store=fleet.store.creator(seal_document(fleet.keyring, run_id,
+                                                                document)),
+                        clock=SystemClock(), document_digest=document_digest(document))
     finally:
         close = getattr(adapter, "close", None)
         if callable(close):
             close()
+    return run_id
+
+
+def submit(fleet: Fleet, document: RunDocument, *, run_id: str | None = None) -> str:
+    """Create (:func:`create_run`) and enqueue a run. Returns its id.
+
+    Raises what :func:`create_run` raises.
+    """
+    run_id = create_run(fleet, document, run_id=run_id)
     fleet.enqueue(run_id)
     return run_id
 
@@ -101,8 +128,9 @@ def inspect_run(fleet: Fleet, run_id: str) -> RunView:
     snap = fleet.store.read_run(run_id, with_checkpoint=True, with_scenario=True)
     if snap.checkpoint is None or snap.scenario is None:
         raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
-    document = RunDocument.from_bytes(snap.scenario)
+    document = open_document(fleet.keyring, run_id, snap.scenario)
     payload = open_checkpoint(snap.checkpoint, keyring=fleet.keyring, archive=snap.archive)
+    check_document_binding(payload.state, document)
     if payload.scenario_fingerprint != document.scenario.fingerprint:
         raise IntegrityError("the checkpoint was made under another scenario", run_id=run_id)
     if payload.generation != snap.generation:

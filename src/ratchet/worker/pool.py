@@ -19,7 +19,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 from types import FrameType
 from typing import Any
@@ -30,6 +29,7 @@ from rq.serializers import JSONSerializer
 from ratchet.worker import job, logs, metrics
 from ratchet.worker.context import Fleet, ensure_embedded_redis
 from ratchet.worker.failpoints import events_from_env, probe_from_env
+from ratchet.worker.identity import owner_id
 from ratchet.worker.reaper import Reaper
 from ratchet.worker.settings import Settings
 
@@ -57,15 +57,15 @@ def worker_main(settings_json: str, index: int, burst: bool = False) -> None:
         # Drills: the store lets the failpoints drop or kill at a commit's reply.
         fleet.store.reply_hook = points.commit_reply
     job.configure(fleet, points, events_from_env())
-    base = settings.worker_name or socket.gethostname().split(".")[0] or "worker"
-    logs.set_worker_id(f"{base}-{os.getpid()}")  # the lease owner id of this process
+    owner = owner_id(settings.worker_name)
+    logs.set_worker_id(owner)  # the lease owner id of this process
     metrics.serve_metrics(index)  # RATCHET_METRICS_PORT + index, if set
     # A claim older than the pickup deadline whose run no worker took means the job that
     # claim enqueued was lost: another reaper may claim the run again.
     reaper = Reaper(fleet.store, fleet.enqueue, interval_ms=settings.reaper_interval_ms,
                     reclaim_after_ms=settings.pickup_timeout_ms).start()
     worker = RatchetWorker([fleet.queue], connection=fleet.rq_connection,
-                           serializer=JSONSerializer, name=f"{base}-{os.getpid()}-{index}")
+                           serializer=JSONSerializer, name=f"{owner}-{index}")
     try:
         worker.work(burst=burst, with_scheduler=False, logging_level="WARNING")
     finally:

@@ -1,11 +1,19 @@
 """What a submitted run is made of, as stored in Redis beside its checkpoints.
 
 A :class:`RunDocument` holds the scenario (the task contract), which agent proposes the
-actions, and where its environment is. It is stored, canonical JSON, in the run's
-``scenario`` slot by the same script call that stores generation 1, so a run never exists
-without it. It is not trusted blindly: every restore compares the scenario's fingerprint
-with the one inside the signed checkpoint, and the environment's instance id with the one
-the checkpoint recorded, so a rewritten document fails closed.
+actions (and its configuration), and where its environment is: the workspace root, the
+verifier commands, an HTTP API. It is stored in the run's ``scenario`` slot by the same
+script call that stores generation 1, so a run never exists without it.
+
+It decides what a worker builds and runs, so it is signed like a checkpoint: at submit,
+:func:`seal_document` signs ``{"run_id", "document"}`` (canonical JSON) with the
+checkpoint key ring under its own domain (``ratchet/document/v1``, so a document's MAC
+never verifies as a checkpoint's), and the document's digest (:func:`document_digest`)
+goes into the first state and so into every checkpoint. A worker opens it with
+:func:`open_document` (the MAC, then the run id, then a strict parse) and compares its
+digest with the verified checkpoint's **before** it builds an adapter, loads an agent or
+resolves a verifier command: a rewritten, swapped or forged document is refused with
+``IntegrityError(reason="document")`` and nothing of it is used.
 """
 
 from __future__ import annotations
@@ -18,9 +26,16 @@ from ratchet.adapters.http import HttpAdapter
 from ratchet.adapters.router import RouterAdapter
 from ratchet.adapters.verifier import CommandVerifier, VerifierCommand
 from ratchet.adapters.workspace import WorkspaceAdapter
-from ratchet.errors import ConfigurationError, ContractError
-from ratchet.runtime import Adapter, ApprovalEvidence, ReviewDecision, Scenario
-from ratchet.runtime.canonical import model_json, strict_json_loads
+from ratchet.errors import CheckpointError, ConfigurationError, ContractError, IntegrityError
+from ratchet.runtime import Adapter, ApprovalEvidence, KeyRing, ReviewDecision, RunState, Scenario
+from ratchet.runtime.canonical import (
+    Domain,
+    canonical_json,
+    constant_time_equal,
+    model_digest,
+    strict_json_loads,
+)
+from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.types import Frozen, JsonObject
 
 __all__ = [
@@ -28,7 +43,11 @@ __all__ = [
     "RunDocument",
     "VerifierSpec",
     "build_adapter",
+    "check_document_binding",
+    "document_digest",
+    "open_document",
     "parse_evidence",
+    "seal_document",
 ]
 
 _Text = Annotated[str, Strict(), Field(min_length=1, max_length=4096)]
@@ -58,19 +77,63 @@ class RunDocument(Frozen):
     agent_config: JsonObject = Field(default_factory=dict)
     environment: EnvironmentSpec
 
-    def to_bytes(self) -> bytes:
-        return model_json(self)
 
-    @classmethod
-    def from_bytes(cls, data: bytes) -> RunDocument:
-        """Raises ContractError naming the first bad field."""
-        try:
-            return cls.model_validate(strict_json_loads(data))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or "document"
-            raise ContractError(f"run document field {field}: {first['msg']}",
-                                field=field) from None
+def document_digest(document: RunDocument) -> str:
+    """The digest every checkpoint of the run binds (over its canonical JSON)."""
+    return model_digest(Domain.DOCUMENT, document)
+
+
+def seal_document(keyring: KeyRing, run_id: str, document: RunDocument) -> bytes:
+    """The signed bytes stored for run ``run_id``: an envelope (HMAC under the ring's
+    signing key, document domain) over ``{"document": ..., "run_id": ...}``."""
+    body = canonical_json({"document": document.model_dump(mode="json"), "run_id": run_id})
+    return seal_envelope(keyring, body, domain=Domain.DOCUMENT)
+
+
+def _refused(message: str, run_id: str, **context: object) -> IntegrityError:
+    return IntegrityError(f"run document refused: {message}", reason="document",
+                          run_id=run_id, **context)
+
+
+def open_document(keyring: KeyRing, run_id: str, blob: bytes) -> RunDocument:
+    """Verify and parse run ``run_id``'s stored document. Nothing of it is read before
+    its MAC verifies.
+
+    Raises:
+        IntegrityError: ``reason="document"`` (``check`` says which: the envelope's own
+            reasons, ``run_id``, ``schema``).
+    """
+    try:
+        body = open_envelope(keyring, blob, domain=Domain.DOCUMENT)
+    except CheckpointError as exc:
+        raise _refused(f"it does not verify ({exc.context.get('reason', 'malformed')})",
+                       run_id, check=str(exc.context.get("reason", "malformed"))) from None
+    try:
+        data = strict_json_loads(body)
+    except ContractError:
+        raise _refused("its signed body is not strict JSON", run_id, check="schema") from None
+    if not isinstance(data, dict) or set(data) != {"document", "run_id"}:
+        raise _refused("its signed body has the wrong fields", run_id, check="schema")
+    if data["run_id"] != run_id:
+        raise _refused("it was signed for another run", run_id, check="run_id")
+    try:
+        return RunDocument.model_validate(data["document"])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "document"
+        raise _refused(f"field {field}: {first['msg']}", run_id, check="schema") from None
+
+
+def check_document_binding(state: RunState, document: RunDocument) -> None:
+    """The verified checkpoint must bind exactly this document.
+
+    Raises:
+        IntegrityError: ``reason="document"``, ``check="digest"``.
+    """
+    expected = state.document_digest
+    if expected is None or not constant_time_equal(expected, document_digest(document)):
+        raise _refused("the checkpoint binds another document" if expected is not None
+                       else "the checkpoint binds no document", state.run_id, check="digest")
 
 
 def build_adapter(document: RunDocument) -> Adapter:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Self
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings"]
 
@@ -58,6 +58,16 @@ class Settings(BaseSettings):
     reviewers_file: Path | None = Field(default=None,
                                         description='JSON {"reviewer-id": "<public hex>"}')
     worker_name: str | None = Field(default=None, max_length=100)
+    # Module prefixes dotted-path agents may come from (RATCHET_AGENTS="mypkg,other.pkg");
+    # built-in agents and installed ratchet.agents plugins are always allowed.
+    agents: Annotated[tuple[str, ...], NoDecode] = ()
+
+    @field_validator("agents", mode="before")
+    @classmethod
+    def _split_agents(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
 
     @model_validator(mode="after")
     def _timing(self) -> Self:

@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 
 from ratchet.errors import ConfigurationError, RatchetError
 from ratchet.leasing import EXPIRY_INDEX, RedisServer
-from ratchet.runtime import Phase, RunEngine
+from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.context import Fleet
 from ratchet.worker.drill.cluster import RedisChoice, choose_redis, truncate_aof
@@ -47,9 +47,7 @@ from ratchet.worker.drill.schedule import FAULTS, Schedule
 from ratchet.worker.drill.scrape import MetricsWatch, free_port_block
 from ratchet.worker.drill.services import TenantOrders, drill_document, make_workspace
 from ratchet.worker.drill.workers import DrillWorker, WorkerPool
-from ratchet.worker.job import SystemClock
-from ratchet.worker.ops import inspect_run
-from ratchet.worker.runs import build_adapter
+from ratchet.worker.ops import create_run, inspect_run
 from ratchet.worker.settings import Settings
 
 __all__ = ["DrillOptions", "DrillRecord", "classify_run", "run_drill_processes"]
@@ -268,16 +266,7 @@ class _Drill:
             root = make_workspace(self.rec.folder / "workspaces" / f"ws-{index}")
             url = self.orders.add(f"t{index}")
             doc = drill_document(root, url, index, think_ms=self.o.think_ms)
-            run_id = f"drill-{self.o.seed}-{index}"
-            adapter = build_adapter(doc)
-            try:
-                RunEngine.start(run_id, scenario=doc.scenario, keyring=self.fleet.keyring,
-                                adapter=adapter, store=self.fleet.store.creator(doc.to_bytes()),
-                                clock=SystemClock())
-            finally:
-                close = getattr(adapter, "close", None)
-                if callable(close):
-                    close()
+            run_id = create_run(self.fleet, doc, run_id=f"drill-{self.o.seed}-{index}")
             self.pending.append(run_id)
             self.index[run_id] = index
 

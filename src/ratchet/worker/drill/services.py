@@ -116,7 +116,7 @@ def drill_document(root: Path, base_url: str, index: int, *, think_ms: int) -> R
     verifier = VerifierSpec(argv=(grep, "-qx", expected_note(index).rstrip("\n"), NOTE),
                             timeout_seconds=60)
     return RunDocument(
-        scenario=_scenario(index), agent="ratchet.worker.drill.services:drill_agent",
+        scenario=_scenario(index), agent="drill",
         agent_config=cast(Any, {"think_ms": think_ms, "steps": plan(index)}),
         environment=EnvironmentSpec(root=str(root.resolve()), verifiers={"check": verifier},
                                     http_base_url=base_url))
