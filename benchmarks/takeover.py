@@ -219,6 +219,8 @@ def run(*, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int,
     os.environ.setdefault("RATCHET_LOG_LEVEL", "WARNING")  # inherited by the workers
     samples: list[Sample] = []
     discarded = 0
+    from ratchet.adapters.sandbox import for_own_verifiers
+
     roots: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix="ratchet-takeover-") as tmp:
         base = Path(tmp)
@@ -228,7 +230,8 @@ def run(*, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int,
                 queue=f"takeover-{secrets.token_hex(3)}", lease_ttl_ms=ttl_ms,
                 renew_interval_ms=renew_ms, reaper_interval_ms=reaper_ms,
                 stall_timeout_ms=max(30_000, 10 * ttl_ms), job_timeout_s=600,
-                checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name=WORKER_NAME)
+                checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name=WORKER_NAME,
+                verifier_sandbox=for_own_verifiers())
             fleet = Fleet.connect(settings)
             pool = Pool(_settings_json(settings))
             end = started + budget_s

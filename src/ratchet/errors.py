@@ -28,6 +28,7 @@ versions a caller acts on as attributes; their messages never contain key materi
     │   ├── LeaseLostError                 the caller's lease expired or was taken over
     │   ├── StaleStateError                expected state version is not current
     │   ├── NonceReplayError               an approval or review nonce was already consumed
+    │   ├── ApprovalWindowClosedError      the commit's approval expired by the store's clock
     │   ├── RunExistsError / RunNotFoundError
     │   ├── StoreProtocolError             a reply was malformed or had an unknown status
     │   └── StoreUnavailableError          the store could not be reached; outcome unknown
@@ -44,6 +45,7 @@ __all__ = [
     "ActionError",
     "AdapterError",
     "ApprovalError",
+    "ApprovalWindowClosedError",
     "CheckpointError",
     "CheckpointTooLargeError",
     "CommitOutcomeUnknownError",
@@ -175,6 +177,11 @@ class StaleStateError(StoreError):
 
 class NonceReplayError(StoreError):
     """An approval or review nonce has already been consumed."""
+
+
+class ApprovalWindowClosedError(StoreError):
+    """The store refused a commit whose pending write's approval had expired by the
+    store's own clock (the commit script checks it): nothing was committed or sent."""
 
 
 class RunExistsError(StoreError):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters import CommandVerifier, HttpAdapter, RouterAdapter, WorkspaceAdapter
+from ratchet.adapters.sandbox import Sandbox
 from ratchet.errors import AdapterError, CheckpointError, FenceRejectedError
 from ratchet.runtime import Action, CrashWindow, Fence, Phase, ReviewReason, RunEngine, TraceOutcome
 from ratchet.runtime.memory import ObserveFailsAfterWrite
@@ -25,6 +26,7 @@ from tests.adapters.harness import (
     scenario,
 )
 from tests.adapters.test_http import raw_post
+from tests.conftest import test_sandbox_mode
 
 OTHER_CALLER = Fence(run_id="another-caller", lease_version=1, state_version=1)
 
@@ -37,7 +39,8 @@ class Routers:
 
     def open(self) -> RouterAdapter:
         files = WorkspaceAdapter(self.root, ["app.py", "tests"],
-                                 verifier=CommandVerifier({"unit": QUICK_CHECK}))
+                                 verifier=CommandVerifier({"unit": QUICK_CHECK},
+                                                          sandbox=Sandbox.resolve(test_sandbox_mode())))
         self.handles.append(files)
         return RouterAdapter(files, HttpAdapter(self.orders.url))
 

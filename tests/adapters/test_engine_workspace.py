@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters import CommandVerifier, WorkspaceAdapter
+from ratchet.adapters.sandbox import Sandbox
 from ratchet.errors import CheckpointError, FenceRejectedError
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
 from ratchet.runtime.memory import ObserveFailsAfterWrite
@@ -24,6 +25,7 @@ from tests.adapters.harness import (
     make_workspace,
     run_git,
 )
+from tests.conftest import test_sandbox_mode
 
 
 class Workspaces:
@@ -36,7 +38,8 @@ class Workspaces:
 
     def open(self) -> WorkspaceAdapter:
         handle = WorkspaceAdapter(self.root, ["app.py", "tests"],
-                                  verifier=CommandVerifier({"unit": self.check}))
+                                  verifier=CommandVerifier({"unit": self.check},
+                                                           sandbox=Sandbox.resolve(test_sandbox_mode())))
         self.handles.append(handle)
         return handle
 

@@ -8,13 +8,16 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters import CommandVerifier, VerifierCommand, WorkspaceAdapter
+from ratchet.adapters.sandbox import Sandbox
 from ratchet.errors import AdapterError, ConfigurationError
 from tests.adapters.harness import PYTEST_CHECK, make_workspace
+from tests.conftest import test_sandbox_mode
 
 
 def workspace(root: Path, **commands: VerifierCommand | list[str]) -> WorkspaceAdapter:
     make_workspace(root)
-    return WorkspaceAdapter(root, ["app.py", "tests"], verifier=CommandVerifier(commands))
+    return WorkspaceAdapter(root, ["app.py", "tests"], verifier=CommandVerifier(
+        commands, sandbox=Sandbox.resolve(test_sandbox_mode())))
 
 
 def py(code: str, **options: object) -> VerifierCommand:

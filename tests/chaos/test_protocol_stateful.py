@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from ratchet.adapters import CommandVerifier, WorkspaceAdapter
+from ratchet.adapters.sandbox import Sandbox
+from ratchet.adapters.workspace import SystemClock
 from ratchet.errors import (
     AdapterError,
     CheckpointError,
@@ -35,7 +37,8 @@ from ratchet.runtime import Advance, CrashWindow, KeyRing, Phase, RunEngine, Run
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.agents import ScriptedAgent
 from ratchet.worker.drill.services import NOTE, _scenario, make_workspace, plan
-from ratchet.worker.job import SystemClock, _view
+from ratchet.worker.job import _view
+from tests.conftest import test_sandbox_mode
 
 TTL_MS = 400
 WORKERS = 3
@@ -115,7 +118,8 @@ class Protocol(RuleBasedStateMachine):
         self.store = RedisStore(self.world.server.client())
         self.scenario = _scenario(0)
         grep = shutil.which("grep", path="/usr/bin:/bin") or "grep"
-        verifier = CommandVerifier({"check": [grep, "-qx", "run 0: done", NOTE]})
+        verifier = CommandVerifier({"check": [grep, "-qx", "run 0: done", NOTE]},
+                                   sandbox=Sandbox.resolve(test_sandbox_mode()))
         self.workers = [Worker(f"w{i}", WorkspaceAdapter(root, [NOTE], verifier=verifier))
                         for i in range(WORKERS)]
         self.run_id = f"st-{secrets.token_hex(6)}"

@@ -20,6 +20,7 @@ from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.ops import inspect_run, submit
 from ratchet.worker.reaper import reap_once
 from ratchet.worker.settings import Settings
+from tests.conftest import test_sandbox_mode
 from tests.ops.helpers import poll
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 from tests.worker.fleet_harness import workers
@@ -55,7 +56,8 @@ def settings_for(server: RedisServer, role: Role, tmp_path: Path, queue: str) ->
     return Settings(redis_url=SecretStr(url(server, role)), state_dir=tmp_path / "state",
                     queue=queue, lease_ttl_ms=1500, renew_interval_ms=300,
                     stall_timeout_ms=20_000, reaper_interval_ms=200, job_timeout_s=600,
-                    checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX))
+                    checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX),
+                    verifier_sandbox=test_sandbox_mode())
 
 
 def test_the_role_command_lists_come_from_the_scripts_and_exclude_destructive_commands(

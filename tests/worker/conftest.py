@@ -15,6 +15,7 @@ from ratchet.worker.context import Fleet
 from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.runs import RunDocument
 from ratchet.worker.settings import Settings
+from tests.conftest import test_sandbox_mode
 
 CANARY_KEY = "c0ffee" * 8  # 48 hex chars = 24 bytes... padded below to 32 bytes
 CHECKPOINT_KEY_HEX = (CANARY_KEY + "a1" * 32)[:64]
@@ -34,7 +35,8 @@ def settings(redis_server: RedisServer, tmp_path: Path) -> Settings:
     return Settings(redis_url=SecretStr(redis_server.url), state_dir=tmp_path / "state",
                     queue=f"q-{secrets.token_hex(4)}", lease_ttl_ms=1500,
                     renew_interval_ms=300, stall_timeout_ms=20_000, reaper_interval_ms=200,
-                    job_timeout_s=600, checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX))
+                    job_timeout_s=600, checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX),
+                    verifier_sandbox=test_sandbox_mode())
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def test_a_job_that_dies_in_a_window_is_finished_by_the_next_owner_with_one_writ
 
         real = job_module.build_adapter
         monkeypatch.setattr(job_module, "build_adapter",
-                            lambda doc: ObserveFailsAfterWrite(real(doc)))
+                            lambda doc, **kw: ObserveFailsAfterWrite(real(doc, **kw)))
     probe = Failpoints(parse_failpoints(f"{window.value}=raise"))
     with pytest.raises(FailpointFired):
         execute_run(fleet, run_id, owner="w-1", probe=probe)

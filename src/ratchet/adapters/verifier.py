@@ -5,7 +5,9 @@ Each target name maps to one fixed command (for example ``pytest -q tests/``). A
 1. observes the workspace (instance, version, fingerprint, git facts);
 2. starts the command in its own process group, in the workspace, with a clean
    environment (a minimal ``PATH``, ``HOME`` and ``TMPDIR`` inside the state folder,
-   ``PYTHONDONTWRITEBYTECODE=1``, nothing inherited: no tokens, no keys);
+   ``PYTHONDONTWRITEBYTECODE=1``, nothing inherited: no tokens, no keys), confined by the
+   :class:`~ratchet.adapters.sandbox.Sandbox` (bubblewrap by default: it runs code the
+   agent wrote, and must not see the worker's keys, environment, processes or journal);
 3. keeps at most ``max_output_bytes`` of combined output and kills the whole group at the
    timeout;
 4. observes again. If anything changed while the command ran, the report is not bound to
@@ -28,8 +30,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from ratchet.adapters.sandbox import Sandbox, SandboxMode
 from ratchet.errors import AdapterError, ConfigurationError
 from ratchet.runtime.canonical import digest
 from ratchet.runtime.ports import Observation, VerifierReport
@@ -63,6 +66,7 @@ class VerifierCommand:
     max_output_bytes: int = 64 * 1024
     cwd: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    network: bool = False  # inside the sandbox: no network unless the task allows it
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +91,7 @@ class CommandVerifier:
     """
 
     def __init__(self, commands: Mapping[str, VerifierCommand | Sequence[str]], *,
-                 path: str = DEFAULT_PATH) -> None:
+                 path: str = DEFAULT_PATH, sandbox: Sandbox | None = None) -> None:
         self._commands: dict[str, VerifierCommand] = {}
         for target, spec in commands.items():
             command = spec if isinstance(spec, VerifierCommand) else VerifierCommand(
@@ -104,7 +108,15 @@ class CommandVerifier:
                     raise ConfigurationError(f"verifier cwd: {exc}", target=target) from None
             self._commands[target] = command
         self._path = path
+        self._sandbox = sandbox
         self.last_run: VerifierRun | None = None
+
+    @property
+    def sandbox(self) -> Sandbox:
+        """The confinement commands run in (``auto``, resolved on first use, by default)."""
+        if self._sandbox is None:
+            self._sandbox = Sandbox.resolve(SandboxMode.AUTO)
+        return self._sandbox
 
     def __repr__(self) -> str:
         return f"CommandVerifier(targets={sorted(self._commands)!r})"
@@ -136,10 +148,17 @@ class CommandVerifier:
         if command is None:
             raise AdapterError("verifier target is not allow-listed", retryable=False,
                                target=target)
+        sandbox = self.sandbox
+        sandbox.check_usable()
         before = workspace.observe()
         cwd = workspace.root / command.cwd if command.cwd else workspace.root
+        env = self._environment(workspace, command)
+        argv, env, extra = sandbox.command(
+            command.argv, cwd=cwd, env=env, workspace=workspace.root,
+            state_dir=workspace.state_dir, network=command.network,
+            writable=(Path(env["HOME"]), Path(env["TMPDIR"])))
         exit_code, timed_out, output, truncated = _run_bounded(
-            command, cwd=cwd, env=self._environment(workspace, command))
+            command, argv=argv, cwd=cwd, env=env, extra=extra)
         after = workspace.observe()
         bound = before.same_state(after) and before.details == after.details
         passed = bound and exit_code == 0 and not timed_out
@@ -157,13 +176,15 @@ class CommandVerifier:
                               env_fingerprint=before.fingerprint, output_digest=output_digest)
 
 
-def _run_bounded(command: VerifierCommand, *, cwd: Path,
-                 env: dict[str, str]) -> tuple[int | None, bool, bytes, bool]:
-    """Run ``command``; return (exit code, timed out, kept output, truncated)."""
+def _run_bounded(command: VerifierCommand, *, argv: list[str], cwd: Path,
+                 env: dict[str, str], extra: dict[str, Any]) -> tuple[int | None, bool, bytes,
+                                                                     bool]:
+    """Run ``argv`` (``command``'s, as the sandbox wraps it) under ``command``'s limits;
+    return (exit code, timed out, kept output, truncated)."""
     try:
         proc = subprocess.Popen(  # noqa: S603 - an allow-listed argv, no shell
-            list(command.argv), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, **extra)
     except OSError as exc:
         raise AdapterError("verifier command could not be started", retryable=True,
                            error=type(exc).__name__) from None

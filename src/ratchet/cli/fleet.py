@@ -89,6 +89,7 @@ def demo(
                      "takeovers", "workers_killed", "workers", "lease_ttl_ms", "elapsed_s"):
             table.add_row(name, str(data[name]))
         table.add_row("killed while holding", ", ".join(report.killed_holding) or "-")
+        table.add_row("verifier", report.sandbox)
         table.add_row("result", "ok" if report.ok else "FAILED")
         console.print(table)
     if not report.ok:

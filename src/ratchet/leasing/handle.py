@@ -256,7 +256,8 @@ class LeasedRun:
         prepared = [self._store.prepare_commit(self.run_id,
                                                generation=c.expected_generation + 1,
                                                checkpoint=c.blob, nonces=c.nonces,
-                                               segment=c.segment)
+                                               segment=c.segment,
+                                               not_after_ms=c.not_after_ms)
                     for c in commits]
         reap, self._release_mode = self._release_mode, None
         if reap is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 from ratchet.errors import (
+    ApprovalWindowClosedError,
     ContractError,
     GenerationMismatchError,
     LeaseLostError,
@@ -239,8 +240,8 @@ def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: in
     """Decode commit.
 
     Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
-    RunNotFoundError, StoreProtocolError, and ContractError for a commit id reused with
-    another checkpoint.
+    ApprovalWindowClosedError, RunNotFoundError, StoreProtocolError, and ContractError for a
+    commit id reused with another checkpoint.
     """
     script = "commit"
     status, f = _split(reply, script)
@@ -279,6 +280,13 @@ def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: in
         _arity(f, 1, script, status)
         raise NonceReplayError("a nonce was already consumed by this run", **ids,
                                nonce=_text(f[0], script, "nonce"))
+    if status == "approval_expired":
+        _arity(f, 3, script, status)
+        raise ApprovalWindowClosedError(
+            "the approval of the commit's pending write expired by Redis' clock", **ids,
+            generation=_int(f[0], script, "generation"),
+            not_after_ms=_int(f[1], script, "not_after_ms"),
+            now_ms=_int(f[2], script, "now_ms"))
     if status == "commit_id_conflict":
         _arity(f, 1, script, status)
         raise ContractError("commit id was used before for a different checkpoint",

@@ -81,6 +81,7 @@ class PreparedCommit:
     nonces: tuple[str, ...] = ()
     stored: bytes = field(default=b"", repr=False)  # what Redis keeps (see encoding)
     segment: bytes = field(default=b"", repr=False)  # appended to the run's archive
+    not_after_ms: int = 0  # Redis time after which the script refuses it (0: never)
 
 
 @dataclass(frozen=True, slots=True)

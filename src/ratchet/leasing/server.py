@@ -161,9 +161,12 @@ class RedisServer:
         # binds it; a freshly chosen port is retried a few times, a given one is not.
         attempts = 3 if self._auto_port else 1
         for attempt in range(attempts):
+            # No RATCHET_* variable (a checkpoint key, a key file's path, a Redis URL with
+            # its password) reaches the server's environment.
+            env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
             self._proc = subprocess.Popen(  # noqa: S603 - fixed argument list, no shell
                 self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=self.detached)
+                stderr=subprocess.DEVNULL, start_new_session=self.detached, env=env)
             try:
                 self.wait_ready()
             except ConfigurationError:

@@ -338,18 +338,23 @@ class RedisStore(RunRecords):
                                          str(len(commits)), release, lease.run_id]
         for commit in commits:
             args += [str(commit.generation), commit.stored or commit.checkpoint,
-                     commit.commit_id, commit.digest, commit.segment, str(len(commit.nonces)),
-                     *commit.nonces]
+                     commit.commit_id, commit.digest, commit.segment,
+                     str(commit.not_after_ms), str(len(commit.nonces)), *commit.nonces]
         return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
                  keys.archive, *index], args)
 
     def prepare_commit(self, run_id: str, *, generation: int, checkpoint: bytes,
                        commit_id: str | None = None, nonces: Sequence[str] = (),
-                       segment: bytes = b"") -> PreparedCommit:
-        """Check one commit's arguments and compute its digest (no I/O).
+                       segment: bytes = b"", not_after_ms: int = 0) -> PreparedCommit:
+        """Check one commit's arguments and compute its digest (no I/O). ``not_after_ms``
+        (Redis time; 0: none) makes the script refuse the commit once TIME passed it.
 
         Raises ContractError, CheckpointTooLargeError.
         """
+        if isinstance(not_after_ms, bool) or not isinstance(not_after_ms, int) or (
+                not_after_ms < 0):
+            raise ContractError("not_after_ms must be a non-negative integer",
+                                field="not_after_ms", run_id=run_id)
         commit_id = new_commit_id() if commit_id is None else check_id(commit_id, "commit_id")
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 2:
             raise ContractError("a commit's generation must be an integer >= 2",
@@ -367,7 +372,7 @@ class RedisStore(RunRecords):
                               hashlib.sha256(checkpoint).hexdigest(), tuple(nonces),
                               encode_checkpoint(checkpoint,
                                                 compress=self.compress_checkpoints),
-                              bytes(segment))
+                              bytes(segment), not_after_ms)
 
     def commit(self, lease: Lease, *, generation: int, expected_state_version: int,
                checkpoint: bytes, commit_id: str | None = None, nonces: Sequence[str] = (),

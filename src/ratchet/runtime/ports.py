@@ -198,6 +198,10 @@ class Advance:
     blob: bytes
     nonces: tuple[str, ...] = ()
     segment: bytes = b""  # appended to the run's archive with the commit (b"": nothing)
+    # Store time (ms) after which the store must refuse this commit (0: never): the
+    # expiry of the approval its pending write carries. Stores with a clock of their own
+    # (Redis) check it; see RunEngine._commit.
+    not_after_ms: int = 0
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import secrets
@@ -35,6 +36,7 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from ratchet.adapters.sandbox import Sandbox
 from ratchet.errors import ConfigurationError
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.runtime import KeyRing, TrustRoots
@@ -208,6 +210,18 @@ class Fleet:
 
     def __repr__(self) -> str:
         return f"Fleet(settings={self.settings!r})"
+
+    @functools.cached_property
+    def sandbox(self) -> Sandbox:
+        """How this process confines verifier commands (resolved once; see Sandbox).
+        Every key and trust file it was configured with is masked inside it.
+
+        Raises ConfigurationError (an explicit mode that cannot work here)."""
+        s = self.settings
+        masked = [p for p in (s.checkpoint_keys_file, s.approvers_file, s.reviewers_file)
+                  if p is not None]
+        return Sandbox.resolve(s.verifier_sandbox, uid=s.verifier_uid, masked=masked,
+                               read_only=s.verifier_read_only)
 
     @property
     def agent_policy(self) -> AgentPolicy:

@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.errors import ConfigurationError
 from ratchet.leasing import run_keys
@@ -57,6 +58,7 @@ class FleetDemoReport:
     effects: dict[str, int] = field(default_factory=dict)
     killed_holding: list[str] = field(default_factory=list)
     greeting_fixed: int = 0
+    sandbox: str = ""  # how the verifier (the example's own test) was confined
 
     @property
     def ok(self) -> bool:
@@ -107,7 +109,10 @@ def run_fleet_demo(*, runs: int = 6, workers: int = 2, lease_ttl_ms: int = 2000,
             lease_ttl_ms=lease_ttl_ms, renew_interval_ms=max(lease_ttl_ms // 4, 50),
             stall_timeout_ms=max(lease_ttl_ms * 10, 30_000),
             reaper_interval_ms=max(lease_ttl_ms // 8, 50), job_timeout_s=600,
-            worker_name="demo")
+            worker_name="demo",
+            # The demo's verifier runs the example's own test, not agent-written code: on
+            # a machine without bubblewrap it opts out of confinement, and says so.
+            verifier_sandbox=for_own_verifiers())
         url = ensure_embedded_redis(settings.state_dir)
         # Children get the URL explicitly: they share this one server and key ring.
         fleet = Fleet.connect(settings)
@@ -115,8 +120,10 @@ def run_fleet_demo(*, runs: int = 6, workers: int = 2, lease_ttl_ms: int = 2000,
         key_file = settings.state_dir / "keys" / "checkpoint.json"
         child = child.model_copy(update={"checkpoint_keys_file": key_file})
         try:
-            return _run(fleet, child, base, runs=runs, workers=workers, think_ms=think_ms,
-                        deadline_s=deadline_s, started=started)
+            report = _run(fleet, child, base, runs=runs, workers=workers, think_ms=think_ms,
+                          deadline_s=deadline_s, started=started)
+            report.sandbox = fleet.sandbox.describe()
+            return report
         finally:
             stop_embedded_redis(settings.state_dir)
 

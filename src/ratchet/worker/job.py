@@ -68,6 +68,7 @@ from ratchet.runtime.engine import Probe
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker import logs, metrics
 from ratchet.worker.agents import AgentFactory, AgentView, build_agent, plans_ahead
+from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
 from ratchet.worker.failpoints import EventLog, Failpoints, Tripwires
 from ratchet.worker.heartbeat import GuardedAdapter, GuardedStore, Heartbeat
@@ -81,7 +82,7 @@ from ratchet.worker.runs import (
     parse_evidence,
 )
 
-__all__ = ["STOP", "JobReport", "SystemClock", "execute_run", "run_job"]
+__all__ = ["STOP", "JobReport", "execute_run", "run_job"]
 
 log = logging.getLogger("ratchet.worker.job")
 
@@ -100,13 +101,6 @@ class _Process:
 
 
 _PROCESS = _Process()
-
-
-class SystemClock:
-    """Wall-clock seconds, for budgets and approval expiry only (leases use Redis time)."""
-
-    def now(self) -> int:
-        return int(time.time())
 
 
 @dataclass
@@ -193,8 +187,15 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
     points = probe if isinstance(probe, Failpoints) else None
     wires = _tripwires(fleet, lease, points, events)
 
+    # Gating judgements (approval expiry, budgets, deadlines) read the store's clock: an
+    # upper bound anchored at the acquire's Redis time, tightened by every renewal.
+    clock = StoreClock(lease.lease.now_ms, sent_at=acquired_at)
+
     def renew() -> int:
-        return lease.renew().expires_at_ms
+        sent_at = time.monotonic()
+        renewed = lease.renew()
+        clock.observe(renewed.now_ms, sent_at=sent_at)
+        return renewed.expires_at_ms
 
     heartbeat = Heartbeat(renew, run_id=run_id, interval_ms=settings.renew_interval,
                           stall_timeout_ms=settings.stall_timeout_ms,
@@ -218,12 +219,12 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                                      archive=snap.archive)
             check_document_binding(opened.state, document)
             agent_factory = fleet.agent_policy.resolve(document.agent)
-            adapter = build_adapter(document)
+            adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock)
             engine = RunEngine.resume(
                 snap.checkpoint, scenario=document.scenario, keyring=fleet.keyring,
                 adapter=GuardedAdapter(ObservedAdapter(adapter), heartbeat, wires),
                 store=GuardedStore(ObservedStore(lease, run_id), heartbeat, wires),
-                clock=SystemClock(), approvers=fleet.approvers, reviewers=fleet.reviewers,
+                clock=clock, approvers=fleet.approvers, reviewers=fleet.reviewers,
                 lease_version=lease.lease_version, probe=probe, archive=snap.archive,
                 opened=opened, coalesce=settings.coalesce_commits,
                 archive_trace=settings.archive_trace)

@@ -53,7 +53,7 @@ from contextlib import contextmanager
 from time import perf_counter
 from typing import Any
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from ratchet.errors import (
     ConfigurationError,
@@ -119,6 +119,8 @@ APPROVALS_REQUESTED = Counter("ratchet_approvals_requested_total",
                               "Runs that started waiting for a signed approval.")
 APPROVALS_EXPIRED = Counter("ratchet_approvals_expired_total",
                             "Approvals found expired before their write executed.")
+CLOCK_SKEW = Gauge("ratchet_clock_skew_seconds",
+                   "This worker's wall clock minus the Redis server's, measured at start.")
 REAPER_REQUEUES = Counter("ratchet_reaper_requeues_total",
                           "Runs re-enqueued by this process' reaper.", ["cause"])
 

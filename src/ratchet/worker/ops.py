@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +51,8 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.canonical import model_json
 from ratchet.runtime.checkpoint import open_checkpoint
+from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
-from ratchet.worker.job import SystemClock
 from ratchet.worker.runs import (
     RunDocument,
     build_adapter,
@@ -88,13 +89,15 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     """
     run_id = check_id(run_id or f"run-{secrets.token_hex(6)}", "run_id")
     fleet.agent_policy.build(document.agent, dict(document.agent_config))
+    sent_at = time.monotonic()
+    clock = StoreClock(fleet.store.server_time_ms(), sent_at=sent_at)  # the run's start
     adapter = build_adapter(document)
     try:
         RunEngine.start(run_id, scenario=document.scenario, keyring=fleet.keyring,
                         adapter=adapter,
                         store=fleet.store.creator(seal_document(fleet.keyring, run_id,
                                                                 document)),
-                        clock=SystemClock(), document_digest=document_digest(document))
+                        clock=clock, document_digest=document_digest(document))
     finally:
         close = getattr(adapter, "close", None)
         if callable(close):

@@ -20,13 +20,16 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import time
 from types import FrameType
 from typing import Any
 
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
+from ratchet.errors import ConfigurationError
 from ratchet.worker import job, logs, metrics
+from ratchet.worker.clock import check_clock_skew
 from ratchet.worker.context import Fleet, ensure_embedded_redis
 from ratchet.worker.failpoints import events_from_env, probe_from_env
 from ratchet.worker.identity import owner_id
@@ -59,6 +62,14 @@ def worker_main(settings_json: str, index: int, burst: bool = False) -> None:
     job.configure(fleet, points, events_from_env())
     owner = owner_id(settings.worker_name)
     logs.set_worker_id(owner)  # the lease owner id of this process
+    sandbox = fleet.sandbox
+    (log.info if sandbox.confined else log.warning)(sandbox.describe())
+    try:
+        skew = measure_clock_skew(fleet)
+    except ConfigurationError as exc:
+        log.error("refusing to start", extra={"reason": exc.message})
+        raise SystemExit(2) from None
+    log.info("clock skew to the store", extra={"outcome": f"{skew:+.3f} s"})
     metrics.serve_metrics(index)  # RATCHET_METRICS_PORT + index, if set
     # A claim older than the pickup deadline whose run no worker took means the job that
     # claim enqueued was lost: another reaper may claim the run again.
@@ -81,11 +92,35 @@ def _settings_json(settings: Settings) -> str:
     return json.dumps(data)
 
 
+def measure_clock_skew(fleet: Fleet) -> float:
+    """This host's wall clock minus Redis' (seconds), set on the ``ratchet_clock_skew_seconds``
+    gauge. Raises ConfigurationError beyond ``max_clock_skew_ms``."""
+    sent = time.time()
+    store_ms = fleet.store.server_time_ms()
+    received = time.time()
+    try:
+        skew = check_clock_skew(store_ms, sent_at_wall=sent, received_at_wall=received,
+                                max_skew_ms=fleet.settings.max_clock_skew_ms)
+    except ConfigurationError:
+        metrics.CLOCK_SKEW.set(((sent + received) / 2 * 1000 - store_ms) / 1000)
+        raise
+    metrics.CLOCK_SKEW.set(skew)
+    return skew
+
+
 def run_pool(settings: Settings, *, concurrency: int, burst: bool = False) -> int:
-    """Start ``concurrency`` worker processes and wait for them. Returns an exit code."""
+    """Start ``concurrency`` worker processes and wait for them. Returns an exit code.
+
+    Raises ConfigurationError before anything starts when this host's clock is too far
+    from Redis' (see :mod:`ratchet.worker.clock`) or the verifier sandbox asked for
+    cannot work here.
+    """
     if settings.embedded:
         # Start the shared embedded server once, before the children race for it.
         ensure_embedded_redis(settings.state_dir)
+    fleet = Fleet.connect(settings)
+    _ = fleet.sandbox  # an explicit sandbox mode that cannot work here stops the start
+    measure_clock_skew(fleet)
     ctx = mp.get_context("spawn")
     payload = _settings_json(settings)
     procs = [ctx.Process(target=worker_main, args=(payload, i, burst), daemon=False)

@@ -24,10 +24,19 @@ from pydantic import Field, Strict, ValidationError
 
 from ratchet.adapters.http import HttpAdapter
 from ratchet.adapters.router import RouterAdapter
+from ratchet.adapters.sandbox import Sandbox
 from ratchet.adapters.verifier import CommandVerifier, VerifierCommand
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.errors import CheckpointError, ConfigurationError, ContractError, IntegrityError
-from ratchet.runtime import Adapter, ApprovalEvidence, KeyRing, ReviewDecision, RunState, Scenario
+from ratchet.runtime import (
+    Adapter,
+    ApprovalEvidence,
+    Clock,
+    KeyRing,
+    ReviewDecision,
+    RunState,
+    Scenario,
+)
 from ratchet.runtime.canonical import (
     Domain,
     canonical_json,
@@ -36,7 +45,7 @@ from ratchet.runtime.canonical import (
     strict_json_loads,
 )
 from ratchet.runtime.signing import open_envelope, seal_envelope
-from ratchet.runtime.types import Frozen, JsonObject
+from ratchet.runtime.types import Frozen, JsonObject, StrictBool
 
 __all__ = [
     "EnvironmentSpec",
@@ -58,6 +67,8 @@ class VerifierSpec(Frozen):
 
     argv: tuple[_Text, ...] = Field(min_length=1)
     timeout_seconds: Annotated[int, Strict(), Field(ge=1, le=24 * 3600)] = 300
+    # The command runs sandboxed with no network unless the task allows it here.
+    network: StrictBool = False
 
 
 class EnvironmentSpec(Frozen):
@@ -136,11 +147,18 @@ def check_document_binding(state: RunState, document: RunDocument) -> None:
                        else "the checkpoint binds no document", state.run_id, check="digest")
 
 
-def build_adapter(document: RunDocument) -> Adapter:
-    """The adapter for a run's environment.
+def build_adapter(document: RunDocument, *, sandbox: Sandbox | None = None,
+                  clock: Clock | None = None) -> Adapter:
+    """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
+    commands; a worker passes its own, checked usable here before anything is built.
+    ``clock`` stamps the workspace's receipts (a worker passes the store's clock: the
+    receipt's commit time is compared with approval expiry).
 
-    Raises ConfigurationError (missing workspace, bad verifier, bad URL), AdapterError.
+    Raises ConfigurationError (missing workspace, bad verifier, bad URL, no usable
+    sandbox), AdapterError.
     """
+    if sandbox is not None:
+        sandbox.check_usable()
     env = document.environment
     scenario = document.scenario
     missing = set(scenario.allowed_verifier_targets) - set(env.verifiers)
@@ -148,10 +166,11 @@ def build_adapter(document: RunDocument) -> Adapter:
         raise ConfigurationError("the environment has no command for verifier targets "
                                  f"{sorted(missing)}", field="environment.verifiers")
     verifier = CommandVerifier({
-        target: VerifierCommand(argv=spec.argv, timeout_seconds=float(spec.timeout_seconds))
+        target: VerifierCommand(argv=spec.argv, timeout_seconds=float(spec.timeout_seconds),
+                                network=spec.network)
         for target, spec in env.verifiers.items()
-    })
-    files = WorkspaceAdapter(env.root, scenario.allowed_paths, verifier=verifier)
+    }, sandbox=sandbox)
+    files = WorkspaceAdapter(env.root, scenario.allowed_paths, verifier=verifier, clock=clock)
     if env.http_base_url is None:
         return files
     calls: Any = HttpAdapter(env.http_base_url)

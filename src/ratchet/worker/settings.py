@@ -16,6 +16,8 @@ from typing import Annotated, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ratchet.adapters.sandbox import SandboxMode
+
 __all__ = ["Settings"]
 
 _Ms = Annotated[int, Field(ge=50, le=24 * 3600 * 1000)]
@@ -61,8 +63,17 @@ class Settings(BaseSettings):
     # Module prefixes dotted-path agents may come from (RATCHET_AGENTS="mypkg,other.pkg");
     # built-in agents and installed ratchet.agents plugins are always allowed.
     agents: Annotated[tuple[str, ...], NoDecode] = ()
+    # How verifier commands (agent-written tests) are confined: auto (bubblewrap, else a
+    # separate uid when verifier_uid is set, else verifier runs are refused), bwrap, uid,
+    # or none (an explicit opt-out, logged at every start). See ratchet.adapters.sandbox.
+    verifier_sandbox: SandboxMode = SandboxMode.AUTO
+    verifier_uid: Annotated[int, Field(ge=1)] | None = None
+    # Extra host paths verifier commands may read (RATCHET_VERIFIER_READ_ONLY="/opt/tools").
+    verifier_read_only: Annotated[tuple[Path, ...], NoDecode] = ()
+    # A worker whose wall clock is further than this from Redis' refuses to start.
+    max_clock_skew_ms: Annotated[int, Field(ge=50)] = 2000
 
-    @field_validator("agents", mode="before")
+    @field_validator("agents", "verifier_read_only", mode="before")
     @classmethod
     def _split_agents(cls, value: object) -> object:
         if isinstance(value, str):

@@ -29,6 +29,10 @@
 --          commit id (text, no '|')
 --          checkpoint digest (lowercase hex text, computed by the caller)
 --          archive segment to append (bytes, opaque; empty: nothing to append)
+--          not after (integer ms of Redis time; 0: none): the commit is refused once
+--            TIME has passed it (the expiry of the approval the commit's pending write
+--            carries, so an approved write is never committed for execution late,
+--            whatever the worker's clock says)
 --          nonce count k (integer, >= 0), then k nonces to consume (text)
 --
 -- Replies: one entry per commit examined, in order; the script stops after the first entry
@@ -42,6 +46,7 @@
 --   {"generation_mismatch", generation, state_version}   generation = the high-water mark
 --   {"stale_state", generation, state_version}
 --   {"nonce_replayed", nonce}
+--   {"approval_expired", commit_generation, not_after_ms, now_ms}
 --   {"bad_batch"}   (the only entry) the ARGV groups do not add up; nothing was read
 -- and, after the last commit's entry when ARGV[6] asks for a release and every commit
 -- applied:
@@ -62,7 +67,8 @@
 --      expired by Redis server time (TIME);
 --   4. the checkpoint's generation is exactly high-water + 1;
 --   5. the expected state version is the current one;
---   6. no nonce of the commit is already in this run's consumed-nonce set.
+--   6. no nonce of the commit is already in this run's consumed-nonce set;
+--   7. its "not after" time, when set, has not passed by Redis server time.
 -- Then the commit applies: its archive segment is appended (the checkpoint signs the chain
 -- over every segment, so they move together), generation and state version advance
 -- together, its nonces join the run's set, a history entry is pushed and its commit id
@@ -89,12 +95,14 @@ end
 local groups = {}
 local pos = 8
 for c = 1, count do
-  local nonce_count = tonumber(ARGV[pos + 5])
-  if not nonce_count or nonce_count < 0 or pos + 5 + nonce_count > #ARGV then
+  local not_after = tonumber(ARGV[pos + 5])
+  local nonce_count = tonumber(ARGV[pos + 6])
+  if not not_after or not_after < 0 or not nonce_count or nonce_count < 0
+      or pos + 6 + nonce_count > #ARGV then
     return {{'bad_batch'}}
   end
   groups[c] = pos
-  pos = pos + 6 + nonce_count
+  pos = pos + 7 + nonce_count
 end
 if pos ~= #ARGV + 1 then
   return {{'bad_batch'}}
@@ -181,7 +189,8 @@ for c = 1, count do
   local target, ckpt, commit_id, digest = tonumber(ARGV[at]), ARGV[at + 1], ARGV[at + 2],
     ARGV[at + 3]
   local segment = ARGV[at + 4]
-  local first_nonce, last_nonce = at + 6, at + 5 + tonumber(ARGV[at + 5])
+  local not_after = tonumber(ARGV[at + 5])
+  local first_nonce, last_nonce = at + 7, at + 6 + tonumber(ARGV[at + 6])
 
   local seen = redis.call('HGET', KEYS[5], commit_id)
   if seen then
@@ -214,6 +223,10 @@ for c = 1, count do
         replies[#replies + 1] = {'nonce_replayed', ARGV[i]}
         return finish(true)
       end
+    end
+    if not_after > 0 and now_ms > not_after then
+      replies[#replies + 1] = {'approval_expired', target, not_after, now_ms}
+      return finish(true)
     end
     for i = first_nonce, last_nonce do
       redis.call('SADD', KEYS[6], ARGV[i])

@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import SecretStr
 from redis.exceptions import RedisError
 
+from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.errors import ConfigurationError, RatchetError
 from ratchet.leasing import EXPIRY_INDEX, RedisServer
 from ratchet.runtime import Phase
@@ -449,7 +450,8 @@ def run_drill_processes(options: DrillOptions, *,
             renew_interval_ms=max(ttl // 3, 50), stall_timeout_ms=max(20 * ttl, 20_000),
             reaper_interval_ms=max(ttl // 5, 50), job_timeout_s=max(600, ttl // 100),
             pickup_timeout_ms=max(3 * ttl, 1000),
-            checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name="drill")
+            checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name="drill",
+            verifier_sandbox=for_own_verifiers())  # the drill's verifier is its own grep
         fleet = Fleet.connect(settings)
         record.events_dir.mkdir(parents=True, exist_ok=True)
         block = options.workers + 6  # live workers never exceed workers + 4
