@@ -230,3 +230,22 @@ def test_the_sandbox_setting_is_read_from_the_environment(
     settings = Settings(checkpoint_key=SecretStr("ab" * 32))
     assert settings.verifier_sandbox is SandboxMode.NONE
     assert settings.verifier_read_only == (Path("/opt/a"), Path("/opt/b"))
+
+
+def test_a_virtualenv_under_tmp_stays_visible_inside_the_sandbox(tmp_path: Path) -> None:
+    """The sandbox's fresh /tmp is mounted before the command's prefix and the workspace
+    are bound, so an interpreter that lives under /tmp (a CI checkout) still runs."""
+    require_sandbox()
+    import subprocess
+    import venv
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(tmp_path / "venv")
+    python = tmp_path / "venv" / "bin" / "python"
+    root = make_greeting_workspace(tmp_path / "ws")
+    verifier = CommandVerifier({"unit": [str(python), "-c", "print('inside')"]},
+                               sandbox=Sandbox.resolve(SandboxMode.BWRAP))
+    with WorkspaceAdapter(root, ["app.py"], verifier=verifier) as adapter:
+        report = adapter.verify("unit")
+    assert report.passed, verifier.last_run
+    assert subprocess.run([str(python), "-c", "pass"], check=False).returncode == 0

@@ -16,7 +16,7 @@ from ratchet.errors import ConfigurationError
 from ratchet.worker.clock import StoreClock, check_clock_skew
 from ratchet.worker.context import Fleet
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import approve, inspect_run
+from ratchet.worker.ops import Posted, approve, inspect_run
 from ratchet.worker.pool import measure_clock_skew
 from ratchet.worker.runs import RunDocument
 from tests.ops.helpers import run_awaiting_approval, trust_file, with_trust
@@ -66,16 +66,23 @@ def effects(root: Path) -> int:
         return adapter.effects
 
 
+def approved(fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path, run_id: str, *,
+             ttl_s: int) -> tuple[Fleet, Posted]:
+    """A run waiting for approval, approved by a trusted approver for ``ttl_s``."""
+    fleet = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json",
+                                                        {"alice": ALICE}))
+    run_awaiting_approval(fleet, workspace, run_id)
+    pending = inspect_run(fleet, run_id).state.pending
+    assert pending is not None
+    return fleet, approve(fleet, run_id, pending.action.action_id, key=ALICE,
+                          approver_id="alice", ttl_s=ttl_s)
+
+
 def test_an_approval_expired_by_redis_time_never_executes_on_a_worker_two_hours_behind(
     fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fleet = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json",
-                                                        {"alice": ALICE}))
-    run_id = run_awaiting_approval(fleet, workspace, "r-skew-behind")
-    pending = inspect_run(fleet, run_id).state.pending
-    assert pending is not None
-    posted = approve(fleet, run_id, pending.action.action_id, key=ALICE,
-                     approver_id="alice", ttl_s=1)
+    run_id = "r-skew-behind"
+    fleet, posted = approved(fleet, workspace, tmp_path, run_id, ttl_s=1)
     expires_ms = posted.evidence.claims.expires_at * 1000  # type: ignore[union-attr]
     poll(lambda: fleet.store.server_time_ms() > expires_ms + 1000, deadline_s=10,
          what="the approval expired by Redis' clock")
@@ -92,13 +99,8 @@ def test_an_approval_expired_by_redis_time_never_executes_on_a_worker_two_hours_
 def test_a_valid_approval_executes_on_a_worker_two_hours_ahead(
     fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fleet = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json",
-                                                        {"alice": ALICE}))
-    run_id = run_awaiting_approval(fleet, workspace, "r-skew-ahead")
-    pending = inspect_run(fleet, run_id).state.pending
-    assert pending is not None
-    approve(fleet, run_id, pending.action.action_id, key=ALICE, approver_id="alice",
-            ttl_s=3600)
+    run_id = "r-skew-ahead"
+    fleet, _ = approved(fleet, workspace, tmp_path, run_id, ttl_s=3600)
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 7200)  # the worker's clock is ahead
     report = execute_run(fleet, run_id, owner="w-ahead")

@@ -232,13 +232,15 @@ class Sandbox:
             if Path(d).exists():
                 args += ["--ro-bind", d, d]
                 bound.append(Path(d))
+        # Mounts apply in order: the fresh /tmp comes before anything bound below it (a
+        # virtualenv or a workspace under /tmp stays visible).
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]  # noqa: S108 - a fresh tmpfs inside the sandbox
         prefixes = _prefixes_of(argv[0]) if argv else []
         for path in (*self.read_only, *prefixes):
             if path.exists():
                 args += ["--ro-bind", str(path), str(path)]
                 bound.append(path)
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",  # noqa: S108 - a fresh tmpfs inside the sandbox
-                 "--bind", str(workspace), str(workspace), "--tmpfs", str(state_dir)]
+        args += ["--bind", str(workspace), str(workspace), "--tmpfs", str(state_dir)]
         for path in writable:
             args += ["--bind", str(path), str(path)]
         bound.append(workspace)

@@ -32,6 +32,7 @@ from ratchet.errors import (
     ApprovalError,
     ConfigurationError,
     ContractError,
+    EvidenceError,
     IntegrityError,
     ReviewDecisionError,
 )
@@ -152,9 +153,18 @@ class Posted:
     verified: bool
 
 
-def _claimed_elsewhere(fleet: Fleet, run_id: str, nonce: str) -> str | None:
+def _post(fleet: Fleet, run_id: str, evidence: ApprovalEvidence | ReviewDecision,
+          verified: bool, error: type[EvidenceError]) -> Posted:
+    """Refuse a nonce another run consumed (the store's global record), then leave the
+    evidence in the run's inbox and re-enqueue the run."""
+    nonce = evidence.claims.nonce
     holder = fleet.store.nonce_claimed_by(nonce)
-    return holder if holder is not None and holder != run_id else None
+    if holder is not None and holder != run_id:
+        raise error("the nonce was already consumed by another run",
+                    reason="replayed_nonce", nonce=nonce)
+    fleet.store.post_evidence(run_id, model_json(evidence))
+    fleet.enqueue(run_id)
+    return Posted(evidence, verified)
 
 
 def post_approval(fleet: Fleet, run_id: str, evidence: ApprovalEvidence) -> Posted:
@@ -174,13 +184,7 @@ def post_approval(fleet: Fleet, run_id: str, evidence: ApprovalEvidence) -> Post
         now = fleet.store.server_time_ms() // 1000
         machine.attach_approval(view.state, view.document.scenario, evidence,
                                 fleet.approvers, generation=view.generation, now=now)
-    holder = _claimed_elsewhere(fleet, run_id, evidence.claims.nonce)
-    if holder is not None:
-        raise ApprovalError("approval nonce was already consumed by another run",
-                            reason="replayed_nonce", nonce=evidence.claims.nonce)
-    fleet.store.post_evidence(run_id, model_json(evidence))
-    fleet.enqueue(run_id)
-    return Posted(evidence, verified)
+    return _post(fleet, run_id, evidence, verified, ApprovalError)
 
 
 def post_review_decision(fleet: Fleet, run_id: str, decision: ReviewDecision) -> Posted:
@@ -199,13 +203,7 @@ def post_review_decision(fleet: Fleet, run_id: str, decision: ReviewDecision) ->
                                       fleet.reviewers)
     elif view.state.review is None:
         raise ReviewDecisionError("no review case is open", reason="no_open_case")
-    holder = _claimed_elsewhere(fleet, run_id, decision.claims.nonce)
-    if holder is not None:
-        raise ReviewDecisionError("decision nonce was already consumed by another run",
-                                  reason="replayed_nonce", nonce=decision.claims.nonce)
-    fleet.store.post_evidence(run_id, model_json(decision))
-    fleet.enqueue(run_id)
-    return Posted(decision, verified)
+    return _post(fleet, run_id, decision, verified, ReviewDecisionError)
 
 
 def approve(fleet: Fleet, run_id: str, action_id: str, *, key: Ed25519PrivateKey,
