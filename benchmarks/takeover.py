@@ -209,7 +209,7 @@ def run(*, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int,
         budget_s: float) -> dict[str, Any]:
     from pydantic import SecretStr
 
-    from ratchet.leasing import RedisServer
+    from ratchet.leasing import RedisServer, RedisStore
     from ratchet.worker.context import Fleet
     from ratchet.worker.pool import _settings_json
     from ratchet.worker.settings import Settings
@@ -225,6 +225,7 @@ def run(*, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int,
     with tempfile.TemporaryDirectory(prefix="ratchet-takeover-") as tmp:
         base = Path(tmp)
         with RedisServer(base / "redis", appendonly=True, appendfsync="always") as server:
+            RedisStore(server.client()).init_epoch()
             settings = Settings(
                 redis_url=SecretStr(server.url), state_dir=base / "state",
                 queue=f"takeover-{secrets.token_hex(3)}", lease_ttl_ms=ttl_ms,

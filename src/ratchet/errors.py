@@ -31,6 +31,8 @@ versions a caller acts on as attributes; their messages never contain key materi
     │   ├── ApprovalWindowClosedError      the commit's approval expired by the store's clock
     │   ├── RunExistsError / RunNotFoundError
     │   ├── StoreProtocolError             a reply was malformed or had an unknown status
+    │   ├── StoreFullError                 Redis refuses writes: out of memory, or its AOF fails
+    │   ├── StoreEpochError                the store lost or changed its epoch: not the same store
     │   └── StoreUnavailableError          the store could not be reached; outcome unknown
     └── AdapterError                       an adapter refused or failed (``retryable``)
         ├── FenceRejectedError             the adapter has seen a newer fence
@@ -70,7 +72,9 @@ __all__ = [
     "RunNotFoundError",
     "ScenarioError",
     "StaleStateError",
+    "StoreEpochError",
     "StoreError",
+    "StoreFullError",
     "StoreProtocolError",
     "StoreUnavailableError",
 ]
@@ -194,6 +198,18 @@ class RunNotFoundError(StoreError):
 
 class StoreProtocolError(StoreError):
     """A store reply was malformed or carried an unknown status; nothing is guessed."""
+
+
+class StoreFullError(StoreError):
+    """Redis refused a write: ``maxmemory`` reached under ``noeviction`` (``reason="oom"``)
+    or its persistence is failing, e.g. a full disk for the AOF (``reason="misconf"``).
+    Nothing new is accepted until an operator frees memory or disk; reads still work."""
+
+
+class StoreEpochError(StoreError):
+    """The store has no epoch record, or another one than this process started with: it
+    was wiped, restarted without its AOF, evicted keys, or is another store. Nothing is
+    run on it (``ratchet store init`` starts a new store's epoch, deliberately)."""
 
 
 class StoreUnavailableError(StoreError):

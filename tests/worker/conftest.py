@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from ratchet.leasing import RedisServer
+from ratchet.leasing import RedisServer, RedisStore
 from ratchet.worker.context import Fleet
 from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.runs import RunDocument
@@ -24,6 +24,7 @@ CHECKPOINT_KEY_HEX = (CANARY_KEY + "a1" * 32)[:64]
 @pytest.fixture
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    RedisStore(server.client()).init_epoch()  # what `ratchet store init` does
     try:
         yield server
     finally:

@@ -76,7 +76,7 @@ class HttpAdapter:
 
     def __init__(self, base_url: str, *, namespace: str = "orders-api",
                  operations: Mapping[str, str] = DEFAULT_OPERATIONS,
-                 timeout_seconds: float = 10.0) -> None:
+                 timeout_seconds: float = 10.0, token: str | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigurationError("base_url must be http(s)://host[:port]",
@@ -92,6 +92,9 @@ class HttpAdapter:
         self._namespace = namespace
         self._operations = dict(operations)
         self._timeout = timeout_seconds
+        # A bearer token sent with every mutating request (raising a fence, a write);
+        # never in a repr, a log line or an error.
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
 
     def __repr__(self) -> str:
         return (f"HttpAdapter(host={self._host!r}, port={self._port!r}, "
@@ -110,8 +113,11 @@ class HttpAdapter:
         conn_type = (http.client.HTTPSConnection if self._scheme == "https"
                      else http.client.HTTPConnection)
         conn = conn_type(self._host, self._port, timeout=self._timeout)
+        sent = dict(headers or {})
+        if method != "GET":
+            sent.update(self._auth)
         try:
-            conn.request(method, self._prefix + path, body=body, headers=dict(headers or {}))
+            conn.request(method, self._prefix + path, body=body, headers=sent)
             response = conn.getresponse()
             raw = response.read(_MAX_REPLY + 1)
             status = response.status

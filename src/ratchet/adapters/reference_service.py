@@ -25,18 +25,29 @@ Routes (JSON bodies)::
 One process serves one database: on start-up, requests left "in flight" by a previous
 process are forgotten (their order was never committed: the order, the receipt and the
 revision are written in one transaction).
+
+It is a **reference implementation of the adapter contract**, for tests, drills and as a
+model for a real service; run it on loopback. Still, it is safe to run as documented:
+every connection has a read timeout (a client that sends its body slowly, or never, is
+dropped), at most ``max_connections`` requests are served at once (the rest get 503 at
+once, no thread is started for them), and with a ``token`` every mutating route
+(``POST /v1/fences``, ``POST /v1/orders``) needs ``Authorization: Bearer <token>``
+(401 otherwise, nothing recorded), so nobody else can raise a run's fence to block its
+orders. :class:`ratchet.adapters.HttpAdapter` sends the token it is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import sqlite3
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
@@ -251,6 +262,22 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
 
+    def setup(self) -> None:
+        super().setup()
+        # Every read on this connection times out: a slow or silent client is dropped.
+        self.connection.settimeout(getattr(self.server, "read_timeout_s", 10.0))
+
+    def _authorised(self) -> bool:
+        token = getattr(self.server, "token", None)
+        if token is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return True
+        self.close_connection = True
+        self._reply(401, {"error": "unauthorised"})
+        return False
+
     def log_message(self, format: str, *args: Any) -> None:
         return None  # quiet: tests and drills read the stats route instead
 
@@ -300,6 +327,8 @@ class _Handler(BaseHTTPRequestHandler):
             return None
 
     def do_POST(self) -> None:
+        if not self._authorised():
+            return
         service = self.server.service
         body = self._body()
         if body is None:
@@ -343,17 +372,54 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], service: OrdersService) -> None:
+    def __init__(self, address: tuple[str, int], service: OrdersService, *,
+                 token: str | None = None, max_connections: int = 32,
+                 read_timeout_s: float = 10.0) -> None:
         self.service = service
+        self.token = token
+        self.read_timeout_s = read_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on a thread if a slot is free; otherwise answer 503 at
+        once and close it (no thread, no read)."""
+        if not self._slots.acquire(blocking=False):
+            with suppress(OSError):
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\n\r\n")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out or reset is dropped quietly; anything else is
+        reported as socketserver does."""
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class RunningService:
     """A service listening on a loopback port in a background thread."""
 
-    def __init__(self, service: OrdersService, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, service: OrdersService, host: str = "127.0.0.1", port: int = 0, *,
+                 token: str | None = None, max_connections: int = 32,
+                 read_timeout_s: float = 10.0) -> None:
         self.service = service
-        self._server = _Server((host, port), service)
+        self._server = _Server((host, port), service, token=token,
+                               max_connections=max_connections,
+                               read_timeout_s=read_timeout_s)
         host_bound, self.port = self._server.server_address[:2]
         self.host = host_bound.decode() if isinstance(host_bound, bytes) else str(host_bound)
         # A short poll interval keeps stop() prompt; the loop is idle otherwise.
@@ -383,13 +449,17 @@ class RunningService:
         self.stop()
 
 
-def serve(service: OrdersService, host: str = "127.0.0.1", port: int = 0) -> RunningService:
-    """Serve ``service`` over HTTP on ``host:port`` (0 picks a free port).
+def serve(service: OrdersService, host: str = "127.0.0.1", port: int = 0, *,
+          token: str | None = None, max_connections: int = 32,
+          read_timeout_s: float = 10.0) -> RunningService:
+    """Serve ``service`` over HTTP on ``host:port`` (0 picks a free port). ``token``
+    guards the mutating routes; see the module docstring for the limits.
 
     Raises:
         OSError: the address cannot be bound.
     """
-    return RunningService(service, host, port)
+    return RunningService(service, host, port, token=token, max_connections=max_connections,
+                          read_timeout_s=read_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -398,8 +468,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--db", required=True, type=Path)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="a file holding the bearer token the mutating routes require")
     args = parser.parse_args(argv)
-    running = serve(OrdersService(args.db), args.host, args.port)
+    token = args.token_file.read_text().strip() if args.token_file else None
+    running = serve(OrdersService(args.db), args.host, args.port, token=token or None)
     print(f"listening on {running.url}", flush=True)
     try:
         threading.Event().wait()

@@ -14,6 +14,7 @@ Commands::
     ratchet keys gen-checkpoint-key | gen-signer
     ratchet keys rotate | retire KID | revoke --role R --id ID | list
     ratchet console [--host H] [--port P]     the read-only web console
+    ratchet store init                         give a new store its epoch
     ratchet redis acl --out DIR | load-scripts least-privilege Redis users
     ratchet version
 

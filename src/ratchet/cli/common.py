@@ -42,6 +42,7 @@ __all__ = [
     "print_json",
     "ratchet_errors",
     "scenario_app",
+    "store_app",
     "write_private",
 ]
 
@@ -64,6 +65,8 @@ keys_app = typer.Typer(help="Checkpoint keys and approver / reviewer signing key
                        no_args_is_help=True)
 app.add_typer(scenario_app, name="scenario")
 app.add_typer(keys_app, name="keys")
+store_app = typer.Typer(help="The store (Redis) itself: its epoch.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")]
 

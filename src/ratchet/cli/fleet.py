@@ -28,6 +28,7 @@ from ratchet.cli.common import (
     keys_app,
     print_json,
     ratchet_errors,
+    store_app,
     write_private,
 )
 from ratchet.cli.local import local_demo
@@ -112,6 +113,31 @@ def worker(
     a second one stops at once (leases then expire and other workers take over).
     """
     raise typer.Exit(run_pool(Settings(), concurrency=concurrency, burst=burst))
+
+
+# --- store -------------------------------------------------------------------------------------
+
+
+@store_app.command("init")
+@ratchet_errors
+def store_init_command(as_json: JsonFlag = False) -> None:
+    """Give a new store its epoch (an initialised store keeps its own).
+
+    Every worker and command checks the epoch and refuses a store without one: a Redis
+    that was wiped, restarted without its AOF or evicted keys is not the store the runs
+    were made in. Run this once for a new store, never to get past that refusal for an
+    old one (its runs and their high-water marks are gone). The embedded default does it
+    when it creates its store.
+    """
+    fleet = Fleet.connect(check_store=False)
+    before = fleet.store.read_epoch()
+    epoch = fleet.store.init_epoch()
+    info = {"epoch": epoch, "created": before is None}
+    if as_json:
+        print_json(info)
+    else:
+        typer.echo(f"store epoch {epoch}" + (" (new)" if before is None else
+                                             " (already initialised)"))
 
 
 # --- submit ------------------------------------------------------------------------------------

@@ -74,7 +74,9 @@ _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
     Role.READER: (ScriptName.READ_RUN,),
 }
 # Direct calls of RedisStore besides the scripts (see store.py).
-_READS = ("get", "lrange", "zrange", "zrangebyscore", "time")
+# ``info``: workers and submit read ``maxmemory_policy`` from INFO memory (CONFIG is not
+# theirs) to refuse an evicting Redis.
+_READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info")
 _DIRECT: Mapping[Role, tuple[str, ...]] = {
     Role.WORKER: (*_READS, "zadd", "zrem", "set"),  # expiry index; SET NX nonce claims
     Role.OPERATOR: (*_READS, "zadd"),  # the runs index (create)

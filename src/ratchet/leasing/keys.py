@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from ratchet.errors import ContractError
 
 __all__ = [
+    "EPOCH_KEY",
     "EXPIRY_INDEX",
     "PREFIX",
     "RUNS_INDEX",
@@ -57,6 +58,9 @@ __all__ = [
 PREFIX = "ratchet"
 EXPIRY_INDEX = f"{PREFIX}:index:expiry"
 RUNS_INDEX = f"{PREFIX}:index:runs"
+# The store's epoch record: written once when the store is initialised; a store that
+# lost it (wiped, restarted without its AOF, evicted) is not the same store.
+EPOCH_KEY = f"{PREFIX}:store:epoch"
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,199}")
 

@@ -13,12 +13,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from ratchet.errors import (
     CheckpointTooLargeError,
     ConfigurationError,
     ContractError,
+    StoreFullError,
     StoreProtocolError,
     StoreUnavailableError,
 )
@@ -37,6 +38,20 @@ def _decodes_responses(client: Any) -> bool:
     if kwargs is None and callable(getattr(client, "get_connection_kwargs", None)):
         kwargs = client.get_connection_kwargs()
     return bool(isinstance(kwargs, dict) and kwargs.get("decode_responses"))
+
+
+def store_full(exc: ResponseError, what: str, run_id: str | None) -> StoreFullError | None:
+    """The typed error for Redis refusing writes (``OOM``: maxmemory under noeviction;
+    ``MISCONF``: persistence failing, e.g. the AOF's disk is full), else None."""
+    text = str(exc)
+    if isinstance(exc, OutOfMemoryError) or text.startswith("OOM") or (
+            "command not allowed when used memory" in text):
+        return StoreFullError(f"Redis is out of memory and refuses writes ({what}): free "
+                              "memory or raise maxmemory", reason="oom", run_id=run_id)
+    if text.startswith("MISCONF") or "MISCONF" in text[:200]:
+        return StoreFullError(f"Redis cannot persist and refuses writes ({what}): check the "
+                              "disk its AOF is on", reason="misconf", run_id=run_id)
+    return None
 
 
 class StorePlumbing:
@@ -61,6 +76,9 @@ class StorePlumbing:
         try:
             yield
         except ResponseError as exc:
+            full = store_full(exc, what, run_id)
+            if full is not None:
+                raise full from exc
             raise StoreProtocolError(f"Redis refused {what}", run_id=run_id,
                                      cause=type(exc).__name__) from exc
         except RedisError as exc:

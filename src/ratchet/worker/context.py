@@ -103,6 +103,11 @@ def ensure_embedded_redis(state_dir: Path) -> str:
                 return f"redis://127.0.0.1:{port}/0"
         server = RedisServer(state_dir / "redis", detached=True).start()
         info_path.write_text(json.dumps({"port": server.port, "pid": server.pid}))
+        if not (state_dir / "redis-initialised").exists():
+            # The embedded default initialises its store once, when it first creates it;
+            # later, an epoch missing from it means it lost its data (not a new store).
+            RedisStore(redis.Redis.from_url(server.url)).init_epoch()
+            (state_dir / "redis-initialised").write_text("1\n")
         return server.url
 
 
@@ -187,10 +192,19 @@ class Fleet:
     keyring: KeyRing
     approvers: TrustRoots | None
     reviewers: TrustRoots | None
+    epoch: str | None = None  # the store's epoch this process started with
 
     @classmethod
-    def connect(cls, settings: Settings | None = None) -> Fleet:
-        """Build from settings (environment by default). Raises ConfigurationError."""
+    def connect(cls, settings: Settings | None = None, *,
+                check_store: bool = True) -> Fleet:
+        """Build from settings (environment by default).
+
+        With ``check_store`` (every command and worker but ``ratchet store init``) the
+        store must have its epoch record; it is remembered, and every job checks it is
+        still the same.
+
+        Raises ConfigurationError, StoreEpochError, StoreUnavailableError.
+        """
         settings = settings or Settings()
         if settings.redis_url is not None:
             url = settings.redis_url.get_secret_value()
@@ -203,10 +217,34 @@ class Fleet:
         rq_url = os.environ.get("RATCHET_QUEUE_REDIS_URL", "").strip() or url
         rq_connection = redis.Redis.from_url(rq_url, socket_timeout=30,
                                              socket_connect_timeout=5)
+        epoch = store.check_epoch() if check_store else None
         return cls(settings=settings, url=url, store=store, rq_connection=rq_connection,
                    keyring=load_keyring(settings),
                    approvers=load_trust_roots(settings.approvers_file, "approver"),
-                   reviewers=load_trust_roots(settings.reviewers_file, "reviewer"))
+                   reviewers=load_trust_roots(settings.reviewers_file, "reviewer"),
+                   epoch=epoch)
+
+    def check_eviction_policy(self) -> None:
+        """Workers and submit refuse a Redis that may evict keys: with any
+        ``maxmemory-policy`` but ``noeviction`` it silently drops runs, leases and
+        high-water marks under memory pressure.
+
+        Raises ConfigurationError (another policy, or one that cannot be read while
+        ``RATCHET_ALLOW_UNKNOWN_EVICTION_POLICY`` is not set).
+        """
+        policy = self.store.eviction_policy()
+        if policy is None:
+            if self.settings.allow_unknown_eviction_policy:
+                return
+            raise ConfigurationError(
+                "Redis' maxmemory-policy cannot be read (CONFIG GET and INFO are both "
+                "refused); after checking it is noeviction, set "
+                "RATCHET_ALLOW_UNKNOWN_EVICTION_POLICY=true", field="maxmemory_policy")
+        if policy != "noeviction":
+            raise ConfigurationError(
+                f"Redis' maxmemory-policy is {policy}: it may evict runs, leases and "
+                "high-water marks silently; set maxmemory-policy noeviction",
+                field="maxmemory_policy")
 
     def __repr__(self) -> str:
         return f"Fleet(settings={self.settings!r})"

@@ -42,6 +42,7 @@ acknowledged commit and any stale attempt after a pause; otherwise none of that 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -59,7 +60,10 @@ from ratchet.errors import (
     IntegrityError,
     LeaseLostError,
     RatchetError,
+    RunNotFoundError,
+    StoreEpochError,
     StoreError,
+    StoreProtocolError,
 )
 from ratchet.leasing import LeasedRun, LeaseHolder
 from ratchet.runtime import ApprovalEvidence, Phase, ReviewDecision, RunEngine
@@ -177,8 +181,30 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
              events: EventLog | None) -> JobReport:
     settings = fleet.settings
     owner = owner or _owner(fleet)
+    try:
+        # The store must still be the one this worker started on: a wiped, restarted-
+        # without-AOF or evicting Redis is never run on.
+        fleet.store.check_epoch(fleet.epoch)
+    except StoreEpochError as exc:
+        log.error("store epoch check failed", extra={"run_id": run_id,
+                                                     "reason": str(exc.context["reason"])})
+        return JobReport(run_id, "store_epoch_changed", detail=exc.message)
     acquired_at = time.monotonic()
-    got = fleet.store.try_acquire(run_id, owner=owner, ttl_ms=settings.lease_ttl_ms)
+    try:
+        got = fleet.store.try_acquire(run_id, owner=owner, ttl_ms=settings.lease_ttl_ms)
+    except RunNotFoundError:
+        # An index or queue entry only says "look at run X"; there is no such run.
+        return JobReport(run_id, "no_run", detail="no run with this id")
+    except StoreProtocolError as exc:
+        # The run's lease or state record is not what the scripts wrote (corrupted or
+        # rewritten): nothing of it is used. Recorded for an operator where possible.
+        log.error("run records unreadable", extra={"run_id": run_id,
+                                                    "reason": exc.message})
+        with contextlib.suppress(RatchetError):
+            fleet.store.record_incident(run_id, {"kind": "store_record_unreadable",
+                                                 "reason": "lease_or_state",
+                                                 "message": exc.message})
+        return JobReport(run_id, "store_refused", detail=exc.message)
     if isinstance(got, LeaseHolder):
         return JobReport(run_id, "held_elsewhere", detail=f"held by {got.owner}")
     lease: LeasedRun = got
@@ -219,7 +245,9 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                                      archive=snap.archive)
             check_document_binding(opened.state, document)
             agent_factory = fleet.agent_policy.resolve(document.agent)
-            adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock)
+            token = settings.http_token.get_secret_value() if settings.http_token else None
+            adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock,
+                                    http_token=token)
             engine = RunEngine.resume(
                 snap.checkpoint, scenario=document.scenario, keyring=fleet.keyring,
                 adapter=GuardedAdapter(ObservedAdapter(adapter), heartbeat, wires),

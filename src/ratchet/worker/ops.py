@@ -89,6 +89,7 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     environment), AdapterError, CheckpointTooLargeError.
     """
     run_id = check_id(run_id or f"run-{secrets.token_hex(6)}", "run_id")
+    fleet.check_eviction_policy()
     fleet.agent_policy.build(document.agent, dict(document.agent_config))
     sent_at = time.monotonic()
     clock = StoreClock(fleet.store.server_time_ms(), sent_at=sent_at)  # the run's start

@@ -65,6 +65,7 @@ def worker_main(settings_json: str, index: int, burst: bool = False) -> None:
     sandbox = fleet.sandbox
     (log.info if sandbox.confined else log.warning)(sandbox.describe())
     try:
+        fleet.check_eviction_policy()
         skew = measure_clock_skew(fleet)
     except ConfigurationError as exc:
         log.error("refusing to start", extra={"reason": exc.message})
@@ -118,7 +119,8 @@ def run_pool(settings: Settings, *, concurrency: int, burst: bool = False) -> in
     if settings.embedded:
         # Start the shared embedded server once, before the children race for it.
         ensure_embedded_redis(settings.state_dir)
-    fleet = Fleet.connect(settings)
+    fleet = Fleet.connect(settings)  # the store must have its epoch
+    fleet.check_eviction_policy()
     _ = fleet.sandbox  # an explicit sandbox mode that cannot work here stops the start
     measure_clock_skew(fleet)
     ctx = mp.get_context("spawn")

@@ -148,11 +148,12 @@ def check_document_binding(state: RunState, document: RunDocument) -> None:
 
 
 def build_adapter(document: RunDocument, *, sandbox: Sandbox | None = None,
-                  clock: Clock | None = None) -> Adapter:
+                  clock: Clock | None = None, http_token: str | None = None) -> Adapter:
     """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
     commands; a worker passes its own, checked usable here before anything is built.
     ``clock`` stamps the workspace's receipts (a worker passes the store's clock: the
-    receipt's commit time is compared with approval expiry).
+    receipt's commit time is compared with approval expiry). ``http_token`` is the bearer
+    token of the environment's HTTP API (the worker's setting, never the document's).
 
     Raises ConfigurationError (missing workspace, bad verifier, bad URL, no usable
     sandbox), AdapterError.
@@ -173,7 +174,7 @@ def build_adapter(document: RunDocument, *, sandbox: Sandbox | None = None,
     files = WorkspaceAdapter(env.root, scenario.allowed_paths, verifier=verifier, clock=clock)
     if env.http_base_url is None:
         return files
-    calls: Any = HttpAdapter(env.http_base_url)
+    calls: Any = HttpAdapter(env.http_base_url, token=http_token)
     return RouterAdapter(files, calls)
 
 

@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     verifier_uid: Annotated[int, Field(ge=1)] | None = None
     # Extra host paths verifier commands may read (RATCHET_VERIFIER_READ_ONLY="/opt/tools").
     verifier_read_only: Annotated[tuple[Path, ...], NoDecode] = ()
+    # The bearer token the worker's HTTP adapter sends with every mutating request (the
+    # reference orders service's --token-file); never in a run document.
+    http_token: SecretStr | None = None
+    # Workers and submit refuse a Redis whose maxmemory-policy is not noeviction; where an
+    # ACL forbids reading it (CONFIG GET and INFO), this says it was checked by hand.
+    allow_unknown_eviction_policy: bool = False
     # A worker whose wall clock is further than this from Redis' refuses to start.
     max_clock_skew_ms: Annotated[int, Field(ge=50)] = 2000
 

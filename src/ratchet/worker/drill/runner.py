@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 
 from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.errors import ConfigurationError, RatchetError
-from ratchet.leasing import EXPIRY_INDEX, RedisServer
+from ratchet.leasing import EXPIRY_INDEX, RedisServer, RedisStore
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.context import Fleet
@@ -439,6 +439,7 @@ def run_drill_processes(options: DrillOptions, *,
     choice = choose_redis(options.redis_server, want_rollback="rollback" in options.faults)
     record = DrillRecord(folder=folder, options=options, redis=choice)
     server = choice.server(folder / "redis").start()
+    RedisStore(server.client()).init_epoch()
     orders: TenantOrders | None = None
     pool: WorkerPool | None = None
     try:

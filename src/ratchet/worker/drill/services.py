@@ -128,6 +128,8 @@ class _TenantServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], tenants: dict[str, OrdersService]) -> None:
         self.tenants = tenants
         self.dropped = 0
+        self.token: str | None = None  # the drill's own loopback service: no token
+        self.read_timeout_s = 30.0  # generous: drill workers are paused and resumed
         super().__init__(address, _TenantHandler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
