@@ -89,3 +89,17 @@ def holder_pid(fleet: Fleet, run_id: str) -> int | None:
         return None
     tail = snap.owner.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else None
+
+
+def job_outcomes(fleet: Fleet, run_id: str) -> list[str]:
+    """Outcomes reported by finished RQ jobs for ``run_id``."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    out = []
+    for job_id in fleet.queue.finished_job_registry.get_job_ids():
+        job = Job.fetch(job_id, connection=fleet.rq_connection, serializer=JSONSerializer)
+        result = job.return_value()
+        if isinstance(result, dict) and result.get("run_id") == run_id:
+            out.append(str(result.get("outcome")))
+    return out

@@ -22,7 +22,14 @@ from ratchet.worker.context import Fleet
 from ratchet.worker.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.worker.ops import approve, inspect_run, submit
 from ratchet.worker.settings import Settings
-from tests.worker.fleet_harness import holder_pid, phase, poll, process_state, workers
+from tests.worker.fleet_harness import (
+    holder_pid,
+    job_outcomes,
+    phase,
+    poll,
+    process_state,
+    workers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,21 +46,6 @@ def submit_greetings(fleet: Fleet, base: Path, n: int, think_ms: int) -> dict[st
         doc = greeting_document(root, agent_config={"think_ms": think_ms}, runner="python")
         runs[submit(fleet, doc, run_id=f"r{i}-{os.getpid()}-{base.name}")] = root
     return runs
-
-
-def job_outcomes(fleet: Fleet, run_id: str) -> list[str]:
-    """Outcomes reported by finished RQ jobs for ``run_id``."""
-    from rq.job import Job
-    from rq.serializers import JSONSerializer
-
-    queue = fleet.queue
-    out = []
-    for job_id in queue.finished_job_registry.get_job_ids():
-        job = Job.fetch(job_id, connection=fleet.rq_connection, serializer=JSONSerializer)
-        result = job.return_value()
-        if isinstance(result, dict) and result.get("run_id") == run_id:
-            out.append(str(result.get("outcome")))
-    return out
 
 
 def owners(fleet: Fleet, run_id: str) -> list[str]:

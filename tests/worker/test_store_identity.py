@@ -99,3 +99,44 @@ def test_a_store_out_of_memory_is_a_typed_refusal(tmp_path: Path) -> None:
                              checkpoint=b"x" * 2048)
         assert err.value.context["reason"] == "oom"
         assert store.read_epoch() is not None  # reads still work
+
+
+def test_a_task_resubmitted_on_a_wiped_store_cannot_write_to_its_workspace_again(
+    fleet: Fleet, settings: Settings, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The adapters witness the store: a workspace binds the epoch of the first fence it
+    sees, so a store wiped and initialised again (a new epoch) cannot have a resubmitted
+    task write there a second time."""
+    from ratchet.adapters.workspace import WorkspaceAdapter
+    from ratchet.worker.examples import greeting_document, make_greeting_workspace
+
+    root = make_greeting_workspace(tmp_path / "ws")
+    document = greeting_document(root, runner="python")
+    first = submit(fleet, document)
+    assert execute_run(fleet, first, owner="w-1").phase == "completed"
+    redis_server.client().flushall()
+    RedisStore(redis_server.client()).init_epoch()  # someone initialised it again
+    fresh = Fleet.connect(settings)  # workers restarted on the new store
+    second = submit(fresh, document)
+    report = execute_run(fresh, second, owner="w-2")
+    assert report.outcome == "restore_refused"
+    incident = fresh.store.incidents(second)[0]
+    assert "another store" in incident["message"]
+    with WorkspaceAdapter(root, ["app.py"]) as adapter:
+        assert adapter.effects == 1  # the first run's write, once
+
+
+def test_the_orders_service_binds_one_store_epoch(tmp_path: Path) -> None:
+    from ratchet.adapters import HttpAdapter, OrdersService, serve
+    from ratchet.errors import FenceRejectedError
+    from ratchet.runtime import Fence
+
+    with serve(OrdersService(tmp_path / "orders.sqlite3")) as running:
+        adapter = HttpAdapter(running.url)
+        adapter.raise_fence(Fence(run_id="r-1", lease_version=1, state_version=1,
+                                  store_epoch="ep-aaaaaaaaaaaaaaaaaaaaaaaa"))
+        with pytest.raises(FenceRejectedError):
+            adapter.raise_fence(Fence(run_id="r-2", lease_version=1, state_version=1,
+                                      store_epoch="ep-bbbbbbbbbbbbbbbbbbbbbbbb"))
+        adapter.raise_fence(Fence(run_id="r-3", lease_version=1, state_version=1,
+                                  store_epoch="ep-aaaaaaaaaaaaaaaaaaaaaaaa"))

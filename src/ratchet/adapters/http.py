@@ -234,6 +234,8 @@ class HttpAdapter:
             "Ratchet-State-Version": str(fence.state_version),
             "Ratchet-Intent-Digest": intent_digest,
         }
+        if fence.store_epoch is not None:
+            headers["Ratchet-Store-Epoch"] = fence.store_epoch
         if approval_digest is not None:
             headers["Ratchet-Approval-Digest"] = approval_digest
         receipt: Receipt | None = None

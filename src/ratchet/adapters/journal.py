@@ -85,6 +85,19 @@ class IntentRow:
     temp_name: str | None
 
 
+class _EpochRefused(Exception):  # noqa: N818 - an internal signal, turned into the error
+    def __init__(self, bound: str) -> None:
+        super().__init__(bound)
+        self.bound = bound
+
+    def error(self, fence: Fence) -> FenceRejectedError:
+        return FenceRejectedError(
+            "this environment serves another store (its epoch differs): a run of a wiped "
+            "or re-initialised store may not write here; reset the environment to use it "
+            "with this store", run_id=fence.run_id, reason="store_epoch",
+            bound_epoch=self.bound, fence_epoch=fence.store_epoch)
+
+
 class Journal:
     """The SQLite journal of one workspace. Not thread-safe: the adapter serialises.
 
@@ -172,6 +185,16 @@ class Journal:
         return version
 
     def _check_fence(self, fence: Fence) -> bool:
+        epoch = fence.store_epoch
+        if epoch is not None:
+            bound = self._meta("store_epoch")
+            if bound is None:
+                self._set("store_epoch", epoch)
+            elif bound != epoch:
+                # Another store than the one this workspace serves (wiped, re-initialised,
+                # or another fleet's): nothing of it is accepted (the refusal is counted
+                # by the caller, once this transaction rolled back).
+                raise _EpochRefused(bound)
         row = self._db.execute("SELECT lease_version, state_version FROM fences "
                                "WHERE run_id = ?", (fence.run_id,)).fetchone()
         if (row is not None and fence.key() < (int(row[0]), int(row[1]))
@@ -185,6 +208,16 @@ class Journal:
                          (fence.run_id, fence.lease_version, fence.state_version))
         return True
 
+    def _count_epoch_refusal(self) -> None:
+        # The refusing transaction rolled back: count it in one of its own.
+        with self._txn():
+            self._set("refused_epoch", str(self._int("refused_epoch") + 1))
+
+    @property
+    def store_epoch(self) -> str | None:
+        """The store epoch this workspace is bound to (the first one a fence carried)."""
+        return self._meta("store_epoch")
+
     def _seen(self, run_id: str) -> tuple[int, int] | None:
         row = self._db.execute("SELECT lease_version, state_version FROM fences "
                                "WHERE run_id = ?", (run_id,)).fetchone()
@@ -196,9 +229,13 @@ class Journal:
         Raises:
             FenceRejectedError: a higher fence was seen (the refusal is counted).
         """
-        with self._txn():
-            accepted = self._check_fence(fence)
-            seen = self._seen(fence.run_id)
+        try:
+            with self._txn():
+                accepted = self._check_fence(fence)
+                seen = self._seen(fence.run_id)
+        except _EpochRefused as refused:
+            self._count_epoch_refusal()
+            raise refused.error(fence) from None
         if not accepted:
             raise FenceRejectedError("fence is older than one already seen",
                                      run_id=fence.run_id, fence=fence.key(), seen=seen)
@@ -228,44 +265,49 @@ class Journal:
                 (retryable=True).
         """
         refusal: AdapterError | None = None
-        with self._txn():
-            if not self._check_fence(fence):
-                refusal = FenceRejectedError("fence is older than one already seen",
-                                             run_id=fence.run_id, fence=fence.key(),
-                                             seen=self._seen(fence.run_id))
-            else:
-                row = self._db.execute(
-                    "SELECT status, intent_digest, receipt FROM writes "
-                    "WHERE idempotency_key = ?", (intent.idempotency_key,)).fetchone()
-                if row is not None and row[0] == "committed":
-                    existing = Receipt.model_validate_json(row[2])
-                    if row[1] == intent.intent_digest:
-                        return existing
-                    refusal = IdempotencyConflictError(
-                        "key was used for another intent",
-                        idempotency_key=intent.idempotency_key, receipt=existing)
-                elif row is not None and row[0] == "intent":
-                    refusal = AdapterError("a previous write for this key is unresolved",
-                                           retryable=True,
-                                           idempotency_key=intent.idempotency_key)
+        try:
+            with self._txn():
+                if not self._check_fence(fence):
+                    refusal = FenceRejectedError("fence is older than one already seen",
+                                                 run_id=fence.run_id, fence=fence.key(),
+                                                 seen=self._seen(fence.run_id))
                 else:
-                    version = self._note(fingerprint)
-                    if version != expected_version:
-                        refusal = AdapterError("environment precondition failed",
-                                               retryable=False, expected=expected_version,
-                                               actual=version)
+                    row = self._db.execute(
+                        "SELECT status, intent_digest, receipt FROM writes "
+                        "WHERE idempotency_key = ?", (intent.idempotency_key,)).fetchone()
+                    if row is not None and row[0] == "committed":
+                        existing = Receipt.model_validate_json(row[2])
+                        if row[1] == intent.intent_digest:
+                            return existing
+                        refusal = IdempotencyConflictError(
+                            "key was used for another intent",
+                            idempotency_key=intent.idempotency_key, receipt=existing)
+                    elif row is not None and row[0] == "intent":
+                        refusal = AdapterError("a previous write for this key is unresolved",
+                                               retryable=True,
+                                               idempotency_key=intent.idempotency_key)
                     else:
-                        self._db.execute("DELETE FROM writes WHERE idempotency_key = ?",
-                                         (intent.idempotency_key,))
-                        self._db.execute(
-                            "INSERT INTO writes (idempotency_key, intent_digest, status, "
-                            "op, path, new_sha, prior_sha, temp_name, approval_digest, "
-                            "run_id, lease_version, state_version) "
-                            "VALUES (?, ?, 'intent', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            (intent.idempotency_key, intent.intent_digest, intent.op,
-                             intent.path, intent.new_sha, intent.prior_sha, intent.temp_name,
-                             intent.approval_digest, fence.run_id, fence.lease_version,
-                             fence.state_version))
+                        version = self._note(fingerprint)
+                        if version != expected_version:
+                            refusal = AdapterError("environment precondition failed",
+                                                   retryable=False, expected=expected_version,
+                                                   actual=version)
+                        else:
+                            self._db.execute("DELETE FROM writes WHERE idempotency_key = ?",
+                                             (intent.idempotency_key,))
+                            self._db.execute(
+                                "INSERT INTO writes (idempotency_key, intent_digest, status, "
+                                "op, path, new_sha, prior_sha, temp_name, approval_digest, "
+                                "run_id, lease_version, state_version) "
+                                "VALUES (?, ?, 'intent', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                (intent.idempotency_key, intent.intent_digest, intent.op,
+                                 intent.path, intent.new_sha, intent.prior_sha, intent.temp_name,
+                                 intent.approval_digest, fence.run_id, fence.lease_version,
+                                 fence.state_version))
+        except _EpochRefused as refused:
+            self._count_epoch_refusal()
+            raise refused.error(fence) from None
+
         if refusal is not None:
             raise refusal
         return None

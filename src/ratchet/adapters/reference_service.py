@@ -154,7 +154,23 @@ class OrdersService:
         seen = [int(row[0]), int(row[1])] if row is not None else [0, 0]
         return (row is None or fence.key() >= (seen[0], seen[1])), seen
 
+    def _epoch_ok(self, db: sqlite3.Connection, fence: Fence) -> bool:
+        """The service serves one store: it binds the first epoch a fence carries and
+        refuses every other (counted as ``refused_epoch``)."""
+        if fence.store_epoch is None:
+            return True
+        bound = self._meta(db, "store_epoch")
+        if bound is None:
+            self._set(db, "store_epoch", fence.store_epoch)
+            return True
+        if bound == fence.store_epoch:
+            return True
+        self._bump(db, "refused_epoch")
+        return False
+
     def _record_fence(self, db: sqlite3.Connection, fence: Fence) -> tuple[bool, list[int]]:
+        if not self._epoch_ok(db, fence):
+            return False, [-1, -1]
         ok, seen = self._fence_ok(db, fence)
         if not ok:
             self._bump(db, "refused_stale")
@@ -322,7 +338,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return Fence.model_validate(data)
             return Fence(run_id=self.headers.get("Ratchet-Run-Id", ""),
                          lease_version=int(self.headers.get("Ratchet-Lease-Version", "")),
-                         state_version=int(self.headers.get("Ratchet-State-Version", "")))
+                         state_version=int(self.headers.get("Ratchet-State-Version", "")),
+                         store_epoch=self.headers.get("Ratchet-Store-Epoch") or None)
         except (ValidationError, ValueError):
             return None
 

@@ -132,7 +132,7 @@ class RunEngine:
                  probe: Probe | None = None,
                  max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
                  coalesce: bool = False, archive_trace: bool = False,
-                 archive: ArchiveRef | None = None) -> None:
+                 archive: ArchiveRef | None = None, store_epoch: str | None = None) -> None:
         self.scenario = scenario
         self.adapter = adapter
         self.store = store
@@ -140,6 +140,7 @@ class RunEngine:
         self.approvers = approvers
         self.reviewers = reviewers
         self.lease_version = lease_version
+        self.store_epoch = store_epoch
         self._keyring = keyring
         self._probe = probe or _no_probe
         self._max_bytes = max_checkpoint_bytes
@@ -205,7 +206,8 @@ class RunEngine:
 
         def fence_then_observe(state: RunState, generation: int) -> Observation:
             adapter.raise_fence(Fence(run_id=state.run_id, lease_version=lease_version,
-                                      state_version=generation))
+                                      state_version=generation,
+                                      store_epoch=options.get("store_epoch")))
             return adapter.observe()
 
         restored = restore_checkpoint(blob, scenario=scenario, keyring=keyring, store=store,
@@ -224,7 +226,7 @@ class RunEngine:
 
     def _fence(self) -> Fence:
         return Fence(run_id=self.state.run_id, lease_version=self.lease_version,
-                     state_version=self.generation)
+                     state_version=self.generation, store_epoch=self.store_epoch)
 
     @property
     def held_commits(self) -> int:

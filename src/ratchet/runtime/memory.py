@@ -95,6 +95,7 @@ class MemoryWorkspace:
         self.effects: list[tuple[str, str]] = []  # (idempotency key, intent digest)
         self.external_calls: list[dict[str, str]] = []
         self.refused_stale: int = 0
+        self.store_epoch: str | None = None  # bound by the first fence that carries one
 
     @property
     def namespace(self) -> str:
@@ -121,6 +122,14 @@ class MemoryWorkspace:
                            fingerprint=files_fingerprint(after))
 
     def _check_fence(self, fence: Fence) -> None:
+        if fence.store_epoch is not None:
+            if self.store_epoch is None:
+                self.store_epoch = fence.store_epoch
+            elif self.store_epoch != fence.store_epoch:
+                raise FenceRejectedError("this environment serves another store",
+                                         run_id=fence.run_id, reason="store_epoch",
+                                         bound_epoch=self.store_epoch,
+                                         fence_epoch=fence.store_epoch)
         seen = self.fences.get(fence.run_id)
         if seen is not None and fence.key() < seen:
             self.refused_stale += 1

@@ -80,6 +80,11 @@ class Fence(Frozen):
     run_id: Identifier
     lease_version: NonNegInt
     state_version: NonNegInt
+    # The epoch of the store the lease is in (None: the caller has none). An adapter that
+    # checks fences binds itself to the first epoch it sees and refuses any other: a run
+    # recreated on a wiped or re-initialised store cannot write to an environment the old
+    # store's runs used, and a store that came back as another one is a witness, too.
+    store_epoch: Identifier | None = None
 
     def key(self) -> tuple[int, int]:
         return (self.lease_version, self.state_version)

@@ -255,7 +255,7 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                 clock=clock, approvers=fleet.approvers, reviewers=fleet.reviewers,
                 lease_version=lease.lease_version, probe=probe, archive=snap.archive,
                 opened=opened, coalesce=settings.coalesce_commits,
-                archive_trace=settings.archive_trace)
+                archive_trace=settings.archive_trace, store_epoch=fleet.epoch)
         except IntegrityError as exc:
             if isinstance(exc.__context__, HighWaterUnavailableError) and (
                     exc.__context__.context.get("cause") == "StoreUnavailableError"):
