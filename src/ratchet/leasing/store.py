@@ -51,7 +51,6 @@ the process there. Worker failpoints install it (``after_commit_before_reply``).
 from __future__ import annotations
 
 import hashlib
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -66,13 +65,12 @@ from ratchet.errors import (
     ContractError,
     LeaseHeldElsewhereError,
     NonceReplayError,
-    StoreEpochError,
     StoreProtocolError,
 )
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
+from ratchet.leasing.identity import StoreIdentity
 from ratchet.leasing.keys import (
-    EPOCH_KEY,
     EXPIRY_INDEX,
     RUNS_INDEX,
     check_id,
@@ -109,7 +107,7 @@ __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 
-class RedisStore(RunRecords):
+class RedisStore(RunRecords, StoreIdentity):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
     ``client`` is a ``redis.Redis``, ``redis.cluster.RedisCluster`` or
@@ -507,67 +505,6 @@ class RedisStore(RunRecords):
             lease_version=lease.lease_version, cause=type(last).__name__)
 
     # -- cross-run indexes --------------------------------------------------------------
-
-    # -- the store's identity ------------------------------------------------------------
-
-    def init_epoch(self) -> str:
-        """Give a new store its epoch (``SET NX``); an initialised store keeps its own.
-        Returns the store's epoch. Raises StoreUnavailableError, StoreFullError."""
-        fresh = f"ep-{secrets.token_hex(12)}"
-        self._call("epoch init", None,
-                   lambda: self._client.set(EPOCH_KEY, fresh.encode(), nx=True))
-        epoch = self.read_epoch()
-        if epoch is None:
-            raise StoreProtocolError("the store's epoch could not be written")
-        return epoch
-
-    def read_epoch(self) -> str | None:
-        """The store's epoch, or None when it has none. Raises StoreUnavailableError,
-        StoreProtocolError (a malformed record)."""
-        raw = self._call("epoch read", None, lambda: self._client.get(EPOCH_KEY))
-        if raw is None:
-            return None
-        text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
-        if not text.startswith("ep-") or len(text) != 27:
-            raise StoreProtocolError("the store's epoch record is malformed")
-        return text
-
-    def check_epoch(self, expected: str | None = None) -> str:
-        """The store's epoch, checked: present, and ``expected`` when given.
-
-        Raises:
-            StoreEpochError: no epoch (wiped, restarted without its AOF, evicted, or never
-                initialised) or another one than ``expected``.
-        """
-        epoch = self.read_epoch()
-        if epoch is None:
-            raise StoreEpochError(
-                "the store has no epoch record: it was wiped, restarted without its AOF, "
-                "lost keys to eviction, or was never initialised. Nothing runs on it; if "
-                "it is a new store, initialise it with `ratchet store init`",
-                reason="missing")
-        if expected is not None and epoch != expected:
-            raise StoreEpochError("the store's epoch changed since this process started: "
-                                  "it is not the same store", reason="changed",
-                                  expected=expected, found=epoch)
-        return epoch
-
-    def eviction_policy(self) -> str | None:
-        """Redis' ``maxmemory-policy`` (``CONFIG GET``, else ``INFO memory``), or None when
-        neither may be read (an ACL forbids both)."""
-        try:
-            reply = self._client.config_get("maxmemory-policy")
-            value = reply.get("maxmemory-policy") if isinstance(reply, dict) else None
-            if value is not None:
-                return value.decode() if isinstance(value, bytes) else str(value)
-        except RedisError:
-            pass
-        try:
-            info = self._client.info("memory")
-        except RedisError:
-            return None
-        value = info.get("maxmemory_policy") if isinstance(info, dict) else None
-        return None if value is None else str(value)
 
     def server_time_ms(self) -> int:
         """Redis server time in milliseconds. Raises StoreUnavailableError."""

@@ -107,21 +107,6 @@ class StepResult:
     read: ReadResult | None = None  # what a read-only action returned (not persisted)
 
 
-def _approval_deadline_ms(state: RunState, scenario: Scenario) -> int:
-    """For a state whose approved pending write may be sent next, the approval's expiry
-    in store milliseconds: the store refuses the commit after it, by its own clock, so
-    an engine whose clock is wrong still cannot commit the write for execution late. 0
-    for every other state."""
-    pending = state.pending
-    if (pending is None or pending.receipt is not None or pending.approval is None
-            or state.phase is not Phase.RUNNING
-            or not scenario.needs_approval(pending.action.kind)):
-        return 0
-    # ``expired`` means ``now > expires_at`` in whole seconds: the last valid instant is
-    # the end of that second.
-    return pending.approval.claims.expires_at * 1000 + 999
-
-
 class RunEngine:
     """Drives one run. Construct with :meth:`start` or :meth:`resume`, never directly."""
 
@@ -258,7 +243,7 @@ class RunEngine:
         nonces = tuple(n for n in new.consumed_nonces if n not in known)
         target = self.generation + 1
         archive = self._archive
-        not_after = _approval_deadline_ms(new, self.scenario)
+        not_after = machine.approval_deadline_ms(new, self.scenario)
         if archive is None:
             blob = seal_checkpoint(new, self.scenario, self._keyring, generation=target,
                                    max_bytes=self._max_bytes, previous=self.state)

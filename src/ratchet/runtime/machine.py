@@ -67,6 +67,7 @@ __all__ = [
     "apply_read",
     "apply_review_decision",
     "apply_verification",
+    "approval_deadline_ms",
     "attach_approval",
     "cancel",
     "check_executable",
@@ -385,3 +386,18 @@ def check_executable(state: RunState, scenario: Scenario, *, now: int,
     event = _event(state, now, TraceOutcome.APPROVAL_EXPIRED, action=pending.action,
                    detail={"reason": reason})
     return _with(state, event, phase=transition(state.phase, Event.APPROVAL_NEEDED))
+
+
+def approval_deadline_ms(state: RunState, scenario: Scenario) -> int:
+    """For a state whose approved pending write may be sent next, the approval's expiry
+    in store milliseconds: the store refuses the commit after it, by its own clock, so
+    an engine whose clock is wrong still cannot commit the write for execution late. 0
+    for every other state."""
+    pending = state.pending
+    if (pending is None or pending.receipt is not None or pending.approval is None
+            or state.phase is not Phase.RUNNING
+            or not scenario.needs_approval(pending.action.kind)):
+        return 0
+    # ``expired`` means ``now > expires_at`` in whole seconds: the last valid instant is
+    # the end of that second.
+    return pending.approval.claims.expires_at * 1000 + 999
