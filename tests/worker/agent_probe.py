@@ -16,3 +16,15 @@ if _MARKER:
 
 def make(config: dict[str, Any]) -> GreetingAgent:
     return GreetingAgent.from_config(config)
+
+
+class _Broken:
+    plans_ahead = False
+
+    def next_step(self, view: object) -> object:
+        raise TypeError("this agent is broken")
+
+
+def broken(config: dict[str, Any]) -> _Broken:
+    """An agent whose every step raises (a poison run)."""
+    return _Broken()

@@ -547,6 +547,20 @@ class RedisStore(RunRecords, StoreIdentity):
         self._call("expiry index", run_id, lambda: self._client.zadd(
             EXPIRY_INDEX, {run_id: deadline}, gt=True))
 
+    def park_expiry_entry(self, run_id: str, *, for_ms: int) -> None:
+        """Move ``run_id``'s expiry index entry ``for_ms`` into the future (``ZADD XX``):
+        an entry the reaper cannot handle stops blocking the ones behind it. Index entries
+        only say "look at this run", so a race with a worker re-scoring it is harmless.
+        Raises StoreUnavailableError."""
+        later = self.server_time_ms() + for_ms
+        self._call("expiry index", None, lambda: self._client.zadd(
+            EXPIRY_INDEX, {run_id: later}, xx=True))
+
+    def forget_index_member(self, member: str) -> None:
+        """Remove a member that is not a run id from the expiry index (junk written there
+        names no run). Raises StoreUnavailableError."""
+        self._call("expiry index", None, lambda: self._client.zrem(EXPIRY_INDEX, member))
+
     def claim_reap(self, run_id: str, *, reclaim_after_ms: int = 30_000) -> ReapClaim:
         """Claim the right to re-enqueue ``run_id`` for its current (expired) lease version.
 

@@ -46,7 +46,9 @@ import contextlib
 import logging
 import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ratchet.errors import (
@@ -74,7 +76,7 @@ from ratchet.worker import logs, metrics
 from ratchet.worker.agents import AgentFactory, AgentView, build_agent, plans_ahead
 from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
-from ratchet.worker.failpoints import EventLog, Failpoints, Tripwires
+from ratchet.worker.failpoints import EventLog, FailpointFired, Failpoints, Tripwires
 from ratchet.worker.heartbeat import GuardedAdapter, GuardedStore, Heartbeat
 from ratchet.worker.identity import owner_id
 from ratchet.worker.observe import ObservedAdapter, ObservedStore, job_ended
@@ -302,11 +304,16 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
         # reason recorded, for an operator.
         _refuse(fleet, held, report, exc, kind="environment_changed")
     except AdapterError as exc:
-        if not exc.context.get("retryable"):
-            raise
-        report.outcome, report.detail = "retry_later", exc.message
+        if exc.context.get("retryable"):
+            report.outcome, report.detail = "retry_later", exc.message
+        else:
+            _job_error(fleet, held, report, exc)
     except StoreError as exc:
         report.outcome, report.detail = "lease_lost", f"store: {type(exc).__name__}"
+    except FailpointFired:
+        raise  # drills: the job ends as if the worker died here (the lease stays held)
+    except Exception as exc:
+        _job_error(fleet, held, report, exc)
     finally:
         heartbeat.stop()
         logs.leave_run(log_context)
@@ -432,6 +439,46 @@ def _finish(lease: _HeldLease, engine: RunEngine, report: JobReport) -> None:
         report.outcome, reap = "yielded", True  # another worker continues at once
     lease.release(reap=reap, flush=engine)
     report.generation = engine.generation
+
+
+def _where(exc: BaseException) -> str:
+    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    return f"{Path(frame[0].filename).name}:{frame[0].lineno} {frame[0].name}" if frame else ""
+
+
+def _job_error(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: Exception) -> None:
+    """A failure that is not a lease or fence loss (an agent that raised, a factory that
+    failed, an adapter refusing for good, a document too deep to parse): record it, give
+    the lease up, and let the reaper hand the run on after a backoff, up to
+    ``max_job_errors`` times; then the run is frozen with the reason visible.
+
+    Poison runs stop: without this, the lease expired, the reaper re-enqueued and the job
+    crashed again, forever."""
+    settings = fleet.settings
+    run_id = lease.run_id
+    message = str(exc)[:500] or type(exc).__name__
+    try:
+        attempt = 1 + sum(1 for i in fleet.store.incidents(run_id)
+                          if i.get("kind") == "job_error")
+    except RatchetError:
+        attempt = settings.max_job_errors
+    frozen = attempt >= settings.max_job_errors
+    record = {"kind": "job_error", "error": type(exc).__name__, "message": message,
+              "where": _where(exc), "attempt": attempt,
+              "next": "frozen: an operator acts" if frozen else "retried after a backoff"}
+    log.error("job failed", extra={"run_id": run_id, "error": type(exc).__name__,
+                                   "outcome": record["next"]})
+    with contextlib.suppress(RatchetError):
+        fleet.store.record_incident(run_id, record)
+    with contextlib.suppress(RatchetError):
+        lease.release()  # off the reaper's index
+    if frozen:
+        report.outcome, report.detail = "poisoned", f"{type(exc).__name__}: {message}"
+        return
+    backoff = settings.job_error_backoff_ms * 2 ** (attempt - 1)
+    with contextlib.suppress(RatchetError):
+        fleet.store.expect_pickup(run_id, within_ms=backoff)  # the reaper retries then
+    report.outcome, report.detail = "job_error", f"{type(exc).__name__}: {message}"
 
 
 def _refuse(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: RatchetError, *,

@@ -121,6 +121,8 @@ APPROVALS_EXPIRED = Counter("ratchet_approvals_expired_total",
                             "Approvals found expired before their write executed.")
 CLOCK_SKEW = Gauge("ratchet_clock_skew_seconds",
                    "This worker's wall clock minus the Redis server's, measured at start.")
+REAPER_BAD_ENTRIES = Counter("ratchet_reaper_bad_entries_total",
+                             "Expiry index entries the reaper could not handle (parked).")
 REAPER_REQUEUES = Counter("ratchet_reaper_requeues_total",
                           "Runs re-enqueued by this process' reaper.", ["cause"])
 

@@ -20,12 +20,13 @@ A reaper that dies between its claim and its enqueue leaves the entry on the ind
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ratchet.errors import RatchetError
+from ratchet.errors import ContractError, RatchetError, StoreUnavailableError
 from ratchet.leasing import RedisStore
 from ratchet.worker import metrics
 
@@ -38,29 +39,69 @@ log = logging.getLogger("ratchet.worker.reaper")
 class ReapResult:
     examined: int
     enqueued: tuple[str, ...]
+    parked: tuple[str, ...] = ()
+
+
+PARK_MS = 60_000  # how long an entry the reaper could not handle waits before a retry
 
 
 def reap_once(store: RedisStore, enqueue: Callable[[str], object], *, limit: int = 100,
-              reclaim_after_ms: int = 30_000) -> ReapResult:
-    """One reaper tick. Raises StoreUnavailableError when Redis cannot be read."""
+              reclaim_after_ms: int = 30_000, park_ms: int = PARK_MS) -> ReapResult:
+    """One reaper tick. Errors are handled per entry: an entry that cannot be handled
+    (a run whose lease record is not what the scripts wrote, an id that is not one) is
+    recorded, counted and parked ``park_ms`` later, so it never blocks the entries behind
+    it and the fleet keeps taking over dead workers' runs.
+
+    Raises StoreUnavailableError when Redis cannot be read (the tick is retried).
+    """
     entries = store.expired_entries(limit=limit)
     enqueued: list[str] = []
+    parked: list[str] = []
     for run_id, score in entries:
-        claim = store.claim_reap(run_id, reclaim_after_ms=reclaim_after_ms)
-        if claim.status == "no_run":
-            store.drop_expiry_entry(run_id, score)
-            continue
-        if not claim.claimed:
-            continue
-        enqueue(run_id)
-        enqueued.append(run_id)
+        try:
+            if _reap_entry(store, enqueue, run_id, score, reclaim_after_ms):
+                enqueued.append(run_id)
+        except StoreUnavailableError:
+            raise
+        except ContractError:
+            # Not a run id at all (junk written into the index): it names no run.
+            with contextlib.suppress(RatchetError):
+                store.forget_index_member(run_id)
+            metrics.REAPER_BAD_ENTRIES.inc()
+        except RatchetError as exc:
+            _park(store, run_id, exc, park_ms)
+            parked.append(run_id)
+    return ReapResult(len(entries), tuple(enqueued), tuple(parked))
+
+
+def _reap_entry(store: RedisStore, enqueue: Callable[[str], object], run_id: str,
+                score: int, reclaim_after_ms: int) -> bool:
+    claim = store.claim_reap(run_id, reclaim_after_ms=reclaim_after_ms)
+    if claim.status == "no_run":
         store.drop_expiry_entry(run_id, score)
-        cause, generation = _cause(store, run_id)
-        metrics.REAPER_REQUEUES.labels(cause=cause).inc()
-        log.info("re-enqueued", extra={"run_id": run_id, "cause": cause,
-                                       "lease_version": claim.lease_version,
-                                       "generation": generation})
-    return ReapResult(len(entries), tuple(enqueued))
+        return False
+    if not claim.claimed:
+        return False
+    enqueue(run_id)
+    store.drop_expiry_entry(run_id, score)
+    cause, generation = _cause(store, run_id)
+    metrics.REAPER_REQUEUES.labels(cause=cause).inc()
+    log.info("re-enqueued", extra={"run_id": run_id, "cause": cause,
+                                   "lease_version": claim.lease_version,
+                                   "generation": generation})
+    return True
+
+
+def _park(store: RedisStore, run_id: str, exc: RatchetError, park_ms: int) -> None:
+    metrics.REAPER_BAD_ENTRIES.inc()
+    log.error("reaper cannot handle an entry; parked",
+              extra={"run_id": run_id, "error": type(exc).__name__})
+    with contextlib.suppress(RatchetError):
+        store.record_incident(run_id, {"kind": "reaper_entry_refused",
+                                       "reason": type(exc).__name__,
+                                       "message": exc.message[:500]})
+    with contextlib.suppress(RatchetError):
+        store.park_expiry_entry(run_id, for_ms=park_ms)
 
 
 def _cause(store: RedisStore, run_id: str) -> tuple[str, int | None]:

@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     pickup_timeout_ms: _Ms = 60_000  # an enqueued run no worker took by then is re-enqueued
     job_timeout_s: Annotated[int, Field(ge=10)] = 24 * 3600
     max_steps_per_job: Annotated[int, Field(ge=1)] = 10_000
+    # A job that fails for a reason other than a lost lease or fence is recorded and
+    # retried after a backoff (doubling from job_error_backoff_ms), up to max_job_errors
+    # failures of the run; then the run is frozen with the reason visible.
+    max_job_errors: Annotated[int, Field(ge=1)] = 3
+    job_error_backoff_ms: _Ms = 1000
     # A write's receipt commit travels with the next proposal's commit when the agent
     # plans ahead (see ratchet.worker.agents.Agent); off: every commit goes on its own.
     coalesce_commits: bool = True
