@@ -40,6 +40,8 @@ def run_summary(fleet: Fleet, run_id: str) -> dict[str, Any]:
             row["note"] = f"{len(view.incidents)} incident(s)"
     except RatchetError as exc:
         row.update(phase=None, note=f"unverifiable: {exc.message}")
+    except Exception as exc:
+        row.update(phase=None, note=f"unreadable: {type(exc).__name__}")
     return row
 
 

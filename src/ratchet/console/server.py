@@ -218,6 +218,11 @@ class _Handler(BaseHTTPRequestHandler):
             reason = exc.context.get("reason")
             text = f"{exc.message}" + (f" (reason: {reason})" if reason else "")
             self._html(HTTPStatus.CONFLICT, error_page("cannot show this", text), head)
+        except Exception as exc:
+            log.error("console page failed", extra={"error": type(exc).__name__})
+            self._html(HTTPStatus.INTERNAL_SERVER_ERROR,
+                       error_page("cannot show this", f"unreadable: {type(exc).__name__}"),
+                       head)
 
     def _runs(self, query: dict[str, list[str]]) -> str:
         data = self.server.data

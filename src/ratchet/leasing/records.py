@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ratchet.errors import ContractError
 from ratchet.leasing.keys import run_keys
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.replies import decode_counted, decode_replaced
 from ratchet.leasing.scripts import ScriptName
+from ratchet.runtime.canonical import strict_json_loads
 
 __all__ = ["RunRecords"]
 
@@ -46,10 +48,14 @@ class RunRecords(StorePlumbing):
         for item in raw:
             text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
             at, _, body = text.partition("|")
-            try:
-                record = json.loads(body)
-            except ValueError:
-                record = {"malformed": body[:200]}
+            try:  # by shape: an object, nested at most once (a refusal's evidence)
+                parsed = strict_json_loads(body, max_depth=2)
+            except ContractError:
+                parsed = None
+            if isinstance(parsed, dict):
+                record = parsed
+            else:
+                record = {"kind": "unreadable", "malformed": body[:200]}
             record["at_ms"] = int(at) if at.isdigit() else None
             out.append(record)
         return out

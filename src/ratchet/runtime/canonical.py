@@ -174,14 +174,31 @@ def _no_floats(text: str) -> Any:
     raise ContractError(f"floating-point number {text} is not allowed")
 
 
-def strict_json_loads(data: str | bytes) -> Any:
-    """Parse JSON rejecting duplicate keys, NaN/Infinity and floats.
+MAX_JSON_DEPTH = 64
+
+
+def _check_depth(value: Any, limit: int) -> None:
+    """Iteratively (no recursion of our own): arrays and objects nest at most ``limit``."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                raise ContractError(f"JSON nests deeper than {limit} levels")
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children
+                         if isinstance(child, dict | list))
+
+
+def strict_json_loads(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON rejecting duplicate keys, NaN/Infinity, floats, and nesting deeper than
+    ``max_depth`` (a deep document must never reach a recursive validator or renderer).
 
     Raises:
         ContractError: the text is not strict JSON.
     """
     try:
-        return json.loads(
+        value = json.loads(
             data,
             object_pairs_hook=_no_duplicates,
             parse_constant=_no_constants,
@@ -189,8 +206,12 @@ def strict_json_loads(data: str | bytes) -> Any:
         )
     except ContractError:
         raise
+    except RecursionError:
+        raise ContractError(f"JSON nests deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ContractError(f"malformed JSON: {exc}") from None
+    _check_depth(value, max_depth)
+    return value
 
 
 class _StrictLoader(yaml.SafeLoader):
