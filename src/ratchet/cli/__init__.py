@@ -9,6 +9,7 @@ Commands::
     ratchet show RUN_ID                        one run: phase, budgets, pending, review, trace
     ratchet approve RUN_ID ACTION_ID --key F   sign an approval of the pending write
     ratchet review RUN_ID --decision D --key F sign a reviewer decision (replan | abort)
+    ratchet retry RUN_ID --reason R            hand a run frozen by an outside cause back
     ratchet scenario check FILE                strict-load a task contract
     ratchet keys generate --kind K --out DIR   checkpoint key file or Ed25519 key pair
     ratchet keys gen-checkpoint-key | gen-signer

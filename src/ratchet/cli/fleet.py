@@ -41,6 +41,7 @@ from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.fleet_demo import run_fleet_demo
 from ratchet.worker.ops import approve as sign_approval_for
 from ratchet.worker.ops import inspect_run, load_private_key, submit
+from ratchet.worker.ops import retry as retry_run
 from ratchet.worker.ops import review as sign_review_for
 from ratchet.worker.pool import run_pool
 from ratchet.worker.runs import EnvironmentSpec, RunDocument
@@ -290,6 +291,23 @@ def approve_command(
     else:
         typer.echo(f"approved {action_id} of {run_id} as {signer}; run re-enqueued"
                    + _unverified_note(posted.verified, "approver"))
+
+
+@app.command("retry")
+@ratchet_errors
+def retry_command(
+    run_id: str,
+    reason: Annotated[str, typer.Option("--reason", help="Why (recorded with the run).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Hand a run frozen by an outside cause back to the workers, once that cause is
+    fixed. The worker restores it with every check; nothing is bypassed."""
+    operator = os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
+    retry_run(Fleet.connect(), run_id, reason=reason, operator=operator)
+    if as_json:
+        print_json({"run_id": run_id, "retried": True, "operator": operator})
+    else:
+        typer.echo(f"{run_id} handed back to the workers by {operator}")
 
 
 class Decision(StrEnum):

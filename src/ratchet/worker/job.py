@@ -458,8 +458,11 @@ def _job_error(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: Exceptio
     run_id = lease.run_id
     message = str(exc)[:500] or type(exc).__name__
     try:
-        attempt = 1 + sum(1 for i in fleet.store.incidents(run_id)
-                          if i.get("kind") == "job_error")
+        attempt = 1
+        for incident in fleet.store.incidents(run_id):  # newest first
+            if incident.get("kind") == "operator_retry":
+                break  # an operator's retry starts the budget again
+            attempt += incident.get("kind") == "job_error"
     except RatchetError:
         attempt = settings.max_job_errors
     frozen = attempt >= settings.max_job_errors

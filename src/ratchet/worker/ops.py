@@ -52,6 +52,7 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.canonical import model_json
 from ratchet.runtime.checkpoint import open_checkpoint
+from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
 from ratchet.worker.runs import (
@@ -72,6 +73,7 @@ __all__ = [
     "load_private_key",
     "post_approval",
     "post_review_decision",
+    "retry",
     "review",
     "submit",
 ]
@@ -265,6 +267,30 @@ def review(fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey,
         env_instance_id=case.environment.instance_id, env_version=case.environment.version,
         verdict=decided, nonce=f"rv-{secrets.token_hex(12)}")
     return post_review_decision(fleet, run_id, sign_review_decision(key, reviewer_id, claims))
+
+
+def retry(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> None:
+    """Hand a run frozen by an incident whose cause was outside it (an agent that could not
+    be loaded, an adapter that was down, a poisoned job) to the workers again, once the
+    operator fixed the cause. Records who, why and when (an ``operator_retry`` incident,
+    which also restarts the run's job-error budget), then re-enqueues it. It bypasses
+    nothing: the worker restores the run with every check, as for any job.
+
+    Raises ContractError (a terminal run, a run a live worker holds, an empty reason), and
+    what :func:`inspect_run` raises (a run that does not verify is not retried).
+    """
+    if not reason.strip():
+        raise ContractError("say why the run is retried", field="reason")
+    view = inspect_run(fleet, run_id)
+    phase = view.state.phase
+    if phase in TERMINAL_PHASES:
+        raise ContractError(f"the run is {phase.value}; nothing to retry", run_id=run_id)
+    if view.snapshot.lease_live:
+        raise ContractError(f"a worker holds the run ({view.snapshot.owner}); nothing to retry",
+                            run_id=run_id)
+    fleet.store.record_incident(run_id, {"kind": "operator_retry", "operator": operator[:100],
+                                         "reason": reason[:500], "phase": phase.value})
+    fleet.enqueue(run_id)
 
 
 def load_private_key(pem: bytes) -> Ed25519PrivateKey:
