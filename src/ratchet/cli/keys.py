@@ -149,6 +149,11 @@ def resign_documents(fleet: Fleet, kid: str, *,
     return resigned, refused
 
 
+def _some(run_ids: list[str]) -> str:
+    """The first few run ids, for a one-line error."""
+    return ", ".join(run_ids[:5]) + (" ..." if len(run_ids) > 5 else "")
+
+
 def _write_checkpoint_keys(path: Path, doc: dict[str, Any]) -> None:
     replace_file(path, json.dumps(doc).encode(), mode=0o600)
 
@@ -203,17 +208,15 @@ def keys_retire(
         fleet = Fleet.connect(settings)
         resigned, unreadable = resign_documents(fleet, kid)
         if unreadable:
-            shown = ", ".join(unreadable[:5]) + (" ..." if len(unreadable) > 5 else "")
             raise ConfigurationError(
                 f"{len(unreadable)} run document(s) signed with {kid!r} could not be signed "
-                f"again ({shown}): they do not verify or changed meanwhile; nothing retired",
-                field="kid")
+                f"again ({_some(unreadable)}): they do not verify or changed meanwhile; "
+                "nothing retired", field="kid")
         in_use = runs_signed_with(fleet, kid)
         if in_use:
-            shown = ", ".join(in_use[:5]) + (" ..." if len(in_use) > 5 else "")
             raise ConfigurationError(
                 f"{len(in_use)} run(s) still have a current checkpoint signed with {kid!r} "
-                f"({shown}); let them commit once under the new key, or use --force",
+                f"({_some(in_use)}); let them commit once under the new key, or use --force",
                 field="kid")
     if kid not in doc["retired"]:
         doc["retired"].append(kid)

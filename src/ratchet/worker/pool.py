@@ -96,6 +96,7 @@ def _settings_json(settings: Settings) -> str:
 def measure_clock_skew(fleet: Fleet) -> float:
     """This host's wall clock minus Redis' (seconds), set on the ``ratchet_clock_skew_seconds``
     gauge. Raises ConfigurationError beyond ``max_clock_skew_ms``."""
+    # The wall clock is what is measured here (against Redis'); nothing gates on it.
     sent = time.time()
     store_ms = fleet.store.server_time_ms()
     received = time.time()
