@@ -18,10 +18,14 @@ SILENT_EDIT = "print('edited without moving the version')\n"
 class CountingAdapter(AdapterProxy):
     """Counts observations, and can declare that it enforces preconditions itself."""
 
-    def __init__(self, inner: Any, *, enforces: bool = False) -> None:
+    def __init__(self, inner: Any, *, enforces: object = False) -> None:
         super().__init__(inner)
         self.observed = 0
-        self.enforces_preconditions = enforces
+        self._enforces = enforces
+
+    @property
+    def enforces_preconditions(self) -> bool:
+        return self._enforces  # type: ignore[return-value]  # also non-bool, on purpose
 
     def observe(self) -> Observation:
         self.observed += 1
@@ -103,9 +107,20 @@ def test_an_adapter_that_enforces_preconditions_itself_is_not_observed_again(
 
 def test_only_a_literal_true_declaration_skips_the_check(world: World) -> None:
     engine = world.start()
-    engine.adapter = CountingAdapter(world.adapter, enforces="yes")  # type: ignore[arg-type]
+    engine.adapter = CountingAdapter(world.adapter, enforces="yes")
     world.adapter.files["app.py"] = SILENT_EDIT
     with pytest.raises(EnvironmentMismatchError):
         engine.propose(world.write(engine, key="fix-1"))
     assert world.adapter.write_count == 0
     assert engine.state.phase is Phase.RUNNING
+
+
+def test_the_declaration_reaches_the_engine_through_wrappers(world: World) -> None:
+    """A worker wraps its adapter (guards, metrics): the declaration must pass through, or
+    a declaring adapter would pay the check anyway."""
+    engine = world.start()
+    counting = CountingAdapter(world.adapter, enforces=True)
+    engine.adapter = AdapterProxy(AdapterProxy(counting))
+    assert engine.propose(world.write(engine, key="fix-1")).outcome is TraceOutcome.EXECUTED
+    assert counting.observed == 1
+    assert AdapterProxy(world.adapter).enforces_preconditions is False

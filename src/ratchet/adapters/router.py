@@ -82,6 +82,12 @@ class RouterAdapter:
                            version=sum(parts[p].version for p in _PARTS),
                            fingerprint=fingerprint, details=details)
 
+    @property
+    def enforces_preconditions(self) -> bool:
+        """Only when both parts declare it (see docs/adapters.md)."""
+        return all(getattr(part, "enforces_preconditions", False) is True
+                   for part in (self.files, self.calls))
+
     def observe(self) -> Observation:
         """Both parts observed and combined. Raises AdapterError from either part."""
         return self.combine(self._parts())

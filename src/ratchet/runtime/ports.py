@@ -258,6 +258,12 @@ class AdapterProxy:
     def namespace(self) -> str:
         return self._inner.namespace
 
+    @property
+    def enforces_preconditions(self) -> bool:
+        """What the inner adapter declares (see docs/adapters.md); a wrapper changes
+        nothing about it."""
+        return getattr(self._inner, "enforces_preconditions", False) is True
+
     def observe(self) -> Observation:
         return self._inner.observe()
 
