@@ -56,8 +56,12 @@ def test_the_short_profile_passes_with_every_failpoint_fired_and_zombies_refused
     assert report["stale_commits_attempted"] >= 1
     assert report["stale_commits_accepted"] == 0
     assert report["duplicate_effects"] == 0
+    # Operators cancelled runs mid-flight; each ended, attributed, with no second effect.
+    assert report["operator_cancels"] >= 2
+    assert report["invariants"]["operator_cancels_end_runs"]["status"] == "pass"
+    cancelled = report["runs_by_phase"].get("cancelled", 0)
     assert report["runs_by_phase"].get("completed", 0) >= report["runs"] - report[
-        "rewound_runs"]
+        "rewound_runs"] - cancelled
     # The workers' own metrics, scraped during the drill, agree with what the drill saw.
     metrics = report["metrics"]
     assert report["invariants"]["metrics_match_report"]["status"] == "pass", metrics

@@ -11,6 +11,7 @@ from redis.crc import key_slot
 
 from ratchet.errors import GenerationMismatchError, LeaseLostError, NonceReplayError
 from ratchet.leasing import EXPIRY_INDEX, LocalCluster, RedisStore, run_keys
+from ratchet.leasing.keys import phase_index
 from ratchet.runtime.ports import Advance, RunKey
 
 pytestmark = pytest.mark.cluster
@@ -122,3 +123,45 @@ def test_batched_commits_and_archives_run_on_every_master_also_after_script_flus
         snap = store.read_run(run_id)
         assert snap.generation == 4 and snap.owner is None
         assert store.client.zscore(EXPIRY_INDEX, run_id) is not None
+
+
+def test_phase_indexes_counts_and_pages_follow_runs_on_every_master(
+        cluster_store: RedisStore, new_run_id: Any) -> None:
+    """In a Cluster the phase indexes live in other slots: the store moves runs between
+    them after each script, and a page reads hashes on every master in one pipeline."""
+    store = cluster_store
+    run_ids = runs_on_every_master(store.client, new_run_id())
+    before = store.phase_counts()
+    for run_id in run_ids:
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
+                         checkpoint=b"g1")
+    assert store.phase_counts()["running"] == before["running"] + 3
+    for run_id in run_ids[:2]:
+        run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+        assert run is not None
+        run.release_with_next_commit()
+        run.advance_many(RunKey("t", run_id, "e"),
+                         [Advance(1, b"g2", phase="running"),
+                          Advance(2, b"g3", phase="awaiting_approval")])
+    counts = store.phase_counts()
+    assert counts["running"] == before["running"] + 1
+    assert counts["awaiting_approval"] == before["awaiting_approval"] + 2
+    waiting = store.list_runs("awaiting_approval", limit=1000).rows
+    assert {r.run_id for r in waiting} >= set(run_ids[:2])
+    assert all(r.phase == "awaiting_approval" and r.problem is None for r in waiting
+               if r.run_id in run_ids)
+    seen: list[str] = []
+    after = None
+    while True:  # every run of this test once, one per page
+        page = store.list_runs(limit=1, after=after)
+        seen += [r.run_id for r in page.rows]
+        after = page.next_cursor
+        if after is None:
+            break
+    assert len(seen) == len(set(seen)) and set(run_ids) <= set(seen)
+    # A run whose recorded phase lost its index entry (a crash between the calls) is
+    # found and added back.
+    store.client.zrem(phase_index("running"), run_ids[2])
+    assert (run_ids[2], "running") in list(store.runs_missing_phase())
+    assert store.record_phase(run_ids[2], "running")
+    assert store.client.zscore(phase_index("running"), run_ids[2]) is not None

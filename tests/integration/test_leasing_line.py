@@ -119,7 +119,7 @@ def test_the_commit_connection_packs_ints_and_text_alike(
     run, key = _run(store, new_run_id())
     keys = run_keys(key.run_id)
     argv = ["w1", run.lease_version, 1, 64, 1, "", key.run_id, 2, b"g2", "c-int", "d" * 64,
-            b"", 0, 0]
+            b"", 0, "", 0]
     reply = store._runner.run(ScriptName.COMMIT, [keys.lease, keys.state, keys.ckpt,
                                                   keys.history, keys.commits, keys.nonces,
                                                   keys.archive], argv, hot=True)

@@ -260,3 +260,44 @@ def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
         driver.quit()
     with urllib.request.urlopen(f"{server.url}/healthz", timeout=10) as response:
         assert response.read() == b"ok\n"
+
+
+def test_the_runs_list_pages_and_searches_in_chromium(
+        console: tuple[ConsoleServer, str, str], fleet: Fleet, tmp_path: Path,
+        record_property: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    server, review_id, approval_id = console
+    listed = [f"r-list-{i:02d}" for i in range(7)]
+    for run_id in listed:  # the list never opens a checkpoint: opaque ones do
+        fleet.store.create_run(run_id, task_id="task-list", env_instance_id="e",
+                               scenario=b"s", checkpoint=b"g1")
+    driver = _browser(tmp_path / "chromium-profile")
+    try:
+        driver.get(f"{server.url}/runs?limit=3")
+        counts = driver.find_element(By.CSS_SELECTOR, "nav.counts").text
+        assert "all 9" in counts and "needs_review 1" in counts
+        assert "awaiting_approval 1" in counts and "running 7" in counts
+        rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
+        assert [r.text.split()[0] for r in rows[1:]] == listed[:-4:-1]
+        driver.find_element(By.LINK_TEXT, "next page →").click()
+        rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
+        assert [r.text.split()[0] for r in rows[1:]] == listed[3::-1][:3]
+        assert "after=" in driver.current_url
+
+        driver.get(f"{server.url}/runs?limit=2")
+        box = driver.find_element(By.NAME, "q")
+        box.send_keys("r-list-0")
+        box.submit()
+        rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
+        assert [r.text.split()[0] for r in rows[1:]] == ["r-list-06", "r-list-05"]
+        text = driver.find_element(By.TAG_NAME, "body").text
+        assert "matching" in text and review_id not in text and approval_id not in text
+        assert driver.find_elements(By.LINK_TEXT, "continue searching →")
+        assert not driver.find_elements(By.TAG_NAME, "script")
+        _screenshot(driver, tmp_path / "console-runs-search-pages.png", record_property)
+
+        driver.get(f"{server.url}/runs?q={review_id}")  # a run id goes straight to it
+        assert driver.current_url.endswith(f"/runs/{review_id}")
+    finally:
+        driver.quit()

@@ -83,3 +83,21 @@ def test_takeover_quick_json_reports_percentiles_of_real_takeovers() -> None:
     p50, p99 = report["p50_ms"], report["p99_ms"]
     assert isinstance(p50, int) and isinstance(p99, int) and p50 <= p99
     assert report["duplicate_effects"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fleet_views_quick_json_reports_every_view_at_every_size_as_a_ratio() -> None:
+    report = _run_quick("fleet_views.py", 200)
+    sizes = report["sizes"]
+    assert isinstance(sizes, list) and len(sizes) == 2 and sizes[0] < sizes[1]
+    results = report["results"]
+    growth = report["growth"]
+    assert isinstance(results, dict) and isinstance(growth, dict)
+    for view in ("list_page", "next_page", "review_queue", "metrics_scrape"):
+        for size in sizes:
+            row = results[str(size)]
+            assert _positive(row["bare_ms"]) and _positive(row[f"{view}_ms"]), (view, size)
+            assert _positive(row[f"{view}_ratio"]), (view, size)
+        assert _positive(growth[view]), view
+    assert isinstance(report["goal_met"], bool)

@@ -13,13 +13,15 @@ def test_the_runtime_public_names_are_pinned() -> None:
         "ApprovalClaims",
         "ApprovalEvidence", "Budgets", "CheckpointPayload", "Clock", "CrashWindow", "Event",
         "Fence", "GenerationStore", "KeyRing", "Observation", "Phase", "ReadResult", "Receipt",
-        "Restored", "ReviewDecision", "ReviewDecisionClaims", "ReviewReason", "ReviewVerdict",
+        "RebaselineClaims", "RebaselineDecision", "Restored", "ReviewDecision",
+        "ReviewDecisionClaims", "ReviewReason", "ReviewVerdict",
         "Risk", "RunEngine", "RunKey", "RunState", "Scenario", "SecretKey", "StepResult",
         "StoreProxy",
         "StoredCheckpoint", "TraceOutcome", "TrustRoots", "VerifierReport", "VerifierSpec",
         "canonical_json", "check_invariants", "derive_idempotency_key", "digest",
         "intent_digest", "load_scenario", "parse_action", "restore_checkpoint",
-        "seal_checkpoint", "sign_approval", "sign_review_decision", "strict_json_loads",
+        "seal_checkpoint", "sign_approval", "sign_rebaseline", "sign_review_decision",
+        "strict_json_loads",
         "transition",
     ])
     for name in ratchet.runtime.__all__:

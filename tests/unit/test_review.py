@@ -94,8 +94,35 @@ def test_a_decision_bound_to_anything_else_keeps_the_case_frozen(world: World,
                                                                  value: Any) -> None:
     with pytest.raises(ReviewDecisionError) as err:
         frozen.apply_review_decision(world.decide(frozen, "replan", **{field: value}))
-    assert err.value.reason == "binding"
+    # A version the environment never reached is one it does not read now.
+    assert err.value.reason == ("environment_changed" if field == "env_version" else "binding")
     assert_still_frozen(frozen, frozen.generation)
+
+
+def test_a_decision_bound_to_an_environment_older_than_the_case_is_refused(
+    world: World, frozen: RunEngine
+) -> None:
+    case = frozen.state.review
+    assert case is not None
+    older = world.decide(frozen, "replan", env_version=case.environment.version - 1)
+    with pytest.raises(ReviewDecisionError) as err:
+        frozen.apply_review_decision(older)
+    assert (err.value.reason, err.value.context["field"]) == ("binding", "env_version")
+
+
+def test_a_decision_signed_after_a_person_edited_the_waiting_workspace_applies(
+    world: World, frozen: RunEngine
+) -> None:
+    """The case recorded one environment; a person edited the workspace while the run
+    waited. A decision signed for the environment as it is now is consumed (one signed for
+    the case's environment is not: the environment moved after it)."""
+    stale = world.decide(frozen, "abort")
+    world.adapter.external_edit("docs/note.md", "a person's note\n")
+    with pytest.raises(ReviewDecisionError) as err:
+        frozen.apply_review_decision(stale)
+    assert err.value.reason == "environment_changed"
+    fresh = world.decide(frozen, "abort", env_version=world.adapter.observe().version)
+    assert frozen.apply_review_decision(fresh).phase is Phase.FAILED
 
 
 def test_a_replayed_decision_nonce_is_refused(world: World) -> None:

@@ -15,6 +15,9 @@ from ratchet.runtime import (
     ApprovalClaims,
     ApprovalEvidence,
     KeyRing,
+    Observation,
+    RebaselineClaims,
+    RebaselineDecision,
     ReviewDecision,
     ReviewDecisionClaims,
     ReviewVerdict,
@@ -23,6 +26,7 @@ from ratchet.runtime import (
     TrustRoots,
     derive_idempotency_key,
     sign_approval,
+    sign_rebaseline,
     sign_review_decision,
 )
 from ratchet.runtime.canonical import canonical_json
@@ -211,3 +215,23 @@ class World:
         claims.update(overrides)
         return sign_review_decision(key or self.reviewer_key, reviewer_id,
                                     ReviewDecisionClaims.model_validate(claims))
+
+    def rebaseline(self, engine: RunEngine, observed: Observation | None = None, *,
+                   key: Ed25519PrivateKey | None = None, reviewer_id: str = "rita",
+                   **overrides: Any) -> RebaselineDecision:
+        """A reviewer's decision making the environment as observed now the run's
+        baseline, bound to the engine's state and generation."""
+        state, seen = engine.state, observed or self.adapter.observe()
+        claims: dict[str, Any] = {
+            "task_id": state.task_id, "run_id": state.run_id,
+            "policy_id": state.policy_id, "policy_version": state.policy_version,
+            "incident_id": "inc-1", "generation": engine.generation,
+            "old_env_instance_id": state.environment.instance_id,
+            "old_env_version": state.environment.version,
+            "old_env_fingerprint": state.environment.fingerprint,
+            "new_env_instance_id": seen.instance_id, "new_env_version": seen.version,
+            "new_env_fingerprint": seen.fingerprint, "nonce": self.next_nonce(),
+        }
+        claims.update(overrides)
+        return sign_rebaseline(key or self.reviewer_key, reviewer_id,
+                               RebaselineClaims.model_validate(claims))

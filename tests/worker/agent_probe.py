@@ -4,6 +4,7 @@ nothing of a refused document was loaded (the marker file must stay absent)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +29,20 @@ class _Broken:
 def broken(config: dict[str, Any]) -> _Broken:
     """An agent whose every step raises (a poison run)."""
     return _Broken()
+
+
+class _Reader:
+    """Reads ``app.py`` step after step, thinking a little each time: a run a worker is
+    busy stepping, for tests that act on a run while its lease is held."""
+
+    plans_ahead = False
+
+    def next_step(self, view: Any) -> Any:
+        from ratchet.worker.agents import AgentStep, make_action
+
+        time.sleep(0.02)  # stands in for a model's latency
+        return AgentStep(make_action(view, 0, "read_file", {"path": "app.py"}), {})
+
+
+def reader(config: dict[str, Any]) -> _Reader:
+    return _Reader()

@@ -135,6 +135,8 @@ def test_an_agent_outside_the_workers_allow_list_is_refused_before_it_is_importe
 ) -> None:
     marker = tmp_path / "agent-imported"
     monkeypatch.setenv("RATCHET_PROBE_AGENT_MARKER", str(marker))
+    # A test before this one may have imported the probe already: import it afresh.
+    monkeypatch.delitem(sys.modules, "tests.worker.agent_probe", raising=False)
     root, document = workspace()
     probe = document.model_copy(update={"agent": "tests.worker.agent_probe:make"})
     # A submitter whose settings allow the package creates the run (signed, bound) ...

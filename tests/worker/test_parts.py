@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from ratchet.errors import ConfigurationError, LeaseLostError, StoreUnavailableError
-from ratchet.runtime import Observation, Phase, TraceOutcome
+from ratchet.runtime import Advance, Observation, Phase, TraceOutcome
 from ratchet.runtime.state import Usage
 from ratchet.worker.agents import (
     AgentPolicy,
@@ -256,3 +256,23 @@ def test_a_run_whose_job_was_lost_before_any_worker_took_it_is_re_enqueued(
 
     poll(reaped)
     assert enqueued.count(run_id) == 1
+
+
+def test_the_guarded_store_passes_a_single_commits_deadline_and_phase_through() -> None:
+    """A single commit with an approval deadline (or a phase) must reach the store whole:
+    sent as advance() it lost both, so Redis never enforced the deadline for workers."""
+    sent: list[list[Advance]] = []
+
+    class Store:
+        def advance(self, *a: object, **k: object) -> None:
+            raise AssertionError("advance() carries neither the deadline nor the phase")
+
+        def advance_many(self, key: object, commits: list[Advance]) -> None:
+            sent.append(list(commits))
+
+    beat = Heartbeat(lambda: 0, run_id="r", interval_ms=10_000, stall_timeout_ms=50_000,
+                     lease_ttl_ms=60_000)
+    guarded = GuardedStore(Store(), beat)  # type: ignore[arg-type]
+    commit = Advance(1, b"blob", (), b"", 123_456, "awaiting_approval")
+    guarded.advance_many(None, [commit])  # type: ignore[arg-type]
+    assert sent == [[commit]]

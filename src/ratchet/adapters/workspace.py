@@ -56,7 +56,7 @@ from ratchet.runtime.actions import Action, ActionKind
 from ratchet.runtime.ports import Clock, Fence, Observation, ReadResult, Receipt, VerifierReport
 
 if TYPE_CHECKING:
-    from ratchet.adapters.verifier import CommandVerifier
+    from ratchet.adapters.verifier import CommandVerifier, VerifierRun
 
 __all__ = ["SystemClock", "WorkspaceAdapter", "WriteHook"]
 
@@ -366,6 +366,12 @@ class WorkspaceAdapter:
                 raise AdapterError("file is not UTF-8 text", retryable=False,
                                    path=path) from None
             return ReadResult(content=content, env_version=self._observe_locked().version)
+
+    @property
+    def last_verifier_run(self) -> VerifierRun | None:
+        """The output and exit facts of this adapter's last verifier run, for operators
+        (the report carries digests only); None before the first or without a verifier."""
+        return self._verifier.last_run if self._verifier is not None else None
 
     def verify(self, target: str) -> VerifierReport:
         """Run the allow-listed verifier ``target`` (see :class:`CommandVerifier`).

@@ -8,9 +8,15 @@ Commands::
     ratchet runs [--phase P]                   list runs
     ratchet show RUN_ID                        one run: phase, budgets, pending, review, trace
     ratchet approve RUN_ID ACTION_ID --key F   sign an approval of the pending write
-    ratchet review RUN_ID --decision D --key F sign a reviewer decision (replan | abort)
+    ratchet review RUN_ID --decision D --key F sign a reviewer decision (replan | abort |
+                                               rebaseline)
     ratchet retry RUN_ID --reason R            hand a run frozen by an outside cause back
+    ratchet cancel RUN_ID --reason R [--wait S] end a run at its next safe point
+    ratchet export RUN_ID [--out F]            one verifiable file of a run
+    ratchet verify FILE                        check an export offline with the key ring
+    ratchet purge --finished-before D          remove finished runs, leaving tombstones
     ratchet scenario check FILE                strict-load a task contract
+    ratchet schema task | plan                 the JSON Schema of a task file or plan file
     ratchet keys generate --kind K --out DIR   checkpoint key file or Ed25519 key pair
     ratchet keys gen-checkpoint-key | gen-signer
     ratchet keys rotate | retire KID | revoke --role R --id ID | list
@@ -30,8 +36,11 @@ from ratchet.cli import access as _access  # noqa: F401 - registers ratchet redi
 from ratchet.cli import console as _console  # noqa: F401 - registers ratchet console
 from ratchet.cli import drill as _drill  # noqa: F401 - registers the drill command
 from ratchet.cli import fleet as _fleet  # noqa: F401 - registers the fleet commands
+from ratchet.cli import health as _health  # noqa: F401 - registers ratchet health
 from ratchet.cli import keys as _keys  # noqa: F401 - registers keys rotate/retire/revoke
 from ratchet.cli import local as _local  # noqa: F401 - registers the local commands
+from ratchet.cli import retention as _retention  # noqa: F401 - export, verify, purge
+from ratchet.cli import schema as _schema  # noqa: F401 - registers ratchet schema ...
 from ratchet.cli.common import app
 
 __all__ = ["app", "main"]

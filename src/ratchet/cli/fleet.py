@@ -31,33 +31,34 @@ from ratchet.cli.common import (
     store_app,
     write_private,
 )
+from ratchet.cli.console import page_runs
 from ratchet.cli.local import local_demo
-from ratchet.cli.render import render_run, run_summary, run_to_json
+from ratchet.cli.render import render_run, run_to_json
+from ratchet.console.data import RunQuery
 from ratchet.errors import ConfigurationError, ContractError
-from ratchet.runtime import ApprovalEvidence, Phase, ReviewDecisionClaims, Scenario
-from ratchet.runtime.canonical import strict_json_loads, strict_yaml_loads
+from ratchet.leasing.listing import MAX_PAGE
+from ratchet.runtime import (
+    ApprovalEvidence,
+    Phase,
+    RebaselineClaims,
+    ReviewDecisionClaims,
+)
 from ratchet.worker.context import Fleet
 from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.fleet_demo import run_fleet_demo
 from ratchet.worker.ops import approve as sign_approval_for
+from ratchet.worker.ops import cancel as cancel_run
 from ratchet.worker.ops import inspect_run, load_private_key, submit
+from ratchet.worker.ops import rebaseline as rebaseline_run
 from ratchet.worker.ops import retry as retry_run
 from ratchet.worker.ops import review as sign_review_for
 from ratchet.worker.pool import run_pool
-from ratchet.worker.runs import EnvironmentSpec, RunDocument
+from ratchet.worker.reindex import index_phases
+from ratchet.worker.runs import RunDocument
 from ratchet.worker.settings import Settings
+from ratchet.worker.taskfile import load_task_file
 
 __all__: list[str] = []
-
-
-def _load_structured(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"cannot read {path}: {exc}", field=str(path)) from None
-    if path.suffix.lower() in (".yaml", ".yml"):
-        return strict_yaml_loads(text)
-    return strict_json_loads(text)
 
 
 # --- demo ------------------------------------------------------------------------------------
@@ -133,39 +134,26 @@ def store_init_command(as_json: JsonFlag = False) -> None:
     fleet = Fleet.connect(check_store=False)
     before = fleet.store.read_epoch()
     epoch = fleet.store.init_epoch()
-    info = {"epoch": epoch, "created": before is None}
+    indexed = index_phases(fleet)  # runs made before phase indexes join their phase's
+    info = {"epoch": epoch, "created": before is None, "phase_index": indexed.as_dict()}
     if as_json:
         print_json(info)
     else:
         typer.echo(f"store epoch {epoch}" + (" (new)" if before is None else
                                              " (already initialised)"))
+        if indexed.indexed or indexed.unverifiable:
+            typer.echo(f"phase indexes: {indexed.indexed} runs indexed, "
+                       f"{len(indexed.unverifiable)} left out (they do not verify: "
+                       "ratchet show RUN_ID says why)")
 
 
 # --- submit ------------------------------------------------------------------------------------
 
 
 def _document_from_task(task_file: Path, agent: str) -> RunDocument:
-    data = _load_structured(task_file)
-    if not isinstance(data, dict):
-        raise ContractError("the task file must hold an object", field="task")
-    base = task_file.resolve().parent
-    scenario_data = data.get("scenario")
-    if scenario_data is None and "scenario_file" in data:
-        scenario_data = _load_structured(base / str(data["scenario_file"]))
-    environment = dict(data.get("environment") or {})
-    root = Path(str(environment.get("root", ".")))
-    environment["root"] = str(root if root.is_absolute() else (base / root).resolve())
-    agent_name, agent_config = agent, dict(data.get("agent_config") or {})
-    plan = Path(agent)
-    if plan.suffix.lower() in (".json", ".yaml", ".yml") and plan.is_file():
-        loaded = _load_structured(plan)
-        steps = loaded.get("steps") if isinstance(loaded, dict) else loaded
-        agent_name, agent_config = "scripted", {"steps": steps}
-    return RunDocument.model_validate({
-        "scenario": Scenario.model_validate(scenario_data),
-        "agent": agent_name, "agent_config": agent_config,
-        "environment": EnvironmentSpec.model_validate(environment),
-    })
+    """The run document of a task file; every bad file is one typed error (see
+    :func:`ratchet.worker.taskfile.load_task_file`)."""
+    return load_task_file(task_file, agent)
 
 
 @app.command("submit")
@@ -210,43 +198,70 @@ def submit_command(
 @app.command("runs")
 @ratchet_errors
 def runs_command(
-    phase: Annotated[Phase | None, typer.Option(help="Only runs in this phase.")] = None,
-    limit: Annotated[int, typer.Option(min=1, max=10_000)] = 200,
+    phase: Annotated[Phase | None, typer.Option(
+        help="Only runs in this phase, by when they entered it.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=MAX_PAGE, help="Runs per page.")] = 50,
+    after: Annotated[str | None, typer.Option(
+        help="Continue after this cursor (the one the previous page printed).")] = None,
+    search: Annotated[str | None, typer.Option(
+        help="Only runs whose id, task id or lease owner starts with this.")] = None,
+    oldest: Annotated[bool, typer.Option("--oldest", help="Oldest first.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """List runs with phase, owner, lease expiry and generation."""
+    """List runs newest first, a page at a time, with exact counts per phase.
+
+    Reads the store's indexes and each listed run's hashes (no checkpoint is verified:
+    `ratchet show RUN_ID` does); prints the counts, the page, and the cursor of the next
+    page (`--after CURSOR`).
+    """
     fleet = Fleet.connect()
-    rows = []
-    for run_id in fleet.store.run_ids(limit=limit):
-        summary = run_summary(fleet, run_id)
-        if phase is None or summary.get("phase") == phase.value:
-            rows.append(summary)
+    query = RunQuery(phase=phase.value if phase is not None else None, search=search,
+                     after=after, oldest_first=oldest, limit=limit)
+    rows, cursor, scanned = page_runs(fleet, query)
+    counts, total = fleet.store.phase_counts(), fleet.store.run_count()
+    unindexed = max(0, total - sum(counts.values()))
     if as_json:
-        print_json({"runs": rows})
+        print_json({"counts": counts, "total": total, "unindexed": unindexed,
+                    "phase": query.phase, "runs": rows, "scanned": scanned,
+                    "next_cursor": cursor})
         return
-    table = Table(title=f"{len(rows)} runs")
-    for column in ("run_id", "phase", "owner", "lease", "generation", "note"):
+    console = Console(highlight=False)
+    console.print("  ".join([f"all {total}"] + [f"{name} {n}" for name, n in counts.items()])
+                  + (f"  (in no phase list: {unindexed}; `ratchet store init` indexes "
+                     "them)" if unindexed else ""), markup=False)
+    title = f"{len(rows)} runs" + (f" in {query.phase}" if query.phase else "") + (
+        f" matching {search!r} ({scanned} examined)" if search else "")
+    table = Table(title=title)
+    for column in ("run_id", "phase", "task", "owner", "lease", "generation", "failures",
+                   "note"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["run_id"], row.get("phase") or "?", row.get("owner") or "-",
-                      row.get("lease") or "-", str(row.get("generation")),
+        table.add_row(row["run_id"], row.get("phase") or "?", row.get("task_id") or "-",
+                      row.get("owner") or "-", row.get("lease") or "-",
+                      str(row.get("generation")), str(row.get("failures") or 0),
                       row.get("note") or "")
-    Console(highlight=False).print(table)
+    console.print(table)
+    if cursor is not None:
+        console.print(f"next page: --after {cursor}", markup=False)
 
 
 @app.command("show")
 @ratchet_errors
 def show_command(run_id: str, as_json: JsonFlag = False) -> None:
-    """Show one run: phase and stop reason, budgets, the pending intent and its approval
-    evidence (expired evidence marked), any review case with both digests and the receipt,
-    executed writes with their receipts, incidents, and the trace."""
+    """Show one run: where it is (queued, leased or running and by whom, with the lease
+    expiry by the store's clock, or idle and why: ended, waiting, frozen), the current
+    incident and the last job error, the verifier's last failed output (scrubbed, marked
+    unsigned), phase and stop reason, budgets, the pending intent with its approval
+    evidence (expired evidence marked) and its content and diff against the current file,
+    any review case with both digests and the receipt, executed writes with their
+    receipts, incidents, and a timeline of the trace with lease changes and incidents."""
     fleet = Fleet.connect()
     view = inspect_run(fleet, run_id)
     now = int(time.time())
     if as_json:
-        print_json(run_to_json(view, now))
+        print_json(run_to_json(view, now, fleet=fleet))
     else:
-        render_run(Console(highlight=False), view, now)
+        render_run(Console(highlight=False), view, now, fleet=fleet)
 
 
 # --- approvals and reviews ---------------------------------------------------------------------
@@ -302,7 +317,7 @@ def retry_command(
 ) -> None:
     """Hand a run frozen by an outside cause back to the workers, once that cause is
     fixed. The worker restores it with every check; nothing is bypassed."""
-    operator = os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
+    operator = _operator()
     retry_run(Fleet.connect(), run_id, reason=reason, operator=operator)
     if as_json:
         print_json({"run_id": run_id, "retried": True, "operator": operator})
@@ -310,9 +325,58 @@ def retry_command(
         typer.echo(f"{run_id} handed back to the workers by {operator}")
 
 
+def _operator() -> str:
+    return os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
+
+
+@app.command("cancel")
+@ratchet_errors
+def cancel_command(
+    run_id: str,
+    reason: Annotated[str, typer.Option("--reason", help="Why (recorded with the run).")],
+    wait: Annotated[float, typer.Option(min=0, max=3600, help="Seconds to wait for a "
+                                        "worker to end the run (0: do not wait).")] = 0,
+    as_json: JsonFlag = False,
+) -> None:
+    """End a run at its next safe point: a worker settles any pending write by its key,
+    then commits `cancelled`, attributed to you. A run under review is ended by a
+    reviewer instead (review --decision abort). With --wait, exits 1 if the run has not
+    ended in time (the request stays)."""
+    fleet = Fleet.connect()
+    operator = _operator()
+    posted = cancel_run(fleet, run_id, reason=reason, operator=operator)
+    info: dict[str, Any] = {"run_id": run_id, "request_id": posted.request.request_id,
+                            "operator": operator, "phase_before": posted.phase,
+                            "held_by": posted.held_by or None, "phase": posted.phase}
+    ended = False
+    if wait > 0:
+        deadline = time.monotonic() + wait
+        while True:
+            phase = inspect_run(fleet, run_id).state.phase
+            info["phase"] = phase.value
+            if phase in (Phase.CANCELLED, Phase.COMPLETED, Phase.FAILED, Phase.NEEDS_REVIEW):
+                ended = phase is not Phase.NEEDS_REVIEW
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)  # polling the store with a deadline, for a person waiting
+    if as_json:
+        print_json(info)
+    elif wait > 0:
+        typer.echo(f"{run_id} is {info['phase']}" + ("" if ended else
+                   f" (cancel {posted.request.request_id} requested; not applied yet)"))
+    else:
+        held = f"; {posted.held_by} stops at its next guard" if posted.held_by else ""
+        typer.echo(f"cancel {posted.request.request_id} of {run_id} requested by "
+                   f"{operator}{held}")
+    if wait > 0 and not ended:
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
 class Decision(StrEnum):
     REPLAN = "replan"
     ABORT = "abort"
+    REBASELINE = "rebaseline"
 
 
 @app.command("review")
@@ -322,10 +386,34 @@ def review_command(
     decision: Annotated[Decision, typer.Option("--decision")],
     key: Annotated[Path, typer.Option("--key", help="Reviewer private key (PEM).")],
     signer_id: Annotated[str | None, typer.Option("--id", help="Reviewer id.")] = None,
+    incident: Annotated[str | None, typer.Option(
+        help="rebaseline: the incident it resolves (default: the newest that reports a "
+             "changed environment).")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Sign a decision on the run's open review case, and re-enqueue."""
+    """Sign a decision on the run's open review case (replan | abort), or rebaseline a run
+    frozen because its environment was changed behind it (the environment as observed
+    now becomes its baseline; every approval of the old state is void), and re-enqueue."""
     private, signer = _signer(key, signer_id, "reviewer")
+    if decision is Decision.REBASELINE:
+        posted = rebaseline_run(Fleet.connect(), run_id, key=private, reviewer_id=signer,
+                                incident_id=incident)
+        claims_rb = posted.evidence.claims
+        if not isinstance(claims_rb, RebaselineClaims):  # for the type checker
+            raise ContractError("posted evidence is not a rebaseline decision")
+        info_rb = {"run_id": run_id, "decision": decision.value, "reviewer_id": signer,
+                   "incident_id": claims_rb.incident_id, "nonce": claims_rb.nonce,
+                   "old_env_version": claims_rb.old_env_version,
+                   "new_env_version": claims_rb.new_env_version,
+                   "verified": posted.verified}
+        if as_json:
+            print_json(info_rb)
+        else:
+            typer.echo(f"rebaseline signed for {run_id} ({claims_rb.incident_id}: version "
+                       f"{claims_rb.old_env_version} -> {claims_rb.new_env_version}) as "
+                       f"{signer}; run re-enqueued"
+                       + _unverified_note(posted.verified, "reviewer"))
+        return
     posted = sign_review_for(Fleet.connect(), run_id, decision.value, key=private,
                              reviewer_id=signer)
     claims = posted.evidence.claims

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from ratchet.errors import RatchetError
+from ratchet.leasing.listing import ListedRun
 from ratchet.runtime import ApprovalEvidence
 from ratchet.worker.context import Fleet
-from ratchet.worker.ops import RunView, inspect_run
+from ratchet.worker.diagnosis import diagnose
+from ratchet.worker.ops import RunView
 
-__all__ = ["approval_status", "render_run", "run_summary", "run_to_json"]
+__all__ = ["approval_status", "render_diagnosis", "render_run", "run_summary", "run_to_json"]
 
 
 def approval_status(evidence: ApprovalEvidence, *, now: int, proposals_used: int) -> str:
@@ -25,27 +28,32 @@ def approval_status(evidence: ApprovalEvidence, *, now: int, proposals_used: int
     return f"valid for {claims.expires_at - now}s"
 
 
-def run_summary(fleet: Fleet, run_id: str) -> dict[str, Any]:
-    """One row of ``ratchet runs``; a run whose checkpoint does not verify says so."""
-    row: dict[str, Any] = {"run_id": run_id}
-    try:
-        snap = fleet.store.read_run(run_id)
-        row.update(owner=snap.owner if snap.lease_live else None,
-                   generation=snap.generation,
-                   lease=(f"{(snap.expires_at_ms - snap.now_ms) / 1000:.1f}s left"
-                          if snap.lease_live else "free"))
-        view = inspect_run(fleet, run_id)
-        row["phase"] = view.state.phase.value
-        if view.incidents:
-            row["note"] = f"{len(view.incidents)} incident(s)"
-    except RatchetError as exc:
-        row.update(phase=None, note=f"unverifiable: {exc.message}")
-    except Exception as exc:
-        row.update(phase=None, note=f"unreadable: {type(exc).__name__}")
-    return row
+def run_summary(row: ListedRun, now_ms: int) -> dict[str, Any]:
+    """One row of ``ratchet runs`` (and of the console's list), from a listing row: what
+    the index and the run's hashes say, nothing verified (``ratchet show`` verifies). A
+    row that could not be read says so in ``note``."""
+    out: dict[str, Any] = {"run_id": row.run_id, "phase": row.phase,
+                           "listed_at_ms": row.listed_at_ms, "task_id": row.task_id,
+                           "owner": row.owner, "generation": row.generation,
+                           "failures": row.incidents, "last_failure": row.last_incident}
+    if row.problem is not None:
+        out.update(lease="-", note=row.problem)
+        return out
+    if row.owner is not None and row.expires_at_ms is not None:
+        out["lease"] = f"{(row.expires_at_ms - now_ms) / 1000:.1f}s left"
+    else:
+        out["lease"] = "free"
+    if row.phase is None:
+        out["note"] = "no phase recorded (created before phase indexes: ratchet store init)"
+    elif row.incidents:
+        out["note"] = f"{row.incidents} incident(s), latest {row.last_incident or '?'}"
+    return out
 
 
-def run_to_json(view: RunView, now: int) -> dict[str, Any]:
+def run_to_json(view: RunView, now: int, *, fleet: Fleet | None = None) -> dict[str, Any]:
+    """The full JSON view of ``ratchet show --json`` and the console. With ``fleet`` it
+    also carries what :func:`ratchet.worker.diagnosis.diagnose` reads (status, current
+    incident, last job error, verifier output, timeline, pending change)."""
     state = view.state
     snap = view.snapshot
     data: dict[str, Any] = {
@@ -75,10 +83,18 @@ def run_to_json(view: RunView, now: int) -> dict[str, Any]:
         data["pending"] = pending
     if state.review is not None:
         data["review"] = state.review.model_dump(mode="json")
+    if fleet is not None:
+        data.update(diagnose(fleet, view))
     return data
 
 
-def render_run(console: Console, view: RunView, now: int) -> None:
+def render_run(console: Console, view: RunView, now: int, *,
+               fleet: Fleet | None = None) -> None:
+    """The rich text of ``ratchet show``; with ``fleet``, headed by the status and what
+    went wrong, and with the timeline in place of the bare trace."""
+    diagnosis = diagnose(fleet, view) if fleet is not None else None
+    if diagnosis is not None:
+        render_diagnosis(console, diagnosis)
     state = view.state
     snap = view.snapshot
     head = Table(title=f"run {state.run_id}", show_header=False)
@@ -134,8 +150,14 @@ def render_run(console: Console, view: RunView, now: int) -> None:
                           f"{entry.receipt.receipt_id}", entry.intent_digest[:16])
         console.print(table)
     for incident in view.incidents:
-        console.print(f"incident: {incident.get('kind')} {incident.get('reason')}: "
-                      f"{incident.get('message')}", markup=False)
+        said = " ".join(str(incident[k]) for k in ("reason", "message", "operator")
+                        if incident.get(k))
+        console.print(f"incident: {incident.get('kind')}" + (f": {said}" if said else ""),
+                      markup=False)
+    if diagnosis is not None:
+        _render_change(console, diagnosis.get("pending_change"))
+        _render_timeline(console, diagnosis)
+        return
     trace = Table(title="trace")
     for column in ("seq", "outcome", "action", "env"):
         trace.add_column(column)
@@ -143,3 +165,92 @@ def render_run(console: Console, view: RunView, now: int) -> None:
         trace.add_row(str(event.seq), event.outcome.value, event.action_id or "-",
                       str(event.env_version))
     console.print(trace)
+
+
+def _ms(at_ms: object) -> str:
+    if not isinstance(at_ms, int):
+        return "-"
+    return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def render_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
+    """Status, current incident, last job error and verifier output, as rich tables."""
+    status = diagnosis.get("status") or {}
+    table = Table(title=f"status: {status.get('state')}", show_header=False)
+    table.add_row("now", str(status.get("summary") or "-"))
+    if status.get("owner"):
+        table.add_row("lease", f"{status['owner']} v{status.get('lease_version')}, expires "
+                      f"in {status.get('expires_in_ms')} ms (store's clock)")
+    if status.get("worker"):
+        table.add_row("worker", str(status["worker"]))
+    depth = status.get("queue_depth")
+    table.add_row("queue", f"{status.get('queue')}: {depth if depth is not None else '?'} "
+                  "waiting" + (f", this run at {status['queue_position']}"
+                               if status.get("queue_position") else ""))
+    if status.get("why") and str(status["why"]) not in str(status.get("summary")):
+        table.add_row("why", str(status["why"]))
+    for note in diagnosis.get("notes") or []:
+        table.add_row("note", str(note))
+    console.print(table)
+    incident = diagnosis.get("current_incident")
+    if incident:
+        console.print(Text(f"current incident ({_ms(incident.get('at_ms'))}): "
+                           f"{incident.get('summary')}"))
+    error = diagnosis.get("last_job_error")
+    if error:
+        table = Table(title="last job error", show_header=False)
+        for name in ("error", "message", "where", "attempt", "next"):
+            table.add_row(name, str(error.get(name) if error.get(name) is not None else "-"))
+        table.add_row("at", _ms(error.get("at_ms")))
+        console.print(table)
+    output = diagnosis.get("verifier_output")
+    if output:
+        console.print(Text(
+            f"verifier output: {output.get('target')} failed ({output.get('message')}); "
+            f"exit code {output.get('exit_code')}, timed out {output.get('timed_out')}, "
+            f"truncated {output.get('truncated')}; {output.get('binding')}"))
+        console.print(Text(f"--- last lines, {output.get('label')} "
+                           + ("(earlier output cut) " if output.get("tail_cut") else "")
+                           + "---"))
+        console.print(Text(str(output.get("tail") or "")), soft_wrap=True)
+        console.print(Text("--- end of verifier output ---"))
+
+
+def _render_change(console: Console, change: dict[str, Any] | None) -> None:
+    if not change:
+        return
+    content = change.get("content") or {}
+    head = (f"pending {change.get('operation')} "
+            f"{change.get('path') or change.get('target') or ''}: ")
+    if content:
+        head += f"{content.get('bytes')} bytes, {content.get('form')}, sha256 "
+        head += str(content.get("sha256", ""))[:16]
+    if change.get("scrubbed"):
+        head += " (text that looks like a secret is redacted here)"
+    console.print(Text(head))
+    for note in (change.get("receipt_note"), change.get("current_note"),
+                 change.get("diff_note")):
+        if note:
+            console.print(Text(f"  {note}"))
+    if change.get("diff"):
+        console.print(Text(str(change["diff"])), soft_wrap=True)
+    elif content.get("form") == "text":  # nothing to compare with: the content itself
+        console.print(Text(str(content.get("text"))), soft_wrap=True)
+
+
+def _render_timeline(console: Console, diagnosis: dict[str, Any]) -> None:
+    left_out = diagnosis.get("timeline_left_out") or 0
+    title = "timeline" + (f" (newest {len(diagnosis.get('timeline') or [])}; {left_out} "
+                          "earlier not shown)" if left_out else "")
+    table = Table(title=title)
+    for column in ("at (store's clock; trace: upper bound)", "source", "what", "detail"):
+        table.add_column(column, overflow="fold")
+    for item in diagnosis.get("timeline") or []:
+        at = item.get("at_ms")
+        when = ("<= " + _ms(at)[:-4] if item.get("source") == "trace" else _ms(at))
+        source = str(item.get("source"))
+        if item.get("seq") is not None:
+            source += f" #{item['seq']}"
+        table.add_row(when, source, Text(str(item.get("what"))),
+                      Text(str(item.get("detail") or "")))
+    console.print(table)

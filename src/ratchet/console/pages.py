@@ -2,8 +2,11 @@
 
 Pages: the runs list (filters by phase and owner), one run (timeline, budgets, pending
 intent with its approval evidence, review case with both digests and the receipt, the
-executed writes, incidents, and the exact commands an operator runs to sign), and the
-review queue (needs review, then awaiting approval). Nothing here signs or writes: the
+executed writes, incidents, and the exact commands an operator runs to sign; with the
+status, what went wrong, the pending change and the merged timeline of
+:mod:`ratchet.console.sections`), the review queue (needs review, then awaiting
+approval), and the workers (RQ's registry: state, current run, heartbeat age; the queue's
+depth). Nothing here signs or writes: the
 commands shown are for the operator's terminal, where the private keys are.
 """
 
@@ -15,8 +18,17 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from html import escape
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
+from ratchet.console.data import DEFAULT_PAGE, RunListing, RunQuery
+from ratchet.console.sections import (
+    SECTIONS_CSS,
+    change_section,
+    problem_sections,
+    status_section,
+    timeline_section,
+    workers_table,
+)
 from ratchet.runtime import Phase
 
 __all__ = [
@@ -28,6 +40,7 @@ __all__ = [
     "review_queue_page",
     "run_page",
     "runs_page",
+    "workers_page",
 ]
 
 CSS = """
@@ -54,11 +67,15 @@ font-weight:700;background:#dde3ea}
 .expired{background:#c62828;color:#fff}.valid{background:#2e7d32;color:#fff}
 .note{color:#6b7480}.warn{background:#fff4e5;border:1px solid #f0b566;padding:.5rem .8rem}
 form.filters{display:flex;gap:.8rem;align-items:end;margin-bottom:.8rem}
+nav.counts{display:flex;flex-wrap:wrap;gap:.4rem .9rem;margin:.2rem 0 .4rem}
+nav.counts a{color:#1d4f91;text-decoration:none}nav.counts a.on{text-decoration:underline}
+p.pager{font-weight:600}
 form.filters label{display:flex;flex-direction:column;font-size:13px;color:#4a5563}
 table.trace td:nth-child(2){white-space:nowrap}
 table.trace td:nth-child(4),table.trace td:nth-child(5){min-width:11rem}
 table.trace td:last-child{word-break:break-all}
 """
+CSS += SECTIONS_CSS  # the run page's status, problem, change and timeline sections
 
 
 def _e(value: object) -> str:
@@ -89,13 +106,17 @@ def _when(epoch_s: object) -> str:
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _layout(title: str, body: str) -> str:
+def _layout(title: str, body: str, *, refresh_s: int | None = None) -> str:
+    # Auto-refresh without JavaScript: the browser reloads the same URL every refresh_s.
+    refresh = (f'<meta http-equiv="refresh" content="{int(refresh_s)}">'
+               if refresh_s else "")
     return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
-            f"<title>{_e(title)} · ratchet console</title>"
+            f"{refresh}<title>{_e(title)} · ratchet console</title>"
             "<link rel=\"stylesheet\" href=\"/static/console.css\"></head><body>"
             "<header><strong>ratchet console</strong><a href=\"/runs\">runs</a>"
-            "<a href=\"/reviews\">review queue</a><span class=\"note\">read-only</span>"
+            "<a href=\"/reviews\">review queue</a><a href=\"/workers\">workers</a>"
+            "<span class=\"note\">read-only</span>"
             f"</header><main>{body}</main></body></html>")
 
 
@@ -155,25 +176,102 @@ def _command_block(commands: Sequence[str]) -> str:
     return "".join(f'<pre class="cmd">{_e(c)}</pre>' for c in commands)
 
 
-def runs_page(rows: list[dict[str, Any]], *, phase: str | None, owner: str | None,
-              notice: str | None = None) -> str:
-    """The runs list, filtered by phase and owner (already applied by the caller)."""
+SORTS = {"newest": False, "oldest": True}  # the list's orders: name -> oldest first
+REFRESH_CHOICES = (0, 10, 30, 60, 300)  # seconds (0: off)
+
+
+def _when_ms(ms: object) -> str:
+    return _when(ms // 1000) if isinstance(ms, int) and ms > 0 else "-"
+
+
+def _query(**params: object) -> str:
+    """A ``/runs`` link keeping the given parameters (empty ones left out)."""
+    kept = {k: str(v) for k, v in params.items() if v not in (None, "", 0, False)}
+    return "/runs" + (f"?{urlencode(kept)}" if kept else "")
+
+
+def _counts_bar(listing: RunListing, query: RunQuery, sort: str, refresh: int) -> str:
+    """Exact counts per phase, each a link to that phase's list."""
+    keep = {"sort": sort if sort != "newest" else "", "refresh": refresh}
+    on_all = ' class="on"' if query.phase is None else ""
+    links = [f'<a href="{_e(_query(**keep))}"{on_all}>all '
+             f"<strong>{_e(listing.total)}</strong></a>"]
+    for phase in Phase:
+        on = ' class="on"' if query.phase == phase.value else ""
+        links.append(f'<a href="{_e(_query(phase=phase.value, **keep))}"{on}>'
+                     f"{_e(phase.value)} <strong>{_e(listing.counts.get(phase.value, 0))}"
+                     "</strong></a>")
+    extra = []
+    if listing.unindexed:
+        extra.append(f'<span class="warn">{_e(listing.unindexed)} runs are in no phase '
+                     "list (created before phase indexes: run <code>ratchet store init"
+                     "</code>)</span>")
+    depth = "?" if listing.queue_depth is None else listing.queue_depth
+    extra.append(f"queue depth <strong>{_e(depth)}</strong>")
+    return (f'<nav class="counts">{" ".join(links)}</nav>'
+            f'<p class="note">{" · ".join(extra)}</p>')
+
+
+def _failures(row: dict[str, Any]) -> str:
+    count = row.get("failures") or 0
+    if not count:
+        return '<span class="note">0</span>'
+    return f'<span class="badge expired">{_e(count)}</span> {_e(row.get("last_failure") or "")}'
+
+
+def runs_page(listing: RunListing, query: RunQuery, *, sort: str = "newest",
+              refresh: int = 0, notice: str | None = None) -> str:
+    """The runs list: exact counts per phase, the queue's depth, a search (exact prefix of
+    run id, task id or lease owner), the order, optional auto-refresh, one page of rows
+    and a link to the next (nothing here is verified: a run's own page verifies)."""
     options = ['<option value="">any</option>'] + [
-        f'<option value="{_e(p.value)}"{" selected" if p.value == phase else ""}>'
+        f'<option value="{_e(p.value)}"{" selected" if p.value == query.phase else ""}>'
         f"{_e(p.value)}</option>" for p in Phase]
+    sorts = "".join(f'<option value="{_e(name)}"{" selected" if name == sort else ""}>'
+                    f"{_e(name)} first</option>" for name in SORTS)
+    refreshes = "".join(
+        f'<option value="{n}"{" selected" if n == refresh else ""}>'
+        f"{'off' if not n else f'every {n}s'}</option>" for n in REFRESH_CHOICES)
     form = ('<form class="filters" method="get" action="/runs">'
             f'<label>phase<select name="phase">{"".join(options)}</select></label>'
-            f'<label>owner<input name="owner" value="{_e(owner or "")}" '
-            'placeholder="worker id"></label><button type="submit">filter</button></form>')
+            f'<label>search<input name="q" value="{_e(query.search or "")}" '
+            'placeholder="run id, task or owner (prefix)"></label>'
+            f'<label>order<select name="sort">{sorts}</select></label>'
+            f'<label>refresh<select name="refresh">{refreshes}</select></label>'
+            + (f'<input type="hidden" name="limit" value="{_e(query.limit)}">'
+               if query.limit != DEFAULT_PAGE else "")
+            + '<button type="submit">show</button></form>')
     body = "".join(
         f"<tr><td>{_run_link(str(r['run_id']))}</td><td>{_phase(r.get('phase'))}</td>"
-        f"<td>{_mono(r.get('owner'))}</td><td>{_e(r.get('lease') or '-')}</td>"
-        f"<td>{_e(r.get('generation'))}</td><td class=\"note\">{_e(r.get('note') or '')}"
-        "</td></tr>" for r in rows)
-    table = ("<table><tr><th>run</th><th>phase</th><th>owner</th><th>lease</th>"
-             f"<th>generation</th><th>note</th></tr>{body}</table>")
+        f"<td>{_mono(r.get('task_id'))}</td><td>{_mono(r.get('owner'))}</td>"
+        f"<td>{_e(r.get('lease') or '-')}</td><td>{_e(r.get('generation'))}</td>"
+        f"<td>{_failures(r)}</td><td>{_e(_when_ms(r.get('listed_at_ms')))}</td>"
+        f"<td class=\"note\">{_e(r.get('note') or '')}</td></tr>" for r in listing.rows)
+    since = "entered phase" if query.phase else "created"
+    table = ("<table><tr><th>run</th><th>phase</th><th>task</th><th>owner</th>"
+             "<th>lease</th><th>generation</th><th>failures</th>"
+             f"<th>{since}</th><th>note</th></tr>{body}</table>")
+    keep = {"phase": query.phase, "q": query.search,
+            "sort": sort if sort != "newest" else "", "refresh": refresh,
+            "limit": query.limit if query.limit != DEFAULT_PAGE else ""}
+    links = []
+    if query.after:
+        links.append(f'<a href="{_e(_query(**keep))}">first page</a>')
+    if listing.next_cursor:
+        label = "continue searching" if query.search else "next page"
+        links.append(f'<a rel="next" href="{_e(_query(after=listing.next_cursor, **keep))}">'
+                     f"{label} &rarr;</a>")
+    pager = f'<p class="pager">{" · ".join(links)}</p>' if links else ""
+    what = f"phase {query.phase}" if query.phase else "all runs"
+    if query.search:
+        title = (f"{len(listing.rows)} matching &ldquo;{_e(query.search)}&rdquo; "
+                 f"<span class=\"note\">({_e(what)}, {_e(listing.scanned)} examined)</span>")
+    else:
+        title = f"{len(listing.rows)} runs <span class=\"note\">({_e(what)})</span>"
     warn = f'<p class="warn">{_e(notice)}</p>' if notice else ""
-    return _layout("runs", f"<h1>{len(rows)} runs</h1>{warn}{form}{table}")
+    return _layout("runs", f"<h1>{title}</h1>{warn}"
+                   f"{_counts_bar(listing, query, sort, refresh)}{form}{table}{pager}",
+                   refresh_s=refresh or None)
 
 
 def _trace_rows(trace: list[dict[str, Any]]) -> str:
@@ -278,20 +376,45 @@ def run_page(run: dict[str, Any], *, now: int) -> str:
     incidents = "".join(
         f"<li>{_e(i.get('kind'))} <strong>{_e(i.get('reason'))}</strong>: "
         f"{_e(i.get('message'))}</li>" for i in run.get("incidents") or [])
-    body = [f"<h1>run {_e(run.get('run_id'))}</h1>", head,
-            _review_section(run), _pending_section(run, now)]
+    body = [f"<h1>run {_e(run.get('run_id'))}</h1>", status_section(run), head,
+            problem_sections(run), _review_section(run), _pending_section(run, now),
+            change_section(run)]
     if executed:
         body.append("<h2>Executed writes</h2><table><tr><th>key</th><th>receipt</th>"
                     f"<th>intent digest</th><th>approval digest</th></tr>{executed}</table>")
     if incidents:
         body.append(f'<h2>Incidents</h2><ul class="warn">{incidents}</ul>')
-    body.append("<h2>Timeline</h2>" + _trace_rows(run.get("trace") or []))
+    body.append(timeline_section(run) if "timeline" in run else
+                "<h2>Timeline</h2>" + _trace_rows(run.get("trace") or []))
     return _layout(f"run {run.get('run_id')}", "".join(body))
 
 
+def workers_page(info: dict[str, Any] | None) -> str:
+    """The workers RQ knows for the fleet's queue, and the queue's depth."""
+    if info is None:
+        return _layout("workers", "<h1>Workers</h1><p class=\"note\">this console has no "
+                                  "view of the workers</p>")
+    head = (f"<h1>Workers ({len(info.get('workers') or [])})</h1><p>queue "
+            f"<span class=\"mono\">{_e(info.get('queue'))}</span>: "
+            f"<strong>{_e(info.get('queue_depth'))}</strong> jobs waiting</p>")
+    return _layout("workers", head + workers_table(info))
+
+
+def _waiting_heading(title: str, shown: int, waiting: int | None, phase: Phase) -> str:
+    """``title (N)``; with the exact count from the phase index, say when more wait than
+    the page shows and link to all of them."""
+    if waiting is None or waiting <= shown:
+        return f"<h2>{_e(title)} ({_e(waiting if waiting is not None else shown)})</h2>"
+    return (f"<h2>{_e(title)} ({_e(waiting)})</h2><p class=\"note\">the newest {_e(shown)} "
+            f'shown: <a href="{_e(_query(phase=phase.value))}">all {_e(waiting)}</a></p>')
+
+
 def review_queue_page(reviews: list[dict[str, Any]], approvals: list[dict[str, Any]],
-                      broken: list[dict[str, Any]], *, now: int) -> str:
-    """Runs waiting for a human: review cases first, then approvals."""
+                      broken: list[dict[str, Any]], *, now: int,
+                      counts: dict[str, int] | None = None) -> str:
+    """Runs waiting for a human, newest first: review cases, then approvals. ``counts``
+    (runs per phase, exact) says how many wait in all."""
+    counts = counts or {}
     rows = []
     for run in reviews:
         case = run.get("review") or {}
@@ -326,8 +449,14 @@ def review_queue_page(reviews: list[dict[str, Any]], approvals: list[dict[str, A
                       if arows else '<p class="note">no runs awaiting approval</p>')
     unreadable = "".join(f"<li>{_run_link(str(r['run_id']))}: {_e(r.get('note'))}</li>"
                          for r in broken)
-    body = [f"<h1>Review queue</h1><h2>Needs review ({len(reviews)})</h2>{review_table}",
-            f"<h2>Awaiting approval ({len(approvals)})</h2>{approval_table}"]
+    body = ["<h1>Review queue</h1>",
+            _waiting_heading("Needs review", len(reviews),
+                             counts.get(Phase.NEEDS_REVIEW.value), Phase.NEEDS_REVIEW),
+            review_table,
+            _waiting_heading("Awaiting approval", len(approvals),
+                             counts.get(Phase.AWAITING_APPROVAL.value),
+                             Phase.AWAITING_APPROVAL),
+            approval_table]
     if unreadable:
         body.append(f'<h2>Unverifiable runs</h2><ul class="warn">{unreadable}</ul>')
     return _layout("review queue", "".join(body))

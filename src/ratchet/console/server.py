@@ -8,9 +8,16 @@ can forbid every script, every inline style, frames and form targets off-site.
 Routes::
 
     GET /                     the runs list (same as /runs)
-    GET /runs?phase=&owner=   runs, filtered by phase and by lease owner (substring)
+    GET /runs?phase=&q=&sort=&after=&refresh=&limit=
+                              one page of runs from the store's indexes, newest first
+                              (sort=oldest: oldest first), in one phase, searched by an
+                              exact prefix of run id, task id or lease owner (q; owner=
+                              is the same search), continuing after a page's cursor; a
+                              q that names a run exactly answers 303 to that run's page;
+                              refresh=N (10..3600 s) reloads the page every N seconds
     GET /runs/<run_id>        one run
-    GET /reviews              the review queue
+    GET /reviews              the review queue (newest first, exact counts)
+    GET /workers              the workers RQ knows (heartbeats), and the queue's depth
     GET /metrics              fleet gauges in Prometheus text format
     GET /healthz              "ok"
     GET /static/console.css   the style sheet
@@ -34,14 +41,30 @@ from collections.abc import Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from ratchet.console.data import ConsoleData, waiting_runs
-from ratchet.console.pages import CSS, error_page, review_queue_page, run_page, runs_page
-from ratchet.errors import ConfigurationError, RatchetError, RunNotFoundError
+from ratchet.console.data import (
+    DEFAULT_PAGE,
+    ConsoleData,
+    RunQuery,
+    list_page,
+    run_counts,
+    waiting_runs,
+)
+from ratchet.console.gauges import QueueGauges
+from ratchet.console.pages import (
+    CSS,
+    SORTS,
+    error_page,
+    review_queue_page,
+    run_page,
+    runs_page,
+    workers_page,
+)
+from ratchet.errors import ConfigurationError, ContractError, RatchetError, RunNotFoundError
 from ratchet.runtime import Phase
 
 __all__ = ["CSP", "ConsoleServer", "own_hosts", "serve_console"]
@@ -64,19 +87,19 @@ _PHASES = frozenset(p.value for p in Phase)
 
 
 class _FleetGauges:
-    """Runs by phase and runs waiting for a human, read when Prometheus scrapes."""
+    """Runs by phase and runs waiting for a human, read when Prometheus scrapes: exact
+    counts of the store's indexes (``ZCARD``), whatever the fleet's size."""
 
     def __init__(self, data: ConsoleData) -> None:
         self._data = data
 
     def collect(self) -> Any:
-        rows = self._data.list_runs(self._data.limit)
-        runs = GaugeMetricFamily("ratchet_runs", "Runs by phase (unverifiable: phase "
-                                 "'unverifiable').", labels=["phase"])
-        counts = dict.fromkeys(sorted(_PHASES), 0) | {"unverifiable": 0}
-        for row in rows:
-            phase = row.get("phase")
-            counts[phase if phase in _PHASES else "unverifiable"] += 1
+        by_phase, total = run_counts(self._data)
+        runs = GaugeMetricFamily("ratchet_runs", "Runs by phase (unindexed: runs in no "
+                                 "phase index, created before phase indexes).",
+                                 labels=["phase"])
+        counts = {phase: by_phase.get(phase, 0) for phase in sorted(_PHASES)}
+        counts["unindexed"] = max(0, total - sum(counts.values()))
         for phase, count in counts.items():
             runs.add_metric([phase], count)
         yield runs
@@ -116,6 +139,7 @@ class ConsoleServer(ThreadingHTTPServer):
         self.data = data
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_FleetGauges(data))
+        self.registry.register(QueueGauges(data))
         self.allowed_hosts = own_hosts(str(self.server_address[0]),
                                        int(self.server_address[1]), allowed_hosts)
 
@@ -192,7 +216,12 @@ class _Handler(BaseHTTPRequestHandler):
         data = self.server.data
         try:
             if path in ("/", "/runs"):
-                self._html(HTTPStatus.OK, self._runs(query), head)
+                page, location = self._runs(query)
+                if location is not None:
+                    self._send(HTTPStatus.SEE_OTHER, b"", "text/plain; charset=utf-8",
+                               head=head, extra={"Location": location})
+                else:
+                    self._html(HTTPStatus.OK, page, head)
             elif path.startswith("/runs/") and path.count("/") == 2:
                 run_id = unquote(path.removeprefix("/runs/"))
                 now = data.now()
@@ -200,8 +229,12 @@ class _Handler(BaseHTTPRequestHandler):
                            head)
             elif path == "/reviews":
                 reviews, approvals, broken = waiting_runs(data)
+                counts, _total = run_counts(data)
                 self._html(HTTPStatus.OK, review_queue_page(reviews, approvals, broken,
-                                                            now=data.now()), head)
+                                                            now=data.now(), counts=counts),
+                           head)
+            elif path == "/workers":
+                self._html(HTTPStatus.OK, self._workers(), head)
             elif path == "/static/console.css":
                 self._send(HTTPStatus.OK, CSS.encode(), "text/css; charset=utf-8", head=head)
             elif path == "/metrics":
@@ -224,19 +257,54 @@ class _Handler(BaseHTTPRequestHandler):
                        error_page("cannot show this", f"unreadable: {type(exc).__name__}"),
                        head)
 
-    def _runs(self, query: dict[str, list[str]]) -> str:
+    def _workers(self) -> str:
         data = self.server.data
-        phase = (query.get("phase") or [""])[0] or None
-        owner = ((query.get("owner") or [""])[0]).strip() or None
-        notice = None
+        return workers_page(data.list_workers() if data.list_workers is not None else None)
+
+    def _runs(self, query: dict[str, list[str]]) -> tuple[str, str | None]:
+        """The runs list page, or where to redirect (a search naming one run exactly).
+        A bad parameter is never an error page: the page says what it ignored."""
+        data = self.server.data
+
+        def first(name: str) -> str:
+            return ((query.get(name) or [""])[0]).strip()
+
+        notices = []
+        phase = first("phase") or None
         if phase is not None and phase not in _PHASES:
-            notice, phase = f"unknown phase {phase!r}: showing every phase", None
-        rows = data.list_runs(data.limit)
-        if phase is not None:
-            rows = [r for r in rows if r.get("phase") == phase]
-        if owner is not None:
-            rows = [r for r in rows if owner in str(r.get("owner") or "")]
-        return runs_page(rows, phase=phase, owner=owner, notice=notice)
+            notices.append(f"unknown phase {phase!r}: showing every phase")
+            phase = None
+        search = (first("q") or first("owner"))[:200] or None
+        sort = first("sort") or "newest"
+        if sort not in SORTS:
+            notices.append(f"unknown order {sort!r}: newest first")
+            sort = "newest"
+        refresh = _bounded(first("refresh"), 0, low=10, high=3600)
+        limit = _bounded(first("limit"), DEFAULT_PAGE, low=1, high=200)
+        if search is not None and data.run_exists is not None and data.run_exists(search):
+            return "", f"/runs/{quote(search, safe='')}"
+        run_query = RunQuery(phase=phase, search=search, after=first("after") or None,
+                             oldest_first=SORTS[sort], limit=limit)
+        try:
+            listing = list_page(data, run_query)
+        except ContractError as exc:
+            if exc.context.get("field") != "after":
+                raise
+            notices.append(f"{exc.message}: showing the first page")
+            run_query = RunQuery(phase=phase, search=search, oldest_first=SORTS[sort],
+                                 limit=limit)
+            listing = list_page(data, run_query)
+        return runs_page(listing, run_query, sort=sort, refresh=refresh,
+                         notice="; ".join(notices) or None), None
+
+
+def _bounded(text: str, default: int, *, low: int, high: int) -> int:
+    """A whole number from a query parameter, clamped to ``low..high``; ``default`` when
+    absent or not a number (``0`` stays 0: off)."""
+    if not text.isdigit() or len(text) > 9:
+        return default
+    value = int(text)
+    return 0 if value == 0 and default == 0 else min(max(value, low), high)
 
 
 def serve_console(data: ConsoleData, *, host: str = "127.0.0.1", port: int = 8765,

@@ -21,9 +21,12 @@ keys):
 ``ratchet-worker``    ``EVALSHA`` of the worker scripts and what they issue; the expiry
                       index (``ZADD``/``ZREM``/``ZRANGEBYSCORE``), nonce claims
                       (``SET NX``/``GET``), inbox and incident reads. No ``DEL``,
-                      ``UNLINK``, ``RENAME``, ``EXPIRE``, ``HDEL`` outside the scripts' set.
-``ratchet-operator``  submit, approve, review: ``create_run``, ``post_evidence``,
-                      ``read_run`` and the runs index. Cannot acquire or commit.
+                      ``UNLINK``, ``RENAME``, ``EXPIRE``, ``HDEL`` outside the scripts' set,
+                      so not ``purge_run`` either: under these ACLs retention runs as the
+                      operator (``ratchet purge`` on a schedule), not in the workers.
+``ratchet-operator``  submit, approve, review, cancel, purge: ``create_run``,
+                      ``post_evidence``, ``read_run``, ``purge_run`` (its ``DEL`` of a
+                      finished run's keys) and the runs index. Cannot acquire or commit.
 ``ratchet-reader``    ``ratchet show``/``runs`` and the console: ``read_run`` and reads
                       only. Its ``EVALSHA`` of a writing script fails at the first write
                       (Redis checks it), before anything is written.
@@ -70,16 +73,20 @@ _WORKER_SCRIPTS = (ScriptName.ACQUIRE_LEASE, ScriptName.RENEW_LEASE, ScriptName.
 _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
     Role.WORKER: _WORKER_SCRIPTS,
     Role.OPERATOR: (ScriptName.CREATE_RUN, ScriptName.READ_RUN, ScriptName.POST_EVIDENCE,
-                    ScriptName.REPLACE_DOCUMENT),
+                    ScriptName.REPLACE_DOCUMENT, ScriptName.PURGE_RUN),
     Role.READER: (ScriptName.READ_RUN,),
 }
 # Direct calls of RedisStore besides the scripts (see store.py).
 # ``info``: workers and submit read ``maxmemory_policy`` from INFO memory (CONFIG is not
 # theirs) to refuse an evicting Redis.
-_READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info")
+# ``hmget``, ``llen``, ``zcard``: listings (a page's hashes and incident counts, the exact
+# counts per phase; see listing.py).
+_READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info", "hmget", "llen",
+          "zcard")
 _DIRECT: Mapping[Role, tuple[str, ...]] = {
     Role.WORKER: (*_READS, "zadd", "zrem", "set"),  # expiry index; SET NX nonce claims
-    Role.OPERATOR: (*_READS, "zadd"),  # the runs index (create)
+    # the runs index (create); index removal after a purge on Redis Cluster
+    Role.OPERATOR: (*_READS, "zadd", "zrem"),
     Role.READER: _READS,
 }
 _CONNECTION = ("ping", "hello", "client|setname", "client|getname")

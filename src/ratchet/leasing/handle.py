@@ -12,6 +12,10 @@ through Redis:
   generation it belongs to.
 * ``advance(key, expected_generation=g, blob=..., nonces=...)`` is the fenced commit of
   generation ``g + 1`` under ``(owner, lease_version, state_version)``.
+* ``advance_many`` sends each commit's phase (``Advance.phase``) with it, so the store
+  lists the run under the phase its checkpoint is in. The handle remembers the phase it
+  last committed; a batch that stays in it sends none, so the script has nothing to move
+  (only a batch that may change the phase carries the phase indexes).
 
 ``advance`` with ``expected_generation == 0`` is refused with
 :class:`~ratchet.errors.RunExistsError`: a lease exists only for a run that
@@ -120,6 +124,7 @@ class LeasedRun:
         self._primed: RunSnapshot | None = None  # see read()
         self._release_mode: bool | None = None  # armed: reap? (see release_with_next_commit)
         self._released: Released | None = None
+        self._phase: str | None = None  # the phase last committed here (None: unknown)
 
     def __repr__(self) -> str:
         return (f"LeasedRun(run_id={self.run_id!r}, owner={self.owner!r}, "
@@ -253,13 +258,18 @@ class LeasedRun:
         if commits[0].expected_generation == 0:
             raise RunExistsError("the run exists; create runs with RedisStore.create_run",
                                  run_id=self.run_id)
+        # Phases go out only when one may differ from the phase last committed here.
+        moves = any(c.phase and c.phase != self._phase for c in commits)
         prepared = [self._store.prepare_commit(self.run_id,
                                                generation=c.expected_generation + 1,
                                                checkpoint=c.blob, nonces=c.nonces,
                                                segment=c.segment,
-                                               not_after_ms=c.not_after_ms)
+                                               not_after_ms=c.not_after_ms,
+                                               phase=c.phase if moves else "")
                     for c in commits]
         reap, self._release_mode = self._release_mode, None
+        stated = [c.phase for c in commits if c.phase]
+        self._phase, known = None, self._phase  # unknown until the batch applied
         if reap is None:
             self._store.commit_many(self._lease, prepared,
                                     expected_state_version=self._state_version,
@@ -268,6 +278,7 @@ class LeasedRun:
             _, self._released = self._store.commit_and_release(
                 self._lease, prepared, expected_state_version=self._state_version,
                 reap=reap, applied=self._apply)
+        self._phase = stated[-1] if stated else known
 
     def _check_key(self, key: RunKey) -> None:
         if (key.run_id, key.task_id, key.env_instance_id) != (
@@ -284,16 +295,19 @@ class LeasedRun:
 
     def commit(self, blob: bytes, *, generation: int | None = None,
                commit_id: str | None = None, nonces: Sequence[str] = (),
-               finished: bool = False, segment: bytes = b"") -> CommitResult:
-        """Fenced commit of ``blob`` as ``generation`` (default: last seen + 1).
+               finished: bool = False, segment: bytes = b"", phase: str = "") -> CommitResult:
+        """Fenced commit of ``blob`` as ``generation`` (default: last seen + 1), in
+        ``phase`` when given (``""``: the run's phase stays as it is).
 
         Raises what :meth:`RedisStore.commit` raises.
         """
+        known, self._phase = self._phase, None
         result = self._store.commit(
             self._lease, generation=self._generation + 1 if generation is None else generation,
             expected_state_version=self._state_version, checkpoint=blob, commit_id=commit_id,
-            nonces=nonces, finished=finished, segment=segment)
+            nonces=nonces, finished=finished, segment=segment, phase=phase)
         self._apply(result)
+        self._phase = phase or known
         return result
 
     def renew(self, ttl_ms: int | None = None) -> Lease:

@@ -3,33 +3,46 @@
 Layout (``<run>`` is the run id; the braces are a Redis Cluster hash tag, so every key of
 one run lives in the same slot and one script can touch them all):
 
-==============================  =======  ==================================================
-key                             type     holds
-==============================  =======  ==================================================
-``ratchet:{<run>}:state``       hash     task_id, env_instance_id, generation (the
-                                         high-water mark), state_version, created_at_ms,
-                                         updated_at_ms, last_commit_id
-``ratchet:{<run>}:lease``       hash     owner ("" when free), lease_version,
-                                         expires_at_ms, acquired_at_ms
-``ratchet:{<run>}:ckpt``        string   the signed checkpoint at the high-water mark
-``ratchet:{<run>}:scenario``    string   the scenario (task contract) bytes
-``ratchet:{<run>}:history``     list     bounded, newest first:
-                                         ``generation|state_version|lease_version|owner|
-                                         commit_id|digest|at_ms``
-``ratchet:{<run>}:commits``     hash     commit id -> ``generation|digest`` for the
-                                         commits still in the history
-``ratchet:{<run>}:nonces``      set      approval / review nonces consumed by this run
-``ratchet:{<run>}:incidents``   list     bounded, newest first: JSON records of restores
-                                         that failed closed (for operators)
-``ratchet:{<run>}:inbox``       list     bounded: signed approvals and reviewer
-                                         decisions waiting for a worker to consume them
-``ratchet:index:expiry``        zset     run id scored by lease expiry (ms): reaper index
-``ratchet:index:runs``          zset     run id scored by creation time (ms)
-``ratchet:nonce:<nonce>``       string   the run id that claimed this nonce, for good
-==============================  =======  ==================================================
+==================================  =======  ==============================================
+key                                 type     holds
+==================================  =======  ==============================================
+``ratchet:{<run>}:state``           hash     task_id, env_instance_id, generation (the
+                                             high-water mark), state_version,
+                                             created_at_ms, updated_at_ms, last_commit_id,
+                                             phase and phase_at_ms (the phase the last
+                                             commit declared and when the run entered it:
+                                             unsigned metadata for listings; absent for a
+                                             run created before phase indexes)
+``ratchet:{<run>}:lease``           hash     owner ("" when free), lease_version,
+                                             expires_at_ms, acquired_at_ms
+``ratchet:{<run>}:ckpt``            string   the signed checkpoint at the high-water mark
+``ratchet:{<run>}:scenario``        string   the scenario (task contract) bytes
+``ratchet:{<run>}:history``         list     bounded, newest first:
+                                             ``generation|state_version|lease_version|
+                                             owner|commit_id|digest|at_ms``
+``ratchet:{<run>}:commits``         hash     commit id -> ``generation|digest`` for the
+                                             commits still in the history
+``ratchet:{<run>}:nonces``          set      approval / review nonces consumed by this run
+``ratchet:{<run>}:incidents``       list     bounded, newest first: JSON records of
+                                             restores that failed closed (for operators)
+``ratchet:{<run>}:inbox``           list     bounded: signed approvals and reviewer
+                                             decisions waiting for a worker to consume them
+``ratchet:{<run>}:archive``         list     the run's archive segments, oldest first
+``ratchet:{<run>}:tombstone``       hash     only once the run was purged (``ratchet
+                                             purge``): purged_at_ms, phase, generation,
+                                             state_version, task_id, created_at_ms,
+                                             checkpoint_digest, export; the id stays taken
+``ratchet:index:expiry``            zset     run id scored by lease expiry (ms): reaper index
+``ratchet:index:runs``              zset     run id scored by creation time (ms)
+``ratchet:index:phase:<phase>``     zset     one per phase (:data:`PHASES`): run id scored
+                                             by the time (ms) it entered that phase
+``ratchet:nonce:<nonce>``           string   the run id that claimed this nonce, for good
+==================================  =======  ==============================================
 
-The last three are cross-run keys: they live in other slots and are only ever touched by
-separate calls, never from inside a script.
+The last four rows are cross-run keys: they live in other slots. On a single Redis the
+create, lease and commit scripts take the indexes they update as optional extra ``KEYS``;
+in Redis Cluster they are only ever touched by separate calls, never from inside a script.
+:data:`INDEX_KEYS` names every index a run may be in (what removing a run must clear).
 
 Ids that become part of key names or of ``|``-separated history entries are checked here:
 letters, digits and ``._:@/+-``, starting with a letter or digit, at most 200 characters.
@@ -43,21 +56,35 @@ import re
 from dataclasses import dataclass
 
 from ratchet.errors import ContractError
+from ratchet.runtime.state import Phase
 
 __all__ = [
     "EPOCH_KEY",
     "EXPIRY_INDEX",
+    "INDEX_KEYS",
+    "PHASES",
+    "PHASE_INDEXES",
     "PREFIX",
     "RUNS_INDEX",
     "RunKeys",
     "check_id",
+    "check_phase",
     "nonce_key",
+    "phase_index",
     "run_keys",
 ]
 
 PREFIX = "ratchet"
 EXPIRY_INDEX = f"{PREFIX}:index:expiry"
 RUNS_INDEX = f"{PREFIX}:index:runs"
+#: Every phase a run can be listed under, in the runtime's order.
+PHASES: tuple[str, ...] = tuple(phase.value for phase in Phase)
+#: One index per phase: run id scored by the time (Redis ms) it entered that phase.
+PHASE_INDEXES: tuple[str, ...] = tuple(f"{PREFIX}:index:phase:{p}" for p in PHASES)
+_PHASE_INDEX = dict(zip(PHASES, PHASE_INDEXES, strict=True))
+#: Every cross-run index a run may be a member of (runs, expiry, each phase): removing a
+#: run for good must ``ZREM`` it from each of these.
+INDEX_KEYS: tuple[str, ...] = (RUNS_INDEX, EXPIRY_INDEX, *PHASE_INDEXES)
 # The store's epoch record: written once when the store is initialised; a store that
 # lost it (wiped, restarted without its AOF, evicted) is not the same store.
 EPOCH_KEY = f"{PREFIX}:store:epoch"
@@ -70,6 +97,18 @@ def check_id(value: str, field: str) -> str:
     if not isinstance(value, str) or _ID.fullmatch(value) is None:
         raise ContractError(f"{field} is not a valid id", field=field)
     return value
+
+
+def check_phase(value: str, field: str = "phase") -> str:
+    """Return ``value`` if it names a phase (:data:`PHASES`), else raise ContractError."""
+    if not isinstance(value, str) or value not in _PHASE_INDEX:
+        raise ContractError(f"{field} is not a phase", field=field)
+    return value
+
+
+def phase_index(phase: str) -> str:
+    """The index of runs in ``phase``. Raises ContractError for an unknown phase."""
+    return _PHASE_INDEX[check_phase(phase)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +126,7 @@ class RunKeys:
     incidents: str
     inbox: str
     archive: str
+    tombstone: str
 
 
 @functools.lru_cache(maxsize=4096)
@@ -106,6 +146,7 @@ def run_keys(run_id: str) -> RunKeys:
         incidents=f"{base}:incidents",
         inbox=f"{base}:inbox",
         archive=f"{base}:archive",
+        tombstone=f"{base}:tombstone",
     )
 
 

@@ -9,6 +9,7 @@ Both are bounded lists in the run's slot, appended by one script each (``record_
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any
 
 from ratchet.errors import ContractError
@@ -29,11 +30,14 @@ class RunRecords(StorePlumbing):
     max_scenario_bytes: int  # set by RedisStore: the cap a document is stored under
 
     def record_incident(self, run_id: str, record: dict[str, Any], *, keep: int = 50) -> int:
-        """Append an operator-facing incident (JSON) to the run; returns Redis' time (ms).
+        """Append an operator-facing incident (JSON) to the run, with an ``id``
+        (``inc-...``) unless the record names one; returns Redis' time (ms).
 
         Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
         """
         keys = run_keys(run_id)
+        # Each incident has an id, so a decision that resolves one can name it.
+        record = {"id": f"inc-{secrets.token_hex(6)}", **record}
         text = json.dumps(record, sort_keys=True, separators=(",", ":"))
         reply = self._run(ScriptName.RECORD_INCIDENT, run_id, [keys.incidents, keys.state],
                           [text, keep])

@@ -29,6 +29,7 @@ from ratchet.leasing.results import (
     CommitResult,
     Lease,
     LeaseHolder,
+    PhaseMove,
     ReapClaim,
     Released,
     RunCreated,
@@ -44,6 +45,7 @@ __all__ = [
     "decode_counted",
     "decode_create",
     "decode_drop_expiry",
+    "decode_phase_move",
     "decode_read",
     "decode_release",
     "decode_renew",
@@ -129,16 +131,20 @@ def decode_create(reply: object, run_id: str) -> RunCreated:
                           _int(f[1], script, "state_version"),
                           created_at_ms=_int(f[2], script, "now_ms"), already_applied=False)
     if status == "already_applied":
-        _arity(f, 3, script, status)
+        _arity(f, 5, script, status)
         return RunCreated(run_id, _int(f[0], script, "generation"),
                           _int(f[1], script, "state_version"),
                           created_at_ms=_int(f[2], script, "created_at_ms"),
-                          already_applied=True)
+                          already_applied=True, phase=_text(f[3], script, "phase"),
+                          phase_at_ms=_int(f[4], script, "phase_at_ms"))
     if status == "exists":
         _arity(f, 2, script, status)
         raise RunExistsError("a run with this id already exists", run_id=run_id,
                              generation=_int(f[0], script, "generation"),
                              state_version=_int(f[1], script, "state_version"))
+    if status == "purged":
+        raise RunExistsError("a run with this id was purged; run ids are never reused",
+                             run_id=run_id, purged=True)
     _unknown(status, script)
 
 
@@ -232,7 +238,22 @@ def batch_entries(reply: object, sent: int) -> list[object]:
     """
     if not isinstance(reply, list) or not reply or len(reply) > sent:
         _fail("reply is not a list of one entry per commit", "commit", sent=sent)
-    return reply
+    return list(reply)
+
+
+def decode_phase_move(entries: list[object], run_id: str) -> PhaseMove | None:
+    """Take the commit script's trailing ``{"phase", old, new, now_ms}`` entry off
+    ``entries`` (a list from :func:`batch_entries`) and decode it; None when the batch did
+    not change the run's phase. Raises StoreProtocolError for a malformed one."""
+    last = entries[-1] if entries else None
+    if not isinstance(last, list) or not last or last[0] not in (b"phase", "phase"):
+        return None
+    entries.pop()
+    script = "commit"
+    _status, f = _split(last, script)
+    _arity(f, 3, script, "phase")
+    return PhaseMove(run_id, _text(f[0], script, "old_phase"), _text(f[1], script, "phase"),
+                     _int(f[2], script, "now_ms"))
 
 
 def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: int,

@@ -11,6 +11,7 @@ __all__ = [
     "CommitResult",
     "Lease",
     "LeaseHolder",
+    "PhaseMove",
     "PreparedCommit",
     "ReapClaim",
     "Released",
@@ -68,6 +69,9 @@ class RunCreated:
     state_version: int
     created_at_ms: int
     already_applied: bool
+    # The run's phase and when it entered it, as the state hash says now ("" and 0: none).
+    phase: str = ""
+    phase_at_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,18 @@ class PreparedCommit:
     stored: bytes = field(default=b"", repr=False)  # what Redis keeps (see encoding)
     segment: bytes = field(default=b"", repr=False)  # appended to the run's archive
     not_after_ms: int = 0  # Redis time after which the script refuses it (0: never)
+    phase: str = ""  # the phase the checkpoint is in ("": leaves the run's phase as it is)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseMove:
+    """A commit moved its run from ``old`` (``""``: none recorded) to phase ``new`` at
+    ``at_ms``; the phase indexes follow it (see ``lua/commit.lua``)."""
+
+    run_id: str
+    old: str
+    new: str
+    at_ms: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ class ScriptName(StrEnum):
     RECORD_INCIDENT = "record_incident"
     POST_EVIDENCE = "post_evidence"
     REPLACE_DOCUMENT = "replace_document"
+    PURGE_RUN = "purge_run"
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -244,6 +245,24 @@ class RedisServer:
     def resume(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGCONT)
+
+    def detach(self) -> int:
+        """Stop owning a ``detached`` server, which keeps running: this object no longer
+        stops, kills or restarts it. Returns its pid.
+
+        Raises ConfigurationError if the server was not started detached or is not running.
+        """
+        proc = self._proc
+        if not self.detached or proc is None or proc.poll() is not None:
+            raise ConfigurationError("only a running detached redis-server can be let go",
+                                     port=self.port)
+        # The process stays this process's child until one of them exits: a daemon thread
+        # waits for it, so it never lingers as a zombie and its handle is never collected
+        # while it runs.
+        threading.Thread(target=proc.wait, name=f"redis-server-{proc.pid}",
+                         daemon=True).start()
+        self._proc = None
+        return proc.pid
 
     def restart(self) -> RedisServer:
         """Stop (if running) and start again on the same directory and port."""

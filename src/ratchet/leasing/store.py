@@ -27,10 +27,12 @@ can.
 
 Cross-run indexes: the expiry index (acquire and renew add the run scored by its lease
 expiry; release removes it, or scores it "now" with ``reap=True``; a commit with
-``finished=True`` removes it) and the runs index (create). On a single Redis the lease and
-create scripts update them in the same call; in Redis Cluster they live in other slots and
-are separate calls after the script. They are hints for the reaper, which re-reads each
-run's lease before acting.
+``finished=True`` removes it), the runs index (create) and one index per phase (create
+adds the run to its first phase's; a commit that changes the run's phase moves it). On a
+single Redis the lease, create and commit scripts update them in the same call; in Redis
+Cluster they live in other slots and are separate calls after the script. The expiry
+index is a hint for the reaper, which re-reads each run's lease before acting; the runs
+and phase indexes are what listings read (:mod:`ratchet.leasing.listing`).
 
 Batches (``commit_many``) send consecutive generations to one call of the commit script; a
 checkpoint that names an archive appends its segment in the same script (see
@@ -72,11 +74,16 @@ from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.identity import StoreIdentity
 from ratchet.leasing.keys import (
     EXPIRY_INDEX,
+    PHASE_INDEXES,
+    PHASES,
     RUNS_INDEX,
     check_id,
+    check_phase,
     nonce_key,
+    phase_index,
     run_keys,
 )
+from ratchet.leasing.listing import RunListings
 from ratchet.leasing.plumbing import store_full
 from ratchet.leasing.records import RunRecords
 from ratchet.leasing.replies import (
@@ -86,6 +93,7 @@ from ratchet.leasing.replies import (
     decode_commit,
     decode_create,
     decode_drop_expiry,
+    decode_phase_move,
     decode_read,
     decode_release,
     decode_renew,
@@ -94,12 +102,14 @@ from ratchet.leasing.results import (
     CommitResult,
     Lease,
     LeaseHolder,
+    PhaseMove,
     PreparedCommit,
     ReapClaim,
     Released,
     RunCreated,
     RunSnapshot,
 )
+from ratchet.leasing.retention import RunRetention
 from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
@@ -107,7 +117,7 @@ __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 
-class RedisStore(RunRecords, StoreIdentity):
+class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
     ``client`` is a ``redis.Redis``, ``redis.cluster.RedisCluster`` or
@@ -155,15 +165,17 @@ class RedisStore(RunRecords, StoreIdentity):
 
     def create_run(self, run_id: str, *, task_id: str, env_instance_id: str, scenario: bytes,
                    checkpoint: bytes, commit_id: str | None = None,
-                   archive_segment: bytes = b"") -> RunCreated:
+                   archive_segment: bytes = b"", phase: str = "running") -> RunCreated:
         """Create a run with its scenario and signed first checkpoint (generation 1), and
         the first segment of its archive when the checkpoint names one.
 
-        Retrying with the same ``commit_id`` after a lost reply reports
-        ``already_applied``. Raises RunExistsError, CheckpointTooLargeError, ContractError,
-        StoreUnavailableError, StoreProtocolError.
+        ``phase`` is the phase the first checkpoint is in (a new run's is ``running``):
+        the run is listed under it from now on. Retrying with the same ``commit_id`` after
+        a lost reply reports ``already_applied``. Raises RunExistsError,
+        CheckpointTooLargeError, ContractError, StoreUnavailableError, StoreProtocolError.
         """
         keys = run_keys(run_id)
+        check_phase(phase)
         check_id(task_id, "task_id")
         check_id(env_instance_id, "env_instance_id")
         commit_id = check_id(commit_id or new_commit_id(), "commit_id")
@@ -177,15 +189,22 @@ class RedisStore(RunRecords, StoreIdentity):
         reply = self._run(
             ScriptName.CREATE_RUN, run_id,
             [keys.state, keys.scenario, keys.ckpt, keys.history, keys.commits, keys.lease,
-             keys.archive, *([RUNS_INDEX] if inline else [])],
+             keys.archive, keys.tombstone,
+             *([RUNS_INDEX, phase_index(phase)] if inline else [])],
             [task_id, env_instance_id, scenario,
              encode_checkpoint(checkpoint, compress=self.compress_checkpoints), commit_id,
-             digest, archive_segment, *([run_id] if inline else [])])
+             digest, archive_segment, run_id, phase])
         created = decode_create(reply, run_id)
         if not inline or created.already_applied:
-            # A retry that finds the run created must still see it indexed.
+            # A retry that finds the run created must still see it indexed, under the
+            # phase it is in now.
             self._call("runs index", run_id, lambda: self._client.zadd(
                 RUNS_INDEX, {run_id: created.created_at_ms}, nx=True))
+            now_phase, at_ms = ((created.phase, created.phase_at_ms) if created.already_applied
+                                else (phase, created.created_at_ms))
+            if now_phase in PHASES:
+                self._call("phase index", run_id, lambda: self._client.zadd(
+                    phase_index(now_phase), {run_id: at_ms}, nx=True))
         return created
 
     def read_run(self, run_id: str, *, with_checkpoint: bool = False,
@@ -300,6 +319,17 @@ class RedisStore(RunRecords, StoreIdentity):
             self._call("expiry index", run_id,
                        lambda: self._client.zrem(EXPIRY_INDEX, run_id))
 
+    def _index_moved(self, move: PhaseMove) -> None:
+        """The phase indexes after a commit moved the run, where scripts cannot reach
+        them (Cluster). Added to the new phase's index first: a crash between the two
+        calls leaves the run listed twice, never nowhere."""
+        if move.new in PHASES:
+            self._call("phase index", move.run_id, lambda: self._client.zadd(
+                phase_index(move.new), {move.run_id: move.at_ms}))
+        if move.old in PHASES:
+            self._call("phase index", move.run_id, lambda: self._client.zrem(
+                phase_index(move.old), move.run_id))
+
     # -- nonces -----------------------------------------------------------------------
 
     def claim_nonces(self, run_id: str, nonces: Sequence[str]) -> None:
@@ -339,7 +369,14 @@ class RedisStore(RunRecords, StoreIdentity):
                      expected_state_version: int, release: str,
                      ) -> tuple[list[str], list[str | bytes | int]]:
         keys = run_keys(lease.run_id)
-        index = [EXPIRY_INDEX] if release and self._inline_indexes else []
+        index: list[str] = []
+        if self._inline_indexes:
+            # The phase indexes come only with a batch that names a phase (one that may
+            # move the run); the expiry index before them, used only when releasing.
+            if any(commit.phase for commit in commits):
+                index = [EXPIRY_INDEX, *PHASE_INDEXES]
+            elif release:
+                index = [EXPIRY_INDEX]
         # Numbers travel as text: the commit connection packs str and bytes as they are.
         args: list[str | bytes | int] = [lease.owner, str(lease.lease_version),
                                          str(expected_state_version), str(self.history_limit),
@@ -347,18 +384,24 @@ class RedisStore(RunRecords, StoreIdentity):
         for commit in commits:
             args += [str(commit.generation), commit.stored or commit.checkpoint,
                      commit.commit_id, commit.digest, commit.segment,
-                     str(commit.not_after_ms), str(len(commit.nonces)), *commit.nonces]
+                     str(commit.not_after_ms), commit.phase, str(len(commit.nonces)),
+                     *commit.nonces]
         return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
                  keys.archive, *index], args)
 
     def prepare_commit(self, run_id: str, *, generation: int, checkpoint: bytes,
                        commit_id: str | None = None, nonces: Sequence[str] = (),
-                       segment: bytes = b"", not_after_ms: int = 0) -> PreparedCommit:
+                       segment: bytes = b"", not_after_ms: int = 0,
+                       phase: str = "") -> PreparedCommit:
         """Check one commit's arguments and compute its digest (no I/O). ``not_after_ms``
         (Redis time; 0: none) makes the script refuse the commit once TIME passed it.
+        ``phase`` (``""``: unchanged) is the phase the checkpoint is in: unsigned metadata
+        that moves the run between the phase indexes when it changes.
 
         Raises ContractError, CheckpointTooLargeError.
         """
+        if phase:
+            check_phase(phase)
         if isinstance(not_after_ms, bool) or not isinstance(not_after_ms, int) or (
                 not_after_ms < 0):
             raise ContractError("not_after_ms must be a non-negative integer",
@@ -380,18 +423,19 @@ class RedisStore(RunRecords, StoreIdentity):
                               hashlib.sha256(checkpoint).hexdigest(), tuple(nonces),
                               encode_checkpoint(checkpoint,
                                                 compress=self.compress_checkpoints),
-                              bytes(segment), not_after_ms)
+                              bytes(segment), not_after_ms, phase)
 
     def commit(self, lease: Lease, *, generation: int, expected_state_version: int,
                checkpoint: bytes, commit_id: str | None = None, nonces: Sequence[str] = (),
-               finished: bool = False, segment: bytes = b"") -> CommitResult:
+               finished: bool = False, segment: bytes = b"", phase: str = "") -> CommitResult:
         """The fenced commit: store ``checkpoint`` as ``generation`` (high-water + 1).
 
         ``nonces`` are claimed globally for this run first, then consumed in the commit
         itself. A lost reply is retried ``commit_retries`` times with the same commit id;
         a retry that finds the commit applied returns it with ``already_applied=True``.
         ``finished=True`` takes the run off the expiry index after the commit. ``segment``
-        (when not empty) is appended to the run's archive in the same script.
+        (when not empty) is appended to the run's archive in the same script. ``phase``
+        (when not empty) is the phase the checkpoint is in (see :meth:`prepare_commit`).
 
         Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
         CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
@@ -399,7 +443,7 @@ class RedisStore(RunRecords, StoreIdentity):
         """
         prepared = self.prepare_commit(lease.run_id, generation=generation,
                                        checkpoint=checkpoint, commit_id=commit_id,
-                                       nonces=nonces, segment=segment)
+                                       nonces=nonces, segment=segment, phase=phase)
         results = self.commit_many(lease, [prepared],
                                    expected_state_version=expected_state_version)
         if finished:
@@ -486,7 +530,10 @@ class RedisStore(RunRecords, StoreIdentity):
             if hook is not None and any([hook(run_id, c.commit_id) for c in commits]):
                 last = RedisError("commit reply dropped by a drill hook")
                 continue
-            entries = batch_entries(reply, expected_entries)
+            entries = batch_entries(reply, expected_entries + 1)
+            move = decode_phase_move(entries, run_id)
+            if move is not None and not self._inline_indexes:
+                self._index_moved(move)
             results = []
             for index, (commit, entry) in enumerate(zip(commits, entries, strict=False)):
                 result = decode_commit(

@@ -25,11 +25,14 @@ from ratchet.runtime.engine import CrashWindow, RunEngine, StepResult
 from ratchet.runtime.evidence import (
     ApprovalClaims,
     ApprovalEvidence,
+    RebaselineClaims,
+    RebaselineDecision,
     ReviewDecision,
     ReviewDecisionClaims,
     ReviewVerdict,
     TrustRoots,
     sign_approval,
+    sign_rebaseline,
     sign_review_decision,
 )
 from ratchet.runtime.ports import (
@@ -81,6 +84,8 @@ __all__ = [
     "Observation",
     "Phase",
     "ReadResult",
+    "RebaselineClaims",
+    "RebaselineDecision",
     "Receipt",
     "Restored",
     "ReviewDecision",
@@ -110,6 +115,7 @@ __all__ = [
     "restore_checkpoint",
     "seal_checkpoint",
     "sign_approval",
+    "sign_rebaseline",
     "sign_review_decision",
     "strict_json_loads",
     "transition",

@@ -128,6 +128,10 @@ class Restored:
     generation: int
     blob: bytes
     archive: ArchiveRef | None = None
+    # The environment observed during the restore, and (``tolerate_environment`` only)
+    # why it was not one the checkpoint accepts (None: it was).
+    observed: Observation | None = None
+    environment_refused: CheckpointError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,7 +398,7 @@ def _check_trust(state: RunState, approvers: TrustRoots | None,
     decisions = [c.decision for c in cases if c.decision is not None]
     if approvals and approvers is None:
         raise _fail("trust", "checkpoint holds approvals but no approver trust root was given")
-    if decisions and reviewers is None:
+    if (decisions or state.rebaselines) and reviewers is None:
         raise _fail("trust", "checkpoint holds review decisions but no reviewer trust root "
                     "was given")
     try:
@@ -404,6 +408,8 @@ def _check_trust(state: RunState, approvers: TrustRoots | None,
         if reviewers is not None:
             for decision in decisions:
                 reviewers.verify_review(decision, allow_revoked=True)
+            for rebaseline in state.rebaselines:
+                reviewers.verify_rebaseline(rebaseline, allow_revoked=True)
     except EvidenceError as exc:
         raise _fail("trust", f"evidence inside the checkpoint does not verify: {exc.message}",
                     evidence_reason=getattr(exc, "reason", "")) from None
@@ -479,7 +485,9 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
                        approvers: TrustRoots | None = None,
                        reviewers: TrustRoots | None = None,
                        archive: Sequence[bytes] = (),
-                       opened: CheckpointPayload | None = None) -> Restored:
+                       opened: CheckpointPayload | None = None,
+                       accept_environment: Observation | None = None,
+                       tolerate_environment: bool = False) -> Restored:
     """Verify a checkpoint and return its state. See the module docstring for the order.
 
     ``archive`` is the run's archive segments as the store returned them with ``blob``
@@ -494,6 +502,12 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
 
     ``opened`` is what :func:`open_checkpoint` returned for ``blob`` and ``archive`` (checks
     1-4), for a caller that opened it already; it is not opened again.
+
+    Two callers relax the environment check, never the others: ``accept_environment`` is
+    the new baseline a *verified* rebaseline decision names (the caller checked it); an
+    observation that equals it exactly is accepted. ``tolerate_environment`` (an operator's
+    cancel, which writes nothing) returns the refusal in ``Restored.environment_refused``
+    instead of raising it.
 
     Raises:
         CheckpointError: ``reason`` names the failed check.
@@ -518,10 +532,18 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
     if payload.generation != high_water:
         raise _fail("stale_generation", "checkpoint generation is not the high-water mark",
                     generation=payload.generation, high_water=high_water)
-    check_environment(state, observe(state, payload.generation))
+    observed = observe(state, payload.generation)
+    refused: CheckpointError | None = None
+    if accept_environment is None or not observed.same_state(accept_environment):
+        try:
+            check_environment(state, observed)
+        except CheckpointError as exc:
+            if not tolerate_environment:
+                raise
+            refused = exc
     _check_trust(state, approvers, reviewers)
     return Restored(state=state, generation=payload.generation, blob=blob,
-                    archive=payload.archive)
+                    archive=payload.archive, observed=observed, environment_refused=refused)
 
 
 def _peek_schema_version(body: bytes) -> object:

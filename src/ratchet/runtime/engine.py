@@ -53,7 +53,12 @@ from ratchet.runtime.checkpoint import (
     seal_checkpoint,
     seal_split,
 )
-from ratchet.runtime.evidence import ApprovalEvidence, ReviewDecision, TrustRoots
+from ratchet.runtime.evidence import (
+    ApprovalEvidence,
+    RebaselineDecision,
+    ReviewDecision,
+    TrustRoots,
+)
 from ratchet.runtime.machine import Disposition
 from ratchet.runtime.ports import (
     Adapter,
@@ -140,6 +145,8 @@ class RunEngine:
         self.state = state
         self.generation = generation
         self.checkpoint = blob
+        self.observed_at_restore: Observation | None = None
+        self.environment_refused: Exception | None = None
 
     def __repr__(self) -> str:
         return (f"RunEngine(run_id={self.state.run_id!r}, phase={self.state.phase.value!r}, "
@@ -176,7 +183,8 @@ class RunEngine:
                store: GenerationStore, clock: Clock, approvers: TrustRoots | None = None,
                reviewers: TrustRoots | None = None, lease_version: int = 1,
                archive: Sequence[bytes] = (), opened: CheckpointPayload | None = None,
-               **options: Any) -> RunEngine:
+               accept_environment: Observation | None = None,
+               tolerate_environment: bool = False, **options: Any) -> RunEngine:
         """Restore a checkpoint (all checks of :func:`restore_checkpoint`), then raise the
         adapter's fence to this lease and observe the environment.
 
@@ -187,6 +195,11 @@ class RunEngine:
         The fence goes up before the observation that restore compares, so from then on a
         previous owner that is still running can no longer land a write we have not seen.
         Call :meth:`reconcile` next.
+
+        ``accept_environment`` and ``tolerate_environment`` relax the environment check for
+        a verified rebaseline decision and for an operator's cancel (see
+        :func:`restore_checkpoint`); the refusal a tolerated check made is kept in
+        :attr:`environment_refused`, and the observation in :attr:`observed_at_restore`.
         """
 
         def fence_then_observe(state: RunState, generation: int) -> Observation:
@@ -197,11 +210,16 @@ class RunEngine:
 
         restored = restore_checkpoint(blob, scenario=scenario, keyring=keyring, store=store,
                                       observe=fence_then_observe, approvers=approvers,
-                                      reviewers=reviewers, archive=archive, opened=opened)
-        return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
-                   clock=clock, state=restored.state, generation=restored.generation,
-                   blob=restored.blob, approvers=approvers, reviewers=reviewers,
-                   lease_version=lease_version, archive=restored.archive, **options)
+                                      reviewers=reviewers, archive=archive, opened=opened,
+                                      accept_environment=accept_environment,
+                                      tolerate_environment=tolerate_environment)
+        engine = cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
+                     clock=clock, state=restored.state, generation=restored.generation,
+                     blob=restored.blob, approvers=approvers, reviewers=reviewers,
+                     lease_version=lease_version, archive=restored.archive, **options)
+        engine.observed_at_restore = restored.observed
+        engine.environment_refused = restored.environment_refused
+        return engine
 
     # -- commits -------------------------------------------------------------------------
 
@@ -247,13 +265,15 @@ class RunEngine:
         if archive is None:
             blob = seal_checkpoint(new, self.scenario, self._keyring, generation=target,
                                    max_bytes=self._max_bytes, previous=self.state)
-            commit = Advance(self.generation, blob, nonces, not_after_ms=not_after)
+            commit = Advance(self.generation, blob, nonces, not_after_ms=not_after,
+                             phase=new.phase.value)
         else:
             sealed = seal_split(new, self.scenario, self._keyring, generation=target,
                                 archived=archive, max_bytes=self._max_bytes,
                                 previous=self.state)
             blob, archive = sealed.blob, sealed.archive
-            commit = Advance(self.generation, blob, nonces, sealed.segment, not_after)
+            commit = Advance(self.generation, blob, nonces, sealed.segment, not_after,
+                             new.phase.value)
         if hold and self._coalesce:
             self._held.append(commit)
             self.state, self.generation, self.checkpoint = new, target, blob
@@ -274,7 +294,9 @@ class RunEngine:
         self._held = []
         try:
             try:
-                if len(batch) == 1 and not batch[0].not_after_ms:
+                # advance() carries neither a deadline nor the phase: only a commit
+                # with neither may take it.
+                if len(batch) == 1 and not batch[0].not_after_ms and not batch[0].phase:
                     one = batch[0]
                     self.store.advance(self.key, expected_generation=one.expected_generation,
                                        blob=one.blob, nonces=one.nonces, segment=one.segment)
@@ -583,7 +605,71 @@ class RunEngine:
         self._commit(new)
         return self._result()
 
-    def cancel(self, reason: str) -> StepResult:
-        """Cancel the run. Raises InvalidTransitionError when it cannot be cancelled."""
-        self._commit(machine.cancel(self.state, reason, now=self.clock.now()))
+    def _settle_pending(self) -> machine.Settled | None:
+        """Look the pending write's key up at the adapter, behind this lease's fence, for
+        a control that ends or rebases the run (None: nothing is pending, or only a write
+        waiting for approval, which was never sent).
+
+        Timeline: fence raised (resume did; again here for a caller that did not) -> key
+        looked up. From the fence on, no older owner can land the write, so "no receipt"
+        means it never happened and never will.
+        """
+        pending = self.state.pending
+        if pending is None or self.state.phase is not Phase.RUNNING:
+            return None
+        self.adapter.raise_fence(self._fence())
+        return machine.Settled(self.adapter.lookup(pending.action.idempotency_key or ""))
+
+    def cancel(self, reason: str, *, by: str = "", request_id: str = "") -> StepResult:
+        """Cancel the run at a safe point, attributed to ``by`` (and its ``request_id``).
+
+        A pending write the adapter may have received is settled first by its key (see
+        :func:`machine.cancel`): recorded as executed if the adapter holds its receipt,
+        dropped if it holds none. An answer that does not settle it (another intent, a
+        committed receipt the adapter lost or that drifted) opens a review case instead,
+        recording the environment now: the result's phase is then ``needs_review``.
+
+        Raises:
+            InvalidTransitionError: the run is terminal or under review.
+            FenceRejectedError: a newer owner exists.
+        """
+        settled = self._settle_pending()
+        observed = self.observed_at_restore if settled is None else self.adapter.observe()
+        now = self.clock.now()
+        try:
+            new = machine.cancel(self.state, reason, now=now, by=by, request_id=request_id,
+                                 settled=settled, observed=observed)
+        except InvalidTransitionError:
+            pending = self.state.pending
+            if settled is None or pending is None:
+                raise
+            receipt = settled.receipt
+            reason_code = (ReviewReason.RECEIPT_MISSING if receipt is None
+                           else ReviewReason.INTENT_CONFLICT
+                           if receipt.intent_digest != pending.intent_digest
+                           else ReviewReason.RECEIPT_DRIFT)
+            new = machine.open_review(self.state, reason_code, receipt, now=now,
+                                      observed=observed,
+                                      detail="found while settling a cancelled run's write")
+        self._commit(new)
+        return self._result()
+
+    def apply_rebaseline(self, decision: RebaselineDecision) -> StepResult:
+        """Consume a reviewer's signed rebaseline decision: the environment observed now
+        becomes the run's baseline (see :func:`machine.apply_rebaseline`).
+
+        Raises:
+            ReviewDecisionError: refused; nothing changed.
+            ConfigurationError: no reviewer trust root was configured.
+        """
+        if self.reviewers is None:
+            raise ConfigurationError("no reviewer trust root configured")
+        machine.check_rebaseline(self.state, self.scenario, decision, self.reviewers,
+                                 generation=self.generation)
+        settled = self._settle_pending()
+        new = machine.apply_rebaseline(self.state, self.scenario, decision, self.reviewers,
+                                       generation=self.generation,
+                                       observed=self.adapter.observe(), settled=settled,
+                                       now=self.clock.now())
+        self._commit(new)
         return self._result()

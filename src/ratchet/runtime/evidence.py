@@ -9,7 +9,11 @@ An approval binds task, run, policy, action, idempotency key, intent digest, env
 instance, fingerprint and version, the checkpoint generation it was issued against, a
 one-time nonce, and an expiry both by wall clock and by proposal count. A review decision
 binds task, run, policy, case, action, key, both intent digests, the full receipt
-fingerprint, the environment version and a nonce.
+fingerprint, the environment version and a nonce. A rebaseline decision (a reviewer's,
+for a run frozen because its environment was changed behind it) binds task, run, policy,
+the incident that reported the change, the checkpoint generation, the environment the run
+last recorded and the one observed when the decision was made (instance, version and
+fingerprint of each) and a nonce.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ from ratchet.runtime.types import Digest, Frozen, Identifier, NonNegInt, Signatu
 __all__ = [
     "ApprovalClaims",
     "ApprovalEvidence",
+    "RebaselineClaims",
+    "RebaselineDecision",
     "ReviewDecision",
     "ReviewDecisionClaims",
     "ReviewVerdict",
     "TrustRoots",
     "sign_approval",
+    "sign_rebaseline",
     "sign_review_decision",
 ]
 
@@ -100,6 +107,32 @@ class ReviewDecision(Frozen):
     signature: SignatureHex
 
 
+class RebaselineClaims(Frozen):
+    """What a reviewer signs to make the environment as now observed a frozen run's new
+    baseline. ``old_*`` is the environment the run's checkpoint (at ``generation``)
+    recorded, ``new_*`` the one observed when the decision was made."""
+
+    task_id: Identifier
+    run_id: Identifier
+    policy_id: Identifier
+    policy_version: Identifier
+    incident_id: Identifier
+    generation: NonNegInt
+    old_env_instance_id: Identifier
+    old_env_version: NonNegInt
+    old_env_fingerprint: Digest
+    new_env_instance_id: Identifier
+    new_env_version: NonNegInt
+    new_env_fingerprint: Digest
+    nonce: Identifier
+
+
+class RebaselineDecision(Frozen):
+    claims: RebaselineClaims
+    reviewer_id: Identifier
+    signature: SignatureHex
+
+
 def _message(domain: bytes, signer: str, claims: Frozen) -> bytes:
     body = canonical_json({"signer": signer, "claims": claims.model_dump(mode="json")})
     return domain + b"\x00" + body
@@ -157,6 +190,12 @@ class TrustRoots:
         self.verify(Domain.REVIEW, decision.reviewer_id, decision.claims,
                     decision.signature, ReviewDecisionError, allow_revoked=allow_revoked)
 
+    def verify_rebaseline(self, decision: RebaselineDecision, *,
+                          allow_revoked: bool = False) -> None:
+        """Raises ReviewDecisionError (same reasons as :meth:`verify_approval`)."""
+        self.verify(Domain.REBASELINE, decision.reviewer_id, decision.claims,
+                    decision.signature, ReviewDecisionError, allow_revoked=allow_revoked)
+
     def is_revoked(self, signer: str) -> bool:
         return signer in self.revoked
 
@@ -173,3 +212,10 @@ def sign_review_decision(private_key: Ed25519PrivateKey, reviewer_id: str,
     """Sign a reviewer decision (reviewer side)."""
     sig = private_key.sign(_message(Domain.REVIEW, reviewer_id, claims))
     return ReviewDecision(claims=claims, reviewer_id=reviewer_id, signature=sig.hex())
+
+
+def sign_rebaseline(private_key: Ed25519PrivateKey, reviewer_id: str,
+                    claims: RebaselineClaims) -> RebaselineDecision:
+    """Sign a rebaseline decision (reviewer side)."""
+    sig = private_key.sign(_message(Domain.REBASELINE, reviewer_id, claims))
+    return RebaselineDecision(claims=claims, reviewer_id=reviewer_id, signature=sig.hex())

@@ -207,6 +207,9 @@ class Advance:
     # expiry of the approval its pending write carries. Stores with a clock of their own
     # (Redis) check it; see RunEngine._commit.
     not_after_ms: int = 0
+    # The phase the checkpoint is in ("": not stated). Unsigned metadata a store may keep
+    # beside the checkpoint to list runs by phase; the signed state stays authoritative.
+    phase: str = ""
 
 
 @runtime_checkable

@@ -68,6 +68,14 @@ class Scenario(Frozen):
     initial_files: dict[RelPath, Text]
     verifier: VerifierSpec
 
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _exact_version(cls, value: object) -> object:
+        # A Literal takes True and 1.0 for 1; a version is an integer.
+        if type(value) is not int:
+            raise ValueError("schema_version must be the integer 1")
+        return value
+
     @field_validator("approval_required")
     @classmethod
     def _approvable(cls, kinds: tuple[ActionKind, ...],

@@ -12,6 +12,7 @@ not phase events and never go through the table.
     needs_review ──signed replan──▶ running        needs_review ──signed abort──▶ failed
     running ──verified finish──▶ completed
     running | awaiting_approval ──cancel──▶ cancelled
+    running | awaiting_approval ──signed rebaseline──▶ running
     running | awaiting_approval ──budget exhausted / fatal error──▶ failed
 """
 
@@ -25,7 +26,7 @@ from pydantic import Field, Strict
 
 from ratchet.errors import InvalidTransitionError, InvariantViolation
 from ratchet.runtime.actions import Action
-from ratchet.runtime.evidence import ApprovalEvidence, ReviewDecision
+from ratchet.runtime.evidence import ApprovalEvidence, RebaselineDecision, ReviewDecision
 from ratchet.runtime.ports import Observation, Receipt, VerifierReport
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.types import Digest, Frozen, Identifier, JsonObject, NonNegInt, PosInt
@@ -71,6 +72,7 @@ class Event(StrEnum):
     REVIEW_ABORT = "review_abort"
     COMPLETE = "complete"
     CANCEL = "cancel"
+    REBASELINE = "rebaseline"
     BUDGET_EXHAUSTED = "budget_exhausted"
     FATAL_ERROR = "fatal_error"
 
@@ -85,6 +87,8 @@ TRANSITIONS: dict[tuple[Phase, Event], Phase] = {
     (Phase.RUNNING, Event.COMPLETE): Phase.COMPLETED,
     (Phase.RUNNING, Event.CANCEL): Phase.CANCELLED,
     (Phase.AWAITING_APPROVAL, Event.CANCEL): Phase.CANCELLED,
+    (Phase.RUNNING, Event.REBASELINE): Phase.RUNNING,
+    (Phase.AWAITING_APPROVAL, Event.REBASELINE): Phase.RUNNING,
     (Phase.RUNNING, Event.BUDGET_EXHAUSTED): Phase.FAILED,
     (Phase.AWAITING_APPROVAL, Event.BUDGET_EXHAUSTED): Phase.FAILED,
     (Phase.RUNNING, Event.FATAL_ERROR): Phase.FAILED,
@@ -132,6 +136,7 @@ class TraceOutcome(StrEnum):
     REVIEW_OPENED = "review_opened"
     REVIEW_REPLANNED = "review_replanned"
     REVIEW_ABORTED = "review_aborted"
+    REBASELINED = "rebaselined"
     EXECUTION_ERROR = "execution_error"
     # Ends.
     COMPLETED = "completed"
@@ -238,6 +243,9 @@ class RunState(Frozen):
     consumed_nonces: tuple[Identifier, ...] = ()
     review: ReviewCase | None = None
     closed_reviews: tuple[ReviewCase, ...] = ()
+    # Reviewers' signed decisions that made a changed environment the run's new baseline
+    # (oldest first); each one's nonce is consumed.
+    rebaselines: tuple[RebaselineDecision, ...] = ()
     verification: VerifierReport | None = None
     trace: tuple[TraceEvent, ...] = ()
 
@@ -360,6 +368,10 @@ def _check_phase(state: RunState) -> None:
         raise _fail("awaiting approval with nothing pending", field="phase")
     if phase in TERMINAL_PHASES and state.pending is not None:
         raise _fail("a terminal run still has a pending write", field="pending")
+    for decision in state.rebaselines:
+        if decision.claims.nonce not in state.consumed_nonces:
+            raise _fail("a rebaseline decision's nonce is not recorded as consumed",
+                        field="rebaselines")
     for case in state.closed_reviews:
         if case.decision is None:
             raise _fail("a closed review case has no decision", field="closed_reviews")

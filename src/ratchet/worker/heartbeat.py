@@ -169,7 +169,8 @@ class GuardedStore(StoreProxy):
         self._heartbeat.progress()
 
     def _send(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        if len(commits) == 1:
+        # advance() carries neither a commit's deadline nor its phase.
+        if len(commits) == 1 and not commits[0].not_after_ms and not commits[0].phase:
             c = commits[0]
             self._inner.advance(key, expected_generation=c.expected_generation, blob=c.blob,
                                 nonces=c.nonces, segment=c.segment)

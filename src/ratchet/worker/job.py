@@ -60,26 +60,37 @@ from ratchet.errors import (
     FenceRejectedError,
     HighWaterUnavailableError,
     IntegrityError,
+    InvalidTransitionError,
     LeaseLostError,
     RatchetError,
+    ReviewDecisionError,
     RunNotFoundError,
     StoreEpochError,
     StoreError,
     StoreProtocolError,
 )
 from ratchet.leasing import LeasedRun, LeaseHolder
-from ratchet.runtime import ApprovalEvidence, Phase, ReviewDecision, RunEngine
-from ratchet.runtime.checkpoint import open_checkpoint
+from ratchet.runtime import (
+    ApprovalEvidence,
+    Phase,
+    RebaselineDecision,
+    ReviewDecision,
+    RunEngine,
+    RunState,
+)
+from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
 from ratchet.runtime.engine import Probe
+from ratchet.runtime.machine import decision_baseline
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker import logs, metrics
 from ratchet.worker.agents import AgentFactory, AgentView, build_agent, plans_ahead
 from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
+from ratchet.worker.control import CancelRequest, find_controls, find_rebaseline
 from ratchet.worker.failpoints import EventLog, FailpointFired, Failpoints, Tripwires
 from ratchet.worker.heartbeat import GuardedAdapter, GuardedStore, Heartbeat
 from ratchet.worker.identity import owner_id
-from ratchet.worker.observe import ObservedAdapter, ObservedStore, job_ended
+from ratchet.worker.observe import ObservedAdapter, ObservedStore, RunRecorder, job_ended
 from ratchet.worker.runs import (
     RunDocument,
     build_adapter,
@@ -112,8 +123,9 @@ _PROCESS = _Process()
 @dataclass
 class JobReport:
     run_id: str
-    outcome: str  # held_elsewhere | terminal | waiting | finished | yielded | lease_lost |
-    #               retry_later | restore_refused | no_proposal
+    outcome: str  # held_elsewhere | terminal | waiting | finished | cancelled | yielded |
+    #               lease_lost | retry_later | restore_refused | no_proposal | job_error |
+    #               poisoned | no_run | store_refused | store_epoch_changed
     phase: str | None = None
     lease_version: int | None = None
     generation: int | None = None
@@ -210,7 +222,8 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
     if isinstance(got, LeaseHolder):
         return JobReport(run_id, "held_elsewhere", detail=f"held by {got.owner}")
     lease: LeasedRun = got
-    metrics.lease_acquired(took_over=lease.took_over)
+    recorder = RunRecorder(fleet.store, run_id, lease.lease_version, settings)
+    recorder.lease_acquired(took_over=lease.took_over)
     report = JobReport(run_id, "lease_lost", lease_version=lease.lease_version)
     points = probe if isinstance(probe, Failpoints) else None
     wires = _tripwires(fleet, lease, points, events)
@@ -246,18 +259,41 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
             opened = open_checkpoint(snap.checkpoint, keyring=fleet.keyring,
                                      archive=snap.archive)
             check_document_binding(opened.state, document)
-            agent_factory = fleet.agent_policy.resolve(document.agent)
+            if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
+                held.release()  # nothing more to do, nothing of it is built
+                report.outcome, report.phase = "terminal", opened.state.phase.value
+                report.generation = opened.generation
+                return report
+            # Operator controls come before the agent is loaded: a run whose agent cannot
+            # be imported can still be cancelled (see ratchet.worker.control).
+            inbox = fleet.store.inbox(run_id)
+            cancel, rebaseline = _controls(fleet, run_id, inbox, opened, document)
+            agent_factory = (fleet.agent_policy.resolve(document.agent) if cancel is None
+                             else None)
+            # A run under review whose environment a person changed meanwhile restores
+            # only to consume a decision a reviewer signed for the environment as it is
+            # now: the decision's own check (its version against the one observed) then
+            # decides; nothing else can run in review.
+            deciding = (opened.state.phase is Phase.NEEDS_REVIEW
+                        and _decision_waiting(inbox, opened.state))
             token = settings.http_token.get_secret_value() if settings.http_token else None
             adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock,
                                     http_token=token)
             engine = RunEngine.resume(
                 snap.checkpoint, scenario=document.scenario, keyring=fleet.keyring,
-                adapter=GuardedAdapter(ObservedAdapter(adapter), heartbeat, wires),
+                adapter=GuardedAdapter(ObservedAdapter(adapter, recorder), heartbeat, wires),
                 store=GuardedStore(ObservedStore(lease, run_id), heartbeat, wires),
                 clock=clock, approvers=fleet.approvers, reviewers=fleet.reviewers,
                 lease_version=lease.lease_version, probe=probe, archive=snap.archive,
                 opened=opened, coalesce=settings.coalesce_commits,
-                archive_trace=settings.archive_trace, store_epoch=fleet.epoch)
+                archive_trace=settings.archive_trace, store_epoch=fleet.epoch,
+                accept_environment=(decision_baseline(rebaseline) if rebaseline is not None
+                                    else None),
+                tolerate_environment=cancel is not None or deciding)
+            if rebaseline is not None:
+                # The restore accepted the environment only on this decision: it must
+                # apply, or nothing runs on that environment.
+                engine.apply_rebaseline(rebaseline)
         except IntegrityError as exc:
             if isinstance(exc.__context__, HighWaterUnavailableError) and (
                     exc.__context__.context.get("cause") == "StoreUnavailableError"):
@@ -266,7 +302,8 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
                 return report
             _refuse(fleet, held, report, exc)
             return report
-        except (FenceRejectedError, ConfigurationError, ContractError) as exc:
+        except (FenceRejectedError, ConfigurationError, ContractError,
+                ReviewDecisionError) as exc:
             # Failing closed: nothing about this run can be trusted or built as it is.
             # Retrying would fail the same way, so it leaves the reaper's index.
             _refuse(fleet, held, report, exc)
@@ -285,12 +322,15 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
         if wires is not None:
             wires.emit("restore", generation=engine.generation,
                        phase=engine.state.phase.value)
-        recovered = engine.reconcile()
-        if recovered.window is not None and engine.state.trace[-1].seq > 1:
-            report.windows.append(recovered.window.value)
-        heartbeat.progress()
-        _consume_inbox(fleet, engine)
-        _step(fleet, engine, document, agent_factory, heartbeat, report)
+        if cancel is not None or agent_factory is None:
+            _cancel(engine, cancel, report)
+        else:
+            recovered = engine.reconcile()
+            if recovered.window is not None and engine.state.trace[-1].seq > 1:
+                report.windows.append(recovered.window.value)
+            heartbeat.progress()
+            _consume_inbox(fleet, engine, inbox)
+            _step(fleet, engine, document, agent_factory, heartbeat, report)
         report.phase, report.generation = engine.state.phase.value, engine.generation
         metrics.observe_trace(engine.state, since_seq=restored_seq)
         _finish(held, engine, report)
@@ -324,7 +364,48 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
     return report
 
 
-def _consume_inbox(fleet: Fleet, engine: RunEngine) -> None:
+def _controls(fleet: Fleet, run_id: str, inbox: list[bytes], opened: CheckpointPayload,
+              document: RunDocument) -> tuple[CancelRequest | None, RebaselineDecision | None]:
+    """The operator controls waiting in the inbox for the opened (not yet restored) run:
+    a verified cancel request (not for a run under review: a reviewer decides it; the
+    request stays and applies once the run leaves review), else a rebaseline decision
+    that passed every check the adapter is not needed for. Entries that did not verify
+    are recorded as incidents and never acted on."""
+    controls = find_controls(fleet.keyring, run_id, inbox)
+    refusals = [("control_refused", reason) for reason in controls.refused]
+    cancel = controls.cancel if opened.state.phase is not Phase.NEEDS_REVIEW else None
+    rebaseline = None
+    if cancel is None:
+        rebaseline, refused = find_rebaseline(inbox, opened.state, document.scenario,
+                                              fleet.reviewers, generation=opened.generation)
+        refusals += [("evidence_refused", reason) for reason in refused]
+    for kind, reason in refusals:
+        with contextlib.suppress(RatchetError):
+            fleet.store.record_incident(run_id, {"kind": kind, "message": reason[:500]})
+    return cancel, rebaseline
+
+
+def _decision_waiting(inbox: list[bytes], state: RunState) -> bool:
+    """Whether the inbox holds a reviewer decision on the open case not yet consumed."""
+    case = state.review
+    for raw in inbox:
+        evidence = parse_evidence(raw)
+        if (isinstance(evidence, ReviewDecision) and case is not None
+                and evidence.claims.case_id == case.case_id
+                and evidence.claims.nonce not in state.consumed_nonces):
+            return True
+    return False
+
+
+def _cancel(engine: RunEngine, request: CancelRequest | None, report: JobReport) -> None:
+    """Carry out an operator's verified cancel request (see ratchet.worker.control)."""
+    if request is None:
+        raise InvalidTransitionError("a cancel needs a request")
+    engine.cancel(request.reason, by=request.by, request_id=request.request_id)
+    report.outcome = "cancelled" if engine.state.phase is Phase.CANCELLED else "waiting"
+
+
+def _consume_inbox(fleet: Fleet, engine: RunEngine, inbox: list[bytes]) -> None:
     """Apply signed evidence an operator left for a waiting run (approve / review).
 
     Each piece is verified by the engine (trust root, signature, bindings, nonce, expiry,
@@ -332,7 +413,7 @@ def _consume_inbox(fleet: Fleet, engine: RunEngine) -> None:
     an incident for the operator.
     """
     run_id = engine.state.run_id
-    for raw in fleet.store.inbox(run_id):
+    for raw in inbox:
         phase = engine.state.phase
         if phase not in (Phase.AWAITING_APPROVAL, Phase.NEEDS_REVIEW):
             return
@@ -372,6 +453,7 @@ def _step(fleet: Fleet, engine: RunEngine, document: RunDocument,
     agent = build_agent(document.agent, agent_factory, dict(document.agent_config))
     coalesce = plans_ahead(agent)
     last_read: str | None = None
+    watch = _CancelWatch(fleet, engine.state.run_id)
     for _ in range(fleet.settings.max_steps_per_job):
         if engine.state.phase is not Phase.RUNNING:
             return
@@ -379,6 +461,10 @@ def _step(fleet: Fleet, engine: RunEngine, document: RunDocument,
             report.outcome = "yielded"
             return
         heartbeat.check()
+        request = watch.poll()
+        if request is not None:  # an operator asked: stop at this safe point
+            _cancel(engine, request, report)
+            return
         step = agent.next_step(_view(engine, last_read))
         if step is None:
             report.outcome = "no_proposal"
@@ -390,6 +476,26 @@ def _step(fleet: Fleet, engine: RunEngine, document: RunDocument,
         report.steps += 1
         heartbeat.progress()
     report.outcome = "yielded"
+
+
+class _CancelWatch:
+    """Re-reads the run's inbox for a cancel request at most once per renewal interval,
+    so a run a worker is stepping stops within about one interval of the request, at a
+    cost that does not grow with the step rate."""
+
+    def __init__(self, fleet: Fleet, run_id: str) -> None:
+        self._fleet = fleet
+        self._run_id = run_id
+        self._every = fleet.settings.renew_interval / 1000
+        self._next = time.monotonic() + self._every
+
+    def poll(self) -> CancelRequest | None:
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + self._every
+        inbox = self._fleet.store.inbox(self._run_id)
+        return find_controls(self._fleet.keyring, self._run_id, inbox).cancel
 
 
 class _HeldLease:
@@ -430,7 +536,8 @@ def _finish(lease: _HeldLease, engine: RunEngine, report: JobReport) -> None:
     # with the release (a held receipt commit goes out before the lease does).
     phase = engine.state.phase
     if phase in TERMINAL_PHASES:
-        report.outcome, reap = "finished", False
+        report.outcome = "cancelled" if phase is Phase.CANCELLED else "finished"
+        reap = False
     elif phase in (Phase.AWAITING_APPROVAL, Phase.NEEDS_REVIEW):
         report.outcome, reap = "waiting", False  # approve / review re-enqueue it
     elif report.outcome == "no_proposal":
@@ -467,10 +574,11 @@ def _job_error(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: Exceptio
         attempt = settings.max_job_errors
     frozen = attempt >= settings.max_job_errors
     record = {"kind": "job_error", "error": type(exc).__name__, "message": message,
-              "where": _where(exc), "attempt": attempt,
+              "where": _where(exc), "attempt": attempt, "lease_version": lease.lease_version,
               "next": "frozen: an operator acts" if frozen else "retried after a backoff"}
     log.error("job failed", extra={"run_id": run_id, "error": type(exc).__name__,
                                    "outcome": record["next"]})
+    metrics.job_error(exc)
     with contextlib.suppress(RatchetError):
         fleet.store.record_incident(run_id, record)
     with contextlib.suppress(RatchetError):

@@ -33,9 +33,23 @@ metric                                          meaning
 ``ratchet_reaper_requeues_total{cause}``        runs re-enqueued by this process' reaper:
                                                 ``lease_expired`` (a holder died or stalled)
                                                 or ``released`` (yielded for reaping)
+``ratchet_job_errors_total{error}``             jobs that failed with an exception other
+                                                than a lost lease or fence (the run's
+                                                ``job_error`` incident), by exception type:
+                                                a ratchet error or builtin exception name,
+                                                else its nearest such base class, else
+                                                ``other``
+``ratchet_run_duration_seconds{phase}``         created -> terminal, by the store's clock
+                                                (histogram), observed by the worker whose
+                                                job ended the run
 ==============================================  ==========================================
 
-Fleet-wide gauges (runs by phase, approvals waiting) need a view of every run; the read-only
+Every labelled counter has a series for each of its known label values from the start,
+at zero, so that an alert on ``increase(...) > 0`` fires on the first event rather than
+on the second (a series that appears with its first increment has no earlier sample).
+
+Fleet-wide gauges (runs by phase, approvals waiting, queue depth, the oldest waiting
+approval's age, workers by state) need a view of every run or of the queue; the read-only
 console serves them on its own ``/metrics`` (``ratchet.console``).
 
 Serving: ``RATCHET_METRICS_PORT`` unset means no endpoint. Set, worker process ``i`` of a
@@ -55,6 +69,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from ratchet import errors
 from ratchet.errors import (
     ConfigurationError,
     GenerationMismatchError,
@@ -62,7 +77,7 @@ from ratchet.errors import (
     StaleStateError,
 )
 from ratchet.runtime import Phase, RunState
-from ratchet.runtime.state import TraceOutcome
+from ratchet.runtime.state import TERMINAL_PHASES, ReviewReason, TraceOutcome
 
 __all__ = [
     "APPROVALS_EXPIRED",
@@ -70,15 +85,21 @@ __all__ = [
     "COMMITS",
     "COMMIT_SECONDS",
     "JOBS",
+    "JOB_ERRORS",
+    "JOB_ERROR_TYPES",
+    "JOB_OUTCOMES",
     "LEASES_ACQUIRED",
     "LEASES_LOST",
     "LEASES_RENEWED",
     "LEASES_TAKEN_OVER",
     "REAPER_REQUEUES",
     "RECEIPT_CONFLICTS",
+    "RUN_SECONDS",
     "STALE_ADAPTER_WRITES",
     "STALE_COMMITS",
     "MetricsEndpoint",
+    "error_label",
+    "job_error",
     "lease_acquired",
     "lease_lost",
     "metrics_port",
@@ -126,6 +147,40 @@ REAPER_BAD_ENTRIES = Counter("ratchet_reaper_bad_entries_total",
 REAPER_REQUEUES = Counter("ratchet_reaper_requeues_total",
                           "Runs re-enqueued by this process' reaper.", ["cause"])
 
+JOB_ERRORS = Counter(
+    "ratchet_job_errors_total",
+    "Jobs that failed with an exception (not a lost lease or fence), by exception type.",
+    ["error"])
+RUN_SECONDS = Histogram(
+    "ratchet_run_duration_seconds",
+    "Runs from creation to a terminal phase, by the store's clock.", ["phase"],
+    buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600,
+             3 * 24 * 3600))
+
+#: Every outcome a job reports (``ratchet.worker.job.JobReport``); anything else is
+#: counted as ``other``.
+JOB_OUTCOMES = ("held_elsewhere", "terminal", "waiting", "finished", "cancelled", "yielded",
+                "lease_lost", "retry_later", "restore_refused", "environment_changed",
+                "no_proposal", "job_error", "poisoned", "store_epoch_changed", "no_run",
+                "store_refused", "other")
+_BUILTIN_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError,
+                   RuntimeError, RecursionError, NotImplementedError, ZeroDivisionError,
+                   ArithmeticError, LookupError, UnicodeError, ImportError, OSError,
+                   TimeoutError, MemoryError, AssertionError, StopIteration)
+
+
+def _ratchet_errors() -> list[type[BaseException]]:
+    found: list[type[BaseException]] = [errors.RatchetError]
+    for cls in found:
+        found.extend(c for c in cls.__subclasses__() if c.__module__ == errors.__name__)
+    return found
+
+
+_KNOWN_ERRORS: dict[type[BaseException], str] = {
+    cls: cls.__name__ for cls in (*_ratchet_errors(), *_BUILTIN_ERRORS)}
+#: The ``error`` label values of ``ratchet_job_errors_total``.
+JOB_ERROR_TYPES = (*sorted(set(_KNOWN_ERRORS.values())), "other")
+
 _LOST_REASONS = (
     ("renewal failed: LeaseLostError", "refused"),
     ("renewal failed", "unknown_outcome"),
@@ -135,6 +190,31 @@ _LOST_REASONS = (
 )
 _REVIEW_REASONS = frozenset({"intent_conflict", "receipt_missing", "receipt_drift",
                              "approval_unbound"})
+_PHASE_LABELS = (*(p.value for p in Phase), "unknown")
+
+
+def _initialise() -> None:
+    """Create every labelled series at zero (see the module docstring)."""
+    for outcome in JOB_OUTCOMES:
+        for phase in _PHASE_LABELS:
+            JOBS.labels(outcome=outcome, phase=phase)
+    for name in JOB_ERROR_TYPES:
+        JOB_ERRORS.labels(error=name)
+    for reason in sorted({name for _, name in _LOST_REASONS} | {"other"}):
+        LEASES_LOST.labels(reason=reason)
+    for reason in ("lease_lost", "generation_mismatch", "stale_state"):
+        STALE_COMMITS.labels(reason=reason)
+    for call in ("raise_fence", "execute"):
+        STALE_ADAPTER_WRITES.labels(call=call)
+    for reason in sorted({r.value for r in ReviewReason} | _REVIEW_REASONS | {"other"}):
+        RECEIPT_CONFLICTS.labels(reason=reason)
+    for cause in ("lease_expired", "released"):
+        REAPER_REQUEUES.labels(cause=cause)
+    for phase in sorted(p.value for p in TERMINAL_PHASES):
+        RUN_SECONDS.labels(phase=phase)
+
+
+_initialise()
 
 
 def lease_lost(reason: str) -> None:
@@ -165,10 +245,16 @@ def observe_commit(count: int = 1) -> Iterator[None]:
 
 
 def observe_trace(state: RunState, *, since_seq: int) -> None:
-    """Count approvals requested or expired and review cases opened after ``since_seq``."""
+    """Count approvals requested or expired and review cases opened after ``since_seq``,
+    and observe the run's duration when it reached a terminal phase after it."""
     for event in state.trace:
         if event.seq <= since_seq:
             continue
+        if state.phase in TERMINAL_PHASES and event is state.trace[-1]:
+            # Both ends by the store's clock: ``started_at`` was stamped at creation, the
+            # last event by this job's clock anchored at the acquire's Redis time.
+            RUN_SECONDS.labels(phase=state.phase.value).observe(
+                max(event.at - state.started_at, 0))
         if event.outcome is TraceOutcome.AWAITING_APPROVAL:
             APPROVALS_REQUESTED.inc()
         elif event.outcome is TraceOutcome.APPROVAL_EXPIRED:
@@ -189,8 +275,24 @@ def lease_acquired(*, took_over: bool) -> None:
 
 def observe_job(outcome: str, phase: str | None) -> None:
     """Count one ended job. ``phase`` is None when the job never read its run."""
-    known = {p.value for p in Phase}
-    JOBS.labels(outcome=outcome, phase=phase if phase in known else "unknown").inc()
+    JOBS.labels(outcome=outcome if outcome in JOB_OUTCOMES else "other",
+                phase=phase if phase in _PHASE_LABELS else "unknown").inc()
+
+
+def error_label(exc: BaseException) -> str:
+    """The ``error`` label for ``exc``: its type's name when ratchet or Python defines it,
+    else the nearest such base class (an agent's ``class PlanError(ValueError)`` counts as
+    ``ValueError``), else ``other``. Never a free-text value."""
+    for cls in type(exc).__mro__:
+        name = _KNOWN_ERRORS.get(cls)
+        if name is not None:
+            return name
+    return "other"
+
+
+def job_error(exc: BaseException) -> None:
+    """Count one job that failed with ``exc`` (see :func:`error_label`)."""
+    JOB_ERRORS.labels(error=error_label(exc)).inc()
 
 
 def metrics_port(index: int = 0) -> int | None:

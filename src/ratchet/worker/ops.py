@@ -9,6 +9,9 @@
   pending write, or the open review case, at the current generation), leave the evidence
   in the run's inbox and re-enqueue the run. Private keys stay with the signer; workers
   verify with public keys only.
+* :func:`cancel` leaves a sealed cancel request for the workers and :func:`rebaseline` a
+  reviewer's signed rebaseline decision (see :mod:`ratchet.worker.control`); :func:`retry`
+  hands a run frozen by an outside cause back.
 * :func:`post_approval` and :func:`post_review_decision` check signed evidence before it
   is posted, with the checks the worker makes (trust root, signature, signer, every
   binding, the nonce in the run and in the store, expiry by the store's clock), so a bad
@@ -35,12 +38,17 @@ from ratchet.errors import (
     EvidenceError,
     IntegrityError,
     ReviewDecisionError,
+    RunNotFoundError,
 )
 from ratchet.leasing import RunSnapshot
 from ratchet.leasing.keys import check_id
 from ratchet.runtime import (
     ApprovalClaims,
     ApprovalEvidence,
+    Observation,
+    Phase,
+    RebaselineClaims,
+    RebaselineDecision,
     ReviewDecision,
     ReviewDecisionClaims,
     ReviewVerdict,
@@ -48,6 +56,7 @@ from ratchet.runtime import (
     RunState,
     machine,
     sign_approval,
+    sign_rebaseline,
     sign_review_decision,
 )
 from ratchet.runtime.canonical import model_json
@@ -55,6 +64,7 @@ from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
+from ratchet.worker.control import CancelRequest, new_cancel_request, seal_cancel
 from ratchet.worker.runs import (
     RunDocument,
     build_adapter,
@@ -65,14 +75,17 @@ from ratchet.worker.runs import (
 )
 
 __all__ = [
+    "CancelPosted",
     "Posted",
     "RunView",
     "approve",
+    "cancel",
     "create_run",
     "inspect_run",
     "load_private_key",
     "post_approval",
     "post_review_decision",
+    "rebaseline",
     "retry",
     "review",
     "submit",
@@ -131,8 +144,18 @@ class RunView:
 
 
 def inspect_run(fleet: Fleet, run_id: str) -> RunView:
-    """Read and verify a run. Raises RunNotFoundError, CheckpointError, IntegrityError."""
-    snap = fleet.store.read_run(run_id, with_checkpoint=True, with_scenario=True)
+    """Read and verify a run. Raises RunNotFoundError (saying so for a purged run),
+    CheckpointError, IntegrityError."""
+    try:
+        snap = fleet.store.read_run(run_id, with_checkpoint=True, with_scenario=True)
+    except RunNotFoundError:
+        tombstone = fleet.store.tombstone(run_id)
+        if tombstone is None:
+            raise
+        export = tombstone.get("export") or "none"
+        raise RunNotFoundError(f"the run was purged ({tombstone.get('phase', '?')}, "
+                               f"generation {tombstone.get('generation', '?')}; export: "
+                               f"{export})", run_id=run_id, purged=True) from None
     if snap.checkpoint is None or snap.scenario is None:
         raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
     document = open_document(fleet.keyring, run_id, snap.scenario)
@@ -152,11 +175,12 @@ class Posted:
     """Evidence left in a run's inbox. ``verified`` is False when no trust root was
     available here to check it (it was signed, not verified; the worker still checks)."""
 
-    evidence: ApprovalEvidence | ReviewDecision
+    evidence: ApprovalEvidence | ReviewDecision | RebaselineDecision
     verified: bool
 
 
-def _post(fleet: Fleet, run_id: str, evidence: ApprovalEvidence | ReviewDecision,
+def _post(fleet: Fleet, run_id: str,
+          evidence: ApprovalEvidence | ReviewDecision | RebaselineDecision,
           verified: bool, error: type[EvidenceError]) -> Posted:
     """Refuse a nonce another run consumed (the store's global record), then leave the
     evidence in the run's inbox and re-enqueue the run."""
@@ -256,6 +280,12 @@ def review(fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey,
     except ValueError:
         raise ContractError("decision must be replan or abort", field="decision") from None
     state = view.state
+    # Bound to the environment as it is when the reviewer decides (the case's, or a later
+    # one a person made while the run waited): the worker applies it only while it reads so.
+    seen = _observe_now(fleet, view)
+    if seen.instance_id != case.environment.instance_id:
+        raise ContractError("the environment is another instance than the case's",
+                            run_id=run_id)
     claims = ReviewDecisionClaims(
         task_id=state.task_id, run_id=run_id, policy_id=state.policy_id,
         policy_version=state.policy_version, case_id=case.case_id,
@@ -264,7 +294,7 @@ def review(fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey,
         pending_intent_digest=case.pending.intent_digest,
         receipt_intent_digest=case.receipt.intent_digest if case.receipt else None,
         receipt_fingerprint=case.receipt_fingerprint,
-        env_instance_id=case.environment.instance_id, env_version=case.environment.version,
+        env_instance_id=seen.instance_id, env_version=seen.version,
         verdict=decided, nonce=f"rv-{secrets.token_hex(12)}")
     return post_review_decision(fleet, run_id, sign_review_decision(key, reviewer_id, claims))
 
@@ -291,6 +321,116 @@ def retry(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> None:
     fleet.store.record_incident(run_id, {"kind": "operator_retry", "operator": operator[:100],
                                          "reason": reason[:500], "phase": phase.value})
     fleet.enqueue(run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class CancelPosted:
+    """A cancel request left for the workers: its id, the run's phase when it was made,
+    and the worker holding the run then ("" when none does)."""
+
+    request: CancelRequest
+    phase: str
+    held_by: str
+
+
+def cancel(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> CancelPosted:
+    """Ask the workers to end a run at its next safe point (see
+    :mod:`ratchet.worker.control` for the whole protocol): verify the run, leave a cancel
+    request sealed under the fleet's key ring in its inbox, and re-enqueue it. A worker
+    stepping it stops at its next guard; a waiting, queued or frozen run is cancelled by
+    the next worker to take it. The worker commits ``cancelled`` through the fenced path,
+    after settling any pending write by its key, attributed to ``operator``.
+
+    Raises ContractError (an empty reason, a run that is terminal, one under review: a
+    reviewer decides it with ``abort``), and what :func:`inspect_run` raises (a run that
+    does not verify is not touched).
+    """
+    view = inspect_run(fleet, run_id)
+    phase = view.state.phase
+    if phase in TERMINAL_PHASES:
+        raise ContractError(f"the run is {phase.value}; nothing to cancel", run_id=run_id)
+    if phase is Phase.NEEDS_REVIEW:
+        raise ContractError("the run is under review: a reviewer ends it "
+                            "(ratchet review RUN --decision abort)", run_id=run_id)
+    request = new_cancel_request(run_id, by=operator, reason=reason,
+                                 now_ms=fleet.store.server_time_ms())
+    fleet.store.post_evidence(run_id, seal_cancel(fleet.keyring, request))
+    fleet.enqueue(run_id)
+    return CancelPosted(request, phase.value,
+                        (view.snapshot.owner or "") if view.snapshot.lease_live else "")
+
+
+def _environment_incident(view: RunView, incident_id: str | None) -> str:
+    """The id of the incident a rebaseline resolves: the one named, or the newest that
+    reports a changed environment. Raises ContractError."""
+    for incident in view.incidents:  # newest first
+        found = str(incident.get("id") or f"at-{incident.get('at_ms')}")
+        if incident_id is not None:
+            if found == incident_id:
+                return found
+            continue
+        reason = str(incident.get("reason", ""))
+        if incident.get("kind") == "environment_changed" or (
+                incident.get("kind") == "restore_refused" and reason == "environment"):
+            return found
+    if incident_id is not None:
+        raise ContractError(f"the run has no incident {incident_id}", field="incident")
+    raise ContractError("no incident of this run reports a changed environment; "
+                        "nothing to rebaseline", field="incident")
+
+
+def _observe_now(fleet: Fleet, view: RunView) -> Observation:
+    """The run's environment as it is now, read-only through its own adapter (no fence is
+    raised: nothing is written). Raises AdapterError, ConfigurationError."""
+    token = fleet.settings.http_token.get_secret_value() if fleet.settings.http_token else None
+    adapter = build_adapter(view.document, sandbox=fleet.sandbox, http_token=token)
+    try:
+        return adapter.observe()
+    finally:
+        close = getattr(adapter, "close", None)
+        if callable(close):
+            close()
+
+
+def rebaseline(fleet: Fleet, run_id: str, *, key: Ed25519PrivateKey, reviewer_id: str,
+               incident_id: str | None = None) -> Posted:
+    """Sign a reviewer's rebaseline decision for a run frozen because its environment was
+    changed behind it: observe the environment now (read-only, through the run's
+    adapter), bind the decision to the run, the incident, the checkpoint generation, the
+    environment the run recorded and the one observed, check it as the worker will, post
+    it and re-enqueue the run. The worker accepts the observation as the new baseline
+    only while the environment still reads exactly that, and voids the old approvals.
+
+    Raises ContractError (a run not running or waiting, no environment incident, an
+    environment that did not change or is another instance), ReviewDecisionError, and
+    what :func:`inspect_run` raises.
+    """
+    view = inspect_run(fleet, run_id)
+    state = view.state
+    if state.phase not in (Phase.RUNNING, Phase.AWAITING_APPROVAL):
+        raise ContractError(f"a {state.phase.value} run is not rebaselined", run_id=run_id)
+    incident = _environment_incident(view, incident_id)
+    seen = _observe_now(fleet, view)
+    env = state.environment
+    if seen.same_state(env):
+        raise ContractError("the environment is the one the run recorded; nothing to "
+                            "rebaseline (ratchet retry RUN hands it back)", run_id=run_id)
+    if seen.instance_id != env.instance_id:
+        raise ContractError("the environment is another instance; a rebaseline keeps the "
+                            "instance (submit a new run instead)", run_id=run_id)
+    claims = RebaselineClaims(
+        task_id=state.task_id, run_id=run_id, policy_id=state.policy_id,
+        policy_version=state.policy_version, incident_id=incident,
+        generation=view.generation, old_env_instance_id=env.instance_id,
+        old_env_version=env.version, old_env_fingerprint=env.fingerprint,
+        new_env_instance_id=seen.instance_id, new_env_version=seen.version,
+        new_env_fingerprint=seen.fingerprint, nonce=f"rb-{secrets.token_hex(12)}")
+    decision = sign_rebaseline(key, reviewer_id, claims)
+    verified = fleet.reviewers is not None
+    if fleet.reviewers is not None:
+        machine.check_rebaseline(state, view.document.scenario, decision, fleet.reviewers,
+                                 generation=view.generation)
+    return _post(fleet, run_id, decision, verified, ReviewDecisionError)
 
 
 def load_private_key(pem: bytes) -> Ed25519PrivateKey:

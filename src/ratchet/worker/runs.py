@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Strict, ValidationError
+from pydantic import Field, Strict, ValidationError, field_validator
 
 from ratchet.adapters.http import HttpAdapter
 from ratchet.adapters.router import RouterAdapter
@@ -59,7 +59,8 @@ __all__ = [
     "seal_document",
 ]
 
-_Text = Annotated[str, Strict(), Field(min_length=1, max_length=4096)]
+# Paths, argv items, agent names, URLs: a NUL would only fail later, inside the OS.
+_Text = Annotated[str, Strict(), Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
 
 
 class VerifierSpec(Frozen):
@@ -82,11 +83,21 @@ class EnvironmentSpec(Frozen):
 
 
 class RunDocument(Frozen):
+    """A run as submitted: the scenario, the agent and its configuration, the environment."""
+
     schema_version: Literal[1] = 1
     scenario: Scenario
     agent: _Text
     agent_config: JsonObject = Field(default_factory=dict)
     environment: EnvironmentSpec
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _exact_version(cls, value: object) -> object:
+        # A Literal takes True and 1.0 for 1; a version is an integer.
+        if type(value) is not int:
+            raise ValueError("schema_version must be the integer 1")
+        return value
 
 
 def document_digest(document: RunDocument) -> str:

@@ -6,19 +6,57 @@ longer than any lease, so RQ's own abandoned-job handling never races ratchet's 
 
 Keys never live in settings output: the checkpoint key is a ``SecretStr`` and key files
 are paths; :meth:`Settings.__repr__` shows neither key material nor the Redis password.
+
+Names: every ``RATCHET_*`` environment variable must be a setting of this model or one of
+:data:`OTHER_NAMES` (read elsewhere, each where the list says). Any other is refused when
+settings are read from the environment, as a typo (a misspelt ``RATCHET_REDIS_URL`` would
+otherwise mean "no Redis URL": the embedded default). The error names the variable and the
+closest known name, never its value.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Any, Final, Self
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from ratchet.adapters.sandbox import SandboxMode
+from ratchet.errors import ConfigurationError
 
-__all__ = ["Settings"]
+__all__ = ["OTHER_NAMES", "PREFIX", "Settings", "check_environment_names", "setting_names"]
+
+PREFIX: Final = "RATCHET_"
+
+#: ``RATCHET_*`` names that are not settings of :class:`Settings`, and who reads them.
+OTHER_NAMES: Final = frozenset({
+    # ratchet.worker.logs
+    "RATCHET_LOG_FORMAT", "RATCHET_LOG_LEVEL",
+    # ratchet.worker.metrics
+    "RATCHET_METRICS_PORT", "RATCHET_METRICS_ADDR",
+    # ratchet.worker.context: RQ's own connection (an ACL user of its own)
+    "RATCHET_QUEUE_REDIS_URL",
+    # ratchet.leasing.server: which redis-server binary to run
+    "RATCHET_REDIS_SERVER",
+    # ratchet.worker.failpoints: drills
+    "RATCHET_FAILPOINTS", "RATCHET_FAILPOINTS_LOG", "RATCHET_DRILL_EVENTS",
+    # ratchet.adapters.journal: the drill that proves the fences matter
+    "RATCHET_TEST_DISABLE_FENCES",
+    # ratchet's own test suite and CI
+    "RATCHET_TEST_REDIS_URL", "RATCHET_REQUIRE_SANDBOX", "RATCHET_REQUIRE_BROWSER",
+    "RATCHET_SCREENSHOT_DIR", "RATCHET_CHROMIUM", "RATCHET_CHROMEDRIVER",
+    "RATCHET_TEST_API_TOKEN", "RATCHET_PROBE_AGENT_MARKER",
+})
 
 _Ms = Annotated[int, Field(ge=50, le=24 * 3600 * 1000)]
 
@@ -46,6 +84,11 @@ class Settings(BaseSettings):
     # failures of the run; then the run is frozen with the reason visible.
     max_job_errors: Annotated[int, Field(ge=1)] = 3
     job_error_backoff_ms: _Ms = 1000
+    # Retention (ratchet.worker.retention): the workers purge runs that finished more than
+    # retention_s seconds ago (None: never), exporting each into retention_export_dir first
+    # when it is set. ratchet purge does the same on demand.
+    retention_s: Annotated[int, Field(ge=60)] | None = None
+    retention_export_dir: Path | None = None
     # A write's receipt commit travels with the next proposal's commit when the agent
     # plans ahead (see ratchet.worker.agents.Agent); off: every commit goes on its own.
     coalesce_commits: bool = True
@@ -83,6 +126,20 @@ class Settings(BaseSettings):
     allow_unknown_eviction_policy: bool = False
     # A worker whose wall clock is further than this from Redis' refuses to start.
     max_clock_skew_ms: Annotated[int, Field(ge=50)] = 2000
+    # ratchet worker replaces a worker process that died after a backoff doubling from
+    # this, capped at the next (see ratchet.worker.pool).
+    worker_restart_backoff_ms: _Ms = 1000
+    worker_restart_backoff_max_ms: _Ms = 60_000
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The names are checked whenever the environment is read, before any value is.
+        return (init_settings, _EnvironmentNames(settings_cls), env_settings, dotenv_settings,
+                file_secret_settings)
 
     @field_validator("agents", "verifier_read_only", mode="before")
     @classmethod
@@ -100,6 +157,9 @@ class Settings(BaseSettings):
             raise ValueError("stall_timeout_ms must be longer than renew_interval_ms")
         if self.job_timeout_s * 1000 <= 4 * self.lease_ttl_ms:
             raise ValueError("job_timeout_s must be far longer than the lease TTL")
+        if self.worker_restart_backoff_ms > self.worker_restart_backoff_max_ms:
+            raise ValueError("worker_restart_backoff_ms must not exceed "
+                             "worker_restart_backoff_max_ms")
         return self
 
     @property
@@ -118,3 +178,45 @@ class Settings(BaseSettings):
                 f"stall_timeout_ms={self.stall_timeout_ms})")
 
     __str__ = __repr__
+
+
+def setting_names() -> frozenset[str]:
+    """The environment variable of every setting of :class:`Settings`."""
+    return frozenset(PREFIX + name.upper() for name in Settings.model_fields)
+
+
+def check_environment_names(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse ``RATCHET_*`` variables that are neither settings nor :data:`OTHER_NAMES`.
+
+    Names are compared without regard to case, as the settings themselves are read.
+    Raises ConfigurationError naming every unknown variable (``field``: the first) and the
+    closest known name of each; values are never read.
+    """
+    environ = os.environ if environ is None else environ
+    known = setting_names() | OTHER_NAMES
+    unknown = sorted(name for name in environ
+                     if name.upper().startswith(PREFIX) and name.upper() not in known)
+    if not unknown:
+        return
+    # Compared without the prefix, which every name shares and which would make any two
+    # names look alike.
+    stems = sorted(name[len(PREFIX):] for name in known)
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name.upper()[len(PREFIX):], stems, n=1, cutoff=0.6)
+        parts.append(f"{name} (did you mean {PREFIX}{close[0]}?)" if close else name)
+    noun = "variable" if len(unknown) == 1 else "variables"
+    raise ConfigurationError(
+        f"unknown environment {noun} {', '.join(parts)}; ratchet reads no such name: fix "
+        "or unset it", field=unknown[0])
+
+
+class _EnvironmentNames(PydanticBaseSettingsSource):
+    """A settings source that contributes nothing and checks the environment's names."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        check_environment_names()
+        return {}

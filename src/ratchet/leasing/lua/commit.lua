@@ -11,6 +11,11 @@
 -- KEYS[7]  archive list        ratchet:{<run>}:archive
 -- KEYS[8]  optional: the expiry index ratchet:index:expiry (zset), on a single Redis only,
 --          updated when the batch releases the lease (see release_lease)
+-- KEYS[9..] optional, after KEYS[8], on a single Redis only: every phase index
+--          ratchet:index:phase:<phase> (zset); the script moves the run from its old
+--          phase's index to its new one (the key whose name ends in ':<phase>') when the
+--          batch changes the run's phase. Without them the reply reports the move and the
+--          caller updates the indexes (Redis Cluster: they live in other slots).
 --
 -- ARGV[1]  owner id (text)
 -- ARGV[2]  lease version the caller holds (integer)
@@ -22,7 +27,7 @@
 --          the batch applied (or was already applied), exactly as release_lease would
 --          with that mode: owner cleared, expiry set to now, the run taken off the expiry
 --          index ("drop") or scored now in it ("reap")
--- ARGV[7]  the run id (text; the expiry index member, used with KEYS[8] only)
+-- ARGV[7]  the run id (text; the member of the indexes in KEYS[8..])
 -- ARGV[8..] one group per commit, in generation order:
 --          generation of the checkpoint (integer; must be high-water + 1)
 --          checkpoint (bytes, signed by the caller, opaque to the script)
@@ -33,6 +38,8 @@
 --            TIME has passed it (the expiry of the approval the commit's pending write
 --            carries, so an approved write is never committed for execution late,
 --            whatever the worker's clock says)
+--          phase (text; "": the commit leaves the run's phase as it is): the phase the
+--            checkpoint is in, unsigned metadata for listings
 --          nonce count k (integer, >= 0), then k nonces to consume (text)
 --
 -- Replies: one entry per commit examined, in order; the script stops after the first entry
@@ -54,6 +61,9 @@
 --   {"lost", owner, lease_version, expires_at_ms, now_ms}  (only when every commit was
 --                                                          already applied: the lease
 --                                                          moved on since)
+-- and last, when the applied commits changed the run's phase:
+--   {"phase", old_phase, new_phase, now_ms}   old_phase "" for a run that had none; the
+--                                             indexes moved already when KEYS[9..] came
 -- A retry whose commits were all applied and whose lease version has no owner any more
 -- (released by the first send; an acquire would have raised the version) answers
 -- "released" again and writes nothing.
@@ -73,7 +83,9 @@
 -- over every segment, so they move together), generation and state version advance
 -- together, its nonces join the run's set, a history entry is pushed and its commit id
 -- remembered. The checkpoint key and the state hash are written once, for the last commit
--- applied (an earlier checkpoint of the batch is superseded inside this one atomic script,
+-- applied (with the phase of the last applied commit that names one: phase and
+-- phase_at_ms change, and the phase indexes move, only when that phase differs from the
+-- run's) (an earlier checkpoint of the batch is superseded inside this one atomic script,
 -- so no reader could ever see it; its digest stays in the history). The history and the
 -- commit-id hash are trimmed together to the newest ARGV[4] entries once they exceed it
 -- by an eighth (so trimming runs once per ARGV[4] / 8 commits, not on every one). The
@@ -96,24 +108,26 @@ local groups = {}
 local pos = 8
 for c = 1, count do
   local not_after = tonumber(ARGV[pos + 5])
-  local nonce_count = tonumber(ARGV[pos + 6])
+  local nonce_count = tonumber(ARGV[pos + 7])
   if not not_after or not_after < 0 or not nonce_count or nonce_count < 0
-      or pos + 6 + nonce_count > #ARGV then
+      or pos + 7 + nonce_count > #ARGV then
     return {{'bad_batch'}}
   end
   groups[c] = pos
-  pos = pos + 7 + nonce_count
+  pos = pos + 8 + nonce_count
 end
 if pos ~= #ARGV + 1 then
   return {{'bad_batch'}}
 end
 
-local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version')
+local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version', 'phase')
 if not st[1] then
   return {{'no_run'}}
 end
 local generation = tonumber(st[1])
 local state_version = tonumber(st[2])
+local old_phase = st[3] or ''
+local phase = old_phase
 
 local replies = {}
 local now_ms, owner, version, expires
@@ -131,6 +145,37 @@ local function read_lease()
   end
 end
 
+-- The index of one phase among KEYS[9..] (nil when they were not given).
+local function phase_index(name)
+  local tail = ':' .. name
+  for i = 9, #KEYS do
+    if string.sub(KEYS[i], -#tail) == tail then
+      return KEYS[i]
+    end
+  end
+  return nil
+end
+
+-- After the applied commits moved the run to another phase: move it between the phase
+-- indexes when they were given, and report the move last (the caller updates the indexes
+-- itself when they were not).
+local function moved(replies)
+  if phase ~= old_phase then
+    local new_index = phase_index(phase)
+    if new_index then
+      if old_phase ~= '' then
+        local old_index = phase_index(old_phase)
+        if old_index then
+          redis.call('ZREM', old_index, ARGV[7])
+        end
+      end
+      redis.call('ZADD', new_index, now_ms, ARGV[7])
+    end
+    replies[#replies + 1] = {'phase', old_phase, phase, now_ms}
+  end
+  return replies
+end
+
 -- Write what the applied commits of the batch changed (and release the lease when asked
 -- and nothing was refused), then reply.
 local function finish(refused)
@@ -141,6 +186,9 @@ local function finish(refused)
     end
     redis.call('HSET', KEYS[2], 'generation', generation, 'state_version', state_version,
       'updated_at_ms', now_ms, 'last_commit_id', last_id)
+    if phase ~= old_phase then
+      redis.call('HSET', KEYS[2], 'phase', phase, 'phase_at_ms', now_ms)
+    end
     local length = redis.call('LPUSH', KEYS[4], unpack(history))
     redis.call('HSET', KEYS[5], unpack(commit_ids))
     local limit = tonumber(ARGV[4])
@@ -169,7 +217,7 @@ local function finish(refused)
     end
     if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
       replies[#replies + 1] = {'lost', owner, version, expires, now_ms}
-      return replies
+      return replies  -- nothing applied (no phase moved): every commit was a retry
     end
     redis.call('HSET', KEYS[1], 'owner', '', 'expires_at_ms', now_ms)
     if #KEYS >= 8 then
@@ -181,6 +229,9 @@ local function finish(refused)
     end
     replies[#replies + 1] = {'released', version, now_ms}
   end
+  if last_ckpt and phase ~= old_phase then
+    return moved(replies)
+  end
   return replies
 end
 
@@ -190,7 +241,8 @@ for c = 1, count do
     ARGV[at + 3]
   local segment = ARGV[at + 4]
   local not_after = tonumber(ARGV[at + 5])
-  local first_nonce, last_nonce = at + 7, at + 6 + tonumber(ARGV[at + 6])
+  local commit_phase = ARGV[at + 6]
+  local first_nonce, last_nonce = at + 8, at + 7 + tonumber(ARGV[at + 7])
 
   local seen = redis.call('HGET', KEYS[5], commit_id)
   if seen then
@@ -234,6 +286,9 @@ for c = 1, count do
     generation = generation + 1
     state_version = state_version + 1
     last_ckpt, last_id = ckpt, commit_id
+    if commit_phase ~= '' then
+      phase = commit_phase
+    end
     if segment ~= '' then
       segments[#segments + 1] = segment
     end

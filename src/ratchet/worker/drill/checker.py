@@ -22,8 +22,13 @@ Definitions (the same as ``docs/drills.md``):
   settle bound after the last fault has passed;
 * a **rewound** run is one whose generation went back in the AOF rollback. Acks it lost
   are the fault's doing (counted apart, ``acked_lost_to_rollback``); it must end frozen
-  with evidence, or continue with every adapter effect recorded and none doubled. Any
-  other run that ends frozen or in review is an unexpected conflict;
+  with evidence, continue with every adapter effect recorded and none doubled, or be
+  cancelled by an operator with its signed ``cancelled`` event saying the environment was
+  not the checkpoint's. Any other run that ends frozen or in review is an unexpected
+  conflict;
+* an **operator cancel** is a ``ratchet cancel`` the drill makes of a run still in
+  flight; the run must end (cancelled, or completed first), and every cancelled run's
+  signed ``cancelled`` event must name the drill's request for it;
 * **metrics**: each worker's counters as its last successful scrape showed them, summed
   over workers (``_metrics`` below states exactly what is compared and why).
 """
@@ -223,7 +228,12 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         f.review_reason or any(i.get("kind") == "restore_refused" and i.get("reason")
                                for i in f.incidents))]
     unexpected = [r for r in frozen if r not in rewound]
-    silent = [r for r in rewound if r not in frozen and not _consistent(runs[r])]
+    # An operator may end a rewound run: its signed cancelled event must then say that the
+    # environment was not the checkpoint's (the adapters keep their records).
+    ended_by_cancel = [r for r in rewound if r not in frozen
+                       and runs[r].cancelled_unreconciled]
+    silent = [r for r in rewound if r not in frozen and r not in ended_by_cancel
+              and not _consistent(runs[r])]
     bad = len(no_evidence) + len(unexpected) + len(silent)
     conflict_status = _status(bad, len(rewound))
     if record.rollback_skipped and not bad:
@@ -231,7 +241,9 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     invariants.append(Invariant(
         "conflicts_frozen_with_evidence", conflict_status,
         f"{len(rewound)} runs rewound, {sum(1 for r in rewound if r in frozen)} frozen with "
-        f"evidence; {len(silent)} continued silently; {len(unexpected)} unexpected "
+        f"evidence, {len(ended_by_cancel)} cancelled by an operator with the mismatch "
+        "recorded; "
+        f"{len(silent)} continued silently; {len(unexpected)} unexpected "
         f"conflicts {unexpected[:3]}; {len(no_evidence)} without evidence"
         + (f"; rollback skipped: {record.rollback_skipped}" if record.rollback_skipped
            else ""), len(rewound)))
@@ -250,12 +262,25 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         f"{len(record.duplicate_enqueues)} ended runs enqueued again; {len(reopened)} left "
         f"their terminal phase, {len(moved)} committed again", len(record.duplicate_enqueues)))
 
-    # 8. Every requested fault fired.
+    # 8. Operator cancels end runs through the fenced path, attributed; nothing else does.
+    asked = {str(c["run_id"]): str(c["request_id"]) for c in record.cancels}
+    unattributed = sorted(r for r, f in runs.items() if f.phase == "cancelled" and (
+        f.cancel_request is None or asked.get(r) != f.cancel_request))
+    unended = sorted(r for r in asked if r in runs and runs[r].status not in (
+        "terminal", "waiting", "frozen"))
+    cancelled = sum(1 for r in asked if r in runs and runs[r].phase == "cancelled")
+    invariants.append(Invariant(
+        "operator_cancels_end_runs", _status(len(unattributed) + len(unended), len(asked)),
+        f"{len(asked)} cancels requested, {cancelled} runs cancelled (the rest ended first); "
+        f"{len(unattributed)} cancelled runs without their request, {len(unended)} "
+        "requested runs still running", len(asked)))
+
+    # 9. Every requested fault fired.
     fired_kinds = {"kill": actions["kill"], "pause": actions["pause"],
                    "drop-reply": actions["drop-reply"], "delay": actions["delay"],
                    "raise": actions["raise"], "redis-kill": len(record.redis_kills),
                    "duplicate-enqueue": len(record.duplicate_enqueues),
-                   "rollback": 1 if record.rollback else 0}
+                   "rollback": 1 if record.rollback else 0, "cancel": len(record.cancels)}
     missing = sorted(k for k in record.options.faults if not fired_kinds.get(k))
     invariants.append(Invariant(
         "every_fault_fired", "unknown" if missing else "pass",
@@ -283,6 +308,7 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         "acked_lost_to_rollback": acks["lost_to_rollback"],
         "restores_at_older_generation": acks["older_restores"],
         "stuck_runs": len(stuck), "rewound_runs": len(rewound),
+        "operator_cancels": len(record.cancels),
         "takeovers": len(latency),
         "takeover_ms": pct,
         "takeover_ttl_multiple": {k: (round(v / ttl_ms, 2) if v is not None else None)

@@ -16,6 +16,7 @@ from typing import Any
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.errors import RatchetError
 from ratchet.leasing import run_keys
+from ratchet.runtime import TraceOutcome
 from ratchet.worker.context import Fleet
 from ratchet.worker.drill.runner import DrillRecord
 from ratchet.worker.drill.services import NOTE
@@ -58,6 +59,9 @@ class RunFacts:
     review_reason: str | None
     incidents: list[dict[str, Any]]
     adapters: AdapterRecords
+    cancel_request: str | None = None  # the request id a signed ``cancelled`` event names
+    # That event says the run ended on an environment its checkpoint does not explain.
+    cancelled_unreconciled: bool = False
 
 
 @dataclass
@@ -148,6 +152,8 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
         executed: set[str] = set()
         reason: str | None = None
         incidents: list[dict[str, Any]] = []
+        cancel_request: str | None = None
+        unreconciled = False
         try:
             view = inspect_run(fleet, run_id)
             generation = view.generation
@@ -155,9 +161,14 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
             if view.state.review is not None:
                 reason = str(view.state.review.reason)
             incidents = view.incidents
+            cancelled = next((e for e in view.state.trace
+                              if e.outcome is TraceOutcome.CANCELLED), None)
+            if cancelled is not None:
+                cancel_request = str(cancelled.detail.get("request_id"))
+                unreconciled = "env_version_now" in cancelled.detail
         except RatchetError:
             pass
         runs[run_id] = RunFacts(run_id, index, status, phase, generation,
                                 _history(fleet, run_id), executed, reason, incidents,
-                                adapters)
+                                adapters, cancel_request, unreconciled)
     return Evidence(_jsonl(record.fired_log), dict(events), runs)

@@ -48,7 +48,7 @@ from ratchet.worker.drill.schedule import FAULTS, Schedule
 from ratchet.worker.drill.scrape import MetricsWatch, free_port_block
 from ratchet.worker.drill.services import TenantOrders, drill_document, make_workspace
 from ratchet.worker.drill.workers import DrillWorker, WorkerPool
-from ratchet.worker.ops import create_run, inspect_run
+from ratchet.worker.ops import cancel, create_run, inspect_run
 from ratchet.worker.settings import Settings
 
 __all__ = ["DrillOptions", "DrillRecord", "classify_run", "run_drill_processes"]
@@ -104,6 +104,7 @@ class DrillRecord:
     rollback: dict[str, Any] | None = None
     rollback_skipped: str | None = None
     duplicate_enqueues: list[dict[str, Any]] = field(default_factory=list)
+    cancels: list[dict[str, Any]] = field(default_factory=list)  # operator cancels posted
     pauses: list[dict[str, Any]] = field(default_factory=list)
     deaths: list[dict[str, object]] = field(default_factory=list)
     specs_used: int = 0
@@ -333,6 +334,28 @@ class _Drill:
                           and r not in {d["run_id"] for d in self.rec.duplicate_enqueues})
             if done:
                 self._duplicate(self.rng.choice(done))
+        if self.schedule.cancels_at and fraction >= self.schedule.cancels_at[0]:
+            self._cancel_one()
+
+    def _cancel_one(self) -> None:
+        """An operator cancels a run still in flight, as ``ratchet cancel`` does: the
+        request goes to the run's inbox and a worker ends the run at its next safe
+        point. A run that cannot be cancelled right now (it just ended, or is under
+        review) is passed over; the next tick tries another."""
+        asked = {c["run_id"] for c in self.rec.cancels}
+        candidates = sorted(r for r in self.rec.runs if r not in self.settled and r not in asked)
+        if not candidates:
+            return
+        run_id = self.rng.choice(candidates)
+        try:
+            posted = cancel(self.fleet, run_id, reason="drill: an operator ends the run",
+                            operator="drill")
+        except RatchetError:
+            return
+        self.schedule.cancels_at.pop(0)
+        self.rec.cancels.append({"run_id": run_id, "at": time.time(),
+                                 "request_id": posted.request.request_id,
+                                 "phase": posted.phase, "held_by": posted.held_by})
 
     def _generations(self, runs: Iterable[str]) -> dict[str, int]:
         return {r: self.fleet.store.read_run(r).generation for r in runs}

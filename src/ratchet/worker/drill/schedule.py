@@ -9,8 +9,9 @@ Two kinds of fault:
   ``repeats`` times, so a short drill fires every failpoint at least twice; the rest are
   drawn at random;
 * **cluster faults**, at fixed fractions of the runs settled: Redis ``kill -9`` and
-  restart on the same folder, a rollback of Redis to an earlier point of its AOF, and
-  duplicate enqueues of runs that already ended.
+  restart on the same folder, a rollback of Redis to an earlier point of its AOF,
+  duplicate enqueues of runs that already ended, and operator cancels (``ratchet cancel``)
+  of runs still in flight.
 
 The same seed gives the same schedule (the order in which processes reach their points
 still depends on timing; the report says what actually fired).
@@ -28,7 +29,7 @@ __all__ = ["FAULTS", "Schedule", "parse_faults"]
 
 #: Every fault kind ``--faults`` accepts (``all`` means every one).
 FAULTS = ("kill", "pause", "drop-reply", "delay", "raise", "redis-kill",
-          "duplicate-enqueue", "rollback")
+          "duplicate-enqueue", "rollback", "cancel")
 
 _Maker = Callable[[random.Random], str]  # draws one worker's failpoint spec
 _WINDOWS = ("before_proposal", "after_pending_before_adapter",
@@ -61,6 +62,7 @@ class Schedule:
     redis_kills_at: list[float] = field(default_factory=list)
     rollback_at: float | None = None
     duplicate_enqueues: int = 0
+    cancels_at: list[float] = field(default_factory=list)
     _next: int = 0
     _returns: dict[str, int] = field(default_factory=dict)
 
@@ -84,6 +86,9 @@ class Schedule:
             self.rollback_at = 0.45
         if "duplicate-enqueue" in self.faults:
             self.duplicate_enqueues = max(3, self.runs // 8)
+        if "cancel" in self.faults:
+            self.cancels_at = ([0.2, 0.5] if self.runs < 100
+                               else [0.1, 0.25, 0.4, 0.55, 0.7])
 
     def __repr__(self) -> str:
         return f"Schedule(seed={self.seed}, specs={len(self.specs)}, faults={sorted(self.faults)})"

@@ -1,0 +1,525 @@
+"""Listings that stay true at any size: runs a page at a time from the runs index or one
+phase's index, newest (or oldest) first, with exact counts.
+
+A page costs one ``ZRANGE`` of the index (``BYSCORE ... LIMIT``, so its cost does not
+grow with the index) and one pipeline that reads the listed runs' state and lease hashes
+and their newest incident. No checkpoint is read and nothing is verified: a row shows
+what the index and the state hash say (the phase is the unsigned metadata commits carry,
+see ``lua/commit.lua``); a run's own view (``ratchet show``, the console's run page)
+verifies its checkpoint. A row that cannot be read says why in ``problem`` and never
+takes the page down.
+
+Cursors are opaque text naming the last entry a page showed: its score, its member and how
+many entries with that score the walk had passed, so runs with equal scores (created in
+the same millisecond) are each listed exactly once. If the entries with that score
+changed in between (a run left the index), the next page re-reads that score and resumes
+after the member by its name. An entry that moves within the index while it is walked
+(a run that entered a phase again) shows at its new place, which an ongoing walk may
+already have passed.
+
+Counts are ``ZCARD`` of each index: exact, at any size. Runs created before phase
+indexes existed have no phase in their state hash and are in no phase index:
+:meth:`RunListings.runs_missing_phase` finds them and :meth:`RunListings.record_phase`
+indexes one (``ratchet store init`` does both, reading each phase from the run's verified
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import WatchError
+
+from ratchet.errors import ContractError, RatchetError, StoreProtocolError
+from ratchet.leasing.keys import (
+    INDEX_KEYS,
+    PHASE_INDEXES,
+    PHASES,
+    RUNS_INDEX,
+    check_id,
+    phase_index,
+    run_keys,
+)
+from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.runtime.canonical import strict_json_loads
+
+__all__ = ["MAX_PAGE", "ListedRun", "RunListings", "RunPage"]
+
+MAX_PAGE = 1000
+_MAX_CURSOR = 1024
+_SEARCH_CHUNK = 200
+_STATE_FIELDS = ("task_id", "generation", "phase", "phase_at_ms", "created_at_ms",
+                 "updated_at_ms")
+_LEASE_FIELDS = ("owner", "lease_version", "expires_at_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class ListedRun:
+    """One row of a listing, as the index and the run's hashes say (nothing verified).
+
+    ``listed_at_ms`` is the index score: the creation time in the runs index, the time the
+    run entered the phase in a phase index. ``phase`` is the state hash's (None: none
+    recorded). ``owner`` is set only while the lease is live (Redis time). ``problem``
+    says why the row could not be read; the other fields are then None.
+    """
+
+    run_id: str
+    listed_at_ms: int
+    phase: str | None = None
+    task_id: str | None = None
+    generation: int | None = None
+    created_at_ms: int | None = None
+    updated_at_ms: int | None = None
+    owner: str | None = None
+    lease_version: int | None = None
+    expires_at_ms: int | None = None
+    incidents: int = 0
+    last_incident: str | None = None  # the kind of the newest incident
+    problem: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunPage:
+    """A page of a listing. ``next_cursor`` is None on the last page; ``scanned`` is how
+    many index entries were examined (a search examines more than it returns)."""
+
+    rows: tuple[ListedRun, ...]
+    next_cursor: str | None
+    phase: str | None  # the index listed (None: every run, by creation time)
+    oldest_first: bool
+    scanned: int
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Position:
+    """Where a walk stands: after ``member`` at ``score``, the ``seen``-th entry with that
+    score in walk order."""
+
+    oldest_first: bool
+    score: float
+    seen: int
+    member: bytes
+
+    def encode(self) -> str:
+        head = f"{'o' if self.oldest_first else 'n'}:{self.score!r}:{self.seen}:".encode()
+        return base64.urlsafe_b64encode(head + self.member).rstrip(b"=").decode("ascii")
+
+
+def _bad_cursor() -> ContractError:
+    return ContractError("the cursor is not one this listing gave out", field="after")
+
+
+def decode_cursor(text: str) -> _Position:
+    """The position a cursor names. Raises ContractError (``field="after"``)."""
+    if not isinstance(text, str) or not 0 < len(text) <= _MAX_CURSOR:
+        raise _bad_cursor()
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        order, score_text, seen_text, member = raw.split(b":", 3)
+        score, seen = float(score_text.decode("ascii")), int(seen_text.decode("ascii"))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise _bad_cursor() from None
+    if order not in (b"n", b"o") or math.isnan(score) or not 1 <= seen <= 10**9 or not member:
+        raise _bad_cursor()
+    return _Position(order == b"o", score, seen, member)
+
+
+def _bound(score: float, *, exclusive: bool = False) -> str:
+    text = "+inf" if score == math.inf else "-inf" if score == -math.inf else repr(score)
+    return f"({text}" if exclusive else text
+
+
+def _int(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes) and value.isdigit():
+        return int(value)
+    raise ValueError("not an integer")
+
+
+def _ms(value: object) -> int:
+    """A stored millisecond time, 0 when absent or not a number."""
+    try:
+        return _int(value) or 0
+    except ValueError:
+        return 0
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else StorePlumbing._member(value)
+
+
+def _incident_kind(raw: object) -> str | None:
+    items = raw if isinstance(raw, list) else []
+    if not items or not isinstance(items[0], bytes):
+        return None
+    body = items[0].decode("utf-8", "replace").partition("|")[2]
+    try:  # by shape, as RunRecords.incidents reads them
+        record = strict_json_loads(body, max_depth=2)
+    except ContractError:
+        return "unreadable"
+    kind = record.get("kind") if isinstance(record, dict) else None
+    return kind if isinstance(kind, str) else "unreadable"
+
+
+def _check_limit(limit: int) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+        raise ContractError(f"limit must be an integer from 1 to {MAX_PAGE}", field="limit")
+    return limit
+
+
+def _after(chunk: Sequence[tuple[bytes, float]], i: int, base: int,
+           base_score: float | None, oldest_first: bool) -> _Position:
+    """The position after entry ``i`` of ``chunk``, whose walk had passed ``base`` entries
+    with score ``base_score`` before the chunk began."""
+    member, score = chunk[i]
+    seen = sum(1 for _, s in chunk[: i + 1] if s == score)
+    if score == base_score:
+        seen += base
+    return _Position(oldest_first, score, seen, member)
+
+
+class RunListings(StorePlumbing):
+    """Paged, counted listings of runs (see the module docstring). Part of RedisStore."""
+
+    _inline_indexes: bool  # set by RedisStore: a single Redis (not a Cluster)
+
+    def server_time_ms(self) -> int:  # provided by RedisStore
+        raise NotImplementedError
+
+    @staticmethod
+    def index_keys() -> tuple[str, ...]:
+        """Every cross-run index a run may be in (runs, expiry, each phase): removing a
+        run must remove it from each (see :data:`ratchet.leasing.keys.INDEX_KEYS`)."""
+        return INDEX_KEYS
+
+    # -- counts -------------------------------------------------------------------------
+
+    def phase_counts(self) -> dict[str, int]:
+        """How many runs each phase index holds (``ZCARD`` each, one pipeline): exact.
+
+        Raises StoreUnavailableError, StoreProtocolError.
+        """
+        counts = self._zcards(PHASE_INDEXES)
+        return dict(zip(PHASES, counts, strict=True))
+
+    def run_count(self) -> int:
+        """How many runs the runs index holds. Raises StoreUnavailableError."""
+        return self._zcards([RUNS_INDEX])[0]
+
+    def _zcards(self, keys: Sequence[str]) -> list[int]:
+        def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.zcard(key)
+            return list(pipe.execute())
+
+        counts = self._call("index counts", None, read)
+        if len(counts) != len(keys) or not all(
+                isinstance(n, int) and not isinstance(n, bool) for n in counts):
+            raise StoreProtocolError("an index count is not an integer")
+        return [int(n) for n in counts]
+
+    # -- pages --------------------------------------------------------------------------
+
+    def list_runs(self, phase: str | None = None, *, limit: int = 50,
+                  after: str | None = None, oldest_first: bool = False) -> RunPage:
+        """A page of runs: those in ``phase`` (by the time they entered it) or every run
+        (by creation time), newest first unless ``oldest_first``, continuing after the
+        cursor ``after`` (a page's ``next_cursor``).
+
+        Raises ContractError (unknown phase, a limit outside 1..1000, a cursor this
+        listing did not give out or one of the other order), StoreUnavailableError.
+        """
+        key, start = self._start(phase, limit, after, oldest_first)
+        chunk, base, base_score = self._entries(key, start, limit + 1, oldest_first)
+        more = len(chunk) > limit
+        chunk = chunk[:limit]
+        rows, now_ms = self._rows([member for member, _ in chunk], [s for _, s in chunk])
+        cursor = (_after(chunk, len(chunk) - 1, base, base_score, oldest_first).encode()
+                  if more and chunk else None)
+        return RunPage(tuple(rows), cursor, phase, oldest_first, len(chunk), now_ms)
+
+    def search_runs(self, prefix: str, phase: str | None = None, *, limit: int = 50,
+                    after: str | None = None, oldest_first: bool = False,
+                    budget: int = 5000) -> RunPage:
+        """Like :meth:`list_runs`, keeping only the runs whose id, task id or live lease
+        owner starts with ``prefix`` (exact, case-sensitive). At most ``budget`` index
+        entries are examined per call; ``next_cursor`` then continues the search where it
+        stopped, so a search never claims more than it looked at (``scanned``).
+
+        Raises what :meth:`list_runs` raises, and ContractError for an empty prefix.
+        """
+        if not isinstance(prefix, str) or not prefix or len(prefix) > 200:
+            raise ContractError("the search text must be 1 to 200 characters",
+                                field="search")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ContractError("budget must be a positive integer", field="budget")
+        key, start = self._start(phase, limit, after, oldest_first)
+        found: list[ListedRun] = []
+        scanned, now_ms = 0, 0
+        position = start
+        while scanned < budget:
+            want = min(_SEARCH_CHUNK, budget - scanned)
+            chunk, base, base_score = self._entries(key, position, want, oldest_first)
+            if not chunk:
+                return RunPage(tuple(found), None, phase, oldest_first, scanned, now_ms)
+            rows, now_ms = self._rows([m for m, _ in chunk], [s for _, s in chunk])
+            for i, row in enumerate(rows):
+                scanned += 1
+                if any(isinstance(v, str) and v.startswith(prefix)
+                       for v in (row.run_id, row.task_id, row.owner)):
+                    found.append(row)
+                    if len(found) == limit:
+                        end = _after(chunk, i, base, base_score, oldest_first)
+                        return RunPage(tuple(found), end.encode(), phase, oldest_first,
+                                       scanned, now_ms)
+            position = _after(chunk, len(chunk) - 1, base, base_score, oldest_first)
+            if len(chunk) < want:
+                return RunPage(tuple(found), None, phase, oldest_first, scanned, now_ms)
+        return RunPage(tuple(found), position.encode() if position else None, phase,
+                       oldest_first, scanned, now_ms or self.server_time_ms())
+
+    def _start(self, phase: str | None, limit: int, after: str | None,
+               oldest_first: bool) -> tuple[str, _Position | None]:
+        _check_limit(limit)
+        key = RUNS_INDEX if phase is None else phase_index(phase)
+        if after is None or after == "":
+            return key, None
+        position = decode_cursor(after)
+        if position.oldest_first != bool(oldest_first):
+            raise ContractError("the cursor was given out for the other order",
+                                field="after")
+        return key, position
+
+    def _range(self, key: str, begin: str, end: str, *, oldest_first: bool, offset: int,
+               count: int) -> list[tuple[bytes, float]]:
+        """Entries from score ``begin`` to score ``end`` in walk order (``ZRANGE ...
+        BYSCORE [REV] LIMIT offset count``)."""
+        raw = self._call("listing", None, lambda: self._client.zrange(
+            key, begin, end, desc=not oldest_first, byscore=True, offset=offset, num=count,
+            withscores=True))
+        entries: list[tuple[bytes, float]] = []
+        for member, score in raw:
+            if not isinstance(member, bytes) or not isinstance(score, float):
+                raise StoreProtocolError("an index entry is malformed", index=key)
+            entries.append((member, score))
+        return entries
+
+    def _entries(self, key: str, position: _Position | None, count: int, oldest_first: bool,
+                 ) -> tuple[list[tuple[bytes, float]], int, float | None]:
+        """Up to ``count`` entries after ``position`` in walk order, with how many entries
+        at ``position``'s score the walk had passed before them."""
+        near, far = ("-inf", "+inf") if oldest_first else ("+inf", "-inf")
+        if position is None:
+            return self._range(key, near, far, oldest_first=oldest_first, offset=0,
+                               count=count), 0, None
+        here = _bound(position.score)
+        # One read in the usual case: the entry the cursor names, then what follows it.
+        got = self._range(key, here, far, oldest_first=oldest_first,
+                          offset=position.seen - 1, count=count + 1)
+        if got and got[0] == (position.member, position.score):
+            return got[1:], position.seen, position.score
+        # The entries at that score changed since: resume after the member by name.
+        ties = self._range(key, here, here, oldest_first=oldest_first, offset=0,
+                           count=MAX_PAGE * 100)
+        later = [(m, s) for m, s in ties
+                 if (m > position.member if oldest_first else m < position.member)]
+        rest: list[tuple[bytes, float]] = []
+        if len(later) < count:
+            rest = self._range(key, _bound(position.score, exclusive=True), far,
+                               oldest_first=oldest_first, offset=0,
+                               count=count - len(later))
+        return (later + rest)[:count], len(ties) - len(later), position.score
+
+    def _rows(self, members: Sequence[bytes], scores: Sequence[float],
+              ) -> tuple[list[ListedRun], int]:
+        """Read the listed runs' hashes in one pipeline (and Redis' time with them on a
+        single Redis). A row that cannot be read says why; the others are unaffected."""
+        ids: list[str | None] = []
+        for member in members:
+            try:
+                ids.append(check_id(member.decode("utf-8"), "run_id"))
+            except (UnicodeDecodeError, RatchetError):
+                ids.append(None)
+
+        def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            if self._inline_indexes:
+                pipe.time()
+            for run_id in ids:
+                if run_id is None:
+                    continue
+                keys = run_keys(run_id)
+                pipe.hmget(keys.state, _STATE_FIELDS)
+                pipe.hmget(keys.lease, _LEASE_FIELDS)
+                pipe.llen(keys.incidents)
+            return list(pipe.execute(raise_on_error=False))
+
+        def newest_incidents(with_some: list[str]) -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for run_id in with_some:
+                pipe.lrange(run_keys(run_id).incidents, 0, 0)
+            return list(pipe.execute(raise_on_error=False))
+
+        replies = self._call("listing", None, read) if members else []
+        if self._inline_indexes and replies:
+            now = replies.pop(0)
+            if (not isinstance(now, list | tuple) or len(now) != 2
+                    or not all(isinstance(x, int) for x in now)):
+                raise StoreProtocolError("TIME reply is malformed")
+            now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
+        else:
+            now_ms = self.server_time_ms()
+        per_run: dict[str, tuple[object, object, object]] = {}
+        valid = [run_id for run_id in ids if run_id is not None]
+        for index, valid_id in enumerate(valid):
+            per_run[valid_id] = (replies[3 * index], replies[3 * index + 1],
+                                 replies[3 * index + 2])
+        # The newest incident's kind, read only for the runs that have any (most have
+        # none): a second, usually skipped, pipeline instead of one more command per row.
+        with_some = [r for r in valid if isinstance(per_run[r][2], int) and per_run[r][2]]
+        newest = dict(zip(with_some, self._call("listing", None, functools.partial(
+            newest_incidents, with_some)), strict=True)) if with_some else {}
+        rows: list[ListedRun] = []
+        for member, score, run_id in zip(members, scores, ids, strict=True):
+            listed = int(score) if math.isfinite(score) else 0
+            if run_id is None:
+                rows.append(ListedRun(self._member(member), listed,
+                                      problem="unreadable: not a valid run id"))
+                continue
+            state, lease, count = per_run[run_id]
+            rows.append(self._row(run_id, listed, state, lease, count, newest.get(run_id),
+                                  now_ms))
+        return rows, now_ms
+
+    @staticmethod
+    def _row(run_id: str, listed: int, state: object, lease: object, count: object,
+             newest: object, now_ms: int) -> ListedRun:
+        for reply in (state, lease, count, newest):  # newest: None when not read
+            if isinstance(reply, Exception):
+                return ListedRun(run_id, listed,
+                                 problem=f"unreadable: {type(reply).__name__}")
+        if not isinstance(state, list) or not isinstance(lease, list) or state[1] is None:
+            return ListedRun(run_id, listed, problem="unreadable: no such run (an index "
+                             "entry without a run)")
+        try:
+            task_id, generation, phase, _phase_at, created, updated = state
+            owner, version, expires = lease
+            expires_at = _int(expires)
+            owner_text = _text(owner) or None
+            live = owner_text is not None and expires_at is not None and now_ms < expires_at
+            phase_text = _text(phase)
+            return ListedRun(
+                run_id, listed,
+                phase=phase_text if phase_text in PHASES else None,
+                task_id=_text(task_id), generation=_int(generation),
+                created_at_ms=_int(created), updated_at_ms=_int(updated),
+                owner=owner_text if live else None, lease_version=_int(version),
+                expires_at_ms=expires_at,
+                incidents=count if isinstance(count, int) else 0,
+                last_incident=_incident_kind(newest))
+        except (ValueError, RatchetError):
+            return ListedRun(run_id, listed, problem="unreadable: malformed state")
+
+    # -- runs created before phase indexes ---------------------------------------------
+
+    def runs_missing_phase(self, *, chunk: int = 500) -> Iterator[tuple[str, str]]:
+        """Runs of the runs index that no phase index lists, oldest first, as
+        ``(run_id, phase)``: ``phase`` is ``""`` when the state hash records none (a run
+        created before phase indexes: read it from the verified checkpoint), else the
+        recorded phase whose index lacks the run (a Redis Cluster crash window).
+
+        Raises StoreUnavailableError.
+        """
+        start = 0
+        while True:
+            members = self._call("runs index", None, functools.partial(
+                self._client.zrange, RUNS_INDEX, start, start + chunk - 1))
+            if not members:
+                return
+            start += len(members)
+            ids = []
+            for member in members:
+                try:
+                    ids.append(check_id(self._member(member), "run_id"))
+                except RatchetError:
+                    continue
+
+            def read(batch: list[str]) -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                for run_id in batch:
+                    pipe.hmget(run_keys(run_id).state, ["generation", "phase"])
+                return list(pipe.execute(raise_on_error=False))
+
+            states = self._call("listing", None, functools.partial(read, ids))
+            recorded: list[tuple[str, str]] = []
+            for run_id, state in zip(ids, states, strict=True):
+                if not isinstance(state, list) or state[0] is None:
+                    continue  # no run (or junk): nothing to index
+                phase = _text(state[1]) or ""
+                if phase not in PHASES:
+                    yield run_id, ""
+                else:
+                    recorded.append((run_id, phase))
+
+            def scores(batch: list[tuple[str, str]]) -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                for run_id, phase in batch:
+                    pipe.zscore(phase_index(phase), run_id)
+                return list(pipe.execute())
+
+            if recorded:
+                found = self._call("phase index", None,
+                                   functools.partial(scores, recorded))
+                for (run_id, phase), score in zip(recorded, found, strict=True):
+                    if score is None:
+                        yield run_id, phase
+
+    def record_phase(self, run_id: str, phase: str) -> bool:
+        """Record ``phase`` for a run whose state hash has none, scored by its last commit
+        time, and make sure the run is in that phase's index. A run that records another
+        phase by now (a commit came first) is left alone.
+
+        Returns True when the run is now listed under ``phase``. The state hash is
+        changed only if no commit changed it meanwhile (``WATCH``). Raises ContractError,
+        StoreUnavailableError.
+        """
+        state = run_keys(run_id).state
+        index = phase_index(phase)
+
+        def record() -> int | None:
+            for _attempt in range(5):
+                with self._client.pipeline(transaction=True) as pipe:
+                    try:
+                        pipe.watch(state)
+                        generation, current, at, updated = pipe.hmget(
+                            state, ["generation", "phase", "phase_at_ms", "updated_at_ms"])
+                        if generation is None:
+                            return None
+                        if current is not None:
+                            if _text(current) != phase:
+                                return None
+                            return _ms(at) or _ms(updated)
+                        pipe.multi()
+                        pipe.hset(state, mapping={"phase": phase,
+                                                  "phase_at_ms": _ms(updated)})
+                        pipe.execute()
+                        return _ms(updated)
+                    except WatchError:
+                        continue
+            return None
+
+        at_ms = self._call("phase record", run_id, record)
+        if at_ms is None:
+            return False
+        self._call("phase index", run_id,
+                   lambda: self._client.zadd(index, {run_id: at_ms}, nx=True))
+        return True

@@ -1,0 +1,164 @@
+"""The pending write as a change: its content and a unified diff against the current file.
+
+Read only from a run that :func:`ratchet.worker.ops.inspect_run` verified: the path comes
+from the signed pending intent, the workspace root from the signed run document, and the
+path must be one of the document's allowed paths, reached through no symbolic link (the
+checks the workspace adapter makes before a write). Nothing is written: the adapter's
+journal is not opened (opening it resolves a crashed writer's intent, which is a worker's
+job, not a viewer's).
+
+Bounds: content is shown up to :data:`SHOW_BYTES`; a file or content larger than
+:data:`DIFF_BYTES` is not diffed; a diff is cut after :data:`DIFF_LINES` lines or
+:data:`DIFF_SHOW_BYTES` bytes, whichever comes first. Content
+that is not text (a NUL byte, or undecodable) is marked ``binary`` and never printed;
+content over the bounds is marked ``huge`` and described by its size and digest.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from ratchet.adapters.files import AllowedPaths
+from ratchet.errors import ConfigurationError
+from ratchet.runtime import ActionKind
+from ratchet.worker.ops import RunView
+
+__all__ = ["DIFF_BYTES", "DIFF_LINES", "DIFF_SHOW_BYTES", "SHOW_BYTES", "pending_change"]
+
+SHOW_BYTES = 16 * 1024
+DIFF_BYTES = 256 * 1024
+DIFF_LINES = 400
+DIFF_SHOW_BYTES = 64 * 1024
+_MISSING = "the file does not exist yet"
+
+
+def _describe(data: bytes) -> dict[str, Any]:
+    """Size, digest and how the bytes may be shown: ``text``, ``binary`` or ``huge``."""
+    info: dict[str, Any] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if b"\x00" in data[:DIFF_BYTES]:
+        info["form"] = "binary"
+        return info
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        info["form"] = "binary"
+        return info
+    if len(data) > SHOW_BYTES:
+        info["form"] = "huge"
+    else:
+        info["form"], info["text"] = "text", text
+    return info
+
+
+def _read_current(root: Path, path: str, allowed: AllowedPaths) -> tuple[bytes | None, str]:
+    """The file's bytes (None when it does not exist) and a note; never follows a link."""
+    if path not in allowed:
+        return None, "the path is outside the allowed paths"
+    current = root
+    for part in path.split("/"):
+        current = current / part
+        if current.is_symlink():
+            return None, "the path goes through a symbolic link"
+    try:
+        fd = os.open(current, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None, _MISSING
+    except OSError as exc:
+        return None, f"the file cannot be read here ({exc.strerror or type(exc).__name__})"
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            return None, "the path is not a regular file"
+        data = handle.read(DIFF_BYTES + 1)
+    return data, ""
+
+
+def _diff(old: bytes, new: bytes, path: str) -> dict[str, Any]:
+    if len(old) > DIFF_BYTES or len(new) > DIFF_BYTES:
+        return {"diff": None, "diff_note": f"not diffed: over {DIFF_BYTES} bytes"}
+    try:
+        old_text, new_text = old.decode("utf-8"), new.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"diff": None, "diff_note": "not diffed: binary content"}
+    if "\x00" in old_text or "\x00" in new_text:
+        return {"diff": None, "diff_note": "not diffed: binary content"}
+    if old_text == new_text:
+        return {"diff": "", "diff_note": "the file already holds exactly this content"}
+    lines = list(difflib.unified_diff(old_text.splitlines(keepends=True),
+                                      new_text.splitlines(keepends=True),
+                                      fromfile=f"a/{path} (current)",
+                                      tofile=f"b/{path} (pending)"))
+    lines = [line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+             for line in lines]
+    note = ""
+    if len(lines) > DIFF_LINES:
+        note = f"{len(lines) - DIFF_LINES} more diff lines not shown"
+        lines = lines[:DIFF_LINES]
+    text = "".join(lines)
+    if len(text.encode("utf-8")) > DIFF_SHOW_BYTES:
+        text = text.encode("utf-8")[:DIFF_SHOW_BYTES].decode("utf-8", "ignore") + "\n"
+        note = (note + "; " if note else "") + f"the diff is cut at {DIFF_SHOW_BYTES} bytes"
+        note += " (the rest not shown)"
+    return {"diff": text, "diff_note": note}
+
+
+def pending_change(view: RunView) -> dict[str, Any] | None:
+    """The run's pending write as a change, or None when nothing is pending.
+
+    ``{"path", "operation", "content": {bytes, sha256, form, text?}, "current": {...} |
+    None, "current_note", "diff", "diff_note"}`` for a file write or delete;
+    ``{"operation": "external_call", "target", "content": {...}}`` for an external call
+    (there is no current file to compare with). Raises nothing for a workspace that
+    cannot be read here: the notes say why.
+    """
+    pending = view.state.pending
+    if pending is None:
+        return None
+    action = pending.action
+    if action.kind is ActionKind.EXTERNAL_CALL:
+        body = str(action.args.get("body", "")).encode("utf-8")
+        return {"operation": "external_call", "target": str(action.args.get("operation")),
+                "content": _describe(body), "current": None,
+                "current_note": "an external call: there is no current file", "diff": None,
+                "diff_note": ""}
+    if action.kind not in (ActionKind.WRITE_FILE, ActionKind.DELETE_FILE):
+        return None
+    path = str(action.args["path"])
+    new = (str(action.args["content"]).encode("utf-8")
+           if action.kind is ActionKind.WRITE_FILE else b"")
+    out: dict[str, Any] = {"path": path, "operation": action.kind.value,
+                           "content": _describe(new) if action.kind is ActionKind.WRITE_FILE
+                           else None}
+    if pending.receipt is not None:
+        out["receipt_note"] = "the adapter's receipt is recorded: the write was done"
+    try:
+        allowed = AllowedPaths(view.document.scenario.allowed_paths)
+    except ConfigurationError as exc:
+        out.update(current=None, current_note=exc.message, diff=None, diff_note="")
+        return out
+    root = Path(view.document.environment.root)
+    if not root.is_dir():
+        out.update(current=None, current_note="the workspace is not reachable from here",
+                   diff=None, diff_note="")
+        return out
+    current, note = _read_current(root, path, allowed)
+    missing = current is None and note == _MISSING
+    if current is not None:
+        described = _describe(current)
+        described.pop("text", None)  # the diff shows it; the whole file is not repeated
+        if len(current) > DIFF_BYTES:
+            described["bytes_note"] = f"over {DIFF_BYTES} bytes (read that far)"
+        out["current"] = described
+    else:
+        out["current"] = None
+    out["current_note"] = note
+    if current is not None or missing:
+        out.update(_diff(current or b"", new, path))
+    else:
+        out.update(diff=None, diff_note="not diffed")
+    return out
