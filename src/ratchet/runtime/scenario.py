@@ -22,7 +22,15 @@ from ratchet.runtime.canonical import (
     strict_json_loads,
     strict_yaml_loads,
 )
-from ratchet.runtime.types import Frozen, Identifier, NonNegInt, PosInt, RelPath, Text
+from ratchet.runtime.types import (
+    Frozen,
+    Identifier,
+    NonNegInt,
+    PosInt,
+    RelPath,
+    Text,
+    exact_version,
+)
 
 __all__ = ["SCENARIO_SCHEMA_VERSION", "Budgets", "Scenario", "VerifierSpec", "load_scenario"]
 
@@ -68,13 +76,7 @@ class Scenario(Frozen):
     initial_files: dict[RelPath, Text]
     verifier: VerifierSpec
 
-    @field_validator("schema_version", mode="before")
-    @classmethod
-    def _exact_version(cls, value: object) -> object:
-        # A Literal takes True and 1.0 for 1; a version is an integer.
-        if type(value) is not int:
-            raise ValueError("schema_version must be the integer 1")
-        return value
+    _exact_version = field_validator("schema_version", mode="before")(exact_version)
 
     @field_validator("approval_required")
     @classmethod

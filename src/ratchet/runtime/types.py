@@ -23,6 +23,7 @@ __all__ = [
     "StrictStr",
     "Text",
     "check_rel_path",
+    "exact_version",
 ]
 
 
@@ -78,3 +79,11 @@ JsonValue = TypeAliasType(
     "None, list[JsonValue], dict[str, JsonValue]]",
 )
 JsonObject = dict[Annotated[str, Strict()], JsonValue]
+
+
+def exact_version(value: object) -> object:
+    """A schema version as a field validator (``mode="before"``) checks it: an integer,
+    never ``True`` or ``1.0`` (a ``Literal[1]`` takes both for 1)."""
+    if type(value) is not int:
+        raise ValueError("schema_version must be the integer 1")
+    return value

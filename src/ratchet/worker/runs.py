@@ -45,7 +45,7 @@ from ratchet.runtime.canonical import (
     strict_json_loads,
 )
 from ratchet.runtime.signing import open_envelope, seal_envelope
-from ratchet.runtime.types import Frozen, JsonObject, StrictBool
+from ratchet.runtime.types import Frozen, JsonObject, StrictBool, exact_version
 
 __all__ = [
     "EnvironmentSpec",
@@ -91,13 +91,7 @@ class RunDocument(Frozen):
     agent_config: JsonObject = Field(default_factory=dict)
     environment: EnvironmentSpec
 
-    @field_validator("schema_version", mode="before")
-    @classmethod
-    def _exact_version(cls, value: object) -> object:
-        # A Literal takes True and 1.0 for 1; a version is an integer.
-        if type(value) is not int:
-            raise ValueError("schema_version must be the integer 1")
-        return value
+    _exact_version = field_validator("schema_version", mode="before")(exact_version)
 
 
 def document_digest(document: RunDocument) -> str:
