@@ -27,7 +27,7 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from ratchet.console.data import ConsoleData
+from ratchet.console.data import ConsoleData, RunQuery
 from ratchet.errors import RatchetError
 from ratchet.runtime import Phase
 
@@ -85,7 +85,13 @@ class QueueGauges:
             "How long the run waiting longest for a signed approval has waited.")
         oldest = 0
         try:
-            rows = self._data.list_runs(self._data.limit)
+            if self._data.page_runs is not None:
+                # The index lists runs by when they entered the phase: the oldest is the
+                # first of one page, oldest first. One run is opened, at any fleet size.
+                rows, _cursor, _scanned = self._data.page_runs(RunQuery(
+                    phase=Phase.AWAITING_APPROVAL.value, oldest_first=True, limit=1))
+            else:
+                rows = self._data.list_runs(self._data.limit)
         except RatchetError as exc:
             log.warning("approval age not read", extra={"error": type(exc).__name__})
             rows = []
