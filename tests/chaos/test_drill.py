@@ -88,9 +88,12 @@ def _seed_with_a_workspace_zombie(runs: int) -> int:
 def test_a_build_without_the_workspace_fence_fails_the_drill_naming_the_invariant(
         tmp_path: Path) -> None:
     seed = _seed_with_a_workspace_zombie(8)
+    # The broken build is made here, not in the product: a sitecustomize that every
+    # process of the drill loads replaces the workspace journal's fence check.
+    broken = str(Path(__file__).with_name("fenceless"))
+    path = os.pathsep.join(p for p in (broken, os.environ.get("PYTHONPATH", "")) if p)
     code, report = drill(tmp_path, "--workers", "2", "--runs", "8", "--lease-ttl", "1",
-                         "--faults", "pause", "--seed", str(seed),
-                         env={"RATCHET_TEST_DISABLE_FENCES": "1"})
+                         "--faults", "pause", "--seed", str(seed), env={"PYTHONPATH": path})
     assert code == 1
     assert report["verdict"] == "fail"
     assert "stale_writes_refused" in report["failed_invariants"]

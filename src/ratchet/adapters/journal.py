@@ -9,15 +9,10 @@ receipt, or ``aborted`` when recovery found the file was never replaced.
 Every method runs its own ``BEGIN IMMEDIATE`` transaction, so two processes never
 interleave a fence check with another's intent. The caller additionally holds the
 workspace's writer lock (see :mod:`ratchet.adapters.workspace`) across a whole write.
-
-Test-only switch: ``RATCHET_TEST_DISABLE_FENCES=1`` in the environment makes the fence
-check accept every fence (a deliberately broken build, so a chaos drill can show it
-catches a missing fence). Never set it anywhere else.
 """
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import uuid
 from collections.abc import Iterator
@@ -197,8 +192,7 @@ class Journal:
                 raise _EpochRefused(bound)
         row = self._db.execute("SELECT lease_version, state_version FROM fences "
                                "WHERE run_id = ?", (fence.run_id,)).fetchone()
-        if (row is not None and fence.key() < (int(row[0]), int(row[1]))
-                and not os.environ.get("RATCHET_TEST_DISABLE_FENCES")):
+        if row is not None and fence.key() < (int(row[0]), int(row[1])):
             self._set("refused_stale", str(self._int("refused_stale") + 1))
             return False
         self._db.execute("INSERT INTO fences (run_id, lease_version, state_version) "

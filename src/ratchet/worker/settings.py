@@ -50,8 +50,6 @@ OTHER_NAMES: Final = frozenset({
     "RATCHET_REDIS_SERVER",
     # ratchet.worker.failpoints: drills
     "RATCHET_FAILPOINTS", "RATCHET_FAILPOINTS_LOG", "RATCHET_DRILL_EVENTS",
-    # ratchet.adapters.journal: the drill that proves the fences matter
-    "RATCHET_TEST_DISABLE_FENCES",
     # ratchet's own test suite and CI
     "RATCHET_TEST_REDIS_URL", "RATCHET_REQUIRE_SANDBOX", "RATCHET_REQUIRE_BROWSER",
     "RATCHET_SCREENSHOT_DIR", "RATCHET_CHROMIUM", "RATCHET_CHROMEDRIVER",
