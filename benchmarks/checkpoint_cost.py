@@ -66,28 +66,38 @@ from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWor
 
 BENCH_KEY = bytes(range(32)) + b"bench-checkpoint-key"
 TARGETS = {"4k": 4 * 1024, "64k": 64 * 1024}
-RISKS = {"read_file": "read_only", "write_file": "reversible_write",
-         "external_call": "irreversible_external_write", "run_verifier": "verification"}
+RISKS = {
+    "read_file": "read_only",
+    "write_file": "reversible_write",
+    "external_call": "irreversible_external_write",
+    "run_verifier": "verification",
+}
 
 
 def _scenario() -> Scenario:
     app = 'def greet(name):\n    return f"Hello, {name}"\n\nprint(greet("world"))\n'
-    return Scenario.model_validate({
-        "schema_version": 1,
-        "task_id": "fix-greeting",
-        "task_version": "7",
-        "policy_id": "default",
-        "policy_version": "3",
-        "permissions": ["read_file", "write_file", "run_verifier", "finish", "external_call"],
-        "allowed_paths": ["app.py", "docs"],
-        "allowed_verifier_targets": ["unit"],
-        "allowed_operations": ["open-pull-request"],
-        "approval_required": ["external_call"],
-        "budgets": {"proposals": 10_000, "steps": 10_000, "wall_clock_seconds": 86_400,
-                    "cost_units": 1_000_000},
-        "initial_files": {"app.py": 'print("Hello, wrold")\n', "docs/README.md": "# app\n"},
-        "verifier": {"target": "unit", "expected_files": {"app.py": app}},
-    })
+    return Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "fix-greeting",
+            "task_version": "7",
+            "policy_id": "default",
+            "policy_version": "3",
+            "permissions": ["read_file", "write_file", "run_verifier", "finish", "external_call"],
+            "allowed_paths": ["app.py", "docs"],
+            "allowed_verifier_targets": ["unit"],
+            "allowed_operations": ["open-pull-request"],
+            "approval_required": ["external_call"],
+            "budgets": {
+                "proposals": 10_000,
+                "steps": 10_000,
+                "wall_clock_seconds": 86_400,
+                "cost_units": 1_000_000,
+            },
+            "initial_files": {"app.py": 'print("Hello, wrold")\n', "docs/README.md": "# app\n"},
+            "verifier": {"target": "unit", "expected_files": {"app.py": app}},
+        }
+    )
 
 
 @dataclass
@@ -118,21 +128,35 @@ class _Builder:
         self.approvers = TrustRoots.from_public_bytes("approver", {"alice": pub})
         self.store = MemoryGenerationStore()
         self.adapter = MemoryWorkspace(
-            "ws-bench", self.scenario.initial_files, clock=self.clock,
-            expectations={"unit": self.scenario.verifier.expected_files})
-        self.engine = RunEngine.start("run-bench", scenario=self.scenario,
-                                      keyring=self.keyring, adapter=self.adapter,
-                                      store=self.store, clock=self.clock,
-                                      approvers=self.approvers)
+            "ws-bench",
+            self.scenario.initial_files,
+            clock=self.clock,
+            expectations={"unit": self.scenario.verifier.expected_files},
+        )
+        self.engine = RunEngine.start(
+            "run-bench",
+            scenario=self.scenario,
+            keyring=self.keyring,
+            adapter=self.adapter,
+            store=self.store,
+            clock=self.clock,
+            approvers=self.approvers,
+        )
 
     def _action(self, kind: str, args: dict[str, str], key: str | None = None) -> Action:
         state = self.engine.state
-        return Action.model_validate({
-            "action_id": f"a-{state.next_seq}", "kind": kind, "risk": RISKS[kind],
-            "args": args, "idempotency_key": key,
-            "expected_env_version": state.environment.version,
-            "deadline_at": self.clock.now() + 600, "cost_units": 1,
-        })
+        return Action.model_validate(
+            {
+                "action_id": f"a-{state.next_seq}",
+                "kind": kind,
+                "risk": RISKS[kind],
+                "args": args,
+                "idempotency_key": key,
+                "expected_env_version": state.environment.version,
+                "deadline_at": self.clock.now() + 600,
+                "cost_units": 1,
+            }
+        )
 
     def step(self, n: int) -> None:
         """One step of a cycle: write a new revision (receipted), verify it, read a file."""
@@ -140,9 +164,12 @@ class _Builder:
         rev, phase = divmod(n, 3)
         path = "app.py" if rev % 2 == 0 else "docs/README.md"
         if phase == 0:
-            body = (f'def greet(name):\n    return f"Hello, {{name}}"  # rev {rev}\n\n'
-                    f'print(greet("world"))\n' if path == "app.py"
-                    else f"# app\n\nRevision {rev}: describe the greeting fix.\n")
+            body = (
+                f'def greet(name):\n    return f"Hello, {{name}}"  # rev {rev}\n\n'
+                f'print(greet("world"))\n'
+                if path == "app.py"
+                else f"# app\n\nRevision {rev}: describe the greeting fix.\n"
+            )
             key = derive_idempotency_key(engine.state.run_id, engine.state.plan_cursor)
             engine.propose(self._action("write_file", {"path": path, "content": body}, key))
         elif phase == 1:
@@ -155,30 +182,50 @@ class _Builder:
         """Leave a pending external write that carries a fresh signed approval."""
         engine = self.engine
         body = json.dumps({"title": "Fix greeting", "branch": "fix/greeting", "draft": False})
-        engine.propose(self._action("external_call",
-                                    {"operation": "open-pull-request", "body": body},
-                                    key=f"pr-{engine.state.plan_cursor}"))
+        engine.propose(
+            self._action(
+                "external_call",
+                {"operation": "open-pull-request", "body": body},
+                key=f"pr-{engine.state.plan_cursor}",
+            )
+        )
         state, pending = engine.state, engine.state.pending
         if pending is None:
             raise RuntimeError("the external write did not stay pending")
         claims = ApprovalClaims(
-            task_id=state.task_id, run_id=state.run_id, policy_id=state.policy_id,
-            policy_version=state.policy_version, action_id=pending.action.action_id,
+            task_id=state.task_id,
+            run_id=state.run_id,
+            policy_id=state.policy_id,
+            policy_version=state.policy_version,
+            action_id=pending.action.action_id,
             idempotency_key=pending.action.idempotency_key or "",
             intent_digest=pending.intent_digest,
             env_instance_id=state.environment.instance_id,
             env_fingerprint=state.environment.fingerprint,
-            env_version=state.environment.version, generation=engine.generation,
-            nonce=f"nonce-{state.next_seq}", expires_at=self.clock.now() + 3600,
-            max_proposals=state.usage.proposals + 50)
-        engine.refresh_pending_approval(sign_approval(self.approver, "alice", claims),
-                                        execute=False)
+            env_version=state.environment.version,
+            generation=engine.generation,
+            nonce=f"nonce-{state.next_seq}",
+            expires_at=self.clock.now() + 3600,
+            max_proposals=state.usage.proposals + 50,
+        )
+        engine.refresh_pending_approval(
+            sign_approval(self.approver, "alice", claims), execute=False
+        )
 
     def built(self, label: str, steps: int) -> Built:
         engine = self.engine
-        return Built(label, engine.state, engine.checkpoint, engine.generation,
-                     self.scenario, self.keyring, self.store, self.adapter.observe(),
-                     self.approvers, steps)
+        return Built(
+            label,
+            engine.state,
+            engine.checkpoint,
+            engine.generation,
+            self.scenario,
+            self.keyring,
+            self.store,
+            self.adapter.observe(),
+            self.approvers,
+            steps,
+        )
 
 
 def build_checkpoint(label: str, target: int) -> Built:
@@ -233,17 +280,21 @@ def ops(b: Built) -> dict[str, Callable[[], object]]:
         return seal_checkpoint(b.state, b.scenario, b.keyring, generation=b.generation)
 
     def restore() -> RunState:
-        return restore_checkpoint(b.blob, scenario=b.scenario, keyring=b.keyring,
-                                  store=b.store, observe=observe,
-                                  approvers=b.approvers).state
+        return restore_checkpoint(
+            b.blob,
+            scenario=b.scenario,
+            keyring=b.keyring,
+            store=b.store,
+            observe=observe,
+            approvers=b.approvers,
+        ).state
 
     def dumps_hmac() -> bytes:
         data = json.dumps(state_dict).encode()
         return data + hmac.new(BENCH_KEY, data, hashlib.sha256).digest()
 
     def loads_verify() -> object:
-        if not hmac.compare_digest(hmac.new(BENCH_KEY, plain, hashlib.sha256).digest(),
-                                   plain_mac):
+        if not hmac.compare_digest(hmac.new(BENCH_KEY, plain, hashlib.sha256).digest(), plain_mac):
             raise RuntimeError("baseline MAC does not verify")
         return json.loads(plain)
 
@@ -255,8 +306,13 @@ def ops(b: Built) -> dict[str, Callable[[], object]]:
         raise RuntimeError("sealing is not deterministic for the same state and generation")
     if restore() != b.state or loads_verify() != state_dict:
         raise RuntimeError("restore did not return the state that was sealed")
-    return {"sign": sign, "restore": restore, "dumps_hmac": dumps_hmac,
-            "loads_verify": loads_verify, "trust": trust}
+    return {
+        "sign": sign,
+        "restore": restore,
+        "dumps_hmac": dumps_hmac,
+        "loads_verify": loads_verify,
+        "trust": trust,
+    }
 
 
 def _batch_us(fn: Callable[[], object], reps: int) -> float:
@@ -267,8 +323,9 @@ def _batch_us(fn: Callable[[], object], reps: int) -> float:
     return (clock() - start) / reps / 1000.0
 
 
-def measure(fns: dict[str, Callable[[], object]], *, budget_s: float, batches: int,
-            warmup: int) -> dict[str, list[float]]:
+def measure(
+    fns: dict[str, Callable[[], object]], *, budget_s: float, batches: int, warmup: int
+) -> dict[str, list[float]]:
     """Per-batch mean microseconds of every callable.
 
     All callables run inside every batch (in a rotating order), each for about the same
@@ -278,8 +335,7 @@ def measure(fns: dict[str, Callable[[], object]], *, budget_s: float, batches: i
         for _ in range(warmup):
             fn()
     slot_us = budget_s * 1e6 / batches / len(fns)
-    reps = {name: max(3, int(slot_us / max(_batch_us(fn, 5), 0.05)))
-            for name, fn in fns.items()}
+    reps = {name: max(3, int(slot_us / max(_batch_us(fn, 5), 0.05))) for name, fn in fns.items()}
     out: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for batch in range(batches):
@@ -324,7 +380,8 @@ def run(quick: bool) -> dict[str, Any]:
             f"restore_ratio_vs_loads_verify_{label}": _ratio(t["restore"], t["loads_verify"]),
             f"restore_ratio_without_trust_{label}": _ratio(without_trust, t["dumps_hmac"]),
             f"restore_ratio_without_trust_vs_loads_verify_{label}": _ratio(
-                without_trust, t["loads_verify"]),
+                without_trust, t["loads_verify"]
+            ),
         }
     return report
 
@@ -339,8 +396,7 @@ ROWS = [
     ("  of which Ed25519 trust check (us)", "trust_check_us_{}", "{:.1f}"),
     ("baseline json.loads + HMAC verify (us)", "baseline_loads_verify_us_{}", "{:.1f}"),
     ("restore ratio (vs dumps + HMAC, the issue's baseline)", "restore_ratio_{}", "{:.2f}x"),
-    ("restore ratio (vs loads + HMAC verify)", "restore_ratio_vs_loads_verify_{}",
-     "{:.2f}x"),
+    ("restore ratio (vs loads + HMAC verify)", "restore_ratio_vs_loads_verify_{}", "{:.2f}x"),
     ("restore ratio without the trust check", "restore_ratio_without_trust_{}", "{:.2f}x"),
 ]
 
@@ -349,16 +405,19 @@ def _table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"checkpoint cost ({report['mode']} run, medians of "
-                        f"{report['batches']} batches)",
-                  caption=f"machine: {report['machine']}")
+    table = Table(
+        title=f"checkpoint cost ({report['mode']} run, medians of {report['batches']} batches)",
+        caption=f"machine: {report['machine']}",
+    )
     table.add_column("measure")
     for label in TARGETS:
         table.add_column(f"~{label.upper()}", justify="right")
     for title, key, fmt in ROWS:
         if key is None:
-            cells = [f"{report[f'trace_events_{lb}']} / {report[f'executed_writes_{lb}']}"
-                     for lb in TARGETS]
+            cells = [
+                f"{report[f'trace_events_{lb}']} / {report[f'executed_writes_{lb}']}"
+                for lb in TARGETS
+            ]
         else:
             cells = [fmt.format(report[key.format(lb)]) for lb in TARGETS]
         table.add_row(title, *cells)

@@ -79,6 +79,7 @@ def _payload(worker: int) -> bytes:
 
 # -- one operation per phase, built inside the worker process ------------------------------
 
+
 def _client(url: str) -> Any:
     # The same client for every Redis phase: redis-py's defaults (a connection pool;
     # hiredis parses replies when it is installed, as ratchet's dependencies ensure).
@@ -110,8 +111,13 @@ def _op_commit(url: str, worker: int, _db: str) -> Callable[[int], None]:
     keyring = KeyRing.from_secrets({"k1": SECRET}, signing_kid="k1")
     run_id = f"bench-{uuid.uuid4().hex[:12]}-{worker}"
     base = _payload(worker)[:-8]  # + an 8-byte counter: a new checkpoint every commit
-    store.create_run(run_id, task_id="bench", env_instance_id="bench-env", scenario=b"{}",
-                     checkpoint=seal_envelope(keyring, base))
+    store.create_run(
+        run_id,
+        task_id="bench",
+        env_instance_id="bench-env",
+        scenario=b"{}",
+        checkpoint=seal_envelope(keyring, base),
+    )
     run = store.acquire(run_id, owner=f"bench-worker-{worker}", ttl_ms=600_000)
     if run is None:
         raise RuntimeError("could not acquire the benchmark run's lease")
@@ -146,12 +152,25 @@ def _op_sqlite(_url: str, worker: int, db: str) -> Callable[[int], None]:
 
 
 OPS: dict[str, Callable[[str, int, str], Callable[[int], None]]] = {
-    "set": _op_set, "evalsha": _op_evalsha, "commit": _op_commit, "sqlite": _op_sqlite,
+    "set": _op_set,
+    "evalsha": _op_evalsha,
+    "commit": _op_commit,
+    "sqlite": _op_sqlite,
 }
 
 
-def _worker(op_name: str, url: str, worker: int, db: str, seconds: float, *, ready: Any,
-            go: Any, results: Any, payload: bytes) -> None:
+def _worker(
+    op_name: str,
+    url: str,
+    worker: int,
+    db: str,
+    seconds: float,
+    *,
+    ready: Any,
+    go: Any,
+    results: Any,
+    payload: bytes,
+) -> None:
     _PAYLOAD["bytes"] = payload
     try:
         op = OPS[op_name](url, worker, db)
@@ -173,15 +192,20 @@ def _worker(op_name: str, url: str, worker: int, db: str, seconds: float, *, rea
         results.put((worker, 0, 0.0, f"{type(exc).__name__}: {exc}"))
 
 
-def measure(op_name: str, processes: int, url: str, db: str, seconds: float,
-            payload: bytes) -> float:
+def measure(
+    op_name: str, processes: int, url: str, db: str, seconds: float, payload: bytes
+) -> float:
     """Aggregate operations per second of ``processes`` workers started together."""
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(op_name, url, w, db, seconds),
-                         kwargs={"ready": ready, "go": go, "results": results,
-                                 "payload": payload})
-             for w in range(processes)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(op_name, url, w, db, seconds),
+            kwargs={"ready": ready, "go": go, "results": results, "payload": payload},
+        )
+        for w in range(processes)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -249,26 +273,32 @@ def run(seconds: float, rounds: int, payload_kind: str = "checkpoint") -> dict[s
             figures: dict[str, Any] = dict(best)
     figures = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in figures.items()}
     figures["ratio_vs_evalsha"] = round(
-        figures["commits_per_s_1proc"] / figures["evalsha_per_s"], 3)
+        figures["commits_per_s_1proc"] / figures["evalsha_per_s"], 3
+    )
     sqlite4 = figures["langgraph_sqlite_put_per_s_4proc"]
     figures["ratio_vs_langgraph_sqlite_4proc"] = (
-        round(figures["commits_per_s_4proc"] / sqlite4, 3) if sqlite4 else None)
+        round(figures["commits_per_s_4proc"] / sqlite4, 3) if sqlite4 else None
+    )
     figures["ratio_4proc_vs_evalsha_4proc"] = round(
-        figures["commits_per_s_4proc"] / figures["evalsha_per_s_4proc"], 3)
+        figures["commits_per_s_4proc"] / figures["evalsha_per_s_4proc"], 3
+    )
     figures["goal_1proc_vs_evalsha_met"] = figures["ratio_vs_evalsha"] >= 0.7
     figures["goal_4proc_vs_langgraph_met"] = (
         figures["ratio_vs_langgraph_sqlite_4proc"] is not None
-        and figures["ratio_vs_langgraph_sqlite_4proc"] >= 1.5)
-    figures.update({
-        "payload": payload_kind,
-        "payload_bytes": len(payload),
-        "seconds_per_phase": seconds,
-        "rounds": rounds,
-        "redis_version": info.get("redis_version"),
-        "appendonly": "yes",
-        "appendfsync": "always",
-        "cpus": os.cpu_count(),
-    })
+        and figures["ratio_vs_langgraph_sqlite_4proc"] >= 1.5
+    )
+    figures.update(
+        {
+            "payload": payload_kind,
+            "payload_bytes": len(payload),
+            "seconds_per_phase": seconds,
+            "rounds": rounds,
+            "redis_version": info.get("redis_version"),
+            "appendonly": "yes",
+            "appendfsync": "always",
+            "cpus": os.cpu_count(),
+        }
+    )
     return figures
 
 
@@ -276,8 +306,10 @@ def _print_table(figures: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Commit throughput (Redis {figures['redis_version']}, appendfsync "
-                        f"always, {figures['payload_bytes']} B payload)")
+    table = Table(
+        title=f"Commit throughput (Redis {figures['redis_version']}, appendfsync "
+        f"always, {figures['payload_bytes']} B payload)"
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in figures.items():
@@ -288,11 +320,19 @@ def _print_table(figures: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=1.5, help="duration of each phase")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="repeat every phase, interleaved; report each one's best round")
-    parser.add_argument("--payload", choices=("checkpoint", "random"), default="checkpoint",
-                        help="what every contender stores: a real ~4 KB checkpoint "
-                             "(default) or 4 KB of random bytes (incompressible)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="repeat every phase, interleaved; report each one's best round",
+    )
+    parser.add_argument(
+        "--payload",
+        choices=("checkpoint", "random"),
+        default="checkpoint",
+        help="what every contender stores: a real ~4 KB checkpoint "
+        "(default) or 4 KB of random bytes (incompressible)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if not 0.2 <= args.seconds <= 60:

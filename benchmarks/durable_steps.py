@@ -113,8 +113,10 @@ class Ledger:
 
 
 def ledger_record(kind: str, key: str, body: str, **extra: Any) -> bytes:
-    return json.dumps({"t": kind, "k": key, "b": body, **extra},
-                      separators=(",", ":")).encode() + b"\n"
+    return (
+        json.dumps({"t": kind, "k": key, "b": body, **extra}, separators=(",", ":")).encode()
+        + b"\n"
+    )
 
 
 class LedgerAdapter:
@@ -146,64 +148,91 @@ class LedgerAdapter:
     def observe(self) -> Any:
         from ratchet.runtime import Observation
 
-        return Observation(instance_id=self._instance, version=self._version,
-                           fingerprint=self._fingerprint)
+        return Observation(
+            instance_id=self._instance, version=self._version, fingerprint=self._fingerprint
+        )
 
     def project(self, action: Any, before: Any) -> Any:
         from ratchet.runtime import ActionKind, Observation
 
-        if action.kind is not ActionKind.EXTERNAL_CALL or before.version != self._version \
-                or before.fingerprint != self._fingerprint:
+        if (
+            action.kind is not ActionKind.EXTERNAL_CALL
+            or before.version != self._version
+            or before.fingerprint != self._fingerprint
+        ):
             return None
-        return Observation(instance_id=self._instance, version=self._version + 1,
-                           fingerprint=self._chain(self._fingerprint,
-                                                   action.idempotency_key or "",
-                                                   action.intent_digest))
+        return Observation(
+            instance_id=self._instance,
+            version=self._version + 1,
+            fingerprint=self._chain(
+                self._fingerprint, action.idempotency_key or "", action.intent_digest
+            ),
+        )
 
     def raise_fence(self, fence: Any) -> None:
         from ratchet.errors import FenceRejectedError
 
         seen = self._fences.get(fence.run_id)
         if seen is not None and fence.key() < seen:
-            raise FenceRejectedError("fence is older than one already seen",
-                                     run_id=fence.run_id, fence=fence.key(), seen=seen)
-        self._ledger.append(ledger_record("fence", fence.run_id, "",
-                                          fence=list(fence.key())))
+            raise FenceRejectedError(
+                "fence is older than one already seen",
+                run_id=fence.run_id,
+                fence=fence.key(),
+                seen=seen,
+            )
+        self._ledger.append(ledger_record("fence", fence.run_id, "", fence=list(fence.key())))
         self._fences[fence.run_id] = fence.key()
 
-    def execute(self, action: Any, intent_digest: str, fence: Any,
-                approval_digest: str | None) -> Any:
+    def execute(
+        self, action: Any, intent_digest: str, fence: Any, approval_digest: str | None
+    ) -> Any:
         from ratchet.errors import AdapterError, FenceRejectedError, IdempotencyConflictError
         from ratchet.runtime import ActionKind, Receipt
 
         if action.kind is not ActionKind.EXTERNAL_CALL or action.idempotency_key is None:
-            raise AdapterError("the ledger takes keyed external_call writes only",
-                               retryable=False)
+            raise AdapterError("the ledger takes keyed external_call writes only", retryable=False)
         seen = self._fences.get(fence.run_id)
         if seen is not None and fence.key() < seen:
-            raise FenceRejectedError("fence is older than one already seen",
-                                     run_id=fence.run_id, fence=fence.key(), seen=seen)
+            raise FenceRejectedError(
+                "fence is older than one already seen",
+                run_id=fence.run_id,
+                fence=fence.key(),
+                seen=seen,
+            )
         key = action.idempotency_key
         existing = self._receipts.get(key)
         if existing is not None:
             if existing.intent_digest == intent_digest:
                 return existing
-            raise IdempotencyConflictError("key was used for another intent",
-                                           idempotency_key=key, receipt=existing)
+            raise IdempotencyConflictError(
+                "key was used for another intent", idempotency_key=key, receipt=existing
+            )
         if action.expected_env_version != self._version:
-            raise AdapterError("the ledger moved since the action was planned",
-                               retryable=False)
-        offset = self._ledger.append(ledger_record(
-            "write", key, action.args["body"], intent=intent_digest,
-            fence=list(fence.key()), run=fence.run_id))
+            raise AdapterError("the ledger moved since the action was planned", retryable=False)
+        offset = self._ledger.append(
+            ledger_record(
+                "write",
+                key,
+                action.args["body"],
+                intent=intent_digest,
+                fence=list(fence.key()),
+                run=fence.run_id,
+            )
+        )
         self._fingerprint = self._chain(self._fingerprint, key, intent_digest)
         self._version += 1
         self._fences[fence.run_id] = max(seen or fence.key(), fence.key())
-        receipt = Receipt(namespace=self.namespace, receipt_version=1,
-                          receipt_id=f"rc-{self._version}", idempotency_key=key,
-                          intent_digest=intent_digest, result={"offset": offset},
-                          committed_at=int(time.time()), env_version_after=self._version,
-                          approval_digest=approval_digest)
+        receipt = Receipt(
+            namespace=self.namespace,
+            receipt_version=1,
+            receipt_id=f"rc-{self._version}",
+            idempotency_key=key,
+            intent_digest=intent_digest,
+            result={"offset": offset},
+            committed_at=int(time.time()),
+            env_version_after=self._version,
+            approval_digest=approval_digest,
+        )
         self._receipts[key] = receipt
         self.writes += 1
         return receipt
@@ -237,15 +266,24 @@ class WorkspaceEffect:
         from ratchet.runtime import Action, Fence
 
         version = self.adapter.observe().version
-        action = Action.model_validate({
-            "action_id": f"a-{index}", "kind": "write_file", "risk": "reversible_write",
-            "args": {"path": f"data/f{index % 8}.txt", "content": body},
-            "idempotency_key": key, "expected_env_version": version,
-            "deadline_at": int(time.time()) + 600})
+        action = Action.model_validate(
+            {
+                "action_id": f"a-{index}",
+                "kind": "write_file",
+                "risk": "reversible_write",
+                "args": {"path": f"data/f{index % 8}.txt", "content": body},
+                "idempotency_key": key,
+                "expected_env_version": version,
+                "deadline_at": int(time.time()) + 600,
+            }
+        )
         self._lease += 1
-        self.adapter.execute(action, action.intent_digest,
-                             Fence(run_id="peer", lease_version=1, state_version=self._lease),
-                             None)
+        self.adapter.execute(
+            action,
+            action.intent_digest,
+            Fence(run_id="peer", lease_version=1, state_version=self._lease),
+            None,
+        )
 
 
 # -- contenders -----------------------------------------------------------------------------
@@ -266,20 +304,29 @@ def _scenario(steps: int, effect: str) -> Any:
     from ratchet.runtime import Scenario
 
     kinds = ["external_call", "finish"] if effect == "ledger" else ["write_file", "finish"]
-    return Scenario.model_validate({
-        "schema_version": 1, "task_id": "bench-steps", "task_version": "1",
-        "policy_id": "bench", "policy_version": "1",
-        "permissions": kinds,
-        "allowed_paths": ["data"],
-        "allowed_verifier_targets": ["unit"],
-        "allowed_operations": [OPERATION],
-        "approval_required": [],
-        # Budgets fit the run: each run proposes exactly ``steps`` writes.
-        "budgets": {"proposals": steps + 5, "steps": steps + 5,
-                    "wall_clock_seconds": 3600, "cost_units": 0},
-        "initial_files": {},
-        "verifier": {"target": "unit", "expected_files": {}},
-    })
+    return Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "bench-steps",
+            "task_version": "1",
+            "policy_id": "bench",
+            "policy_version": "1",
+            "permissions": kinds,
+            "allowed_paths": ["data"],
+            "allowed_verifier_targets": ["unit"],
+            "allowed_operations": [OPERATION],
+            "approval_required": [],
+            # Budgets fit the run: each run proposes exactly ``steps`` writes.
+            "budgets": {
+                "proposals": steps + 5,
+                "steps": steps + 5,
+                "wall_clock_seconds": 3600,
+                "cost_units": 0,
+            },
+            "initial_files": {},
+            "verifier": {"target": "unit", "expected_files": {}},
+        }
+    )
 
 
 class _Clock:
@@ -301,8 +348,9 @@ class _Declared:
         return getattr(self._inner, name)
 
 
-def _ratchet(url: str, work: Path, steps: int, effect: str, *,
-             coalesce: bool = True, declared: bool = False) -> Contender:
+def _ratchet(
+    url: str, work: Path, steps: int, effect: str, *, coalesce: bool = True, declared: bool = False
+) -> Contender:
     from ratchet.leasing import RedisStore
     from ratchet.runtime import (
         KeyRing,
@@ -320,8 +368,7 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
     scenario_bytes = model_json(scenario)
     clock = _Clock()
     body = payload_text()
-    name = ("ratchet-separate" if not coalesce
-            else "ratchet-declared" if declared else "ratchet")
+    name = "ratchet-separate" if not coalesce else "ratchet-declared" if declared else "ratchet"
     ledger = Ledger(work / f"{name}-ledger.log")
     adapter: Any
     if effect == "ledger":
@@ -332,18 +379,37 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
         adapter = _Declared(adapter)
     owner = f"bench-{os.getpid()}"
     tag = f"{os.getpid()}-{os.urandom(3).hex()}"
-    stats: dict[str, Any] = {"commits_in_steps": 0, "steps": 0, "runs": 0,
-                             "checkpoint_bytes_end": 0, "checkpoint_bytes_start": 0,
-                             "generation_end": 0, "round_trips": 0, "trips_in_steps": 0}
+    stats: dict[str, Any] = {
+        "commits_in_steps": 0,
+        "steps": 0,
+        "runs": 0,
+        "checkpoint_bytes_end": 0,
+        "checkpoint_bytes_start": 0,
+        "generation_end": 0,
+        "round_trips": 0,
+        "trips_in_steps": 0,
+    }
 
     class Counted(StoreProxy):
         """The lease handle, counting commit round trips (one per advance call)."""
 
-        def advance(self, key: Any, *, expected_generation: int, blob: bytes,
-                    nonces: Any = (), segment: bytes = b"") -> None:
+        def advance(
+            self,
+            key: Any,
+            *,
+            expected_generation: int,
+            blob: bytes,
+            nonces: Any = (),
+            segment: bytes = b"",
+        ) -> None:
             stats["round_trips"] += 1
-            super().advance(key, expected_generation=expected_generation, blob=blob,
-                            nonces=nonces, segment=segment)
+            super().advance(
+                key,
+                expected_generation=expected_generation,
+                blob=blob,
+                nonces=nonces,
+                segment=segment,
+            )
 
         def advance_many(self, key: Any, commits: Any) -> None:
             stats["round_trips"] += 1
@@ -358,15 +424,27 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
         else:
             kind, risk = "write_file", "reversible_write"
             args = {"path": f"data/f{index % 8}.txt", "content": body}
-        return {"action_id": f"a-{state.next_seq}", "kind": kind, "risk": risk, "args": args,
-                "idempotency_key": key, "expected_env_version": state.environment.version,
-                "deadline_at": clock.now() + 600}
+        return {
+            "action_id": f"a-{state.next_seq}",
+            "kind": kind,
+            "risk": risk,
+            "args": args,
+            "idempotency_key": key,
+            "expected_env_version": state.environment.version,
+            "deadline_at": clock.now() + 600,
+        }
 
     def run_once(n: int) -> int:
         run_id = f"bench-{tag}-{n}"
-        RunEngine.start(run_id, scenario=scenario, keyring=keyring, adapter=adapter,
-                        store=store.creator(scenario_bytes), clock=clock,
-                        archive_trace=True)
+        RunEngine.start(
+            run_id,
+            scenario=scenario,
+            keyring=keyring,
+            adapter=adapter,
+            store=store.creator(scenario_bytes),
+            clock=clock,
+            archive_trace=True,
+        )
         lease = store.acquire(run_id, owner=owner, ttl_ms=600_000)
         if lease is None:
             raise RuntimeError("could not acquire the benchmark run's lease")
@@ -374,16 +452,24 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
         # the restore's high-water check)
         if snap.checkpoint is None:
             raise RuntimeError("the benchmark run has no checkpoint")
-        engine = RunEngine.resume(snap.checkpoint, archive=snap.archive, scenario=scenario,
-                                  keyring=keyring, adapter=adapter, store=Counted(lease),
-                                  clock=clock, lease_version=lease.lease_version,
-                                  coalesce=coalesce)
+        engine = RunEngine.resume(
+            snap.checkpoint,
+            archive=snap.archive,
+            scenario=scenario,
+            keyring=keyring,
+            adapter=adapter,
+            store=Counted(lease),
+            clock=clock,
+            lease_version=lease.lease_version,
+            coalesce=coalesce,
+        )
         engine.reconcile()
         stats["checkpoint_bytes_start"] = len(engine.checkpoint)
         before, trips = engine.generation, stats["round_trips"]
         for index in range(steps):
-            result = engine.propose(action(engine, run_id, index),
-                                    agent_state={"cursor": index, "plan_length": steps})
+            result = engine.propose(
+                action(engine, run_id, index), agent_state={"cursor": index, "plan_length": steps}
+            )
             if result.outcome is not TraceOutcome.EXECUTED:
                 raise RuntimeError(f"step {index} ended {result.outcome.value}")
         # The last write's receipt commit, carrying the release (as a worker's job ends).
@@ -404,10 +490,12 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
     def finish() -> dict[str, Any]:
         s = stats
         return {
-            "commits_per_step": round(s["commits_in_steps"] / s["steps"], 3) if s["steps"]
+            "commits_per_step": round(s["commits_in_steps"] / s["steps"], 3)
+            if s["steps"]
             else None,
             "round_trips_per_step": round(s["trips_in_steps"] / s["steps"], 3)
-            if s["steps"] else None,
+            if s["steps"]
+            else None,
             "commits_per_run": s["generation_end"],
             "checkpoint_bytes_first_step": s["checkpoint_bytes_start"],
             "checkpoint_bytes_end_of_run": s["checkpoint_bytes_end"],
@@ -415,9 +503,12 @@ def _ratchet(url: str, work: Path, steps: int, effect: str, *,
             "redis_appendfsync": _config(store.client, "appendfsync"),
         }
 
-    return Contender(run_once, {"adapter": type(adapter).__name__,
-                                "live_precondition_check": not declared},
-                     finish, breakdown)
+    return Contender(
+        run_once,
+        {"adapter": type(adapter).__name__, "live_precondition_check": not declared},
+        finish,
+        breakdown,
+    )
 
 
 def _config(client: Any, name: str) -> str | None:
@@ -426,17 +517,21 @@ def _config(client: Any, name: str) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _ratchet_breakdown(run_once: Callable[[int], int], runs: int,
-                       steps: int) -> dict[str, Any]:
+def _ratchet_breakdown(run_once: Callable[[int], int], runs: int, steps: int) -> dict[str, Any]:
     """Where a ratchet step's time goes: time the parts by wrapping them in this process
     (outside the timed rounds). Microseconds per step, averaged over ``runs`` runs."""
     import ratchet.runtime.engine as engine_mod
     from ratchet.leasing import LeasedRun
     from ratchet.runtime import machine
 
-    spent: dict[str, float] = {"step_total": 0.0, "seal_checkpoint": 0.0,
-                               "redis_commit": 0.0, "adapter_execute": 0.0,
-                               "adapter_observe": 0.0, "machine_transitions": 0.0}
+    spent: dict[str, float] = {
+        "step_total": 0.0,
+        "seal_checkpoint": 0.0,
+        "redis_commit": 0.0,
+        "adapter_execute": 0.0,
+        "adapter_observe": 0.0,
+        "machine_transitions": 0.0,
+    }
     originals: list[tuple[Any, str, Any]] = []
 
     def wrap(owner: Any, name: str, bucket: str) -> None:
@@ -468,10 +563,10 @@ def _ratchet_breakdown(run_once: Callable[[int], int], runs: int,
         for owner, name, original in reversed(originals):
             setattr(owner, name, original)
     per_step = {k: round(v / total_steps * 1e6, 1) for k, v in spent.items()}
-    per_step["engine_other"] = round(per_step["step_total"] - sum(
-        v for k, v in per_step.items() if k != "step_total"), 1)
-    per_step["run_setup_amortized"] = round(elapsed / total_steps * 1e6
-                                            - per_step["step_total"], 1)
+    per_step["engine_other"] = round(
+        per_step["step_total"] - sum(v for k, v in per_step.items() if k != "step_total"), 1
+    )
+    per_step["run_setup_amortized"] = round(elapsed / total_steps * 1e6 - per_step["step_total"], 1)
     per_step["runs"] = runs
     per_step["steps_per_run"] = steps
     return per_step
@@ -483,8 +578,10 @@ def _dbos(work: Path, steps: int, effect: str) -> Contender:
     try:  # a clear reason when PostgreSQL is not there, before DBOS tries
         psycopg.connect(PG_PROBE_URL, connect_timeout=3).close()
     except psycopg.Error as exc:
-        raise _Unavailable(f"PostgreSQL at 127.0.0.1:5432 unreachable: "
-                           f"{type(exc).__name__}: {str(exc).strip()[:200]}") from None
+        raise _Unavailable(
+            f"PostgreSQL at 127.0.0.1:5432 unreachable: "
+            f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+        ) from None
     import logging
 
     from dbos import DBOS
@@ -506,8 +603,7 @@ def _dbos(work: Path, steps: int, effect: str) -> Contender:
             write(f"{run}-{index}", index)
         return count
 
-    DBOS(config={"name": "ratchet-bench", "system_database_url": PG_URL,
-                 "log_level": "WARNING"})
+    DBOS(config={"name": "ratchet-bench", "system_database_url": PG_URL, "log_level": "WARNING"})
     DBOS.launch()
     logging.getLogger("dbos").setLevel(logging.WARNING)
     tag = f"{os.getpid()}"
@@ -523,8 +619,11 @@ def _dbos(work: Path, steps: int, effect: str) -> Contender:
 
     import dbos as dbos_pkg
 
-    return Contender(run_once, {"dbos_version": getattr(dbos_pkg, "__version__", None)
-                                or _dist_version("dbos")}, finish)
+    return Contender(
+        run_once,
+        {"dbos_version": getattr(dbos_pkg, "__version__", None) or _dist_version("dbos")},
+        finish,
+    )
 
 
 def _langgraph(work: Path, steps: int, effect: str) -> Contender:
@@ -577,10 +676,11 @@ def _langgraph(work: Path, steps: int, effect: str) -> Contender:
 
     def run_once(n: int) -> int:
         thread = uuid.uuid4().hex
-        out = app.invoke({"run": thread, "count": 0, "limit": steps, "last": 0},
-                         {"configurable": {"thread_id": thread},
-                          "recursion_limit": steps + 10},
-                         durability="sync")
+        out = app.invoke(
+            {"run": thread, "count": 0, "limit": steps, "last": 0},
+            {"configurable": {"thread_id": thread}, "recursion_limit": steps + 10},
+            durability="sync",
+        )
         if out["count"] != steps:
             raise RuntimeError(f"the graph stopped after {out['count']} steps")
         done["steps"] += steps
@@ -589,9 +689,11 @@ def _langgraph(work: Path, steps: int, effect: str) -> Contender:
     def finish() -> dict[str, Any]:
         n = done["steps"] or 1
         conn.close()
-        return {"checkpointer_writes_per_step": round((calls["put"] + calls["put_writes"])
-                                                      / n, 3),
-                "sqlite_journal_mode": "wal", "sqlite_synchronous": "full"}
+        return {
+            "checkpointer_writes_per_step": round((calls["put"] + calls["put_writes"]) / n, 3),
+            "sqlite_journal_mode": "wal",
+            "sqlite_synchronous": "full",
+        }
 
     return Contender(run_once, {"langgraph_version": _dist_version("langgraph")}, finish)
 
@@ -620,20 +722,26 @@ class _Unavailable(Exception):  # noqa: N818 - a signal, reported as the reason
 
 def _build(name: str, url: str, work: Path, steps: int, effect: str) -> Contender:
     if name in ("ratchet", "ratchet_declared", "ratchet_separate"):
-        return _ratchet(url, work, steps, effect, coalesce=name != "ratchet_separate",
-                        declared=name == "ratchet_declared")
+        return _ratchet(
+            url,
+            work,
+            steps,
+            effect,
+            coalesce=name != "ratchet_separate",
+            declared=name == "ratchet_declared",
+        )
     try:
         if name == "dbos":
             return _dbos(work, steps, effect)
         return _langgraph(work, steps, effect)
     except ImportError as exc:
         extra = "dbos" if name == "dbos" else "langgraph"
-        raise _Unavailable(f"{extra} is not installed ({exc.name or exc}); "
-                           f"pip install -e '.[bench]'") from None
+        raise _Unavailable(
+            f"{extra} is not installed ({exc.name or exc}); pip install -e '.[bench]'"
+        ) from None
 
 
-def _child(name: str, url: str, work: str, steps: int, effect: str,
-           conn: Connection) -> None:
+def _child(name: str, url: str, work: str, steps: int, effect: str, conn: Connection) -> None:
     """A contender's process: set up, then run rounds on the parent's command."""
     os.dup2(2, 1)  # libraries that log to stdout must not mix into the parent's JSON
     try:
@@ -666,8 +774,9 @@ def _child(name: str, url: str, work: str, steps: int, effect: str,
                 conn.send(("done", contender.finish()))
                 return
         except Exception as exc:
-            conn.send(("error", f"{type(exc).__name__}: {exc}\n"
-                                f"{traceback.format_exc(limit=4)}"[:2000]))
+            conn.send(
+                ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"[:2000])
+            )
             return
 
 
@@ -694,8 +803,9 @@ class _Proc:
         return value
 
 
-def run(*, rounds: int, seconds: float, steps: int, effect: str,
-        breakdown_runs: int) -> dict[str, Any]:
+def run(
+    *, rounds: int, seconds: float, steps: int, effect: str, breakdown_runs: int
+) -> dict[str, Any]:
     """Start Redis and the contenders, run interleaved rounds, return the report."""
     from ratchet.leasing import RedisServer
 
@@ -710,8 +820,11 @@ def run(*, rounds: int, seconds: float, steps: int, effect: str,
             try:
                 for name in CONTENDERS:
                     parent, child = ctx.Pipe()
-                    proc = ctx.Process(target=_child, daemon=True,
-                                       args=(name, server.url, str(work), steps, effect, child))
+                    proc = ctx.Process(
+                        target=_child,
+                        daemon=True,
+                        args=(name, server.url, str(work), steps, effect, child),
+                    )
                     proc.start()
                     procs.append(_Proc(name, proc, parent))
                 for p in procs:  # set-up runs in parallel; each answer has a deadline
@@ -728,14 +841,17 @@ def run(*, rounds: int, seconds: float, steps: int, effect: str,
                     reason = next(p.reason for p in procs if p.name == "ratchet")
                     raise RuntimeError(f"ratchet could not run: {reason}")
                 for r in range(rounds):
-                    order = live[r % len(live):] + live[:r % len(live)]
+                    order = live[r % len(live) :] + live[: r % len(live)]
                     for p in order:
                         count, elapsed = p.ask("round", seconds, seconds + 120)
                         p.rates.append(count / elapsed)
                         p.steps += count
                 ratchet = next(p for p in live if p.name == "ratchet")
-                breakdown = (ratchet.ask("breakdown", breakdown_runs, 120)
-                             if effect == "ledger" and breakdown_runs else None)
+                breakdown = (
+                    ratchet.ask("breakdown", breakdown_runs, 120)
+                    if effect == "ledger" and breakdown_runs
+                    else None
+                )
                 for p in live:
                     p.info.update(p.ask("finish", None, 60))
             finally:
@@ -744,14 +860,29 @@ def run(*, rounds: int, seconds: float, steps: int, effect: str,
                     if p.proc.is_alive():
                         p.proc.kill()
                         p.proc.join(timeout=5)
-    return _report(procs, rounds=rounds, seconds=seconds, steps=steps, effect=effect,
-                   breakdown=breakdown, redis_version=redis_version,
-                   elapsed=time.monotonic() - started)
+    return _report(
+        procs,
+        rounds=rounds,
+        seconds=seconds,
+        steps=steps,
+        effect=effect,
+        breakdown=breakdown,
+        redis_version=redis_version,
+        elapsed=time.monotonic() - started,
+    )
 
 
-def _report(procs: list[_Proc], *, rounds: int, seconds: float, steps: int, effect: str,
-            breakdown: dict[str, Any] | None, redis_version: str | None,
-            elapsed: float) -> dict[str, Any]:
+def _report(
+    procs: list[_Proc],
+    *,
+    rounds: int,
+    seconds: float,
+    steps: int,
+    effect: str,
+    breakdown: dict[str, Any] | None,
+    redis_version: str | None,
+    elapsed: float,
+) -> dict[str, Any]:
     by = {p.name: p for p in procs}
     report: dict[str, Any] = {}
     for name in CONTENDERS:
@@ -770,23 +901,26 @@ def _report(procs: list[_Proc], *, rounds: int, seconds: float, steps: int, effe
     # The engine's live precondition check before each write (an observation compared
     # with the planned state) against the same run with it skipped by the adapter's
     # declaration: its cost, measured in the same rounds.
-    report["ratio_checked_vs_declared"] = (round(ours / declared, 3)
-                                           if ours and declared else None)
+    report["ratio_checked_vs_declared"] = round(ours / declared, 3) if ours and declared else None
     for peer in ("dbos", "langgraph"):
         theirs = report[f"{peer}_steps_per_s"]
-        report[f"ratio_declared_vs_{peer}"] = (round(declared / theirs, 3)
-                                               if declared and theirs else None)
+        report[f"ratio_declared_vs_{peer}"] = (
+            round(declared / theirs, 3) if declared and theirs else None
+        )
     separate = report["ratchet_separate_steps_per_s"]
     for peer in ("dbos", "langgraph"):
         theirs = report[f"{peer}_steps_per_s"]
-        report[f"ratio_separate_vs_{peer}"] = (round(separate / theirs, 3)
-                                               if separate and theirs else None)
+        report[f"ratio_separate_vs_{peer}"] = (
+            round(separate / theirs, 3) if separate and theirs else None
+        )
     report["goal_vs_dbos"] = 1.5
     report["goal_vs_langgraph"] = 1.0
-    report["goal_vs_dbos_met"] = (None if report["ratio_vs_dbos"] is None
-                                  else report["ratio_vs_dbos"] >= 1.5)
-    report["goal_vs_langgraph_met"] = (None if report["ratio_vs_langgraph"] is None
-                                       else report["ratio_vs_langgraph"] >= 1.0)
+    report["goal_vs_dbos_met"] = (
+        None if report["ratio_vs_dbos"] is None else report["ratio_vs_dbos"] >= 1.5
+    )
+    report["goal_vs_langgraph_met"] = (
+        None if report["ratio_vs_langgraph"] is None else report["ratio_vs_langgraph"] >= 1.0
+    )
     r = by["ratchet"].info
     report["ratchet_commits_per_step"] = r.get("commits_per_step")
     report["ratchet_commits_per_run"] = r.get("commits_per_run")
@@ -795,30 +929,35 @@ def _report(procs: list[_Proc], *, rounds: int, seconds: float, steps: int, effe
     report["ratchet_adapter"] = r.get("adapter")
     report["ratchet_round_trips_per_step"] = r.get("round_trips_per_step")
     report["ratchet_separate_commits_per_step"] = by["ratchet_separate"].info.get(
-        "commits_per_step")
+        "commits_per_step"
+    )
     report["ratchet_separate_round_trips_per_step"] = by["ratchet_separate"].info.get(
-        "round_trips_per_step")
+        "round_trips_per_step"
+    )
     report["ratchet_breakdown_us_per_step"] = breakdown
     report["langgraph_checkpointer_writes_per_step"] = by["langgraph"].info.get(
-        "checkpointer_writes_per_step")
+        "checkpointer_writes_per_step"
+    )
     report["postgres_synchronous_commit"] = by["dbos"].info.get("postgres_synchronous_commit")
-    report.update({
-        "statistic": "median of rounds (best round beside it)",
-        "payload_bytes": PAYLOAD_BYTES,
-        "steps_per_run": steps,
-        "effect": effect,
-        "rounds": rounds,
-        "seconds_per_round": seconds,
-        "processes_per_contender": 1,
-        "redis_version": redis_version,
-        "redis_appendonly": "yes",
-        "redis_appendfsync": r.get("redis_appendfsync"),
-        "dbos_version": by["dbos"].info.get("dbos_version"),
-        "langgraph_version": by["langgraph"].info.get("langgraph_version"),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "elapsed_s": round(elapsed, 1),
-    })
+    report.update(
+        {
+            "statistic": "median of rounds (best round beside it)",
+            "payload_bytes": PAYLOAD_BYTES,
+            "steps_per_run": steps,
+            "effect": effect,
+            "rounds": rounds,
+            "seconds_per_round": seconds,
+            "processes_per_contender": 1,
+            "redis_version": redis_version,
+            "redis_appendonly": "yes",
+            "redis_appendfsync": r.get("redis_appendfsync"),
+            "dbos_version": by["dbos"].info.get("dbos_version"),
+            "langgraph_version": by["langgraph"].info.get("langgraph_version"),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "elapsed_s": round(elapsed, 1),
+        }
+    )
     return report
 
 
@@ -826,14 +965,17 @@ def _print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Durable steps per second ({report['payload_bytes']} B fsync'd "
-                        f"write per step, {report['steps_per_run']} steps per run, "
-                        f"{report['statistic']})")
+    table = Table(
+        title=f"Durable steps per second ({report['payload_bytes']} B fsync'd "
+        f"write per step, {report['steps_per_run']} steps per run, "
+        f"{report['statistic']})"
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        shown = (", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict)
-                 else value)
+        shown = (
+            ", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict) else value
+        )
         table.add_row(key, "-" if shown is None else str(shown))
     Console().print(table)
 
@@ -841,15 +983,25 @@ def _print_table(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--seconds", type=float, default=2.5,
-                        help="duration of each contender's turn in a round")
-    parser.add_argument("--steps-per-run", type=int, default=STEPS_PER_RUN,
-                        help="writes per run (workflow, graph thread)")
-    parser.add_argument("--effect", choices=("ledger", "workspace"), default="ledger",
-                        help="the write: an fsync'd ledger append (default) or a "
-                             "WorkspaceAdapter file write for every contender")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run of about 10 s (2 rounds of 1 s)")
+    parser.add_argument(
+        "--seconds", type=float, default=2.5, help="duration of each contender's turn in a round"
+    )
+    parser.add_argument(
+        "--steps-per-run",
+        type=int,
+        default=STEPS_PER_RUN,
+        help="writes per run (workflow, graph thread)",
+    )
+    parser.add_argument(
+        "--effect",
+        choices=("ledger", "workspace"),
+        default="ledger",
+        help="the write: an fsync'd ledger append (default) or a "
+        "WorkspaceAdapter file write for every contender",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run of about 10 s (2 rounds of 1 s)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.quick:
@@ -861,8 +1013,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.steps_per_run <= 500:
         parser.error("--steps-per-run must be between 1 and 500")
     with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the one JSON object
-        report = run(rounds=args.rounds, seconds=args.seconds, steps=args.steps_per_run,
-                     effect=args.effect, breakdown_runs=0 if args.quick else 10)
+        report = run(
+            rounds=args.rounds,
+            seconds=args.seconds,
+            steps=args.steps_per_run,
+            effect=args.effect,
+            breakdown_runs=0 if args.quick else 10,
+        )
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:

@@ -61,8 +61,15 @@ VIEWS = ("list_page", "next_page", "review_queue", "metrics_scrape")
 def phase_of(i: int) -> str:
     """A tenth awaiting approval, a tenth needing review, a fifth running, the rest done."""
     slot = i % 10
-    return ("awaiting_approval" if slot == 0 else "needs_review" if slot == 1
-            else "running" if slot in (2, 3) else "completed")
+    return (
+        "awaiting_approval"
+        if slot == 0
+        else "needs_review"
+        if slot == 1
+        else "running"
+        if slot in (2, 3)
+        else "completed"
+    )
 
 
 def fill(client: Any, start: int, stop: int, *, base_ms: int) -> None:
@@ -74,12 +81,23 @@ def fill(client: Any, start: int, stop: int, *, base_ms: int) -> None:
             keys = run_keys(run_id)
             at = base_ms + i  # one creation time per run, in creation order
             phase = phase_of(i)
-            pipe.hset(keys.state, mapping={
-                "task_id": f"task-{i % 97}", "env_instance_id": "e", "generation": 3,
-                "state_version": 3, "created_at_ms": at, "updated_at_ms": at + 5,
-                "last_commit_id": f"c-{i}", "phase": phase, "phase_at_ms": at + 5})
-            pipe.hset(keys.lease, mapping={"owner": "", "lease_version": 1,
-                                           "expires_at_ms": at + 5})
+            pipe.hset(
+                keys.state,
+                mapping={
+                    "task_id": f"task-{i % 97}",
+                    "env_instance_id": "e",
+                    "generation": 3,
+                    "state_version": 3,
+                    "created_at_ms": at,
+                    "updated_at_ms": at + 5,
+                    "last_commit_id": f"c-{i}",
+                    "phase": phase,
+                    "phase_at_ms": at + 5,
+                },
+            )
+            pipe.hset(
+                keys.lease, mapping={"owner": "", "lease_version": 1, "expires_at_ms": at + 5}
+            )
             pipe.zadd(RUNS_INDEX, {run_id: at})
             pipe.zadd(phase_index(phase), {run_id: at + 5})
         pipe.execute()
@@ -112,8 +130,9 @@ def views(fleet: Fleet, server: ConsoleServer) -> dict[str, Callable[[], object]
         return review_queue_page(reviews, approvals, broken, now=data.now(), counts=counts)
 
     ops: dict[str, Callable[[], object]] = {
-        "bare": lambda: client.zrange(RUNS_INDEX, "+inf", "-inf", desc=True, byscore=True,
-                                      offset=0, num=PAGE, withscores=True),
+        "bare": lambda: client.zrange(
+            RUNS_INDEX, "+inf", "-inf", desc=True, byscore=True, offset=0, num=PAGE, withscores=True
+        ),
         "list_page": lambda: store.list_runs(limit=PAGE),
         "next_page": lambda: store.list_runs(limit=PAGE, after=cursor),
         "review_queue": review,
@@ -126,8 +145,9 @@ def views(fleet: Fleet, server: ConsoleServer) -> dict[str, Callable[[], object]
 
 def run(sizes: list[int], *, rounds: int, samples: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ratchet-fleet-views-") as tmp:
-        redis = RedisServer(Path(tmp) / "redis", appendonly=False,
-                            extra_args=["--databases", str(len(sizes))]).start()
+        redis = RedisServer(
+            Path(tmp) / "redis", appendonly=False, extra_args=["--databases", str(len(sizes))]
+        ).start()
         servers: list[ConsoleServer] = []
         try:
             fill_started = time.perf_counter()
@@ -135,11 +155,13 @@ def run(sizes: list[int], *, rounds: int, samples: int) -> dict[str, Any]:
             for db, size in enumerate(sizes):
                 url = f"redis://127.0.0.1:{redis.port}/{db}"
                 RedisStore.from_url(url).init_epoch()
-                settings = Settings(redis_url=SecretStr(url), state_dir=Path(tmp) / "state",
-                                    checkpoint_key=SecretStr(KEY_HEX))
+                settings = Settings(
+                    redis_url=SecretStr(url),
+                    state_dir=Path(tmp) / "state",
+                    checkpoint_key=SecretStr(KEY_HEX),
+                )
                 fleet = Fleet.connect(settings)
-                fill(fleet.store.client, 0, size,
-                     base_ms=fleet.store.server_time_ms() - 10 * size)
+                fill(fleet.store.client, 0, size, base_ms=fleet.store.server_time_ms() - 10 * size)
                 server = ConsoleServer(("127.0.0.1", 0), fleet_console_data(fleet))
                 servers.append(server)
                 per_db.append(views(fleet, server))
@@ -157,29 +179,42 @@ def run(sizes: list[int], *, rounds: int, samples: int) -> dict[str, Any]:
                 server.server_close()
             redis.kill()
     per_size = {
-        str(size): {"bare_ms": round(figures["bare"] * 1000, 4),
-                    **{f"{view}_ms": round(figures[view] * 1000, 4) for view in VIEWS},
-                    **{f"{view}_ratio": round(figures[view] / figures["bare"], 2)
-                       for view in VIEWS}}
-        for size, figures in zip(sizes, best, strict=True)}
+        str(size): {
+            "bare_ms": round(figures["bare"] * 1000, 4),
+            **{f"{view}_ms": round(figures[view] * 1000, 4) for view in VIEWS},
+            **{f"{view}_ratio": round(figures[view] / figures["bare"], 2) for view in VIEWS},
+        }
+        for size, figures in zip(sizes, best, strict=True)
+    }
     small, large = per_size[str(sizes[0])], per_size[str(sizes[-1])]
-    growth = {view: round(large[f"{view}_ratio"] / small[f"{view}_ratio"], 3)
-              for view in VIEWS}
-    return {"sizes": sizes, "page": PAGE, "rounds": rounds, "samples": samples,
-            "results": per_size, "growth": growth, "goal": GOAL,
-            "goal_met": all(g < GOAL for g in growth.values()),
-            "redis_version": version, "fill_s": round(filled_s, 1),
-            "elapsed_s": round(elapsed, 1)}
+    growth = {view: round(large[f"{view}_ratio"] / small[f"{view}_ratio"], 3) for view in VIEWS}
+    return {
+        "sizes": sizes,
+        "page": PAGE,
+        "rounds": rounds,
+        "samples": samples,
+        "results": per_size,
+        "growth": growth,
+        "goal": GOAL,
+        "goal_met": all(g < GOAL for g in growth.values()),
+        "redis_version": version,
+        "fill_s": round(filled_s, 1),
+        "elapsed_s": round(elapsed, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--sizes", default="1000,10000,100000",
-                        help="Comma-separated run counts, ascending.")
+    parser.add_argument(
+        "--sizes", default="1000,10000,100000", help="Comma-separated run counts, ascending."
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--samples", type=int, default=30)
-    parser.add_argument("--quick", action="store_true",
-                        help="Small sizes, few samples; a smoke run that checks nothing.")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="Small sizes, few samples; a smoke run that checks nothing.",
+    )
     parser.add_argument("--json", action="store_true", dest="as_json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -190,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             parser.error("--sizes takes comma-separated integers")
         rounds, samples = args.rounds, args.samples
-    if len(sizes) < 2 or sizes != sorted(sizes) or sizes[0] < PAGE * 10 // 5 or (
-            rounds < 1 or samples < 1):
-        parser.error("--sizes needs two or more ascending counts of at least 100; "
-                     "--rounds and --samples at least 1")
+    if (
+        len(sizes) < 2
+        or sizes != sorted(sizes)
+        or sizes[0] < PAGE * 10 // 5
+        or (rounds < 1 or samples < 1)
+    ):
+        parser.error(
+            "--sizes needs two or more ascending counts of at least 100; "
+            "--rounds and --samples at least 1"
+        )
     report = run(sizes, rounds=rounds, samples=samples)
     if args.as_json:
         print(json.dumps(report, sort_keys=True))
@@ -202,13 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         print(head)
         for size in sizes:
             row = report["results"][str(size)]
-            cells = "".join(f"  {row[f'{v}_ms']:>7.3f} ({row[f'{v}_ratio']:>5.1f}x)"
-                            for v in VIEWS)
+            cells = "".join(f"  {row[f'{v}_ms']:>7.3f} ({row[f'{v}_ratio']:>5.1f}x)" for v in VIEWS)
             print(f"{size:>8}  {row['bare_ms']:>8.3f}{cells}")
         growth = ", ".join(f"{v} {g}" for v, g in report["growth"].items())
         print(f"growth {sizes[-1]} / {sizes[0]} (goal < {GOAL}): {growth}")
-        print(f"redis {report['redis_version']}; filled in {report['fill_s']} s, "
-              f"measured in {report['elapsed_s']} s")
+        print(
+            f"redis {report['redis_version']}; filled in {report['fill_s']} s, "
+            f"measured in {report['elapsed_s']} s"
+        )
     if args.quick:
         return 0
     return 0 if report["goal_met"] else 1

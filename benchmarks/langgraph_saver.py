@@ -60,10 +60,16 @@ class LoopState(TypedDict):
 
 
 def _checkpoint(value: str, version: int) -> Checkpoint:
-    return Checkpoint(v=1, id=str(uuid6(clock_seq=-1)), ts="2026-01-01T00:00:00+00:00",
-                      channel_values={"messages": value, "count": version},
-                      channel_versions={"messages": version, "count": version},
-                      versions_seen={}, pending_sends=[], updated_channels=None)  # type: ignore[typeddict-unknown-key]
+    return Checkpoint(
+        v=1,
+        id=str(uuid6(clock_seq=-1)),
+        ts="2026-01-01T00:00:00+00:00",
+        channel_values={"messages": value, "count": version},
+        channel_versions={"messages": version, "count": version},
+        versions_seen={},
+        pending_sends=[],
+        updated_channels=None,
+    )  # type: ignore[typeddict-unknown-key]
 
 
 def _graph(saver: BaseCheckpointSaver[Any]) -> Any:
@@ -90,12 +96,14 @@ async def _timed(seconds: float, op: Callable[[int], Awaitable[None]]) -> float:
     return count / (time.perf_counter() - start)
 
 
-async def _phases(saver: BaseCheckpointSaver[Any], config: dict[str, Any],
-                  seconds: float) -> dict[str, float]:
+async def _phases(
+    saver: BaseCheckpointSaver[Any], config: dict[str, Any], seconds: float
+) -> dict[str, float]:
     value = os.urandom(VALUE_BYTES // 2).hex()
     thread = f"bench-{uuid.uuid4().hex[:8]}"
-    base = {"configurable": {**config.get("configurable", {}), "thread_id": thread,
-                             "checkpoint_ns": ""}}
+    base = {
+        "configurable": {**config.get("configurable", {}), "thread_id": thread, "checkpoint_ns": ""}
+    }
     parent: dict[str, Any] = {"id": None}
 
     async def put(i: int) -> None:
@@ -103,26 +111,37 @@ async def _phases(saver: BaseCheckpointSaver[Any], config: dict[str, Any],
         if parent["id"]:
             cfg["configurable"]["checkpoint_id"] = parent["id"]
         cp = _checkpoint(value + str(i), i + 1)
-        stored = await saver.aput(cfg, cp, {"source": "loop", "step": i},  # type: ignore[arg-type]
-                                  {"messages": i + 1, "count": i + 1})
+        stored = await saver.aput(
+            cfg,
+            cp,
+            {"source": "loop", "step": i},  # type: ignore[arg-type]
+            {"messages": i + 1, "count": i + 1},
+        )
         parent["id"] = stored["configurable"]["checkpoint_id"]
 
     async def get(_: int) -> None:
         if await saver.aget_tuple(base) is None:  # type: ignore[arg-type]
             raise RuntimeError("the benchmark thread has no checkpoint")
 
-    out = {"aput_per_s": await _timed(seconds, put),
-           "aget_tuple_per_s": await _timed(seconds, get)}
+    out = {"aput_per_s": await _timed(seconds, put), "aget_tuple_per_s": await _timed(seconds, get)}
 
     graph = _graph(saver)
     steps = max(20, int(seconds * 400))
-    step_thread = {"configurable": {**config.get("configurable", {}),
-                                    "thread_id": f"graph-{uuid.uuid4().hex[:8]}"},
-                   "recursion_limit": steps + 5}
+    step_thread = {
+        "configurable": {
+            **config.get("configurable", {}),
+            "thread_id": f"graph-{uuid.uuid4().hex[:8]}",
+        },
+        "recursion_limit": steps + 5,
+    }
     start = time.perf_counter()
     done = 0
-    async for _ in graph.astream({"notes": [], "steps": 0}, step_thread,  # type: ignore[arg-type]
-                                 durability="sync", stream_mode="updates"):
+    async for _ in graph.astream(
+        {"notes": [], "steps": 0},
+        step_thread,  # type: ignore[arg-type]
+        durability="sync",
+        stream_mode="updates",
+    ):
         done += 1
         if done >= steps or time.perf_counter() - start > seconds:
             break
@@ -160,8 +179,10 @@ async def _bare_set(server: RedisServer, seconds: float) -> float:
     client = redis.asyncio.Redis.from_url(server.url, decode_responses=False)
     value = os.urandom(VALUE_BYTES)
     try:
+
         async def op(_: int) -> None:
             await client.set("bench:floor", value)
+
         return await _timed(seconds, op)
     finally:
         await client.aclose()
@@ -183,11 +204,15 @@ async def run(seconds: float, rounds: int) -> dict[str, Any]:
                     figures = await _phases(saver, config, seconds)
                 for key, value in figures.items():
                     results.setdefault(name, {}).setdefault(key, []).append(value)
-    best = {name: {k: round(max(v), 1) for k, v in figs.items()}
-            for name, figs in results.items()}
-    return {"seconds_per_phase": seconds, "rounds": rounds, "value_bytes": VALUE_BYTES,
-            "python": sys.version.split()[0],
-            "bare_redis_set_per_s": round(max(floor), 1), "savers": best}
+    best = {name: {k: round(max(v), 1) for k, v in figs.items()} for name, figs in results.items()}
+    return {
+        "seconds_per_phase": seconds,
+        "rounds": rounds,
+        "value_bytes": VALUE_BYTES,
+        "python": sys.version.split()[0],
+        "bare_redis_set_per_s": round(max(floor), 1),
+        "savers": best,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,12 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"bare Redis SET of {VALUE_BYTES} B on the same server: "
-          f"{report['bare_redis_set_per_s']:,.0f}/s")
+    print(
+        f"bare Redis SET of {VALUE_BYTES} B on the same server: "
+        f"{report['bare_redis_set_per_s']:,.0f}/s"
+    )
     print(f"{'saver':38} {'aput/s':>9} {'aget_tuple/s':>13} {'graph steps/s':>14}")
     for name, f in report["savers"].items():
-        print(f"{name:38} {f['aput_per_s']:>9,.0f} {f['aget_tuple_per_s']:>13,.0f} "
-              f"{f['graph_steps_per_s']:>14,.0f}")
+        print(
+            f"{name:38} {f['aput_per_s']:>9,.0f} {f['aget_tuple_per_s']:>13,.0f} "
+            f"{f['graph_steps_per_s']:>14,.0f}"
+        )
     return 0
 
 

@@ -78,8 +78,7 @@ class Pool:
 
     def start(self, n: int = 1) -> None:
         for _ in range(n):
-            proc = self.ctx.Process(target=_worker, args=(self.payload, self.started),
-                                    daemon=True)
+            proc = self.ctx.Process(target=_worker, args=(self.payload, self.started), daemon=True)
             proc.start()
             self.started += 1
             if proc.pid is not None:
@@ -138,14 +137,25 @@ def _terminal(fleet: Any, run_id: str) -> bool:
     return inspect_run(fleet, run_id).state.phase in TERMINAL_PHASES
 
 
-def _one_kill(fleet: Any, pool: Pool, root: Path, run_id: str, *, think_ms: int,
-              renew_ms: int, deadline_s: float) -> Sample | None:
+def _one_kill(
+    fleet: Any,
+    pool: Pool,
+    root: Path,
+    run_id: str,
+    *,
+    think_ms: int,
+    renew_ms: int,
+    deadline_s: float,
+) -> Sample | None:
     from ratchet.worker.examples import greeting_document, make_greeting_workspace
     from ratchet.worker.ops import submit
 
     make_greeting_workspace(root)
-    submit(fleet, greeting_document(root, agent_config={"think_ms": think_ms},
-                                    runner="python"), run_id=run_id)
+    submit(
+        fleet,
+        greeting_document(root, agent_config={"think_ms": think_ms}, runner="python"),
+        run_id=run_id,
+    )
     deadline = time.monotonic() + deadline_s
     pid, held = _find_holder(fleet, run_id, pool, deadline)
     time.sleep(random.uniform(0, renew_ms / 1000))  # jitter, not security
@@ -168,13 +178,20 @@ def _one_kill(fleet: Any, pool: Pool, root: Path, run_id: str, *, think_ms: int,
             if now.owner not in (None, "", killed_owner) and now.lease_live:
                 lease_ms = now.now_ms - kill_ms
         entries = _history(fleet, run_id)
-        takers = [e for e in entries
-                  if len(e) >= 7 and e[3] != killed_owner and int(e[0]) > snap.generation]
+        takers = [
+            e
+            for e in entries
+            if len(e) >= 7 and e[3] != killed_owner and int(e[0]) > snap.generation
+        ]
         if takers:
             first = min(takers, key=lambda e: int(e[0]))
-            return Sample(run_id, int(first[6]) - kill_ms,
-                          lease_ms if lease_ms is not None else int(first[6]) - kill_ms,
-                          snap.expires_at_ms - kill_ms, snap.generation)
+            return Sample(
+                run_id,
+                int(first[6]) - kill_ms,
+                lease_ms if lease_ms is not None else int(first[6]) - kill_ms,
+                snap.expires_at_ms - kill_ms,
+                snap.generation,
+            )
         time.sleep(POLL_S)
     raise TimeoutError(f"no other worker committed for run {run_id} in time")
 
@@ -184,8 +201,7 @@ def _nearest_rank(values: list[int], q: float) -> int:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def _wait_and_count(fleet: Any, roots: dict[str, Path],
-                    deadline: float) -> tuple[int, int]:
+def _wait_and_count(fleet: Any, roots: dict[str, Path], deadline: float) -> tuple[int, int]:
     """Completed runs and duplicate effects, once every run ended or the deadline passed."""
     from ratchet.adapters.workspace import WorkspaceAdapter
     from ratchet.runtime import Phase
@@ -205,8 +221,9 @@ def _wait_and_count(fleet: Any, roots: dict[str, Path],
     return completed, duplicates
 
 
-def run(*, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int,
-        budget_s: float) -> dict[str, Any]:
+def run(
+    *, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int, budget_s: float
+) -> dict[str, Any]:
     from pydantic import SecretStr
 
     from ratchet.leasing import RedisServer, RedisStore
@@ -227,12 +244,18 @@ def run(*, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int,
         with RedisServer(base / "redis", appendonly=True, appendfsync="always") as server:
             RedisStore(server.client()).init_epoch()
             settings = Settings(
-                redis_url=SecretStr(server.url), state_dir=base / "state",
-                queue=f"takeover-{secrets.token_hex(3)}", lease_ttl_ms=ttl_ms,
-                renew_interval_ms=renew_ms, reaper_interval_ms=reaper_ms,
-                stall_timeout_ms=max(30_000, 10 * ttl_ms), job_timeout_s=600,
-                checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name=WORKER_NAME,
-                verifier_sandbox=for_own_verifiers())
+                redis_url=SecretStr(server.url),
+                state_dir=base / "state",
+                queue=f"takeover-{secrets.token_hex(3)}",
+                lease_ttl_ms=ttl_ms,
+                renew_interval_ms=renew_ms,
+                reaper_interval_ms=reaper_ms,
+                stall_timeout_ms=max(30_000, 10 * ttl_ms),
+                job_timeout_s=600,
+                checkpoint_key=SecretStr(secrets.token_hex(32)),
+                worker_name=WORKER_NAME,
+                verifier_sandbox=for_own_verifiers(),
+            )
             fleet = Fleet.connect(settings)
             pool = Pool(_settings_json(settings))
             end = started + budget_s
@@ -242,20 +265,28 @@ def run(*, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int,
                 while len(samples) < kills:
                     remaining = end - time.monotonic()
                     if remaining <= 0:
-                        raise TimeoutError(f"only {len(samples)} of {kills} takeovers "
-                                           f"within {budget_s:.0f} s")
+                        raise TimeoutError(
+                            f"only {len(samples)} of {kills} takeovers within {budget_s:.0f} s"
+                        )
                     run_id = f"tk-{index}-{secrets.token_hex(3)}"
                     roots[run_id] = base / "workspaces" / f"ws-{index}"
                     index += 1
-                    sample = _one_kill(fleet, pool, roots[run_id], run_id, think_ms=think_ms,
-                                       renew_ms=renew_ms,
-                                       deadline_s=min(remaining, 30 + 10 * ttl_ms / 1000))
+                    sample = _one_kill(
+                        fleet,
+                        pool,
+                        roots[run_id],
+                        run_id,
+                        think_ms=think_ms,
+                        renew_ms=renew_ms,
+                        deadline_s=min(remaining, 30 + 10 * ttl_ms / 1000),
+                    )
                     if sample is None:
                         discarded += 1
                         continue
                     samples.append(sample)
                 completed, duplicates = _wait_and_count(
-                    fleet, roots, time.monotonic() + max(10.0, 10 * ttl_ms / 1000))
+                    fleet, roots, time.monotonic() + max(10.0, 10 * ttl_ms / 1000)
+                )
             finally:
                 pool.stop_all()
             workers_started = pool.started
@@ -304,8 +335,10 @@ def _print_table(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Takeover after SIGKILL ({report['kills']} kills, lease TTL "
-                        f"{report['lease_ttl_ms']} ms, reaper {report['reaper_interval_ms']} ms)")
+    table = Table(
+        title=f"Takeover after SIGKILL ({report['kills']} kills, lease TTL "
+        f"{report['lease_ttl_ms']} ms, reaper {report['reaper_interval_ms']} ms)"
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in report.items():
@@ -319,10 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=3, help="worker processes kept alive")
     parser.add_argument("--lease-ttl-ms", type=int, default=1000)
     parser.add_argument("--reaper-interval-ms", type=int, default=100)
-    parser.add_argument("--think-ms", type=int, default=50,
-                        help="the example agent's delay before each proposal")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="give up after this long (default: 5 s + 4 s per kill)")
+    parser.add_argument(
+        "--think-ms", type=int, default=50, help="the example agent's delay before each proposal"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="give up after this long (default: 5 s + 4 s per kill)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 kills")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -337,8 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 50 <= args.reaper_interval_ms <= args.lease_ttl_ms:
         parser.error("--reaper-interval-ms must be between 50 and the lease TTL")
     budget = args.budget_s or 5 + args.kills * (4 + 2 * args.lease_ttl_ms / 1000)
-    report = run(kills=args.kills, workers=args.workers, ttl_ms=args.lease_ttl_ms,
-                 reaper_ms=args.reaper_interval_ms, think_ms=args.think_ms, budget_s=budget)
+    report = run(
+        kills=args.kills,
+        workers=args.workers,
+        ttl_ms=args.lease_ttl_ms,
+        reaper_ms=args.reaper_interval_ms,
+        think_ms=args.think_ms,
+        budget_s=budget,
+    )
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:

@@ -51,19 +51,31 @@ class PaymentService:
 
 def payment_action(thread_id: str, state: PaymentState) -> Action:
     body = json.dumps({"amount": state["amount"], "payee": state["payee"]}, sort_keys=True)
-    return Action(action_id="pay-1", kind="external_call", risk="irreversible_external_write",
-                  args={"operation": "payments.create", "body": body},
-                  idempotency_key=derive_idempotency_key(thread_id, 1),
-                  expected_env_version=0, deadline_at=2**62)
+    return Action(
+        action_id="pay-1",
+        kind="external_call",
+        risk="irreversible_external_write",
+        args={"operation": "payments.create", "body": body},
+        idempotency_key=derive_idempotency_key(thread_id, 1),
+        expected_env_version=0,
+        deadline_at=2**62,
+    )
 
 
 def request_for(thread_id: str, action: Action) -> dict[str, Any]:
     return approval_request(
-        task_id="pay-invoice", run_id=thread_id, policy_id="payments", policy_version="v1",
-        action_id=action.action_id, idempotency_key=action.idempotency_key,
-        intent_digest=action.intent_digest, env_instance_id="payments-prod",
+        task_id="pay-invoice",
+        run_id=thread_id,
+        policy_id="payments",
+        policy_version="v1",
+        action_id=action.action_id,
+        idempotency_key=action.idempotency_key,
+        intent_digest=action.intent_digest,
+        env_instance_id="payments-prod",
         env_fingerprint=digest(Domain.ENVIRONMENT, {"service": "payments-prod"}),
-        env_version=0, generation=0)
+        env_version=0,
+        generation=0,
+    )
 
 
 def build_graph(saver: RatchetSaver, gate: ApprovalGate, service: PaymentService) -> Any:
@@ -85,21 +97,29 @@ def build_graph(saver: RatchetSaver, gate: ApprovalGate, service: PaymentService
     return builder.compile(checkpointer=saver)
 
 
-def approve(private_key: Ed25519PrivateKey, request: dict[str, Any], *, nonce: str,
-            expires_at: int) -> dict[str, Any]:
+def approve(
+    private_key: Ed25519PrivateKey, request: dict[str, Any], *, nonce: str, expires_at: int
+) -> dict[str, Any]:
     """The approver's side: sign exactly the request shown to them."""
-    claims = ApprovalClaims(**{k: v for k, v in request.items() if k != "kind"},
-                            nonce=nonce, expires_at=expires_at, max_proposals=1)
+    claims = ApprovalClaims(
+        **{k: v for k, v in request.items() if k != "kind"},
+        nonce=nonce,
+        expires_at=expires_at,
+        max_proposals=1,
+    )
     return sign_approval(private_key, "alice", claims).model_dump(mode="json")
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as folder, RedisServer(folder) as server:
-        keyring = KeyRing.from_secrets({"k1": b"example-key-material-32-bytes!!!"},
-                                       signing_kid="k1")
+        keyring = KeyRing.from_secrets(
+            {"k1": b"example-key-material-32-bytes!!!"}, signing_kid="k1"
+        )
         approver = Ed25519PrivateKey.generate()
-        trust = TrustRoots.from_public_bytes("approver", {
-            "alice": approver.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)})
+        trust = TrustRoots.from_public_bytes(
+            "approver",
+            {"alice": approver.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)},
+        )
         saver = RatchetSaver(server.client(), keyring=keyring, owner="example-worker")
         gate = ApprovalGate(trust, server.client())
         service = PaymentService()

@@ -70,34 +70,49 @@ class FixTypoAgent:
         notes = dict(view.agent_state)
         if step_key(view, WRITE) in view.executed_keys:
             if view.verified:
-                return AgentStep(make_action(view, FINISH, "finish", {
-                    "summary": f"replaced {cfg.typo!r} by {cfg.fix!r} in {cfg.path}"}),
-                    {**notes, "step": "finish"})
+                return AgentStep(
+                    make_action(
+                        view,
+                        FINISH,
+                        "finish",
+                        {"summary": f"replaced {cfg.typo!r} by {cfg.fix!r} in {cfg.path}"},
+                    ),
+                    {**notes, "step": "finish"},
+                )
             tries = int(notes.get("verifications", 0))
             if tries >= MAX_VERIFICATIONS:
                 return None
-            return AgentStep(make_action(view, VERIFY, "run_verifier", {"target": cfg.target}),
-                             {**notes, "step": "verify", "verifications": tries + 1})
+            return AgentStep(
+                make_action(view, VERIFY, "run_verifier", {"target": cfg.target}),
+                {**notes, "step": "verify", "verifications": tries + 1},
+            )
         plan = notes.get("plan")
         if not _plan_holds(plan, view):
             plan = None
             if view.last_read is not None:  # what the read this job proposed returned
-                plan = {"content": view.last_read.replace(cfg.typo, cfg.fix),
-                        "env_version": view.observation.version,
-                        "replans": len(view.quarantined_keys)}
+                plan = {
+                    "content": view.last_read.replace(cfg.typo, cfg.fix),
+                    "env_version": view.observation.version,
+                    "replans": len(view.quarantined_keys),
+                }
         if isinstance(plan, dict):
-            return AgentStep(make_action(view, WRITE, "write_file", {
-                "path": cfg.path, "content": str(plan["content"])}),
-                {"step": "write", "plan": plan})
-        return AgentStep(make_action(view, READ, "read_file", {"path": cfg.path}),
-                         {"step": "read"})
+            return AgentStep(
+                make_action(
+                    view, WRITE, "write_file", {"path": cfg.path, "content": str(plan["content"])}
+                ),
+                {"step": "write", "plan": plan},
+            )
+        return AgentStep(make_action(view, READ, "read_file", {"path": cfg.path}), {"step": "read"})
 
 
 def _plan_holds(plan: object, view: AgentView) -> bool:
     """A plan is reused only under the environment and the replan count it was made for."""
-    return (isinstance(plan, dict) and isinstance(plan.get("content"), str)
-            and plan.get("env_version") == view.observation.version
-            and plan.get("replans") == len(view.quarantined_keys))
+    return (
+        isinstance(plan, dict)
+        and isinstance(plan.get("content"), str)
+        and plan.get("env_version") == view.observation.version
+        and plan.get("replans") == len(view.quarantined_keys)
+    )
 
 
 def make_agent(config: dict[str, Any]) -> FixTypoAgent:

@@ -26,13 +26,23 @@ def write_under_run_key(root: Path, run_id: str) -> str:
     """Write ``CONTENT`` to ``root/app.py`` under the run's write key; return the key."""
     key = derive_idempotency_key(run_id, WRITE_POSITION, salt="0")
     with WorkspaceAdapter(root, ["app.py"]) as adapter:
-        action = parse_action({
-            "action_id": "other-1", "kind": "write_file", "risk": "reversible_write",
-            "args": {"path": "app.py", "content": CONTENT}, "idempotency_key": key,
-            "expected_env_version": adapter.observe().version, "deadline_at": 2**40})
-        adapter.execute(action, action.intent_digest,
-                        Fence(run_id="another-caller", lease_version=1, state_version=1),
-                        None)
+        action = parse_action(
+            {
+                "action_id": "other-1",
+                "kind": "write_file",
+                "risk": "reversible_write",
+                "args": {"path": "app.py", "content": CONTENT},
+                "idempotency_key": key,
+                "expected_env_version": adapter.observe().version,
+                "deadline_at": 2**40,
+            }
+        )
+        adapter.execute(
+            action,
+            action.intent_digest,
+            Fence(run_id="another-caller", lease_version=1, state_version=1),
+            None,
+        )
     return key
 
 

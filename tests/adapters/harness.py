@@ -40,8 +40,11 @@ TEST_FILE = (
     "    assert out.stdout == 'Hello, world\\n'\n"
 )
 # A cheap verifier for tests that are not about pytest itself.
-QUICK_CHECK = [sys.executable, "-c",
-               f"import sys; sys.exit(open('app.py').read() != {RIGHT_GREETING!r})"]
+QUICK_CHECK = [
+    sys.executable,
+    "-c",
+    f"import sys; sys.exit(open('app.py').read() != {RIGHT_GREETING!r})",
+]
 PYTEST_CHECK = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
 
 WRITE_WINDOWS = [
@@ -65,16 +68,24 @@ def crash_at(window: CrashWindow) -> Probe:
 
 def scenario(**overrides: Any) -> Scenario:
     data: dict[str, Any] = {
-        "schema_version": 1, "task_id": "fix-greeting", "task_version": "1",
-        "policy_id": "default", "policy_version": "1",
-        "permissions": ["read_file", "write_file", "delete_file", "run_verifier", "finish",
-                        "external_call"],
+        "schema_version": 1,
+        "task_id": "fix-greeting",
+        "task_version": "1",
+        "policy_id": "default",
+        "policy_version": "1",
+        "permissions": [
+            "read_file",
+            "write_file",
+            "delete_file",
+            "run_verifier",
+            "finish",
+            "external_call",
+        ],
         "allowed_paths": ["app.py", "tests"],
         "allowed_verifier_targets": ["unit"],
         "allowed_operations": ["place-order"],
         "approval_required": [],
-        "budgets": {"proposals": 40, "steps": 30, "wall_clock_seconds": 3600,
-                    "cost_units": 1000},
+        "budgets": {"proposals": 40, "steps": 30, "wall_clock_seconds": 3600, "cost_units": 1000},
         "initial_files": {"app.py": WRONG_GREETING},
         "verifier": {"target": "unit", "expected_files": {"app.py": RIGHT_GREETING}},
     }
@@ -95,11 +106,23 @@ def make_workspace(root: Path, *, git: bool = False) -> Path:
 
 
 def run_git(root: Path, *args: str) -> str:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(root), "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"}
-    done = subprocess.run(["git", "-C", str(root), *args], env=env, capture_output=True,
-                          text=True, check=True, timeout=30)
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(root),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.invalid",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.invalid",
+    }
+    done = subprocess.run(
+        ["git", "-C", str(root), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     return done.stdout
 
 
@@ -118,23 +141,31 @@ class Harness:
     clock: ManualClock = field(default_factory=ManualClock)
     store: MemoryGenerationStore = field(default_factory=MemoryGenerationStore)
     approver_key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
-    keyring: KeyRing = field(default_factory=lambda: KeyRing.from_secrets(
-        {"k1": b"checkpoint-key-0123456789abcdef-adapters"}, signing_kid="k1"))
+    keyring: KeyRing = field(
+        default_factory=lambda: KeyRing.from_secrets(
+            {"k1": b"checkpoint-key-0123456789abcdef-adapters"}, signing_kid="k1"
+        )
+    )
     run_id: str = "run-1"
     nonces: int = 0
 
     @property
     def approvers(self) -> TrustRoots:
-        return TrustRoots.from_public_bytes("approver",
-                                            {"alice": public_bytes(self.approver_key)})
+        return TrustRoots.from_public_bytes("approver", {"alice": public_bytes(self.approver_key)})
 
     def ports(self, adapter: Adapter) -> dict[str, Any]:
-        return {"scenario": self.scenario, "keyring": self.keyring, "adapter": adapter,
-                "clock": self.clock, "approvers": self.approvers}
+        return {
+            "scenario": self.scenario,
+            "keyring": self.keyring,
+            "adapter": adapter,
+            "clock": self.clock,
+            "approvers": self.approvers,
+        }
 
     def start(self, probe: Probe | None = None) -> RunEngine:
-        return RunEngine.start(self.run_id, store=self.store.leased(1), probe=probe,
-                               **self.ports(self.open_adapter()))
+        return RunEngine.start(
+            self.run_id, store=self.store.leased(1), probe=probe, **self.ports(self.open_adapter())
+        )
 
     def latest_blob(self) -> bytes:
         return next(iter(self.store.checkpoints.values())).blob
@@ -143,34 +174,49 @@ class Harness:
         """What a new owner does: take the lease, open the adapter, restore."""
         store = self.store.leased(lease_version)
         store.claim(self.run_id)
-        return RunEngine.resume(self.latest_blob(), store=store, lease_version=lease_version,
-                                probe=probe, **self.ports(self.open_adapter()))
+        return RunEngine.resume(
+            self.latest_blob(),
+            store=store,
+            lease_version=lease_version,
+            probe=probe,
+            **self.ports(self.open_adapter()),
+        )
 
     # -- actions ------------------------------------------------------------------------------
 
-    def action(self, engine: RunEngine, kind: str, args: dict[str, str], *,
-               key: str | None = None) -> Action:
-        risk = {"read_file": "read_only", "write_file": "reversible_write",
-                "delete_file": "reversible_write",
-                "external_call": "irreversible_external_write",
-                "run_verifier": "verification", "finish": "control"}[kind]
-        return Action.model_validate({
-            "action_id": f"a-{engine.state.next_seq}", "kind": kind, "risk": risk,
-            "args": args, "idempotency_key": key,
-            "expected_env_version": engine.state.environment.version,
-            "deadline_at": self.clock.now() + 600,
-        })
+    def action(
+        self, engine: RunEngine, kind: str, args: dict[str, str], *, key: str | None = None
+    ) -> Action:
+        risk = {
+            "read_file": "read_only",
+            "write_file": "reversible_write",
+            "delete_file": "reversible_write",
+            "external_call": "irreversible_external_write",
+            "run_verifier": "verification",
+            "finish": "control",
+        }[kind]
+        return Action.model_validate(
+            {
+                "action_id": f"a-{engine.state.next_seq}",
+                "kind": kind,
+                "risk": risk,
+                "args": args,
+                "idempotency_key": key,
+                "expected_env_version": engine.state.environment.version,
+                "deadline_at": self.clock.now() + 600,
+            }
+        )
 
-    def write(self, engine: RunEngine, content: str = RIGHT_GREETING, *,
-              key: str | None = None) -> Action:
+    def write(
+        self, engine: RunEngine, content: str = RIGHT_GREETING, *, key: str | None = None
+    ) -> Action:
         key = key or derive_idempotency_key(engine.state.run_id, engine.state.plan_cursor)
-        return self.action(engine, "write_file", {"path": "app.py", "content": content},
-                           key=key)
+        return self.action(engine, "write_file", {"path": "app.py", "content": content}, key=key)
 
-    def order(self, engine: RunEngine, body: str = ORDER_BODY, *,
-              key: str = "order-1") -> Action:
-        return self.action(engine, "external_call", {"operation": "place-order", "body": body},
-                           key=key)
+    def order(self, engine: RunEngine, body: str = ORDER_BODY, *, key: str = "order-1") -> Action:
+        return self.action(
+            engine, "external_call", {"operation": "place-order", "body": body}, key=key
+        )
 
     def verify(self, engine: RunEngine) -> Action:
         return self.action(engine, "run_verifier", {"target": "unit"})
@@ -183,12 +229,19 @@ class Harness:
         self.nonces += 1
         state = engine.state
         claims = ApprovalClaims(
-            task_id=state.task_id, run_id=state.run_id, policy_id=state.policy_id,
-            policy_version=state.policy_version, action_id=action.action_id,
-            idempotency_key=action.idempotency_key or "", intent_digest=action.intent_digest,
+            task_id=state.task_id,
+            run_id=state.run_id,
+            policy_id=state.policy_id,
+            policy_version=state.policy_version,
+            action_id=action.action_id,
+            idempotency_key=action.idempotency_key or "",
+            intent_digest=action.intent_digest,
             env_instance_id=state.environment.instance_id,
             env_fingerprint=state.environment.fingerprint,
-            env_version=state.environment.version, generation=engine.generation,
-            nonce=f"nonce-{self.nonces}", expires_at=self.clock.now() + ttl,
-            max_proposals=state.usage.proposals + 10)
+            env_version=state.environment.version,
+            generation=engine.generation,
+            nonce=f"nonce-{self.nonces}",
+            expires_at=self.clock.now() + ttl,
+            max_proposals=state.usage.proposals + 10,
+        )
         return sign_approval(self.approver_key, "alice", claims)

@@ -26,25 +26,41 @@ from tests.adapters.harness import make_workspace
 
 
 def file_write(key: str, variant: int, expected: int) -> Action:
-    return Action.model_validate({
-        "action_id": f"a-{key}-{variant}", "kind": "write_file", "risk": "reversible_write",
-        "args": {"path": "app.py", "content": f"print({variant})\n"},
-        "idempotency_key": key, "expected_env_version": expected, "deadline_at": 2**40})
+    return Action.model_validate(
+        {
+            "action_id": f"a-{key}-{variant}",
+            "kind": "write_file",
+            "risk": "reversible_write",
+            "args": {"path": "app.py", "content": f"print({variant})\n"},
+            "idempotency_key": key,
+            "expected_env_version": expected,
+            "deadline_at": 2**40,
+        }
+    )
 
 
 def order_call(key: str, variant: int, expected: int) -> Action:
-    return Action.model_validate({
-        "action_id": f"a-{key}-{variant}", "kind": "external_call",
-        "risk": "irreversible_external_write",
-        "args": {"operation": "place-order", "body": f'{{"sku":"A-{variant}","qty":1}}'},
-        "idempotency_key": key, "expected_env_version": expected, "deadline_at": 2**40})
+    return Action.model_validate(
+        {
+            "action_id": f"a-{key}-{variant}",
+            "kind": "external_call",
+            "risk": "irreversible_external_write",
+            "args": {"operation": "place-order", "body": f'{{"sku":"A-{variant}","qty":1}}'},
+            "idempotency_key": key,
+            "expected_env_version": expected,
+            "deadline_at": 2**40,
+        }
+    )
 
 
 def memory_subject(clock: ManualClock) -> ConformanceSubject:
     ws = MemoryWorkspace("mem-1", {"app.py": "x\n"}, clock=clock)
-    return ConformanceSubject(adapter=ws, make_write=file_write,
-                              effects=lambda: ws.write_count,
-                              drift=lambda: ws.external_edit("app.py", "edited\n"))
+    return ConformanceSubject(
+        adapter=ws,
+        make_write=file_write,
+        effects=lambda: ws.write_count,
+        drift=lambda: ws.external_edit("app.py", "edited\n"),
+    )
 
 
 def workspace_subject(root: Path, clock: ManualClock) -> ConformanceSubject:
@@ -61,9 +77,14 @@ def workspace_subject(root: Path, clock: ManualClock) -> ConformanceSubject:
         for handle in handles:
             handle.close()
 
-    return ConformanceSubject(adapter=ws, make_write=file_write, effects=lambda: ws.effects,
-                              reopen=open_handle, close=close,
-                              drift=lambda: (root / "app.py").write_text("edited\n"))
+    return ConformanceSubject(
+        adapter=ws,
+        make_write=file_write,
+        effects=lambda: ws.effects,
+        reopen=open_handle,
+        close=close,
+        drift=lambda: (root / "app.py").write_text("edited\n"),
+    )
 
 
 def http_subject(orders: ServiceBox) -> ConformanceSubject:
@@ -72,20 +93,34 @@ def http_subject(orders: ServiceBox) -> ConformanceSubject:
 
     def another_callers_order() -> None:
         action = order_call("someone-else", 9, 0)
-        other.execute(action, action.intent_digest,
-                      Fence(run_id="another-run", lease_version=1, state_version=1), None)
+        other.execute(
+            action,
+            action.intent_digest,
+            Fence(run_id="another-run", lease_version=1, state_version=1),
+            None,
+        )
 
-    return ConformanceSubject(adapter=adapter, make_write=order_call, effects=orders.effects,
-                              reopen=lambda: HttpAdapter(orders.url),
-                              drift=another_callers_order, checks_precondition=False)
+    return ConformanceSubject(
+        adapter=adapter,
+        make_write=order_call,
+        effects=orders.effects,
+        reopen=lambda: HttpAdapter(orders.url),
+        drift=another_callers_order,
+        checks_precondition=False,
+    )
 
 
 def router_subject(root: Path, clock: ManualClock, orders: ServiceBox) -> ConformanceSubject:
     files = workspace_subject(root, clock)
     router = RouterAdapter(files.adapter, HttpAdapter(orders.url))
-    return ConformanceSubject(adapter=router, make_write=file_write, effects=files.effects,
-                              drift=files.drift, close=files.close,
-                              receipt_namespace="workspace")
+    return ConformanceSubject(
+        adapter=router,
+        make_write=file_write,
+        effects=files.effects,
+        drift=files.drift,
+        close=files.close,
+        receipt_namespace="workspace",
+    )
 
 
 def _run(check: ConformanceCheck, factory: Callable[[], ConformanceSubject]) -> None:
@@ -99,26 +134,29 @@ def test_the_memory_workspace_conforms(check: ConformanceCheck, clock: ManualClo
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
-def test_the_workspace_adapter_conforms(check: ConformanceCheck, tmp_path: Path,
-                                        clock: ManualClock) -> None:
+def test_the_workspace_adapter_conforms(
+    check: ConformanceCheck, tmp_path: Path, clock: ManualClock
+) -> None:
     _run(check, lambda: workspace_subject(tmp_path / "ws", clock))
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
-def test_the_http_adapter_on_the_reference_service_conforms(check: ConformanceCheck,
-                                                            orders: ServiceBox) -> None:
+def test_the_http_adapter_on_the_reference_service_conforms(
+    check: ConformanceCheck, orders: ServiceBox
+) -> None:
     _run(check, lambda: http_subject(orders))
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
-def test_the_router_over_workspace_and_http_conforms(check: ConformanceCheck,
-                                                     tmp_path: Path, clock: ManualClock,
-                                                     orders: ServiceBox) -> None:
+def test_the_router_over_workspace_and_http_conforms(
+    check: ConformanceCheck, tmp_path: Path, clock: ManualClock, orders: ServiceBox
+) -> None:
     _run(check, lambda: router_subject(tmp_path / "ws", clock, orders))
 
 
 def test_an_adapter_that_ignores_fences_fails_conformance_naming_the_check(
-        clock: ManualClock) -> None:
+    clock: ManualClock,
+) -> None:
     def careless() -> ConformanceSubject:
         subject = memory_subject(clock)
         ws = subject.adapter

@@ -38,9 +38,13 @@ class Routers:
         self.handles: list[WorkspaceAdapter] = []
 
     def open(self) -> RouterAdapter:
-        files = WorkspaceAdapter(self.root, ["app.py", "tests"],
-                                 verifier=CommandVerifier({"unit": QUICK_CHECK},
-                                                          sandbox=Sandbox.resolve(test_sandbox_mode())))
+        files = WorkspaceAdapter(
+            self.root,
+            ["app.py", "tests"],
+            verifier=CommandVerifier(
+                {"unit": QUICK_CHECK}, sandbox=Sandbox.resolve(test_sandbox_mode())
+            ),
+        )
         self.handles.append(files)
         return RouterAdapter(files, HttpAdapter(self.orders.url))
 
@@ -52,8 +56,12 @@ class Routers:
 @pytest.fixture
 def run(tmp_path: Path, orders: ServiceBox) -> Iterator[Harness]:
     routers = Routers(make_workspace(tmp_path / "ws"), orders)
-    harness = Harness(open_adapter=routers.open, effects=orders.effects, clock=orders.clock,
-                      scenario=scenario(approval_required=["external_call"]))
+    harness = Harness(
+        open_adapter=routers.open,
+        effects=orders.effects,
+        clock=orders.clock,
+        scenario=scenario(approval_required=["external_call"]),
+    )
     yield harness
     routers.close()
 
@@ -65,7 +73,8 @@ def place(run: Harness, engine: RunEngine, *, ttl: int = 300) -> None:
 
 @pytest.mark.parametrize("window", WRITE_WINDOWS)
 def test_a_crash_in_each_write_window_recovers_with_exactly_one_order(
-        run: Harness, orders: ServiceBox, window: CrashWindow) -> None:
+    run: Harness, orders: ServiceBox, window: CrashWindow
+) -> None:
     engine = run.start(probe=crash_at(window))
     if window is CrashWindow.AFTER_RECEIPT_BEFORE_STATE:
         # Receipt and state are one commit unless the environment cannot be observed
@@ -89,7 +98,8 @@ def test_a_crash_in_each_write_window_recovers_with_exactly_one_order(
 
 
 def test_the_old_owners_late_order_is_refused_after_the_new_owner_placed_it(
-        run: Harness, orders: ServiceBox) -> None:
+    run: Harness, orders: ServiceBox
+) -> None:
     new_owner: list[RunEngine] = []
 
     def paused_then_late(window: CrashWindow) -> None:
@@ -119,7 +129,8 @@ def fence_refusals(engine: RunEngine, orders: ServiceBox) -> int:
 
 
 def test_a_late_order_planned_before_the_new_owner_wrote_a_file_is_refused_by_the_fence(
-        run: Harness, orders: ServiceBox) -> None:
+    run: Harness, orders: ServiceBox
+) -> None:
     """The new owner places the order and then writes a file: the old owner's late order
     fails the cross-part precondition too, but a fence is what refuses it."""
     new_owner: list[RunEngine] = []
@@ -139,7 +150,8 @@ def test_a_late_order_planned_before_the_new_owner_wrote_a_file_is_refused_by_th
 
 
 def test_a_current_owners_order_after_a_file_moved_fails_its_precondition(
-        tmp_path: Path, orders: ServiceBox) -> None:
+    tmp_path: Path, orders: ServiceBox
+) -> None:
     """The fence asked on a failed precondition accepts a current owner: the refusal is
     the precondition, and nothing is placed."""
     routers = Routers(make_workspace(tmp_path / "ws"), orders)
@@ -147,14 +159,24 @@ def test_a_current_owners_order_after_a_file_moved_fails_its_precondition(
     try:
         before = router.observe().version
         (tmp_path / "ws" / "app.py").write_text("print('moved')\n")
-        action = Action.model_validate({
-            "action_id": "a-1", "kind": "external_call", "risk": "irreversible_external_write",
-            "args": {"operation": "place-order", "body": '{"sku":"A-1","qty":1}'},
-            "idempotency_key": "order-x", "expected_env_version": before,
-            "deadline_at": 2**40})
+        action = Action.model_validate(
+            {
+                "action_id": "a-1",
+                "kind": "external_call",
+                "risk": "irreversible_external_write",
+                "args": {"operation": "place-order", "body": '{"sku":"A-1","qty":1}'},
+                "idempotency_key": "order-x",
+                "expected_env_version": before,
+                "deadline_at": 2**40,
+            }
+        )
         with pytest.raises(AdapterError) as caught:
-            router.execute(action, action.intent_digest, Fence(
-                run_id="r", lease_version=1, state_version=1), None)
+            router.execute(
+                action,
+                action.intent_digest,
+                Fence(run_id="r", lease_version=1, state_version=1),
+                None,
+            )
         assert not isinstance(caught.value, FenceRejectedError)
         assert "precondition" in caught.value.message
         assert orders.effects() == 0
@@ -163,12 +185,14 @@ def test_a_current_owners_order_after_a_file_moved_fails_its_precondition(
 
 
 def test_a_receipt_that_does_not_bind_the_approval_sends_the_run_to_review(
-        run: Harness, orders: ServiceBox) -> None:
+    run: Harness, orders: ServiceBox
+) -> None:
     engine = run.start()
     action = run.order(engine)
     # Another caller reached the service first with the same key and body, unapproved.
-    assert raw_post(orders, "order-1", action.args["body"], OTHER_CALLER,
-                    action.intent_digest) == 201
+    assert (
+        raw_post(orders, "order-1", action.args["body"], OTHER_CALLER, action.intent_digest) == 201
+    )
     engine.propose(action, approval=run.approve(engine, action))
     assert engine.state.phase is Phase.NEEDS_REVIEW
     assert engine.state.review is not None
@@ -179,7 +203,8 @@ def test_a_receipt_that_does_not_bind_the_approval_sends_the_run_to_review(
 
 
 def test_a_receipt_committed_after_the_approval_expired_sends_the_run_to_review(
-        run: Harness, orders: ServiceBox) -> None:
+    run: Harness, orders: ServiceBox
+) -> None:
     orders.offset = 1_000  # the service's commit time is past the approval's expiry
     engine = run.start(probe=crash_at(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT))
     with pytest.raises(SimulatedCrash):
@@ -193,7 +218,8 @@ def test_a_receipt_committed_after_the_approval_expired_sends_the_run_to_review(
 
 
 def test_a_reset_service_is_a_new_identity_and_fails_recovery_closed(
-        run: Harness, orders: ServiceBox) -> None:
+    run: Harness, orders: ServiceBox
+) -> None:
     engine = run.start()
     place(run, engine)
     assert engine.state.executed
@@ -207,10 +233,10 @@ def test_a_reset_service_is_a_new_identity_and_fails_recovery_closed(
 
 
 def test_an_order_placed_by_another_caller_between_checkpoints_fails_recovery_closed(
-        run: Harness, orders: ServiceBox) -> None:
+    run: Harness, orders: ServiceBox
+) -> None:
     run.start()
-    assert raw_post(orders, "someone-else", '{"sku":"Z","qty":1}', OTHER_CALLER,
-                    "0" * 64) == 201
+    assert raw_post(orders, "someone-else", '{"sku":"Z","qty":1}', OTHER_CALLER, "0" * 64) == 201
     with pytest.raises(CheckpointError) as caught:
         run.resume(lease_version=2)
     assert caught.value.reason == "environment"  # type: ignore[attr-defined]

@@ -37,9 +37,13 @@ class Workspaces:
         self.handles: list[WorkspaceAdapter] = []
 
     def open(self) -> WorkspaceAdapter:
-        handle = WorkspaceAdapter(self.root, ["app.py", "tests"],
-                                  verifier=CommandVerifier({"unit": self.check},
-                                                           sandbox=Sandbox.resolve(test_sandbox_mode())))
+        handle = WorkspaceAdapter(
+            self.root,
+            ["app.py", "tests"],
+            verifier=CommandVerifier(
+                {"unit": self.check}, sandbox=Sandbox.resolve(test_sandbox_mode())
+            ),
+        )
         self.handles.append(handle)
         return handle
 
@@ -51,8 +55,9 @@ class Workspaces:
             handle.close()
 
 
-def harness_for(tmp_path: Path, *, git: bool = False,
-                check: list[str] = QUICK_CHECK) -> tuple[Harness, Workspaces]:
+def harness_for(
+    tmp_path: Path, *, git: bool = False, check: list[str] = QUICK_CHECK
+) -> tuple[Harness, Workspaces]:
     spaces = Workspaces(make_workspace(tmp_path / "ws", git=git), check)
     return Harness(open_adapter=spaces.open, effects=spaces.effects), spaces
 
@@ -72,7 +77,8 @@ def finish(h: Harness, engine: RunEngine) -> None:
 
 @pytest.mark.parametrize("window", WRITE_WINDOWS)
 def test_a_crash_in_each_write_window_recovers_with_exactly_one_workspace_write(
-        run: Harness, tmp_path: Path, window: CrashWindow) -> None:
+    run: Harness, tmp_path: Path, window: CrashWindow
+) -> None:
     engine = run.start(probe=crash_at(window))
     if window is CrashWindow.AFTER_RECEIPT_BEFORE_STATE:
         # Receipt and state are one commit unless the environment cannot be observed
@@ -92,7 +98,8 @@ def test_a_crash_in_each_write_window_recovers_with_exactly_one_workspace_write(
 
 
 def test_the_old_owners_late_write_is_refused_after_the_new_owner_wrote(
-        run: Harness, tmp_path: Path) -> None:
+    run: Harness, tmp_path: Path
+) -> None:
     new_owner: list[RunEngine] = []
 
     def paused_then_late(window: CrashWindow) -> None:
@@ -112,8 +119,9 @@ def test_the_old_owners_late_write_is_refused_after_the_new_owner_wrote(
     finish(run, new_owner[0])
 
 
-def test_a_file_edited_behind_ratchets_back_fails_recovery_closed(run: Harness,
-                                                                  tmp_path: Path) -> None:
+def test_a_file_edited_behind_ratchets_back_fails_recovery_closed(
+    run: Harness, tmp_path: Path
+) -> None:
     engine = run.start()
     engine.propose(run.write(engine, key="fix-1"))
     (tmp_path / "ws" / "app.py").write_text("print('someone else')\n")
@@ -138,7 +146,8 @@ def test_a_moved_git_head_fails_recovery_closed(tmp_path: Path) -> None:
 
 
 def test_a_reset_workspace_is_a_new_instance_and_fails_recovery_closed(
-        run: Harness, tmp_path: Path) -> None:
+    run: Harness, tmp_path: Path
+) -> None:
     engine = run.start()
     engine.propose(run.write(engine, key="fix-1"))
     old_instance = engine.state.environment.instance_id

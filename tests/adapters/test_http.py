@@ -20,10 +20,17 @@ from tests.adapters.conftest import ServiceBox
 
 
 def order(key: str, body: str = '{"sku":"A-1","qty":1}') -> Action:
-    return Action.model_validate({
-        "action_id": f"a-{key}", "kind": "external_call", "risk": "irreversible_external_write",
-        "args": {"operation": "place-order", "body": body}, "idempotency_key": key,
-        "expected_env_version": 0, "deadline_at": 2**40})
+    return Action.model_validate(
+        {
+            "action_id": f"a-{key}",
+            "kind": "external_call",
+            "risk": "irreversible_external_write",
+            "args": {"operation": "place-order", "body": body},
+            "idempotency_key": key,
+            "expected_env_version": 0,
+            "deadline_at": 2**40,
+        }
+    )
 
 
 def fence(lease: int = 1, state: int = 1, run_id: str = "r") -> Fence:
@@ -52,10 +59,18 @@ class Gate:
 def raw_post(orders: ServiceBox, key: str, body: str, f: Fence, intent: str) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", orders.port, timeout=10)
     try:
-        conn.request("POST", "/v1/orders", body=body.encode(), headers={
-            "Idempotency-Key": key, "Ratchet-Run-Id": f.run_id,
-            "Ratchet-Lease-Version": str(f.lease_version),
-            "Ratchet-State-Version": str(f.state_version), "Ratchet-Intent-Digest": intent})
+        conn.request(
+            "POST",
+            "/v1/orders",
+            body=body.encode(),
+            headers={
+                "Idempotency-Key": key,
+                "Ratchet-Run-Id": f.run_id,
+                "Ratchet-Lease-Version": str(f.lease_version),
+                "Ratchet-State-Version": str(f.state_version),
+                "Ratchet-Intent-Digest": intent,
+            },
+        )
         response = conn.getresponse()
         response.read()
         return response.status
@@ -64,7 +79,8 @@ def raw_post(orders: ServiceBox, key: str, body: str, f: Fence, intent: str) -> 
 
 
 def test_same_key_and_body_returns_the_stored_receipt_and_another_body_gets_422(
-        orders: ServiceBox) -> None:
+    orders: ServiceBox,
+) -> None:
     adapter = HttpAdapter(orders.url)
     first = send(adapter, order("k-1"), fence())
     assert send(adapter, order("k-1"), fence()) == first
@@ -95,7 +111,8 @@ def test_a_concurrent_duplicate_in_flight_gets_409_and_is_retryable(orders: Serv
 
 
 def test_a_stale_fence_is_refused_even_when_it_arrives_after_the_newer_one(
-        orders: ServiceBox) -> None:
+    orders: ServiceBox,
+) -> None:
     adapter = HttpAdapter(orders.url)
     send(adapter, order("new-owner"), fence(2, 1))
     with pytest.raises(FenceRejectedError):
@@ -105,7 +122,8 @@ def test_a_stale_fence_is_refused_even_when_it_arrives_after_the_newer_one(
 
 
 def test_a_request_in_flight_when_a_newer_fence_arrives_is_refused_at_commit(
-        orders: ServiceBox) -> None:
+    orders: ServiceBox,
+) -> None:
     gate = Gate("old-owner")
     orders.restart(hook=gate)
     adapter = HttpAdapter(orders.url)
@@ -128,7 +146,8 @@ def test_a_request_in_flight_when_a_newer_fence_arrives_is_refused_at_commit(
 
 
 def test_a_lost_reply_after_the_commit_is_answered_by_a_lookup_not_a_resend(
-        orders: ServiceBox) -> None:
+    orders: ServiceBox,
+) -> None:
     def drop_reply(stage: str, key: str) -> None:
         if stage == "committed":
             raise DropConnection
@@ -141,7 +160,8 @@ def test_a_lost_reply_after_the_commit_is_answered_by_a_lookup_not_a_resend(
 
 
 def test_a_timeout_while_in_flight_is_unknown_then_settled_by_the_receipt(
-        orders: ServiceBox) -> None:
+    orders: ServiceBox,
+) -> None:
     gate = Gate("k-1")
     orders.restart(hook=gate)
     impatient = HttpAdapter(orders.url, timeout_seconds=0.3)
@@ -178,7 +198,8 @@ def test_an_unreachable_service_is_a_retryable_unknown_outcome(orders: ServiceBo
 
 
 def test_the_service_keeps_receipts_fences_and_identity_across_a_restart(
-        orders: ServiceBox) -> None:
+    orders: ServiceBox,
+) -> None:
     adapter = HttpAdapter(orders.url)
     receipt = send(adapter, order("k-1"), fence(3, 1))
     identity = adapter.observe()
@@ -203,9 +224,19 @@ def test_the_adapter_refuses_kinds_and_operations_it_does_not_serve(orders: Serv
 
 def test_the_reference_service_runs_as_its_own_process_for_the_drills(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ratchet.adapters.orders_server", "--db",
-         str(tmp_path / "orders.sqlite3"), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "ratchet.adapters.orders_server",
+            "--db",
+            str(tmp_path / "orders.sqlite3"),
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

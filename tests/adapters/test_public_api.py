@@ -12,11 +12,25 @@ from ratchet.runtime.memory import ManualClock, MemoryWorkspace
 
 
 def test_the_adapters_public_names_are_pinned() -> None:
-    assert sorted(ratchet.adapters.__all__) == sorted([
-        "CHECKS", "CommandVerifier", "ConformanceCheck", "ConformanceSubject", "HttpAdapter",
-        "OrdersService", "RouterAdapter", "RunningService", "SystemClock", "VerifierCommand",
-        "VerifierRun", "WorkspaceAdapter", "run_check", "run_conformance", "serve",
-    ])
+    assert sorted(ratchet.adapters.__all__) == sorted(
+        [
+            "CHECKS",
+            "CommandVerifier",
+            "ConformanceCheck",
+            "ConformanceSubject",
+            "HttpAdapter",
+            "OrdersService",
+            "RouterAdapter",
+            "RunningService",
+            "SystemClock",
+            "VerifierCommand",
+            "VerifierRun",
+            "WorkspaceAdapter",
+            "run_check",
+            "run_conformance",
+            "serve",
+        ]
+    )
     for name in ratchet.adapters.__all__:
         assert hasattr(ratchet.adapters, name)
 
@@ -30,6 +44,10 @@ def test_every_conformance_check_has_a_unique_name_and_a_docstring() -> None:
 def test_the_real_adapters_satisfy_the_runtime_protocol(tmp_path: Path) -> None:
     with WorkspaceAdapter(tmp_path, ["app.py"]) as workspace:
         http = HttpAdapter("http://127.0.0.1:9")
-        for adapter in (workspace, http, RouterAdapter(workspace, http),
-                        MemoryWorkspace("m", {}, clock=ManualClock())):
+        for adapter in (
+            workspace,
+            http,
+            RouterAdapter(workspace, http),
+            MemoryWorkspace("m", {}, clock=ManualClock()),
+        ):
             assert isinstance(adapter, Adapter)

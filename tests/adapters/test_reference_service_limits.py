@@ -24,16 +24,19 @@ TOKEN = "orders-token-0123456789abcdef-CANARY"
 
 @pytest.fixture
 def guarded(tmp_path: Path) -> Iterator[RunningService]:
-    running = serve(OrdersService(tmp_path / "orders.sqlite3"), token=TOKEN,
-                    max_connections=4, read_timeout_s=3.0)
+    running = serve(
+        OrdersService(tmp_path / "orders.sqlite3"),
+        token=TOKEN,
+        max_connections=4,
+        read_timeout_s=3.0,
+    )
     try:
         yield running
     finally:
         running.stop()
 
 
-def post(running: RunningService, path: str, body: bytes,
-         headers: dict[str, str]) -> int:
+def post(running: RunningService, path: str, body: bytes, headers: dict[str, str]) -> int:
     conn = http.client.HTTPConnection(running.host, running.port, timeout=10)
     try:
         conn.request("POST", path, body=body, headers=headers)
@@ -54,8 +57,9 @@ def test_without_the_token_no_fence_is_raised_and_no_order_placed(
     adapter = HttpAdapter(guarded.url, token=TOKEN)
     adapter.raise_fence(Fence(run_id="r", lease_version=1, state_version=1))
     action = order("k-1")
-    receipt = adapter.execute(action, action.intent_digest,
-                              Fence(run_id="r", lease_version=1, state_version=1), None)
+    receipt = adapter.execute(
+        action, action.intent_digest, Fence(run_id="r", lease_version=1, state_version=1), None
+    )
     assert receipt.idempotency_key == "k-1"
     assert guarded.service.stats()[1]["effects"] == 1
     assert guarded.service.stats()[1]["refused_stale"] == 0

@@ -16,8 +16,11 @@ from tests.conftest import test_sandbox_mode
 
 def workspace(root: Path, **commands: VerifierCommand | list[str]) -> WorkspaceAdapter:
     make_workspace(root)
-    return WorkspaceAdapter(root, ["app.py", "tests"], verifier=CommandVerifier(
-        commands, sandbox=Sandbox.resolve(test_sandbox_mode())))
+    return WorkspaceAdapter(
+        root,
+        ["app.py", "tests"],
+        verifier=CommandVerifier(commands, sandbox=Sandbox.resolve(test_sandbox_mode())),
+    )
 
 
 def py(code: str, **options: object) -> VerifierCommand:
@@ -30,7 +33,10 @@ def test_a_passing_command_reports_passed_bound_to_the_observed_state(tmp_path: 
         report = ws.verify("ok")
         assert report.passed
         assert (report.env_instance_id, report.env_version, report.env_fingerprint) == (
-            observed.instance_id, observed.version, observed.fingerprint)
+            observed.instance_id,
+            observed.version,
+            observed.fingerprint,
+        )
         assert not ws.verify("bad").passed
 
 
@@ -50,7 +56,8 @@ def test_an_unknown_target_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_command_sees_a_clean_environment_without_inherited_secrets(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RATCHET_TEST_API_TOKEN", "s3cr3t-canary")
     code = "import os; print(sorted(os.environ.items()))"
     with workspace(tmp_path / "ws", env=py(code, env={"CI": "1"})) as ws:

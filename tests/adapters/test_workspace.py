@@ -35,10 +35,17 @@ ws.execute(action, action.intent_digest, Fence(run_id="r", lease_version=1, stat
 
 
 def write(key: str, content: str, expected: int, path: str = "app.py") -> Action:
-    return Action.model_validate({
-        "action_id": f"a-{key}", "kind": "write_file", "risk": "reversible_write",
-        "args": {"path": path, "content": content}, "idempotency_key": key,
-        "expected_env_version": expected, "deadline_at": 2**40})
+    return Action.model_validate(
+        {
+            "action_id": f"a-{key}",
+            "kind": "write_file",
+            "risk": "reversible_write",
+            "args": {"path": path, "content": content},
+            "idempotency_key": key,
+            "expected_env_version": expected,
+            "deadline_at": 2**40,
+        }
+    )
 
 
 def fence(lease: int = 1, state: int = 1) -> Fence:
@@ -51,15 +58,19 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("stage", ["after_intent", "after_replace"])
-def test_a_writer_killed_mid_write_leaves_journal_and_files_in_agreement(root: Path,
-                                                                        stage: str) -> None:
+def test_a_writer_killed_mid_write_leaves_journal_and_files_in_agreement(
+    root: Path, stage: str
+) -> None:
     with WorkspaceAdapter(root, ["app.py", "tests"]) as ws:
         before = ws.observe()
         action = write("k-1", RIGHT_GREETING, before.version)
         predicted = ws.project(action, before)
-        killed = subprocess.run([sys.executable, "-c", WRITER, str(root), stage,
-                                 action.model_dump_json()], capture_output=True, timeout=60,
-                                check=False)
+        killed = subprocess.run(
+            [sys.executable, "-c", WRITER, str(root), stage, action.model_dump_json()],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
         assert killed.returncode == -signal.SIGKILL
         # The live handle resolves the dead writer's intent before answering.
         after = ws.observe()
@@ -83,9 +94,12 @@ def test_a_writer_killed_mid_write_leaves_journal_and_files_in_agreement(root: P
 
 def test_a_fresh_handle_recovers_a_write_whose_writer_died_after_the_replace(root: Path) -> None:
     action = write("k-1", RIGHT_GREETING, 1)
-    killed = subprocess.run([sys.executable, "-c", WRITER, str(root), "after_replace",
-                             action.model_dump_json()], capture_output=True, timeout=60,
-                            check=False)
+    killed = subprocess.run(
+        [sys.executable, "-c", WRITER, str(root), "after_replace", action.model_dump_json()],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert killed.returncode == -signal.SIGKILL
     with WorkspaceAdapter(root, ["app.py", "tests"]) as ws:
         receipt = ws.lookup("k-1")
@@ -107,7 +121,8 @@ def test_an_in_process_crash_after_the_intent_is_resolved_on_the_next_call(root:
 
 
 def test_writes_from_several_handles_at_once_are_serialised_with_one_version_each(
-        root: Path) -> None:
+    root: Path,
+) -> None:
     handles = [WorkspaceAdapter(root, ["app.py", "tests"]) for _ in range(4)]
     errors: list[BaseException] = []
 
@@ -115,10 +130,17 @@ def test_writes_from_several_handles_at_once_are_serialised_with_one_version_eac
         try:
             for j in range(3):
                 key = f"k-{i}-{j}"
-                action = Action.model_validate({
-                    "action_id": key, "kind": "write_file", "risk": "reversible_write",
-                    "args": {"path": f"tests/out_{i}_{j}.txt", "content": key},
-                    "idempotency_key": key, "expected_env_version": 0, "deadline_at": 2**40})
+                action = Action.model_validate(
+                    {
+                        "action_id": key,
+                        "kind": "write_file",
+                        "risk": "reversible_write",
+                        "args": {"path": f"tests/out_{i}_{j}.txt", "content": key},
+                        "idempotency_key": key,
+                        "expected_env_version": 0,
+                        "deadline_at": 2**40,
+                    }
+                )
                 while True:  # re-plan against the current version until it lands
                     current = ws.observe().version
                     planned = action.model_copy(update={"expected_env_version": current})
@@ -158,8 +180,7 @@ def test_the_highest_fence_survives_a_reopen_and_refuses_the_old_owner(root: Pat
         assert (root / "app.py").read_text() == WRONG_GREETING
 
 
-def test_writes_outside_the_allowed_paths_or_into_the_state_folder_are_refused(
-        root: Path) -> None:
+def test_writes_outside_the_allowed_paths_or_into_the_state_folder_are_refused(root: Path) -> None:
     with WorkspaceAdapter(root, ["app.py"]) as ws:
         action = write("k-1", "x", ws.observe().version, path="setup.py")
         with pytest.raises(AdapterError) as caught:
@@ -184,7 +205,8 @@ def test_a_write_through_a_symbolic_link_is_refused(root: Path, tmp_path: Path) 
 
 
 def test_the_instance_id_is_minted_once_and_kept_until_the_state_folder_is_reset(
-        root: Path) -> None:
+    root: Path,
+) -> None:
     with WorkspaceAdapter(root, ["app.py"]) as ws:
         first = ws.instance_id
     with WorkspaceAdapter(root, ["app.py"]) as ws:
@@ -196,7 +218,8 @@ def test_the_instance_id_is_minted_once_and_kept_until_the_state_folder_is_reset
 
 
 def test_an_edit_outside_the_adapter_moves_the_version_on_and_fails_the_precondition(
-        root: Path) -> None:
+    root: Path,
+) -> None:
     with WorkspaceAdapter(root, ["app.py"]) as ws:
         before = ws.observe()
         (root / "app.py").write_text("edited elsewhere\n")
@@ -209,7 +232,8 @@ def test_an_edit_outside_the_adapter_moves_the_version_on_and_fails_the_precondi
 
 
 def test_in_a_git_repository_head_and_the_dirty_flag_are_observed_and_projected(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     root = make_workspace(tmp_path / "repo", git=True)
     with WorkspaceAdapter(root, ["app.py", "tests"]) as ws:
         clean = ws.observe()

@@ -20,12 +20,17 @@ from ratchet.worker.failpoints import POINTS
 RATCHET = str(Path(sys.executable).with_name("ratchet"))
 
 
-def drill(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-          timeout_s: float = 420) -> tuple[int, dict[str, Any]]:
+def drill(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 420
+) -> tuple[int, dict[str, Any]]:
     folder = tmp_path / "drill"
-    done = subprocess.run([RATCHET, "drill", *args, "--json", "--dir", str(folder)],
-                          capture_output=True, timeout=timeout_s, check=False,
-                          env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        [RATCHET, "drill", *args, "--json", "--dir", str(folder)],
+        capture_output=True,
+        timeout=timeout_s,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
     assert done.stdout, done.stderr.decode(errors="replace")[-2000:]
     return done.returncode, json.loads(done.stdout)
 
@@ -41,10 +46,12 @@ def _needs_rollback_support() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_the_short_profile_passes_with_every_failpoint_fired_and_zombies_refused(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     _needs_rollback_support()
-    code, report = drill(tmp_path, "--workers", "3", "--runs", "24", "--lease-ttl", "1",
-                         "--faults", "all")
+    code, report = drill(
+        tmp_path, "--workers", "3", "--runs", "24", "--lease-ttl", "1", "--faults", "all"
+    )
     failing = {k: v for k, v in report["invariants"].items() if v["status"] != "pass"}
     assert report["verdict"] == "pass", failing
     assert code == 0
@@ -60,8 +67,10 @@ def test_the_short_profile_passes_with_every_failpoint_fired_and_zombies_refused
     assert report["operator_cancels"] >= 2
     assert report["invariants"]["operator_cancels_end_runs"]["status"] == "pass"
     cancelled = report["runs_by_phase"].get("cancelled", 0)
-    assert report["runs_by_phase"].get("completed", 0) >= report["runs"] - report[
-        "rewound_runs"] - cancelled
+    assert (
+        report["runs_by_phase"].get("completed", 0)
+        >= report["runs"] - report["rewound_runs"] - cancelled
+    )
     # The workers' own metrics, scraped during the drill, agree with what the drill saw.
     metrics = report["metrics"]
     assert report["invariants"]["metrics_match_report"]["status"] == "pass", metrics
@@ -86,14 +95,27 @@ def _seed_with_a_workspace_zombie(runs: int) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_build_without_the_workspace_fence_fails_the_drill_naming_the_invariant(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     seed = _seed_with_a_workspace_zombie(8)
     # The broken build is made here, not in the product: a sitecustomize that every
     # process of the drill loads replaces the workspace journal's fence check.
     broken = str(Path(__file__).with_name("fenceless"))
     path = os.pathsep.join(p for p in (broken, os.environ.get("PYTHONPATH", "")) if p)
-    code, report = drill(tmp_path, "--workers", "2", "--runs", "8", "--lease-ttl", "1",
-                         "--faults", "pause", "--seed", str(seed), env={"PYTHONPATH": path})
+    code, report = drill(
+        tmp_path,
+        "--workers",
+        "2",
+        "--runs",
+        "8",
+        "--lease-ttl",
+        "1",
+        "--faults",
+        "pause",
+        "--seed",
+        str(seed),
+        env={"PYTHONPATH": path},
+    )
     assert code == 1
     assert report["verdict"] == "fail"
     assert "stale_writes_refused" in report["failed_invariants"]
@@ -104,7 +126,19 @@ def test_a_build_without_the_workspace_fence_fails_the_drill_naming_the_invarian
 @pytest.mark.timeout(1500)
 def test_the_long_profile_passes(tmp_path: Path) -> None:
     _needs_rollback_support()
-    code, report = drill(tmp_path, "--workers", "4", "--runs", "200", "--lease-ttl", "1",
-                         "--duration", "600", "--faults", "all", timeout_s=1400)
+    code, report = drill(
+        tmp_path,
+        "--workers",
+        "4",
+        "--runs",
+        "200",
+        "--lease-ttl",
+        "1",
+        "--duration",
+        "600",
+        "--faults",
+        "all",
+        timeout_s=1400,
+    )
     assert report["verdict"] == "pass", report["invariants"]
     assert code == 0

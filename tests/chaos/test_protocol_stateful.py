@@ -64,18 +64,32 @@ class Acks:
     def load(self, key: RunKey):  # type: ignore[no-untyped-def]
         return self.inner.load(key)
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
-        self.inner.advance(key, expected_generation=expected_generation, blob=blob,
-                           nonces=nonces, segment=segment)
-        self.log.append((self.inner.lease_version, expected_generation + 1,
-                         hashlib.sha256(blob).hexdigest()))
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
+        self.inner.advance(
+            key, expected_generation=expected_generation, blob=blob, nonces=nonces, segment=segment
+        )
+        self.log.append(
+            (self.inner.lease_version, expected_generation + 1, hashlib.sha256(blob).hexdigest())
+        )
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         self.inner.advance_many(key, commits)
         for commit in commits:
-            self.log.append((self.inner.lease_version, commit.expected_generation + 1,
-                             hashlib.sha256(commit.blob).hexdigest()))
+            self.log.append(
+                (
+                    self.inner.lease_version,
+                    commit.expected_generation + 1,
+                    hashlib.sha256(commit.blob).hexdigest(),
+                )
+            )
 
 
 @dataclass
@@ -95,8 +109,11 @@ class Worker:
 @dataclass
 class World:
     server: RedisServer
-    keyring: KeyRing = field(default_factory=lambda: KeyRing.from_secrets(
-        {"k": secrets.token_bytes(32)}, signing_kid="k"))
+    keyring: KeyRing = field(
+        default_factory=lambda: KeyRing.from_secrets(
+            {"k": secrets.token_bytes(32)}, signing_kid="k"
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +135,23 @@ class Protocol(RuleBasedStateMachine):
         self.store = RedisStore(self.world.server.client())
         self.scenario = _scenario(0)
         grep = shutil.which("grep", path="/usr/bin:/bin") or "grep"
-        verifier = CommandVerifier({"check": [grep, "-qx", "run 0: done", NOTE]},
-                                   sandbox=Sandbox.resolve(test_sandbox_mode()))
-        self.workers = [Worker(f"w{i}", WorkspaceAdapter(root, [NOTE], verifier=verifier))
-                        for i in range(WORKERS)]
+        verifier = CommandVerifier(
+            {"check": [grep, "-qx", "run 0: done", NOTE]},
+            sandbox=Sandbox.resolve(test_sandbox_mode()),
+        )
+        self.workers = [
+            Worker(f"w{i}", WorkspaceAdapter(root, [NOTE], verifier=verifier))
+            for i in range(WORKERS)
+        ]
         self.run_id = f"st-{secrets.token_hex(6)}"
-        RunEngine.start(self.run_id, scenario=self.scenario, keyring=self.world.keyring,
-                        adapter=self.workers[0].adapter, store=self.store.creator(b"{}"),
-                        clock=SystemClock())
+        RunEngine.start(
+            self.run_id,
+            scenario=self.scenario,
+            keyring=self.world.keyring,
+            adapter=self.workers[0].adapter,
+            store=self.store.creator(b"{}"),
+            clock=SystemClock(),
+        )
         self.journal = root / ".ratchet" / "journal.sqlite3"
         self.agent = ScriptedAgent(STEPS)
         self.acks: list[tuple[int, int, str]] = []
@@ -150,27 +176,32 @@ class Protocol(RuleBasedStateMachine):
         assert snap.checkpoint is not None
         worker.crash = None  # a new incarnation: the crash point of the one that died is gone
         try:
-            engine = RunEngine.resume(snap.checkpoint, scenario=self.scenario,
-                                      keyring=self.world.keyring, adapter=worker.adapter,
-                                      store=Acks(lease, self.acks), clock=SystemClock(),
-                                      lease_version=lease.lease_version, probe=worker.probe,
-                                      coalesce=coalesce, archive=snap.archive,
-                                      archive_trace=archive)
+            engine = RunEngine.resume(
+                snap.checkpoint,
+                scenario=self.scenario,
+                keyring=self.world.keyring,
+                adapter=worker.adapter,
+                store=Acks(lease, self.acks),
+                clock=SystemClock(),
+                lease_version=lease.lease_version,
+                probe=worker.probe,
+                coalesce=coalesce,
+                archive=snap.archive,
+                archive_trace=archive,
+            )
             self.restores.append((lease.lease_version, engine.generation))
             engine.reconcile()
         except (LeaseLostError, StoreError, FenceRejectedError, CheckpointError):
             return  # lost it again before restoring: nothing ran
         worker.lease, worker.engine = lease, engine
 
-    @rule(k=st.integers(0, WORKERS - 1),
-          crash=st.sampled_from([None, *CrashWindow]))
+    @rule(k=st.integers(0, WORKERS - 1), crash=st.sampled_from([None, *CrashWindow]))
     def step(self, k: int, crash: CrashWindow | None) -> None:
         worker = self.workers[k]
         engine, lease = worker.engine, worker.lease
         if engine is None or lease is None or engine.state.phase is not Phase.RUNNING:
             return
-        stale = not self.store.read_run(self.run_id).is_held_by(worker.name,
-                                                                 lease.lease_version)
+        stale = not self.store.read_run(self.run_id).is_held_by(worker.name, lease.lease_version)
         worker.crash = crash
         step = self.agent.next_step(_view(engine, None))
         if step is None:
@@ -203,8 +234,10 @@ class Protocol(RuleBasedStateMachine):
     def one_effect_per_intent(self) -> None:
         db = sqlite3.connect(f"file:{self.journal}?mode=ro", uri=True)
         try:
-            rows = db.execute("SELECT intent_digest, count(*) FROM writes "
-                              "WHERE status = 'committed' GROUP BY intent_digest").fetchall()
+            rows = db.execute(
+                "SELECT intent_digest, count(*) FROM writes "
+                "WHERE status = 'committed' GROUP BY intent_digest"
+            ).fetchall()
         finally:
             db.close()
         assert all(n == 1 for _, n in rows), rows
@@ -214,8 +247,10 @@ class Protocol(RuleBasedStateMachine):
         snap = self.store.read_run(self.run_id)
         assert snap.generation >= self.high_water, "the high-water mark went back"
         self.high_water = snap.generation
-        history = {int(e.split(b"|")[0]): e.split(b"|")[5].decode()
-                   for e in self.store.client.lrange(run_keys(self.run_id).history, 0, -1)}
+        history = {
+            int(e.split(b"|")[0]): e.split(b"|")[5].decode()
+            for e in self.store.client.lrange(run_keys(self.run_id).history, 0, -1)
+        }
         for _, generation, digest in self.acks:
             assert history.get(generation, digest) == digest, "an acked checkpoint was lost"
 
@@ -226,8 +261,10 @@ class Protocol(RuleBasedStateMachine):
 
     @invariant()
     def no_stale_commit_in_the_history(self) -> None:
-        versions = [int(e.split(b"|")[2]) for e in
-                    self.store.client.lrange(run_keys(self.run_id).history, 0, -1)]
+        versions = [
+            int(e.split(b"|")[2])
+            for e in self.store.client.lrange(run_keys(self.run_id).history, 0, -1)
+        ]
         assert versions == sorted(versions, reverse=True), versions
 
     @invariant()
@@ -242,9 +279,14 @@ class Protocol(RuleBasedStateMachine):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_the_protocol_keeps_its_invariants_under_crashes_pauses_and_takeovers(
-        world: World) -> None:
+def test_the_protocol_keeps_its_invariants_under_crashes_pauses_and_takeovers(world: World) -> None:
     Protocol.world = world
-    run_state_machine_as_test(Protocol, settings=settings(
-        max_examples=12, stateful_step_count=25, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    run_state_machine_as_test(
+        Protocol,
+        settings=settings(
+            max_examples=12,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )

@@ -83,8 +83,9 @@ def make_client(backend: str, shared: RedisServer | None) -> Any:
 @pytest.fixture(params=BACKENDS)
 def redis_client(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A client on each backend in turn: a real server, fakeredis[lua], the env server."""
-    shared = (request.getfixturevalue("shared_redis_server")
-              if request.param == "redis-server" else None)
+    shared = (
+        request.getfixturevalue("shared_redis_server") if request.param == "redis-server" else None
+    )
     client = make_client(request.param, shared)
     yield client
     client.close()
@@ -107,9 +108,13 @@ def make_run(store: RedisStore, new_run_id: Callable[[], str]) -> Callable[..., 
 
     def make(checkpoint: bytes = b"ckpt-1", scenario: bytes = b"scenario") -> RunKey:
         key = RunKey(task_id="task-a", run_id=new_run_id(), env_instance_id="env-1")
-        store.create_run(key.run_id, task_id=key.task_id,
-                         env_instance_id=key.env_instance_id, scenario=scenario,
-                         checkpoint=checkpoint)
+        store.create_run(
+            key.run_id,
+            task_id=key.task_id,
+            env_instance_id=key.env_instance_id,
+            scenario=scenario,
+            checkpoint=checkpoint,
+        )
         return key
 
     return make

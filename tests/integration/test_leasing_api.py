@@ -30,14 +30,34 @@ LEASE = Lease(run_id="r-1", owner="w1", lease_version=1, expires_at_ms=10, now_m
 
 
 def test_the_public_names_of_ratchet_leasing_are_pinned() -> None:
-    assert sorted(ratchet.leasing.__all__) == sorted([
-        "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "RUNS_INDEX", "Acquired",
-        "CommitResult", "Lease", "LeaseHolder", "LeasedRun", "LocalCluster", "PreparedCommit",
-        "ReapClaim",
-        "RedisServer", "RedisStore", "Released", "RunCreated", "RunCreator", "RunKeys",
-        "RunSnapshot", "find_redis_cli", "find_redis_server", "free_port", "new_commit_id",
-        "nonce_key", "run_keys",
-    ])
+    assert sorted(ratchet.leasing.__all__) == sorted(
+        [
+            "DEFAULT_MAX_CHECKPOINT_BYTES",
+            "EXPIRY_INDEX",
+            "RUNS_INDEX",
+            "Acquired",
+            "CommitResult",
+            "Lease",
+            "LeaseHolder",
+            "LeasedRun",
+            "LocalCluster",
+            "PreparedCommit",
+            "ReapClaim",
+            "RedisServer",
+            "RedisStore",
+            "Released",
+            "RunCreated",
+            "RunCreator",
+            "RunKeys",
+            "RunSnapshot",
+            "find_redis_cli",
+            "find_redis_server",
+            "free_port",
+            "new_commit_id",
+            "nonce_key",
+            "run_keys",
+        ]
+    )
     for name in ratchet.leasing.__all__:
         assert hasattr(ratchet.leasing, name)
 
@@ -67,9 +87,17 @@ def test_every_script_header_names_each_key_and_argument_it_uses(name: ScriptNam
 
 
 MALFORMED: list[Any] = [
-    None, b"committed", [], [5], [b"\xff\xfe"], [b"no_such_status"],
-    [b"committed", 2], [b"committed", b"2", 2, 1, 1], [b"committed", True, 2, 1, 1],
-    [b"committed", -2, 2, 1, 1], [b"lease_lost", b"w2", 2, 1],
+    None,
+    b"committed",
+    [],
+    [5],
+    [b"\xff\xfe"],
+    [b"no_such_status"],
+    [b"committed", 2],
+    [b"committed", b"2", 2, 1, 1],
+    [b"committed", True, 2, 1, 1],
+    [b"committed", -2, 2, 1, 1],
+    [b"lease_lost", b"w2", 2, 1],
 ]
 
 
@@ -81,17 +109,25 @@ def test_a_malformed_or_unknown_commit_reply_is_a_protocol_error(reply: Any) -> 
 
 def test_a_commit_reply_for_another_generation_is_a_protocol_error() -> None:
     with pytest.raises(StoreProtocolError):
-        decode_commit([b"committed", 3, 3, 10, 5], LEASE, commit_id="c-1", generation=2,
-                      expected_state_version=1)
+        decode_commit(
+            [b"committed", 3, 3, 10, 5],
+            LEASE,
+            commit_id="c-1",
+            generation=2,
+            expected_state_version=1,
+        )
 
 
-@pytest.mark.parametrize("decode", [
-    lambda r: decode_create(r, "r-1"),
-    lambda r: decode_acquire(r, "r-1", "w1"),
-    lambda r: decode_renew(r, LEASE),
-    lambda r: decode_release(r, LEASE),
-    lambda r: decode_read(r, "r-1", with_checkpoint=True, with_scenario=False),
-])
+@pytest.mark.parametrize(
+    "decode",
+    [
+        lambda r: decode_create(r, "r-1"),
+        lambda r: decode_acquire(r, "r-1", "w1"),
+        lambda r: decode_renew(r, LEASE),
+        lambda r: decode_release(r, LEASE),
+        lambda r: decode_read(r, "r-1", with_checkpoint=True, with_scenario=False),
+    ],
+)
 @pytest.mark.parametrize("reply", [None, [], [b"bogus"], [b"no_run", 1], 42])
 def test_every_decoder_refuses_to_guess(decode: Any, reply: Any) -> None:
     with pytest.raises(StoreProtocolError):
@@ -122,8 +158,10 @@ def test_an_unrequested_archive_is_a_protocol_error() -> None:
         decode_read(reply, "r-1", with_checkpoint=False, with_scenario=False)
 
 
-@pytest.mark.parametrize("reply", [None, [], [b"posted"], [b"posted", b"3"], [b"posted", 1, 2],
-                                   [b"no_run", 1], [b"bogus", 1]])
+@pytest.mark.parametrize(
+    "reply",
+    [None, [], [b"posted"], [b"posted", b"3"], [b"posted", 1, 2], [b"no_run", 1], [b"bogus", 1]],
+)
 def test_a_counted_reply_that_is_not_exactly_ok_and_one_integer_is_refused(reply: Any) -> None:
     with pytest.raises(StoreProtocolError):
         decode_counted(reply, "r-1", script="post_evidence", ok="posted")

@@ -24,17 +24,25 @@ def _archive(store: RedisStore, run_id: str) -> list[bytes]:
 
 
 def test_segments_are_appended_with_their_commits_and_read_back_in_order(
-        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     run_id = new_run_id()
-    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                     checkpoint=b"g1", archive_segment=b"s1")
+    store.create_run(
+        run_id,
+        task_id="t",
+        env_instance_id="e",
+        scenario=b"s",
+        checkpoint=b"g1",
+        archive_segment=b"s1",
+    )
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     key = RunKey("t", run_id, "e")
     run.advance(key, expected_generation=1, blob=b"g2", segment=b"s2")
     run.advance(key, expected_generation=2, blob=b"g3")  # nothing new to archive
-    run.advance_many(key, [Advance(3, b"g4", segment=b"s4"), Advance(4, b"g5"),
-                           Advance(5, b"g6", segment=b"s6")])
+    run.advance_many(
+        key, [Advance(3, b"g4", segment=b"s4"), Advance(4, b"g5"), Advance(5, b"g6", segment=b"s6")]
+    )
     snap = store.read_run(run_id, with_checkpoint=True)
     assert (snap.generation, snap.checkpoint) == (6, b"g6")
     assert snap.archive == (b"s1", b"s2", b"s4", b"s6")
@@ -43,8 +51,7 @@ def test_segments_are_appended_with_their_commits_and_read_back_in_order(
     assert (stored.blob, stored.archive) == (b"g6", (b"s1", b"s2", b"s4", b"s6"))
 
 
-def test_a_retried_commit_appends_its_segment_once(
-        store: RedisStore, make_run: MakeRun) -> None:
+def test_a_retried_commit_appends_its_segment_once(store: RedisStore, make_run: MakeRun) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -54,15 +61,18 @@ def test_a_retried_commit_appends_its_segment_once(
     assert dropped and _archive(store, key.run_id) == [b"a", b"b"]
 
 
-def test_a_stale_lease_appends_nothing(store: RedisStore, make_run: MakeRun,
-                                       expire: Expire) -> None:
+def test_a_stale_lease_appends_nothing(
+    store: RedisStore, make_run: MakeRun, expire: Expire
+) -> None:
     key = make_run()
     old = store.acquire(key.run_id, owner="w1", ttl_ms=150)
     assert old is not None
     expire(store, key.run_id)
     assert store.acquire(key.run_id, owner="w2", ttl_ms=60_000) is not None
-    for attempt in (lambda: old.advance(key, expected_generation=1, blob=b"x", segment=b"z"),
-                    lambda: old.advance_many(key, [Advance(1, b"x", segment=b"z")])):
+    for attempt in (
+        lambda: old.advance(key, expected_generation=1, blob=b"x", segment=b"z"),
+        lambda: old.advance_many(key, [Advance(1, b"x", segment=b"z")]),
+    ):
         try:
             attempt()
         except LeaseLostError:
@@ -73,45 +83,73 @@ def test_a_stale_lease_appends_nothing(store: RedisStore, make_run: MakeRun,
 
 
 def test_an_archived_engine_runs_and_restores_on_redis(
-        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     scenario = Scenario.model_validate(scenario_data(approval_required=[]))
-    keyring = KeyRing.from_secrets({"k": b"archive-on-redis-key-0123456789abcdef"},
-                                   signing_kid="k")
+    keyring = KeyRing.from_secrets({"k": b"archive-on-redis-key-0123456789abcdef"}, signing_kid="k")
 
     class Clock:
         def now(self) -> int:
             return int(time.time())
 
-    adapter = MemoryWorkspace("ws-redis", scenario.initial_files, clock=Clock(),
-                              expectations={"unit": scenario.verifier.expected_files})
+    adapter = MemoryWorkspace(
+        "ws-redis",
+        scenario.initial_files,
+        clock=Clock(),
+        expectations={"unit": scenario.verifier.expected_files},
+    )
     run_id = new_run_id()
-    RunEngine.start(run_id, scenario=scenario, keyring=keyring, adapter=adapter,
-                    store=store.creator(b"scenario"), clock=Clock(), archive_trace=True)
+    RunEngine.start(
+        run_id,
+        scenario=scenario,
+        keyring=keyring,
+        adapter=adapter,
+        store=store.creator(b"scenario"),
+        clock=Clock(),
+        archive_trace=True,
+    )
 
     def resume(owner: str) -> RunEngine:
         lease = store.acquire(run_id, owner=owner, ttl_ms=60_000)
         assert lease is not None
         snap = store.read_run(run_id, with_checkpoint=True)
         assert snap.checkpoint is not None
-        return RunEngine.resume(snap.checkpoint, archive=snap.archive, scenario=scenario,
-                                keyring=keyring, adapter=adapter, store=lease, clock=Clock(),
-                                lease_version=lease.lease_version, coalesce=True)
+        return RunEngine.resume(
+            snap.checkpoint,
+            archive=snap.archive,
+            scenario=scenario,
+            keyring=keyring,
+            adapter=adapter,
+            store=lease,
+            clock=Clock(),
+            lease_version=lease.lease_version,
+            coalesce=True,
+        )
 
-    def action(engine: RunEngine, kind: str, args: dict[str, str],
-               key: str | None = None) -> dict[str, object]:
-        risk = {"write_file": "reversible_write", "run_verifier": "verification",
-                "finish": "control"}[kind]
-        return {"action_id": f"a-{engine.state.next_seq}", "kind": kind, "risk": risk,
-                "args": args, "idempotency_key": key,
-                "expected_env_version": engine.state.environment.version,
-                "deadline_at": int(time.time()) + 600}
+    def action(
+        engine: RunEngine, kind: str, args: dict[str, str], key: str | None = None
+    ) -> dict[str, object]:
+        risk = {
+            "write_file": "reversible_write",
+            "run_verifier": "verification",
+            "finish": "control",
+        }[kind]
+        return {
+            "action_id": f"a-{engine.state.next_seq}",
+            "kind": kind,
+            "risk": risk,
+            "args": args,
+            "idempotency_key": key,
+            "expected_env_version": engine.state.environment.version,
+            "deadline_at": int(time.time()) + 600,
+        }
 
     first = resume("w1")
     for n in range(3):
-        first.propose(action(first, "write_file", {"path": "app.py",
-                                                   "content": f"print({n})\n"}, f"k{n}"))
-    first.propose(action(first, "write_file", {"path": "app.py", "content": RIGHT_GREETING},
-                         "fix"))
+        first.propose(
+            action(first, "write_file", {"path": "app.py", "content": f"print({n})\n"}, f"k{n}")
+        )
+    first.propose(action(first, "write_file", {"path": "app.py", "content": RIGHT_GREETING}, "fix"))
     first.flush()
     before = first.state
     store.release(first.store.lease)  # type: ignore[attr-defined]

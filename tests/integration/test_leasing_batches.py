@@ -30,8 +30,7 @@ Expire = Callable[[RedisStore, str], None]
 
 def _history(store: RedisStore, run_id: str) -> list[tuple[int, int, str]]:
     """(generation, state_version, commit id) of every history entry, oldest first."""
-    entries = [e.decode().split("|") for e in
-               store.client.lrange(run_keys(run_id).history, 0, -1)]
+    entries = [e.decode().split("|") for e in store.client.lrange(run_keys(run_id).history, 0, -1)]
     return [(int(e[0]), int(e[1]), e[4]) for e in reversed(entries)]
 
 
@@ -44,13 +43,13 @@ def _leased(store: RedisStore, make_run: MakeRun) -> tuple[RunKey, LeasedRun]:
 
 
 def test_a_batch_applies_each_commit_at_its_own_generation_in_one_call(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key, run = _leased(store, make_run)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert (snap.generation, snap.state_version, snap.checkpoint) == (4, 4, b"g4")
-    assert [(g, v) for g, v, _ in _history(store, key.run_id)] == [
-        (1, 1), (2, 2), (3, 3), (4, 4)]
+    assert [(g, v) for g, v, _ in _history(store, key.run_id)] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert (run.generation, run.state_version) == (4, 4)
     assert run.fence.state_version == 4
     run.advance(key, expected_generation=4, blob=b"g5")  # the handle moved with the batch
@@ -58,7 +57,8 @@ def test_a_batch_applies_each_commit_at_its_own_generation_in_one_call(
 
 
 def test_a_batch_from_a_stale_lease_applies_nothing(
-        store: RedisStore, make_run: MakeRun, expire: Expire) -> None:
+    store: RedisStore, make_run: MakeRun, expire: Expire
+) -> None:
     key = make_run()
     old = store.acquire(key.run_id, owner="w1", ttl_ms=150)
     assert old is not None
@@ -73,7 +73,8 @@ def test_a_batch_from_a_stale_lease_applies_nothing(
 
 
 def test_a_refused_commit_stops_the_batch_and_keeps_the_ones_before_it(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     other = make_run()
     holder = store.acquire(other.run_id, owner="w9", ttl_ms=60_000)
     assert holder is not None
@@ -101,7 +102,8 @@ def test_a_refused_commit_stops_the_batch_and_keeps_the_ones_before_it(
 
 
 def test_a_lost_batch_reply_is_resent_and_reported_applied_once(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key, run = _leased(store, make_run)
     dropped = lose_first_reply(store)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
@@ -112,7 +114,8 @@ def test_a_lost_batch_reply_is_resent_and_reported_applied_once(
 
 
 def test_a_batch_whose_replies_never_arrive_is_an_unknown_outcome(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key, run = _leased(store, make_run)
     store.reply_hook = lambda run_id, commit_id: True
     with pytest.raises(CommitOutcomeUnknownError) as err:
@@ -130,23 +133,25 @@ def test_a_batch_survives_script_flush(store: RedisStore, make_run: MakeRun) -> 
 
 
 def test_bad_batches_are_refused_before_reaching_redis(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key, run = _leased(store, make_run)
-    prepared = [store.prepare_commit(key.run_id, generation=g, checkpoint=b"x")
-                for g in (2, 4)]
+    prepared = [store.prepare_commit(key.run_id, generation=g, checkpoint=b"x") for g in (2, 4)]
     with pytest.raises(ContractError):
         store.commit_many(run.lease, prepared, expected_state_version=1)
     with pytest.raises(RunExistsError):
         run.advance_many(key, [Advance(0, b"again")])
     with pytest.raises(ContractError):
-        run.advance_many(RunKey(task_id="other", run_id=key.run_id,
-                                env_instance_id="env-1"), [Advance(1, b"g2")])
+        run.advance_many(
+            RunKey(task_id="other", run_id=key.run_id, env_instance_id="env-1"), [Advance(1, b"g2")]
+        )
     run.advance_many(key, [])  # an empty batch sends nothing
     assert store.read_run(key.run_id).generation == 1
 
 
 def test_the_creator_takes_a_batch_of_one_creation_only(
-        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     key = RunKey(task_id="task-a", run_id=new_run_id(), env_instance_id="env-1")
     creator = store.creator(b"scenario")
     with pytest.raises(LeaseLostError):
@@ -155,8 +160,9 @@ def test_the_creator_takes_a_batch_of_one_creation_only(
     assert store.read_run(key.run_id).generation == 1
 
 
-def test_commit_many_sends_one_script_call(store: RedisStore, make_run: MakeRun,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_commit_many_sends_one_script_call(
+    store: RedisStore, make_run: MakeRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key, run = _leased(store, make_run)
     store.load_scripts()  # a fresh server would answer NOSCRIPT first (one more send)
     calls: list[str] = []
@@ -183,7 +189,8 @@ def test_commit_many_sends_one_script_call(store: RedisStore, make_run: MakeRun,
 
 
 def test_a_batch_that_crosses_the_history_limit_trims_history_and_commit_ids_together(
-        redis_client: Any, new_run_id: Callable[[], str]) -> None:
+    redis_client: Any, new_run_id: Callable[[], str]
+) -> None:
     store = RedisStore(redis_client, history_limit=3)
     run_id = new_run_id()
     store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"c")
@@ -198,7 +205,8 @@ def test_a_batch_that_crosses_the_history_limit_trims_history_and_commit_ids_tog
 
 
 def test_a_long_history_is_trimmed_in_steps_of_an_eighth_of_its_limit(
-        redis_client: Any, new_run_id: Callable[[], str]) -> None:
+    redis_client: Any, new_run_id: Callable[[], str]
+) -> None:
     store = RedisStore(redis_client, history_limit=16)  # trimmed once over 18 entries
     run_id = new_run_id()
     store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"c")
@@ -212,55 +220,60 @@ def test_a_long_history_is_trimmed_in_steps_of_an_eighth_of_its_limit(
     # Generation g leaves g entries until 18; the 19th is trimmed back to 16, and so on.
     assert lengths == [*range(2, 19), 16, 17, 18, 16, 17, 18, 16, 17, 18, 16, 17, 18]
     newest = _history(store, run_id)
-    assert newest[-1][0] == 30 and [g for g, _, _ in newest] == list(
-        range(31 - len(newest), 31))
+    assert newest[-1][0] == 30 and [g for g, _, _ in newest] == list(range(31 - len(newest), 31))
     ids = {k.decode() for k in redis_client.hkeys(run_keys(run_id).commits)}
     assert ids == {c for _, _, c in newest}
 
 
-@pytest.mark.parametrize("argv", [
-    ["w1", 1, 1, 64, 0],                                     # no commits
-    ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b""],      # nonce count missing
-    ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b"", 2, "n-1"],  # a nonce short
-    ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b"", 0, "extra"],  # one argument over
-    ["w1", 1, 1, 64, 2, 2, b"g2", "c-1", "d" * 64, b"", 0],  # a commit short
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["w1", 1, 1, 64, 0],  # no commits
+        ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b""],  # nonce count missing
+        ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b"", 2, "n-1"],  # a nonce short
+        ["w1", 1, 1, 64, 1, 2, b"g2", "c-1", "d" * 64, b"", 0, "extra"],  # one argument over
+        ["w1", 1, 1, 64, 2, 2, b"g2", "c-1", "d" * 64, b"", 0],  # a commit short
+    ],
+)
 def test_a_batch_whose_arguments_do_not_add_up_is_refused_before_anything_is_read(
-        store: RedisStore, make_run: MakeRun, argv: list[Any]) -> None:
+    store: RedisStore, make_run: MakeRun, argv: list[Any]
+) -> None:
     key, run = _leased(store, make_run)
     keys = run_keys(key.run_id)
     reply = store._runner.run(  # the raw script, past the store's own checks
         ScriptName.COMMIT,
-        [keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
-         keys.archive], argv)
+        [keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces, keys.archive],
+        argv,
+    )
     assert reply == [[b"bad_batch"]]
     with pytest.raises(StoreProtocolError):
-        decode_commit(reply[0], run.lease, commit_id="c-1", generation=2,
-                      expected_state_version=1)
+        decode_commit(reply[0], run.lease, commit_id="c-1", generation=2, expected_state_version=1)
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert (snap.generation, snap.state_version) == (1, 1)
     assert len(_history(store, key.run_id)) == 1
 
 
-@pytest.mark.parametrize("reply", [[], [[b"committed", 2, 2, 1, 1]] * 3, b"committed",
-                                   None])
+@pytest.mark.parametrize("reply", [[], [[b"committed", 2, 2, 1, 1]] * 3, b"committed", None])
 def test_a_batch_reply_of_the_wrong_shape_is_a_protocol_error(reply: Any) -> None:
     with pytest.raises(StoreProtocolError):
         batch_entries(reply, 2)
 
 
 def test_a_reply_that_stops_short_without_a_refusal_is_a_protocol_error(
-        store: RedisStore, make_run: MakeRun, monkeypatch: pytest.MonkeyPatch) -> None:
+    store: RedisStore, make_run: MakeRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key, run = _leased(store, make_run)
-    monkeypatch.setattr(store._runner, "run",
-                        lambda *_, **__: [[b"committed", 2, 2, 10**13, 10**12]])
+    monkeypatch.setattr(
+        store._runner, "run", lambda *_, **__: [[b"committed", 2, 2, 10**13, 10**12]]
+    )
     with pytest.raises(StoreProtocolError):
         run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
 
 
 @pytest.mark.parametrize("reap", [False, True])
 def test_the_last_commit_can_carry_the_release_in_the_same_call(
-        store: RedisStore, make_run: MakeRun, reap: bool) -> None:
+    store: RedisStore, make_run: MakeRun, reap: bool
+) -> None:
     key, run = _leased(store, make_run)
     run.release_with_next_commit(reap=reap)
     run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
@@ -288,7 +301,8 @@ def test_a_refused_commit_carries_no_release(store: RedisStore, make_run: MakeRu
 
 
 def test_a_release_carried_by_a_retried_commit_is_applied_once(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key, run = _leased(store, make_run)
     dropped = lose_first_reply(store)
     run.release_with_next_commit()
@@ -300,7 +314,8 @@ def test_a_release_carried_by_a_retried_commit_is_applied_once(
 
 
 def test_without_a_commit_the_armed_release_is_an_ordinary_one(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key, run = _leased(store, make_run)
     run.release_with_next_commit(reap=True)
     run.release()

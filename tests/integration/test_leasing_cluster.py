@@ -45,17 +45,30 @@ def runs_on_every_master(client: Any, prefix: str) -> list[str]:
 
 
 def test_every_script_runs_for_runs_whose_keys_land_on_different_masters(
-        cluster_store: RedisStore, new_run_id: Any) -> None:
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
     store = cluster_store
     run_ids = runs_on_every_master(store.client, new_run_id())
     assert len({key_slot(r.encode()) for r in run_ids}) == len(run_ids) == 3
     nonce = f"n-{new_run_id()}"
     for index, run_id in enumerate(run_ids):
         key = RunKey("t", run_id, "e")
-        created = store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                                   checkpoint=b"g1", commit_id="create-1")
-        assert store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                                checkpoint=b"g1", commit_id="create-1").already_applied
+        created = store.create_run(
+            run_id,
+            task_id="t",
+            env_instance_id="e",
+            scenario=b"s",
+            checkpoint=b"g1",
+            commit_id="create-1",
+        )
+        assert store.create_run(
+            run_id,
+            task_id="t",
+            env_instance_id="e",
+            scenario=b"s",
+            checkpoint=b"g1",
+            commit_id="create-1",
+        ).already_applied
         assert created.generation == 1
         run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
         assert run is not None
@@ -84,12 +97,12 @@ def test_every_script_runs_for_runs_whose_keys_land_on_different_masters(
 
 
 def test_scripts_are_reloaded_on_every_master_after_script_flush(
-        cluster_store: RedisStore, new_run_id: Any) -> None:
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
     store = cluster_store
     run_ids = runs_on_every_master(store.client, new_run_id())
     for run_id in run_ids:
-        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                         checkpoint=b"g1")
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
     store.client.script_flush()
     for run_id in run_ids:
         run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
@@ -99,12 +112,12 @@ def test_scripts_are_reloaded_on_every_master_after_script_flush(
 
 
 def test_batched_commits_and_archives_run_on_every_master_also_after_script_flush(
-        cluster_store: RedisStore, new_run_id: Any) -> None:
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
     store = cluster_store
     run_ids = runs_on_every_master(store.client, new_run_id())
     for run_id in run_ids:
-        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                         checkpoint=b"g1")
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
     store.client.script_flush()
     for run_id in run_ids:
         key = RunKey("t", run_id, "e")
@@ -126,30 +139,32 @@ def test_batched_commits_and_archives_run_on_every_master_also_after_script_flus
 
 
 def test_phase_indexes_counts_and_pages_follow_runs_on_every_master(
-        cluster_store: RedisStore, new_run_id: Any) -> None:
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
     """In a Cluster the phase indexes live in other slots: the store moves runs between
     them after each script, and a page reads hashes on every master in one pipeline."""
     store = cluster_store
     run_ids = runs_on_every_master(store.client, new_run_id())
     before = store.phase_counts()
     for run_id in run_ids:
-        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                         checkpoint=b"g1")
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
     assert store.phase_counts()["running"] == before["running"] + 3
     for run_id in run_ids[:2]:
         run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
         assert run is not None
         run.release_with_next_commit()
-        run.advance_many(RunKey("t", run_id, "e"),
-                         [Advance(1, b"g2", phase="running"),
-                          Advance(2, b"g3", phase="awaiting_approval")])
+        run.advance_many(
+            RunKey("t", run_id, "e"),
+            [Advance(1, b"g2", phase="running"), Advance(2, b"g3", phase="awaiting_approval")],
+        )
     counts = store.phase_counts()
     assert counts["running"] == before["running"] + 1
     assert counts["awaiting_approval"] == before["awaiting_approval"] + 2
     waiting = store.list_runs("awaiting_approval", limit=1000).rows
     assert {r.run_id for r in waiting} >= set(run_ids[:2])
-    assert all(r.phase == "awaiting_approval" and r.problem is None for r in waiting
-               if r.run_id in run_ids)
+    assert all(
+        r.phase == "awaiting_approval" and r.problem is None for r in waiting if r.run_id in run_ids
+    )
     seen: list[str] = []
     after = None
     while True:  # every run of this test once, one per page

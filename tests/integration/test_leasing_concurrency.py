@@ -47,11 +47,11 @@ def two_stores(real_redis_url: str) -> Any:
 
 
 def test_two_holders_of_the_same_generation_racing_to_commit_have_exactly_one_winner(
-        two_stores: tuple[RedisStore, RedisStore], new_run_id: Callable[[], str]) -> None:
+    two_stores: tuple[RedisStore, RedisStore], new_run_id: Callable[[], str]
+) -> None:
     store_a, store_b = two_stores
     run_id = new_run_id()
-    store_a.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                       checkpoint=b"g1")
+    store_a.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
     run = store_a.acquire(run_id, owner="w1", ttl_ms=120_000)
     assert run is not None
     for round_no in range(ROUNDS):
@@ -59,10 +59,20 @@ def test_two_holders_of_the_same_generation_racing_to_commit_have_exactly_one_wi
         lease = run.lease
         blobs = {"a": b"a-%d" % gen, "b": b"b-%d" % gen}
         outcomes = race(
-            partial(store_a.commit, lease, generation=gen, expected_state_version=gen - 1,
-                    checkpoint=blobs["a"]),
-            partial(store_b.commit, lease, generation=gen, expected_state_version=gen - 1,
-                    checkpoint=blobs["b"]),
+            partial(
+                store_a.commit,
+                lease,
+                generation=gen,
+                expected_state_version=gen - 1,
+                checkpoint=blobs["a"],
+            ),
+            partial(
+                store_b.commit,
+                lease,
+                generation=gen,
+                expected_state_version=gen - 1,
+                checkpoint=blobs["b"],
+            ),
         )
         winners = [i for i, o in enumerate(outcomes) if not isinstance(o, Exception)]
         assert len(winners) == 1, outcomes
@@ -78,17 +88,18 @@ def test_two_holders_of_the_same_generation_racing_to_commit_have_exactly_one_wi
 
 
 def test_a_commit_racing_a_takeover_has_exactly_one_winner_and_nothing_of_the_loser_stored(
-        two_stores: tuple[RedisStore, RedisStore], new_run_id: Callable[[], str]) -> None:
+    two_stores: tuple[RedisStore, RedisStore], new_run_id: Callable[[], str]
+) -> None:
     store_a, store_b = two_stores
     rng = random.Random(7)
     for _ in range(TAKEOVER_ROUNDS):
         takeover_round(store_a, store_b, new_run_id(), rng)
 
 
-def takeover_round(store_a: RedisStore, store_b: RedisStore, run_id: str,
-                   rng: random.Random) -> None:
-    store_a.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                       checkpoint=b"g1")
+def takeover_round(
+    store_a: RedisStore, store_b: RedisStore, run_id: str, rng: random.Random
+) -> None:
+    store_a.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
     old = store_a.acquire(run_id, owner="old", ttl_ms=15)
     assert old is not None
     # The old owner commits around its expiry instant (by Redis' clock), so either side
@@ -106,8 +117,9 @@ def takeover_round(store_a: RedisStore, store_b: RedisStore, run_id: str,
         for _attempt in range(10_000):
             new: LeasedRun | None = store_b.acquire(run_id, owner="new", ttl_ms=60_000)
             if new is not None:
-                return store_b.commit(new.lease, generation=2, expected_state_version=1,
-                                      checkpoint=b"from-new")
+                return store_b.commit(
+                    new.lease, generation=2, expected_state_version=1, checkpoint=b"from-new"
+                )
         raise AssertionError("the old lease never expired")
 
     outcomes = race(old_commits, new_takes_over_and_commits)

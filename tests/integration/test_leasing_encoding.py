@@ -33,15 +33,17 @@ def _stored(store: RedisStore, run_id: str) -> bytes:
 
 
 def _history_digests(store: RedisStore, run_id: str) -> list[str]:
-    return [e.decode().split("|")[5] for e in
-            reversed(store.client.lrange(run_keys(run_id).history, 0, -1))]
+    return [
+        e.decode().split("|")[5]
+        for e in reversed(store.client.lrange(run_keys(run_id).history, 0, -1))
+    ]
 
 
 def test_checkpoints_are_stored_compressed_and_read_back_as_signed(
-        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     run_id = new_run_id()
-    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                     checkpoint=ENVELOPE)
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=ENVELOPE)
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     second = seal_envelope(KEYRING, b'{"state":"' + b"more evidence " * 1500 + b'"}')
@@ -50,19 +52,21 @@ def test_checkpoints_are_stored_compressed_and_read_back_as_signed(
     assert stored.startswith(ZSTD_MAGIC) and len(stored) < len(second) // 4
     assert store.read_run(run_id, with_checkpoint=True).checkpoint == second
     # Digests (history, already_applied, drill acks) are over the envelope, not the frame.
-    assert _history_digests(store, run_id) == [hashlib.sha256(ENVELOPE).hexdigest(),
-                                               hashlib.sha256(second).hexdigest()]
+    assert _history_digests(store, run_id) == [
+        hashlib.sha256(ENVELOPE).hexdigest(),
+        hashlib.sha256(second).hexdigest(),
+    ]
 
 
 def test_raw_and_compressed_runs_read_the_same_through_either_store(
-        redis_client: Any, new_run_id: Callable[[], str]) -> None:
-    raw, packed = (RedisStore(redis_client, compress_checkpoints=False),
-                   RedisStore(redis_client))
+    redis_client: Any, new_run_id: Callable[[], str]
+) -> None:
+    raw, packed = (RedisStore(redis_client, compress_checkpoints=False), RedisStore(redis_client))
     raw_run, packed_run = new_run_id(), new_run_id()
-    raw.create_run(raw_run, task_id="t", env_instance_id="e", scenario=b"s",
-                   checkpoint=ENVELOPE)
-    packed.create_run(packed_run, task_id="t", env_instance_id="e", scenario=b"s",
-                      checkpoint=ENVELOPE)
+    raw.create_run(raw_run, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=ENVELOPE)
+    packed.create_run(
+        packed_run, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=ENVELOPE
+    )
     assert _stored(raw, raw_run) == ENVELOPE
     assert _stored(packed, packed_run).startswith(ZSTD_MAGIC)
     for store in (raw, packed):
@@ -77,10 +81,10 @@ def test_raw_and_compressed_runs_read_the_same_through_either_store(
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "huge"])
 def test_a_damaged_frame_is_handed_on_and_restore_refuses_it(
-        store: RedisStore, new_run_id: Callable[[], str], damage: str) -> None:
+    store: RedisStore, new_run_id: Callable[[], str], damage: str
+) -> None:
     run_id = new_run_id()
-    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                     checkpoint=ENVELOPE)
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=ENVELOPE)
     frame = bytearray(_stored(store, run_id))
     if damage == "flip":
         frame[len(frame) // 2] ^= 0x01
@@ -92,8 +96,13 @@ def test_a_damaged_frame_is_handed_on_and_restore_refuses_it(
     read = store.read_run(run_id, with_checkpoint=True).checkpoint
     assert read == bytes(frame)  # not decoded: passed on exactly as stored
     with pytest.raises(CheckpointError) as err:
-        restore_checkpoint(read, scenario=None, keyring=KEYRING,  # type: ignore[arg-type]
-                           store=None, observe=lambda _s, _g: None)  # type: ignore[arg-type]
+        restore_checkpoint(
+            read,
+            scenario=None,
+            keyring=KEYRING,  # type: ignore[arg-type]
+            store=None,
+            observe=lambda _s, _g: None,
+        )  # type: ignore[arg-type]
     assert err.value.reason == "malformed"
 
 
@@ -110,14 +119,16 @@ def test_decoding_passes_anything_that_is_not_a_whole_frame_through_unchanged() 
 
 
 def test_small_or_incompressible_checkpoints_are_stored_as_they_are(
-        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     small = seal_envelope(KEYRING, b'{"state":"' + b"x" * 1000 + b'"}')
     noise = seal_envelope(KEYRING, os.urandom(COMPRESS_MIN_BYTES * 2))  # no frame saves
     assert len(small) < COMPRESS_MIN_BYTES <= len(noise)
     for envelope in (small, noise):
         assert encode_checkpoint(envelope, compress=True) == envelope
         run_id = new_run_id()
-        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                         checkpoint=envelope)
+        store.create_run(
+            run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=envelope
+        )
         assert _stored(store, run_id) == envelope
         assert store.read_run(run_id, with_checkpoint=True).checkpoint == envelope

@@ -41,7 +41,8 @@ def _commit_clients(client: Any) -> set[int]:
 
 
 def test_commits_share_one_connection_of_their_own(
-        real_redis_url: str, new_run_id: Callable[[], str]) -> None:
+    real_redis_url: str, new_run_id: Callable[[], str]
+) -> None:
     client = redis.Redis.from_url(real_redis_url)
     store = RedisStore(client)
     run, key = _run(store, new_run_id())
@@ -59,8 +60,8 @@ def test_commits_share_one_connection_of_their_own(
 
 
 def test_a_killed_commit_connection_is_reopened_by_the_next_commit(
-        line_store: RedisStore, new_run_id: Callable[[], str],
-        shared_redis_server: RedisServer) -> None:
+    line_store: RedisStore, new_run_id: Callable[[], str], shared_redis_server: RedisServer
+) -> None:
     store = line_store
     run, key = _run(store, new_run_id())
     run.advance(key, expected_generation=1, blob=b"g2")
@@ -75,7 +76,8 @@ def test_a_killed_commit_connection_is_reopened_by_the_next_commit(
 
 
 def test_a_forked_child_commits_on_a_connection_of_its_own(
-        line_store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    line_store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     store = line_store
     run, key = _run(store, new_run_id())
     run.advance(key, expected_generation=1, blob=b"g2")  # the parent's line is open
@@ -112,17 +114,36 @@ def test_other_clients_commit_through_the_client_itself() -> None:
 
 
 def test_the_commit_connection_packs_ints_and_text_alike(
-        line_store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    line_store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     """Commit arguments travel as text; an int (any caller of the runner may pass one)
     is packed by redis-py's packer instead, with the same reply."""
     store = line_store
     run, key = _run(store, new_run_id())
     keys = run_keys(key.run_id)
-    argv = ["w1", run.lease_version, 1, 64, 1, "", key.run_id, 2, b"g2", "c-int", "d" * 64,
-            b"", 0, "", 0]
-    reply = store._runner.run(ScriptName.COMMIT, [keys.lease, keys.state, keys.ckpt,
-                                                  keys.history, keys.commits, keys.nonces,
-                                                  keys.archive], argv, hot=True)
+    argv = [
+        "w1",
+        run.lease_version,
+        1,
+        64,
+        1,
+        "",
+        key.run_id,
+        2,
+        b"g2",
+        "c-int",
+        "d" * 64,
+        b"",
+        0,
+        "",
+        0,
+    ]
+    reply = store._runner.run(
+        ScriptName.COMMIT,
+        [keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces, keys.archive],
+        argv,
+        hot=True,
+    )
     assert reply[0][:3] == [b"committed", 2, 2]
     store.commit(run.lease, generation=3, expected_state_version=2, checkpoint=b"g3")
     assert store.read_run(key.run_id, with_checkpoint=True).checkpoint == b"g3"

@@ -18,48 +18,77 @@ GREETING = 'print("Hello, wrold")\n'
 
 
 def scenario() -> Scenario:
-    return Scenario.model_validate({
-        "schema_version": 1, "task_id": "fix-greeting", "task_version": "1",
-        "policy_id": "default", "policy_version": "3",
-        "permissions": ["read_file", "write_file", "run_verifier", "finish"],
-        "allowed_paths": ["app.py"], "allowed_verifier_targets": ["unit"],
-        "allowed_operations": [], "approval_required": [],
-        "budgets": {"proposals": 40, "steps": 30, "wall_clock_seconds": 3600,
-                    "cost_units": 1000},
-        "initial_files": {"app.py": GREETING},
-        "verifier": {"target": "unit", "expected_files": {"app.py": GREETING}},
-    })
+    return Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "fix-greeting",
+            "task_version": "1",
+            "policy_id": "default",
+            "policy_version": "3",
+            "permissions": ["read_file", "write_file", "run_verifier", "finish"],
+            "allowed_paths": ["app.py"],
+            "allowed_verifier_targets": ["unit"],
+            "allowed_operations": [],
+            "approval_required": [],
+            "budgets": {
+                "proposals": 40,
+                "steps": 30,
+                "wall_clock_seconds": 3600,
+                "cost_units": 1000,
+            },
+            "initial_files": {"app.py": GREETING},
+            "verifier": {"target": "unit", "expected_files": {"app.py": GREETING}},
+        }
+    )
 
 
 def read_action(engine: RunEngine, clock: ManualClock) -> Action:
     state = engine.state
-    return Action.model_validate({
-        "action_id": f"a-{state.next_seq}", "kind": "read_file", "risk": "read_only",
-        "args": {"path": "app.py"}, "idempotency_key": None,
-        "expected_env_version": state.environment.version,
-        "deadline_at": clock.now() + 600, "cost_units": 0,
-    })
+    return Action.model_validate(
+        {
+            "action_id": f"a-{state.next_seq}",
+            "kind": "read_file",
+            "risk": "read_only",
+            "args": {"path": "app.py"},
+            "idempotency_key": None,
+            "expected_env_version": state.environment.version,
+            "deadline_at": clock.now() + 600,
+            "cost_units": 0,
+        }
+    )
 
 
 @pytest.fixture
 def world(store: RedisStore, new_run_id: Any) -> dict[str, Any]:
     scn = scenario()
     clock = ManualClock()
-    adapter = MemoryWorkspace("ws-a", scn.initial_files, clock=clock,
-                              expectations={"unit": scn.verifier.expected_files})
+    adapter = MemoryWorkspace(
+        "ws-a", scn.initial_files, clock=clock, expectations={"unit": scn.verifier.expected_files}
+    )
     keyring = KeyRing.from_secrets({"k1": SECRET}, signing_kid="k1")
-    return {"scenario": scn, "clock": clock, "adapter": adapter, "keyring": keyring,
-            "run_id": new_run_id(),
-            "scenario_bytes": canonical_json(scn.model_dump(mode="json"))}
+    return {
+        "scenario": scn,
+        "clock": clock,
+        "adapter": adapter,
+        "keyring": keyring,
+        "run_id": new_run_id(),
+        "scenario_bytes": canonical_json(scn.model_dump(mode="json")),
+    }
 
 
 def ports(world: dict[str, Any], store: Any) -> dict[str, Any]:
-    return {"scenario": world["scenario"], "keyring": world["keyring"],
-            "adapter": world["adapter"], "clock": world["clock"], "store": store}
+    return {
+        "scenario": world["scenario"],
+        "keyring": world["keyring"],
+        "adapter": world["adapter"],
+        "clock": world["clock"],
+        "store": store,
+    }
 
 
 def test_a_run_started_by_the_engine_is_restored_and_advanced_through_a_lease(
-        store: RedisStore, world: dict[str, Any]) -> None:
+    store: RedisStore, world: dict[str, Any]
+) -> None:
     first = RunEngine.start(world["run_id"], **ports(world, store.creator(world["scenario_bytes"])))
     run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=60_000)
     assert run is not None
@@ -74,7 +103,8 @@ def test_a_run_started_by_the_engine_is_restored_and_advanced_through_a_lease(
 
 
 def test_a_validly_signed_checkpoint_of_an_older_generation_is_refused_on_restore(
-        store: RedisStore, world: dict[str, Any]) -> None:
+    store: RedisStore, world: dict[str, Any]
+) -> None:
     first = RunEngine.start(world["run_id"], **ports(world, store.creator(world["scenario_bytes"])))
     old_blob = first.checkpoint
     run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=60_000)
@@ -89,12 +119,14 @@ def test_a_validly_signed_checkpoint_of_an_older_generation_is_refused_on_restor
 
 
 def test_an_engine_whose_lease_was_taken_over_cannot_commit(
-        store: RedisStore, world: dict[str, Any], expire: Any) -> None:
+    store: RedisStore, world: dict[str, Any], expire: Any
+) -> None:
     RunEngine.start(world["run_id"], **ports(world, store.creator(world["scenario_bytes"])))
     run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=60)
     assert run is not None
-    engine = RunEngine.resume(run.load(run_key_of(world)).blob,
-                              lease_version=run.lease_version, **ports(world, run))
+    engine = RunEngine.resume(
+        run.load(run_key_of(world)).blob, lease_version=run.lease_version, **ports(world, run)
+    )
     expire(store, world["run_id"])
     assert store.acquire(world["run_id"], owner="worker-2", ttl_ms=60_000) is not None
     with pytest.raises(LeaseLostError):
@@ -107,7 +139,8 @@ def run_key_of(world: dict[str, Any]) -> RunKey:
 
 
 def test_a_read_under_the_lease_answers_the_restores_high_water_check_once(
-        store: RedisStore, world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    store: RedisStore, world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     RunEngine.start(world["run_id"], **ports(world, store.creator(world["scenario_bytes"])))
     run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=60_000)
     assert run is not None
@@ -121,8 +154,7 @@ def test_a_read_under_the_lease_answers_the_restores_high_water_check_once(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(store, "read_run", counted)
-    engine = RunEngine.resume(snap.checkpoint, lease_version=run.lease_version,
-                              **ports(world, run))
+    engine = RunEngine.resume(snap.checkpoint, lease_version=run.lease_version, **ports(world, run))
     assert reads == []  # the restore's high-water check was the read above
     engine.propose(read_action(engine, world["clock"]))
     # Once used (and after a commit), every later check reads Redis again.
@@ -130,13 +162,13 @@ def test_a_read_under_the_lease_answers_the_restores_high_water_check_once(
     # An older checkpoint is still refused: the snapshot proves nothing about it.
     run.read(with_checkpoint=True)
     with pytest.raises(CheckpointError) as err:
-        RunEngine.resume(snap.checkpoint, lease_version=run.lease_version,
-                         **ports(world, run))
+        RunEngine.resume(snap.checkpoint, lease_version=run.lease_version, **ports(world, run))
     assert err.value.reason == "stale_generation"
 
 
 def test_a_read_under_a_lease_that_was_taken_over_is_refused(
-        store: RedisStore, world: dict[str, Any], expire: Any) -> None:
+    store: RedisStore, world: dict[str, Any], expire: Any
+) -> None:
     RunEngine.start(world["run_id"], **ports(world, store.creator(world["scenario_bytes"])))
     run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=60)
     assert run is not None

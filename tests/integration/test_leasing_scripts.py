@@ -30,7 +30,8 @@ Expire = Callable[[RedisStore, str], None]
 
 
 def test_create_run_stores_scenario_and_first_checkpoint_at_generation_one(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run(checkpoint=b"first", scenario=b"the-task")
     snap = store.read_run(key.run_id, with_checkpoint=True, with_scenario=True)
     assert (snap.generation, snap.state_version) == (1, 1)
@@ -43,17 +44,20 @@ def test_create_run_stores_scenario_and_first_checkpoint_at_generation_one(
 def test_create_run_refuses_an_existing_run_id(store: RedisStore, make_run: MakeRun) -> None:
     key = make_run()
     with pytest.raises(RunExistsError) as err:
-        store.create_run(key.run_id, task_id="x", env_instance_id="y", scenario=b"s",
-                         checkpoint=b"other")
+        store.create_run(
+            key.run_id, task_id="x", env_instance_id="y", scenario=b"s", checkpoint=b"other"
+        )
     assert err.value.run_id == key.run_id and err.value.generation == 1
     assert store.read_run(key.run_id, with_checkpoint=True).checkpoint == b"ckpt-1"
 
 
 def test_create_run_retried_with_the_same_commit_id_reports_already_applied(
-        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     run_id = new_run_id()
-    args: dict[str, Any] = dict(task_id="t", env_instance_id="e", scenario=b"s",
-                                checkpoint=b"c1", commit_id="create-1")
+    args: dict[str, Any] = dict(
+        task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"c1", commit_id="create-1"
+    )
     first = store.create_run(run_id, **args)
     again = store.create_run(run_id, **args)
     assert not first.already_applied and again.already_applied
@@ -61,7 +65,8 @@ def test_create_run_retried_with_the_same_commit_id_reports_already_applied(
 
 
 def test_acquire_on_a_free_run_grants_lease_version_one_with_redis_time_expiry(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -72,7 +77,8 @@ def test_acquire_on_a_free_run_grants_lease_version_one_with_redis_time_expiry(
 
 
 def test_acquire_while_another_worker_holds_the_lease_returns_none(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     held = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert held is not None
@@ -84,13 +90,15 @@ def test_acquire_while_another_worker_holds_the_lease_returns_none(
 
 
 def test_acquire_of_an_unknown_run_raises_run_not_found(
-        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     with pytest.raises(RunNotFoundError):
         store.acquire(new_run_id(), owner="w1", ttl_ms=1000)
 
 
 def test_the_same_owner_reacquiring_gets_a_new_version_that_fences_its_old_one(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     old = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     new = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
@@ -101,7 +109,8 @@ def test_the_same_owner_reacquiring_gets_a_new_version_that_fences_its_old_one(
 
 
 def test_expired_lease_is_taken_over_with_a_higher_version_and_the_late_owner_is_fenced(
-        store: RedisStore, make_run: MakeRun, expire: Expire) -> None:
+    store: RedisStore, make_run: MakeRun, expire: Expire
+) -> None:
     key = make_run()
     first = store.acquire(key.run_id, owner="w1", ttl_ms=50)
     assert first is not None
@@ -130,7 +139,8 @@ def test_expired_lease_is_taken_over_with_a_higher_version_and_the_late_owner_is
 
 
 def test_commit_after_expiry_is_refused_even_before_anyone_takes_over(
-        store: RedisStore, make_run: MakeRun, expire: Expire) -> None:
+    store: RedisStore, make_run: MakeRun, expire: Expire
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=50)
     assert run is not None
@@ -151,7 +161,8 @@ def test_renew_extends_the_expiry_from_redis_now(store: RedisStore, make_run: Ma
 
 
 def test_a_worker_clock_hours_off_changes_nothing(
-        store: RedisStore, make_run: MakeRun, monkeypatch: pytest.MonkeyPatch) -> None:
+    store: RedisStore, make_run: MakeRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key = make_run()
     real_time = time.time
     monkeypatch.setattr(time, "time", lambda: real_time() + 6 * 3600)
@@ -167,7 +178,8 @@ def test_a_worker_clock_hours_off_changes_nothing(
 
 
 def test_release_frees_the_lease_but_keeps_its_version_growing(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -181,7 +193,8 @@ def test_release_frees_the_lease_but_keeps_its_version_growing(
 
 
 def test_commit_advances_generation_and_state_version_together_with_the_content(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -190,12 +203,16 @@ def test_commit_advances_generation_and_state_version_together_with_the_content(
         assert (result.generation, result.state_version) == (gen, gen)
         snap = store.read_run(key.run_id, with_checkpoint=True)
         assert (snap.generation, snap.state_version, snap.checkpoint) == (
-            gen, gen, f"ckpt-{gen}".encode())
+            gen,
+            gen,
+            f"ckpt-{gen}".encode(),
+        )
     assert run.fence.lease_version == 1 and run.fence.state_version == 5
 
 
 def test_commit_of_a_generation_other_than_high_water_plus_one_is_refused(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -211,7 +228,8 @@ def test_commit_of_a_generation_other_than_high_water_plus_one_is_refused(
 
 
 def test_commit_with_a_stale_expected_state_version_is_refused(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -222,14 +240,17 @@ def test_commit_with_a_stale_expected_state_version_is_refused(
 
 
 def test_commit_retried_with_the_same_commit_id_is_reported_applied_once(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    first = store.commit(run.lease, generation=2, expected_state_version=1,
-                         checkpoint=b"g2", commit_id="c-retry")
-    again = store.commit(run.lease, generation=2, expected_state_version=1,
-                         checkpoint=b"g2", commit_id="c-retry")
+    first = store.commit(
+        run.lease, generation=2, expected_state_version=1, checkpoint=b"g2", commit_id="c-retry"
+    )
+    again = store.commit(
+        run.lease, generation=2, expected_state_version=1, checkpoint=b"g2", commit_id="c-retry"
+    )
     assert not first.already_applied and again.already_applied
     assert again.generation == 2 and again.current_generation == 2
     history = store.client.lrange(run_keys(key.run_id).history, 0, -1)
@@ -237,7 +258,8 @@ def test_commit_retried_with_the_same_commit_id_is_reported_applied_once(
 
 
 def test_a_commit_id_reused_for_another_checkpoint_is_a_contract_error(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -248,7 +270,8 @@ def test_a_commit_id_reused_for_another_checkpoint_is_a_contract_error(
 
 
 def test_history_stays_bounded_and_forgets_old_commit_ids_with_it(
-        redis_client: Any, new_run_id: Callable[[], str]) -> None:
+    redis_client: Any, new_run_id: Callable[[], str]
+) -> None:
     store = RedisStore(redis_client, history_limit=3)
     run_id = new_run_id()
     store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"c")
@@ -263,7 +286,8 @@ def test_history_stays_bounded_and_forgets_old_commit_ids_with_it(
 
 
 def test_a_nonce_is_consumed_once_per_run_atomically_with_its_commit(
-        store: RedisStore, make_run: MakeRun, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, make_run: MakeRun, new_run_id: Callable[[], str]
+) -> None:
     nonce = f"approval-{new_run_id()}"
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
@@ -277,7 +301,8 @@ def test_a_nonce_is_consumed_once_per_run_atomically_with_its_commit(
 
 
 def test_a_nonce_consumed_by_one_run_is_refused_on_another_run(
-        store: RedisStore, make_run: MakeRun, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, make_run: MakeRun, new_run_id: Callable[[], str]
+) -> None:
     nonce = f"n-{new_run_id()}"
     a, b = make_run(), make_run()
     run_a = store.acquire(a.run_id, owner="w1", ttl_ms=60_000)
@@ -291,7 +316,8 @@ def test_a_nonce_consumed_by_one_run_is_refused_on_another_run(
 
 
 def test_a_nonce_claimed_by_a_refused_commit_stays_usable_by_the_same_run_only(
-        store: RedisStore, make_run: MakeRun, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, make_run: MakeRun, new_run_id: Callable[[], str]
+) -> None:
     nonce = f"n-{new_run_id()}"
     key, other = make_run(), make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
@@ -304,15 +330,18 @@ def test_a_nonce_claimed_by_a_refused_commit_stays_usable_by_the_same_run_only(
 
 
 def test_a_checkpoint_over_the_cap_is_refused_before_it_reaches_redis(
-        redis_client: Any, new_run_id: Callable[[], str]) -> None:
+    redis_client: Any, new_run_id: Callable[[], str]
+) -> None:
     store = RedisStore(redis_client, max_checkpoint_bytes=1024)
     run_id = new_run_id()
     with pytest.raises(CheckpointTooLargeError):
-        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                         checkpoint=b"x" * 1025)
+        store.create_run(
+            run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"x" * 1025
+        )
     assert not redis_client.exists(run_keys(run_id).state)
-    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                     checkpoint=b"x" * 1024)
+    store.create_run(
+        run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"x" * 1024
+    )
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     with pytest.raises(CheckpointTooLargeError) as err:
@@ -332,12 +361,12 @@ def test_the_default_cap_is_one_mebibyte(store: RedisStore, make_run: MakeRun) -
 
 @pytest.mark.parametrize("bad", ["", "has space", "{tag}", "a|b", "-lead", "x" * 201])
 def test_ids_that_would_break_key_names_or_history_entries_are_refused(
-        store: RedisStore, bad: str) -> None:
+    store: RedisStore, bad: str
+) -> None:
     with pytest.raises(ContractError):
         store.create_run(bad, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"c")
     with pytest.raises(ContractError):
-        store.create_run("ok-run", task_id=bad, env_instance_id="e", scenario=b"s",
-                         checkpoint=b"c")
+        store.create_run("ok-run", task_id=bad, env_instance_id="e", scenario=b"s", checkpoint=b"c")
 
 
 def test_scripts_are_reloaded_after_script_flush(store: RedisStore, make_run: MakeRun) -> None:
@@ -357,7 +386,8 @@ def test_a_client_that_decodes_responses_is_refused() -> None:
 
 
 def test_the_lease_handle_is_the_runtime_generation_store_port(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run(checkpoint=b"g1")
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
@@ -372,13 +402,16 @@ def test_the_lease_handle_is_the_runtime_generation_store_port(
 
 
 def test_the_port_refuses_a_key_for_another_task_or_environment(
-        store: RedisStore, make_run: MakeRun) -> None:
+    store: RedisStore, make_run: MakeRun
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    for wrong in (RunKey("other-task", key.run_id, key.env_instance_id),
-                  RunKey(key.task_id, key.run_id, "other-env"),
-                  RunKey(key.task_id, "other-run", key.env_instance_id)):
+    for wrong in (
+        RunKey("other-task", key.run_id, key.env_instance_id),
+        RunKey(key.task_id, key.run_id, "other-env"),
+        RunKey(key.task_id, "other-run", key.env_instance_id),
+    ):
         with pytest.raises(HighWaterUnavailableError):
             run.high_water(wrong)
         with pytest.raises(ContractError):
@@ -386,7 +419,8 @@ def test_the_port_refuses_a_key_for_another_task_or_environment(
 
 
 def test_the_port_reports_a_lost_lease_on_restore(
-        store: RedisStore, make_run: MakeRun, expire: Expire) -> None:
+    store: RedisStore, make_run: MakeRun, expire: Expire
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=50)
     assert run is not None
@@ -396,7 +430,8 @@ def test_the_port_reports_a_lost_lease_on_restore(
 
 
 def test_the_creator_port_creates_a_run_at_generation_zero_and_nothing_later(
-        store: RedisStore, new_run_id: Callable[[], str]) -> None:
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
     key = RunKey("task-a", new_run_id(), "env-1")
     creator = store.creator(b"scenario")
     assert isinstance(creator, GenerationStore)
@@ -412,7 +447,8 @@ def test_the_creator_port_creates_a_run_at_generation_zero_and_nothing_later(
 
 
 def test_the_expiry_index_follows_acquire_renew_release_and_finish(
-        store: RedisStore, make_run: MakeRun, expire: Expire) -> None:
+    store: RedisStore, make_run: MakeRun, expire: Expire
+) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=30)
     assert run is not None

@@ -37,8 +37,9 @@ class LeaseMachine(RuleBasedStateMachine):
         super().__init__()
         self.store = store
         self.run_id = f"sm-{uuid.uuid4().hex[:16]}"
-        store.create_run(self.run_id, task_id="t", env_instance_id="e", scenario=b"s",
-                         checkpoint=b"g1")
+        store.create_run(
+            self.run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1"
+        )
         self.workers = [Worker(f"w{i}") for i in range(WORKERS)]
         self.generation = 1  # the model: 1 + accepted commits
         self.granted_version = 0  # the highest lease version ever granted
@@ -123,11 +124,17 @@ class LeaseMachine(RuleBasedStateMachine):
     @invariant()
     def at_most_one_live_owner(self) -> None:
         snap = self.store.read_run(self.run_id)
-        holders = [w for w in self.workers if w.handle is not None
-                   and snap.is_held_by(w.name, w.handle.lease_version)]
+        holders = [
+            w
+            for w in self.workers
+            if w.handle is not None and snap.is_held_by(w.name, w.handle.lease_version)
+        ]
         assert len(holders) <= 1
-        current = [w for w in self.workers
-                   if w.handle is not None and w.handle.lease_version == snap.lease_version]
+        current = [
+            w
+            for w in self.workers
+            if w.handle is not None and w.handle.lease_version == snap.lease_version
+        ]
         assert len(current) <= 1
         assert snap.lease_version == self.granted_version
 
@@ -143,14 +150,19 @@ class LeaseMachine(RuleBasedStateMachine):
 
 
 def test_leases_and_commits_keep_their_invariants_under_random_worker_schedules(
-        real_redis_url: str) -> None:
+    real_redis_url: str,
+) -> None:
     store = RedisStore.from_url(real_redis_url)
     try:
         run_state_machine_as_test(
             lambda: LeaseMachine(store),
-            settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
-                              database=None,
-                              suppress_health_check=[HealthCheck.too_slow]),
+            settings=settings(
+                max_examples=60,
+                stateful_step_count=40,
+                deadline=None,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
         )
     finally:
         store.client.close()

@@ -9,8 +9,9 @@ from ratchet.leasing import RedisStore
 from ratchet.runtime.ports import RunKey
 
 
-def test_a_live_lease_cannot_be_claimed_for_reaping(store: RedisStore,
-                                                    make_run: Callable[..., RunKey]) -> None:
+def test_a_live_lease_cannot_be_claimed_for_reaping(
+    store: RedisStore, make_run: Callable[..., RunKey]
+) -> None:
     key = make_run()
     store.acquire(key.run_id, owner="w-1", ttl_ms=60_000)
     claim = store.claim_reap(key.run_id)
@@ -18,7 +19,8 @@ def test_a_live_lease_cannot_be_claimed_for_reaping(store: RedisStore,
 
 
 def test_an_expired_lease_is_claimed_once_per_lease_version(
-    store: RedisStore, make_run: Callable[..., RunKey],
+    store: RedisStore,
+    make_run: Callable[..., RunKey],
     expire: Callable[[RedisStore, str], None],
 ) -> None:
     key = make_run()
@@ -37,7 +39,8 @@ def test_an_expired_lease_is_claimed_once_per_lease_version(
 
 
 def test_racing_reapers_claim_one_expiry_exactly_once(
-    store: RedisStore, make_run: Callable[..., RunKey],
+    store: RedisStore,
+    make_run: Callable[..., RunKey],
     expire: Callable[[RedisStore, str], None],
 ) -> None:
     key = make_run()
@@ -62,7 +65,8 @@ def test_racing_reapers_claim_one_expiry_exactly_once(
 
 
 def test_a_stale_claim_can_be_taken_again_after_the_reclaim_delay(
-    store: RedisStore, make_run: Callable[..., RunKey],
+    store: RedisStore,
+    make_run: Callable[..., RunKey],
     expire: Callable[[RedisStore, str], None],
 ) -> None:
     key = make_run()
@@ -78,7 +82,8 @@ def test_unknown_runs_are_reported_not_claimed(store: RedisStore) -> None:
 
 
 def test_an_index_entry_is_dropped_only_while_its_score_is_unchanged(
-    store: RedisStore, make_run: Callable[..., RunKey],
+    store: RedisStore,
+    make_run: Callable[..., RunKey],
     expire: Callable[[RedisStore, str], None],
 ) -> None:
     key = make_run()

@@ -32,42 +32,63 @@ APPROVER = Ed25519PrivateKey.generate()
 
 
 def scenario() -> Scenario:
-    return Scenario.model_validate({
-        "schema_version": 1, "task_id": "t", "task_version": "1", "policy_id": "p",
-        "policy_version": "1", "permissions": ["write_file", "run_verifier", "finish"],
-        "allowed_paths": ["app.py"], "allowed_verifier_targets": ["unit"],
-        "approval_required": ["write_file"],
-        "budgets": {"proposals": 40, "steps": 30, "wall_clock_seconds": 10**9,
-                    "cost_units": 0},
-        "initial_files": {"app.py": "old\n"},
-        "verifier": {"target": "unit", "expected_files": {"app.py": "new\n"}},
-    })
+    return Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "t",
+            "task_version": "1",
+            "policy_id": "p",
+            "policy_version": "1",
+            "permissions": ["write_file", "run_verifier", "finish"],
+            "allowed_paths": ["app.py"],
+            "allowed_verifier_targets": ["unit"],
+            "approval_required": ["write_file"],
+            "budgets": {"proposals": 40, "steps": 30, "wall_clock_seconds": 10**9, "cost_units": 0},
+            "initial_files": {"app.py": "old\n"},
+            "verifier": {"target": "unit", "expected_files": {"app.py": "new\n"}},
+        }
+    )
 
 
-def engine_on_redis(store: RedisStore, run_id: str, clock: ManualClock,
-                    adapter: MemoryWorkspace) -> RunEngine:
+def engine_on_redis(
+    store: RedisStore, run_id: str, clock: ManualClock, adapter: MemoryWorkspace
+) -> RunEngine:
     scn = scenario()
     keyring = KeyRing.from_secrets({"k1": SECRET}, signing_kid="k1")
-    approvers = TrustRoots.from_public_bytes("approver", {"alice": APPROVER.public_key(
-        ).public_bytes(Encoding.Raw, PublicFormat.Raw)})
-    ports: dict[str, Any] = {"scenario": scn, "keyring": keyring, "adapter": adapter,
-                             "clock": clock, "approvers": approvers}
-    RunEngine.start(run_id, store=store.creator(canonical_json(scn.model_dump(mode="json"))),
-                    **ports)
+    approvers = TrustRoots.from_public_bytes(
+        "approver", {"alice": APPROVER.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)}
+    )
+    ports: dict[str, Any] = {
+        "scenario": scn,
+        "keyring": keyring,
+        "adapter": adapter,
+        "clock": clock,
+        "approvers": approvers,
+    }
+    RunEngine.start(
+        run_id, store=store.creator(canonical_json(scn.model_dump(mode="json"))), **ports
+    )
     lease = store.acquire(run_id, owner="w-time", ttl_ms=60_000)
     assert lease is not None
     snap = lease.read(with_checkpoint=True)
     assert snap.checkpoint is not None
-    return RunEngine.resume(snap.checkpoint, store=lease, lease_version=lease.lease_version,
-                            **ports)
+    return RunEngine.resume(
+        snap.checkpoint, store=lease, lease_version=lease.lease_version, **ports
+    )
 
 
 def waiting_write(engine: RunEngine, clock: ManualClock) -> None:
-    action = Action.model_validate({
-        "action_id": "a-1", "kind": "write_file", "risk": "reversible_write",
-        "args": {"path": "app.py", "content": "new\n"}, "idempotency_key": "k-1",
-        "expected_env_version": engine.state.environment.version,
-        "deadline_at": clock.now() + 600})
+    action = Action.model_validate(
+        {
+            "action_id": "a-1",
+            "kind": "write_file",
+            "risk": "reversible_write",
+            "args": {"path": "app.py", "content": "new\n"},
+            "idempotency_key": "k-1",
+            "expected_env_version": engine.state.environment.version,
+            "deadline_at": clock.now() + 600,
+        }
+    )
     assert engine.propose(action).outcome is TraceOutcome.AWAITING_APPROVAL
 
 
@@ -75,14 +96,26 @@ def approval(engine: RunEngine, expires_at: int) -> Any:
     state, pending = engine.state, engine.state.pending
     assert pending is not None
     env = state.environment
-    return sign_approval(APPROVER, "alice", ApprovalClaims(
-        task_id=state.task_id, run_id=state.run_id, policy_id=state.policy_id,
-        policy_version=state.policy_version, action_id=pending.action.action_id,
-        idempotency_key="k-1", intent_digest=pending.intent_digest,
-        env_instance_id=env.instance_id, env_fingerprint=env.fingerprint,
-        env_version=env.version, generation=engine.generation,
-        nonce=f"n-{uuid.uuid4().hex[:12]}",
-        expires_at=expires_at, max_proposals=10))
+    return sign_approval(
+        APPROVER,
+        "alice",
+        ApprovalClaims(
+            task_id=state.task_id,
+            run_id=state.run_id,
+            policy_id=state.policy_id,
+            policy_version=state.policy_version,
+            action_id=pending.action.action_id,
+            idempotency_key="k-1",
+            intent_digest=pending.intent_digest,
+            env_instance_id=env.instance_id,
+            env_fingerprint=env.fingerprint,
+            env_version=env.version,
+            generation=engine.generation,
+            nonce=f"n-{uuid.uuid4().hex[:12]}",
+            expires_at=expires_at,
+            max_proposals=10,
+        ),
+    )
 
 
 @pytest.mark.parametrize("skew_s", [-7200, 0])

@@ -18,24 +18,34 @@ def uuid6_at(unix_ns: int) -> str:
     uuid_int = ((timestamp >> 12) & 0xFFFFFFFFFFFF) << 80
     uuid_int |= (timestamp & 0x0FFF) << 64
     uuid_int |= (next(_seq) & 0x3FFF) << 48
-    uuid_int = (uuid_int & ~(0xF000 << 64)) | (6 << 76)        # version 6
-    uuid_int = (uuid_int & ~(0xC000 << 48)) | (0x8000 << 48)   # RFC 4122 variant
+    uuid_int = (uuid_int & ~(0xF000 << 64)) | (6 << 76)  # version 6
+    uuid_int = (uuid_int & ~(0xC000 << 48)) | (0x8000 << 48)  # RFC 4122 variant
     return str(UUID(int=uuid_int))
 
 
-def checkpoint(values: dict[str, Any] | None = None, *, clock_offset_s: int = 0,
-               versions: dict[str, Any] | None = None) -> Checkpoint:
+def checkpoint(
+    values: dict[str, Any] | None = None,
+    *,
+    clock_offset_s: int = 0,
+    versions: dict[str, Any] | None = None,
+) -> Checkpoint:
     """A checkpoint whose id comes from a clock ``clock_offset_s`` off the real one."""
     values = values or {}
     return Checkpoint(
-        v=1, id=uuid6_at(time.time_ns() + clock_offset_s * 1_000_000_000),
-        ts="2026-01-01T00:00:00+00:00", channel_values=values,
+        v=1,
+        id=uuid6_at(time.time_ns() + clock_offset_s * 1_000_000_000),
+        ts="2026-01-01T00:00:00+00:00",
+        channel_values=values,
         channel_versions=versions if versions is not None else dict.fromkeys(values, 1),
-        versions_seen={}, pending_sends=[], updated_channels=None)  # type: ignore[typeddict-unknown-key]
+        versions_seen={},
+        pending_sends=[],
+        updated_channels=None,
+    )  # type: ignore[typeddict-unknown-key]
 
 
-def config(thread_id: str, *, parent: str | None = None, lease: Any = None,
-           ns: str = "") -> dict[str, Any]:
+def config(
+    thread_id: str, *, parent: str | None = None, lease: Any = None, ns: str = ""
+) -> dict[str, Any]:
     conf: dict[str, Any] = {"thread_id": thread_id, "checkpoint_ns": ns}
     if parent is not None:
         conf["checkpoint_id"] = parent

@@ -38,8 +38,10 @@ class World:
         self.ex = _example()
         self.approver = Ed25519PrivateKey.generate()
         self.intruder = Ed25519PrivateKey.generate()
-        trust = TrustRoots.from_public_bytes("approver", {
-            "alice": self.approver.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)})
+        trust = TrustRoots.from_public_bytes(
+            "approver",
+            {"alice": self.approver.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)},
+        )
         self.saver = RatchetSaver(backend.client(), keyring=keyring, owner="worker")
         self.gate = ApprovalGate(trust, backend.client())
         self.service = self.ex.PaymentService()
@@ -54,16 +56,24 @@ class World:
         value: dict[str, Any] = self.graph.get_state(self.config).interrupts[0].value
         return value
 
-    def approval(self, request: dict[str, Any], *, key: Any = None, nonce: str | None = None,
-                 expires_in: int = 600) -> dict[str, Any]:
-        result: dict[str, Any] = self.ex.approve(key or self.approver, request,
-                                                 nonce=nonce or self.nonce,
-                                                 expires_at=self.now + expires_in)
+    def approval(
+        self,
+        request: dict[str, Any],
+        *,
+        key: Any = None,
+        nonce: str | None = None,
+        expires_in: int = 600,
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = self.ex.approve(
+            key or self.approver,
+            request,
+            nonce=nonce or self.nonce,
+            expires_at=self.now + expires_in,
+        )
         return result
 
     def resume(self, value: Any) -> Any:
-        return self.gate.resume(self.graph, self.config, value, now=self.now,
-                                durability="sync")
+        return self.gate.resume(self.graph, self.config, value, now=self.now, durability="sync")
 
 
 @pytest.fixture
@@ -80,8 +90,9 @@ def test_an_exact_signed_approval_resumes_the_graph_and_pays_once(world: World) 
 
 def test_an_approval_of_another_amount_is_refused_before_it_is_stored(world: World) -> None:
     request = world.start("120.00")
-    other = world.ex.request_for(world.thread, world.ex.payment_action(
-        world.thread, {"amount": "999.00", "payee": "ACME"}))
+    other = world.ex.request_for(
+        world.thread, world.ex.payment_action(world.thread, {"amount": "999.00", "payee": "ACME"})
+    )
     with pytest.raises(ApprovalError) as refused:
         world.resume(world.approval(other))
     assert refused.value.reason == "binding" and refused.value.field == "intent_digest"

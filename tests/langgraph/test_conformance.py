@@ -20,8 +20,7 @@ from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES  # no
 def _run(backend: Backend, keyring: KeyRing, *, async_client: bool) -> Any:
     async def factory() -> AsyncIterator[RatchetSaver]:
         aclient = backend.aclient() if async_client else None
-        yield RatchetSaver(backend.client(), aclient=aclient, keyring=keyring,
-                           owner="conformance")
+        yield RatchetSaver(backend.client(), aclient=aclient, keyring=keyring, owner="conformance")
         if aclient is not None:
             await aclient.aclose()
 
@@ -31,12 +30,14 @@ def _run(backend: Backend, keyring: KeyRing, *, async_client: bool) -> Any:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("async_client", [True, False], ids=["asyncio-client", "sync-client"])
-def test_every_capability_is_declared_and_passes(backend: Backend, keyring: KeyRing,
-                                                 async_client: bool) -> None:
+def test_every_capability_is_declared_and_passes(
+    backend: Backend, keyring: KeyRing, async_client: bool
+) -> None:
     report = _run(backend, keyring, async_client=async_client)
     results = report.results
     assert {name for name, r in results.items() if r.detected} == {
-        c.value for c in ALL_CAPABILITIES}
+        c.value for c in ALL_CAPABILITIES
+    }
     failures = {name: r.failures for name, r in results.items() if r.passed is not True}
     assert failures == {}
     assert report.conformance_level() == "FULL"

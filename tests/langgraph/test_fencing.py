@@ -47,7 +47,8 @@ def test_a_stale_writer_is_refused_and_the_chain_never_forks(make_saver: Make) -
 
 
 def test_a_write_without_a_lease_claims_the_thread_and_is_refused_while_another_holds_it(
-        make_saver: Make) -> None:
+    make_saver: Make,
+) -> None:
     a, b = make_saver("worker-a"), make_saver("worker-b")
     t = _thread()
     stored = a.put(config(t), checkpoint(), {}, {})
@@ -75,7 +76,8 @@ def test_a_fork_from_an_older_checkpoint_is_a_legal_new_head(make_saver: Make) -
 
 
 def test_a_takeover_by_a_worker_a_minute_behind_keeps_the_new_owners_state_latest(
-        make_saver: Make) -> None:
+    make_saver: Make,
+) -> None:
     a, b = make_saver("worker-a", lease_ttl_ms=40), make_saver("worker-b")
     t = _thread()
     lease_a = a.claim(t)
@@ -123,7 +125,8 @@ def test_renew_and_release_work_only_for_the_current_lease(make_saver: Make) -> 
 
 
 def test_delete_thread_ends_the_lease_so_a_running_worker_cannot_resurrect_it(
-        make_saver: Make) -> None:
+    make_saver: Make,
+) -> None:
     a, admin = make_saver("worker-a"), make_saver("admin")
     t = _thread()
     lease = a.claim(t)

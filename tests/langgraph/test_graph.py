@@ -24,8 +24,7 @@ class State(TypedDict):
     log: Annotated[list[str], operator.add]
 
 
-def _graph(saver: RatchetSaver, ran: list[str],
-           during_first: Callable[[], None]) -> Any:
+def _graph(saver: RatchetSaver, ran: list[str], during_first: Callable[[], None]) -> Any:
     def first(state: State) -> dict[str, Any]:
         ran.append("first")
         during_first()
@@ -55,6 +54,7 @@ def _takeover(stale: RatchetSaver, successor: RatchetSaver, t: str) -> Callable[
         # another worker takes the thread over.
         wait_until_free(successor, t)
         successor.claim(t)
+
     return run
 
 

@@ -36,8 +36,9 @@ def _seed(saver: RatchetSaver, t: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @pytest.mark.parametrize("key", ["ckpts", "blobs", "writes"])
-def test_a_tampered_checkpoint_blob_or_write_is_refused(make_saver: Make, backend: Backend,
-                                                        key: str) -> None:
+def test_a_tampered_checkpoint_blob_or_write_is_refused(
+    make_saver: Make, backend: Backend, key: str
+) -> None:
     saver = make_saver()
     t = _thread()
     _, stored = _seed(saver, t)
@@ -52,8 +53,7 @@ def test_a_tampered_checkpoint_blob_or_write_is_refused(make_saver: Make, backen
         list(saver.list(config(t)))
 
 
-def test_a_record_signed_for_another_thread_is_refused(make_saver: Make,
-                                                       backend: Backend) -> None:
+def test_a_record_signed_for_another_thread_is_refused(make_saver: Make, backend: Backend) -> None:
     saver = make_saver()
     t1, t2 = _thread(), _thread()
     _seed(saver, t1)
@@ -61,15 +61,17 @@ def test_a_record_signed_for_another_thread_is_refused(make_saver: Make,
     client = backend.client()
     other = client.hgetall(thread_keys(t2).ckpts)
     field = next(iter(other))
-    client.hset(thread_keys(t2).ckpts, field,
-                next(iter(client.hgetall(thread_keys(t1).ckpts).values())))
+    client.hset(
+        thread_keys(t2).ckpts, field, next(iter(client.hgetall(thread_keys(t1).ckpts).values()))
+    )
     with pytest.raises(CheckpointError) as refused:
         saver.get_tuple(config(t2))
     assert refused.value.reason == "binding"
 
 
-def test_a_dropped_channel_value_is_refused_not_read_as_empty(make_saver: Make,
-                                                              backend: Backend) -> None:
+def test_a_dropped_channel_value_is_refused_not_read_as_empty(
+    make_saver: Make, backend: Backend
+) -> None:
     saver = make_saver()
     t = _thread()
     _, stored = _seed(saver, t)
@@ -89,8 +91,7 @@ def test_a_head_rolled_back_in_redis_is_refused(make_saver: Make, backend: Backe
     meta = thread_keys(t).meta
     old_head, old_gen = client.hget(meta, "head"), client.hget(meta, "generation")
     old_heads = client.hgetall(thread_keys(t).heads)
-    saver.put(config(t, parent=c1["id"]), checkpoint({"n": 2}, versions={"n": 2}), {},
-              {"n": 2})
+    saver.put(config(t, parent=c1["id"]), checkpoint({"n": 2}, versions={"n": 2}), {}, {"n": 2})
 
     # The head record alone rolled back: its generation is not the high-water mark.
     client.hset(meta, "head", old_head)
@@ -113,8 +114,9 @@ def test_a_head_rolled_back_in_redis_is_refused(make_saver: Make, backend: Backe
         saver.get_tuple(config(t))
 
 
-def test_a_snapshot_replayed_after_delete_thread_is_refused(make_saver: Make,
-                                                            backend: Backend) -> None:
+def test_a_snapshot_replayed_after_delete_thread_is_refused(
+    make_saver: Make, backend: Backend
+) -> None:
     saver = make_saver()
     t = _thread()
     c1 = checkpoint({"n": 1})
@@ -141,7 +143,8 @@ def test_a_snapshot_replayed_after_delete_thread_is_refused(make_saver: Make,
 
 
 def test_prune_moves_the_head_forward_so_the_pre_prune_head_is_stale(
-        make_saver: Make, backend: Backend) -> None:
+    make_saver: Make, backend: Backend
+) -> None:
     saver = make_saver()
     t = _thread()
     c1 = checkpoint()
@@ -157,8 +160,7 @@ def test_prune_moves_the_head_forward_so_the_pre_prune_head_is_stale(
 
 def test_a_record_signed_with_another_key_is_refused(make_saver: Make) -> None:
     t = _thread()
-    writer = make_saver("writer", keyring=KeyRing.from_secrets({"k9": b"z" * 32},
-                                                               signing_kid="k9"))
+    writer = make_saver("writer", keyring=KeyRing.from_secrets({"k9": b"z" * 32}, signing_kid="k9"))
     writer.put(config(t), checkpoint({"n": 1}), {}, {"n": 1})
     with pytest.raises(CheckpointError) as refused:
         make_saver("reader").get_tuple(config(t))
@@ -170,24 +172,27 @@ class _PickleSerde(JsonPlusSerializer):
         return "pickle", b"not really pickle"
 
 
-def test_pickle_is_refused_when_writing_and_when_reading(make_saver: Make,
-                                                         keyring: KeyRing) -> None:
+def test_pickle_is_refused_when_writing_and_when_reading(
+    make_saver: Make, keyring: KeyRing
+) -> None:
     with pytest.raises(ConfigurationError):
         make_saver(serde=JsonPlusSerializer(pickle_fallback=True))
     codec = RecordCodec(keyring, _PickleSerde())
     with pytest.raises(ContractError):
-        codec.seal({"kind": "blob", "thread_id": "t", "ns": "", "channel": "c",
-                    "version": "i:1"}, object())
+        codec.seal(
+            {"kind": "blob", "thread_id": "t", "ns": "", "channel": "c", "version": "i:1"}, object()
+        )
     # A record that says "pickle", correctly signed, is still never unpickled.
     from ratchet.langgraph import records
     from ratchet.runtime.canonical import canonical_json
     from ratchet.runtime.signing import seal_envelope
+
     binding = {"kind": "blob", "thread_id": "t", "ns": "", "channel": "c", "version": "i:1"}
-    payload = (b"ratchet/langgraph/v1\x00" + canonical_json(binding) + b"\npickle\n"
-               + b"\x80\x04N.")
+    payload = b"ratchet/langgraph/v1\x00" + canonical_json(binding) + b"\npickle\n" + b"\x80\x04N."
     with pytest.raises(CheckpointError) as refused:
         records.RecordCodec(keyring, JsonPlusSerializer()).open(
-            seal_envelope(keyring, payload), {"kind": "blob"})
+            seal_envelope(keyring, payload), {"kind": "blob"}
+        )
     assert refused.value.reason == "serde_type"
 
 
@@ -215,5 +220,13 @@ def test_the_public_surface_is_pinned() -> None:
     import ratchet.langgraph
 
     assert ratchet.langgraph.__all__ == [
-        "DEFAULT_LEASE_TTL_MS", "LEASE_KEY", "LeaseInfo", "RatchetSaver", "ThreadKeys",
-        "ThreadLease", "default_serde", "thread_keys", "thread_tag"]
+        "DEFAULT_LEASE_TTL_MS",
+        "LEASE_KEY",
+        "LeaseInfo",
+        "RatchetSaver",
+        "ThreadKeys",
+        "ThreadLease",
+        "default_serde",
+        "thread_keys",
+        "thread_tag",
+    ]

@@ -31,9 +31,13 @@ def _shape(item: Any) -> Any:
     if item is None:
         return None
     conf = item.config["configurable"]
-    return (conf["checkpoint_id"], item.checkpoint["channel_values"], item.metadata,
-            item.pending_writes,
-            item.parent_config and item.parent_config["configurable"]["checkpoint_id"])
+    return (
+        conf["checkpoint_id"],
+        item.checkpoint["channel_values"],
+        item.metadata,
+        item.pending_writes,
+        item.parent_config and item.parent_config["configurable"]["checkpoint_id"],
+    )
 
 
 def _sync_run(saver: RatchetSaver, t: str) -> list[Any]:
@@ -59,8 +63,9 @@ async def _async_run(saver: RatchetSaver, t: str) -> list[Any]:
 
 
 @pytest.mark.parametrize("async_client", [True, False], ids=["asyncio-client", "to-thread"])
-def test_sync_and_async_methods_behave_the_same(backend: Backend, keyring: KeyRing,
-                                                async_client: bool) -> None:
+def test_sync_and_async_methods_behave_the_same(
+    backend: Backend, keyring: KeyRing, async_client: bool
+) -> None:
     t_sync, t_async = f"s-{uuid.uuid4().hex[:8]}", f"a-{uuid.uuid4().hex[:8]}"
     sync_rows = _sync_run(RatchetSaver(backend.client(), keyring=keyring, owner="w"), t_sync)
 
@@ -96,9 +101,12 @@ def test_sync_and_async_refuse_a_stale_writer_alike(backend: Backend, keyring: K
             with pytest.raises(LeaseHeldElsewhereError):
                 await ab.aput(config(t), checkpoint(), {}, {})
             lease = a.claim(t)  # a new version fences the lease the first write claimed
-            stale = {"configurable": {**config(t)["configurable"],
-                                      "ratchet_lease": {"owner": "a",
-                                                        "version": lease.lease_version - 1}}}
+            stale = {
+                "configurable": {
+                    **config(t)["configurable"],
+                    "ratchet_lease": {"owner": "a", "version": lease.lease_version - 1},
+                }
+            }
             with pytest.raises(LeaseLostError):
                 await ab.aput(stale, checkpoint(), {}, {})
             with pytest.raises(LeaseLostError):

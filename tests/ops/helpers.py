@@ -20,9 +20,11 @@ from ratchet.worker.runs import RunDocument
 
 MakeWorkspace = Callable[..., tuple[Path, RunDocument]]
 
-PLAN = [{"kind": "write_file", "args": {"path": "app.py", "content": RIGHT_GREETING}},
-        {"kind": "run_verifier", "args": {"target": "unit"}},
-        {"kind": "finish", "args": {"summary": "fixed"}}]
+PLAN = [
+    {"kind": "write_file", "args": {"path": "app.py", "content": RIGHT_GREETING}},
+    {"kind": "run_verifier", "args": {"target": "unit"}},
+    {"kind": "finish", "args": {"summary": "fixed"}},
+]
 
 
 def public_hex(key: Ed25519PrivateKey) -> str:
@@ -43,18 +45,26 @@ def run_in_review(fleet: Fleet, workspace: MakeWorkspace, run_id: str) -> str:
     """A run frozen in needs_review: another caller already used its idempotency key for
     another intent (an ``intent_conflict`` with a real receipt)."""
     root, document = workspace()
-    document = document.model_copy(update={"agent": "scripted",
-                                           "agent_config": {"steps": PLAN}})
+    document = document.model_copy(update={"agent": "scripted", "agent_config": {"steps": PLAN}})
     key = derive_idempotency_key(run_id, 0, salt="0")
     with WorkspaceAdapter(root, ["app.py"]) as other:
-        foreign = parse_action({"action_id": "x-1", "kind": "write_file",
-                                "risk": "reversible_write",
-                                "args": {"path": "app.py", "content": "print('other')\n"},
-                                "idempotency_key": key,
-                                "expected_env_version": other.observe().version,
-                                "deadline_at": 2**40})
-        other.execute(foreign, foreign.intent_digest,
-                      Fence(run_id="someone-else", lease_version=1, state_version=1), None)
+        foreign = parse_action(
+            {
+                "action_id": "x-1",
+                "kind": "write_file",
+                "risk": "reversible_write",
+                "args": {"path": "app.py", "content": "print('other')\n"},
+                "idempotency_key": key,
+                "expected_env_version": other.observe().version,
+                "deadline_at": 2**40,
+            }
+        )
+        other.execute(
+            foreign,
+            foreign.intent_digest,
+            Fence(run_id="someone-else", lease_version=1, state_version=1),
+            None,
+        )
     submit(fleet, document, run_id=run_id)
     report = execute_run(fleet, run_id, owner="w-review")
     if report.phase != "needs_review":

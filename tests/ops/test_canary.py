@@ -33,16 +33,27 @@ APPROVER_SEED = bytes.fromhex("ca11ab1e" * 8)
 
 
 def ratchet(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RATCHET, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=180, check=False)
+    return subprocess.run(
+        [*RATCHET, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
 
 
 def forms(secret: bytes) -> list[str]:
     """The shapes a leaked key could take in text."""
     import base64
 
-    return [secret.hex(), secret.hex().upper(), base64.b64encode(secret).decode()[:24],
-            repr(secret)[2:30]]
+    return [
+        secret.hex(),
+        secret.hex().upper(),
+        base64.b64encode(secret).decode()[:24],
+        repr(secret)[2:30],
+    ]
 
 
 def redis_values(server: RedisServer) -> bytes:
@@ -71,32 +82,51 @@ def redis_values(server: RedisServer) -> bytes:
 
 
 def test_planted_keys_appear_in_no_log_metric_trace_store_value_output_or_error(
-        redis_server: RedisServer, tmp_path: Path) -> None:
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
     approver = Ed25519PrivateKey.from_private_bytes(APPROVER_SEED)
     pem = approver.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
     key_file = tmp_path / "approver-alice.pem"
     key_file.write_bytes(pem)
     key_file.chmod(0o600)
     trust = tmp_path / "approvers.json"
-    trust.write_text(json.dumps({"alice": approver.public_key().public_bytes(
-        Encoding.Raw, PublicFormat.Raw).hex()}))
+    trust.write_text(
+        json.dumps(
+            {"alice": approver.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()}
+        )
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_CANARY,
-               RATCHET_QUEUE=f"canary-{tmp_path.name}", RATCHET_LEASE_TTL_MS="1500",
-               RATCHET_REAPER_INTERVAL_MS="200", RATCHET_APPROVERS_FILE=str(trust),
-               RATCHET_LOG_FORMAT="json", RATCHET_LOG_LEVEL="DEBUG")
+    env.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_CANARY,
+        RATCHET_QUEUE=f"canary-{tmp_path.name}",
+        RATCHET_LEASE_TTL_MS="1500",
+        RATCHET_REAPER_INTERVAL_MS="200",
+        RATCHET_APPROVERS_FILE=str(trust),
+        RATCHET_LOG_FORMAT="json",
+        RATCHET_LOG_LEVEL="DEBUG",
+    )
     root = make_greeting_workspace(tmp_path / "ws")
-    task = {"scenario": {
-        "schema_version": 1, "task_id": "fix-greeting", "task_version": "1",
-        "policy_id": "default", "policy_version": "1",
-        "permissions": ["read_file", "write_file", "run_verifier", "finish"],
-        "allowed_paths": ["app.py"], "allowed_verifier_targets": ["unit"],
-        "approval_required": ["write_file"],
-        "budgets": {"proposals": 30, "steps": 20, "wall_clock_seconds": 3600, "cost_units": 0},
-        "initial_files": {"app.py": (root / "app.py").read_text()},
-        "verifier": {"target": "unit", "expected_files": {"app.py": 'print("Hello, world")\n'}},
-    }, "environment": {"root": "ws", "verifiers": {"unit": {"argv": [sys.executable,
-                                                                    "test_app.py"]}}}}
+    task = {
+        "scenario": {
+            "schema_version": 1,
+            "task_id": "fix-greeting",
+            "task_version": "1",
+            "policy_id": "default",
+            "policy_version": "1",
+            "permissions": ["read_file", "write_file", "run_verifier", "finish"],
+            "allowed_paths": ["app.py"],
+            "allowed_verifier_targets": ["unit"],
+            "approval_required": ["write_file"],
+            "budgets": {"proposals": 30, "steps": 20, "wall_clock_seconds": 3600, "cost_units": 0},
+            "initial_files": {"app.py": (root / "app.py").read_text()},
+            "verifier": {"target": "unit", "expected_files": {"app.py": 'print("Hello, world")\n'}},
+        },
+        "environment": {
+            "root": "ws",
+            "verifiers": {"unit": {"argv": [sys.executable, "test_app.py"]}},
+        },
+    }
     (tmp_path / "task.yaml").write_text(yaml.safe_dump(task))
     outputs: list[str] = []
 
@@ -115,8 +145,10 @@ def test_planted_keys_appear_in_no_log_metric_trace_store_value_output_or_error(
     assert run("show", run_id, RATCHET_CHECKPOINT_KEY="ab" * 32).returncode == 2
     bad = tmp_path / "bad-keys.json"
     bad.write_text(json.dumps({"signing": "k1", "keys": {"k1": CHECKPOINT_CANARY[:-2] + "zz"}}))
-    assert run("runs", RATCHET_CHECKPOINT_KEY="", RATCHET_CHECKPOINT_KEYS_FILE=str(bad)
-               ).returncode == 2
+    assert (
+        run("runs", RATCHET_CHECKPOINT_KEY="", RATCHET_CHECKPOINT_KEYS_FILE=str(bad)).returncode
+        == 2
+    )
     assert run("approve", run_id, action_id, "--key", str(key_file)).returncode == 0
     second = run("worker", "--burst", RATCHET_LOG_FORMAT="text")
     assert second.returncode == 0, second.stderr[-2000:]
@@ -135,8 +167,14 @@ def test_planted_keys_appear_in_no_log_metric_trace_store_value_output_or_error(
     from ratchet.worker.context import Fleet
     from ratchet.worker.settings import Settings
 
-    fleet = Fleet.connect(Settings(redis_url=redis_server.url, queue="canary-in-process",
-                                   checkpoint_key=CHECKPOINT_CANARY, approvers_file=trust))
+    fleet = Fleet.connect(
+        Settings(
+            redis_url=redis_server.url,
+            queue="canary-in-process",
+            checkpoint_key=CHECKPOINT_CANARY,
+            approvers_file=trust,
+        )
+    )
     exposition = generate_latest(REGISTRY).decode()
     everything = "\n".join([*outputs, exposition, repr(fleet), repr(fleet.keyring)])
     stored = redis_values(redis_server)

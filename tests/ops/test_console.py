@@ -34,22 +34,27 @@ def console(fleet: Fleet, workspace: MakeWorkspace) -> Iterator[tuple[ConsoleSer
         server.server_close()
 
 
-def fetch(server: ConsoleServer, path: str, method: str = "GET", *,
-          host_header: str | None = None) -> tuple[int, dict[str, str], str]:
+def fetch(
+    server: ConsoleServer, path: str, method: str = "GET", *, host_header: str | None = None
+) -> tuple[int, dict[str, str], str]:
     host, port = str(server.server_address[0]), int(server.server_address[1])
     conn = http.client.HTTPConnection(host, port, timeout=30)
     try:
         headers = {"Host": host_header} if host_header is not None else {}
         conn.request(method, path, headers=headers)
         response = conn.getresponse()
-        return (response.status, {k.lower(): v for k, v in response.getheaders()},
-                response.read().decode())
+        return (
+            response.status,
+            {k.lower(): v for k, v in response.getheaders()},
+            response.read().decode(),
+        )
     finally:
         conn.close()
 
 
 def test_the_console_listens_on_loopback_and_serves_pages_with_a_strict_csp(
-        console: tuple[ConsoleServer, str, str]) -> None:
+    console: tuple[ConsoleServer, str, str],
+) -> None:
     server, review_id, _ = console
     assert server.server_address[0] == "127.0.0.1"
     status, headers, body = fetch(server, "/runs")
@@ -60,10 +65,13 @@ def test_the_console_listens_on_loopback_and_serves_pages_with_a_strict_csp(
     assert review_id in body and "<script" not in body
 
 
-@pytest.mark.parametrize("host", ["evil.example", "rebind.test:{port}", "127.0.0.2:{port}",
-                                  "localhost:1", "localhost", ""])
-def test_the_console_answers_only_its_own_origin(console: tuple[ConsoleServer, str, str],
-                                                 host: str) -> None:
+@pytest.mark.parametrize(
+    "host",
+    ["evil.example", "rebind.test:{port}", "127.0.0.2:{port}", "localhost:1", "localhost", ""],
+)
+def test_the_console_answers_only_its_own_origin(
+    console: tuple[ConsoleServer, str, str], host: str
+) -> None:
     server, review_id, _ = console
     header = host.format(port=server.server_address[1])
     for path in (f"/runs/{review_id}", "/reviews", "/metrics", "/runs"):
@@ -73,7 +81,8 @@ def test_the_console_answers_only_its_own_origin(console: tuple[ConsoleServer, s
 
 
 def test_a_request_without_a_host_header_is_refused(
-        console: tuple[ConsoleServer, str, str]) -> None:
+    console: tuple[ConsoleServer, str, str],
+) -> None:
     import socket
 
     server, review_id, _ = console
@@ -86,17 +95,23 @@ def test_a_request_without_a_host_header_is_refused(
 
 
 @pytest.mark.parametrize("host", ["localhost:{port}", "127.0.0.1:{port}", "LOCALHOST:{port}"])
-def test_the_console_answers_its_own_names(console: tuple[ConsoleServer, str, str],
-                                           host: str) -> None:
+def test_the_console_answers_its_own_names(
+    console: tuple[ConsoleServer, str, str], host: str
+) -> None:
     server, review_id, _ = console
-    status, _, body = fetch(server, f"/runs/{review_id}",
-                            host_header=host.format(port=server.server_address[1]))
+    status, _, body = fetch(
+        server, f"/runs/{review_id}", host_header=host.format(port=server.server_address[1])
+    )
     assert status == 200 and review_id in body
 
 
 def test_a_reverse_proxys_name_is_answered_once_allowed(fleet: Fleet) -> None:
-    server = serve_console(fleet_console_data(fleet), port=0, background=True,
-                           allowed_hosts=["console.internal.example"])
+    server = serve_console(
+        fleet_console_data(fleet),
+        port=0,
+        background=True,
+        allowed_hosts=["console.internal.example"],
+    )
     try:
         assert fetch(server, "/healthz", host_header="console.internal.example")[0] == 200
         assert fetch(server, "/healthz", host_header="other.example")[0] == 421
@@ -106,16 +121,16 @@ def test_a_reverse_proxys_name_is_answered_once_allowed(fleet: Fleet) -> None:
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
-def test_the_console_has_no_write_endpoint(console: tuple[ConsoleServer, str, str],
-                                           method: str) -> None:
+def test_the_console_has_no_write_endpoint(
+    console: tuple[ConsoleServer, str, str], method: str
+) -> None:
     server, review_id, _ = console
     status, headers, _ = fetch(server, f"/runs/{review_id}", method)
     assert status == 405
     assert headers["allow"] == "GET, HEAD"
 
 
-def test_the_runs_list_filters_by_phase_and_owner(console: tuple[ConsoleServer, str, str]
-                                                  ) -> None:
+def test_the_runs_list_filters_by_phase_and_owner(console: tuple[ConsoleServer, str, str]) -> None:
     server, review_id, approval_id = console
     _, _, body = fetch(server, "/runs?phase=needs_review")
     assert review_id in body and approval_id not in body
@@ -126,7 +141,8 @@ def test_the_runs_list_filters_by_phase_and_owner(console: tuple[ConsoleServer, 
 
 
 def test_a_missing_run_is_a_404_and_a_hostile_id_is_never_echoed_raw(
-        console: tuple[ConsoleServer, str, str]) -> None:
+    console: tuple[ConsoleServer, str, str],
+) -> None:
     server, _, _ = console
     status, _, body = fetch(server, "/runs/r-no-such-run")
     assert status == 404 and "no such run" in body
@@ -138,7 +154,8 @@ def test_a_missing_run_is_a_404_and_a_hostile_id_is_never_echoed_raw(
 
 
 def test_the_console_serves_fleet_gauges_for_prometheus(
-        console: tuple[ConsoleServer, str, str]) -> None:
+    console: tuple[ConsoleServer, str, str],
+) -> None:
     server, _, _ = console
     _, _, text = fetch(server, "/metrics")
     assert 'ratchet_runs{phase="needs_review"} 1.0' in text
@@ -147,7 +164,8 @@ def test_the_console_serves_fleet_gauges_for_prometheus(
 
 
 def test_expired_approval_evidence_stays_visible_and_is_marked(
-        fleet: Fleet, workspace: MakeWorkspace) -> None:
+    fleet: Fleet, workspace: MakeWorkspace
+) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     run_id = run_awaiting_approval(fleet, workspace, "r-console-expired")
@@ -155,14 +173,21 @@ def test_expired_approval_evidence_stays_visible_and_is_marked(
     run = data.run_detail(run_id, data.now())
     pending = run["pending"]
     claims = ApprovalClaims(
-        task_id=run["task"]["task_id"], run_id=run_id, policy_id=run["task"]["policy_id"],
+        task_id=run["task"]["task_id"],
+        run_id=run_id,
+        policy_id=run["task"]["policy_id"],
         policy_version=run["task"]["policy_version"],
         action_id=pending["action"]["action_id"],
         idempotency_key=pending["action"]["idempotency_key"],
-        intent_digest=pending["intent_digest"], env_instance_id=run["environment"]["instance_id"],
+        intent_digest=pending["intent_digest"],
+        env_instance_id=run["environment"]["instance_id"],
         env_fingerprint=run["environment"]["fingerprint"],
-        env_version=run["environment"]["version"], generation=run["generation"],
-        nonce="ap-expired-1", expires_at=data.now() - 120, max_proposals=50)
+        env_version=run["environment"]["version"],
+        generation=run["generation"],
+        nonce="ap-expired-1",
+        expires_at=data.now() - 120,
+        max_proposals=50,
+    )
     evidence = sign_approval(Ed25519PrivateKey.generate(), "alice", claims)
     pending["approval"] = evidence.model_dump(mode="json")
     page = run_page(run, now=data.now())
@@ -175,20 +200,31 @@ def test_expired_approval_evidence_stays_visible_and_is_marked(
 CHROMIUM = os.environ.get("RATCHET_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("RATCHET_CHROMEDRIVER", "/usr/bin/chromedriver")
 # rebind.test resolves to 127.0.0.1 inside the browser: a DNS-rebinding page's view.
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--window-size=1400,2200",
-         "--host-resolver-rules=MAP rebind.test 127.0.0.1")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,2200",
+    "--host-resolver-rules=MAP rebind.test 127.0.0.1",
+)
 
 
 def _browser(profile: Path) -> Any:
     if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
         if os.environ.get("RATCHET_REQUIRE_BROWSER") == "1":  # CI installs it: never skip
             pytest.fail(f"chromium / chromedriver missing at {CHROMIUM}, {CHROMEDRIVER}")
-        pytest.skip(f"headless browser test needs Debian's chromium and chromium-driver "
-                    f"({CHROMIUM}, {CHROMEDRIVER}); apt-get install chromium chromium-driver")
-    webdriver = pytest.importorskip("selenium.webdriver",
-                                    reason="the browser test needs selenium (test extra)")
+        pytest.skip(
+            f"headless browser test needs Debian's chromium and chromium-driver "
+            f"({CHROMIUM}, {CHROMEDRIVER}); apt-get install chromium chromium-driver"
+        )
+    webdriver = pytest.importorskip(
+        "selenium.webdriver", reason="the browser test needs selenium (test extra)"
+    )
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
@@ -212,8 +248,8 @@ def _screenshot(driver: Any, path: Path, record_property: Any) -> Path:
 
 
 def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
-        console: tuple[ConsoleServer, str, str], fleet: Fleet, tmp_path: Path,
-        record_property: Any) -> None:
+    console: tuple[ConsoleServer, str, str], fleet: Fleet, tmp_path: Path, record_property: Any
+) -> None:
     from selenium.webdriver.common.by import By
 
     server, review_id, approval_id = console
@@ -263,15 +299,16 @@ def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
 
 
 def test_the_runs_list_pages_and_searches_in_chromium(
-        console: tuple[ConsoleServer, str, str], fleet: Fleet, tmp_path: Path,
-        record_property: Any) -> None:
+    console: tuple[ConsoleServer, str, str], fleet: Fleet, tmp_path: Path, record_property: Any
+) -> None:
     from selenium.webdriver.common.by import By
 
     server, review_id, approval_id = console
     listed = [f"r-list-{i:02d}" for i in range(7)]
     for run_id in listed:  # the list never opens a checkpoint: opaque ones do
-        fleet.store.create_run(run_id, task_id="task-list", env_instance_id="e",
-                               scenario=b"s", checkpoint=b"g1")
+        fleet.store.create_run(
+            run_id, task_id="task-list", env_instance_id="e", scenario=b"s", checkpoint=b"g1"
+        )
     driver = _browser(tmp_path / "chromium-profile")
     try:
         driver.get(f"{server.url}/runs?limit=3")

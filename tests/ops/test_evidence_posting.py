@@ -35,8 +35,9 @@ RITA = Ed25519PrivateKey.generate()
 
 @pytest.fixture
 def approving(fleet: Fleet, tmp_path: Path) -> Fleet:
-    return with_trust(fleet, approvers_file=trust_file(tmp_path / "approvers.json",
-                                                       {"alice": ALICE}))
+    return with_trust(
+        fleet, approvers_file=trust_file(tmp_path / "approvers.json", {"alice": ALICE})
+    )
 
 
 def claims_for(fleet: Fleet, target: str, **changes: Any) -> ApprovalClaims:
@@ -47,14 +48,21 @@ def claims_for(fleet: Fleet, target: str, **changes: Any) -> ApprovalClaims:
     assert pending is not None
     env = state.environment
     data: dict[str, Any] = {
-        "task_id": state.task_id, "run_id": run_id, "policy_id": state.policy_id,
-        "policy_version": state.policy_version, "action_id": pending.action.action_id,
-        "idempotency_key": pending.action.idempotency_key, "intent_digest":
-        pending.intent_digest, "env_instance_id": env.instance_id,
-        "env_fingerprint": env.fingerprint, "env_version": env.version,
-        "generation": view.generation, "nonce": f"n-{os.urandom(6).hex()}",
+        "task_id": state.task_id,
+        "run_id": run_id,
+        "policy_id": state.policy_id,
+        "policy_version": state.policy_version,
+        "action_id": pending.action.action_id,
+        "idempotency_key": pending.action.idempotency_key,
+        "intent_digest": pending.intent_digest,
+        "env_instance_id": env.instance_id,
+        "env_fingerprint": env.fingerprint,
+        "env_version": env.version,
+        "generation": view.generation,
+        "nonce": f"n-{os.urandom(6).hex()}",
         "expires_at": fleet.store.server_time_ms() // 1000 + 600,
-        "max_proposals": state.usage.proposals + 10}
+        "max_proposals": state.usage.proposals + 10,
+    }
     data.update(changes)
     return ApprovalClaims.model_validate(data)
 
@@ -75,10 +83,17 @@ def test_an_approval_by_an_untrusted_key_is_refused_before_posting(
     assert inspect_run(approving, run_id).state.phase.value == "awaiting_approval"
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("run_id", "r-another-run"), ("task_id", "another-task"), ("policy_version", "99"),
-    ("intent_digest", "e" * 64), ("generation", 1), ("env_version", 999),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("run_id", "r-another-run"),
+        ("task_id", "another-task"),
+        ("policy_version", "99"),
+        ("intent_digest", "e" * 64),
+        ("generation", 1),
+        ("env_version", 999),
+    ],
+)
 def test_an_approval_bound_to_anything_else_is_refused_before_posting(
     approving: Fleet, workspace: MakeWorkspace, field: str, value: Any
 ) -> None:
@@ -110,8 +125,7 @@ def test_a_replayed_approval_nonce_is_refused_before_posting(
     assert execute_run(approving, first, owner="w-nonce").phase == "completed"
     # The same nonce, on another run's otherwise exact approval: the store remembers it.
     second = run_awaiting_approval(approving, workspace, "r-post-nonce-b")
-    replay = sign_approval(ALICE, "alice", claims_for(approving, second,
-                                                      nonce=used.claims.nonce))
+    replay = sign_approval(ALICE, "alice", claims_for(approving, second, nonce=used.claims.nonce))
     with pytest.raises(ApprovalError) as err:
         post_approval(approving, second, replay)
     assert err.value.reason == "replayed_nonce"
@@ -121,12 +135,12 @@ def test_a_replayed_approval_nonce_is_refused_before_posting(
 def test_a_decision_by_an_untrusted_reviewer_is_refused_before_posting(
     fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path
 ) -> None:
-    reviewing = with_trust(fleet, reviewers_file=trust_file(tmp_path / "reviewers.json",
-                                                            {"rita": RITA}))
+    reviewing = with_trust(
+        fleet, reviewers_file=trust_file(tmp_path / "reviewers.json", {"rita": RITA})
+    )
     run_id = run_in_review(reviewing, workspace, "r-post-reviewer")
     with pytest.raises(ReviewDecisionError) as err:
-        review(reviewing, run_id, "replan", key=Ed25519PrivateKey.generate(),
-               reviewer_id="rita")
+        review(reviewing, run_id, "replan", key=Ed25519PrivateKey.generate(), reviewer_id="rita")
     assert err.value.reason == "bad_signature"
     assert reviewing.store.inbox(run_id) == []
     assert review(reviewing, run_id, "replan", key=RITA, reviewer_id="rita").verified
@@ -148,19 +162,30 @@ def test_the_approve_command_refuses_an_untrusted_key_in_one_line_with_exit_two(
     run_id = run_awaiting_approval(approving, workspace, "r-post-cli")
     action_id = inspect_run(approving, run_id).state.pending.action.action_id  # type: ignore[union-attr]
     pem = tmp_path / "approver-mallory.pem"
-    pem.write_bytes(Ed25519PrivateKey.generate().private_bytes(
-        Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
+    pem.write_bytes(
+        Ed25519PrivateKey.generate().private_bytes(
+            Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
+        )
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
-               RATCHET_QUEUE=approving.settings.queue,
-               RATCHET_APPROVERS_FILE=str(approving.settings.approvers_file))
+    env.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=approving.settings.queue,
+        RATCHET_APPROVERS_FILE=str(approving.settings.approvers_file),
+    )
 
     def run(*args: str, trusted: bool = True) -> subprocess.CompletedProcess[str]:
-        used = env if trusted else {k: v for k, v in env.items()
-                                    if k != "RATCHET_APPROVERS_FILE"}
-        return subprocess.run([sys.executable, "-m", "ratchet.cli.entry", *args], env=used,
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                              check=False)
+        used = env if trusted else {k: v for k, v in env.items() if k != "RATCHET_APPROVERS_FILE"}
+        return subprocess.run(
+            [sys.executable, "-m", "ratchet.cli.entry", *args],
+            env=used,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
     refused = run("approve", run_id, action_id, "--key", str(pem))
     assert refused.returncode == 2, refused.stdout + refused.stderr

@@ -33,8 +33,11 @@ RIGHT = 'print("Hello, world")\n'
 
 def copy_example(parent: Path, name: str) -> Path:
     """A fresh copy of the example folder (its workspace is written by the run)."""
-    return Path(shutil.copytree(EXAMPLE, parent / name,
-                                ignore=shutil.ignore_patterns("__pycache__", ".ratchet")))
+    return Path(
+        shutil.copytree(
+            EXAMPLE, parent / name, ignore=shutil.ignore_patterns("__pycache__", ".ratchet")
+        )
+    )
 
 
 class Cli:
@@ -45,11 +48,19 @@ class Cli:
         self.env = env
 
     def run(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([*RATCHET, *args], env=self.env, cwd=self.cwd,
-                              capture_output=True, text=True, timeout=180, check=False)
+        done = subprocess.run(
+            [*RATCHET, *args],
+            env=self.env,
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
         if ok and done.returncode != 0:
-            raise AssertionError(f"ratchet {' '.join(args)} exited {done.returncode}: "
-                                 f"{done.stderr[-2000:]}")
+            raise AssertionError(
+                f"ratchet {' '.join(args)} exited {done.returncode}: {done.stderr[-2000:]}"
+            )
         return done
 
     def json(self, *args: str) -> dict[str, Any]:
@@ -64,13 +75,21 @@ class Cli:
 @pytest.fixture
 def cli(redis_server: RedisServer, tmp_path: Path) -> Cli:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
-               RATCHET_QUEUE=f"examples-{tmp_path.name}", RATCHET_LOG_LEVEL="WARNING",
-               RATCHET_VERIFIER_SANDBOX=test_sandbox_mode().value,
-               RATCHET_AGENTS="greeting", PYTHONPATH=str(tmp_path), USER="olga")
+    env.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=f"examples-{tmp_path.name}",
+        RATCHET_LOG_LEVEL="WARNING",
+        RATCHET_VERIFIER_SANDBOX=test_sandbox_mode().value,
+        RATCHET_AGENTS="greeting",
+        PYTHONPATH=str(tmp_path),
+        USER="olga",
+    )
     cli = Cli(tmp_path, env)
-    for kind, signer, trust in (("approver", "alice", "RATCHET_APPROVERS_FILE"),
-                                ("reviewer", "rita", "RATCHET_REVIEWERS_FILE")):
+    for kind, signer, trust in (
+        ("approver", "alice", "RATCHET_APPROVERS_FILE"),
+        ("reviewer", "rita", "RATCHET_REVIEWERS_FILE"),
+    ):
         made = cli.json("keys", "generate", "--kind", kind, "--id", signer, "--out", "keys")
         env[trust] = made["trust_file"]
     copy_example(tmp_path, "greeting")
@@ -83,8 +102,7 @@ def test_the_example_task_file_loads_with_the_example_agent(tmp_path: Path) -> N
     assert document.agent == AGENT
     assert Path(document.environment.root) == (root / "workspace").resolve()
     assert document.scenario.approval_required == ("write_file",)
-    assert set(document.environment.verifiers) == set(
-        document.scenario.allowed_verifier_targets)
+    assert set(document.environment.verifiers) == set(document.scenario.allowed_verifier_targets)
     assert (root / "workspace" / "app.py").read_text() == WRONG
     sys.path.insert(0, str(tmp_path))
     try:
@@ -109,8 +127,7 @@ def test_the_example_agent_completes_the_run_once_its_write_is_approved(cli: Cli
     shown = cli.json("show", run_id)
     assert shown["phase"] == "awaiting_approval"
     action = shown["pending"]["action"]
-    assert (action["kind"], action["args"]) == (
-        "write_file", {"path": "app.py", "content": RIGHT})
+    assert (action["kind"], action["args"]) == ("write_file", {"path": "app.py", "content": RIGHT})
     assert (cli.cwd / "greeting/workspace/app.py").read_text() == WRONG  # nothing written yet
     cli.run("approve", run_id, action["action_id"], "--key", "keys/approver-alice.pem")
     cli.work()
@@ -134,8 +151,7 @@ def test_a_second_run_of_the_example_is_cancelled_and_its_write_dropped(cli: Cli
     assert shown["phase"] == "cancelled"
     last = shown["trace"][-1]
     assert last["outcome"] == "cancelled"
-    assert (last["detail"]["by"], last["detail"]["request_id"]) == (
-        "olga", requested["request_id"])
+    assert (last["detail"]["by"], last["detail"]["request_id"]) == ("olga", requested["request_id"])
     assert "dropped_key" in last["detail"]
     assert shown["executed"] == []
     assert (cli.cwd / "second/workspace/app.py").read_text() == WRONG
@@ -147,9 +163,15 @@ def test_a_second_run_of_the_example_is_cancelled_and_its_write_dropped(cli: Cli
 def test_a_conflict_from_another_caller_is_replanned_under_a_new_key(cli: Cli) -> None:
     copy_example(cli.cwd, "conflict")
     run_id = "tour-conflict"
-    wrote = subprocess.run([sys.executable, "greeting/other_writer.py", "conflict/workspace",
-                            run_id], env=cli.env, cwd=cli.cwd, capture_output=True,
-                           text=True, timeout=60, check=True)
+    wrote = subprocess.run(
+        [sys.executable, "greeting/other_writer.py", "conflict/workspace", run_id],
+        env=cli.env,
+        cwd=cli.cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     foreign_key = wrote.stdout.split()[-1]
     cli.run("submit", "conflict/task.yaml", "--agent", AGENT, "--run-id", run_id)
     cli.work()
@@ -170,4 +192,5 @@ def test_a_conflict_from_another_caller_is_replanned_under_a_new_key(cli: Cli) -
     assert shown["phase"] == "completed"
     assert [e["idempotency_key"] for e in shown["executed"]] == [replanned["idempotency_key"]]
     assert (cli.cwd / "conflict/workspace/app.py").read_text() == (
-        'print("Hello, world")  # edited by another caller\n')
+        'print("Hello, world")  # edited by another caller\n'
+    )

@@ -32,24 +32,45 @@ RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]
 
 
 def ratchet(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RATCHET, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [*RATCHET, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.fixture
-def keyed(redis_server: RedisServer, settings: Settings, tmp_path: Path
-          ) -> tuple[Settings, dict[str, str], Path]:
+def keyed(
+    redis_server: RedisServer, settings: Settings, tmp_path: Path
+) -> tuple[Settings, dict[str, str], Path]:
     """Settings and a CLI environment using a checkpoint key file (not the env key)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_QUEUE=settings.queue,
-               RATCHET_LOG_LEVEL="WARNING")
-    made = ratchet("keys", "generate", "--kind", "checkpoint", "--out", str(tmp_path / "k"),
-                   "--json", env=env, cwd=tmp_path)
+    env.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_QUEUE=settings.queue,
+        RATCHET_LOG_LEVEL="WARNING",
+    )
+    made = ratchet(
+        "keys",
+        "generate",
+        "--kind",
+        "checkpoint",
+        "--out",
+        str(tmp_path / "k"),
+        "--json",
+        env=env,
+        cwd=tmp_path,
+    )
     assert made.returncode == 0, made.stderr
     path = Path(json.loads(made.stdout)["path"])
     env["RATCHET_CHECKPOINT_KEYS_FILE"] = str(path)
-    keyed_settings = settings.model_copy(update={"checkpoint_key": None,
-                                                 "checkpoint_keys_file": path})
+    keyed_settings = settings.model_copy(
+        update={"checkpoint_key": None, "checkpoint_keys_file": path}
+    )
     return keyed_settings, env, path
 
 
@@ -60,8 +81,8 @@ def kid_of(fleet: Fleet, run_id: str) -> str:
 
 
 def test_a_run_restores_across_a_rotation_and_re_signs_with_the_new_key(
-        keyed: tuple[Settings, dict[str, str], Path], workspace: MakeWorkspace,
-        tmp_path: Path) -> None:
+    keyed: tuple[Settings, dict[str, str], Path], workspace: MakeWorkspace, tmp_path: Path
+) -> None:
     settings, env, path = keyed
     old = Fleet.connect(settings)
     _root, document = workspace()
@@ -87,8 +108,8 @@ def test_a_run_restores_across_a_rotation_and_re_signs_with_the_new_key(
 
 
 def test_retiring_a_key_still_in_use_is_refused_and_forced_retirement_fails_closed_visibly(
-        keyed: tuple[Settings, dict[str, str], Path], workspace: MakeWorkspace,
-        tmp_path: Path) -> None:
+    keyed: tuple[Settings, dict[str, str], Path], workspace: MakeWorkspace, tmp_path: Path
+) -> None:
     settings, env, _path = keyed
     fleet = Fleet.connect(settings)
     run_id = run_awaiting_approval(fleet, workspace, "r-retire-1")
@@ -97,9 +118,15 @@ def test_retiring_a_key_still_in_use_is_refused_and_forced_retirement_fails_clos
     refused = ratchet("keys", "retire", old_kid, env=env, cwd=tmp_path)
     assert refused.returncode == 2
     assert run_id in refused.stderr and "still have a current checkpoint" in refused.stderr
-    signing = ratchet("keys", "retire", json.loads(
-        ratchet("keys", "list", "--json", env=env, cwd=tmp_path).stdout)["checkpoint"]
-        ["signing"], env=env, cwd=tmp_path)
+    signing = ratchet(
+        "keys",
+        "retire",
+        json.loads(ratchet("keys", "list", "--json", env=env, cwd=tmp_path).stdout)["checkpoint"][
+            "signing"
+        ],
+        env=env,
+        cwd=tmp_path,
+    )
     assert signing.returncode == 2 and "signing key" in signing.stderr
     forced = ratchet("keys", "retire", old_kid, "--force", env=env, cwd=tmp_path)
     assert forced.returncode == 0, forced.stderr
@@ -119,14 +146,26 @@ def test_retiring_a_key_still_in_use_is_refused_and_forced_retirement_fails_clos
 
 
 def test_a_revoked_approvers_approval_is_refused_and_the_run_keeps_waiting(
-        fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path) -> None:
+    fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path
+) -> None:
     alice = Ed25519PrivateKey.generate()
     trust = trust_file(tmp_path / "approvers.json", {"alice": alice})
     fleet = with_trust(fleet, approvers_file=trust)
     run_id = run_awaiting_approval(fleet, workspace, "r-revoke-approver")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    revoked = ratchet("keys", "revoke", "--role", "approver", "--id", "alice", "--file",
-                      str(trust), "--json", env=env, cwd=tmp_path)
+    revoked = ratchet(
+        "keys",
+        "revoke",
+        "--role",
+        "approver",
+        "--id",
+        "alice",
+        "--file",
+        str(trust),
+        "--json",
+        env=env,
+        cwd=tmp_path,
+    )
     assert revoked.returncode == 0, revoked.stderr
     assert json.loads(trust.read_text())["_revoked"] == ["alice"]
     fleet = with_trust(fleet, approvers_file=trust)  # workers restarted with the new file
@@ -139,8 +178,7 @@ def test_a_revoked_approvers_approval_is_refused_and_the_run_keeps_waiting(
     assert fleet.store.inbox(run_id) == []
     # Posted from somewhere that cannot check it: the worker's own check refuses it.
     unchecked = with_trust(fleet, approvers_file=None)
-    posted = approve(unchecked, run_id, pending.action.action_id, key=alice,
-                     approver_id="alice")
+    posted = approve(unchecked, run_id, pending.action.action_id, key=alice, approver_id="alice")
     assert posted.verified is False
     report = execute_run(fleet, run_id, owner="w-after-revoke")
     assert report.phase == "awaiting_approval"
@@ -151,25 +189,35 @@ def test_a_revoked_approvers_approval_is_refused_and_the_run_keeps_waiting(
 
 
 def test_a_revoked_reviewers_decision_keeps_the_run_frozen(
-        fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path) -> None:
+    fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path
+) -> None:
     rita = Ed25519PrivateKey.generate()
     trust = trust_file(tmp_path / "reviewers.json", {"rita": rita})
     fleet = with_trust(fleet, reviewers_file=trust)
     run_id = run_in_review(fleet, workspace, "r-revoke-reviewer")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
     env["RATCHET_REVIEWERS_FILE"] = str(trust)
-    assert ratchet("keys", "revoke", "--role", "reviewer", "--id", "rita", env=env,
-                   cwd=tmp_path).returncode == 0
-    unknown = ratchet("keys", "revoke", "--role", "reviewer", "--id", "nobody", env=env,
-                      cwd=tmp_path)
+    assert (
+        ratchet(
+            "keys", "revoke", "--role", "reviewer", "--id", "rita", env=env, cwd=tmp_path
+        ).returncode
+        == 0
+    )
+    unknown = ratchet(
+        "keys", "revoke", "--role", "reviewer", "--id", "nobody", env=env, cwd=tmp_path
+    )
     assert unknown.returncode == 2 and "no reviewer 'nobody'" in unknown.stderr
     fleet = with_trust(fleet, reviewers_file=trust)
     with pytest.raises(ReviewDecisionError) as err:  # refused before it is posted
         review(fleet, run_id, "replan", key=rita, reviewer_id="rita")
     assert err.value.reason == "revoked_signer"
     assert fleet.store.inbox(run_id) == []
-    assert review(with_trust(fleet, reviewers_file=None), run_id, "replan", key=rita,
-                  reviewer_id="rita").verified is False
+    assert (
+        review(
+            with_trust(fleet, reviewers_file=None), run_id, "replan", key=rita, reviewer_id="rita"
+        ).verified
+        is False
+    )
     report = execute_run(fleet, run_id, owner="w-after-revoke")
     assert report.phase == "needs_review"
     view = inspect_run(fleet, run_id)

@@ -35,14 +35,16 @@ def make_runs(store: RedisStore, prefix: str, n: int, *, task: str = "t") -> lis
     """``n`` runs with opaque checkpoints: listings never open a checkpoint."""
     ids = [f"{prefix}-{i:04d}" for i in range(n)]
     for run_id in ids:
-        store.create_run(run_id, task_id=task, env_instance_id="e", scenario=b"s",
-                         checkpoint=b"g1")
+        store.create_run(run_id, task_id=task, env_instance_id="e", scenario=b"s", checkpoint=b"g1")
     return ids
 
 
 def cli(redis_server: RedisServer, tmp_path: Path, *args: str) -> Any:
-    env = {"RATCHET_REDIS_URL": redis_server.url, "RATCHET_CHECKPOINT_KEY": CHECKPOINT_KEY_HEX,
-           "RATCHET_STATE_DIR": str(tmp_path / "cli-state")}
+    env = {
+        "RATCHET_REDIS_URL": redis_server.url,
+        "RATCHET_CHECKPOINT_KEY": CHECKPOINT_KEY_HEX,
+        "RATCHET_STATE_DIR": str(tmp_path / "cli-state"),
+    }
     return runner.invoke(app, list(args), env=env)
 
 
@@ -70,14 +72,18 @@ def fetch(server: ConsoleServer, path: str) -> tuple[int, dict[str, str], str]:
     try:
         conn.request("GET", path)
         response = conn.getresponse()
-        return (response.status, {k.lower(): v for k, v in response.getheaders()},
-                response.read().decode())
+        return (
+            response.status,
+            {k.lower(): v for k, v in response.getheaders()},
+            response.read().decode(),
+        )
     finally:
         conn.close()
 
 
-def walk(store: RedisStore, phase: str | None = None, *, limit: int,
-         oldest_first: bool = False) -> list[str]:
+def walk(
+    store: RedisStore, phase: str | None = None, *, limit: int, oldest_first: bool = False
+) -> list[str]:
     seen: list[str] = []
     after = None
     while True:
@@ -94,8 +100,12 @@ def walk(store: RedisStore, phase: str | None = None, *, limit: int,
 
 @pytest.mark.slow
 def test_a_new_run_awaiting_approval_after_500_older_runs_is_first_everywhere(
-        fleet: Fleet, workspace: MakeWorkspace, redis_server: RedisServer,
-        console: ConsoleServer, tmp_path: Path) -> None:
+    fleet: Fleet,
+    workspace: MakeWorkspace,
+    redis_server: RedisServer,
+    console: ConsoleServer,
+    tmp_path: Path,
+) -> None:
     older = make_runs(fleet.store, "r-old", 500)
     new_id = run_awaiting_approval(fleet, workspace, "r-new-approval")
 
@@ -127,8 +137,9 @@ def test_counts_are_exact_after_creates_commits_and_phase_changes(fleet: Fleet) 
     run = store.acquire("r-count-0001", owner="w1", ttl_ms=60_000)
     assert run is not None
     key = RunKey("t", "r-count-0001", "e")
-    run.advance_many(key, [Advance(1, b"g2", phase="running"),
-                           Advance(2, b"g3", phase="awaiting_approval")])
+    run.advance_many(
+        key, [Advance(1, b"g2", phase="running"), Advance(2, b"g3", phase="awaiting_approval")]
+    )
     assert store.phase_counts()["awaiting_approval"] == 1
     assert store.phase_counts()["running"] == 2
     run.advance_many(key, [Advance(3, b"g4", phase="awaiting_approval")])  # same phase
@@ -138,8 +149,13 @@ def test_counts_are_exact_after_creates_commits_and_phase_changes(fleet: Fleet) 
     assert state[b"phase"] == b"awaiting_approval" and int(state[b"generation"]) == 5
     # A batch refused at its second commit: the first applied, and so did its phase.
     with pytest.raises(NonceReplayError):
-        run.advance_many(key, [Advance(5, b"g6", phase="needs_review"),
-                               Advance(6, b"g7", ("n-once",), phase="completed")])
+        run.advance_many(
+            key,
+            [
+                Advance(5, b"g6", phase="needs_review"),
+                Advance(6, b"g7", ("n-once",), phase="completed"),
+            ],
+        )
     assert store.phase_counts()["needs_review"] == 1
     assert store.phase_counts()["awaiting_approval"] == 0
     assert store.phase_counts()["completed"] == 0
@@ -159,14 +175,18 @@ def test_every_index_a_run_is_in_is_named_by_index_keys(fleet: Fleet) -> None:
     run.advance_many(RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="needs_review")])
     assert store.index_keys() == INDEX_KEYS
     assert set(INDEX_KEYS) == {RUNS_INDEX, EXPIRY_INDEX, *PHASE_INDEXES}
-    holding = {key.decode() for key in store.client.scan_iter(match="ratchet:index:*")
-               if store.client.zscore(key, run_id) is not None}
+    holding = {
+        key.decode()
+        for key in store.client.scan_iter(match="ratchet:index:*")
+        if store.client.zscore(key, run_id) is not None
+    }
     assert holding == {RUNS_INDEX, EXPIRY_INDEX, phase_index("needs_review")}
     assert holding <= set(store.index_keys())
 
 
 def test_the_engine_commits_carry_the_phase_through_the_worker(
-        fleet: Fleet, workspace: MakeWorkspace) -> None:
+    fleet: Fleet, workspace: MakeWorkspace
+) -> None:
     _root, document = workspace()
     run_id = submit(fleet, document)
     assert [r.run_id for r in fleet.store.list_runs("running").rows] == [run_id]
@@ -181,8 +201,7 @@ def test_the_engine_commits_carry_the_phase_through_the_worker(
 
 
 @pytest.mark.parametrize("limit", [1, 7, 50])
-def test_pages_walk_every_run_exactly_once_even_with_equal_scores(
-        fleet: Fleet, limit: int) -> None:
+def test_pages_walk_every_run_exactly_once_even_with_equal_scores(fleet: Fleet, limit: int) -> None:
     store = fleet.store
     ids = make_runs(store, "r-tie", 60)
     # Three creation times only: twenty runs share each millisecond.
@@ -194,7 +213,8 @@ def test_pages_walk_every_run_exactly_once_even_with_equal_scores(
 
 @pytest.mark.parametrize("oldest_first", [False, True])
 def test_a_walk_continues_when_the_run_its_cursor_names_leaves_the_index(
-        fleet: Fleet, oldest_first: bool) -> None:
+    fleet: Fleet, oldest_first: bool
+) -> None:
     store = fleet.store
     ids = make_runs(store, "r-gone", 30)
     store.client.zadd(RUNS_INDEX, {run_id: 5000 + i // 20 for i, run_id in enumerate(ids)})
@@ -207,8 +227,9 @@ def test_a_walk_continues_when_the_run_its_cursor_names_leaves_the_index(
     assert sorted(shown) == sorted(ids)
 
 
-def walk_from(store: RedisStore, after: str | None, *, limit: int,
-              oldest_first: bool = False) -> list[str]:
+def walk_from(
+    store: RedisStore, after: str | None, *, limit: int, oldest_first: bool = False
+) -> list[str]:
     seen: list[str] = []
     while after is not None:
         page = store.list_runs(limit=limit, after=after, oldest_first=oldest_first)
@@ -217,16 +238,20 @@ def walk_from(store: RedisStore, after: str | None, *, limit: int,
     return seen
 
 
-@pytest.mark.parametrize(("call", "field"), [
-    ({"after": "not-a-cursor!"}, "after"),
-    ({"after": "bjox"}, "after"),
-    ({"limit": 0}, "limit"),
-    ({"limit": 1001}, "limit"),
-    ({"limit": True}, "limit"),
-    ({"phase": "sleeping"}, "phase"),
-])
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        ({"after": "not-a-cursor!"}, "after"),
+        ({"after": "bjox"}, "after"),
+        ({"limit": 0}, "limit"),
+        ({"limit": 1001}, "limit"),
+        ({"limit": True}, "limit"),
+        ({"phase": "sleeping"}, "phase"),
+    ],
+)
 def test_a_bad_page_request_is_a_contract_error_naming_its_field(
-        fleet: Fleet, call: dict[str, Any], field: str) -> None:
+    fleet: Fleet, call: dict[str, Any], field: str
+) -> None:
     make_runs(fleet.store, "r-bad", 2)
     before = fleet.store.client.zrange(RUNS_INDEX, 0, -1, withscores=True)
     with pytest.raises(ContractError) as caught:
@@ -262,12 +287,14 @@ def test_junk_in_an_index_is_a_row_that_says_unreadable(fleet: Fleet) -> None:
 
 
 def test_search_is_an_exact_prefix_and_a_limited_budget_continues_where_it_stopped(
-        fleet: Fleet) -> None:
+    fleet: Fleet,
+) -> None:
     store = fleet.store
     make_runs(store, "r-a", 5, task="task-alpha")
     make_runs(store, "r-b", 5, task="task-beta")
     assert {r.run_id for r in store.search_runs("task-al").rows} == {
-        f"r-a-{i:04d}" for i in range(5)}
+        f"r-a-{i:04d}" for i in range(5)
+    }
     assert [r.run_id for r in store.search_runs("r-b-0003").rows] == ["r-b-0003"]
     assert store.search_runs("alpha").rows == ()  # a prefix, not a substring
     # Budget 3: the newest three (r-b) hold no match; the cursor goes on from there.
@@ -286,8 +313,8 @@ def test_search_is_an_exact_prefix_and_a_limited_budget_continues_where_it_stopp
 
 
 def test_runs_made_before_phase_indexes_are_listed_and_store_init_indexes_them(
-        fleet: Fleet, workspace: MakeWorkspace, redis_server: RedisServer,
-        tmp_path: Path) -> None:
+    fleet: Fleet, workspace: MakeWorkspace, redis_server: RedisServer, tmp_path: Path
+) -> None:
     store = fleet.store
     _root, document = workspace()
     verified = submit(fleet, document, run_id="r-legacy-ok")
@@ -324,11 +351,11 @@ def test_a_recorded_phase_missing_from_its_index_is_added_back(fleet: Fleet) -> 
 
 
 def test_ratchet_runs_pages_with_a_cursor_and_refuses_a_bad_one(
-        fleet: Fleet, redis_server: RedisServer, tmp_path: Path) -> None:
+    fleet: Fleet, redis_server: RedisServer, tmp_path: Path
+) -> None:
     ids = make_runs(fleet.store, "r-cli", 5)
     first = cli_json(redis_server, tmp_path, "runs", "--limit", "3")
-    rest = cli_json(redis_server, tmp_path, "runs", "--limit", "3",
-                    "--after", first["next_cursor"])
+    rest = cli_json(redis_server, tmp_path, "runs", "--limit", "3", "--after", first["next_cursor"])
     assert [r["run_id"] for r in first["runs"] + rest["runs"]] == ids[::-1]
     assert rest["next_cursor"] is None
     text = cli(redis_server, tmp_path, "runs", "--limit", "3")
@@ -341,7 +368,8 @@ def test_ratchet_runs_pages_with_a_cursor_and_refuses_a_bad_one(
 
 
 def test_the_console_list_pages_searches_sorts_and_refreshes_without_javascript(
-        fleet: Fleet, console: ConsoleServer) -> None:
+    fleet: Fleet, console: ConsoleServer
+) -> None:
     ids = make_runs(fleet.store, "r-page", 5, task="task-page")
     status, _, body = fetch(console, "/runs?limit=2")
     assert status == 200 and ids[4] in body and ids[3] in body and ids[2] not in body

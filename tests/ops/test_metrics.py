@@ -24,11 +24,19 @@ from tests.ops.helpers import MakeWorkspace, poll, run_awaiting_approval, run_in
 from tests.worker.fleet_harness import holder_pid, phase, workers
 
 NAMES = {
-    "ratchet_jobs", "ratchet_leases_acquired", "ratchet_leases_taken_over",
-    "ratchet_leases_renewed", "ratchet_leases_lost", "ratchet_commits",
-    "ratchet_commit_duration_seconds", "ratchet_stale_commits_refused",
-    "ratchet_stale_adapter_writes_refused", "ratchet_receipt_conflicts",
-    "ratchet_approvals_requested", "ratchet_approvals_expired", "ratchet_reaper_requeues",
+    "ratchet_jobs",
+    "ratchet_leases_acquired",
+    "ratchet_leases_taken_over",
+    "ratchet_leases_renewed",
+    "ratchet_leases_lost",
+    "ratchet_commits",
+    "ratchet_commit_duration_seconds",
+    "ratchet_stale_commits_refused",
+    "ratchet_stale_adapter_writes_refused",
+    "ratchet_receipt_conflicts",
+    "ratchet_approvals_requested",
+    "ratchet_approvals_expired",
+    "ratchet_reaper_requeues",
 }
 
 
@@ -46,9 +54,16 @@ def test_every_metric_is_registered_with_prometheus_names() -> None:
 
 
 def test_a_job_counts_its_lease_commits_and_the_phase_it_left(
-        fleet: Fleet, workspace: MakeWorkspace) -> None:
-    before = {n: sample(n) for n in ("ratchet_leases_acquired_total", "ratchet_commits_total",
-                                     "ratchet_commit_duration_seconds_count")}
+    fleet: Fleet, workspace: MakeWorkspace
+) -> None:
+    before = {
+        n: sample(n)
+        for n in (
+            "ratchet_leases_acquired_total",
+            "ratchet_commits_total",
+            "ratchet_commit_duration_seconds_count",
+        )
+    }
     done = sample("ratchet_jobs_total", outcome="finished", phase="completed")
     _root, document = workspace()
     run_id = submit(fleet, document)
@@ -60,26 +75,31 @@ def test_a_job_counts_its_lease_commits_and_the_phase_it_left(
     # One round trip per commit, but the write's receipt commit travelled with the next
     # proposal's commit (the example agent plans ahead): one round trip fewer.
     assert sample("ratchet_commit_duration_seconds_count") == (
-        before["ratchet_commit_duration_seconds_count"] + commits - 1)
+        before["ratchet_commit_duration_seconds_count"] + commits - 1
+    )
     assert sample("ratchet_jobs_total", outcome="finished", phase="completed") == done + 1
 
 
 def test_without_coalescing_every_commit_is_its_own_round_trip(
-        settings: Settings, workspace: MakeWorkspace) -> None:
+    settings: Settings, workspace: MakeWorkspace
+) -> None:
     fleet = Fleet.connect(settings.model_copy(update={"coalesce_commits": False}))
-    before = {n: sample(n) for n in ("ratchet_commits_total",
-                                     "ratchet_commit_duration_seconds_count")}
+    before = {
+        n: sample(n) for n in ("ratchet_commits_total", "ratchet_commit_duration_seconds_count")
+    }
     _root, document = workspace()
     report = execute_run(fleet, submit(fleet, document), owner="w-metrics-separate")
     assert report.phase == "completed"
     commits = sample("ratchet_commits_total") - before["ratchet_commits_total"]
     assert commits == report.generation - 1
     assert sample("ratchet_commit_duration_seconds_count") == (
-        before["ratchet_commit_duration_seconds_count"] + commits)
+        before["ratchet_commit_duration_seconds_count"] + commits
+    )
 
 
 def test_waiting_runs_count_approvals_and_receipt_conflicts(
-        fleet: Fleet, workspace: MakeWorkspace) -> None:
+    fleet: Fleet, workspace: MakeWorkspace
+) -> None:
     approvals = sample("ratchet_approvals_requested_total")
     conflicts = sample("ratchet_receipt_conflicts_total", reason="intent_conflict")
     run_awaiting_approval(fleet, workspace, "r-metrics-approval")
@@ -127,7 +147,8 @@ def _scrape(port: int) -> dict[str, float] | None:
 
 @pytest.mark.slow
 def test_metrics_scraped_during_a_sigkill_run_match_what_redis_recorded(
-        fleet: Fleet, settings: Settings, tmp_path: Path) -> None:
+    fleet: Fleet, settings: Settings, tmp_path: Path
+) -> None:
     runs = {}
     for i in range(12):
         root = make_greeting_workspace(tmp_path / f"ws-{i}")
@@ -145,8 +166,11 @@ def test_metrics_scraped_during_a_sigkill_run_match_what_redis_recorded(
     with workers(settings) as pool:
         procs = pool.start(3, env={"RATCHET_METRICS_PORT": str(base)})
         pids = {p.pid for p in procs}
-        poll(lambda: (scrape_all(), len(last) == 3)[1], deadline_s=60,
-             what="every worker serving metrics")
+        poll(
+            lambda: (scrape_all(), len(last) == 3)[1],
+            deadline_s=60,
+            what="every worker serving metrics",
+        )
         victim: list[int] = []
 
         def someone_mid_run() -> bool:
@@ -169,8 +193,12 @@ def test_metrics_scraped_during_a_sigkill_run_match_what_redis_recorded(
         scrape_all()  # the survivors' final counts, scraped while they still run
 
     def total(name: str) -> float:
-        return sum(v for values in last.values() for k, v in values.items()
-                   if k == name or k.startswith(name + "|"))
+        return sum(
+            v
+            for values in last.values()
+            for k, v in values.items()
+            if k == name or k.startswith(name + "|")
+        )
 
     # What Redis recorded: each acquisition bumps the lease version; a run taken over from
     # its dead holder was acquired once more, and its history changes owner once.
@@ -178,8 +206,9 @@ def test_metrics_scraped_during_a_sigkill_run_match_what_redis_recorded(
     extra_acquisitions = sum(inspect_run(fleet, r).snapshot.lease_version - 1 for r in runs)
     owner_changes = 0
     for run_id in runs:
-        entries = [e.decode().split("|") for e in client.lrange(run_keys(run_id).history,
-                                                                0, -1)][::-1]
+        entries = [e.decode().split("|") for e in client.lrange(run_keys(run_id).history, 0, -1)][
+            ::-1
+        ]
         owners = [e[3] for e in entries if int(e[2]) >= 1]  # not the creation entry
         owner_changes += sum(1 for a, b in itertools.pairwise(owners) if a != b)
     reaped = sum(1 for r in runs if client.hget(run_keys(r).lease, "reaped_version"))

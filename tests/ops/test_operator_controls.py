@@ -44,9 +44,11 @@ RITA = Ed25519PrivateKey.generate()
 
 @pytest.fixture
 def trusted(fleet: Fleet, tmp_path: Path) -> Fleet:
-    return with_trust(fleet, approvers_file=trust_file(tmp_path / "approvers.json",
-                                                       {"alice": ALICE}),
-                      reviewers_file=trust_file(tmp_path / "reviewers.json", {"rita": RITA}))
+    return with_trust(
+        fleet,
+        approvers_file=trust_file(tmp_path / "approvers.json", {"alice": ALICE}),
+        reviewers_file=trust_file(tmp_path / "reviewers.json", {"rita": RITA}),
+    )
 
 
 def effects(root: Path) -> int:
@@ -73,7 +75,10 @@ def test_a_run_waiting_for_approval_is_cancelled_attributed_and_its_write_droppe
     event = last_event(trusted, run_id)
     assert event["outcome"] is TraceOutcome.CANCELLED
     assert (event["by"], event["request_id"], event["reason"]) == (
-        "olga", posted.request.request_id, "task withdrawn")
+        "olga",
+        posted.request.request_id,
+        "task withdrawn",
+    )
     assert "dropped_key" in event
     view = inspect_run(trusted, run_id)
     assert view.state.pending is None and view.snapshot.owner in ("", None)
@@ -81,21 +86,36 @@ def test_a_run_waiting_for_approval_is_cancelled_attributed_and_its_write_droppe
     assert execute_run(trusted, run_id, owner="w-3").outcome == "terminal"
 
 
-def test_a_run_a_worker_is_stepping_stops_at_its_next_guard(fleet: Fleet,
-                                                            workspace: MakeWorkspace) -> None:
-    allowing = Fleet.connect(fleet.settings.model_copy(update={
-        "agents": ("tests.worker",), "max_steps_per_job": 5000}))
+def test_a_run_a_worker_is_stepping_stops_at_its_next_guard(
+    fleet: Fleet, workspace: MakeWorkspace
+) -> None:
+    allowing = Fleet.connect(
+        fleet.settings.model_copy(update={"agents": ("tests.worker",), "max_steps_per_job": 5000})
+    )
     root, document = workspace()
-    scenario = document.scenario.model_copy(update={"budgets": document.scenario.budgets.model_copy(
-        update={"proposals": 5000, "steps": 5000})})
-    run_id = submit(allowing, document.model_copy(update={
-        "agent": "tests.worker.agent_probe:reader", "scenario": scenario}))
+    scenario = document.scenario.model_copy(
+        update={
+            "budgets": document.scenario.budgets.model_copy(
+                update={"proposals": 5000, "steps": 5000}
+            )
+        }
+    )
+    run_id = submit(
+        allowing,
+        document.model_copy(
+            update={"agent": "tests.worker.agent_probe:reader", "scenario": scenario}
+        ),
+    )
     reports: list[JobReport] = []
-    job = threading.Thread(target=lambda: reports.append(
-        execute_run(allowing, run_id, owner="w-busy")), daemon=True)
+    job = threading.Thread(
+        target=lambda: reports.append(execute_run(allowing, run_id, owner="w-busy")), daemon=True
+    )
     job.start()
-    poll(lambda: inspect_run(allowing, run_id).generation >= 4, deadline_s=60,
-         what="the worker stepping the run")
+    poll(
+        lambda: inspect_run(allowing, run_id).generation >= 4,
+        deadline_s=60,
+        what="the worker stepping the run",
+    )
     posted = cancel(allowing, run_id, reason="stop it", operator="olga")
     assert posted.held_by.startswith("w-busy")
     job.join(timeout=60)
@@ -111,9 +131,10 @@ def test_a_run_whose_agent_cannot_be_loaded_is_cancelled_without_loading_it(
     fleet: Fleet, workspace: MakeWorkspace
 ) -> None:
     _root, document = workspace()
-    run_id = submit(Fleet.connect(fleet.settings.model_copy(update={
-        "agents": ("tests.worker",)})), document.model_copy(update={
-            "agent": "tests.worker.agent_probe:make"}))
+    run_id = submit(
+        Fleet.connect(fleet.settings.model_copy(update={"agents": ("tests.worker",)})),
+        document.model_copy(update={"agent": "tests.worker.agent_probe:make"}),
+    )
     assert execute_run(fleet, run_id, owner="w").outcome == "restore_refused"
     cancel(fleet, run_id, reason="agent retired", operator="olga")
     assert execute_run(fleet, run_id, owner="w").outcome == "cancelled"
@@ -137,10 +158,13 @@ def test_a_run_frozen_by_a_human_edit_is_cancelled_and_the_edit_recorded(
     assert "changed behind the run" in stop
 
 
-@pytest.mark.parametrize(("window", "written"), [
-    (CrashWindow.AFTER_PENDING_BEFORE_ADAPTER, 0),
-    (CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT, 1),
-])
+@pytest.mark.parametrize(
+    ("window", "written"),
+    [
+        (CrashWindow.AFTER_PENDING_BEFORE_ADAPTER, 0),
+        (CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT, 1),
+    ],
+)
 def test_a_write_of_unknown_outcome_is_settled_by_its_key_before_the_run_ends(
     fleet: Fleet, workspace: MakeWorkspace, window: CrashWindow, written: int
 ) -> None:
@@ -153,8 +177,11 @@ def test_a_write_of_unknown_outcome_is_settled_by_its_key_before_the_run_ends(
 
     with pytest.raises(FailpointFired):
         execute_run(fleet, run_id, owner="w-dead", probe=die)
-    poll(lambda: not fleet.store.read_run(run_id).lease_live, deadline_s=30,
-         what="the dead worker's lease to expire")
+    poll(
+        lambda: not fleet.store.read_run(run_id).lease_live,
+        deadline_s=30,
+        what="the dead worker's lease to expire",
+    )
     cancel(fleet, run_id, reason="stop", operator="olga")
     assert execute_run(fleet, run_id, owner="w-next").outcome == "cancelled"
     event = last_event(fleet, run_id)
@@ -172,8 +199,9 @@ def test_a_cancel_request_that_does_not_verify_is_never_acted_on(
 ) -> None:
     _root, document = workspace(runner="python")
     run_id = submit(fleet, document)
-    other_ring = KeyRing.from_secrets({"k9": b"not-the-fleet-key-0123456789abcdef"},
-                                      signing_kid="k9")
+    other_ring = KeyRing.from_secrets(
+        {"k9": b"not-the-fleet-key-0123456789abcdef"}, signing_kid="k9"
+    )
     forged = new_cancel_request(run_id, by="mallory", reason="forged", now_ms=1)
     fleet.store.post_evidence(run_id, seal_cancel(other_ring, forged))
     assert execute_run(fleet, run_id, owner="w").phase == "completed"
@@ -205,18 +233,32 @@ def test_the_cancel_command_waits_for_the_worker_and_answers_in_json(
     _root, document = workspace(approval_required=("write_file",))
     run_id = submit(fleet, document)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
-               RATCHET_QUEUE=fleet.settings.queue, RATCHET_LOG_LEVEL="WARNING")
-    command = [sys.executable, "-m", "ratchet.cli.entry", "cancel", run_id, "--reason",
-               "not wanted", "--json"]
-    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, check=False)
+    env.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=fleet.settings.queue,
+        RATCHET_LOG_LEVEL="WARNING",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "ratchet.cli.entry",
+        "cancel",
+        run_id,
+        "--reason",
+        "not wanted",
+        "--json",
+    ]
+    done = subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert info["run_id"] == run_id and info["request_id"].startswith("cx-")
     assert execute_run(fleet, run_id, owner="w").outcome == "cancelled"
-    again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120, check=False)
+    again = subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
     assert again.returncode == 2 and again.stderr.startswith("ratchet: error:")
     assert len(again.stderr.strip().splitlines()) == 1 and "cancelled" in again.stderr
 
@@ -259,8 +301,7 @@ def test_a_rebaseline_is_refused_for_an_untrusted_reviewer_or_a_later_edit(
 ) -> None:
     frozen_by_edit(trusted, workspace, "r-rebase-bad")
     with pytest.raises(ReviewDecisionError):
-        rebaseline(trusted, "r-rebase-bad", key=Ed25519PrivateKey.generate(),
-                   reviewer_id="rita")
+        rebaseline(trusted, "r-rebase-bad", key=Ed25519PrivateKey.generate(), reviewer_id="rita")
     assert trusted.store.inbox("r-rebase-bad") == []
     rebaseline(trusted, "r-rebase-bad", key=RITA, reviewer_id="rita")
     root = Path(inspect_run(trusted, "r-rebase-bad").document.environment.root)
@@ -284,13 +325,33 @@ def test_the_review_command_signs_a_rebaseline(
     pem = tmp_path / "reviewer-rita.pem"
     pem.write_bytes(RITA.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
-               RATCHET_QUEUE=trusted.settings.queue, RATCHET_LOG_LEVEL="WARNING",
-               RATCHET_REVIEWERS_FILE=str(trusted.settings.reviewers_file))
-    done = subprocess.run([sys.executable, "-m", "ratchet.cli.entry", "review", "r-rebase-cli",
-                           "--decision", "rebaseline", "--key", str(pem), "--json"],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          check=False)
+    env.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=trusted.settings.queue,
+        RATCHET_LOG_LEVEL="WARNING",
+        RATCHET_REVIEWERS_FILE=str(trusted.settings.reviewers_file),
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ratchet.cli.entry",
+            "review",
+            "r-rebase-cli",
+            "--decision",
+            "rebaseline",
+            "--key",
+            str(pem),
+            "--json",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert info["verified"] is True and info["incident_id"].startswith("inc-")

@@ -52,8 +52,9 @@ pytestmark = pytest.mark.slow
 
 ALICE = Ed25519PrivateKey.generate()
 RITA = Ed25519PrivateKey.generate()
-WINDOWS = st.sampled_from([None, None, CrashWindow.AFTER_PENDING_BEFORE_ADAPTER,
-                           CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT])
+WINDOWS = st.sampled_from(
+    [None, None, CrashWindow.AFTER_PENDING_BEFORE_ADAPTER, CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT]
+)
 
 
 def journal(root: Path) -> list[tuple[str, str]]:
@@ -63,8 +64,12 @@ def journal(root: Path) -> list[tuple[str, str]]:
         pass
     db = sqlite3.connect(f"file:{root / '.ratchet' / 'journal.sqlite3'}?mode=ro", uri=True)
     try:
-        return [(str(k), str(i)) for k, i in db.execute(
-            "SELECT idempotency_key, intent_digest FROM writes WHERE status = 'committed'")]
+        return [
+            (str(k), str(i))
+            for k, i in db.execute(
+                "SELECT idempotency_key, intent_digest FROM writes WHERE status = 'committed'"
+            )
+        ]
     finally:
         db.close()
 
@@ -98,8 +103,11 @@ class Operations(RuleBasedStateMachine):
     def submit(self) -> Run:
         run_id = f"op-{uuid.uuid4().hex[:10]}"
         root = make_greeting_workspace(self.folder / run_id)
-        submit(self.fleet, greeting_document(root, approval_required=("write_file",),
-                                             runner="python"), run_id=run_id)
+        submit(
+            self.fleet,
+            greeting_document(root, approval_required=("write_file",), runner="python"),
+            run_id=run_id,
+        )
         run = Run(run_id, root)
         self.known[run_id] = run
         self._react(run)
@@ -111,8 +119,9 @@ class Operations(RuleBasedStateMachine):
         its first job opens a review case."""
         run_id = f"op-{uuid.uuid4().hex[:10]}"
         root = make_greeting_workspace(self.folder / run_id)
-        document = greeting_document(root, runner="python").model_copy(update={
-            "agent": "scripted", "agent_config": {"steps": PLAN}})
+        document = greeting_document(root, runner="python").model_copy(
+            update={"agent": "scripted", "agent_config": {"steps": PLAN}}
+        )
         run = Run(run_id, root)
         self.known[run_id] = run
         self._foreign(run, derive_idempotency_key(run_id, 0, salt="0"))
@@ -129,8 +138,13 @@ class Operations(RuleBasedStateMachine):
         with contextlib.suppress(RatchetError):
             view = inspect_run(self.fleet, run.run_id)
             if view.state.phase is Phase.AWAITING_APPROVAL and view.state.pending:
-                approve(self.fleet, run.run_id, view.state.pending.action.action_id,
-                        key=ALICE, approver_id="alice")
+                approve(
+                    self.fleet,
+                    run.run_id,
+                    view.state.pending.action.action_id,
+                    key=ALICE,
+                    approver_id="alice",
+                )
                 self._react(run)
 
     @rule(run=runs)
@@ -179,16 +193,24 @@ class Operations(RuleBasedStateMachine):
         if key in run.foreign:
             return
         with WorkspaceAdapter(run.root, ["app.py"]) as other:
-            action = parse_action({"action_id": "x", "kind": "write_file",
-                                   "risk": "reversible_write",
-                                   "args": {"path": "app.py", "content": "print('other')\n"},
-                                   "idempotency_key": key,
-                                   "expected_env_version": other.observe().version,
-                                   "deadline_at": 2**40})
+            action = parse_action(
+                {
+                    "action_id": "x",
+                    "kind": "write_file",
+                    "risk": "reversible_write",
+                    "args": {"path": "app.py", "content": "print('other')\n"},
+                    "idempotency_key": key,
+                    "expected_env_version": other.observe().version,
+                    "deadline_at": 2**40,
+                }
+            )
             try:
-                other.execute(action, action.intent_digest,
-                              Fence(run_id="someone-else", lease_version=1, state_version=1),
-                              None)
+                other.execute(
+                    action,
+                    action.intent_digest,
+                    Fence(run_id="someone-else", lease_version=1, state_version=1),
+                    None,
+                )
             except RatchetError:
                 return  # the run wrote under the key first: the other caller is refused
         run.foreign.add(key)
@@ -204,8 +226,11 @@ class Operations(RuleBasedStateMachine):
         try:
             execute_run(self.fleet, run.run_id, owner="w", probe=die if window else None)
         except FailpointFired:  # the worker died here, holding the lease: it expires
-            poll(lambda: not self.fleet.store.read_run(run.run_id).lease_live,
-                 deadline_s=30, what="the dead worker's lease to expire")
+            poll(
+                lambda: not self.fleet.store.read_run(run.run_id).lease_live,
+                deadline_s=30,
+                what="the dead worker's lease to expire",
+            )
 
     # -- invariants ---------------------------------------------------------------------------
 
@@ -221,7 +246,7 @@ class Operations(RuleBasedStateMachine):
                 continue
             state = inspect_run(self.fleet, run.run_id).state  # it always verifies
             executed = tuple(e.idempotency_key for e in state.executed)
-            assert executed[:len(run.executed)] == run.executed, "an executed write was lost"
+            assert executed[: len(run.executed)] == run.executed, "an executed write was lost"
             assert len(state.trace) >= run.trace, "trace events were lost"
             run.executed, run.trace = executed, len(state.trace)
 
@@ -242,7 +267,8 @@ class Operations(RuleBasedStateMachine):
                 execute_run(self.fleet, run.run_id, owner="w-final")
             state = inspect_run(self.fleet, run.run_id).state
             assert state.phase in (Phase.COMPLETED, Phase.FAILED, Phase.CANCELLED), (
-                f"{run.run_id} left {state.phase.value}")
+                f"{run.run_id} left {state.phase.value}"
+            )
             # Settled: every effect in the workspace is the run's own recorded write or a
             # foreign one; nothing was done that the run does not account for.
             recorded = {e.idempotency_key for e in state.executed} | run.foreign
@@ -255,12 +281,19 @@ def operated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, 
     server = RedisServer(folder / "redis").start()
     RedisStore(server.client()).init_epoch()
     settings = Settings(
-        redis_url=SecretStr(server.url), state_dir=folder / "state",
-        queue=f"q-{uuid.uuid4().hex[:8]}", lease_ttl_ms=400, renew_interval_ms=100,
-        stall_timeout_ms=20_000, reaper_interval_ms=200, job_timeout_s=600,
-        checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX), verifier_sandbox=test_sandbox_mode(),
+        redis_url=SecretStr(server.url),
+        state_dir=folder / "state",
+        queue=f"q-{uuid.uuid4().hex[:8]}",
+        lease_ttl_ms=400,
+        renew_interval_ms=100,
+        stall_timeout_ms=20_000,
+        reaper_interval_ms=200,
+        job_timeout_s=600,
+        checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX),
+        verifier_sandbox=test_sandbox_mode(),
         approvers_file=trust_file(folder / "approvers.json", {"alice": ALICE}),
-        reviewers_file=trust_file(folder / "reviewers.json", {"rita": RITA}))
+        reviewers_file=trust_file(folder / "reviewers.json", {"rita": RITA}),
+    )
     try:
         yield Fleet.connect(settings), folder
     finally:
@@ -273,5 +306,11 @@ def test_random_operator_actions_and_worker_deaths_keep_every_guarantee(
     fleet, folder = operated
     run_state_machine_as_test(
         lambda: Operations(fleet, folder),
-        settings=settings(max_examples=15, stateful_step_count=20, deadline=None,
-                          database=None, suppress_health_check=list(HealthCheck)))
+        settings=settings(
+            max_examples=15,
+            stateful_step_count=20,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )

@@ -49,24 +49,48 @@ def url(server: RedisServer, role: Role) -> str:
 
 
 def client(server: RedisServer, role: Role) -> redis.Redis:
-    return redis.Redis(host="127.0.0.1", port=server.port, username=f"ratchet-{role.value}",
-                       password=PASSWORDS[role], socket_timeout=10)
+    return redis.Redis(
+        host="127.0.0.1",
+        port=server.port,
+        username=f"ratchet-{role.value}",
+        password=PASSWORDS[role],
+        socket_timeout=10,
+    )
 
 
 def settings_for(server: RedisServer, role: Role, tmp_path: Path, queue: str) -> Settings:
-    return Settings(redis_url=SecretStr(url(server, role)), state_dir=tmp_path / "state",
-                    queue=queue, lease_ttl_ms=1500, renew_interval_ms=300,
-                    stall_timeout_ms=20_000, reaper_interval_ms=200, job_timeout_s=600,
-                    checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX),
-                    verifier_sandbox=test_sandbox_mode())
+    return Settings(
+        redis_url=SecretStr(url(server, role)),
+        state_dir=tmp_path / "state",
+        queue=queue,
+        lease_ttl_ms=1500,
+        renew_interval_ms=300,
+        stall_timeout_ms=20_000,
+        reaper_interval_ms=200,
+        job_timeout_s=600,
+        checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX),
+        verifier_sandbox=test_sandbox_mode(),
+    )
 
 
-def test_the_role_command_lists_come_from_the_scripts_and_exclude_destructive_commands(
-        ) -> None:
+def test_the_role_command_lists_come_from_the_scripts_and_exclude_destructive_commands() -> None:
     worker = set(role_commands(Role.WORKER))
     assert script_commands(ScriptName.COMMIT) <= worker
-    for forbidden in ("eval", "script|load", "script|flush", "flushall", "flushdb", "del",
-                      "unlink", "rename", "expire", "keys", "config", "debug", "acl"):
+    for forbidden in (
+        "eval",
+        "script|load",
+        "script|flush",
+        "flushall",
+        "flushdb",
+        "del",
+        "unlink",
+        "rename",
+        "expire",
+        "keys",
+        "config",
+        "debug",
+        "acl",
+    ):
         assert forbidden not in worker, forbidden
     reader = set(role_commands(Role.READER))
     assert not reader & {"set", "hset", "del", "lpush", "zadd", "sadd", "hdel", "zrem"}
@@ -74,25 +98,34 @@ def test_the_role_command_lists_come_from_the_scripts_and_exclude_destructive_co
 
 
 def test_workers_do_their_job_under_acls_and_cannot_move_a_lease_or_hwm_by_hand(
-        acl_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    acl_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     RedisStore(client(acl_server, Role.ADMIN)).load_scripts()  # the admin loads the scripts
     queue = f"acl-{tmp_path.name}"
     monkeypatch.setenv("RATCHET_QUEUE_REDIS_URL", url(acl_server, Role.QUEUE))
     operator = Fleet.connect(settings_for(acl_server, Role.OPERATOR, tmp_path, queue))
     reader = Fleet.connect(settings_for(acl_server, Role.READER, tmp_path, queue))
     root = make_greeting_workspace(tmp_path / "ws")
-    run_id = submit(operator, greeting_document(root, agent_config={"think_ms": 400},
-                                                runner="python"), run_id="r-acl-1")
+    run_id = submit(
+        operator,
+        greeting_document(root, agent_config={"think_ms": 400}, runner="python"),
+        run_id="r-acl-1",
+    )
     worker_settings = settings_for(acl_server, Role.WORKER, tmp_path, queue)
     with workers(worker_settings) as pool:
         pool.start(1, env={"RATCHET_QUEUE_REDIS_URL": url(acl_server, Role.QUEUE)})
-        poll(lambda: inspect_run(reader, run_id).state.phase.value == "completed",
-             deadline_s=60, what="the run completed by a worker under ACLs")
+        poll(
+            lambda: inspect_run(reader, run_id).state.phase.value == "completed",
+            deadline_s=60,
+            what="the run completed by a worker under ACLs",
+        )
         # The job releases its lease after the completing commit: wait for that before
         # the pool is stopped, or a kill could land between the two.
-        poll(lambda: client(acl_server, Role.ADMIN).hget(run_keys(run_id).lease,
-                                                         "owner") == b"",
-             deadline_s=30, what="the worker released the run's lease")
+        poll(
+            lambda: client(acl_server, Role.ADMIN).hget(run_keys(run_id).lease, "owner") == b"",
+            deadline_s=30,
+            what="the worker released the run's lease",
+        )
     view = inspect_run(reader, run_id)
     assert view.snapshot.lease_version == 1 and view.generation >= 4
     store = Fleet.connect(worker_settings).store
@@ -102,27 +135,46 @@ def test_workers_do_their_job_under_acls_and_cannot_move_a_lease_or_hwm_by_hand(
 
     keys = run_keys(run_id)
     before = reader.store.read_run(run_id)
-    as_worker, as_reader, as_queue = (client(acl_server, r)
-                                      for r in (Role.WORKER, Role.READER, Role.QUEUE))
+    as_worker, as_reader, as_queue = (
+        client(acl_server, r) for r in (Role.WORKER, Role.READER, Role.QUEUE)
+    )
     worker_refused = [
-        ("DEL", keys.lease), ("UNLINK", keys.state), ("RENAME", keys.ckpt, keys.ckpt + "x"),
-        ("EXPIRE", keys.lease, "1"), ("HINCRBY", keys.state, "generation", "-1"),
+        ("DEL", keys.lease),
+        ("UNLINK", keys.state),
+        ("RENAME", keys.ckpt, keys.ckpt + "x"),
+        ("EXPIRE", keys.lease, "1"),
+        ("HINCRBY", keys.state, "generation", "-1"),
         ("EVAL", "return redis.call('HSET', KEYS[1], 'generation', 1)", "1", keys.state),
-        ("SCRIPT", "LOAD", "return 1"), ("SCRIPT", "FLUSH"), ("FLUSHALL",), ("FLUSHDB",),
-        ("CONFIG", "SET", "appendonly", "no"), ("KEYS", "*"),
-        ("LPUSH", f"rq:queue:{queue}", "forged"), ("GET", f"rq:job:{run_id}"),
+        ("SCRIPT", "LOAD", "return 1"),
+        ("SCRIPT", "FLUSH"),
+        ("FLUSHALL",),
+        ("FLUSHDB",),
+        ("CONFIG", "SET", "appendonly", "no"),
+        ("KEYS", "*"),
+        ("LPUSH", f"rq:queue:{queue}", "forged"),
+        ("GET", f"rq:job:{run_id}"),
     ]
     reader_refused = [
-        ("SET", keys.ckpt, "forged"), ("HSET", keys.state, "generation", "1"),
-        ("HSET", keys.lease, "owner", "me", "lease_version", "99"), ("DEL", keys.lease),
-        ("EVAL", "return 1", "0"), ("FLUSHALL",),
+        ("SET", keys.ckpt, "forged"),
+        ("HSET", keys.state, "generation", "1"),
+        ("HSET", keys.lease, "owner", "me", "lease_version", "99"),
+        ("DEL", keys.lease),
+        ("EVAL", "return 1", "0"),
+        ("FLUSHALL",),
     ]
     queue_refused = [
-        ("GET", keys.ckpt), ("HSET", keys.lease, "owner", "me"), ("DEL", keys.state),
-        ("EVAL", "return 1", "0"), ("FLUSHALL",), ("CONFIG", "GET", "*"),
+        ("GET", keys.ckpt),
+        ("HSET", keys.lease, "owner", "me"),
+        ("DEL", keys.state),
+        ("EVAL", "return 1", "0"),
+        ("FLUSHALL",),
+        ("CONFIG", "GET", "*"),
     ]
-    for conn, refused in ((as_worker, worker_refused), (as_reader, reader_refused),
-                          (as_queue, queue_refused)):
+    for conn, refused in (
+        (as_worker, worker_refused),
+        (as_reader, reader_refused),
+        (as_queue, queue_refused),
+    ):
         for command in refused:
             with pytest.raises(NoPermissionError):
                 conn.execute_command(*command)
@@ -131,8 +183,11 @@ def test_workers_do_their_job_under_acls_and_cannot_move_a_lease_or_hwm_by_hand(
     acquire = load_script(ScriptName.ACQUIRE_LEASE)
     # A live lease would make the script answer "held" before any write: wait until the
     # worker's lease is gone (released, or expired if the worker was stopped before).
-    poll(lambda: not reader.store.read_run(run_id).lease_live, deadline_s=10,
-         what="the worker's lease released or expired")
+    poll(
+        lambda: not reader.store.read_run(run_id).lease_live,
+        deadline_s=10,
+        what="the worker's lease released or expired",
+    )
     with pytest.raises(ResponseError, match="can't run this command"):
         as_reader.evalsha(acquire.sha, 2, keys.lease, keys.state, "intruder", 60_000)
     # RQ's user may load and run its own Lua, confined to rq:* keys the same way.
@@ -141,12 +196,17 @@ def test_workers_do_their_job_under_acls_and_cannot_move_a_lease_or_hwm_by_hand(
         as_queue.evalsha(sha, 1, keys.lease)
     after = reader.store.read_run(run_id)
     assert (after.generation, after.lease_version, after.owner, after.expires_at_ms) == (
-        before.generation, before.lease_version, before.owner, before.expires_at_ms)
+        before.generation,
+        before.lease_version,
+        before.owner,
+        before.expires_at_ms,
+    )
     assert admin.hget(keys.lease, "owner") == b""
 
 
 def test_a_worker_never_loads_scripts_and_says_so_when_they_are_missing(
-        acl_server: RedisServer) -> None:
+    acl_server: RedisServer,
+) -> None:
     admin = RedisStore(client(acl_server, Role.ADMIN))
     worker = RedisStore(client(acl_server, Role.WORKER))
     with pytest.raises(StoreProtocolError) as missing:

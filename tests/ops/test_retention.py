@@ -55,16 +55,26 @@ def run_key_names(fleet: Fleet, run_id: str) -> set[str]:
 
 def cli_env(redis_server: RedisServer | None, fleet: Fleet) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX, RATCHET_QUEUE=fleet.settings.queue,
-               RATCHET_LOG_LEVEL="WARNING")
+    env.update(
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=fleet.settings.queue,
+        RATCHET_LOG_LEVEL="WARNING",
+    )
     if redis_server is not None:
         env["RATCHET_REDIS_URL"] = redis_server.url
     return env
 
 
 def ratchet(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ratchet.cli.entry", *args], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "ratchet.cli.entry", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_an_export_verifies_offline_and_any_change_to_it_is_refused(
@@ -82,12 +92,13 @@ def test_an_export_verifies_offline_and_any_change_to_it_is_refused(
     assert json.loads(done.stdout)["verified"] is True
     blob = path.read_bytes()
     tampered = tmp_path / "tampered.ratchet-export"
-    tampered.write_bytes(blob.replace(b"\"history\":[\"", b"\"history\":[\"9"))
+    tampered.write_bytes(blob.replace(b'"history":["', b'"history":["9'))
     assert tampered.read_bytes() != blob
     refused = ratchet(["verify", str(tampered)], cli_env(None, fleet), tmp_path)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
-    other = KeyRing.from_secrets({"k9": b"another-checkpoint-key-0123456789abcdef"},
-                                 signing_kid="k9")
+    other = KeyRing.from_secrets(
+        {"k9": b"another-checkpoint-key-0123456789abcdef"}, signing_kid="k9"
+    )
     with pytest.raises(IntegrityError):
         verify_export(other, blob)
 
@@ -105,8 +116,7 @@ def test_a_purge_exports_then_removes_a_finished_run_leaving_only_a_tombstone(
     assert run_key_names(fleet, run_id) == {run_keys(run_id).tombstone}
     for index in INDEX_KEYS:
         assert fleet.store.client.zscore(index, run_id) is None, index
-    assert verify_export(fleet.keyring, Path(report.exported[run_id]).read_bytes()).run_id == \
-        run_id
+    assert verify_export(fleet.keyring, Path(report.exported[run_id]).read_bytes()).run_id == run_id
     with pytest.raises(RunNotFoundError, match="purged"):
         inspect_run(fleet, run_id)
     # A job for it (a stale queue entry) finds nothing and writes nothing.
@@ -122,8 +132,7 @@ def test_a_purge_exports_then_removes_a_finished_run_leaving_only_a_tombstone(
 def test_a_purge_keeps_what_is_not_finished_held_or_holding_evidence(
     fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path
 ) -> None:
-    approving = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json",
-                                                            {"alice": ALICE}))
+    approving = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json", {"alice": ALICE}))
     waiting = run_awaiting_approval(approving, workspace, "r-waiting")
     held = finished(fleet, workspace, "r-held")
     assert fleet.store.acquire(held, owner="w-live", ttl_ms=60_000) is not None
@@ -131,8 +140,13 @@ def test_a_purge_keeps_what_is_not_finished_held_or_holding_evidence(
     waiting_view = inspect_run(approving, waiting)
     assert waiting_view.state.pending is not None
     # An approval left in a finished run's inbox that it never consumed is evidence.
-    posted = approve(approving, waiting, waiting_view.state.pending.action.action_id,
-                     key=ALICE, approver_id="alice")
+    posted = approve(
+        approving,
+        waiting,
+        waiting_view.state.pending.action.action_id,
+        key=ALICE,
+        approver_id="alice",
+    )
     fleet.store.post_evidence(pending, posted.evidence.model_dump_json().encode())
     report = purge_finished(fleet, older_than_ms=0)
     assert report.purged == []
@@ -145,18 +159,19 @@ def test_a_purge_keeps_what_is_not_finished_held_or_holding_evidence(
 def test_a_purged_runs_nonces_are_never_consumed_again(
     fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path
 ) -> None:
-    approving = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json",
-                                                            {"alice": ALICE}))
+    approving = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json", {"alice": ALICE}))
     first = run_awaiting_approval(approving, workspace, "r-nonce-1")
     view = inspect_run(approving, first)
     assert view.state.pending is not None
-    posted = approve(approving, first, view.state.pending.action.action_id, key=ALICE,
-                     approver_id="alice")
+    posted = approve(
+        approving, first, view.state.pending.action.action_id, key=ALICE, approver_id="alice"
+    )
     assert execute_run(approving, first, owner="w").phase == "completed"
     assert purge_finished(approving, older_than_ms=0).purged == [first]
     second = run_awaiting_approval(approving, workspace, "r-nonce-2")
-    replay = posted.evidence.model_copy(update={"claims": posted.evidence.claims.model_copy(
-        update={"run_id": second})})
+    replay = posted.evidence.model_copy(
+        update={"claims": posted.evidence.claims.model_copy(update={"run_id": second})}
+    )
     with pytest.raises(ApprovalError):
         post_approval(approving, second, replay)  # type: ignore[arg-type]
     assert fleet.store.nonce_claimed_by(posted.evidence.claims.nonce) == first
@@ -174,8 +189,9 @@ def test_the_purge_command_dry_runs_and_refuses_a_bad_duration_in_one_line(
     bad = ratchet(["purge", "--finished-before", "30 days"], env, tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "duration" in bad.stderr
-    exported = ratchet(["export", run_id, "--out", str(tmp_path / "e.ratchet-export"),
-                        "--json"], env, tmp_path)
+    exported = ratchet(
+        ["export", run_id, "--out", str(tmp_path / "e.ratchet-export"), "--json"], env, tmp_path
+    )
     assert exported.returncode == 0, exported.stderr
     assert json.loads(exported.stdout)["verified"] is True
     done = ratchet(["purge", "--finished-before", "0s", "--json"], env, tmp_path)
@@ -198,11 +214,13 @@ def test_a_workers_retention_loop_purges_finished_runs_on_its_own(
 ) -> None:
     assert start_retention(fleet) is None  # off unless RATCHET_RETENTION_S is set
     run_id = finished(fleet, workspace, "r-loop")
-    loop = RetentionLoop(fleet, older_than_ms=0, every_s=0.05,
-                         export_dir=tmp_path / "kept").start()
+    loop = RetentionLoop(fleet, older_than_ms=0, every_s=0.05, export_dir=tmp_path / "kept").start()
     try:
-        poll(lambda: fleet.store.tombstone(run_id) is not None, deadline_s=30,
-             what="the worker's retention purged the finished run")
+        poll(
+            lambda: fleet.store.tombstone(run_id) is not None,
+            deadline_s=30,
+            what="the worker's retention purged the finished run",
+        )
     finally:
         loop.stop()
     assert (tmp_path / "kept" / f"{run_id}.ratchet-export").exists()

@@ -36,9 +36,12 @@ runner = CliRunner()
 def valid_task() -> dict[str, Any]:
     return {
         "scenario": greeting_scenario().model_dump(mode="json"),
-        "environment": {"root": "ws",
-                        "verifiers": {"unit": {"argv": [sys.executable, "test_app.py"],
-                                               "timeout_seconds": 120}}},
+        "environment": {
+            "root": "ws",
+            "verifiers": {
+                "unit": {"argv": [sys.executable, "test_app.py"], "timeout_seconds": 120}
+            },
+        },
         "agent_config": {"think_ms": 0},
     }
 
@@ -79,53 +82,126 @@ def nested(depth: int) -> Any:
 
 # (test id, file name, content, --agent, the field the one line must name)
 HOSTILE: list[tuple[str, str, Any, str, str]] = [
-    ("missing-scenario-field", "task.json",
-     edited(lambda t: t["scenario"].pop("task_id")), "greeting", "scenario.task_id"),
-    ("ill-typed-scenario-field", "task.json",
-     edited(lambda t: t["scenario"]["budgets"].__setitem__("proposals", "30")), "greeting",
-     "scenario.budgets.proposals"),
-    ("bool-as-int", "task.json",
-     edited(lambda t: t["scenario"]["budgets"].__setitem__("steps", True)), "greeting",
-     "scenario.budgets.steps"),
-    ("bool-as-schema-version", "task.json",
-     edited(lambda t: t["scenario"].__setitem__("schema_version", True)), "greeting",
-     "scenario.schema_version"),
-    ("traversing-allowed-path", "task.json",
-     edited(lambda t: t["scenario"].__setitem__("allowed_paths", ["../app.py"])), "greeting",
-     "scenario.allowed_paths[0]"),
-    ("missing-scenario-file", "task.json",
-     edited(lambda t: (t.pop("scenario"), t.__setitem__("scenario_file", "nope.yaml"))),
-     "greeting", "scenario_file"),
-    ("scenario-file-is-a-folder", "task.json",
-     edited(lambda t: (t.pop("scenario"), t.__setitem__("scenario_file", "."))),
-     "greeting", "scenario_file"),
-    ("deep-nesting", "task.json",
-     edited(lambda t: t.__setitem__("agent_config", {"deep": nested(100)})), "greeting",
-     "agent_config.deep"),
-    ("yaml-on-in-a-string-field", "task.yaml",
-     yaml.safe_dump(valid_task()).replace("task_id: fix-greeting", "task_id: on"),
-     "greeting", "scenario.task_id"),
-    ("yaml-yes-in-a-bool-field", "task.yaml",
-     yaml.safe_dump(edited(lambda t: t["environment"]["verifiers"]["unit"].__setitem__(
-         "network", "NETWORK"))).replace("NETWORK", "yes"),
-     "greeting", "environment.verifiers.unit.network"),
+    (
+        "missing-scenario-field",
+        "task.json",
+        edited(lambda t: t["scenario"].pop("task_id")),
+        "greeting",
+        "scenario.task_id",
+    ),
+    (
+        "ill-typed-scenario-field",
+        "task.json",
+        edited(lambda t: t["scenario"]["budgets"].__setitem__("proposals", "30")),
+        "greeting",
+        "scenario.budgets.proposals",
+    ),
+    (
+        "bool-as-int",
+        "task.json",
+        edited(lambda t: t["scenario"]["budgets"].__setitem__("steps", True)),
+        "greeting",
+        "scenario.budgets.steps",
+    ),
+    (
+        "bool-as-schema-version",
+        "task.json",
+        edited(lambda t: t["scenario"].__setitem__("schema_version", True)),
+        "greeting",
+        "scenario.schema_version",
+    ),
+    (
+        "traversing-allowed-path",
+        "task.json",
+        edited(lambda t: t["scenario"].__setitem__("allowed_paths", ["../app.py"])),
+        "greeting",
+        "scenario.allowed_paths[0]",
+    ),
+    (
+        "missing-scenario-file",
+        "task.json",
+        edited(lambda t: (t.pop("scenario"), t.__setitem__("scenario_file", "nope.yaml"))),
+        "greeting",
+        "scenario_file",
+    ),
+    (
+        "scenario-file-is-a-folder",
+        "task.json",
+        edited(lambda t: (t.pop("scenario"), t.__setitem__("scenario_file", "."))),
+        "greeting",
+        "scenario_file",
+    ),
+    (
+        "deep-nesting",
+        "task.json",
+        edited(lambda t: t.__setitem__("agent_config", {"deep": nested(100)})),
+        "greeting",
+        "agent_config.deep",
+    ),
+    (
+        "yaml-on-in-a-string-field",
+        "task.yaml",
+        yaml.safe_dump(valid_task()).replace("task_id: fix-greeting", "task_id: on"),
+        "greeting",
+        "scenario.task_id",
+    ),
+    (
+        "yaml-yes-in-a-bool-field",
+        "task.yaml",
+        yaml.safe_dump(
+            edited(
+                lambda t: t["environment"]["verifiers"]["unit"].__setitem__("network", "NETWORK")
+            )
+        ).replace("NETWORK", "yes"),
+        "greeting",
+        "environment.verifiers.unit.network",
+    ),
     ("anchor-bomb", "task.yaml", anchor_bomb(), "greeting", "a1[0]"),
-    ("agent-config-as-pairs", "task.json",
-     edited(lambda t: t.__setitem__("agent_config", [["a", 1]])), "greeting", "agent_config"),
-    ("unknown-top-level-key", "task.json",
-     edited(lambda t: t.__setitem__("scenarios", {})), "greeting", "scenarios"),
-    ("both-scenario-and-file", "task.json",
-     edited(lambda t: t.__setitem__("scenario_file", "s.json")), "greeting", "scenario"),
-    ("oversize-file", "task.json",
-     b'{"agent_config": {"pad": "' + b"x" * MAX_FILE_BYTES + b'"}}', "greeting", "task_file"),
+    (
+        "agent-config-as-pairs",
+        "task.json",
+        edited(lambda t: t.__setitem__("agent_config", [["a", 1]])),
+        "greeting",
+        "agent_config",
+    ),
+    (
+        "unknown-top-level-key",
+        "task.json",
+        edited(lambda t: t.__setitem__("scenarios", {})),
+        "greeting",
+        "scenarios",
+    ),
+    (
+        "both-scenario-and-file",
+        "task.json",
+        edited(lambda t: t.__setitem__("scenario_file", "s.json")),
+        "greeting",
+        "scenario",
+    ),
+    (
+        "oversize-file",
+        "task.json",
+        b'{"agent_config": {"pad": "' + b"x" * MAX_FILE_BYTES + b'"}}',
+        "greeting",
+        "task_file",
+    ),
     ("not-utf-8", "task.json", b'{"scenario": "\xff\xfe"}', "greeting", "task_file"),
     ("not-an-object", "task.json", "[1, 2]", "greeting", "task_file"),
     ("duplicate-key", "task.json", '{"scenario": {}, "scenario": {}}', "greeting", "scenario"),
-    ("float", "task.json",
-     json.dumps(valid_task()).replace('"cost_units": 0', '"cost_units": 0.5'), "greeting",
-     "scenario.budgets.cost_units"),
-    ("missing-plan-file", "task.json", edited(lambda t: t.pop("agent_config")),
-     "missing-plan.yaml", "agent"),
+    (
+        "float",
+        "task.json",
+        json.dumps(valid_task()).replace('"cost_units": 0', '"cost_units": 0.5'),
+        "greeting",
+        "scenario.budgets.cost_units",
+    ),
+    (
+        "missing-plan-file",
+        "task.json",
+        edited(lambda t: t.pop("agent_config")),
+        "missing-plan.yaml",
+        "agent",
+    ),
 ]
 
 
@@ -150,34 +226,50 @@ def test_the_valid_task_file_loads_from_json_and_yaml_with_paths_from_its_own_fo
 def test_a_scenario_file_and_a_plan_file_are_read_like_the_task_file(folder: Path) -> None:
     (folder / "specs").mkdir()
     write(folder / "specs", "scenario.yaml", valid_task()["scenario"])
-    task = edited(lambda t: (t.pop("scenario"), t.pop("agent_config"),
-                             t.__setitem__("scenario_file", "specs/scenario.yaml")))
-    plan = write(folder, "plan.yaml", {"steps": [
-        {"kind": "read_file", "args": {"path": "app.py"}},
-        {"kind": "finish", "args": {"summary": "done"}}]})
+    task = edited(
+        lambda t: (
+            t.pop("scenario"),
+            t.pop("agent_config"),
+            t.__setitem__("scenario_file", "specs/scenario.yaml"),
+        )
+    )
+    plan = write(
+        folder,
+        "plan.yaml",
+        {
+            "steps": [
+                {"kind": "read_file", "args": {"path": "app.py"}},
+                {"kind": "finish", "args": {"summary": "done"}},
+            ]
+        },
+    )
     document = load_task_file(write(folder, "task.json", task), str(plan))
     assert document.scenario == greeting_scenario()
     assert document.agent == "scripted"
-    assert document.agent_config == {"steps": [
-        {"kind": "read_file", "args": {"path": "app.py"}},
-        {"kind": "finish", "args": {"summary": "done"}}]}
+    assert document.agent_config == {
+        "steps": [
+            {"kind": "read_file", "args": {"path": "app.py"}},
+            {"kind": "finish", "args": {"summary": "done"}},
+        ]
+    }
 
 
-def test_a_plan_file_beside_an_agent_config_is_refused_rather_than_half_used(
-    folder: Path
-) -> None:
+def test_a_plan_file_beside_an_agent_config_is_refused_rather_than_half_used(folder: Path) -> None:
     plan = write(folder, "plan.json", [{"kind": "finish", "args": {"summary": "done"}}])
     with pytest.raises(ContractError) as caught:
         load_task_file(write(folder, "task.json", valid_task()), str(plan))
     assert caught.value.context["field"] == "agent_config"
 
 
-@pytest.mark.parametrize(("step", "field"), [
-    ({"kind": "read_file", "args": {"path": "../secret"}}, "steps[0]"),
-    ({"kind": "read_file"}, "steps[0]"),
-    ({"kind": "launch_missiles", "args": {}}, "steps[0].kind"),
-    ({"kind": "finish", "args": {"summary": 1}}, "steps[0].args.summary"),
-])
+@pytest.mark.parametrize(
+    ("step", "field"),
+    [
+        ({"kind": "read_file", "args": {"path": "../secret"}}, "steps[0]"),
+        ({"kind": "read_file"}, "steps[0]"),
+        ({"kind": "launch_missiles", "args": {}}, "steps[0].kind"),
+        ({"kind": "finish", "args": {"summary": 1}}, "steps[0].args.summary"),
+    ],
+)
 def test_a_bad_plan_step_is_refused_at_submit_naming_the_step(
     folder: Path, step: dict[str, Any], field: str
 ) -> None:
@@ -188,8 +280,11 @@ def test_a_bad_plan_step_is_refused_at_submit_naming_the_step(
     assert caught.value.context["field"] == field
 
 
-@pytest.mark.parametrize(("name", "content", "agent", "field"),
-                         [case[1:] for case in HOSTILE], ids=[case[0] for case in HOSTILE])
+@pytest.mark.parametrize(
+    ("name", "content", "agent", "field"),
+    [case[1:] for case in HOSTILE],
+    ids=[case[0] for case in HOSTILE],
+)
 def test_a_hostile_task_file_is_one_line_on_stderr_naming_the_field_with_exit_2(
     folder: Path, name: str, content: Any, agent: str, field: str
 ) -> None:
@@ -199,8 +294,11 @@ def test_a_hostile_task_file_is_one_line_on_stderr_naming_the_field_with_exit_2(
     named = str(caught.value.context["field"])
     assert named == field or named.startswith((f"{field}.", f"{field}["))  # deep: cut short
     assert "\n" not in caught.value.message
-    result = runner.invoke(app, ["submit", str(path), "--agent", agent],
-                           env={"RATCHET_REDIS_URL": "redis://127.0.0.1:1/0"})
+    result = runner.invoke(
+        app,
+        ["submit", str(path), "--agent", agent],
+        env={"RATCHET_REDIS_URL": "redis://127.0.0.1:1/0"},
+    )
     assert result.exit_code == 2, result.output
     assert result.stdout == ""
     lines = result.stderr.splitlines()
@@ -223,10 +321,11 @@ def test_the_anchor_bomb_is_refused_at_its_first_alias_without_expanding_it() ->
     assert caught.value.context["field"] == "a1[0]"
 
 
-@pytest.mark.parametrize("plain", ["on", "off", "yes", "No", "012", "0x1f", "1_000", "1:30",
-                                   "1e3", "<<"])
+@pytest.mark.parametrize(
+    "plain", ["on", "off", "yes", "No", "012", "0x1f", "1_000", "1:30", "1e3", "<<"]
+)
 def test_yaml_values_that_1_1_and_1_2_read_differently_are_refused_unless_quoted(
-    plain: str
+    plain: str,
 ) -> None:
     with pytest.raises(ContractError, match="quote it") as caught:
         strict_yaml_loads(f"policy:\n  id: {plain}\n")
@@ -240,22 +339,34 @@ def test_yaml_values_that_1_1_and_1_2_read_differently_are_refused_unless_quoted
 @pytest.fixture
 def env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    out.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
-               RATCHET_QUEUE=f"tf-{tmp_path.name}", RATCHET_LOG_LEVEL="WARNING")
+    out.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=f"tf-{tmp_path.name}",
+        RATCHET_LOG_LEVEL="WARNING",
+    )
     return out
 
 
 def ratchet(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RATCHET, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [*RATCHET, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.mark.slow
 def test_hostile_files_through_the_real_cli_change_nothing_stored(
     env: dict[str, str], folder: Path, redis_server: RedisServer
 ) -> None:
-    submitted = ratchet("submit", str(write(folder, "good.yaml", valid_task())), "--json",
-                        env=env, cwd=folder)
+    submitted = ratchet(
+        "submit", str(write(folder, "good.yaml", valid_task())), "--json", env=env, cwd=folder
+    )
     assert submitted.returncode == 0, submitted.stderr
     assert json.loads(submitted.stdout)["run_id"]
     client = redis_server.client()
@@ -264,13 +375,20 @@ def test_hostile_files_through_the_real_cli_change_nothing_stored(
         return {key: client.dump(key) for key in sorted(client.keys("*"))}
 
     before = stored()
-    picked = {"agent-config-as-pairs", "yaml-on-in-a-string-field", "anchor-bomb",
-              "oversize-file", "missing-scenario-file", "bool-as-int"}
+    picked = {
+        "agent-config-as-pairs",
+        "yaml-on-in-a-string-field",
+        "anchor-bomb",
+        "oversize-file",
+        "missing-scenario-file",
+        "bool-as-int",
+    }
     for case_id, name, content, agent, field in HOSTILE:
         if case_id not in picked:
             continue
-        done = ratchet("submit", str(write(folder, name, content)), "--agent", agent,
-                       env=env, cwd=folder)
+        done = ratchet(
+            "submit", str(write(folder, name, content)), "--agent", agent, env=env, cwd=folder
+        )
         assert done.returncode == 2, (case_id, done.stderr)
         assert done.stdout == ""
         assert len(done.stderr.splitlines()) == 1, (case_id, done.stderr)
@@ -287,8 +405,7 @@ def test_schema_task_prints_only_the_json_schema_generated_from_the_model() -> N
     schema = json.loads(result.stdout)
     assert schema == task_file_schema()
     assert schema["additionalProperties"] is False
-    assert set(schema["properties"]) == {"scenario", "scenario_file", "environment",
-                                         "agent_config"}
+    assert set(schema["properties"]) == {"scenario", "scenario_file", "environment", "agent_config"}
     assert {"task_id", "budgets", "verifier"} <= set(schema["$defs"]["Scenario"]["properties"])
     assert schema["oneOf"] == [{"required": ["scenario"]}, {"required": ["scenario_file"]}]
 
@@ -307,11 +424,15 @@ def test_the_reference_mentions_every_field_the_schema_has() -> None:
 # --- the property: a mutated task file is a document or one typed line -----------------------
 
 JUNK = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.text(max_size=12), st.sampled_from(["on", "yes", "012", "../x", "/abs", "", "\x00",
-                                           "\ud800", "1:30", "app.py", "unit"]),
-    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(),
-                                                         max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.text(max_size=12),
+    st.sampled_from(
+        ["on", "yes", "012", "../x", "/abs", "", "\x00", "\ud800", "1:30", "app.py", "unit"]
+    ),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
 )
 
 
@@ -325,8 +446,7 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]
             yield from _paths(item, (*prefix, index))
 
 
-def _mutate(task: dict[str, Any], path: tuple[Any, ...], how: str, junk: Any,
-            depth: int) -> Any:
+def _mutate(task: dict[str, Any], path: tuple[Any, ...], how: str, junk: Any, depth: int) -> Any:
     if not path:
         return junk if how == "replace" else task
     parent: Any = task
@@ -368,11 +488,24 @@ def mutated_files(draw: st.DrawFn) -> tuple[str, bytes]:
         except yaml.YAMLError:
             text = json.dumps(task)
         if fmt == "yaml-text":  # YAML 1.1 spellings, anchors, stray text, a cut-off file
-            swap = draw(st.sampled_from([("'on'", "on"), ("true", "yes"), ("120", "0120"),
-                                         ("- ", "- &a "), ("ws", "*a"), (": ", ":: ")]))
+            swap = draw(
+                st.sampled_from(
+                    [
+                        ("'on'", "on"),
+                        ("true", "yes"),
+                        ("120", "0120"),
+                        ("- ", "- &a "),
+                        ("ws", "*a"),
+                        (": ", ":: "),
+                    ]
+                )
+            )
             text = text.replace(*swap, 1)
-            text = text[: draw(st.integers(min_value=0, max_value=len(text)))] \
-                if draw(st.booleans()) else text
+            text = (
+                text[: draw(st.integers(min_value=0, max_value=len(text)))]
+                if draw(st.booleans())
+                else text
+            )
     raw = text.encode("utf-8", "surrogatepass")
     if draw(st.integers(0, 20)) == 0:
         raw += b"\xff"

@@ -48,10 +48,18 @@ FAKE_PASSWORD = "hunter2-hunter2"
 def show(redis_server: RedisServer, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``ratchet show ...`` in a child process, configured only through its environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
-               COLUMNS="200")
-    done = subprocess.run([sys.executable, "-m", "ratchet.cli.entry", "show", *args], env=env,
-                          cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+    env.update(
+        RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX, COLUMNS="200"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli.entry", "show", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return done
 
@@ -61,8 +69,7 @@ def detail(fleet: Fleet, run_id: str) -> dict[str, Any]:
 
 
 def allowing_probes(fleet: Fleet, **update: Any) -> Fleet:
-    return Fleet.connect(fleet.settings.model_copy(update={"agents": ("tests.worker",),
-                                                           **update}))
+    return Fleet.connect(fleet.settings.model_copy(update={"agents": ("tests.worker",), **update}))
 
 
 # --- scrubbing ---------------------------------------------------------------------------------
@@ -71,14 +78,25 @@ def allowing_probes(fleet: Fleet, **update: Any) -> Fleet:
 def test_the_scrubber_replaces_configured_secrets_and_token_shapes() -> None:
     key = "ab" * 32
     scrubber = Scrubber([key, "short"])
-    text = (f"key {key.upper()} token {FAKE_TOKEN} Authorization: Bearer abcdefgh12345678\n"
-            f"password={FAKE_PASSWORD} url redis://user:s3cretpass@host:6379/0 "
-            "AKIAABCDEFGHIJKLMNOP kept: short hello\n"
-            "-----BEGIN PRIVATE KEY-----\nMIIEv\n-----END PRIVATE KEY-----\n"
-            f"cut here {key[:20]}")
+    text = (
+        f"key {key.upper()} token {FAKE_TOKEN} Authorization: Bearer abcdefgh12345678\n"
+        f"password={FAKE_PASSWORD} url redis://user:s3cretpass@host:6379/0 "
+        "AKIAABCDEFGHIJKLMNOP kept: short hello\n"
+        "-----BEGIN PRIVATE KEY-----\nMIIEv\n-----END PRIVATE KEY-----\n"
+        f"cut here {key[:20]}"
+    )
     clean = scrubber.scrub(text)
-    for secret in (key, key.upper(), FAKE_TOKEN, "abcdefgh12345678", FAKE_PASSWORD,
-                   "s3cretpass", "AKIAABCDEFGHIJKLMNOP", "MIIEv", key[:20]):
+    for secret in (
+        key,
+        key.upper(),
+        FAKE_TOKEN,
+        "abcdefgh12345678",
+        FAKE_PASSWORD,
+        "s3cretpass",
+        "AKIAABCDEFGHIJKLMNOP",
+        "MIIEv",
+        key[:20],
+    ):
         assert secret not in clean, secret
     assert "kept: short hello" in clean  # too short to be treated as a secret
     assert clean.count(REDACTED) >= 8 and clean.endswith(REDACTED)
@@ -87,12 +105,17 @@ def test_the_scrubber_replaces_configured_secrets_and_token_shapes() -> None:
 
 
 def test_the_scrubber_knows_the_settings_secrets_and_ratchet_secret_variables(
-        settings: Settings) -> None:
-    scrubber = Scrubber.from_settings(settings, environ={
-        "RATCHET_HTTP_TOKEN": "tok-" + "9" * 20, "RATCHET_LOG_LEVEL": "WARNING-LEVEL",
-        "OTHER_TOKEN": "not-ours-123456"})
-    clean = scrubber.scrub(f"{CHECKPOINT_KEY_HEX} tok-{'9' * 20} WARNING-LEVEL "
-                           "not-ours-123456")
+    settings: Settings,
+) -> None:
+    scrubber = Scrubber.from_settings(
+        settings,
+        environ={
+            "RATCHET_HTTP_TOKEN": "tok-" + "9" * 20,
+            "RATCHET_LOG_LEVEL": "WARNING-LEVEL",
+            "OTHER_TOKEN": "not-ours-123456",
+        },
+    )
+    clean = scrubber.scrub(f"{CHECKPOINT_KEY_HEX} tok-{'9' * 20} WARNING-LEVEL not-ours-123456")
     assert CHECKPOINT_KEY_HEX not in clean and "9" * 20 not in clean
     assert "WARNING-LEVEL" in clean and "not-ours-123456" in clean
 
@@ -110,7 +133,8 @@ def test_a_tail_keeps_the_last_lines_within_the_byte_bound() -> None:
 
 
 def test_status_says_queued_then_leased_with_the_owner_and_the_stores_expiry(
-        fleet: Fleet, workspace: MakeWorkspace) -> None:
+    fleet: Fleet, workspace: MakeWorkspace
+) -> None:
     _root, document = workspace()
     run_id = submit(fleet, document)  # created and enqueued; no worker runs here
     status = detail(fleet, run_id)["status"]
@@ -125,10 +149,10 @@ def test_status_says_queued_then_leased_with_the_owner_and_the_stores_expiry(
 
 
 def test_a_run_on_a_real_worker_shows_as_running_on_it_and_the_workers_page_lists_it(
-        fleet: Fleet, settings: Settings, tmp_path: Path) -> None:
+    fleet: Fleet, settings: Settings, tmp_path: Path
+) -> None:
     root = make_greeting_workspace(tmp_path / "ws-thinking")
-    run_id = submit(fleet, greeting_document(root, agent_config={"think_ms": 400},
-                                             runner="python"))
+    run_id = submit(fleet, greeting_document(root, agent_config={"think_ms": 400}, runner="python"))
     with workers(settings) as pool:
         pool.start(1)
         seen: dict[str, Any] = {}
@@ -138,7 +162,8 @@ def test_a_run_on_a_real_worker_shows_as_running_on_it_and_the_workers_page_list
             info = list_workers(fleet)
             seen.update(status=status, info=info)
             return status["state"] == "running" and any(
-                w["current_run"] == run_id for w in info["workers"])
+                w["current_run"] == run_id for w in info["workers"]
+            )
 
         poll(running, deadline_s=60, what="the run shown running on the worker")
         status, info = seen["status"], seen["info"]
@@ -157,7 +182,8 @@ def test_a_run_on_a_real_worker_shows_as_running_on_it_and_the_workers_page_list
 
 
 def test_a_poisoned_run_shows_its_job_error_in_show_the_console_and_the_metrics(
-        fleet: Fleet, settings: Settings, redis_server: RedisServer, tmp_path: Path) -> None:
+    fleet: Fleet, settings: Settings, redis_server: RedisServer, tmp_path: Path
+) -> None:
     poisoning = allowing_probes(fleet, max_job_errors=1)
     base = _free_block(1)
     with workers(poisoning.settings) as pool:
@@ -177,8 +203,10 @@ def test_a_poisoned_run_shows_its_job_error_in_show_the_console_and_the_metrics(
         assert scraped["ratchet_leases_lost_total|reason=stalled"] == 0.0
         assert scraped["ratchet_run_duration_seconds_count|phase=completed"] == 0.0
         root = make_greeting_workspace(tmp_path / "ws-poison")
-        run_id = submit(poisoning, greeting_document(root).model_copy(
-            update={"agent": "tests.worker.agent_probe:broken"}))
+        run_id = submit(
+            poisoning,
+            greeting_document(root).model_copy(update={"agent": "tests.worker.agent_probe:broken"}),
+        )
 
         def counted() -> bool:
             scraped.update(_scrape(base) or {})
@@ -198,8 +226,11 @@ def test_a_poisoned_run_shows_its_job_error_in_show_the_console_and_the_metrics(
     assert data["current_incident"]["kind"] == "job_error"
     timeline = [(i["source"], i.get("seq"), i["what"]) for i in data["timeline"]]
     started = timeline.index(("trace", 1, "started"))
-    error_at = next(n for n, (source, _, what) in enumerate(timeline)
-                    if source == "incident" and what.startswith("job error TypeError"))
+    error_at = next(
+        n
+        for n, (source, _, what) in enumerate(timeline)
+        if source == "incident" and what.startswith("job error TypeError")
+    )
     assert started < error_at  # the job's error after the run's start, though both are
     #                            stamped within the same second or two
 
@@ -218,20 +249,32 @@ def test_a_poisoned_run_shows_its_job_error_in_show_the_console_and_the_metrics(
 
 
 def test_a_failed_verifier_shows_its_tail_with_secrets_scrubbed_and_marked_unsigned(
-        fleet: Fleet, redis_server: RedisServer, tmp_path: Path) -> None:
+    fleet: Fleet, redis_server: RedisServer, tmp_path: Path
+) -> None:
     root = make_greeting_workspace(tmp_path / "ws-verify")
-    script = ("import sys\n"
-              "for i in range(80): print(f'progress {i}')\n"
-              f"print('leaked key {CHECKPOINT_KEY_HEX} token {FAKE_TOKEN}')\n"
-              f"print('password={FAKE_PASSWORD}')\n"
-              "print('FAILED test_app.py::test_greeting - the last line')\n"
-              "sys.exit(3)\n")
+    script = (
+        "import sys\n"
+        "for i in range(80): print(f'progress {i}')\n"
+        f"print('leaked key {CHECKPOINT_KEY_HEX} token {FAKE_TOKEN}')\n"
+        f"print('password={FAKE_PASSWORD}')\n"
+        "print('FAILED test_app.py::test_greeting - the last line')\n"
+        "sys.exit(3)\n"
+    )
     base = greeting_document(root)
-    environment = base.environment.model_copy(update={"verifiers": {
-        "unit": VerifierSpec(argv=(sys.executable, "-c", script), timeout_seconds=60)}})
-    document = base.model_copy(update={
-        "agent": "scripted", "environment": environment,
-        "agent_config": {"steps": [{"kind": "run_verifier", "args": {"target": "unit"}}]}})
+    environment = base.environment.model_copy(
+        update={
+            "verifiers": {
+                "unit": VerifierSpec(argv=(sys.executable, "-c", script), timeout_seconds=60)
+            }
+        }
+    )
+    document = base.model_copy(
+        update={
+            "agent": "scripted",
+            "environment": environment,
+            "agent_config": {"steps": [{"kind": "run_verifier", "args": {"target": "unit"}}]},
+        }
+    )
     run_id = submit(fleet, document)
     report = execute_run(fleet, run_id, owner="w-verify")
     assert report.outcome == "no_proposal", report
@@ -242,15 +285,18 @@ def test_a_failed_verifier_shows_its_tail_with_secrets_scrubbed_and_marked_unsig
     assert output["message"] == "the verifier exited with 3"
     assert "unsigned" in output["label"]
     assert output["binding"] == "its digest is the run's latest signed verifier report"
-    assert output["output_digest"] == inspect_run(fleet, run_id).state.verification \
-        .output_digest  # type: ignore[union-attr]
+    assert output["output_digest"] == inspect_run(fleet, run_id).state.verification.output_digest  # type: ignore[union-attr]
     tail_text = output["tail"]
     assert tail_text.rstrip().endswith("the last line") and output["tail_cut"] is True
     assert len(tail_text.splitlines()) <= 40 and len(tail_text.encode()) <= 4096
     assert "progress 0\n" not in tail_text and "progress 79" in tail_text
     assert REDACTED in tail_text
-    everything = json.dumps(data) + show(redis_server, tmp_path, run_id).stdout + \
-        show(redis_server, tmp_path, run_id, "--json").stdout + run_page(data, now=0)
+    everything = (
+        json.dumps(data)
+        + show(redis_server, tmp_path, run_id).stdout
+        + show(redis_server, tmp_path, run_id, "--json").stdout
+        + run_page(data, now=0)
+    )
     for secret in (CHECKPOINT_KEY_HEX, FAKE_TOKEN, FAKE_PASSWORD):
         assert secret not in everything, secret
     stored = json.dumps(fleet.store.incidents(run_id))  # scrubbed before it was kept
@@ -265,10 +311,10 @@ def test_a_failed_verifier_shows_its_tail_with_secrets_scrubbed_and_marked_unsig
 
 @pytest.mark.slow
 def test_a_takeover_after_a_sigkill_shows_in_the_timeline(
-        fleet: Fleet, settings: Settings, tmp_path: Path) -> None:
+    fleet: Fleet, settings: Settings, tmp_path: Path
+) -> None:
     root = make_greeting_workspace(tmp_path / "ws-takeover")
-    run_id = submit(fleet, greeting_document(root, agent_config={"think_ms": 150},
-                                             runner="python"))
+    run_id = submit(fleet, greeting_document(root, agent_config={"think_ms": 150}, runner="python"))
     with workers(settings) as pool:
         procs = pool.start(2)
         pids = {p.pid for p in procs}
@@ -283,16 +329,20 @@ def test_a_takeover_after_a_sigkill_shows_in_the_timeline(
             return False
 
         poll(kill_the_holder_mid_run, deadline_s=60, what="a worker holding the run mid-run")
-        poll(lambda: phase(fleet, run_id) == "completed", deadline_s=120,
-             what="the run completed by the other worker")
+        poll(
+            lambda: phase(fleet, run_id) == "completed",
+            deadline_s=120,
+            what="the run completed by the other worker",
+        )
     data = detail(fleet, run_id)
     lease_items = [i for i in data["timeline"] if i["source"] == "lease"]
     taken = [i for i in lease_items if "taken over" in i["what"]]
     assert len(taken) == 1, lease_items
     assert taken[0]["what"] == f"taken over from {killed[0]} after lease expiry"
     assert taken[0]["owner"] != killed[0]
-    assert not any(i["source"] == "incident" and i.get("kind") == "lease_taken_over"
-                   for i in data["timeline"])  # shown once, as the lease change
+    assert not any(
+        i["source"] == "incident" and i.get("kind") == "lease_taken_over" for i in data["timeline"]
+    )  # shown once, as the lease change
     seqs = [i["seq"] for i in data["timeline"] if i["source"] == "trace"]
     assert seqs == sorted(seqs) and seqs[-1] == len(inspect_run(fleet, run_id).state.trace)
     assert data["status"]["state"] == "idle" and "completed" in data["status"]["why"]
@@ -304,8 +354,8 @@ def test_a_takeover_after_a_sigkill_shows_in_the_timeline(
 
 
 def test_a_pending_write_shows_its_content_and_a_diff_against_the_current_file(
-        fleet: Fleet, workspace: MakeWorkspace, redis_server: RedisServer,
-        tmp_path: Path) -> None:
+    fleet: Fleet, workspace: MakeWorkspace, redis_server: RedisServer, tmp_path: Path
+) -> None:
     run_id = run_awaiting_approval(fleet, workspace, "r-visible-diff")
     data = detail(fleet, run_id)
     change = data["pending_change"]
@@ -326,12 +376,14 @@ def test_a_pending_write_shows_its_content_and_a_diff_against_the_current_file(
 
 
 def test_a_pending_write_through_a_link_or_of_huge_content_is_marked_not_printed(
-        fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path) -> None:
+    fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path
+) -> None:
     root, document = workspace(approval_required=("write_file",))
     huge = "x" * max(SHOW_BYTES + 1, DIFF_SHOW_BYTES * 2) + "\n"
     plan = [{"kind": "write_file", "args": {"path": "app.py", "content": huge}}]
-    run_id = submit(fleet, document.model_copy(update={"agent": "scripted",
-                                                       "agent_config": {"steps": plan}}))
+    run_id = submit(
+        fleet, document.model_copy(update={"agent": "scripted", "agent_config": {"steps": plan}})
+    )
     assert execute_run(fleet, run_id, owner="w-huge").phase == "awaiting_approval"
     change = detail(fleet, run_id)["pending_change"]
     assert change["content"]["form"] == "huge" and "text" not in change["content"]
@@ -351,13 +403,18 @@ def test_a_pending_write_through_a_link_or_of_huge_content_is_marked_not_printed
 
 
 def test_a_completed_run_observes_its_duration_by_the_stores_clock(
-        fleet: Fleet, workspace: MakeWorkspace) -> None:
+    fleet: Fleet, workspace: MakeWorkspace
+) -> None:
     def count() -> float:
-        return REGISTRY.get_sample_value("ratchet_run_duration_seconds_count",
-                                         {"phase": "completed"}) or 0.0
+        return (
+            REGISTRY.get_sample_value("ratchet_run_duration_seconds_count", {"phase": "completed"})
+            or 0.0
+        )
 
-    assert REGISTRY.get_sample_value("ratchet_run_duration_seconds_count",
-                                     {"phase": "failed"}) is not None  # there at zero
+    assert (
+        REGISTRY.get_sample_value("ratchet_run_duration_seconds_count", {"phase": "failed"})
+        is not None
+    )  # there at zero
     before = count()
     _root, document = workspace()
     run_id = submit(fleet, document)
@@ -368,7 +425,8 @@ def test_a_completed_run_observes_its_duration_by_the_stores_clock(
 
 
 def test_the_console_serves_queue_depth_workers_and_the_oldest_approval_age(
-        fleet: Fleet, workspace: MakeWorkspace) -> None:
+    fleet: Fleet, workspace: MakeWorkspace
+) -> None:
     run_awaiting_approval(fleet, workspace, "r-visible-age")
     _root, document = workspace()
     submit(fleet, document)  # one job waits in the queue
@@ -376,8 +434,11 @@ def test_the_console_serves_queue_depth_workers_and_the_oldest_approval_age(
     try:
         status, _, text = fetch(server, "/metrics")
         assert status == 200
-        values = {s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items())): s.value
-                  for family in text_string_to_metric_families(text) for s in family.samples}
+        values = {
+            s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
         assert values["ratchet_queue_depth"] == 2.0  # both runs were enqueued
         assert values["ratchet_workers|state=busy"] == 0.0  # no worker: at zero, present
         assert values["ratchet_oldest_approval_age_seconds"] >= 0.0
@@ -394,8 +455,8 @@ def test_the_console_serves_queue_depth_workers_and_the_oldest_approval_age(
 
 @pytest.mark.slow
 def test_the_run_page_and_the_workers_page_in_chromium(
-        fleet: Fleet, settings: Settings, workspace: MakeWorkspace, tmp_path: Path,
-        record_property: Any) -> None:
+    fleet: Fleet, settings: Settings, workspace: MakeWorkspace, tmp_path: Path, record_property: Any
+) -> None:
     from selenium.webdriver.common.by import By
 
     server = serve_console(fleet_console_data(fleet), port=0, background=True)
@@ -403,8 +464,11 @@ def test_the_run_page_and_the_workers_page_in_chromium(
     try:
         with workers(settings) as pool:
             pool.start(1)
-            poll(lambda: [w["state"] for w in list_workers(fleet)["workers"]] == ["idle"],
-                 deadline_s=60, what="the worker registered and idle")
+            poll(
+                lambda: [w["state"] for w in list_workers(fleet)["workers"]] == ["idle"],
+                deadline_s=60,
+                what="the worker registered and idle",
+            )
             driver.get(f"{server.url}/workers")
             body = driver.find_element(By.TAG_NAME, "body").text
             (worker,) = list_workers(fleet)["workers"]
@@ -417,8 +481,10 @@ def test_the_run_page_and_the_workers_page_in_chromium(
         pending_id = run_awaiting_approval(fleet, workspace, "r-visible-browser")
         poisoning = allowing_probes(fleet, max_job_errors=1)
         root = make_greeting_workspace(tmp_path / "ws-browser-poison")
-        poisoned_id = submit(poisoning, greeting_document(root).model_copy(
-            update={"agent": "tests.worker.agent_probe:broken"}))
+        poisoned_id = submit(
+            poisoning,
+            greeting_document(root).model_copy(update={"agent": "tests.worker.agent_probe:broken"}),
+        )
         assert execute_run(poisoning, poisoned_id, owner="w-browser").outcome == "poisoned"
         driver.get(f"{server.url}/runs/{pending_id}")
         body = driver.find_element(By.TAG_NAME, "body").text
@@ -433,8 +499,9 @@ def test_the_run_page_and_the_workers_page_in_chromium(
         assert "Last job error" in body and "TypeError" in body and "frozen" in body
         assert "Timeline" in body and "job error TypeError" in body
         _screenshot(driver, tmp_path / "console-run-poisoned.png", record_property)
-        assert driver.find_element(By.LINK_TEXT, "workers").get_attribute(
-            "href").endswith("/workers")
+        assert (
+            driver.find_element(By.LINK_TEXT, "workers").get_attribute("href").endswith("/workers")
+        )
     finally:
         driver.quit()
         server.shutdown()

@@ -12,9 +12,13 @@ from ratchet.runtime import KIND_SPECS, ActionKind, derive_idempotency_key, pars
 
 def raw(**overrides: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "action_id": "a-1", "kind": "write_file", "risk": "reversible_write",
-        "args": {"path": "app.py", "content": "x"}, "idempotency_key": "k-1",
-        "expected_env_version": 1, "deadline_at": 100,
+        "action_id": "a-1",
+        "kind": "write_file",
+        "risk": "reversible_write",
+        "args": {"path": "app.py", "content": "x"},
+        "idempotency_key": "k-1",
+        "expected_env_version": 1,
+        "deadline_at": 100,
     }
     data.update(overrides)
     return data
@@ -31,8 +35,9 @@ def test_a_kind_with_the_wrong_risk_label_is_refused() -> None:
         parse_action(raw(risk="read_only"))
 
 
-@pytest.mark.parametrize("args", [{"path": "app.py"}, {"path": "app.py", "content": "x",
-                                                          "mode": "0644"}])
+@pytest.mark.parametrize(
+    "args", [{"path": "app.py"}, {"path": "app.py", "content": "x", "mode": "0644"}]
+)
 def test_missing_or_extra_arguments_are_refused(args: dict[str, str]) -> None:
     with pytest.raises(ActionError, match="takes exactly"):
         parse_action(raw(args=args))
@@ -74,15 +79,24 @@ def test_derived_keys_are_fixed_by_run_and_position() -> None:
 
 
 def test_a_copy_with_other_arguments_never_inherits_the_cached_intent_digest() -> None:
-    action = parse_action({
-        "action_id": "a-1", "kind": "write_file", "risk": "reversible_write",
-        "args": {"path": "app.py", "content": "one"}, "idempotency_key": "k-1",
-        "expected_env_version": 0, "deadline_at": 10})
+    action = parse_action(
+        {
+            "action_id": "a-1",
+            "kind": "write_file",
+            "risk": "reversible_write",
+            "args": {"path": "app.py", "content": "one"},
+            "idempotency_key": "k-1",
+            "expected_env_version": 0,
+            "deadline_at": 10,
+        }
+    )
     first = action.intent_digest  # cached on the instance from now on
     changed = action.model_copy(update={"args": {"path": "app.py", "content": "two"}})
     assert changed.intent_digest != first
-    assert changed.intent_digest == parse_action({**action.model_dump(mode="json"),
-                                                  "args": changed.args}).intent_digest
+    assert (
+        changed.intent_digest
+        == parse_action({**action.model_dump(mode="json"), "args": changed.args}).intent_digest
+    )
     same = action.model_copy(update={"expected_env_version": 3})  # not part of the intent
     assert same.intent_digest == first
 
@@ -90,9 +104,16 @@ def test_a_copy_with_other_arguments_never_inherits_the_cached_intent_digest() -
 def test_a_changed_receipt_copy_never_inherits_the_cached_fingerprint() -> None:
     from ratchet.runtime import Receipt
 
-    receipt = Receipt(namespace="ws", receipt_version=1, receipt_id="r-1",
-                      idempotency_key="k-1", intent_digest="0" * 64, result={"n": 1},
-                      committed_at=5, env_version_after=2)
+    receipt = Receipt(
+        namespace="ws",
+        receipt_version=1,
+        receipt_id="r-1",
+        idempotency_key="k-1",
+        intent_digest="0" * 64,
+        result={"n": 1},
+        committed_at=5,
+        env_version_after=2,
+    )
     first = receipt.fingerprint
     changed = receipt.model_copy(update={"result": {"n": 2}})
     assert changed.fingerprint != first

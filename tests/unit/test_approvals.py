@@ -29,8 +29,10 @@ def test_a_write_that_needs_approval_waits_visibly_and_calls_no_adapter(
     assert world.adapter.write_count == 0
     with pytest.raises(InvalidTransitionError):
         waiting.execute_pending()
-    assert waiting.propose(world.action(waiting, "read_file", {"path": "app.py"})).outcome \
+    assert (
+        waiting.propose(world.action(waiting, "read_file", {"path": "app.py"})).outcome
         is TraceOutcome.REJECTED_PHASE
+    )
 
 
 def test_an_exact_trusted_approval_executes_once_and_binds_the_receipt(
@@ -55,12 +57,19 @@ def test_an_approval_can_come_with_the_proposal(world: World) -> None:
     from ratchet.runtime import ApprovalClaims, sign_approval
 
     claims = ApprovalClaims(
-        task_id=state.task_id, run_id=state.run_id, policy_id=state.policy_id,
-        policy_version=state.policy_version, action_id=action.action_id,
-        idempotency_key=action.idempotency_key or "", intent_digest=action.intent_digest,
+        task_id=state.task_id,
+        run_id=state.run_id,
+        policy_id=state.policy_id,
+        policy_version=state.policy_version,
+        action_id=action.action_id,
+        idempotency_key=action.idempotency_key or "",
+        intent_digest=action.intent_digest,
         env_instance_id=state.environment.instance_id,
-        env_fingerprint=state.environment.fingerprint, env_version=state.environment.version,
-        generation=engine.generation, nonce="n-pre", expires_at=world.clock.now() + 60,
+        env_fingerprint=state.environment.fingerprint,
+        env_version=state.environment.version,
+        generation=engine.generation,
+        nonce="n-pre",
+        expires_at=world.clock.now() + 60,
         max_proposals=5,
     )
     result = engine.propose(action, approval=sign_approval(world.approver_key, "alice", claims))
@@ -69,16 +78,24 @@ def test_an_approval_can_come_with_the_proposal(world: World) -> None:
 
 
 BINDINGS: list[tuple[str, Any]] = [
-    ("task_id", "other-task"), ("run_id", "run-2"), ("policy_id", "strict"),
-    ("policy_version", "1"), ("action_id", "a-other"), ("idempotency_key", "order-2"),
-    ("intent_digest", "f" * 64), ("env_instance_id", "ws-b"), ("env_fingerprint", "e" * 64),
-    ("env_version", 7), ("generation", 1),
+    ("task_id", "other-task"),
+    ("run_id", "run-2"),
+    ("policy_id", "strict"),
+    ("policy_version", "1"),
+    ("action_id", "a-other"),
+    ("idempotency_key", "order-2"),
+    ("intent_digest", "f" * 64),
+    ("env_instance_id", "ws-b"),
+    ("env_fingerprint", "e" * 64),
+    ("env_version", 7),
+    ("generation", 1),
 ]
 
 
 @pytest.mark.parametrize(("field", "value"), BINDINGS)
-def test_an_approval_bound_to_anything_else_is_refused(world: World, waiting: RunEngine,
-                                                       field: str, value: Any) -> None:
+def test_an_approval_bound_to_anything_else_is_refused(
+    world: World, waiting: RunEngine, field: str, value: Any
+) -> None:
     generation = waiting.generation
     with pytest.raises(ApprovalError) as err:
         waiting.refresh_pending_approval(world.approve(waiting, **{field: value}))
@@ -96,8 +113,13 @@ def test_an_untrusted_approver_is_refused(world: World, waiting: RunEngine) -> N
 
 def test_a_tampered_approval_signature_is_refused(world: World, waiting: RunEngine) -> None:
     evidence = world.approve(waiting)
-    tampered = evidence.model_copy(update={"claims": evidence.claims.model_copy(
-        update={"expires_at": evidence.claims.expires_at + 10_000})})
+    tampered = evidence.model_copy(
+        update={
+            "claims": evidence.claims.model_copy(
+                update={"expires_at": evidence.claims.expires_at + 10_000}
+            )
+        }
+    )
     with pytest.raises(ApprovalError) as err:
         waiting.refresh_pending_approval(tampered)
     assert err.value.reason == "bad_signature"
@@ -144,8 +166,11 @@ def test_an_approved_pending_write_whose_approval_expired_restores_visible_and_f
     fresh = world.approve(engine)
     assert engine.refresh_pending_approval(fresh).outcome is TraceOutcome.EXECUTED
     assert world.adapter.write_count == 1
-    sealed = [e.sealed_approval for e in engine.state.trace
-              if e.outcome is TraceOutcome.APPROVAL_REFRESHED]
+    sealed = [
+        e.sealed_approval
+        for e in engine.state.trace
+        if e.outcome is TraceOutcome.APPROVAL_REFRESHED
+    ]
     assert old in sealed  # the superseded evidence is kept in the trace
 
 
@@ -159,8 +184,9 @@ def test_an_approval_expires_by_proposal_count_too(world: World, waiting: RunEng
     assert world.adapter.write_count == 0
 
 
-def test_a_receipt_that_does_not_bind_the_approval_opens_a_review(world: World,
-                                                                  waiting: RunEngine) -> None:
+def test_a_receipt_that_does_not_bind_the_approval_opens_a_review(
+    world: World, waiting: RunEngine
+) -> None:
     real_execute = world.adapter.execute
 
     def unbound(action: Any, intent: str, fence: Any, approval: str | None) -> Any:
@@ -173,8 +199,9 @@ def test_a_receipt_that_does_not_bind_the_approval_opens_a_review(world: World,
     assert waiting.state.review.reason.value == "approval_unbound"
 
 
-def test_restoring_approval_evidence_needs_the_approver_trust_root(world: World,
-                                                                  waiting: RunEngine) -> None:
+def test_restoring_approval_evidence_needs_the_approver_trust_root(
+    world: World, waiting: RunEngine
+) -> None:
     from ratchet.errors import CheckpointError
     from ratchet.runtime import RunEngine as Engine
 
@@ -196,9 +223,11 @@ def test_a_revoked_approvers_executed_approval_does_not_strand_the_checkpoint(
     waiting.refresh_pending_approval(world.approve(waiting))
     assert world.adapter.write_count == 1
     revoked = TrustRoots.from_public_bytes(
-        "approver", {"alice": public_bytes(world.approver_key)}, frozenset({"alice"}))
-    resumed = RunEngine.resume(waiting.checkpoint, **world.ports(
-        approvers=revoked, store=world.store.leased(2)))
+        "approver", {"alice": public_bytes(world.approver_key)}, frozenset({"alice"})
+    )
+    resumed = RunEngine.resume(
+        waiting.checkpoint, **world.ports(approvers=revoked, store=world.store.leased(2))
+    )
     assert resumed.state.executed[-1].receipt.approval_digest is not None
 
 
@@ -210,11 +239,13 @@ def test_a_pending_write_approved_by_a_since_revoked_approver_never_executes(
 
     waiting.refresh_pending_approval(world.approve(waiting), execute=False)
     revoked = TrustRoots.from_public_bytes(
-        "approver", {"alice": public_bytes(world.approver_key)}, frozenset({"alice"}))
+        "approver", {"alice": public_bytes(world.approver_key)}, frozenset({"alice"})
+    )
     store = world.store.leased(2)
     store.claim(world.run_id)
-    resumed = RunEngine.resume(waiting.checkpoint, lease_version=2,
-                               **world.ports(approvers=revoked, store=store))
+    resumed = RunEngine.resume(
+        waiting.checkpoint, lease_version=2, **world.ports(approvers=revoked, store=store)
+    )
     resumed.reconcile()
     assert resumed.state.phase is Phase.AWAITING_APPROVAL
     assert resumed.state.trace[-1].detail["reason"] == "approver revoked"

@@ -38,8 +38,9 @@ def crash_at(window: CrashWindow, armed: list[bool]) -> Probe:
 
 
 def start(world: World, **options: object) -> RunEngine:
-    return RunEngine.start(world.run_id, **world.ports(store=world.store.leased(1),
-                                                      archive_trace=True, **options))
+    return RunEngine.start(
+        world.run_id, **world.ports(store=world.store.leased(1), archive_trace=True, **options)
+    )
 
 
 def stored(world: World) -> StoredCheckpoint:
@@ -50,15 +51,25 @@ def resume(world: World, *, lease_version: int = 2, **options: object) -> RunEng
     at = stored(world)
     store = world.store.leased(lease_version)
     store.claim(world.run_id)
-    return RunEngine.resume(at.blob, archive=at.archive, lease_version=lease_version,
-                            **world.ports(store=store, **options))
+    return RunEngine.resume(
+        at.blob,
+        archive=at.archive,
+        lease_version=lease_version,
+        **world.ports(store=store, **options),
+    )
 
 
 def restore(world: World, blob: bytes, archive: tuple[bytes, ...]) -> object:
-    return restore_checkpoint(blob, scenario=world.scenario, keyring=world.keyring,
-                              store=world.store, observe=lambda _s, _g: world.adapter.observe(),
-                              approvers=world.approvers, reviewers=world.reviewers,
-                              archive=archive)
+    return restore_checkpoint(
+        blob,
+        scenario=world.scenario,
+        keyring=world.keyring,
+        store=world.store,
+        observe=lambda _s, _g: world.adapter.observe(),
+        approvers=world.approvers,
+        reviewers=world.reviewers,
+        archive=archive,
+    )
 
 
 def reason(world: World, archive: tuple[bytes, ...], blob: bytes | None = None) -> str:
@@ -75,12 +86,15 @@ def writes(world: World, engine: RunEngine, count: int) -> None:
 def test_an_archived_checkpoint_stays_small_while_a_plain_one_grows() -> None:
     archived_world, plain_world = World(), World()
     archived = start(archived_world)
-    plain = RunEngine.start(plain_world.run_id, **plain_world.ports(
-        store=plain_world.store.leased(1)))
+    plain = RunEngine.start(
+        plain_world.run_id, **plain_world.ports(store=plain_world.store.leased(1))
+    )
     sizes: dict[str, list[int]] = {"archived": [], "plain": []}
     for n in range(12):
-        for world, engine, name in ((archived_world, archived, "archived"),
-                                    (plain_world, plain, "plain")):
+        for world, engine, name in (
+            (archived_world, archived, "archived"),
+            (plain_world, plain, "plain"),
+        ):
             engine.propose(world.write(engine, f"print({n})\n", key=f"w-{n}"))
             sizes[name].append(len(engine.checkpoint))
     assert sizes["archived"][-1] - sizes["archived"][1] < 64  # constant, give or take
@@ -99,21 +113,25 @@ def test_an_archived_run_restores_to_the_same_state_and_finishes(world: World) -
     resumed.propose(world.write(resumed, key="fix"))
     assert resumed.propose(world.verify(resumed)).outcome is TraceOutcome.VERIFIED
     assert resumed.propose(world.finish(resumed)).phase is Phase.COMPLETED
-    payload = open_checkpoint(stored(world).blob, keyring=world.keyring,
-                              archive=stored(world).archive)
+    payload = open_checkpoint(
+        stored(world).blob, keyring=world.keyring, archive=stored(world).archive
+    )
     assert payload.archive is not None and payload.archive.executed == 4
-    assert [e.idempotency_key for e in payload.state.executed] == [
-        "w-0", "w-1", "w-2", "fix"]
+    assert [e.idempotency_key for e in payload.state.executed] == ["w-0", "w-1", "w-2", "fix"]
     assert payload.state == resumed.state
 
 
-@pytest.mark.parametrize("window", [
-    CrashWindow.AFTER_PENDING_BEFORE_ADAPTER,
-    CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT,
-])
+@pytest.mark.parametrize(
+    "window",
+    [
+        CrashWindow.AFTER_PENDING_BEFORE_ADAPTER,
+        CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT,
+    ],
+)
 @pytest.mark.parametrize("coalesce", [False, True])
 def test_a_crash_in_a_write_window_of_an_archived_run_recovers_with_one_write(
-        world: World, window: CrashWindow, coalesce: bool) -> None:
+    world: World, window: CrashWindow, coalesce: bool
+) -> None:
     armed: list[bool] = []
     engine = start(world, probe=crash_at(window, armed), coalesce=coalesce)
     writes(world, engine, 2)
@@ -128,8 +146,7 @@ def test_a_crash_in_a_write_window_of_an_archived_run_recovers_with_one_write(
     assert world.adapter.files["app.py"] == RIGHT_GREETING
 
 
-def test_a_plain_run_starts_archiving_and_an_archived_one_keeps_archiving(
-        world: World) -> None:
+def test_a_plain_run_starts_archiving_and_an_archived_one_keeps_archiving(world: World) -> None:
     plain = RunEngine.start(world.run_id, **world.ports(store=world.store.leased(1)))
     writes(world, plain, 2)
     assert stored(world).archive == ()
@@ -202,8 +219,13 @@ def test_a_schema_invalid_head_or_segment_or_a_float_is_not_sealed(world: World)
     archived = engine._archive
     assert archived is not None
     seal = lambda state: seal_split(  # noqa: E731 - a one-line helper
-        state, world.scenario, world.keyring, generation=engine.generation + 1,
-        archived=archived, previous=engine.state)
+        state,
+        world.scenario,
+        world.keyring,
+        generation=engine.generation + 1,
+        archived=archived,
+        previous=engine.state,
+    )
     with pytest.raises(InvariantViolation, match="schema"):
         seal(engine.state.model_copy(update={"plan_cursor": -1}))
     last = engine.state.trace[-1]
@@ -223,11 +245,13 @@ def test_a_lost_reply_of_an_archived_commit_is_resolved_by_re_reading(world: Wor
     assert resume(world).state == engine.state
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
-def test_flipping_any_bit_of_any_archive_segment_is_refused(world: World,
-                                                            data: st.DataObject) -> None:
+def test_flipping_any_bit_of_any_archive_segment_is_refused(
+    world: World, data: st.DataObject
+) -> None:
     if not world.store.checkpoints:
         writes(world, start(world), 2)
     archive = list(stored(world).archive)
@@ -241,7 +265,8 @@ def test_flipping_any_bit_of_any_archive_segment_is_refused(world: World,
 
 
 def test_a_plain_run_whose_first_archived_commit_is_refused_still_starts_its_archive(
-        world: World) -> None:
+    world: World,
+) -> None:
     plain = RunEngine.start(world.run_id, **world.ports(store=world.store.leased(1)))
     writes(world, plain, 1)
     converting = resume(world, archive_trace=True)

@@ -16,12 +16,22 @@ REPO = Path(__file__).resolve().parents[2]
 def test_checkpoint_cost_quick_json_reports_the_four_ratios_as_positive_numbers() -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "checkpoint_cost.py"), "--quick", "--json"],
-        capture_output=True, text=True, check=False, timeout=110, cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=110,
+        cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    for key in ("sign_ratio_4k", "sign_ratio_64k", "restore_ratio_4k", "restore_ratio_64k",
-                "size_4k", "size_64k"):
+    for key in (
+        "sign_ratio_4k",
+        "sign_ratio_64k",
+        "restore_ratio_4k",
+        "restore_ratio_64k",
+        "size_4k",
+        "size_64k",
+    ):
         value = report[key]
         assert isinstance(value, int | float) and not isinstance(value, bool), key
         assert value > 0, key
@@ -31,7 +41,11 @@ def test_checkpoint_cost_quick_json_reports_the_four_ratios_as_positive_numbers(
 def _run_quick(script: str, timeout_s: float) -> dict[str, object]:
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json"],
-        capture_output=True, text=True, check=False, timeout=timeout_s, cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout_s,
+        cwd=REPO,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
@@ -56,8 +70,7 @@ def test_durable_steps_quick_json_reports_every_contender_as_a_rate_or_a_reason(
     assert _positive(report["payload_bytes"])
     # Counted, not timed: two fenced commits per write either way; coalesced, a write's
     # receipt commit shares the next write's round trip (20 writes: 21 round trips).
-    assert report["ratchet_commits_per_step"] == report["ratchet_separate_commits_per_step"] \
-        == 2.0
+    assert report["ratchet_commits_per_step"] == report["ratchet_separate_commits_per_step"] == 2.0
     assert report["ratchet_separate_round_trips_per_step"] == 2.0
     assert report["ratchet_round_trips_per_step"] == 1.05
     assert _positive(report["ratchet_separate_steps_per_s"])

@@ -19,8 +19,9 @@ from ratchet.runtime.canonical import (
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -35,8 +36,9 @@ def reorder(value: Any, rnd: st.DataObject) -> Any:
 
 
 @given(value=json_values, data=st.data())
-def test_canonical_json_gives_the_same_digest_under_key_reordering(value: Any,
-                                                                    data: st.DataObject) -> None:
+def test_canonical_json_gives_the_same_digest_under_key_reordering(
+    value: Any, data: st.DataObject
+) -> None:
     shuffled = reorder(value, data)
     assert canonical_json(shuffled) == canonical_json(value)
     assert digest(Domain.INTENT, shuffled) == digest(Domain.INTENT, value)
@@ -63,8 +65,9 @@ def test_digests_are_domain_separated() -> None:
     assert digest(Domain.INTENT, value) != digest(Domain.RECEIPT, value)
 
 
-@pytest.mark.parametrize("text", ['{"a":1,"a":2}', '{"a":NaN}', '{"a":Infinity}', '{"a":1.0}',
-                                  "{", "\xff"])
+@pytest.mark.parametrize(
+    "text", ['{"a":1,"a":2}', '{"a":NaN}', '{"a":Infinity}', '{"a":1.0}', "{", "\xff"]
+)
 def test_the_strict_parser_refuses_what_canonical_json_never_makes(text: str) -> None:
     with pytest.raises(ContractError):
         strict_json_loads(text)
@@ -83,7 +86,6 @@ def test_no_persisted_model_declares_a_float_field() -> None:
     )
     from ratchet.runtime.checkpoint import CheckpointPayload
 
-    for model in (CheckpointPayload, RunState, Scenario, Receipt, ApprovalEvidence,
-                  ReviewDecision):
+    for model in (CheckpointPayload, RunState, Scenario, Receipt, ApprovalEvidence, ReviewDecision):
         schema = _json.dumps(model.model_json_schema())
         assert '"type": "number"' not in schema, model.__name__

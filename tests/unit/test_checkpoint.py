@@ -20,9 +20,16 @@ from ratchet.runtime.state import TraceEvent, TraceOutcome, check_invariants
 from tests.unit.world import CHECKPOINT_SECRET, OTHER_SECRET, World, resign, scenario_data
 
 
-def restore(world: World, blob: bytes, *, scenario: Scenario | None = None,
-            keyring: KeyRing | None = None, observed: Observation | None = None,
-            with_store: bool = True, with_trust: bool = True) -> object:
+def restore(
+    world: World,
+    blob: bytes,
+    *,
+    scenario: Scenario | None = None,
+    keyring: KeyRing | None = None,
+    observed: Observation | None = None,
+    with_store: bool = True,
+    with_trust: bool = True,
+) -> object:
     return restore_checkpoint(
         blob,
         scenario=scenario or world.scenario,
@@ -72,8 +79,7 @@ def test_payload_tampering_with_a_recomputed_plain_checksum_fails_the_hmac(
     assert reason_of(world, blob) == "bad_mac"
 
 
-def test_a_wrong_key_under_the_same_key_id_fails_the_hmac(world: World,
-                                                           engine: RunEngine) -> None:
+def test_a_wrong_key_under_the_same_key_id_fails_the_hmac(world: World, engine: RunEngine) -> None:
     wrong = KeyRing.from_secrets({"k1": OTHER_SECRET}, signing_kid="k1")
     assert reason_of(world, engine.checkpoint, keyring=wrong) == "bad_mac"
 
@@ -84,8 +90,7 @@ def test_an_unknown_key_id_is_refused(world: World, engine: RunEngine) -> None:
 
 
 def test_older_keys_verify_and_the_newest_signs(world: World, engine: RunEngine) -> None:
-    rotated = KeyRing.from_secrets({"k1": CHECKPOINT_SECRET, "k2": OTHER_SECRET},
-                                   signing_kid="k2")
+    rotated = KeyRing.from_secrets({"k1": CHECKPOINT_SECRET, "k2": OTHER_SECRET}, signing_kid="k2")
     restore(world, engine.checkpoint, keyring=rotated)
     assert parse_envelope(seal_envelope(rotated, b"{}"))[0].kid == "k2"
     retired = KeyRing(rotated.keys, "k2", frozenset({"k1"}))
@@ -110,14 +115,16 @@ def test_a_run_unknown_to_the_store_fails_closed(world: World, engine: RunEngine
     assert reason_of(world, engine.checkpoint) == "high_water_missing"
 
 
-def test_an_unknown_field_in_a_validly_signed_payload_is_refused(world: World,
-                                                                  engine: RunEngine) -> None:
+def test_an_unknown_field_in_a_validly_signed_payload_is_refused(
+    world: World, engine: RunEngine
+) -> None:
     blob = resign(world, engine.checkpoint, lambda d: d["state"].update(extra="x"))
     assert reason_of(world, blob) == "schema"
 
 
-def test_a_duplicate_key_in_a_validly_signed_payload_is_refused(world: World,
-                                                                 engine: RunEngine) -> None:
+def test_a_duplicate_key_in_a_validly_signed_payload_is_refused(
+    world: World, engine: RunEngine
+) -> None:
     _, body = parse_envelope(engine.checkpoint)
     dup = body[:-1] + b',"generation":' + str(engine.generation).encode() + b"}"
     blob = seal_envelope(world.keyring, dup)
@@ -135,24 +142,23 @@ def test_an_unsupported_schema_version_is_named(world: World, engine: RunEngine)
     assert reason_of(world, blob) == "schema_version"
 
 
-@pytest.mark.parametrize("change", [{"task_version": "2"}, {"policy_version": "9"},
-                                    {"allowed_paths": ["app.py"]}])
-def test_a_changed_task_or_policy_fails_closed(world: World, engine: RunEngine,
-                                               change: dict[str, object]) -> None:
+@pytest.mark.parametrize(
+    "change", [{"task_version": "2"}, {"policy_version": "9"}, {"allowed_paths": ["app.py"]}]
+)
+def test_a_changed_task_or_policy_fails_closed(
+    world: World, engine: RunEngine, change: dict[str, object]
+) -> None:
     changed = Scenario.model_validate(scenario_data(**change))
     assert reason_of(world, engine.checkpoint, scenario=changed) == "scenario"
 
 
-def test_same_version_with_a_different_state_fails_closed(world: World,
-                                                           engine: RunEngine) -> None:
+def test_same_version_with_a_different_state_fails_closed(world: World, engine: RunEngine) -> None:
     now = world.adapter.observe()
-    forged = Observation(instance_id=now.instance_id, version=now.version,
-                         fingerprint="0" * 64)
+    forged = Observation(instance_id=now.instance_id, version=now.version, fingerprint="0" * 64)
     assert reason_of(world, engine.checkpoint, observed=forged) == "environment"
 
 
-def test_the_same_state_on_another_instance_fails_closed(world: World,
-                                                         engine: RunEngine) -> None:
+def test_the_same_state_on_another_instance_fails_closed(world: World, engine: RunEngine) -> None:
     now = world.adapter.observe()
     twin = Observation(instance_id="ws-b", version=now.version, fingerprint=now.fingerprint)
     assert reason_of(world, engine.checkpoint, observed=twin) == "environment"
@@ -165,8 +171,9 @@ def test_multi_step_drift_not_explained_by_the_pending_write_fails_closed(
     assert reason_of(world, engine.checkpoint) == "environment"
 
 
-def test_an_invalid_state_does_not_advance_the_high_water_mark(world: World,
-                                                                engine: RunEngine) -> None:
+def test_an_invalid_state_does_not_advance_the_high_water_mark(
+    world: World, engine: RunEngine
+) -> None:
     before = world.store.high_water(run_key(engine.state))
     gap = TraceEvent(seq=len(engine.state.trace) + 5, at=0, outcome=TraceOutcome.READ)
     broken = engine.state.model_copy(update={"trace": (*engine.state.trace, gap)})
@@ -177,8 +184,9 @@ def test_an_invalid_state_does_not_advance_the_high_water_mark(world: World,
     restore(world, engine.checkpoint)  # the last good checkpoint still restores
 
 
-def test_a_gap_inside_the_already_committed_trace_is_still_found(world: World,
-                                                                engine: RunEngine) -> None:
+def test_a_gap_inside_the_already_committed_trace_is_still_found(
+    world: World, engine: RunEngine
+) -> None:
     """The contiguity check skips only the prefix that is the very trace last committed:
     a state whose earlier events were replaced is checked whole."""
     first = engine.state.trace[0]
@@ -190,7 +198,8 @@ def test_a_gap_inside_the_already_committed_trace_is_still_found(world: World,
 
 
 def test_a_key_executed_twice_is_refused_whatever_was_checked_before(
-        world: World, engine: RunEngine) -> None:
+    world: World, engine: RunEngine
+) -> None:
     assert engine.state.executed, "the fixture's run has executed a write"
     again = engine.state.executed[-1].model_copy(update={"action_id": "a-again"})
     doubled = engine.state.model_copy(update={"executed": (*engine.state.executed, again)})
@@ -209,12 +218,18 @@ def test_a_schema_invalid_state_does_not_advance_the_high_water_mark(
     assert world.store.high_water(run_key(engine.state)) == before
 
 
-def test_a_checkpoint_over_the_cap_is_refused_before_the_store(world: World,
-                                                               engine: RunEngine) -> None:
+def test_a_checkpoint_over_the_cap_is_refused_before_the_store(
+    world: World, engine: RunEngine
+) -> None:
     before = world.store.commits
     with pytest.raises(CheckpointTooLargeError):
-        seal_checkpoint(engine.state, world.scenario, world.keyring,
-                        generation=engine.generation + 1, max_bytes=1000)
+        seal_checkpoint(
+            engine.state,
+            world.scenario,
+            world.keyring,
+            generation=engine.generation + 1,
+            max_bytes=1000,
+        )
     assert world.store.commits == before
 
 
@@ -223,11 +238,13 @@ def test_malformed_envelopes_are_typed_errors(world: World, blob: object) -> Non
     assert reason_of(world, blob) == "malformed"  # type: ignore[arg-type]
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(position=st.integers(min_value=0), bit=st.integers(min_value=0, max_value=7))
-def test_flipping_any_bit_of_a_signed_checkpoint_is_rejected(world: World, engine: RunEngine,
-                                                             position: int, bit: int) -> None:
+def test_flipping_any_bit_of_a_signed_checkpoint_is_rejected(
+    world: World, engine: RunEngine, position: int, bit: int
+) -> None:
     blob = bytearray(engine.checkpoint)
     blob[position % len(blob)] ^= 1 << bit
     with pytest.raises(CheckpointError):
@@ -268,7 +285,8 @@ def test_sealing_after_a_previous_state_gives_the_bytes_of_a_fresh_seal(world: W
     last = states[-2].trace[-1].model_copy(update={"at": 7})
     states.append(states[-2].model_copy(update={"trace": (*states[-2].trace[:-1], last)}))
     for generation, (previous, state) in enumerate(itertools.pairwise(states), 2):
-        incremental = seal_checkpoint(state, world.scenario, world.keyring,
-                                      generation=generation, previous=previous)
+        incremental = seal_checkpoint(
+            state, world.scenario, world.keyring, generation=generation, previous=previous
+        )
         fresh = seal_checkpoint(state, world.scenario, world.keyring, generation=generation)
         assert incremental == fresh

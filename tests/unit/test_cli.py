@@ -70,10 +70,18 @@ def test_demo_exits_non_zero_when_one_of_its_checks_fails(
 ) -> None:
     def broken_demo(key: bytes | None = None) -> DemoReport:
         report = DemoReport(
-            run_id="demo-run-1", phase="completed", generation=7, write_count=2,
+            run_id="demo-run-1",
+            phase="completed",
+            generation=7,
+            write_count=2,
             crash_window="after_adapter_before_receipt",
-            recovered_window="after_adapter_before_receipt", reconcile_outcome="reconciled",
-            lease_version=2, stale_write_refused=True, final_content="", trace=[])
+            recovered_window="after_adapter_before_receipt",
+            reconcile_outcome="reconciled",
+            lease_version=2,
+            stale_write_refused=True,
+            final_content="",
+            trace=[],
+        )
         report.checks = {"exactly one write": False}
         return report
 
@@ -111,7 +119,8 @@ def test_scenario_check_accepts_a_valid_file_and_prints_its_fingerprint(
 
 
 def test_scenario_check_reads_yaml_with_the_same_fingerprint(
-    tmp_path: Path, valid_scenario: Path,
+    tmp_path: Path,
+    valid_scenario: Path,
 ) -> None:
     as_yaml = tmp_path / "scenario.yaml"
     as_yaml.write_text(yaml.safe_dump(scenario_data()), encoding="utf-8")
@@ -160,8 +169,17 @@ def test_gen_checkpoint_key_prints_32_random_bytes_as_hex_and_a_note_on_stderr()
 def test_gen_signer_writes_a_0600_private_key_and_prints_only_the_public_key(
     tmp_path: Path,
 ) -> None:
-    result = invoke("keys", "gen-signer", "--role", "reviewer", "--id", "rita",
-                    "--out", str(tmp_path / "keys"), "--json")
+    result = invoke(
+        "keys",
+        "gen-signer",
+        "--role",
+        "reviewer",
+        "--id",
+        "rita",
+        "--out",
+        str(tmp_path / "keys"),
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
     path = Path(info["private_key_path"])
@@ -186,8 +204,16 @@ def test_gen_signer_never_overwrites_an_existing_key(tmp_path: Path) -> None:
 
 
 def test_gen_signer_refuses_a_signer_id_that_could_leave_the_folder(tmp_path: Path) -> None:
-    result = invoke("keys", "gen-signer", "--role", "approver", "--id", "../evil",
-                    "--out", str(tmp_path / "keys"))
+    result = invoke(
+        "keys",
+        "gen-signer",
+        "--role",
+        "approver",
+        "--id",
+        "../evil",
+        "--out",
+        str(tmp_path / "keys"),
+    )
     assert result.exit_code == 2
     assert "field: id" in result.stderr
     assert not (tmp_path / "evil.pem").exists()
@@ -204,14 +230,24 @@ def test_version_prints_the_package_version() -> None:
 
 
 def test_no_command_output_contains_the_checkpoint_key(
-    tmp_path: Path, valid_scenario: Path,
+    tmp_path: Path,
+    valid_scenario: Path,
 ) -> None:
     runs = [
         invoke("demo", "--local", env=CANARY_ENV),
         invoke("demo", "--local", "--json", env=CANARY_ENV),
         invoke("scenario", "check", str(valid_scenario), env=CANARY_ENV),
-        invoke("keys", "gen-signer", "--role", "approver", "--id", "carol",
-               "--out", str(tmp_path / "keys"), env=CANARY_ENV),
+        invoke(
+            "keys",
+            "gen-signer",
+            "--role",
+            "approver",
+            "--id",
+            "carol",
+            "--out",
+            str(tmp_path / "keys"),
+            env=CANARY_ENV,
+        ),
         invoke("version", "--json", env=CANARY_ENV),
     ]
     secret_text = CHECKPOINT_SECRET.decode("ascii")
@@ -227,7 +263,8 @@ def test_the_installed_entry_point_runs() -> None:
     script = Path(sys.executable).with_name("ratchet")
     if not script.exists():
         pytest.skip("the ratchet console script is not installed next to this interpreter")
-    done = subprocess.run([str(script), "version", "--json"], capture_output=True, text=True,
-                          check=False, timeout=60)
+    done = subprocess.run(
+        [str(script), "version", "--json"], capture_output=True, text=True, check=False, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["name"] == "ratchet"

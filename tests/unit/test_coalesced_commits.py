@@ -30,10 +30,18 @@ class Recorder(StoreProxy):
         self.trips: list[list[int]] = []
         self.blobs: list[bytes] = []
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
-        super().advance(key, expected_generation=expected_generation, blob=blob,
-                        nonces=nonces, segment=segment)
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
+        super().advance(
+            key, expected_generation=expected_generation, blob=blob, nonces=nonces, segment=segment
+        )
         self.trips.append([expected_generation + 1])
         self.blobs.append(blob)
 
@@ -43,18 +51,22 @@ class Recorder(StoreProxy):
         self.blobs.extend(c.blob for c in commits)
 
 
-def start(world: World, *, coalesce: bool, probe: Probe | None = None) -> tuple[RunEngine,
-                                                                                 Recorder]:
+def start(
+    world: World, *, coalesce: bool, probe: Probe | None = None
+) -> tuple[RunEngine, Recorder]:
     recorder = Recorder(world.store.leased(1))
-    engine = RunEngine.start(world.run_id, **world.ports(store=recorder, probe=probe,
-                                                         coalesce=coalesce))
+    engine = RunEngine.start(
+        world.run_id, **world.ports(store=recorder, probe=probe, coalesce=coalesce)
+    )
     return engine, recorder
 
 
 def play(world: World, engine: RunEngine) -> None:
     """Two writes, a read, a verification and the finish."""
-    assert engine.propose(world.write(engine, "print('draft')\n", key="w-1")).outcome is \
-        TraceOutcome.EXECUTED
+    assert (
+        engine.propose(world.write(engine, "print('draft')\n", key="w-1")).outcome
+        is TraceOutcome.EXECUTED
+    )
     assert engine.propose(world.write(engine, key="w-2")).outcome is TraceOutcome.EXECUTED
     engine.propose(world.action(engine, "read_file", {"path": "app.py"}))
     assert engine.propose(world.verify(engine)).outcome is TraceOutcome.VERIFIED
@@ -114,7 +126,8 @@ def test_a_run_that_ends_or_waits_holds_nothing(world: World) -> None:
 
 
 def test_a_worker_that_dies_with_a_held_commit_recovers_by_the_adapters_receipt(
-        world: World) -> None:
+    world: World,
+) -> None:
     engine, _ = start(world, coalesce=True)
     engine.propose(world.write(engine, key="w-1"))
     assert engine.held_commits == 1
@@ -129,8 +142,7 @@ def test_a_worker_that_dies_with_a_held_commit_recovers_by_the_adapters_receipt(
     assert world.adapter.files["app.py"] == RIGHT_GREETING
 
 
-def test_a_refused_batch_leaves_the_engine_at_the_last_acknowledged_commit(
-        world: World) -> None:
+def test_a_refused_batch_leaves_the_engine_at_the_last_acknowledged_commit(world: World) -> None:
     engine, _ = start(world, coalesce=True)
     engine.propose(world.write(engine, key="w-1"))
     durable = engine.durable_generation

@@ -43,8 +43,9 @@ WRITE_WINDOWS = [
 
 
 @pytest.mark.parametrize("window", WRITE_WINDOWS)
-def test_a_crash_in_each_write_window_recovers_with_exactly_one_write(world: World,
-                                                                      window: CrashWindow) -> None:
+def test_a_crash_in_each_write_window_recovers_with_exactly_one_write(
+    world: World, window: CrashWindow
+) -> None:
     engine = world.start(probe=crash_at(window))
     if window is CrashWindow.AFTER_RECEIPT_BEFORE_STATE:
         # Receipt and state are one commit; the receipt is committed alone only when the
@@ -79,8 +80,7 @@ def test_recovery_is_idempotent_when_the_recovering_worker_crashes_too(world: Wo
     engine = world.start(probe=crash_at(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT))
     with pytest.raises(SimulatedCrash):
         engine.propose(world.write(engine, key="fix-1"))
-    second = world.resume(probe=crash_at(CrashWindow.AFTER_RECEIPT_BEFORE_STATE),
-                          lease_version=2)
+    second = world.resume(probe=crash_at(CrashWindow.AFTER_RECEIPT_BEFORE_STATE), lease_version=2)
     second.adapter = ObserveFailsAfterWrite(second.adapter)
     second.adapter._armed = True  # the recovering worker cannot observe either
     with pytest.raises(SimulatedCrash):
@@ -140,8 +140,9 @@ def test_a_stale_owner_is_fenced_by_the_adapter_and_the_store(world: World) -> N
     with pytest.raises(LeaseLostError):
         old.propose(world.write(old, "print('late')\n", key="fix-2"))
     with pytest.raises(FenceRejectedError):
-        old.adapter.execute(world.write(old, "print('late')\n", key="fix-2"),
-                            "0" * 64, old._fence(), None)
+        old.adapter.execute(
+            world.write(old, "print('late')\n", key="fix-2"), "0" * 64, old._fence(), None
+        )
     assert world.adapter.refused_stale == 1
     assert "late" not in world.adapter.files["app.py"]
     generation = world.store.high_water(new.key)
@@ -196,6 +197,9 @@ def test_a_recorded_receipt_that_drifted_before_recovery_opens_a_review(world: W
 
 def test_the_crash_window_enum_names_the_four_spec_windows_and_the_lost_reply() -> None:
     assert [w.value for w in CrashWindow] == [
-        "before_proposal", "after_pending_before_adapter", "after_adapter_before_receipt",
-        "after_receipt_before_state", "commit_reply_lost",
+        "before_proposal",
+        "after_pending_before_adapter",
+        "after_adapter_before_receipt",
+        "after_receipt_before_state",
+        "commit_reply_lost",
     ]

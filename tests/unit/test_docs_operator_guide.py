@@ -15,9 +15,18 @@ GUIDE = ROOT / "docs" / "operator-guide.md"
 WORKER = ROOT / "src" / "ratchet" / "worker"
 RUNTIME = ROOT / "src" / "ratchet" / "runtime"
 #: Kinds the scan must find, so a scan that finds nothing cannot pass.
-KNOWN = {"restore_refused", "environment_changed", "evidence_refused", "control_refused",
-         "job_error", "store_record_unreadable", "operator_retry", "lease_taken_over",
-         "verifier_failed", "reaper_entry_refused"}
+KNOWN = {
+    "restore_refused",
+    "environment_changed",
+    "evidence_refused",
+    "control_refused",
+    "job_error",
+    "store_record_unreadable",
+    "operator_retry",
+    "lease_taken_over",
+    "verifier_failed",
+    "reaper_entry_refused",
+}
 
 
 def _text(node: ast.AST | None) -> str | None:
@@ -32,20 +41,36 @@ def recorded_kinds() -> set[str]:
     for path in sorted(WORKER.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Dict):
-                kinds |= {v for k, v in ((_text(k), _text(v))
-                                         for k, v in zip(node.keys, node.values, strict=True))
-                          if k == "kind" and v is not None}
+                kinds |= {
+                    v
+                    for k, v in (
+                        (_text(k), _text(v)) for k, v in zip(node.keys, node.values, strict=True)
+                    )
+                    if k == "kind" and v is not None
+                }
             elif isinstance(node, ast.keyword) and node.arg == "kind":
                 kinds |= {v for v in [_text(node.value)] if v is not None}
             elif isinstance(node, ast.arguments):
                 positional = [*node.posonlyargs, *node.args]
-                pairs = [*zip(positional[len(positional) - len(node.defaults):],
-                              node.defaults, strict=True),
-                         *zip(node.kwonlyargs, node.kw_defaults, strict=True)]
-                kinds |= {v for arg, default in pairs
-                          if arg.arg == "kind" and (v := _text(default)) is not None}
-            elif (isinstance(node, ast.Tuple) and len(node.elts) == 2
-                  and isinstance(node.elts[1], ast.Name) and node.elts[1].id == "reason"):
+                pairs = [
+                    *zip(
+                        positional[len(positional) - len(node.defaults) :],
+                        node.defaults,
+                        strict=True,
+                    ),
+                    *zip(node.kwonlyargs, node.kw_defaults, strict=True),
+                ]
+                kinds |= {
+                    v
+                    for arg, default in pairs
+                    if arg.arg == "kind" and (v := _text(default)) is not None
+                }
+            elif (
+                isinstance(node, ast.Tuple)
+                and len(node.elts) == 2
+                and isinstance(node.elts[1], ast.Name)
+                and node.elts[1].id == "reason"
+            ):
                 kinds |= {v for v in [_text(node.elts[0])] if v is not None}
     return kinds
 

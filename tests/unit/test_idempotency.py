@@ -36,14 +36,14 @@ def test_a_replay_needs_a_fresh_approval_where_policy_requires_one(world: World)
     assert world.adapter.write_count == 1
     again = engine.propose(world.order(engine))
     assert again.outcome is TraceOutcome.AWAITING_APPROVAL
-    assert engine.refresh_pending_approval(world.approve(engine)).outcome \
-        is TraceOutcome.REPLAYED
+    assert engine.refresh_pending_approval(world.approve(engine)).outcome is TraceOutcome.REPLAYED
     assert world.adapter.write_count == 1
     assert len(world.adapter.external_calls) == 1
 
 
-def test_the_same_key_with_another_intent_is_rejected_at_proposal(world: World,
-                                                                  written: RunEngine) -> None:
+def test_the_same_key_with_another_intent_is_rejected_at_proposal(
+    world: World, written: RunEngine
+) -> None:
     result = written.propose(world.write(written, "print('other')\n", key="fix-1"))
     assert result.outcome is TraceOutcome.REJECTED_KEY_CONFLICT
     assert written.state.phase is Phase.RUNNING
@@ -51,10 +51,16 @@ def test_the_same_key_with_another_intent_is_rejected_at_proposal(world: World,
 
 
 def plant_foreign_receipt(world: World, key: str) -> Receipt:
-    receipt = Receipt(namespace=world.adapter.namespace, receipt_version=1,
-                      receipt_id="rcpt-foreign", idempotency_key=key, intent_digest="a" * 64,
-                      result={"path": "app.py"}, committed_at=world.clock.now(),
-                      env_version_after=9)
+    receipt = Receipt(
+        namespace=world.adapter.namespace,
+        receipt_version=1,
+        receipt_id="rcpt-foreign",
+        idempotency_key=key,
+        intent_digest="a" * 64,
+        result={"path": "app.py"},
+        committed_at=world.clock.now(),
+        env_version_after=9,
+    )
     world.adapter.plant_receipt(receipt)
     return receipt
 
@@ -75,8 +81,7 @@ def test_the_same_key_with_another_intent_at_execution_freezes_the_run_with_evid
     assert state.review.receipt_fingerprint == foreign.fingerprint
     assert world.adapter.write_count == 0
     # Frozen: no new proposal, no direct execution.
-    assert engine.propose(world.write(engine, key="fix-2")).outcome \
-        is TraceOutcome.REJECTED_PHASE
+    assert engine.propose(world.write(engine, key="fix-2")).outcome is TraceOutcome.REJECTED_PHASE
     with pytest.raises(InvalidTransitionError):
         engine.execute_pending()
 
@@ -92,20 +97,26 @@ def test_a_deleted_adapter_receipt_is_never_a_replay(world: World, written: RunE
 
 @pytest.mark.parametrize(
     "drift",
-    [{"namespace": "other-ns"}, {"receipt_version": 2}, {"receipt_id": "rcpt-77"},
-     {"intent_digest": "b" * 64}, {"result": {"path": "app.py", "bytes": 1}},
-     {"committed_at": 1}],
+    [
+        {"namespace": "other-ns"},
+        {"receipt_version": 2},
+        {"receipt_id": "rcpt-77"},
+        {"intent_digest": "b" * 64},
+        {"result": {"path": "app.py", "bytes": 1}},
+        {"committed_at": 1},
+    ],
 )
-def test_any_drift_between_cache_and_adapter_is_never_a_replay(world: World,
-                                                               written: RunEngine,
-                                                               drift: dict[str, Any]) -> None:
+def test_any_drift_between_cache_and_adapter_is_never_a_replay(
+    world: World, written: RunEngine, drift: dict[str, Any]
+) -> None:
     world.adapter.replace_receipt("fix-1", **drift)
     result = written.propose(world.write(written, key="fix-1"))
     assert result.outcome is TraceOutcome.REVIEW_OPENED
     assert written.state.phase is Phase.NEEDS_REVIEW
     assert written.state.review is not None
-    expected = (ReviewReason.INTENT_CONFLICT if "intent_digest" in drift
-                else ReviewReason.RECEIPT_DRIFT)
+    expected = (
+        ReviewReason.INTENT_CONFLICT if "intent_digest" in drift else ReviewReason.RECEIPT_DRIFT
+    )
     assert written.state.review.reason is expected
     assert world.adapter.write_count == 1
 
@@ -160,17 +171,21 @@ def test_a_key_the_adapter_holds_but_the_cache_lost_replays_from_the_receipt(
 
 
 @pytest.mark.parametrize("window", ["after_adapter_before_receipt", "receipt_committed_alone"])
-def test_recovering_a_key_the_cache_lost_never_wedges(world: World, written: RunEngine,
-                                                      window: str) -> None:
+def test_recovering_a_key_the_cache_lost_never_wedges(
+    world: World, written: RunEngine, window: str
+) -> None:
     """Reconcile settles it from the adapter's receipt, whichever window the worker died
     in (before the receipt was committed, or after it was committed alone)."""
+
     class Crash(Exception):
         pass
 
     def crash(seen: CrashWindow) -> None:
-        if seen.value == ("after_adapter_before_receipt"
-                          if window == "after_adapter_before_receipt"
-                          else "after_receipt_before_state"):
+        if seen.value == (
+            "after_adapter_before_receipt"
+            if window == "after_adapter_before_receipt"
+            else "after_receipt_before_state"
+        ):
             raise Crash
 
     other = RunEngine.start("run-2", **world.ports(store=world.store.leased(1), probe=crash))

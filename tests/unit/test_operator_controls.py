@@ -32,8 +32,11 @@ def test_a_cancel_is_attributed_in_the_signed_trace(world: World) -> None:
     engine = world.start()
     result = engine.cancel("wrong task", by="olga", request_id="cx-1")
     assert result.phase is Phase.CANCELLED
-    assert cancel_detail(engine) | {} == {"reason": "wrong task", "by": "olga",
-                                          "request_id": "cx-1"}
+    assert cancel_detail(engine) | {} == {
+        "reason": "wrong task",
+        "by": "olga",
+        "request_id": "cx-1",
+    }
     assert engine.state.stop_reason == "cancelled: wrong task"
     resumed = world.resume()  # the cancellation is a commit like any other
     assert resumed.state.phase is Phase.CANCELLED
@@ -110,8 +113,9 @@ def test_a_cancel_restores_past_a_changed_environment_and_records_it(world: Worl
         world.resume()
     store = world.store.leased(3)
     store.claim(world.run_id)
-    resumed = RunEngine.resume(engine.checkpoint, lease_version=3, tolerate_environment=True,
-                               **world.ports(store=store))
+    resumed = RunEngine.resume(
+        engine.checkpoint, lease_version=3, tolerate_environment=True, **world.ports(store=store)
+    )
     assert resumed.environment_refused is not None
     resumed.cancel("workspace edited", by="olga")
     detail = cancel_detail(resumed)
@@ -138,13 +142,17 @@ def rebased(world: World, engine: RunEngine, **decision: object) -> RunEngine:
     signed = world.rebaseline(engine, **decision)  # type: ignore[arg-type]
     # As a worker does: the decision is checked against the opened checkpoint before its
     # environment is accepted by the restore.
-    check_rebaseline(engine.state, world.scenario, signed, world.reviewers,
-                     generation=engine.generation)
+    check_rebaseline(
+        engine.state, world.scenario, signed, world.reviewers, generation=engine.generation
+    )
     store = world.store.leased(3)
     store.claim(world.run_id)
-    resumed = RunEngine.resume(engine.checkpoint, lease_version=3,
-                               accept_environment=decision_baseline(signed),
-                               **world.ports(store=store))
+    resumed = RunEngine.resume(
+        engine.checkpoint,
+        lease_version=3,
+        accept_environment=decision_baseline(signed),
+        **world.ports(store=store),
+    )
     resumed.apply_rebaseline(signed)
     return resumed
 
@@ -176,29 +184,37 @@ def test_a_rebaseline_accepts_the_observed_environment_and_voids_old_approvals(
     assert world.resume(lease_version=4).state.environment == resumed.state.environment
 
 
-@pytest.mark.parametrize("bad", [
-    {"reviewer_id": "mallory"},
-    {"generation": 1},
-    {"old_env_version": 99},
-    {"run_id": "run-2"},
-    {"new_env_instance_id": "ws-other"},
-])
-def test_a_rebaseline_bound_to_anything_else_is_refused(world: World, edited: RunEngine,
-                                                        bad: dict[str, object]) -> None:
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"reviewer_id": "mallory"},
+        {"generation": 1},
+        {"old_env_version": 99},
+        {"run_id": "run-2"},
+        {"new_env_instance_id": "ws-other"},
+    ],
+)
+def test_a_rebaseline_bound_to_anything_else_is_refused(
+    world: World, edited: RunEngine, bad: dict[str, object]
+) -> None:
     with pytest.raises(ReviewDecisionError):
         rebased(world, edited, **bad)
 
 
-def test_a_rebaseline_signed_before_another_edit_is_refused(world: World,
-                                                            edited: RunEngine) -> None:
+def test_a_rebaseline_signed_before_another_edit_is_refused(
+    world: World, edited: RunEngine
+) -> None:
     signed = world.rebaseline(edited)
     world.adapter.external_edit("app.py", "edited again\n")
     store = world.store.leased(3)
     store.claim(world.run_id)
     with pytest.raises(CheckpointError):  # the decision does not name what is there now
-        RunEngine.resume(edited.checkpoint, lease_version=3,
-                         accept_environment=decision_baseline(signed),
-                         **world.ports(store=store))
+        RunEngine.resume(
+            edited.checkpoint,
+            lease_version=3,
+            accept_environment=decision_baseline(signed),
+            **world.ports(store=store),
+        )
 
 
 def test_a_rebaseline_nonce_is_used_once(world: World, edited: RunEngine) -> None:
@@ -216,9 +232,12 @@ def test_a_rebaseline_refuses_a_write_that_may_have_landed(world: World) -> None
     signed = world.rebaseline(old)
     store = world.store.leased(3)
     store.claim(world.run_id)
-    resumed = RunEngine.resume(old.checkpoint, lease_version=3,
-                               accept_environment=decision_baseline(signed),
-                               **world.ports(store=store))
+    resumed = RunEngine.resume(
+        old.checkpoint,
+        lease_version=3,
+        accept_environment=decision_baseline(signed),
+        **world.ports(store=store),
+    )
     generation = resumed.generation
     with pytest.raises(ReviewDecisionError) as err:
         resumed.apply_rebaseline(signed)
@@ -233,6 +252,7 @@ def test_a_checkpoint_holding_a_rebaseline_needs_the_reviewer_trust_root(
     store = world.store.leased(4)
     store.claim(world.run_id)
     with pytest.raises(CheckpointError) as err:
-        RunEngine.resume(resumed.checkpoint, lease_version=4,
-                         **world.ports(store=store, reviewers=None))
+        RunEngine.resume(
+            resumed.checkpoint, lease_version=4, **world.ports(store=store, reviewers=None)
+        )
     assert err.value.context["reason"] == "trust"

@@ -64,6 +64,7 @@ def test_the_stopped_write_fails_closed_on_restore_too(world: World) -> None:
 def test_a_stale_owner_whose_successor_wrote_is_refused_by_the_fence(world: World) -> None:
     """The live check must not hide a stale owner behind a drift error: the adapter
     judges the fence first."""
+
     class Paused(Exception):
         pass
 

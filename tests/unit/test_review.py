@@ -38,12 +38,14 @@ def test_an_unknown_reviewer_keeps_the_case_frozen(world: World, frozen: RunEngi
     assert_still_frozen(frozen, generation)
 
 
-def test_a_decision_signed_by_an_untrusted_key_keeps_the_case_frozen(world: World,
-                                                                     frozen: RunEngine) -> None:
+def test_a_decision_signed_by_an_untrusted_key_keeps_the_case_frozen(
+    world: World, frozen: RunEngine
+) -> None:
     generation = frozen.generation
     with pytest.raises(ReviewDecisionError):
-        frozen.apply_review_decision(world.decide(frozen, "replan",
-                                                  key=Ed25519PrivateKey.generate()))
+        frozen.apply_review_decision(
+            world.decide(frozen, "replan", key=Ed25519PrivateKey.generate())
+        )
     with pytest.raises(ReviewDecisionError):  # approvers are a different trust root
         frozen.apply_review_decision(world.decide(frozen, "replan", key=world.approver_key))
     assert_still_frozen(frozen, generation)
@@ -53,16 +55,18 @@ def test_a_tampered_decision_keeps_the_case_frozen(world: World, frozen: RunEngi
     decision = world.decide(frozen, "replan")
     from ratchet.runtime import ReviewVerdict
 
-    flipped = decision.model_copy(update={"claims": decision.claims.model_copy(
-        update={"verdict": ReviewVerdict.ABORT})})
+    flipped = decision.model_copy(
+        update={"claims": decision.claims.model_copy(update={"verdict": ReviewVerdict.ABORT})}
+    )
     with pytest.raises(ReviewDecisionError) as err:
         frozen.apply_review_decision(flipped)
     assert err.value.reason == "bad_signature"
     assert_still_frozen(frozen, frozen.generation)
 
 
-def test_an_environment_change_after_signing_keeps_the_case_frozen(world: World,
-                                                                   frozen: RunEngine) -> None:
+def test_an_environment_change_after_signing_keeps_the_case_frozen(
+    world: World, frozen: RunEngine
+) -> None:
     decision = world.decide(frozen, "replan")
     world.adapter.external_edit("app.py", "print('changed')\n")
     with pytest.raises(ReviewDecisionError) as err:
@@ -71,10 +75,18 @@ def test_an_environment_change_after_signing_keeps_the_case_frozen(world: World,
     assert_still_frozen(frozen, frozen.generation)
 
 
-@pytest.mark.parametrize("drift", [{"receipt_id": "rcpt-x"}, {"result": {"path": "other"}},
-                                   {"namespace": "ns-2"}, {"receipt_version": 3}])
-def test_receipt_drift_after_signing_keeps_the_case_frozen(world: World, frozen: RunEngine,
-                                                           drift: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "drift",
+    [
+        {"receipt_id": "rcpt-x"},
+        {"result": {"path": "other"}},
+        {"namespace": "ns-2"},
+        {"receipt_version": 3},
+    ],
+)
+def test_receipt_drift_after_signing_keeps_the_case_frozen(
+    world: World, frozen: RunEngine, drift: dict[str, Any]
+) -> None:
     decision = world.decide(frozen, "replan")
     world.adapter.replace_receipt("fix-1", **drift)
     with pytest.raises(ReviewDecisionError) as err:
@@ -83,15 +95,25 @@ def test_receipt_drift_after_signing_keeps_the_case_frozen(world: World, frozen:
     assert_still_frozen(frozen, frozen.generation)
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("task_id", "t2"), ("run_id", "run-9"), ("policy_version", "1"), ("case_id", "case-1"),
-    ("action_id", "a-9"), ("idempotency_key", "fix-9"), ("pending_intent_digest", "c" * 64),
-    ("receipt_intent_digest", "d" * 64), ("receipt_fingerprint", "e" * 64),
-    ("env_instance_id", "ws-b"), ("env_version", 99),
-])
-def test_a_decision_bound_to_anything_else_keeps_the_case_frozen(world: World,
-                                                                 frozen: RunEngine, field: str,
-                                                                 value: Any) -> None:
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("task_id", "t2"),
+        ("run_id", "run-9"),
+        ("policy_version", "1"),
+        ("case_id", "case-1"),
+        ("action_id", "a-9"),
+        ("idempotency_key", "fix-9"),
+        ("pending_intent_digest", "c" * 64),
+        ("receipt_intent_digest", "d" * 64),
+        ("receipt_fingerprint", "e" * 64),
+        ("env_instance_id", "ws-b"),
+        ("env_version", 99),
+    ],
+)
+def test_a_decision_bound_to_anything_else_keeps_the_case_frozen(
+    world: World, frozen: RunEngine, field: str, value: Any
+) -> None:
     with pytest.raises(ReviewDecisionError) as err:
         frozen.apply_review_decision(world.decide(frozen, "replan", **{field: value}))
     # A version the environment never reached is one it does not read now.
@@ -149,8 +171,10 @@ def test_a_trusted_replan_quarantines_the_key_and_completes_with_a_new_one(
     sealed = state.closed_reviews[-1]
     assert sealed.decision is not None and sealed.receipt is not None
     assert sealed.pending.action.idempotency_key == "fix-1"
-    assert frozen.propose(world.write(frozen, key="fix-1")).outcome \
+    assert (
+        frozen.propose(world.write(frozen, key="fix-1")).outcome
         is TraceOutcome.REJECTED_KEY_QUARANTINED
+    )
     assert frozen.propose(world.write(frozen, key="fix-1b")).outcome is TraceOutcome.EXECUTED
     assert frozen.propose(world.verify(frozen)).outcome is TraceOutcome.VERIFIED
     assert frozen.propose(world.finish(frozen)).phase is Phase.COMPLETED
@@ -159,8 +183,9 @@ def test_a_trusted_replan_quarantines_the_key_and_completes_with_a_new_one(
     assert restored.state.closed_reviews == state.closed_reviews
 
 
-def test_a_trusted_abort_fails_the_run_and_keeps_all_evidence(world: World,
-                                                              frozen: RunEngine) -> None:
+def test_a_trusted_abort_fails_the_run_and_keeps_all_evidence(
+    world: World, frozen: RunEngine
+) -> None:
     case = frozen.state.review
     decision = world.decide(frozen, "abort")
     result = frozen.apply_review_decision(decision)
@@ -175,8 +200,9 @@ def test_a_trusted_abort_fails_the_run_and_keeps_all_evidence(world: World,
     assert restored.state.closed_reviews[-1] == sealed
 
 
-def test_restoring_review_evidence_needs_the_reviewer_trust_root(world: World,
-                                                                frozen: RunEngine) -> None:
+def test_restoring_review_evidence_needs_the_reviewer_trust_root(
+    world: World, frozen: RunEngine
+) -> None:
     frozen.apply_review_decision(world.decide(frozen, "abort"))
     with pytest.raises(CheckpointError) as err:
         RunEngine.resume(frozen.checkpoint, **world.ports(reviewers=None))
@@ -190,10 +216,16 @@ def plant_foreign_write(world: World, key: str) -> Receipt:
     """Another caller wrote under ``key`` for another intent, as a real foreign write does:
     the adapter holds its receipt and the environment moved on (a new version)."""
     world.adapter.external_edit("docs/foreign.md", "written by another caller\n")
-    receipt = Receipt(namespace=world.adapter.namespace, receipt_version=1,
-                      receipt_id="rcpt-foreign", idempotency_key=key, intent_digest="a" * 64,
-                      result={"path": "docs/foreign.md"}, committed_at=world.clock.now(),
-                      env_version_after=world.adapter.version)
+    receipt = Receipt(
+        namespace=world.adapter.namespace,
+        receipt_version=1,
+        receipt_id="rcpt-foreign",
+        idempotency_key=key,
+        intent_digest="a" * 64,
+        result={"path": "docs/foreign.md"},
+        committed_at=world.clock.now(),
+        env_version_after=world.adapter.version,
+    )
     world.adapter.plant_receipt(receipt)
     return receipt
 

@@ -32,15 +32,15 @@ def test_a_valid_scenario_loads_from_json_and_yaml_with_the_same_fingerprint() -
     [
         ({"task_version": "2"}, "task_version"),
         ({"policy_version": "4"}, "policy_version"),
-        ({"permissions": ["read_file", "run_verifier", "finish", "external_call"]},
-         "permissions"),
+        ({"permissions": ["read_file", "run_verifier", "finish", "external_call"]}, "permissions"),
         ({"allowed_paths": ["app.py"]}, "allowed_paths"),
         ({"initial_files": {"app.py": "print('hi')\n"}}, "initial_files"),
         ({"approval_required": []}, "approval_required"),
     ],
 )
-def test_the_fingerprint_covers_every_part_of_the_contract(change: dict[str, Any],
-                                                           field: str) -> None:
+def test_the_fingerprint_covers_every_part_of_the_contract(
+    change: dict[str, Any], field: str
+) -> None:
     base = load_scenario(dump(scenario_data()))
     changed = load_scenario(dump(scenario_data(**change)))
     assert base.fingerprint != changed.fingerprint, field
@@ -110,8 +110,19 @@ def test_a_boolean_where_an_integer_belongs_is_refused(field: str) -> None:
 
 @pytest.mark.parametrize(
     "path",
-    ["../etc/passwd", "/abs/app.py", "a//b", "a/./b", "a/../b", "a\\b", "docs/", "", ".",
-     "cafe\u0301.py", "sp ace.py"],
+    [
+        "../etc/passwd",
+        "/abs/app.py",
+        "a//b",
+        "a/./b",
+        "a/../b",
+        "a\\b",
+        "docs/",
+        "",
+        ".",
+        "cafe\u0301.py",
+        "sp ace.py",
+    ],
 )
 def test_non_canonical_or_traversing_paths_are_refused(path: str) -> None:
     with pytest.raises(ScenarioError) as err:
@@ -125,8 +136,9 @@ def test_a_step_budget_above_the_proposal_budget_is_refused() -> None:
         load_scenario(dump(scenario_data(budgets=budgets)))
 
 
-@pytest.mark.parametrize("field", ["permissions", "allowed_paths", "allowed_verifier_targets",
-                                   "approval_required"])
+@pytest.mark.parametrize(
+    "field", ["permissions", "allowed_paths", "allowed_verifier_targets", "approval_required"]
+)
 def test_duplicates_in_lists_are_refused(field: str) -> None:
     data = scenario_data()
     data[field] = [*data[field], data[field][0]] if data[field] else ["external_call"] * 2
@@ -148,8 +160,11 @@ def test_a_verifier_target_outside_the_allowlist_is_refused() -> None:
 
 def test_approval_for_a_kind_that_is_not_permitted_is_refused() -> None:
     with pytest.raises(ScenarioError, match="not permitted") as err:
-        load_scenario(dump(scenario_data(permissions=["read_file", "finish"],
-                                         approval_required=["write_file"])))
+        load_scenario(
+            dump(
+                scenario_data(permissions=["read_file", "finish"], approval_required=["write_file"])
+            )
+        )
     assert err.value.field == "approval_required"
 
 

@@ -19,8 +19,12 @@ from tests.unit.world import CHECKPOINT_SECRET, OTHER_SECRET, World
 def forms(secret: bytes) -> list[bytes]:
     import base64
 
-    return [secret, secret.hex().encode(), base64.b64encode(secret),
-            secret.decode("latin-1").encode("unicode_escape")]
+    return [
+        secret,
+        secret.hex().encode(),
+        base64.b64encode(secret),
+        secret.decode("latin-1").encode("unicode_escape"),
+    ]
 
 
 def private_bytes(world: World) -> list[bytes]:
@@ -50,8 +54,13 @@ def test_no_key_material_in_checkpoints_traces_reprs_or_errors(world: World) -> 
     with pytest.raises(CheckpointError) as err:
         from ratchet.runtime import restore_checkpoint
 
-        restore_checkpoint(engine.checkpoint, scenario=world.scenario, keyring=wrong,
-                           store=world.store, observe=lambda *_: world.adapter.observe())
+        restore_checkpoint(
+            engine.checkpoint,
+            scenario=world.scenario,
+            keyring=wrong,
+            store=world.store,
+            observe=lambda *_: world.adapter.observe(),
+        )
     texts += [str(err.value).encode(), repr(err.value).encode()]
     with pytest.raises(ConfigurationError) as short:
         SecretKey(b"too-short-" + CHECKPOINT_SECRET[:5])

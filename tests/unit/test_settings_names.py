@@ -29,8 +29,11 @@ def names_in_repository() -> dict[str, set[str]]:
     """Every RATCHET_* name in the code, tests, CI and compose files, with where it is."""
     files = [ROOT / "docker-compose.yml", ROOT / "Dockerfile"]
     for folder in ("src", "tests", ".ci", "benchmarks"):
-        files += [p for p in (ROOT / folder).rglob("*") if p.is_file()
-                  and p.suffix not in {".pyc"} and "__pycache__" not in p.parts]
+        files += [
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file() and p.suffix not in {".pyc"} and "__pycache__" not in p.parts
+        ]
     found: dict[str, set[str]] = {}
     for path in files:
         try:
@@ -122,11 +125,20 @@ def test_ratchet_runs_with_a_typo_exits_two_naming_it_and_starts_no_server(
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RATCHET_")}
-    env.update(HOME=str(home), RATCHET_STATE_DIR=str(tmp_path / "state"),
-               **{TYPO: "redis://127.0.0.1:6379/0"})
-    done = subprocess.run([sys.executable, "-m", "ratchet.cli.entry", "runs"], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          check=False)
+    env.update(
+        HOME=str(home),
+        RATCHET_STATE_DIR=str(tmp_path / "state"),
+        **{TYPO: "redis://127.0.0.1:6379/0"},
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli.entry", "runs"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr

@@ -76,8 +76,7 @@ def test_exhausting_the_step_budget_fails_the_run(world: World) -> None:
     engine = w.start()
     for _ in range(2):
         engine.propose(w.action(engine, "read_file", {"path": "app.py"}))
-    assert engine.propose(w.action(engine, "read_file", {"path": "app.py"})).phase \
-        is Phase.FAILED
+    assert engine.propose(w.action(engine, "read_file", {"path": "app.py"})).phase is Phase.FAILED
     assert engine.state.stop_reason == "budget exhausted: steps"
 
 
@@ -85,8 +84,10 @@ def test_exhausting_the_cost_budget_fails_the_run(world: World) -> None:
     w = small(world)
     engine = w.start()
     engine.propose(w.action(engine, "read_file", {"path": "app.py"}, cost=7))
-    assert engine.propose(w.action(engine, "read_file", {"path": "app.py"}, cost=4)).phase \
+    assert (
+        engine.propose(w.action(engine, "read_file", {"path": "app.py"}, cost=4)).phase
         is Phase.FAILED
+    )
     assert engine.state.stop_reason == "budget exhausted: cost_units"
 
 
@@ -101,16 +102,22 @@ def test_exhausting_the_wall_clock_fails_the_run(world: World) -> None:
 
 def rejection_cases(world: World, engine: RunEngine) -> list[tuple[Any, TraceOutcome]]:
     stale = world.action(engine, "read_file", {"path": "app.py"}).model_copy(
-        update={"expected_env_version": 99})
+        update={"expected_env_version": 99}
+    )
     late = world.action(engine, "read_file", {"path": "app.py"}).model_copy(
-        update={"deadline_at": world.clock.now() - 1})
+        update={"deadline_at": world.clock.now() - 1}
+    )
     return [
         ({"kind": "read_file"}, TraceOutcome.REJECTED_SCHEMA),
         (late, TraceOutcome.REJECTED_DEADLINE),
         (world.action(engine, "read_file", {"path": "etc/passwd"}), TraceOutcome.REJECTED_SCOPE),
         (world.action(engine, "run_verifier", {"target": "deploy"}), TraceOutcome.REJECTED_SCOPE),
-        (world.action(engine, "external_call", {"operation": "wire-money", "body": "{}"},
-                      key="k-x"), TraceOutcome.REJECTED_SCOPE),
+        (
+            world.action(
+                engine, "external_call", {"operation": "wire-money", "body": "{}"}, key="k-x"
+            ),
+            TraceOutcome.REJECTED_SCOPE,
+        ),
         (stale, TraceOutcome.REJECTED_STALE_ENV),
         (world.finish(engine), TraceOutcome.REJECTED_UNVERIFIED),
     ]
@@ -125,8 +132,11 @@ def test_each_kind_of_rejection_is_a_typed_trace_outcome(world: World) -> None:
 
 
 def test_an_action_outside_the_permissions_is_rejected(world: World) -> None:
-    w = World(scenario=Scenario.model_validate(scenario_data(
-        permissions=["read_file", "run_verifier", "finish"], approval_required=[])))
+    w = World(
+        scenario=Scenario.model_validate(
+            scenario_data(permissions=["read_file", "run_verifier", "finish"], approval_required=[])
+        )
+    )
     engine = w.start()
     assert engine.propose(w.write(engine)).outcome is TraceOutcome.REJECTED_PERMISSION
 
@@ -140,10 +150,28 @@ def test_trace_sequence_numbers_are_contiguous_and_checked(world: World) -> None
 
 # --- property: random operations never leave the table and never break invariants ------
 
-OPS = st.lists(st.sampled_from([
-    "read", "write", "write_same_key", "write_other_intent", "order", "approve", "verify",
-    "finish", "cancel", "bad_scope", "tick", "drift_receipt", "replan", "abort",
-]), min_size=1, max_size=25)
+OPS = st.lists(
+    st.sampled_from(
+        [
+            "read",
+            "write",
+            "write_same_key",
+            "write_other_intent",
+            "order",
+            "approve",
+            "verify",
+            "finish",
+            "cancel",
+            "bad_scope",
+            "tick",
+            "drift_receipt",
+            "replan",
+            "abort",
+        ]
+    ),
+    min_size=1,
+    max_size=25,
+)
 
 
 def apply_op(world: World, engine: RunEngine, op: str) -> None:
@@ -195,8 +223,9 @@ def test_random_operations_stay_inside_the_transition_table(ops: list[str]) -> N
         apply_op(world, engine, op)
         check_invariants(engine.state, world.scenario)
         if engine.state.phase is not phases[-1]:
-            assert engine.state.phase in {v for (p, _), v in TRANSITIONS.items()
-                                          if p is phases[-1]}, (phases[-1], engine.state.phase)
+            assert engine.state.phase in {
+                v for (p, _), v in TRANSITIONS.items() if p is phases[-1]
+            }, (phases[-1], engine.state.phase)
             phases.append(engine.state.phase)
         if engine.generation == before[1]:
             assert engine.state == before[0]  # no commit, no change
@@ -227,7 +256,8 @@ def test_agent_state_with_a_float_is_refused_before_anything_is_committed(world:
     engine = world.start()
     generation = engine.generation
     with pytest.raises(InvariantViolation):
-        engine.propose(world.action(engine, "read_file", {"path": "app.py"}),
-                       agent_state={"score": 0.5})
+        engine.propose(
+            world.action(engine, "read_file", {"path": "app.py"}), agent_state={"score": 0.5}
+        )
     assert engine.generation == generation
     assert world.store.high_water(engine.key) == generation

@@ -68,8 +68,13 @@ def _claim_completed(world: World, data: dict[str, object]) -> None:
     state["phase"] = "completed"
     state["stop_reason"] = "completed"
     state["verification"] = VerifierReport(
-        target="unit", passed=True, env_instance_id=obs.instance_id, env_version=obs.version,
-        env_fingerprint=obs.fingerprint, output_digest="0" * 64).model_dump(mode="json")
+        target="unit",
+        passed=True,
+        env_instance_id=obs.instance_id,
+        env_version=obs.version,
+        env_fingerprint=obs.fingerprint,
+        output_digest="0" * 64,
+    ).model_dump(mode="json")
 
 
 @pytest.mark.parametrize("archived", [False, True], ids=["inline-trace", "archived-trace"])
@@ -79,17 +84,27 @@ def test_a_resigned_completed_checkpoint_without_a_verifier_event_is_refused(
     """Completion evidence is the report *and* a passing verifier event of that report in
     the trace (in the archive, where the trace lives): a checkpoint re-signed by a key
     holder that claims ``completed`` without the event fails closed."""
-    engine = (RunEngine.start(world.run_id, **world.ports(store=world.store.leased(1),
-                                                          archive_trace=True))
-              if archived else world.start())
+    engine = (
+        RunEngine.start(
+            world.run_id, **world.ports(store=world.store.leased(1), archive_trace=True)
+        )
+        if archived
+        else world.start()
+    )
     engine.propose(world.write(engine))
     forged = resign(world, engine.checkpoint, lambda data: _claim_completed(world, data))
     stored = next(iter(world.store.checkpoints.values()))
     with pytest.raises(CheckpointError) as err:
-        restore_checkpoint(forged, scenario=world.scenario, keyring=world.keyring,
-                           store=world.store, observe=lambda _s, _g: world.adapter.observe(),
-                           approvers=world.approvers, reviewers=world.reviewers,
-                           archive=stored.archive)
+        restore_checkpoint(
+            forged,
+            scenario=world.scenario,
+            keyring=world.keyring,
+            store=world.store,
+            observe=lambda _s, _g: world.adapter.observe(),
+            approvers=world.approvers,
+            reviewers=world.reviewers,
+            archive=stored.archive,
+        )
     assert err.value.reason == "invariant"
     assert "verifier event" in err.value.message
 

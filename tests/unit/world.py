@@ -47,14 +47,19 @@ def scenario_data(**overrides: Any) -> dict[str, Any]:
         "task_version": "1",
         "policy_id": "default",
         "policy_version": "3",
-        "permissions": ["read_file", "write_file", "delete_file", "run_verifier", "finish",
-                        "external_call"],
+        "permissions": [
+            "read_file",
+            "write_file",
+            "delete_file",
+            "run_verifier",
+            "finish",
+            "external_call",
+        ],
         "allowed_paths": ["app.py", "docs"],
         "allowed_verifier_targets": ["unit"],
         "allowed_operations": ["place-order"],
         "approval_required": ["external_call"],
-        "budgets": {"proposals": 40, "steps": 30, "wall_clock_seconds": 3600,
-                    "cost_units": 1000},
+        "budgets": {"proposals": 40, "steps": 30, "wall_clock_seconds": 3600, "cost_units": 1000},
         "initial_files": {"app.py": WRONG_GREETING},
         "verifier": {"target": "unit", "expected_files": {"app.py": RIGHT_GREETING}},
     }
@@ -78,8 +83,9 @@ def public_bytes(key: Ed25519PrivateKey) -> bytes:
 class World:
     scenario: Scenario = field(default_factory=lambda: Scenario.model_validate(scenario_data()))
     clock: ManualClock = field(default_factory=ManualClock)
-    keyring: KeyRing = field(default_factory=lambda: KeyRing.from_secrets(
-        {"k1": CHECKPOINT_SECRET}, signing_kid="k1"))
+    keyring: KeyRing = field(
+        default_factory=lambda: KeyRing.from_secrets({"k1": CHECKPOINT_SECRET}, signing_kid="k1")
+    )
     approver_key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
     reviewer_key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate)
     store: MemoryGenerationStore = field(default_factory=MemoryGenerationStore)
@@ -93,7 +99,9 @@ class World:
 
     def new_adapter(self, instance_id: str) -> MemoryWorkspace:
         return MemoryWorkspace(
-            instance_id, self.scenario.initial_files, clock=self.clock,
+            instance_id,
+            self.scenario.initial_files,
+            clock=self.clock,
             expectations={"unit": self.scenario.verifier.expected_files},
         )
 
@@ -106,54 +114,88 @@ class World:
         return TrustRoots.from_public_bytes("reviewer", {"rita": public_bytes(self.reviewer_key)})
 
     def ports(self, **extra: Any) -> dict[str, Any]:
-        return {"scenario": self.scenario, "keyring": self.keyring, "adapter": self.adapter,
-                "store": self.store, "clock": self.clock, "approvers": self.approvers,
-                "reviewers": self.reviewers, **extra}
+        return {
+            "scenario": self.scenario,
+            "keyring": self.keyring,
+            "adapter": self.adapter,
+            "store": self.store,
+            "clock": self.clock,
+            "approvers": self.approvers,
+            "reviewers": self.reviewers,
+            **extra,
+        }
 
     def start(self, probe: Probe | None = None) -> RunEngine:
-        return RunEngine.start(self.run_id, **self.ports(probe=probe,
-                                                         store=self.store.leased(1)))
+        return RunEngine.start(self.run_id, **self.ports(probe=probe, store=self.store.leased(1)))
 
-    def resume(self, blob: bytes | None = None, probe: Probe | None = None,
-               lease_version: int = 2) -> RunEngine:
+    def resume(
+        self, blob: bytes | None = None, probe: Probe | None = None, lease_version: int = 2
+    ) -> RunEngine:
         """What a new owner does: load the latest checkpoint, restore, reconcile later."""
         if blob is None:
             blob = next(iter(self.store.checkpoints.values())).blob
         store = self.store.leased(lease_version)
         store.claim(self.run_id)  # acquiring the lease comes before anything else
-        return RunEngine.resume(blob, lease_version=lease_version,
-                                **self.ports(probe=probe, store=store))
+        return RunEngine.resume(
+            blob, lease_version=lease_version, **self.ports(probe=probe, store=store)
+        )
 
     # -- actions --------------------------------------------------------------------------
 
-    def action(self, engine: RunEngine, kind: str, args: dict[str, str], *,
-               key: str | None = None, action_id: str | None = None,
-               cost: int = 0) -> Action:
+    def action(
+        self,
+        engine: RunEngine,
+        kind: str,
+        args: dict[str, str],
+        *,
+        key: str | None = None,
+        action_id: str | None = None,
+        cost: int = 0,
+    ) -> Action:
         state = engine.state
-        return Action.model_validate({
-            "action_id": action_id or f"a-{state.next_seq}",
-            "kind": kind,
-            "risk": {"read_file": "read_only", "write_file": "reversible_write",
-                     "delete_file": "reversible_write",
-                     "external_call": "irreversible_external_write",
-                     "run_verifier": "verification", "finish": "control"}[kind],
-            "args": args,
-            "idempotency_key": key,
-            "expected_env_version": state.environment.version,
-            "deadline_at": self.clock.now() + 600,
-            "cost_units": cost,
-        })
+        return Action.model_validate(
+            {
+                "action_id": action_id or f"a-{state.next_seq}",
+                "kind": kind,
+                "risk": {
+                    "read_file": "read_only",
+                    "write_file": "reversible_write",
+                    "delete_file": "reversible_write",
+                    "external_call": "irreversible_external_write",
+                    "run_verifier": "verification",
+                    "finish": "control",
+                }[kind],
+                "args": args,
+                "idempotency_key": key,
+                "expected_env_version": state.environment.version,
+                "deadline_at": self.clock.now() + 600,
+                "cost_units": cost,
+            }
+        )
 
-    def write(self, engine: RunEngine, content: str = RIGHT_GREETING, *,
-              path: str = "app.py", key: str | None = None, **kw: Any) -> Action:
+    def write(
+        self,
+        engine: RunEngine,
+        content: str = RIGHT_GREETING,
+        *,
+        path: str = "app.py",
+        key: str | None = None,
+        **kw: Any,
+    ) -> Action:
         key = key or derive_idempotency_key(engine.state.run_id, engine.state.plan_cursor)
-        return self.action(engine, "write_file", {"path": path, "content": content},
-                           key=key, **kw)
+        return self.action(engine, "write_file", {"path": path, "content": content}, key=key, **kw)
 
-    def order(self, engine: RunEngine, body: str = '{"sku":"A-1","qty":1}', *,
-              key: str = "order-1", **kw: Any) -> Action:
-        return self.action(engine, "external_call", {"operation": "place-order", "body": body},
-                           key=key, **kw)
+    def order(
+        self,
+        engine: RunEngine,
+        body: str = '{"sku":"A-1","qty":1}',
+        *,
+        key: str = "order-1",
+        **kw: Any,
+    ) -> Action:
+        return self.action(
+            engine, "external_call", {"operation": "place-order", "body": body}, key=key, **kw
+        )
 
     def verify(self, engine: RunEngine) -> Action:
         return self.action(engine, "run_verifier", {"target": "unit"})
@@ -167,16 +209,25 @@ class World:
         self.nonce_counter += 1
         return f"nonce-{self.nonce_counter}"
 
-    def approve(self, engine: RunEngine, *, ttl: int = 300, max_proposals: int | None = None,
-                key: Ed25519PrivateKey | None = None, **overrides: Any) -> ApprovalEvidence:
+    def approve(
+        self,
+        engine: RunEngine,
+        *,
+        ttl: int = 300,
+        max_proposals: int | None = None,
+        key: Ed25519PrivateKey | None = None,
+        **overrides: Any,
+    ) -> ApprovalEvidence:
         """An approval of the engine's current pending write, as an operator would sign."""
         state = engine.state
         pending = state.pending
         if pending is None:
             raise AssertionError("nothing pending to approve")
         claims = {
-            "task_id": state.task_id, "run_id": state.run_id,
-            "policy_id": state.policy_id, "policy_version": state.policy_version,
+            "task_id": state.task_id,
+            "run_id": state.run_id,
+            "policy_id": state.policy_id,
+            "policy_version": state.policy_version,
             "action_id": pending.action.action_id,
             "idempotency_key": pending.action.idempotency_key,
             "intent_digest": pending.intent_digest,
@@ -186,23 +237,35 @@ class World:
             "generation": engine.generation,
             "nonce": self.next_nonce(),
             "expires_at": self.clock.now() + ttl,
-            "max_proposals": (state.usage.proposals + 10 if max_proposals is None
-                              else max_proposals),
+            "max_proposals": (
+                state.usage.proposals + 10 if max_proposals is None else max_proposals
+            ),
         }
         claims.update(overrides)
-        return sign_approval(key or self.approver_key, "alice",
-                             ApprovalClaims.model_validate(claims))
+        return sign_approval(
+            key or self.approver_key, "alice", ApprovalClaims.model_validate(claims)
+        )
 
-    def decide(self, engine: RunEngine, verdict: str, *, key: Ed25519PrivateKey | None = None,
-               reviewer_id: str = "rita", **overrides: Any) -> ReviewDecision:
+    def decide(
+        self,
+        engine: RunEngine,
+        verdict: str,
+        *,
+        key: Ed25519PrivateKey | None = None,
+        reviewer_id: str = "rita",
+        **overrides: Any,
+    ) -> ReviewDecision:
         state = engine.state
         case = state.review
         if case is None:
             raise AssertionError("no review case open")
         claims = {
-            "task_id": state.task_id, "run_id": state.run_id,
-            "policy_id": state.policy_id, "policy_version": state.policy_version,
-            "case_id": case.case_id, "action_id": case.pending.action.action_id,
+            "task_id": state.task_id,
+            "run_id": state.run_id,
+            "policy_id": state.policy_id,
+            "policy_version": state.policy_version,
+            "case_id": case.case_id,
+            "action_id": case.pending.action.action_id,
             "idempotency_key": case.pending.action.idempotency_key,
             "pending_intent_digest": case.pending.intent_digest,
             "receipt_intent_digest": case.receipt.intent_digest if case.receipt else None,
@@ -213,25 +276,38 @@ class World:
             "nonce": self.next_nonce(),
         }
         claims.update(overrides)
-        return sign_review_decision(key or self.reviewer_key, reviewer_id,
-                                    ReviewDecisionClaims.model_validate(claims))
+        return sign_review_decision(
+            key or self.reviewer_key, reviewer_id, ReviewDecisionClaims.model_validate(claims)
+        )
 
-    def rebaseline(self, engine: RunEngine, observed: Observation | None = None, *,
-                   key: Ed25519PrivateKey | None = None, reviewer_id: str = "rita",
-                   **overrides: Any) -> RebaselineDecision:
+    def rebaseline(
+        self,
+        engine: RunEngine,
+        observed: Observation | None = None,
+        *,
+        key: Ed25519PrivateKey | None = None,
+        reviewer_id: str = "rita",
+        **overrides: Any,
+    ) -> RebaselineDecision:
         """A reviewer's decision making the environment as observed now the run's
         baseline, bound to the engine's state and generation."""
         state, seen = engine.state, observed or self.adapter.observe()
         claims: dict[str, Any] = {
-            "task_id": state.task_id, "run_id": state.run_id,
-            "policy_id": state.policy_id, "policy_version": state.policy_version,
-            "incident_id": "inc-1", "generation": engine.generation,
+            "task_id": state.task_id,
+            "run_id": state.run_id,
+            "policy_id": state.policy_id,
+            "policy_version": state.policy_version,
+            "incident_id": "inc-1",
+            "generation": engine.generation,
             "old_env_instance_id": state.environment.instance_id,
             "old_env_version": state.environment.version,
             "old_env_fingerprint": state.environment.fingerprint,
-            "new_env_instance_id": seen.instance_id, "new_env_version": seen.version,
-            "new_env_fingerprint": seen.fingerprint, "nonce": self.next_nonce(),
+            "new_env_instance_id": seen.instance_id,
+            "new_env_version": seen.version,
+            "new_env_fingerprint": seen.fingerprint,
+            "nonce": self.next_nonce(),
         }
         claims.update(overrides)
-        return sign_rebaseline(key or self.reviewer_key, reviewer_id,
-                               RebaselineClaims.model_validate(claims))
+        return sign_rebaseline(
+            key or self.reviewer_key, reviewer_id, RebaselineClaims.model_validate(claims)
+        )

@@ -33,11 +33,18 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture
 def settings(redis_server: RedisServer, tmp_path: Path) -> Settings:
-    return Settings(redis_url=SecretStr(redis_server.url), state_dir=tmp_path / "state",
-                    queue=f"q-{secrets.token_hex(4)}", lease_ttl_ms=1500,
-                    renew_interval_ms=300, stall_timeout_ms=20_000, reaper_interval_ms=200,
-                    job_timeout_s=600, checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX),
-                    verifier_sandbox=test_sandbox_mode())
+    return Settings(
+        redis_url=SecretStr(redis_server.url),
+        state_dir=tmp_path / "state",
+        queue=f"q-{secrets.token_hex(4)}",
+        lease_ttl_ms=1500,
+        renew_interval_ms=300,
+        stall_timeout_ms=20_000,
+        reaper_interval_ms=200,
+        job_timeout_s=600,
+        checkpoint_key=SecretStr(CHECKPOINT_KEY_HEX),
+        verifier_sandbox=test_sandbox_mode(),
+    )
 
 
 @pytest.fixture

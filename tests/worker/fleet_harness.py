@@ -44,9 +44,9 @@ class Workers:
         os.environ.update(env or {})
         try:
             for _ in range(n):
-                proc = self._ctx.Process(target=worker_main,
-                                         args=(self._payload, len(self.procs), False),
-                                         daemon=True)
+                proc = self._ctx.Process(
+                    target=worker_main, args=(self._payload, len(self.procs), False), daemon=True
+                )
                 proc.start()
                 self.procs.append(proc)
                 started.append(proc)

@@ -20,18 +20,31 @@ pytestmark = pytest.mark.slow
 RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]
 
 
-def ratchet(*args: str, env: dict[str, str], cwd: Path,
-            timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RATCHET, *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+def ratchet(
+    *args: str, env: dict[str, str], cwd: Path, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RATCHET, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.fixture
 def env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    out.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
-               RATCHET_QUEUE=f"cli-{tmp_path.name}", RATCHET_LEASE_TTL_MS="1500",
-               RATCHET_REAPER_INTERVAL_MS="200", RATCHET_LOG_LEVEL="WARNING")
+    out.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=f"cli-{tmp_path.name}",
+        RATCHET_LEASE_TTL_MS="1500",
+        RATCHET_REAPER_INTERVAL_MS="200",
+        RATCHET_LOG_LEVEL="WARNING",
+    )
     return out
 
 
@@ -44,14 +57,27 @@ def test_the_demo_completes_every_run_with_no_duplicate_effect(tmp_path: Path) -
     assert report["duplicate_effects"] == 0
     assert report["workers_killed"] == 1
     assert report["takeovers"] >= 1
-    assert set(report) >= {"runs", "completed", "duplicate_effects", "stale_writes_rejected",
-                           "takeovers", "workers_killed", "elapsed_s"}
+    assert set(report) >= {
+        "runs",
+        "completed",
+        "duplicate_effects",
+        "stale_writes_rejected",
+        "takeovers",
+        "workers_killed",
+        "elapsed_s",
+    }
 
 
-def test_submit_run_worker_show_and_runs_work_together(env: dict[str, str],
-                                                      tmp_path: Path) -> None:
-    submitted = ratchet("submit", "--example", "greeting", "--workspace",
-                        str(tmp_path / "ws"), env=env, cwd=tmp_path)
+def test_submit_run_worker_show_and_runs_work_together(env: dict[str, str], tmp_path: Path) -> None:
+    submitted = ratchet(
+        "submit",
+        "--example",
+        "greeting",
+        "--workspace",
+        str(tmp_path / "ws"),
+        env=env,
+        cwd=tmp_path,
+    )
     assert submitted.returncode == 0, submitted.stderr
     run_id = submitted.stdout.strip()
     listed = json.loads(ratchet("runs", "--json", env=env, cwd=tmp_path).stdout)
@@ -66,11 +92,23 @@ def test_submit_run_worker_show_and_runs_work_together(env: dict[str, str],
     assert "completed" in text and "executed writes" in text
 
 
-def test_approve_from_the_command_line_unfreezes_a_waiting_run(env: dict[str, str],
-                                                               tmp_path: Path) -> None:
+def test_approve_from_the_command_line_unfreezes_a_waiting_run(
+    env: dict[str, str], tmp_path: Path
+) -> None:
     keys = tmp_path / "keys"
-    made = ratchet("keys", "generate", "--kind", "approver", "--id", "alice", "--out",
-                   str(keys), "--json", env=env, cwd=tmp_path)
+    made = ratchet(
+        "keys",
+        "generate",
+        "--kind",
+        "approver",
+        "--id",
+        "alice",
+        "--out",
+        str(keys),
+        "--json",
+        env=env,
+        cwd=tmp_path,
+    )
     assert made.returncode == 0, made.stderr
     info = json.loads(made.stdout)
     assert (os.stat(info["private_key_path"]).st_mode & 0o777) == 0o600
@@ -78,24 +116,29 @@ def test_approve_from_the_command_line_unfreezes_a_waiting_run(env: dict[str, st
     root = make_greeting_workspace(tmp_path / "ws")
     task = {
         "scenario": {
-            "schema_version": 1, "task_id": "fix-greeting", "task_version": "1",
-            "policy_id": "default", "policy_version": "1",
+            "schema_version": 1,
+            "task_id": "fix-greeting",
+            "task_version": "1",
+            "policy_id": "default",
+            "policy_version": "1",
             "permissions": ["read_file", "write_file", "run_verifier", "finish"],
-            "allowed_paths": ["app.py"], "allowed_verifier_targets": ["unit"],
+            "allowed_paths": ["app.py"],
+            "allowed_verifier_targets": ["unit"],
             "approval_required": ["write_file"],
-            "budgets": {"proposals": 30, "steps": 20, "wall_clock_seconds": 3600,
-                        "cost_units": 0},
+            "budgets": {"proposals": 30, "steps": 20, "wall_clock_seconds": 3600, "cost_units": 0},
             "initial_files": {"app.py": (root / "app.py").read_text()},
-            "verifier": {"target": "unit",
-                         "expected_files": {"app.py": 'print("Hello, world")\n'}},
+            "verifier": {"target": "unit", "expected_files": {"app.py": 'print("Hello, world")\n'}},
         },
-        "environment": {"root": "ws",
-                        "verifiers": {"unit": {"argv": [sys.executable, "test_app.py"]}}},
+        "environment": {
+            "root": "ws",
+            "verifiers": {"unit": {"argv": [sys.executable, "test_app.py"]}},
+        },
     }
     task_file = tmp_path / "task.yaml"
     task_file.write_text(yaml.safe_dump(task))
-    run_id = ratchet("submit", str(task_file), "--agent", "greeting", env=env,
-                     cwd=tmp_path).stdout.strip()
+    run_id = ratchet(
+        "submit", str(task_file), "--agent", "greeting", env=env, cwd=tmp_path
+    ).stdout.strip()
     assert run_id
     ratchet("worker", "--burst", env=env, cwd=tmp_path)
     shown = json.loads(ratchet("show", run_id, "--json", env=env, cwd=tmp_path).stdout)
@@ -103,8 +146,9 @@ def test_approve_from_the_command_line_unfreezes_a_waiting_run(env: dict[str, st
     action_id = shown["pending"]["action"]["action_id"]
     text = ratchet("show", run_id, env=env, cwd=tmp_path).stdout
     assert f"ratchet approve {run_id} {action_id}" in " ".join(text.split())
-    approved = ratchet("approve", run_id, action_id, "--key", info["private_key_path"],
-                       env=env, cwd=tmp_path)
+    approved = ratchet(
+        "approve", run_id, action_id, "--key", info["private_key_path"], env=env, cwd=tmp_path
+    )
     assert approved.returncode == 0, approved.stderr
     ratchet("worker", "--burst", env=env, cwd=tmp_path)
     shown = json.loads(ratchet("show", run_id, "--json", env=env, cwd=tmp_path).stdout)

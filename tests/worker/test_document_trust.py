@@ -37,7 +37,8 @@ def hostile_verifier(document: RunDocument, marker: Path) -> RunDocument:
     """The document with every verifier replaced by a shell that leaves ``marker``."""
     shell = VerifierSpec(argv=("/bin/sh", "-c", f"touch {marker}; exit 0"))
     env = document.environment.model_copy(
-        update={"verifiers": dict.fromkeys(document.environment.verifiers, shell)})
+        update={"verifiers": dict.fromkeys(document.environment.verifiers, shell)}
+    )
     return document.model_copy(update={"environment": env})
 
 
@@ -56,8 +57,7 @@ def assert_refused_and_untouched(fleet: Fleet, run_id: str, root: Path, check: s
     assert incidents[0]["reason"] == "document", incidents[0]
     assert check in incidents[0]["message"] or check == "", incidents[0]
     after = fleet.store.read_run(run_id)
-    assert (after.generation, after.lease_version) == (before.generation,
-                                                        before.lease_version + 1)
+    assert (after.generation, after.lease_version) == (before.generation, before.lease_version + 1)
     assert not after.lease_live  # released, off the index: no retry loop
     assert effects(root) == 0
 
@@ -74,7 +74,8 @@ def test_a_verifier_command_rewritten_in_redis_never_runs(
     data = json.loads(body)
     data["document"] = json.loads(hostile_verifier(document, marker).model_dump_json())
     tampered = stored_document(fleet, run_id).replace(
-        body, json.dumps(data, sort_keys=True, separators=(",", ":")).encode())
+        body, json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    )
     fleet.store.client.set(run_keys(run_id).scenario, tampered)
     assert_refused_and_untouched(fleet, run_id, root, "does not verify")
     assert not marker.exists()
@@ -153,8 +154,9 @@ def test_an_agent_outside_the_workers_allow_list_is_refused_before_it_is_importe
     assert effects(root) == 0
 
 
-@pytest.mark.parametrize("agent", ["subprocess:run", "os:system", "nope",
-                                   "no.such.module:factory", "json:dumps"])
+@pytest.mark.parametrize(
+    "agent", ["subprocess:run", "os:system", "nope", "no.such.module:factory", "json:dumps"]
+)
 def test_submit_refuses_an_agent_no_worker_here_may_load(
     fleet: Fleet, workspace: MakeWorkspace, agent: str
 ) -> None:
@@ -179,17 +181,39 @@ def test_the_submit_command_refuses_a_shell_agent_in_one_line(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
-    env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
-               RATCHET_QUEUE=f"q-{tmp_path.name}")
+    env.update(
+        RATCHET_REDIS_URL=redis_server.url,
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=f"q-{tmp_path.name}",
+    )
     # A task file naming a shell as its agent.
     task = tmp_path / "task.json"
     doc = greeting_document(make_greeting_workspace(tmp_path / "ws2"))
-    task.write_text(json.dumps({"scenario": json.loads(doc.scenario.model_dump_json()),
-                                "environment": json.loads(doc.environment.model_dump_json())}))
+    task.write_text(
+        json.dumps(
+            {
+                "scenario": json.loads(doc.scenario.model_dump_json()),
+                "environment": json.loads(doc.environment.model_dump_json()),
+            }
+        )
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "ratchet.cli.entry", "submit", str(task), "--agent",
-         "subprocess:run"], env=env, cwd=tmp_path, capture_output=True, text=True,
-        timeout=120, check=False)
+        [
+            sys.executable,
+            "-m",
+            "ratchet.cli.entry",
+            "submit",
+            str(task),
+            "--agent",
+            "subprocess:run",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("ratchet: error:") and "not allowed" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -37,8 +37,15 @@ def clean_env(tmp_path: Path) -> dict[str, str]:
 
 
 def ratchet(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RATCHET, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [*RATCHET, *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -52,10 +59,12 @@ def embedded(tmp_path: Path) -> Iterator[Path]:
         stop_embedded_redis(state)
 
 
-@pytest.mark.parametrize("command", [["runs"], ["show", "r-1"], ["runs", "--json"],
-                                     ["console", "--port", "0"]])
+@pytest.mark.parametrize(
+    "command", [["runs"], ["show", "r-1"], ["runs", "--json"], ["console", "--port", "0"]]
+)
 def test_a_read_only_command_with_no_store_refuses_in_one_line_and_starts_no_server(
-    tmp_path: Path, command: list[str],
+    tmp_path: Path,
+    command: list[str],
 ) -> None:
     done = ratchet(*command, env=clean_env(tmp_path), cwd=tmp_path)
     assert done.returncode == 2
@@ -76,7 +85,8 @@ def test_listing_keys_with_no_store_starts_no_server(tmp_path: Path) -> None:
 
 
 def test_a_read_only_command_uses_the_embedded_server_a_worker_started(
-    embedded: Path, tmp_path: Path,
+    embedded: Path,
+    tmp_path: Path,
 ) -> None:
     info = json.loads((embedded / "redis.json").read_text())
     servers = redis_servers_under(tmp_path)

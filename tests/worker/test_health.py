@@ -23,8 +23,14 @@ RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]
 
 
 def health(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*RATCHET, "health", *args], env=pool_env(settings),
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [*RATCHET, "health", *args],
+        env=pool_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def report(settings: Settings) -> dict[str, Any]:
@@ -35,16 +41,17 @@ def report(settings: Settings) -> dict[str, Any]:
 
 
 def test_health_fails_with_no_worker_and_passes_once_the_pool_runs(
-    settings: Settings, tmp_path: Path,
+    settings: Settings,
+    tmp_path: Path,
 ) -> None:
     idle = health(settings)
     assert idle.returncode == 1
     assert idle.stderr.splitlines() == [
         f"ratchet: unhealthy: 0 live worker processes of this host on queue "
-        f"{settings.queue}, at least 1 needed"]
+        f"{settings.queue}, at least 1 needed"
+    ]
     with running_pool(settings, tmp_path) as pool:
-        poll(lambda: health(settings).returncode == 0, deadline_s=60,
-             what="ratchet health passing")
+        poll(lambda: health(settings).returncode == 0, deadline_s=60, what="ratchet health passing")
         too_many = health(settings, "--min-workers", "2")
         assert too_many.returncode == 1
         assert "1 live worker processes" in too_many.stderr
@@ -53,7 +60,8 @@ def test_health_fails_with_no_worker_and_passes_once_the_pool_runs(
 
 
 def test_a_killed_worker_counts_as_dead_at_once_though_rq_still_lists_it(
-    settings: Settings, tmp_path: Path,
+    settings: Settings,
+    tmp_path: Path,
 ) -> None:
     with running_pool(settings, tmp_path) as pool:
         first = pool.one_worker()

@@ -25,8 +25,14 @@ MakeWorkspace = Callable[..., tuple[Path, RunDocument]]
 Mutation = Callable[[Any, str, str], None]  # (client, key, other run's same key)
 
 # What a job may end as when its store was tampered with: refused, or nothing done.
-REFUSED = {"restore_refused", "lease_lost", "held_elsewhere", "environment_changed",
-           "store_refused", "no_run"}
+REFUSED = {
+    "restore_refused",
+    "lease_lost",
+    "held_elsewhere",
+    "environment_changed",
+    "store_refused",
+    "no_run",
+}
 
 
 def flip(client: Any, key: str, _other: str) -> None:
@@ -55,7 +61,7 @@ def rewrite(client: Any, key: str, _other: str) -> None:
     elif kind == b"list":
         client.rpush(key, b"{}")
     else:
-        client.set(key, b"{\"forged\": true}")
+        client.set(key, b'{"forged": true}')
 
 
 def swap(client: Any, key: str, other: str) -> None:
@@ -78,10 +84,14 @@ def wrong_type(client: Any, key: str, _other: str) -> None:
         client.set(key, b"x")
 
 
-MUTATIONS: dict[str, Mutation] = {"flip": flip, "rewrite": rewrite, "swap": swap,
-                                  "delete": delete, "wrong_type": wrong_type}
-KEYS = ("scenario", "lease", "state", "ckpt", "archive", "history", "commits", "inbox",
-        "incidents")
+MUTATIONS: dict[str, Mutation] = {
+    "flip": flip,
+    "rewrite": rewrite,
+    "swap": swap,
+    "delete": delete,
+    "wrong_type": wrong_type,
+}
+KEYS = ("scenario", "lease", "state", "ckpt", "archive", "history", "commits", "inbox", "incidents")
 
 
 def effects(root: Path) -> int:
@@ -93,16 +103,19 @@ def prepared(fleet: Fleet, workspace: MakeWorkspace, name: str) -> tuple[str, Pa
     """A run that did its first step (its read: generation > 1, archive and history hold
     entries) and holds junk evidence in its inbox and an incident, and another run at the
     same point whose keys can stand in for its own."""
-    plan = [{"kind": "read_file", "args": {"path": "app.py"}},
-            {"kind": "write_file", "args": {"path": "app.py", "content": RIGHT_GREETING}},
-            {"kind": "run_verifier", "args": {"target": "unit"}},
-            {"kind": "finish", "args": {"summary": "fixed"}}]
+    plan = [
+        {"kind": "read_file", "args": {"path": "app.py"}},
+        {"kind": "write_file", "args": {"path": "app.py", "content": RIGHT_GREETING}},
+        {"kind": "run_verifier", "args": {"target": "unit"}},
+        {"kind": "finish", "args": {"summary": "fixed"}},
+    ]
     one_step = Fleet.connect(fleet.settings.model_copy(update={"max_steps_per_job": 1}))
     ids = []
     for prefix in ("r-hostile", "r-hostile-other"):
         root, document = workspace(runner="python")
-        document = document.model_copy(update={"agent": "scripted",
-                                               "agent_config": {"steps": plan}})
+        document = document.model_copy(
+            update={"agent": "scripted", "agent_config": {"steps": plan}}
+        )
         run_id = submit(fleet, document, run_id=f"{prefix}-{name}")
         assert execute_run(one_step, run_id, owner="w-prepare").steps == 1
         ids.append((run_id, root))
@@ -121,9 +134,12 @@ def test_a_mutated_record_never_leads_to_an_unauthorised_effect(
     keys, others = run_keys(run_id), run_keys(other_id)
     client = fleet.store.client
     MUTATIONS[mutation](client, getattr(keys, slot), getattr(others, slot))
-    before = {name: client.dump(getattr(keys, name)) for name in KEYS
-              if name not in ("lease", "state", "incidents", "history", "commits",
-                              "ckpt", "archive", "inbox")}
+    before = {
+        name: client.dump(getattr(keys, name))
+        for name in KEYS
+        if name
+        not in ("lease", "state", "incidents", "history", "commits", "ckpt", "archive", "inbox")
+    }
     report = execute_run(fleet, run_id, owner="w-hostile")  # never raises
     text = (root / "app.py").read_text()
     if report.outcome in REFUSED or report.phase in (None, ""):

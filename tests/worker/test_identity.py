@@ -65,8 +65,9 @@ def test_another_process_with_the_same_name_cannot_take_a_live_lease(
     from ratchet.worker.ops import submit
 
     fleet = Fleet.connect(settings.model_copy(update={"worker_name": "same"}))
-    run_id = submit(fleet, greeting_document(make_greeting_workspace(tmp_path / "ws")),
-                    run_id="r-same-name")
+    run_id = submit(
+        fleet, greeting_document(make_greeting_workspace(tmp_path / "ws")), run_id="r-same-name"
+    )
     mine = fleet.store.acquire(run_id, owner=owner_id("same"), ttl_ms=60_000)
     assert mine is not None
     outcome = _spawned(_child_acquire, redis_server.url, run_id, "same")
@@ -104,9 +105,24 @@ def _in_own_pid_namespace(url: str, state: Path, run_id: str) -> dict[str, objec
     unshare = shutil.which("unshare")
     if os.geteuid() != 0 or unshare is None:
         pytest.skip("pid namespaces need root and util-linux's unshare")
-    done = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                           _IN_CONTAINER, url, str(state), run_id],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [
+            unshare,
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            _IN_CONTAINER,
+            url,
+            str(state),
+            run_id,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return dict(json.loads(done.stdout))
 
@@ -121,8 +137,9 @@ def test_two_workers_with_one_name_and_one_pid_are_two_owners(
     from ratchet.worker.ops import submit
 
     fleet = Fleet.connect(settings)
-    run_id = submit(fleet, greeting_document(make_greeting_workspace(tmp_path / "ws")),
-                    run_id="r-same-pid")
+    run_id = submit(
+        fleet, greeting_document(make_greeting_workspace(tmp_path / "ws")), run_id="r-same-pid"
+    )
     first = _in_own_pid_namespace(redis_server.url, tmp_path / "a", run_id)
     second = _in_own_pid_namespace(redis_server.url, tmp_path / "b", run_id)
     assert first["outcome"] == "acquired"

@@ -59,13 +59,18 @@ def test_a_terminal_run_is_never_re_executed(
     assert effects(root) == 1
 
 
-@pytest.mark.parametrize("window", [
-    CrashWindow.AFTER_PENDING_BEFORE_ADAPTER,
-    CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT,
-    CrashWindow.AFTER_RECEIPT_BEFORE_STATE,
-])
+@pytest.mark.parametrize(
+    "window",
+    [
+        CrashWindow.AFTER_PENDING_BEFORE_ADAPTER,
+        CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT,
+        CrashWindow.AFTER_RECEIPT_BEFORE_STATE,
+    ],
+)
 def test_a_job_that_dies_in_a_window_is_finished_by_the_next_owner_with_one_write(
-    fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]], window: CrashWindow,
+    fleet: Fleet,
+    workspace: Callable[..., tuple[Path, RunDocument]],
+    window: CrashWindow,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     root, document = workspace()
@@ -77,8 +82,9 @@ def test_a_job_that_dies_in_a_window_is_finished_by_the_next_owner_with_one_writ
         from ratchet.worker import job as job_module
 
         real = job_module.build_adapter
-        monkeypatch.setattr(job_module, "build_adapter",
-                            lambda doc, **kw: ObserveFailsAfterWrite(real(doc, **kw)))
+        monkeypatch.setattr(
+            job_module, "build_adapter", lambda doc, **kw: ObserveFailsAfterWrite(real(doc, **kw))
+        )
     probe = Failpoints(parse_failpoints(f"{window.value}=raise"))
     with pytest.raises(FailpointFired):
         execute_run(fleet, run_id, owner="w-1", probe=probe)
@@ -137,8 +143,7 @@ def test_a_file_edited_mid_job_stops_the_write_and_freezes_the_run_with_the_reas
     assert report.detail.startswith("stale_observation")
     view = inspect_run(fleet, run_id)
     incident = view.incidents[0]
-    assert (incident["kind"], incident["reason"]) == ("environment_changed",
-                                                       "stale_observation")
+    assert (incident["kind"], incident["reason"]) == ("environment_changed", "stale_observation")
     assert incident["evidence"]["fingerprint_changed"] is True
     assert view.state.pending is not None  # kept as evidence, never sent
     assert effects(root) == 0
@@ -178,27 +183,40 @@ def test_a_key_conflict_waits_for_review_and_a_signed_replan_completes_the_run(
 
     reviewer = Ed25519PrivateKey.generate()
     trust = tmp_path / "reviewers.json"
-    trust.write_text(_json.dumps({"rita": reviewer.public_key().public_bytes(
-        Encoding.Raw, PublicFormat.Raw).hex()}))
+    trust.write_text(
+        _json.dumps(
+            {"rita": reviewer.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()}
+        )
+    )
     fleet = FleetClass.connect(fleet.settings.model_copy(update={"reviewers_file": trust}))
     root, document = workspace()
-    plan = [{"kind": "write_file", "args": {"path": "app.py", "content": FIX}},
-            {"kind": "run_verifier", "args": {"target": "unit"}},
-            {"kind": "finish", "args": {"summary": "fixed"}}]
-    document = document.model_copy(update={"agent": "scripted",
-                                           "agent_config": {"steps": plan}})
+    plan = [
+        {"kind": "write_file", "args": {"path": "app.py", "content": FIX}},
+        {"kind": "run_verifier", "args": {"target": "unit"}},
+        {"kind": "finish", "args": {"summary": "fixed"}},
+    ]
+    document = document.model_copy(update={"agent": "scripted", "agent_config": {"steps": plan}})
     run_id = "r-conflict-1"
     key = derive_idempotency_key(run_id, 0, salt="0")
     # Another caller already used the key the run will derive, for another intent.
     with WorkspaceAdapter(root, ["app.py"]) as other:
-        foreign = parse_action({"action_id": "x-1", "kind": "write_file",
-                                "risk": "reversible_write",
-                                "args": {"path": "app.py", "content": "print('other')\n"},
-                                "idempotency_key": key,
-                                "expected_env_version": other.observe().version,
-                                "deadline_at": 2**40})
-        other.execute(foreign, foreign.intent_digest,
-                      Fence(run_id="someone-else", lease_version=1, state_version=1), None)
+        foreign = parse_action(
+            {
+                "action_id": "x-1",
+                "kind": "write_file",
+                "risk": "reversible_write",
+                "args": {"path": "app.py", "content": "print('other')\n"},
+                "idempotency_key": key,
+                "expected_env_version": other.observe().version,
+                "deadline_at": 2**40,
+            }
+        )
+        other.execute(
+            foreign,
+            foreign.intent_digest,
+            Fence(run_id="someone-else", lease_version=1, state_version=1),
+            None,
+        )
     submit(fleet, document, run_id=run_id)
     first = execute_run(fleet, run_id, owner="w-1")
     assert (first.outcome, first.phase) == ("waiting", "needs_review")
@@ -218,8 +236,13 @@ def test_a_key_conflict_waits_for_review_and_a_signed_replan_completes_the_run(
 def _git(root: Path, *args: str) -> None:
     import subprocess
 
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-                   cwd=root, check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 def test_a_moved_git_head_fails_closed_with_a_visible_reason(

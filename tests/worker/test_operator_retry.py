@@ -34,8 +34,9 @@ def test_a_run_refused_for_an_agent_the_worker_could_not_load_completes_after_a_
 ) -> None:
     allowing = Fleet.connect(fleet.settings.model_copy(update={"agents": ("tests.worker",)}))
     root, document = workspace(runner="python")
-    run_id = submit(allowing, document.model_copy(
-        update={"agent": "tests.worker.agent_probe:make"}))
+    run_id = submit(
+        allowing, document.model_copy(update={"agent": "tests.worker.agent_probe:make"})
+    )
     assert execute_run(fleet, run_id, owner="w-old").outcome == "restore_refused"
     # The operator fixed the workers' allow-list, then hands the run back.
     retry(allowing, run_id, reason="agents allow-list fixed", operator="olga")
@@ -45,13 +46,14 @@ def test_a_run_refused_for_an_agent_the_worker_could_not_load_completes_after_a_
     assert effects(root) == 1
 
 
-def test_a_retry_starts_the_job_error_budget_again(fleet: Fleet,
-                                                   workspace: MakeWorkspace) -> None:
-    allowing = Fleet.connect(fleet.settings.model_copy(update={
-        "agents": ("tests.worker",), "max_job_errors": 2}))
+def test_a_retry_starts_the_job_error_budget_again(fleet: Fleet, workspace: MakeWorkspace) -> None:
+    allowing = Fleet.connect(
+        fleet.settings.model_copy(update={"agents": ("tests.worker",), "max_job_errors": 2})
+    )
     _root, document = workspace()
-    run_id = submit(allowing, document.model_copy(
-        update={"agent": "tests.worker.agent_probe:broken"}))
+    run_id = submit(
+        allowing, document.model_copy(update={"agent": "tests.worker.agent_probe:broken"})
+    )
     outcomes = [execute_run(allowing, run_id, owner="w").outcome for _ in range(2)]
     assert outcomes == ["job_error", "poisoned"]
     retry(allowing, run_id, reason="redeployed the agent", operator="olga")
@@ -81,8 +83,14 @@ def test_the_retry_command_answers_in_one_line(
     assert execute_run(fleet, run_id, owner="w").phase == "completed"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
     env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX)
-    done = subprocess.run([sys.executable, "-m", "ratchet.cli.entry", "retry", run_id,
-                           "--reason", "test"], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli.entry", "retry", run_id, "--reason", "test"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2 and done.stderr.startswith("ratchet: error:")
     assert len(done.stderr.strip().splitlines()) == 1

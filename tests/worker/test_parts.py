@@ -41,12 +41,15 @@ def poll(predicate: Callable[[], bool], deadline_s: float = 10.0) -> None:
 # --- settings -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [
-    {"lease_ttl_ms": 1000, "renew_interval_ms": 1000},
-    {"lease_ttl_ms": 1000, "renew_interval_ms": 300, "stall_timeout_ms": 300},
-    {"lease_ttl_ms": 60_000, "job_timeout_s": 60},
-    {"lease_ttl_ms": 10},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"lease_ttl_ms": 1000, "renew_interval_ms": 1000},
+        {"lease_ttl_ms": 1000, "renew_interval_ms": 300, "stall_timeout_ms": 300},
+        {"lease_ttl_ms": 60_000, "job_timeout_s": 60},
+        {"lease_ttl_ms": 10},
+    ],
+)
 def test_settings_refuse_timings_that_would_undermine_the_lease(bad: dict[str, int]) -> None:
     with pytest.raises(ValidationError):
         Settings(**bad)  # type: ignore[arg-type]
@@ -69,18 +72,27 @@ def test_settings_default_the_renew_interval_to_a_third_of_the_ttl_and_hide_secr
 
 def view(**kw: Any) -> AgentView:
     base: dict[str, Any] = {
-        "run_id": "r-1", "phase": Phase.RUNNING,
+        "run_id": "r-1",
+        "phase": Phase.RUNNING,
         "observation": Observation(instance_id="ws", version=3, fingerprint="0" * 64),
-        "plan_cursor": 0, "usage": Usage(), "last_outcome": TraceOutcome.STARTED,
-        "quarantined_keys": (), "agent_state": {}, "now": 1000,
+        "plan_cursor": 0,
+        "usage": Usage(),
+        "last_outcome": TraceOutcome.STARTED,
+        "quarantined_keys": (),
+        "agent_state": {},
+        "now": 1000,
     }
     base.update(kw)
     return AgentView(**base)
 
 
 def test_the_scripted_agent_plays_its_plan_with_stable_keys() -> None:
-    agent = ScriptedAgent([{"kind": "write_file", "args": {"path": "a", "content": "x"}},
-                           {"kind": "finish", "args": {"summary": "done"}}])
+    agent = ScriptedAgent(
+        [
+            {"kind": "write_file", "args": {"path": "a", "content": "x"}},
+            {"kind": "finish", "args": {"summary": "done"}},
+        ]
+    )
     first = agent.next_step(view())
     again = agent.next_step(view())
     assert first is not None and again is not None
@@ -101,15 +113,18 @@ def test_the_greeting_agent_proposes_the_same_fix_after_a_crash() -> None:
     write = agent.next_step(view(last_read='print("Hello, wrold")\n'))
     assert write is not None and write.action["args"]["content"] == 'print("Hello, world")\n'
     resumed = agent.next_step(view(agent_state=write.agent_state))  # no read after resume
-    assert resumed is not None and resumed.action == {**write.action,
-                                                      "action_id": resumed.action["action_id"]}
+    assert resumed is not None and resumed.action == {
+        **write.action,
+        "action_id": resumed.action["action_id"],
+    }
 
 
 def test_agents_load_by_name_and_dotted_path_and_refuse_anything_else() -> None:
     allowed = AgentPolicy(prefixes=("ratchet.worker",))
     assert isinstance(load_agent("greeting"), GreetingAgent)
-    assert isinstance(load_agent("ratchet.worker.agents:GreetingAgent.from_config",
-                                 policy=allowed), GreetingAgent)
+    assert isinstance(
+        load_agent("ratchet.worker.agents:GreetingAgent.from_config", policy=allowed), GreetingAgent
+    )
     for bad in ("nope", "no.such.module:factory", "ratchet.worker.agents:missing"):
         with pytest.raises(ConfigurationError):
             load_agent(bad, policy=allowed)
@@ -127,8 +142,9 @@ def test_a_refused_renewal_loses_the_lease_and_stops_commits() -> None:
         calls.append(1)
         raise LeaseLostError("taken over", run_id="r")
 
-    beat = Heartbeat(renew, run_id="r", interval_ms=10, stall_timeout_ms=5000,
-                     lease_ttl_ms=60_000).start()
+    beat = Heartbeat(
+        renew, run_id="r", interval_ms=10, stall_timeout_ms=5000, lease_ttl_ms=60_000
+    ).start()
     try:
         poll(lambda: beat.lost)
         assert beat.reason is not None and "LeaseLostError" in beat.reason
@@ -150,8 +166,9 @@ def test_an_unknown_renewal_outcome_counts_as_lost() -> None:
     def renew() -> int:
         raise StoreUnavailableError("no reply")
 
-    beat = Heartbeat(renew, run_id="r", interval_ms=10, stall_timeout_ms=5000,
-                     lease_ttl_ms=60_000).start()
+    beat = Heartbeat(
+        renew, run_id="r", interval_ms=10, stall_timeout_ms=5000, lease_ttl_ms=60_000
+    ).start()
     try:
         poll(lambda: beat.lost)
     finally:
@@ -160,8 +177,13 @@ def test_an_unknown_renewal_outcome_counts_as_lost() -> None:
 
 def test_a_stalled_executor_stops_renewing() -> None:
     renewals = []
-    beat = Heartbeat(lambda: renewals.append(1) or 0, run_id="r", interval_ms=10,
-                     stall_timeout_ms=60, lease_ttl_ms=60_000).start()
+    beat = Heartbeat(
+        lambda: renewals.append(1) or 0,
+        run_id="r",
+        interval_ms=10,
+        stall_timeout_ms=60,
+        lease_ttl_ms=60_000,
+    ).start()
     try:
         poll(lambda: beat.lost)
         assert beat.reason == "executor stalled; renewal withheld"
@@ -180,8 +202,14 @@ def test_a_renewal_that_never_lands_in_time_is_lost_by_the_local_clock() -> None
         release.wait(5)  # a renewal stuck in flight
         return 0
 
-    beat = Heartbeat(renew, run_id="r", interval_ms=10, stall_timeout_ms=60_000,
-                     lease_ttl_ms=1000, monotonic=lambda: now[0]).start()
+    beat = Heartbeat(
+        renew,
+        run_id="r",
+        interval_ms=10,
+        stall_timeout_ms=60_000,
+        lease_ttl_ms=1000,
+        monotonic=lambda: now[0],
+    ).start()
     try:
         assert not beat.lost
         now[0] = 1.5  # past the TTL with no confirmed renewal
@@ -270,8 +298,9 @@ def test_the_guarded_store_passes_a_single_commits_deadline_and_phase_through() 
         def advance_many(self, key: object, commits: list[Advance]) -> None:
             sent.append(list(commits))
 
-    beat = Heartbeat(lambda: 0, run_id="r", interval_ms=10_000, stall_timeout_ms=50_000,
-                     lease_ttl_ms=60_000)
+    beat = Heartbeat(
+        lambda: 0, run_id="r", interval_ms=10_000, stall_timeout_ms=50_000, lease_ttl_ms=60_000
+    )
     guarded = GuardedStore(Store(), beat)  # type: ignore[arg-type]
     commit = Advance(1, b"blob", (), b"", 123_456, "awaiting_approval")
     guarded.advance_many(None, [commit])  # type: ignore[arg-type]

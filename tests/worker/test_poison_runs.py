@@ -20,11 +20,15 @@ MakeWorkspace = Callable[..., tuple[Path, RunDocument]]
 def test_a_run_whose_agent_raises_is_retried_with_backoff_then_frozen(
     fleet: Fleet, workspace: MakeWorkspace
 ) -> None:
-    allowing = Fleet.connect(fleet.settings.model_copy(update={
-        "agents": ("tests.worker",), "max_job_errors": 3, "job_error_backoff_ms": 1000}))
+    allowing = Fleet.connect(
+        fleet.settings.model_copy(
+            update={"agents": ("tests.worker",), "max_job_errors": 3, "job_error_backoff_ms": 1000}
+        )
+    )
     root, document = workspace()
-    run_id = submit(allowing, document.model_copy(
-        update={"agent": "tests.worker.agent_probe:broken"}))
+    run_id = submit(
+        allowing, document.model_copy(update={"agent": "tests.worker.agent_probe:broken"})
+    )
     client = allowing.store.client
     outcomes = []
     for attempt in (1, 2, 3):

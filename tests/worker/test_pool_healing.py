@@ -32,8 +32,7 @@ RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]
 
 
 def test_quick_deaths_double_the_backoff_up_to_the_cap_then_count_as_a_crash_loop() -> None:
-    policy = RestartPolicy(base_ms=100, cap_ms=350, stable_after_ms=10_000,
-                           crash_loop_deaths=5)
+    policy = RestartPolicy(base_ms=100, cap_ms=350, stable_after_ms=10_000, crash_loop_deaths=5)
     quick, delays = 0, []
     for _ in range(4):
         quick, delay = policy.after_death(quick, lived_ms=20)
@@ -43,8 +42,7 @@ def test_quick_deaths_double_the_backoff_up_to_the_cap_then_count_as_a_crash_loo
 
 
 def test_a_process_that_lived_a_while_resets_its_slots_count() -> None:
-    policy = RestartPolicy(base_ms=100, cap_ms=10_000, stable_after_ms=10_000,
-                           crash_loop_deaths=3)
+    policy = RestartPolicy(base_ms=100, cap_ms=10_000, stable_after_ms=10_000, crash_loop_deaths=3)
     quick, _ = policy.after_death(0, lived_ms=5)
     quick, _ = policy.after_death(quick, lived_ms=5)
     assert quick == 2
@@ -114,13 +112,19 @@ def pool_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
     env.update(
         RATCHET_REDIS_URL=settings.redis_url.get_secret_value() if settings.redis_url else "",
-        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX, RATCHET_QUEUE=settings.queue,
-        RATCHET_STATE_DIR=str(settings.state_dir), RATCHET_LEASE_TTL_MS="1500",
-        RATCHET_RENEW_INTERVAL_MS="300", RATCHET_STALL_TIMEOUT_MS="20000",
-        RATCHET_REAPER_INTERVAL_MS="200", RATCHET_JOB_TIMEOUT_S="600",
+        RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX,
+        RATCHET_QUEUE=settings.queue,
+        RATCHET_STATE_DIR=str(settings.state_dir),
+        RATCHET_LEASE_TTL_MS="1500",
+        RATCHET_RENEW_INTERVAL_MS="300",
+        RATCHET_STALL_TIMEOUT_MS="20000",
+        RATCHET_REAPER_INTERVAL_MS="200",
+        RATCHET_JOB_TIMEOUT_S="600",
         RATCHET_VERIFIER_SANDBOX=settings.verifier_sandbox.value,
-        RATCHET_WORKER_RESTART_BACKOFF_MS="50", RATCHET_WORKER_RESTART_BACKOFF_MAX_MS="200",
-        RATCHET_LOG_LEVEL="INFO")
+        RATCHET_WORKER_RESTART_BACKOFF_MS="50",
+        RATCHET_WORKER_RESTART_BACKOFF_MAX_MS="200",
+        RATCHET_LOG_LEVEL="INFO",
+    )
     return env
 
 
@@ -129,9 +133,14 @@ def running_pool(settings: Settings, tmp_path: Path) -> Iterator[Pool]:
     env = pool_env(settings)
     log_path = tmp_path / "pool.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([*RATCHET, "worker", "--concurrency", "1"], env=env,
-                                cwd=tmp_path, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=log)
+        proc = subprocess.Popen(
+            [*RATCHET, "worker", "--concurrency", "1"],
+            env=env,
+            cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
     pool = Pool(proc, log_path)
     try:
         yield pool
@@ -153,7 +162,9 @@ pool_test = pytest.mark.slow
 
 @pool_test
 def test_a_killed_worker_is_logged_and_replaced_and_sigterm_then_drains_with_no_restart(
-    fleet: Fleet, settings: Settings, tmp_path: Path,
+    fleet: Fleet,
+    settings: Settings,
+    tmp_path: Path,
     workspace: Callable[..., tuple[Path, RunDocument]],
 ) -> None:
     with running_pool(settings, tmp_path) as pool:
@@ -161,16 +172,23 @@ def test_a_killed_worker_is_logged_and_replaced_and_sigterm_then_drains_with_no_
         os.kill(first, signal.SIGKILL)
         second = pool.one_worker(other_than=first)
         assert gone(first)
-        poll(lambda: os.getpgid(second) == second, deadline_s=30,
-             what="the new worker process in a process group of its own")
+        poll(
+            lambda: os.getpgid(second) == second,
+            deadline_s=30,
+            what="the new worker process in a process group of its own",
+        )
         poll(lambda: "started in place" in pool.log, deadline_s=30, what="the restart line")
-        assert (f"worker process {first} (slot 0) died: killed by SIGKILL (death 1 of this "
-                "pool)") in pool.log
+        assert (
+            f"worker process {first} (slot 0) died: killed by SIGKILL (death 1 of this pool)"
+        ) in pool.log
 
         _, document = workspace()
         run_id = submit(fleet, document)
-        poll(lambda: phase(fleet, run_id) == "completed", deadline_s=90,
-             what="the run completed by the replacement")
+        poll(
+            lambda: phase(fleet, run_id) == "completed",
+            deadline_s=90,
+            what="the run completed by the replacement",
+        )
         assert {owner.rsplit("-", 1)[-1] for owner in owners(fleet, run_id)} == {str(second)}
 
         pool.proc.send_signal(signal.SIGTERM)
@@ -185,7 +203,9 @@ def test_a_killed_worker_is_logged_and_replaced_and_sigterm_then_drains_with_no_
 
 @pool_test
 def test_workers_that_die_as_they_start_end_the_pool_with_the_crash_loop_code(
-    redis_server: RedisServer, settings: Settings, tmp_path: Path,
+    redis_server: RedisServer,
+    settings: Settings,
+    tmp_path: Path,
 ) -> None:
     with running_pool(settings, tmp_path) as pool:
         first = pool.one_worker()  # the pool passed its own start-up checks

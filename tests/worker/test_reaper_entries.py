@@ -23,8 +23,11 @@ def dead_holder(fleet: Fleet, workspace: MakeWorkspace, name: str) -> str:
     run_id = submit(fleet, document, run_id=name)
     lease = fleet.store.acquire(run_id, owner="w-dead", ttl_ms=60)
     assert lease is not None
-    poll(lambda: not fleet.store.read_run(run_id).lease_live, deadline_s=10,
-         what="the dead worker's lease expired")
+    poll(
+        lambda: not fleet.store.read_run(run_id).lease_live,
+        deadline_s=10,
+        what="the dead worker's lease expired",
+    )
     return run_id
 
 

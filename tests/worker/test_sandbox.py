@@ -29,7 +29,7 @@ from ratchet.worker.settings import Settings
 from tests.conftest import require_sandbox
 from tests.worker.fleet_harness import poll, workers
 
-HUNT = r'''
+HUNT = r"""
 import json, os, time
 KEY_FILE = {key_file!r}
 loot = {{"pid": os.getpid(), "procs": [], "read": {{}}}}
@@ -70,7 +70,7 @@ for root, dirs, names in os.walk("/"):
         except OSError:
             pass
 open("loot.txt", "w").write(json.dumps(loot))
-'''
+"""
 
 
 def hunting_document(root: Path, key_file: Path) -> RunDocument:
@@ -78,20 +78,35 @@ def hunting_document(root: Path, key_file: Path) -> RunDocument:
     hold a key into ``loot.txt``, a file the agent may read back) and runs it as the
     verifier. The agent knows where keys usually live, never the key."""
     hunt = HUNT.format(key_file=str(key_file))
-    scenario = Scenario.model_validate({
-        "schema_version": 1, "task_id": "hunt", "task_version": "1", "policy_id": "p",
-        "policy_version": "1", "permissions": ["write_file", "run_verifier", "finish"],
-        "allowed_paths": ["app.py", "hunt.py", "loot.txt"],
-        "allowed_verifier_targets": ["unit"], "approval_required": [],
-        "budgets": {"proposals": 10, "steps": 10, "wall_clock_seconds": 3600,
-                    "cost_units": 0},
-        "initial_files": {}, "verifier": {"target": "unit", "expected_files": {}},
-    })
-    plan = [{"kind": "write_file", "args": {"path": "hunt.py", "content": hunt}},
-            {"kind": "run_verifier", "args": {"target": "unit"}}]
-    return RunDocument(scenario=scenario, agent="scripted", agent_config={"steps": plan},
-                       environment=EnvironmentSpec(root=str(root.resolve()), verifiers={
-                           "unit": VerifierSpec(argv=(sys.executable, "hunt.py"))}))
+    scenario = Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "hunt",
+            "task_version": "1",
+            "policy_id": "p",
+            "policy_version": "1",
+            "permissions": ["write_file", "run_verifier", "finish"],
+            "allowed_paths": ["app.py", "hunt.py", "loot.txt"],
+            "allowed_verifier_targets": ["unit"],
+            "approval_required": [],
+            "budgets": {"proposals": 10, "steps": 10, "wall_clock_seconds": 3600, "cost_units": 0},
+            "initial_files": {},
+            "verifier": {"target": "unit", "expected_files": {}},
+        }
+    )
+    plan = [
+        {"kind": "write_file", "args": {"path": "hunt.py", "content": hunt}},
+        {"kind": "run_verifier", "args": {"target": "unit"}},
+    ]
+    return RunDocument(
+        scenario=scenario,
+        agent="scripted",
+        agent_config={"steps": plan},
+        environment=EnvironmentSpec(
+            root=str(root.resolve()),
+            verifiers={"unit": VerifierSpec(argv=(sys.executable, "hunt.py"))},
+        ),
+    )
 
 
 @pytest.fixture
@@ -101,25 +116,34 @@ def keyed(settings: Settings, tmp_path: Path) -> tuple[Settings, str, Path]:
     key_file.parent.mkdir()
     key_file.write_text(json.dumps({"signing": "k1", "keys": {"k1": key}, "retired": []}))
     key_file.chmod(0o600)
-    return (settings.model_copy(update={"checkpoint_key": None,
-                                        "checkpoint_keys_file": key_file}), key, key_file)
+    return (
+        settings.model_copy(update={"checkpoint_key": None, "checkpoint_keys_file": key_file}),
+        key,
+        key_file,
+    )
 
 
-def hunt_under_a_worker(settings: Settings, key: str, key_file: Path,
-                        tmp_path: Path) -> dict[str, object]:
+def hunt_under_a_worker(
+    settings: Settings, key: str, key_file: Path, tmp_path: Path
+) -> dict[str, object]:
     fleet = Fleet.connect(settings)
     root = make_greeting_workspace(tmp_path / "ws")
     run_id = submit(fleet, hunting_document(root, key_file))
     # The worker's own environment names the key file (as a deployment's would).
-    env = {"RATCHET_CHECKPOINT_KEYS_FILE": str(key_file),
-           "RATCHET_REDIS_URL": settings.redis_url.get_secret_value()
-           if settings.redis_url else ""}
+    env = {
+        "RATCHET_CHECKPOINT_KEYS_FILE": str(key_file),
+        "RATCHET_REDIS_URL": settings.redis_url.get_secret_value() if settings.redis_url else "",
+    }
     with workers(settings) as pool:
         pool.start(1, env=env)
-        poll((root / "loot.txt").exists, deadline_s=90,
-             what="the agent's test ran and wrote what it found")
-        poll(lambda: not fleet.store.read_run(run_id).lease_live, deadline_s=60,
-             what="the job ended")
+        poll(
+            (root / "loot.txt").exists,
+            deadline_s=90,
+            what="the agent's test ran and wrote what it found",
+        )
+        poll(
+            lambda: not fleet.store.read_run(run_id).lease_live, deadline_s=60, what="the job ended"
+        )
     loot = json.loads((root / "loot.txt").read_text())
     assert isinstance(loot, dict)
     return loot
@@ -177,10 +201,11 @@ def test_a_worker_with_no_possible_sandbox_refuses_verifier_runs(tmp_path: Path)
     if unavailable.confined:
         pytest.skip("a bwrap binary was found despite the bogus path")
     assert unavailable.mode is SandboxMode.AUTO and "bwrap" in unavailable.unavailable
-    verifier = CommandVerifier({"unit": ["/bin/sh", "-c", f"touch {marker}"]},
-                               sandbox=unavailable)
-    with WorkspaceAdapter(root, ["app.py"], verifier=verifier) as adapter, \
-            pytest.raises(ConfigurationError, match="no sandbox is available"):
+    verifier = CommandVerifier({"unit": ["/bin/sh", "-c", f"touch {marker}"]}, sandbox=unavailable)
+    with (
+        WorkspaceAdapter(root, ["app.py"], verifier=verifier) as adapter,
+        pytest.raises(ConfigurationError, match="no sandbox is available"),
+    ):
         adapter.verify("unit")
     assert not marker.exists()
 
@@ -191,8 +216,7 @@ def test_a_worker_refuses_the_run_with_an_incident_when_no_sandbox_is_possible(
     fleet = Fleet.connect(settings)
     root = make_greeting_workspace(tmp_path / "ws")
     run_id = submit(fleet, hunting_document(root, tmp_path / "nothing"))
-    fleet.__dict__["sandbox"] = Sandbox.resolve(SandboxMode.AUTO,
-                                                bwrap=str(tmp_path / "no-bwrap"))
+    fleet.__dict__["sandbox"] = Sandbox.resolve(SandboxMode.AUTO, bwrap=str(tmp_path / "no-bwrap"))
     if fleet.sandbox.confined:
         pytest.skip("a bwrap binary was found despite the bogus path")
     report = execute_run(fleet, run_id, owner="w-nosandbox")
@@ -243,8 +267,9 @@ def test_a_virtualenv_under_tmp_stays_visible_inside_the_sandbox(tmp_path: Path)
     venv.EnvBuilder(with_pip=False, symlinks=True).create(tmp_path / "venv")
     python = tmp_path / "venv" / "bin" / "python"
     root = make_greeting_workspace(tmp_path / "ws")
-    verifier = CommandVerifier({"unit": [str(python), "-c", "print('inside')"]},
-                               sandbox=Sandbox.resolve(SandboxMode.BWRAP))
+    verifier = CommandVerifier(
+        {"unit": [str(python), "-c", "print('inside')"]}, sandbox=Sandbox.resolve(SandboxMode.BWRAP)
+    )
     with WorkspaceAdapter(root, ["app.py"], verifier=verifier) as adapter:
         report = adapter.verify("unit")
     assert report.passed, verifier.last_run

@@ -28,8 +28,9 @@ ALICE = Ed25519PrivateKey.generate()
 
 def test_the_store_clock_is_an_upper_bound_that_follows_the_monotonic_clock() -> None:
     now = [100.0]
-    clock = StoreClock(5_000_000, sent_at=100.0, margin_ms=1000, drift_ppm=1000,
-                       monotonic=lambda: now[0])
+    clock = StoreClock(
+        5_000_000, sent_at=100.0, margin_ms=1000, drift_ppm=1000, monotonic=lambda: now[0]
+    )
     assert clock.now_ms() == 5_001_000
     now[0] = 110.0  # ten seconds later by the monotonic clock
     assert clock.now_ms() == 5_000_000 + 10_010 + 1000
@@ -44,11 +45,23 @@ def test_the_store_clock_is_an_upper_bound_that_follows_the_monotonic_clock() ->
 def test_a_host_far_from_the_stores_clock_is_refused(skew_s: int) -> None:
     store_ms = int(time.time() * 1000)
     with pytest.raises(ConfigurationError, match="from the Redis server's"):
-        check_clock_skew(store_ms, sent_at_wall=store_ms / 1000 + skew_s,
-                         received_at_wall=store_ms / 1000 + skew_s, max_skew_ms=2000)
-    assert abs(check_clock_skew(store_ms, sent_at_wall=store_ms / 1000,
-                                received_at_wall=store_ms / 1000 + 0.01,
-                                max_skew_ms=2000)) < 0.1
+        check_clock_skew(
+            store_ms,
+            sent_at_wall=store_ms / 1000 + skew_s,
+            received_at_wall=store_ms / 1000 + skew_s,
+            max_skew_ms=2000,
+        )
+    assert (
+        abs(
+            check_clock_skew(
+                store_ms,
+                sent_at_wall=store_ms / 1000,
+                received_at_wall=store_ms / 1000 + 0.01,
+                max_skew_ms=2000,
+            )
+        )
+        < 0.1
+    )
 
 
 def test_a_worker_whose_wall_clock_is_two_hours_off_refuses_to_start(
@@ -66,16 +79,17 @@ def effects(root: Path) -> int:
         return adapter.effects
 
 
-def approved(fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path, run_id: str, *,
-             ttl_s: int) -> tuple[Fleet, Posted]:
+def approved(
+    fleet: Fleet, workspace: MakeWorkspace, tmp_path: Path, run_id: str, *, ttl_s: int
+) -> tuple[Fleet, Posted]:
     """A run waiting for approval, approved by a trusted approver for ``ttl_s``."""
-    fleet = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json",
-                                                        {"alice": ALICE}))
+    fleet = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json", {"alice": ALICE}))
     run_awaiting_approval(fleet, workspace, run_id)
     pending = inspect_run(fleet, run_id).state.pending
     assert pending is not None
-    return fleet, approve(fleet, run_id, pending.action.action_id, key=ALICE,
-                          approver_id="alice", ttl_s=ttl_s)
+    return fleet, approve(
+        fleet, run_id, pending.action.action_id, key=ALICE, approver_id="alice", ttl_s=ttl_s
+    )
 
 
 def test_an_approval_expired_by_redis_time_never_executes_on_a_worker_two_hours_behind(
@@ -84,8 +98,11 @@ def test_an_approval_expired_by_redis_time_never_executes_on_a_worker_two_hours_
     run_id = "r-skew-behind"
     fleet, posted = approved(fleet, workspace, tmp_path, run_id, ttl_s=1)
     expires_ms = posted.evidence.claims.expires_at * 1000  # type: ignore[union-attr]
-    poll(lambda: fleet.store.server_time_ms() > expires_ms + 1000, deadline_s=10,
-         what="the approval expired by Redis' clock")
+    poll(
+        lambda: fleet.store.server_time_ms() > expires_ms + 1000,
+        deadline_s=10,
+        what="the approval expired by Redis' clock",
+    )
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() - 7200)  # the worker's clock is behind
     report = execute_run(fleet, run_id, owner="w-behind")

@@ -67,9 +67,15 @@ def test_the_commands_say_in_one_line_what_happened_to_the_store(
     env.update(RATCHET_REDIS_URL=redis_server.url, RATCHET_CHECKPOINT_KEY=CHECKPOINT_KEY_HEX)
 
     def ratchet(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "ratchet.cli.entry", *args], env=env,
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                              check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "ratchet.cli.entry", *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
 
     redis_server.client().delete("ratchet:store:epoch")
     listed = ratchet("runs")
@@ -85,9 +91,9 @@ def test_the_commands_say_in_one_line_what_happened_to_the_store(
 def test_a_store_out_of_memory_is_a_typed_refusal(tmp_path: Path) -> None:
     from redis.exceptions import ResponseError
 
-    with RedisServer(tmp_path / "redis", extra_args=["--maxmemory", "2mb",
-                                                     "--maxmemory-policy",
-                                                     "noeviction"]) as server:
+    with RedisServer(
+        tmp_path / "redis", extra_args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]
+    ) as server:
         client = server.client()
         store = RedisStore(client)
         store.init_epoch()
@@ -95,8 +101,9 @@ def test_a_store_out_of_memory_is_a_typed_refusal(tmp_path: Path) -> None:
             for index in range(10_000):
                 client.set(f"fill:{index}", b"x" * 4096)
         with pytest.raises(StoreFullError) as err:
-            store.create_run("r-oom", task_id="t", env_instance_id="e", scenario=b"{}",
-                             checkpoint=b"x" * 2048)
+            store.create_run(
+                "r-oom", task_id="t", env_instance_id="e", scenario=b"{}", checkpoint=b"x" * 2048
+            )
         assert err.value.context["reason"] == "oom"
         assert store.read_epoch() is not None  # reads still work
 
@@ -133,10 +140,28 @@ def test_the_orders_service_binds_one_store_epoch(tmp_path: Path) -> None:
 
     with serve(OrdersService(tmp_path / "orders.sqlite3")) as running:
         adapter = HttpAdapter(running.url)
-        adapter.raise_fence(Fence(run_id="r-1", lease_version=1, state_version=1,
-                                  store_epoch="ep-aaaaaaaaaaaaaaaaaaaaaaaa"))
+        adapter.raise_fence(
+            Fence(
+                run_id="r-1",
+                lease_version=1,
+                state_version=1,
+                store_epoch="ep-aaaaaaaaaaaaaaaaaaaaaaaa",
+            )
+        )
         with pytest.raises(FenceRejectedError):
-            adapter.raise_fence(Fence(run_id="r-2", lease_version=1, state_version=1,
-                                      store_epoch="ep-bbbbbbbbbbbbbbbbbbbbbbbb"))
-        adapter.raise_fence(Fence(run_id="r-3", lease_version=1, state_version=1,
-                                  store_epoch="ep-aaaaaaaaaaaaaaaaaaaaaaaa"))
+            adapter.raise_fence(
+                Fence(
+                    run_id="r-2",
+                    lease_version=1,
+                    state_version=1,
+                    store_epoch="ep-bbbbbbbbbbbbbbbbbbbbbbbb",
+                )
+            )
+        adapter.raise_fence(
+            Fence(
+                run_id="r-3",
+                lease_version=1,
+                state_version=1,
+                store_epoch="ep-aaaaaaaaaaaaaaaaaaaaaaaa",
+            )
+        )

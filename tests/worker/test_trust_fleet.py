@@ -41,13 +41,19 @@ def test_a_worker_process_runs_nothing_from_a_document_rewritten_in_redis(
     run_id = submit(fleet, document)
     marker = tmp_path / "verifier-ran"
     shell = VerifierSpec(argv=("/bin/sh", "-c", f"touch {marker}; exit 0"))
-    hostile = document.model_copy(update={"environment": document.environment.model_copy(
-        update={"verifiers": {"unit": shell}})})
+    hostile = document.model_copy(
+        update={
+            "environment": document.environment.model_copy(update={"verifiers": {"unit": shell}})
+        }
+    )
     fleet.store.client.set(run_keys(run_id).scenario, hostile.model_dump_json().encode())
     with workers(settings) as pool:
         pool.start(1)
-        poll(lambda: incident(fleet, run_id, "restore_refused") is not None, deadline_s=60,
-             what="the worker refused the run")
+        poll(
+            lambda: incident(fleet, run_id, "restore_refused") is not None,
+            deadline_s=60,
+            what="the worker refused the run",
+        )
     found = incident(fleet, run_id, "restore_refused")
     assert found is not None and found["reason"] == "document"
     assert not marker.exists() and effects(root) == 0
@@ -59,12 +65,16 @@ def test_a_worker_process_loads_no_agent_outside_its_allow_list(
     marker = tmp_path / "agent-imported"
     root, document = workspace()
     submitter = Fleet.connect(settings.model_copy(update={"agents": ("tests.worker",)}))
-    run_id = submit(submitter, document.model_copy(
-        update={"agent": "tests.worker.agent_probe:make"}))
+    run_id = submit(
+        submitter, document.model_copy(update={"agent": "tests.worker.agent_probe:make"})
+    )
     with workers(settings) as pool:  # the workers' own settings allow no such prefix
         pool.start(1, env={"RATCHET_PROBE_AGENT_MARKER": str(marker)})
-        poll(lambda: incident(fleet, run_id, "restore_refused") is not None, deadline_s=60,
-             what="the worker refused the agent")
+        poll(
+            lambda: incident(fleet, run_id, "restore_refused") is not None,
+            deadline_s=60,
+            what="the worker refused the agent",
+        )
     found = incident(fleet, run_id, "restore_refused")
     assert found is not None and "not allowed on this worker" in str(found["message"])
     assert not marker.exists() and effects(root) == 0
@@ -75,11 +85,13 @@ def skewed_python(tmp_path: Path, seconds: int) -> dict[str, str]:
     that shifts ``time.time`` in every interpreter it starts."""
     site = tmp_path / f"skew{seconds}"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""
+    (site / "sitecustomize.py").write_text(
+        textwrap.dedent(f"""
         import time
         _real = time.time
         time.time = lambda: _real() + ({seconds})
-    """))
+    """)
+    )
     return {"PYTHONPATH": f"{site}:{':'.join(p for p in sys.path if p)}"}
 
 
@@ -87,7 +99,7 @@ def test_a_worker_process_two_hours_behind_refuses_to_start(
     settings: Settings, tmp_path: Path
 ) -> None:
     with workers(settings) as pool:
-        proc, = pool.start(1, env=skewed_python(tmp_path, -7200))
+        (proc,) = pool.start(1, env=skewed_python(tmp_path, -7200))
         proc.join(timeout=60)
         assert proc.exitcode == 2
 
@@ -95,22 +107,28 @@ def test_a_worker_process_two_hours_behind_refuses_to_start(
 def test_a_worker_process_two_hours_behind_never_executes_an_expired_approval(
     fleet: Fleet, settings: Settings, workspace: MakeWorkspace, tmp_path: Path
 ) -> None:
-    fleet = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json",
-                                                        {"alice": ALICE}))
+    fleet = with_trust(fleet, approvers_file=trust_file(tmp_path / "a.json", {"alice": ALICE}))
     run_id = run_awaiting_approval(fleet, workspace, "r-fleet-skew")
     pending = inspect_run(fleet, run_id).state.pending
     assert pending is not None
-    posted = approve(fleet, run_id, pending.action.action_id, key=ALICE,
-                     approver_id="alice", ttl_s=1)
+    posted = approve(
+        fleet, run_id, pending.action.action_id, key=ALICE, approver_id="alice", ttl_s=1
+    )
     expires_ms = posted.evidence.claims.expires_at * 1000  # type: ignore[union-attr]
-    poll(lambda: fleet.store.server_time_ms() > expires_ms + 1000, deadline_s=10,
-         what="the approval expired by Redis' clock")
+    poll(
+        lambda: fleet.store.server_time_ms() > expires_ms + 1000,
+        deadline_s=10,
+        what="the approval expired by Redis' clock",
+    )
     # A worker allowed to start with a clock this far off, to show what it then does.
     tolerant = fleet.settings.model_copy(update={"max_clock_skew_ms": 3 * 3600 * 1000})
     with workers(tolerant) as pool:
         pool.start(1, env=skewed_python(tmp_path, -7200))
-        poll(lambda: incident(fleet, run_id, "evidence_refused") is not None,
-             deadline_s=60, what="the worker refused the expired approval")
+        poll(
+            lambda: incident(fleet, run_id, "evidence_refused") is not None,
+            deadline_s=60,
+            what="the worker refused the expired approval",
+        )
     found = incident(fleet, run_id, "evidence_refused")
     assert found is not None and found["reason"] == "expired"
     view = inspect_run(fleet, run_id)
@@ -125,8 +143,11 @@ def test_a_worker_process_started_before_a_wipe_runs_nothing_after_it(
         pool.start(1)
         _first_root, first_doc = workspace()
         first = submit(fleet, first_doc)
-        poll(lambda: "finished" in job_outcomes(fleet, first), deadline_s=60,
-             what="the worker up and done with a run on the old store")
+        poll(
+            lambda: "finished" in job_outcomes(fleet, first),
+            deadline_s=60,
+            what="the worker up and done with a run on the old store",
+        )
         client = redis_server.client()
         for key in list(client.scan_iter(match="ratchet:*")):  # ratchet's data is gone
             client.delete(key)  # (RQ's queue, on the same Redis here, stays)
@@ -134,8 +155,11 @@ def test_a_worker_process_started_before_a_wipe_runs_nothing_after_it(
         fresh = Fleet.connect(settings)
         root, document = workspace()
         run_id = submit(fresh, document)
-        poll(lambda: "store_epoch_changed" in job_outcomes(fresh, run_id), deadline_s=60,
-             what="the old worker refusing the new store")
+        poll(
+            lambda: "store_epoch_changed" in job_outcomes(fresh, run_id),
+            deadline_s=60,
+            what="the old worker refusing the new store",
+        )
     assert effects(root) == 0
     assert fresh.store.read_run(run_id).lease_version == 0
     assert set(job_outcomes(fresh, run_id)) == {"store_epoch_changed"}

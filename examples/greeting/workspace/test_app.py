@@ -11,8 +11,13 @@ from pathlib import Path
 
 def test_app_prints_the_greeting() -> None:
     app = Path(__file__).with_name("app.py")
-    out = subprocess.run([sys.executable, str(app)], capture_output=True, text=True,  # noqa: S603
-                         check=True, timeout=60)
+    out = subprocess.run(  # noqa: S603
+        [sys.executable, str(app)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     if out.stdout != "Hello, world\n":
         raise AssertionError(f"unexpected greeting: {out.stdout!r}")
 

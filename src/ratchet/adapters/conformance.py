@@ -76,8 +76,9 @@ class ConformanceSubject:
     close: Callable[[], None] = field(default=_nothing)
 
     def fence(self, lease_version: int, state_version: int, run_id: str | None = None) -> Fence:
-        return Fence(run_id=run_id or self.run_id, lease_version=lease_version,
-                     state_version=state_version)
+        return Fence(
+            run_id=run_id or self.run_id, lease_version=lease_version, state_version=state_version
+        )
 
     def write(self, key: str, variant: int = 0) -> Action:
         return self.make_write(key, variant, self.adapter.observe().version)
@@ -261,8 +262,12 @@ def stale_precondition_is_refused(s: ConformanceSubject) -> None:
     exc = _refused(name, AdapterError, lambda: s.execute(late, s.fence(1, 2)))
     if isinstance(exc, FenceRejectedError | IdempotencyConflictError):
         raise _fail(name, f"refused for the wrong reason: {type(exc).__name__}")
-    _same(name, "retryable", exc.context.get("retryable") if isinstance(
-        exc, AdapterError) else None, False)
+    _same(
+        name,
+        "retryable",
+        exc.context.get("retryable") if isinstance(exc, AdapterError) else None,
+        False,
+    )
     _same(name, "effects", s.effects(), effects)
 
 
@@ -295,30 +300,48 @@ def drift_behind_the_adapter_changes_the_observation(s: ConformanceSubject) -> N
 
 CHECKS: tuple[ConformanceCheck, ...] = (
     ConformanceCheck("fence_lower_than_seen_is_refused", fence_lower_than_seen_is_refused),
-    ConformanceCheck("stale_request_after_newer_request_is_refused",
-                     stale_request_after_newer_request_is_refused),
-    ConformanceCheck("equal_fence_is_accepted_and_fences_are_per_run",
-                     equal_fence_is_accepted_and_fences_are_per_run),
-    ConformanceCheck("same_key_same_intent_returns_the_identical_receipt",
-                     same_key_same_intent_returns_the_identical_receipt),
-    ConformanceCheck("same_key_other_intent_conflicts_with_the_existing_receipt",
-                     same_key_other_intent_conflicts_with_the_existing_receipt),
-    ConformanceCheck("lookup_returns_the_authoritative_receipt_or_none",
-                     lookup_returns_the_authoritative_receipt_or_none),
+    ConformanceCheck(
+        "stale_request_after_newer_request_is_refused", stale_request_after_newer_request_is_refused
+    ),
+    ConformanceCheck(
+        "equal_fence_is_accepted_and_fences_are_per_run",
+        equal_fence_is_accepted_and_fences_are_per_run,
+    ),
+    ConformanceCheck(
+        "same_key_same_intent_returns_the_identical_receipt",
+        same_key_same_intent_returns_the_identical_receipt,
+    ),
+    ConformanceCheck(
+        "same_key_other_intent_conflicts_with_the_existing_receipt",
+        same_key_other_intent_conflicts_with_the_existing_receipt,
+    ),
+    ConformanceCheck(
+        "lookup_returns_the_authoritative_receipt_or_none",
+        lookup_returns_the_authoritative_receipt_or_none,
+    ),
     ConformanceCheck("receipts_carry_their_identity", receipts_carry_their_identity),
-    ConformanceCheck("observe_after_a_write_equals_the_projection",
-                     observe_after_a_write_equals_the_projection),
-    ConformanceCheck("projection_from_a_stale_observation_is_none",
-                     projection_from_a_stale_observation_is_none),
-    ConformanceCheck("reobservation_without_writes_is_stable",
-                     reobservation_without_writes_is_stable),
-    ConformanceCheck("stale_precondition_is_refused", stale_precondition_is_refused,
-                     needs="check_preconditions"),
-    ConformanceCheck("a_second_handle_sees_the_same_instance_receipts_and_fences",
-                     a_second_handle_sees_the_same_instance_receipts_and_fences,
-                     needs="reopen"),
-    ConformanceCheck("drift_behind_the_adapter_changes_the_observation",
-                     drift_behind_the_adapter_changes_the_observation, needs="drift"),
+    ConformanceCheck(
+        "observe_after_a_write_equals_the_projection", observe_after_a_write_equals_the_projection
+    ),
+    ConformanceCheck(
+        "projection_from_a_stale_observation_is_none", projection_from_a_stale_observation_is_none
+    ),
+    ConformanceCheck(
+        "reobservation_without_writes_is_stable", reobservation_without_writes_is_stable
+    ),
+    ConformanceCheck(
+        "stale_precondition_is_refused", stale_precondition_is_refused, needs="check_preconditions"
+    ),
+    ConformanceCheck(
+        "a_second_handle_sees_the_same_instance_receipts_and_fences",
+        a_second_handle_sees_the_same_instance_receipts_and_fences,
+        needs="reopen",
+    ),
+    ConformanceCheck(
+        "drift_behind_the_adapter_changes_the_observation",
+        drift_behind_the_adapter_changes_the_observation,
+        needs="drift",
+    ),
 )
 
 
@@ -345,8 +368,7 @@ def run_check(check: ConformanceCheck | str, factory: SubjectFactory) -> bool:
         ConformanceError: the adapter broke the contract (``check`` names the check).
         KeyError: no check has that name.
     """
-    chosen = check if isinstance(check, ConformanceCheck) else {
-        c.name: c for c in CHECKS}[check]
+    chosen = check if isinstance(check, ConformanceCheck) else {c.name: c for c in CHECKS}[check]
     subject = factory()
     try:
         if not _capable(chosen, subject):

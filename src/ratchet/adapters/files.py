@@ -58,8 +58,9 @@ def file_sha(path: Path) -> str | None:
     except FileNotFoundError:
         return None
     except (IsADirectoryError, NotADirectoryError):
-        raise AdapterError("path is not a regular file", retryable=False,
-                           path=str(path.name)) from None
+        raise AdapterError(
+            "path is not a regular file", retryable=False, path=str(path.name)
+        ) from None
 
 
 class AllowedPaths:
@@ -78,8 +79,7 @@ class AllowedPaths:
             except ValueError as exc:
                 raise ConfigurationError(f"allowed path {raw!r}: {exc}", path=raw) from None
             if path.split("/")[0] == STATE_DIR:
-                raise ConfigurationError("the state folder cannot be an allowed path",
-                                         path=raw)
+                raise ConfigurationError("the state folder cannot be an allowed path", path=raw)
             checked.append(path)
         if not checked:
             raise ConfigurationError("a workspace needs at least one allowed path")
@@ -107,8 +107,9 @@ class AllowedPaths:
             elif base.is_dir():
                 for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
                     dirnames.sort()
-                    for name in sorted(filenames) + [d for d in dirnames
-                                                     if Path(dirpath, d).is_symlink()]:
+                    for name in sorted(filenames) + [
+                        d for d in dirnames if Path(dirpath, d).is_symlink()
+                    ]:
                         full = Path(dirpath, name)
                         rel = full.relative_to(root).as_posix()
                         if full.is_symlink():
@@ -136,8 +137,13 @@ def fingerprint(files: Mapping[str, str], git: GitState | None) -> str:
 def _git_env() -> dict[str, str]:
     # A clean environment: no inherited GIT_DIR / GIT_WORK_TREE, no optional locks (an
     # observation must not take index.lock from under a concurrent git command).
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_OPTIONAL_LOCKS": "0",
-            "GIT_CONFIG_NOSYSTEM": "1", "HOME": os.devnull, "LC_ALL": "C"}
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "GIT_OPTIONAL_LOCKS": "0",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "HOME": os.devnull,
+        "LC_ALL": "C",
+    }
 
 
 def _git(root: Path, args: Sequence[str], stdin: bytes | None = None) -> bytes:
@@ -146,14 +152,21 @@ def _git(root: Path, args: Sequence[str], stdin: bytes | None = None) -> bytes:
         raise AdapterError("git is not installed", retryable=False)
     try:
         done = subprocess.run(  # noqa: S603 - fixed argv, no shell
-            [git, "-C", str(root), *args], input=stdin, capture_output=True,
-            env=_git_env(), timeout=_GIT_TIMEOUT_SECONDS, check=False)
+            [git, "-C", str(root), *args],
+            input=stdin,
+            capture_output=True,
+            env=_git_env(),
+            timeout=_GIT_TIMEOUT_SECONDS,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise AdapterError("git could not be run", retryable=True,
-                           error=type(exc).__name__) from None
+        raise AdapterError(
+            "git could not be run", retryable=True, error=type(exc).__name__
+        ) from None
     if done.returncode != 0:
-        raise AdapterError("git failed", retryable=True, command=args[0],
-                           returncode=done.returncode)
+        raise AdapterError(
+            "git failed", retryable=True, command=args[0], returncode=done.returncode
+        )
     return done.stdout
 
 
@@ -172,8 +185,9 @@ def git_state(root: Path) -> GitState:
         AdapterError: git failed (retryable=True).
     """
     head = _git(root, ["rev-parse", "--verify", "-q", "HEAD"]).decode().strip() or "unborn"
-    status = _git(root, ["status", "--porcelain=v1", "-z", "--untracked-files=no",
-                         "--ignore-submodules=none"])
+    status = _git(
+        root, ["status", "--porcelain=v1", "-z", "--untracked-files=no", "--ignore-submodules=none"]
+    )
     changed: set[str] = set()
     entries = status.split(b"\0")
     i = 0

@@ -74,17 +74,21 @@ class HttpAdapter:
         ConfigurationError: the URL is not http(s) with a host, or a path is not absolute.
     """
 
-    def __init__(self, base_url: str, *, namespace: str = "orders-api",
-                 operations: Mapping[str, str] = DEFAULT_OPERATIONS,
-                 timeout_seconds: float = 10.0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        namespace: str = "orders-api",
+        operations: Mapping[str, str] = DEFAULT_OPERATIONS,
+        timeout_seconds: float = 10.0,
+        token: str | None = None,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigurationError("base_url must be http(s)://host[:port]",
-                                     base_url=base_url)
+            raise ConfigurationError("base_url must be http(s)://host[:port]", base_url=base_url)
         for name, path in operations.items():
             if not path.startswith("/"):
-                raise ConfigurationError("operation paths must start with '/'",
-                                         operation=name)
+                raise ConfigurationError("operation paths must start with '/'", operation=name)
         self._scheme = parts.scheme
         self._host = parts.hostname
         self._port = parts.port
@@ -97,8 +101,9 @@ class HttpAdapter:
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
 
     def __repr__(self) -> str:
-        return (f"HttpAdapter(host={self._host!r}, port={self._port!r}, "
-                f"namespace={self._namespace!r})")
+        return (
+            f"HttpAdapter(host={self._host!r}, port={self._port!r}, namespace={self._namespace!r})"
+        )
 
     @property
     def namespace(self) -> str:
@@ -106,12 +111,18 @@ class HttpAdapter:
 
     # -- transport --------------------------------------------------------------------------
 
-    def _send(self, method: str, path: str, body: bytes | None = None,
-              headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, Any]:
         """One request on a fresh connection. Raises _OutcomeUnknown on any transport
         failure or unreadable reply."""
-        conn_type = (http.client.HTTPSConnection if self._scheme == "https"
-                     else http.client.HTTPConnection)
+        conn_type = (
+            http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+        )
         conn = conn_type(self._host, self._port, timeout=self._timeout)
         sent = dict(headers or {})
         if method != "GET":
@@ -136,8 +147,9 @@ class HttpAdapter:
         try:
             return self._send("GET", path)
         except _OutcomeUnknown as exc:
-            raise AdapterError("service unreachable or reply unreadable", retryable=True,
-                               error=str(exc)) from None
+            raise AdapterError(
+                "service unreachable or reply unreadable", retryable=True, error=str(exc)
+            ) from None
 
     def _receipt(self, payload: Any) -> Receipt:
         try:
@@ -145,8 +157,9 @@ class HttpAdapter:
         except ValidationError:
             raise _OutcomeUnknown("malformed receipt") from None
         if receipt.namespace != self._namespace:
-            raise AdapterError("receipt is from another namespace", retryable=False,
-                               namespace=receipt.namespace)
+            raise AdapterError(
+                "receipt is from another namespace", retryable=False, namespace=receipt.namespace
+            )
         return receipt
 
     # -- observation ----------------------------------------------------------------------------
@@ -160,22 +173,29 @@ class HttpAdapter:
         """
         status, payload = self._get("/v1/identity")
         if status != 200 or not isinstance(payload, dict):
-            raise AdapterError("identity request failed", retryable=status >= 500,
-                               status=status)
+            raise AdapterError("identity request failed", retryable=status >= 500, status=status)
         service_id, revision = payload.get("service_id"), payload.get("revision")
         if payload.get("namespace") != self._namespace:
             raise AdapterError("service is in another namespace", retryable=False)
-        if not isinstance(service_id, str) or not isinstance(revision, int) or isinstance(
-                revision, bool):
+        if (
+            not isinstance(service_id, str)
+            or not isinstance(revision, int)
+            or isinstance(revision, bool)
+        ):
             raise AdapterError("identity reply is malformed", retryable=True)
         return self._observation(service_id, revision)
 
     def _observation(self, service_id: str, revision: int) -> Observation:
-        fingerprint = digest(Domain.ENVIRONMENT, {"service_id": service_id,
-                                                  "namespace": self._namespace,
-                                                  "revision": revision})
-        return Observation(instance_id=service_id, version=revision, fingerprint=fingerprint,
-                           details={"service_id": service_id, "namespace": self._namespace})
+        fingerprint = digest(
+            Domain.ENVIRONMENT,
+            {"service_id": service_id, "namespace": self._namespace, "revision": revision},
+        )
+        return Observation(
+            instance_id=service_id,
+            version=revision,
+            fingerprint=fingerprint,
+            details={"service_id": service_id, "namespace": self._namespace},
+        )
 
     def project(self, action: Action, before: Observation) -> Observation | None:
         """One committed call moves the revision on by one; None when ``before`` is not
@@ -199,38 +219,53 @@ class HttpAdapter:
             AdapterError: unreachable (retryable=True) or refused (retryable=False).
         """
         try:
-            status, payload = self._send("POST", "/v1/fences",
-                                         canonical_json(fence.model_dump()),
-                                         {"Content-Type": "application/json"})
+            status, payload = self._send(
+                "POST",
+                "/v1/fences",
+                canonical_json(fence.model_dump()),
+                {"Content-Type": "application/json"},
+            )
         except _OutcomeUnknown as exc:
-            raise AdapterError("fence could not be raised", retryable=True,
-                               error=str(exc)) from None
+            raise AdapterError(
+                "fence could not be raised", retryable=True, error=str(exc)
+            ) from None
         if status == 412:
-            raise FenceRejectedError("service has seen a newer fence", run_id=fence.run_id,
-                                     fence=fence.key(), seen=_seen(payload))
+            raise FenceRejectedError(
+                "service has seen a newer fence",
+                run_id=fence.run_id,
+                fence=fence.key(),
+                seen=_seen(payload),
+            )
         if status != 200:
             raise AdapterError("fence request failed", retryable=status >= 500, status=status)
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         """Send one external call under ``action.idempotency_key``; see the module table.
 
         Raises:
             FenceRejectedError, IdempotencyConflictError, AdapterError.
         """
         if action.kind is not ActionKind.EXTERNAL_CALL:
-            raise AdapterError("the HTTP adapter performs external_call only",
-                               retryable=False, kind=action.kind.value)
+            raise AdapterError(
+                "the HTTP adapter performs external_call only",
+                retryable=False,
+                kind=action.kind.value,
+            )
         path = self._operations.get(action.args["operation"])
         if path is None:
-            raise AdapterError("operation is not configured", retryable=False,
-                               operation=action.args["operation"])
+            raise AdapterError(
+                "operation is not configured", retryable=False, operation=action.args["operation"]
+            )
         key = action.idempotency_key
         if key is None:
             raise AdapterError("writes need an idempotency key", retryable=False)
         headers = {
-            "Content-Type": "application/json", "Idempotency-Key": key,
-            "Ratchet-Run-Id": fence.run_id, "Ratchet-Lease-Version": str(fence.lease_version),
+            "Content-Type": "application/json",
+            "Idempotency-Key": key,
+            "Ratchet-Run-Id": fence.run_id,
+            "Ratchet-Lease-Version": str(fence.lease_version),
             "Ratchet-State-Version": str(fence.state_version),
             "Ratchet-Intent-Digest": intent_digest,
         }
@@ -246,37 +281,50 @@ class HttpAdapter:
             if status in (200, 201):
                 receipt = self._receipt(payload)
             elif status == 422:
-                receipt = self._receipt(payload.get("receipt") if isinstance(payload, dict)
-                                        else None)
+                receipt = self._receipt(
+                    payload.get("receipt") if isinstance(payload, dict) else None
+                )
         except _OutcomeUnknown:
             # Timeline: request sent -> [reply lost] -> the service may have committed.
             # Never resend blindly: the key's receipt (or its absence) is the answer.
             return self._after_unknown(key, intent_digest)
         if status == 412:
-            raise FenceRejectedError("service has seen a newer fence", run_id=fence.run_id,
-                                     fence=fence.key(), seen=_seen(payload))
+            raise FenceRejectedError(
+                "service has seen a newer fence",
+                run_id=fence.run_id,
+                fence=fence.key(),
+                seen=_seen(payload),
+            )
         if status == 409:
-            raise AdapterError("a request with this key is in flight", retryable=True,
-                               idempotency_key=key)
+            raise AdapterError(
+                "a request with this key is in flight", retryable=True, idempotency_key=key
+            )
         if receipt is not None:
             if status == 422 or receipt.intent_digest != intent_digest:
-                raise IdempotencyConflictError("key was used for another intent",
-                                               idempotency_key=key, receipt=receipt)
+                raise IdempotencyConflictError(
+                    "key was used for another intent", idempotency_key=key, receipt=receipt
+                )
             if receipt.idempotency_key != key:
-                raise AdapterError("receipt names another key", retryable=False,
-                                   idempotency_key=key)
+                raise AdapterError(
+                    "receipt names another key", retryable=False, idempotency_key=key
+                )
             return receipt
         raise AdapterError("service refused the call", retryable=False, status=status)
 
     def _after_unknown(self, key: str, intent_digest: str) -> Receipt:
         receipt = self.lookup(key)
         if receipt is None:
-            raise AdapterError("outcome unknown and the service has no receipt yet; look "
-                               "the key up again before any retry", retryable=True,
-                               outcome="unknown", idempotency_key=key)
+            raise AdapterError(
+                "outcome unknown and the service has no receipt yet; look "
+                "the key up again before any retry",
+                retryable=True,
+                outcome="unknown",
+                idempotency_key=key,
+            )
         if receipt.intent_digest != intent_digest:
-            raise IdempotencyConflictError("key was used for another intent",
-                                           idempotency_key=key, receipt=receipt)
+            raise IdempotencyConflictError(
+                "key was used for another intent", idempotency_key=key, receipt=receipt
+            )
         return receipt
 
     def lookup(self, idempotency_key: str) -> Receipt | None:
@@ -289,21 +337,25 @@ class HttpAdapter:
         if status == 404:
             return None
         if status == 409:
-            raise AdapterError("a request with this key is in flight", retryable=True,
-                               idempotency_key=idempotency_key)
+            raise AdapterError(
+                "a request with this key is in flight",
+                retryable=True,
+                idempotency_key=idempotency_key,
+            )
         if status != 200:
-            raise AdapterError("receipt lookup failed", retryable=status >= 500,
-                               status=status)
+            raise AdapterError("receipt lookup failed", retryable=status >= 500, status=status)
         try:
             return self._receipt(payload)
         except _OutcomeUnknown:
-            raise AdapterError("receipt is malformed", retryable=True,
-                               idempotency_key=idempotency_key) from None
+            raise AdapterError(
+                "receipt is malformed", retryable=True, idempotency_key=idempotency_key
+            ) from None
 
     def read(self, action: Action) -> ReadResult:
         """Raises AdapterError: the HTTP adapter performs no reads."""
-        raise AdapterError("the HTTP adapter performs no reads", retryable=False,
-                           kind=action.kind.value)
+        raise AdapterError(
+            "the HTTP adapter performs no reads", retryable=False, kind=action.kind.value
+        )
 
     def verify(self, target: str) -> VerifierReport:
         """Raises AdapterError: the HTTP adapter has no verifier."""

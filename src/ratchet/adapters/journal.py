@@ -89,8 +89,12 @@ class _EpochRefused(Exception):  # noqa: N818 - an internal signal, turned into 
         return FenceRejectedError(
             "this environment serves another store (its epoch differs): a run of a wiped "
             "or re-initialised store may not write here; reset the environment to use it "
-            "with this store", run_id=fence.run_id, reason="store_epoch",
-            bound_epoch=self.bound, fence_epoch=fence.store_epoch)
+            "with this store",
+            run_id=fence.run_id,
+            reason="store_epoch",
+            bound_epoch=self.bound,
+            fence_epoch=fence.store_epoch,
+        )
 
 
 class Journal:
@@ -103,8 +107,9 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._db = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_SECONDS,
-                                       isolation_level=None, check_same_thread=False)
+            self._db = sqlite3.connect(
+                path, timeout=_BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False
+            )
             # WAL with synchronous=FULL: every COMMIT is durable before it returns.
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -119,8 +124,9 @@ class Journal:
                     self._set("refused_stale", "0")
                     self._set("seq", "0")
         except sqlite3.Error as exc:
-            raise AdapterError("workspace journal cannot be opened", retryable=True,
-                               error=type(exc).__name__) from None
+            raise AdapterError(
+                "workspace journal cannot be opened", retryable=True, error=type(exc).__name__
+            ) from None
 
     def close(self) -> None:
         self._db.close()
@@ -140,9 +146,11 @@ class Journal:
         return None if row is None else str(row[0])
 
     def _set(self, key: str, value: str) -> None:
-        self._db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
-                         "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                         (key, value))
+        self._db.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
 
     def _int(self, key: str) -> int:
         return int(self._meta(key) or "0")
@@ -190,16 +198,19 @@ class Journal:
                 # or another fleet's): nothing of it is accepted (the refusal is counted
                 # by the caller, once this transaction rolled back).
                 raise _EpochRefused(bound)
-        row = self._db.execute("SELECT lease_version, state_version FROM fences "
-                               "WHERE run_id = ?", (fence.run_id,)).fetchone()
+        row = self._db.execute(
+            "SELECT lease_version, state_version FROM fences WHERE run_id = ?", (fence.run_id,)
+        ).fetchone()
         if row is not None and fence.key() < (int(row[0]), int(row[1])):
             self._set("refused_stale", str(self._int("refused_stale") + 1))
             return False
-        self._db.execute("INSERT INTO fences (run_id, lease_version, state_version) "
-                         "VALUES (?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
-                         "lease_version = excluded.lease_version, "
-                         "state_version = excluded.state_version",
-                         (fence.run_id, fence.lease_version, fence.state_version))
+        self._db.execute(
+            "INSERT INTO fences (run_id, lease_version, state_version) "
+            "VALUES (?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
+            "lease_version = excluded.lease_version, "
+            "state_version = excluded.state_version",
+            (fence.run_id, fence.lease_version, fence.state_version),
+        )
         return True
 
     def _count_epoch_refusal(self) -> None:
@@ -213,8 +224,9 @@ class Journal:
         return self._meta("store_epoch")
 
     def _seen(self, run_id: str) -> tuple[int, int] | None:
-        row = self._db.execute("SELECT lease_version, state_version FROM fences "
-                               "WHERE run_id = ?", (run_id,)).fetchone()
+        row = self._db.execute(
+            "SELECT lease_version, state_version FROM fences WHERE run_id = ?", (run_id,)
+        ).fetchone()
         return None if row is None else (int(row[0]), int(row[1]))
 
     def raise_fence(self, fence: Fence) -> None:
@@ -231,19 +243,25 @@ class Journal:
             self._count_epoch_refusal()
             raise refused.error(fence) from None
         if not accepted:
-            raise FenceRejectedError("fence is older than one already seen",
-                                     run_id=fence.run_id, fence=fence.key(), seen=seen)
+            raise FenceRejectedError(
+                "fence is older than one already seen",
+                run_id=fence.run_id,
+                fence=fence.key(),
+                seen=seen,
+            )
 
     def receipt(self, key: str) -> Receipt | None:
         """The committed receipt for ``key``, or None."""
-        row = self._db.execute("SELECT receipt FROM writes WHERE idempotency_key = ? "
-                               "AND status = 'committed'", (key,)).fetchone()
+        row = self._db.execute(
+            "SELECT receipt FROM writes WHERE idempotency_key = ? AND status = 'committed'", (key,)
+        ).fetchone()
         return None if row is None else Receipt.model_validate_json(row[0])
 
     # -- the write protocol ---------------------------------------------------------------------
 
-    def begin_write(self, intent: WriteIntent, fence: Fence, *, expected_version: int,
-                    fingerprint: str) -> Receipt | None:
+    def begin_write(
+        self, intent: WriteIntent, fence: Fence, *, expected_version: int, fingerprint: str
+    ) -> Receipt | None:
         """Step 1, one transaction: fence check, idempotency check, precondition, intent.
 
         Returns the existing receipt when the key was already executed with the same
@@ -262,42 +280,66 @@ class Journal:
         try:
             with self._txn():
                 if not self._check_fence(fence):
-                    refusal = FenceRejectedError("fence is older than one already seen",
-                                                 run_id=fence.run_id, fence=fence.key(),
-                                                 seen=self._seen(fence.run_id))
+                    refusal = FenceRejectedError(
+                        "fence is older than one already seen",
+                        run_id=fence.run_id,
+                        fence=fence.key(),
+                        seen=self._seen(fence.run_id),
+                    )
                 else:
                     row = self._db.execute(
                         "SELECT status, intent_digest, receipt FROM writes "
-                        "WHERE idempotency_key = ?", (intent.idempotency_key,)).fetchone()
+                        "WHERE idempotency_key = ?",
+                        (intent.idempotency_key,),
+                    ).fetchone()
                     if row is not None and row[0] == "committed":
                         existing = Receipt.model_validate_json(row[2])
                         if row[1] == intent.intent_digest:
                             return existing
                         refusal = IdempotencyConflictError(
                             "key was used for another intent",
-                            idempotency_key=intent.idempotency_key, receipt=existing)
+                            idempotency_key=intent.idempotency_key,
+                            receipt=existing,
+                        )
                     elif row is not None and row[0] == "intent":
-                        refusal = AdapterError("a previous write for this key is unresolved",
-                                               retryable=True,
-                                               idempotency_key=intent.idempotency_key)
+                        refusal = AdapterError(
+                            "a previous write for this key is unresolved",
+                            retryable=True,
+                            idempotency_key=intent.idempotency_key,
+                        )
                     else:
                         version = self._note(fingerprint)
                         if version != expected_version:
-                            refusal = AdapterError("environment precondition failed",
-                                                   retryable=False, expected=expected_version,
-                                                   actual=version)
+                            refusal = AdapterError(
+                                "environment precondition failed",
+                                retryable=False,
+                                expected=expected_version,
+                                actual=version,
+                            )
                         else:
-                            self._db.execute("DELETE FROM writes WHERE idempotency_key = ?",
-                                             (intent.idempotency_key,))
+                            self._db.execute(
+                                "DELETE FROM writes WHERE idempotency_key = ?",
+                                (intent.idempotency_key,),
+                            )
                             self._db.execute(
                                 "INSERT INTO writes (idempotency_key, intent_digest, status, "
                                 "op, path, new_sha, prior_sha, temp_name, approval_digest, "
                                 "run_id, lease_version, state_version) "
                                 "VALUES (?, ?, 'intent', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                                (intent.idempotency_key, intent.intent_digest, intent.op,
-                                 intent.path, intent.new_sha, intent.prior_sha, intent.temp_name,
-                                 intent.approval_digest, fence.run_id, fence.lease_version,
-                                 fence.state_version))
+                                (
+                                    intent.idempotency_key,
+                                    intent.intent_digest,
+                                    intent.op,
+                                    intent.path,
+                                    intent.new_sha,
+                                    intent.prior_sha,
+                                    intent.temp_name,
+                                    intent.approval_digest,
+                                    fence.run_id,
+                                    fence.lease_version,
+                                    fence.state_version,
+                                ),
+                            )
         except _EpochRefused as refused:
             self._count_epoch_refusal()
             raise refused.error(fence) from None
@@ -306,8 +348,9 @@ class Journal:
             raise refusal
         return None
 
-    def commit_write(self, key: str, *, namespace: str, fingerprint: str,
-                     committed_at: int) -> Receipt:
+    def commit_write(
+        self, key: str, *, namespace: str, fingerprint: str, committed_at: int
+    ) -> Receipt:
         """Step 3, one transaction: the file is in place; write the receipt.
 
         The version moves on by one and the new fingerprint is recorded with it.
@@ -318,36 +361,52 @@ class Journal:
         with self._txn():
             row = self._db.execute(
                 "SELECT intent_digest, path, approval_digest, op, new_sha FROM writes "
-                "WHERE idempotency_key = ? AND status = 'intent'", (key,)).fetchone()
+                "WHERE idempotency_key = ? AND status = 'intent'",
+                (key,),
+            ).fetchone()
             if row is None:
-                raise AdapterError("no recorded intent to commit", retryable=False,
-                                   idempotency_key=key)
+                raise AdapterError(
+                    "no recorded intent to commit", retryable=False, idempotency_key=key
+                )
             version = self._int("version") + 1
             seq = self._int("seq") + 1
             result: dict[str, str | int] = {"path": row[1], "op": row[3]}
             if row[4] is not None:
                 result["sha256"] = row[4]
             receipt = Receipt(
-                namespace=namespace, receipt_version=1,
-                receipt_id=f"{self.instance_id}/{seq}", idempotency_key=key,
-                intent_digest=row[0], result=result, committed_at=committed_at,
-                env_version_after=version, approval_digest=row[2])
+                namespace=namespace,
+                receipt_version=1,
+                receipt_id=f"{self.instance_id}/{seq}",
+                idempotency_key=key,
+                intent_digest=row[0],
+                result=result,
+                committed_at=committed_at,
+                env_version_after=version,
+                approval_digest=row[2],
+            )
             self._set("version", str(version))
             self._set("seq", str(seq))
             self._set("fingerprint", fingerprint)
-            self._db.execute("UPDATE writes SET status = 'committed', receipt = ?, seq = ?, "
-                             "temp_name = NULL WHERE idempotency_key = ?",
-                             (model_json(receipt).decode(), seq, key))
+            self._db.execute(
+                "UPDATE writes SET status = 'committed', receipt = ?, seq = ?, "
+                "temp_name = NULL WHERE idempotency_key = ?",
+                (model_json(receipt).decode(), seq, key),
+            )
         return receipt
 
     def abort_write(self, key: str) -> None:
         """Recovery: the file was never replaced; the intent had no effect."""
         with self._txn():
-            self._db.execute("UPDATE writes SET status = 'aborted', temp_name = NULL "
-                             "WHERE idempotency_key = ? AND status = 'intent'", (key,))
+            self._db.execute(
+                "UPDATE writes SET status = 'aborted', temp_name = NULL "
+                "WHERE idempotency_key = ? AND status = 'intent'",
+                (key,),
+            )
 
     def unresolved(self) -> list[IntentRow]:
         """Writes recorded as ``intent`` whose writer died before the receipt."""
-        rows = self._db.execute("SELECT idempotency_key, op, path, new_sha, prior_sha, "
-                                "temp_name FROM writes WHERE status = 'intent'").fetchall()
+        rows = self._db.execute(
+            "SELECT idempotency_key, op, path, new_sha, prior_sha, "
+            "temp_name FROM writes WHERE status = 'intent'"
+        ).fetchall()
         return [IntentRow(*row) for row in rows]

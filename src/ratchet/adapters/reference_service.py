@@ -97,9 +97,14 @@ class OrdersService:
         sqlite3.Error: the database cannot be opened.
     """
 
-    def __init__(self, db_path: str | Path, *, namespace: str = "orders-api",
-                 clock: Callable[[], int] | None = None,
-                 hook: ServiceHook | None = None) -> None:
+    def __init__(
+        self,
+        db_path: str | Path,
+        *,
+        namespace: str = "orders-api",
+        clock: Callable[[], int] | None = None,
+        hook: ServiceHook | None = None,
+    ) -> None:
         self.db_path = Path(db_path)
         self.namespace = namespace
         self.clock = clock or (lambda: int(time.time()))
@@ -139,8 +144,11 @@ class OrdersService:
 
     @staticmethod
     def _set(db: sqlite3.Connection, key: str, value: str) -> None:
-        db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) "
-                   "DO UPDATE SET value = excluded.value", (key, value))
+        db.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) "
+            "DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
 
     def _bump(self, db: sqlite3.Connection, key: str) -> int:
         value = int(self._meta(db, key) or "0") + 1
@@ -149,8 +157,9 @@ class OrdersService:
 
     @staticmethod
     def _fence_ok(db: sqlite3.Connection, fence: Fence) -> tuple[bool, list[int]]:
-        row = db.execute("SELECT lease_version, state_version FROM fences WHERE run_id = ?",
-                         (fence.run_id,)).fetchone()
+        row = db.execute(
+            "SELECT lease_version, state_version FROM fences WHERE run_id = ?", (fence.run_id,)
+        ).fetchone()
         seen = [int(row[0]), int(row[1])] if row is not None else [0, 0]
         return (row is None or fence.key() >= (seen[0], seen[1])), seen
 
@@ -175,26 +184,32 @@ class OrdersService:
         if not ok:
             self._bump(db, "refused_stale")
             return False, seen
-        db.execute("INSERT INTO fences VALUES (?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
-                   "lease_version = excluded.lease_version, "
-                   "state_version = excluded.state_version",
-                   (fence.run_id, fence.lease_version, fence.state_version))
+        db.execute(
+            "INSERT INTO fences VALUES (?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
+            "lease_version = excluded.lease_version, "
+            "state_version = excluded.state_version",
+            (fence.run_id, fence.lease_version, fence.state_version),
+        )
         return True, seen
 
     # -- operations ----------------------------------------------------------------------------
 
     def identity(self) -> Reply:
         with self._txn() as db:
-            return 200, {"service_id": self._meta(db, "service_id"),
-                         "namespace": self.namespace,
-                         "revision": int(self._meta(db, "revision") or "0")}
+            return 200, {
+                "service_id": self._meta(db, "service_id"),
+                "namespace": self.namespace,
+                "revision": int(self._meta(db, "revision") or "0"),
+            }
 
     def stats(self) -> Reply:
         with self._txn() as db:
             effects = db.execute("SELECT count(*) FROM orders").fetchone()[0]
-            return 200, {"effects": int(effects),
-                         "refused_stale": int(self._meta(db, "refused_stale") or "0"),
-                         "revision": int(self._meta(db, "revision") or "0")}
+            return 200, {
+                "effects": int(effects),
+                "refused_stale": int(self._meta(db, "refused_stale") or "0"),
+                "revision": int(self._meta(db, "revision") or "0"),
+            }
 
     def raise_fence(self, fence: Fence) -> Reply:
         with self._txn() as db:
@@ -205,16 +220,18 @@ class OrdersService:
 
     def receipt(self, key: str) -> Reply:
         with self._txn() as db:
-            row = db.execute("SELECT status, receipt FROM requests WHERE idempotency_key = ?",
-                             (key,)).fetchone()
+            row = db.execute(
+                "SELECT status, receipt FROM requests WHERE idempotency_key = ?", (key,)
+            ).fetchone()
         if row is None:
             return 404, {"error": "not_found"}
         if row[0] == "in_flight":
             return 409, {"error": "in_flight"}
         return 200, strict_json_loads(row[1])
 
-    def place_order(self, key: str, fence: Fence, intent_digest: str,
-                    approval_digest: str | None, body: bytes) -> Reply:
+    def place_order(
+        self, key: str, fence: Fence, intent_digest: str, approval_digest: str | None, body: bytes
+    ) -> Reply:
         """Place one order under an idempotency key and a fence (see the module docstring).
 
         Raises:
@@ -225,8 +242,10 @@ class OrdersService:
             ok, seen = self._record_fence(db, fence)
             if not ok:
                 return 412, {"error": "stale_fence", "seen": seen}
-            row = db.execute("SELECT request_digest, status, receipt FROM requests "
-                             "WHERE idempotency_key = ?", (key,)).fetchone()
+            row = db.execute(
+                "SELECT request_digest, status, receipt FROM requests WHERE idempotency_key = ?",
+                (key,),
+            ).fetchone()
             if row is not None and row[1] == "in_flight":
                 return 409, {"error": "in_flight"}
             if row is not None:
@@ -234,8 +253,9 @@ class OrdersService:
                 if row[0] != request_digest:
                     return 422, {"error": "idempotency_key_reused", "receipt": stored}
                 return 200, stored
-            db.execute("INSERT INTO requests VALUES (?, ?, 'in_flight', NULL)",
-                       (key, request_digest))
+            db.execute(
+                "INSERT INTO requests VALUES (?, ?, 'in_flight', NULL)", (key, request_digest)
+            )
         self.hook("in_flight", key)
         with self._txn() as db:
             # Checked again: a new owner may have raised the fence while we were in flight.
@@ -247,17 +267,24 @@ class OrdersService:
             revision = self._bump(db, "revision")
             order_id = f"ord-{self._bump(db, 'seq')}"
             now = self.clock()
-            db.execute("INSERT INTO orders VALUES (?, ?, ?, ?)",
-                       (order_id, key, body.decode(), now))
+            db.execute(
+                "INSERT INTO orders VALUES (?, ?, ?, ?)", (order_id, key, body.decode(), now)
+            )
             receipt = {
-                "namespace": self.namespace, "receipt_version": 1, "receipt_id": order_id,
-                "idempotency_key": key, "intent_digest": intent_digest,
+                "namespace": self.namespace,
+                "receipt_version": 1,
+                "receipt_id": order_id,
+                "idempotency_key": key,
+                "intent_digest": intent_digest,
                 "result": {"order_id": order_id, "status": "placed"},
-                "committed_at": now, "env_version_after": revision,
+                "committed_at": now,
+                "env_version_after": revision,
                 "approval_digest": approval_digest,
             }
-            db.execute("UPDATE requests SET status = 'done', receipt = ? "
-                       "WHERE idempotency_key = ?", (canonical_json(receipt).decode(), key))
+            db.execute(
+                "UPDATE requests SET status = 'done', receipt = ? WHERE idempotency_key = ?",
+                (canonical_json(receipt).decode(), key),
+            )
         self.hook("committed", key)
         return 201, receipt
 
@@ -297,8 +324,9 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         return None  # quiet: tests and drills read the stats route instead
 
-    def _reply(self, status: int, payload: dict[str, Any],
-               headers: dict[str, str] | None = None) -> None:
+    def _reply(
+        self, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> None:
         data = canonical_json(payload)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -324,7 +352,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/stats":
             self._reply(*service.stats())
         elif self.path.startswith("/v1/receipts/"):
-            key = _identifier(unquote(self.path[len("/v1/receipts/"):]))
+            key = _identifier(unquote(self.path[len("/v1/receipts/") :]))
             if key is None:
                 self._reply(400, {"error": "bad_key"})
             else:
@@ -336,10 +364,12 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if data is not None:
                 return Fence.model_validate(data)
-            return Fence(run_id=self.headers.get("Ratchet-Run-Id", ""),
-                         lease_version=int(self.headers.get("Ratchet-Lease-Version", "")),
-                         state_version=int(self.headers.get("Ratchet-State-Version", "")),
-                         store_epoch=self.headers.get("Ratchet-Store-Epoch") or None)
+            return Fence(
+                run_id=self.headers.get("Ratchet-Run-Id", ""),
+                lease_version=int(self.headers.get("Ratchet-Lease-Version", "")),
+                state_version=int(self.headers.get("Ratchet-State-Version", "")),
+                store_epoch=self.headers.get("Ratchet-Store-Epoch") or None,
+            )
         except (ValidationError, ValueError):
             return None
 
@@ -369,8 +399,10 @@ class _Handler(BaseHTTPRequestHandler):
         fence = self._fence()
         intent = self.headers.get("Ratchet-Intent-Digest", "")
         approval = self.headers.get("Ratchet-Approval-Digest")
-        digests_ok = all(len(d) == 64 and all(c in "0123456789abcdef" for c in d)
-                         for d in [intent] + ([approval] if approval is not None else []))
+        digests_ok = all(
+            len(d) == 64 and all(c in "0123456789abcdef" for c in d)
+            for d in [intent] + ([approval] if approval is not None else [])
+        )
         try:
             order = strict_json_loads(body)
         except ContractError:
@@ -389,9 +421,15 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], service: OrdersService, *,
-                 token: str | None = None, max_connections: int = 32,
-                 read_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        service: OrdersService,
+        *,
+        token: str | None = None,
+        max_connections: int = 32,
+        read_timeout_s: float = 10.0,
+    ) -> None:
         self.service = service
         self.token = token
         self.read_timeout_s = read_timeout_s
@@ -403,8 +441,10 @@ class _Server(ThreadingHTTPServer):
         once and close it (no thread, no read)."""
         if not self._slots.acquire(blocking=False):
             with suppress(OSError):
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                                b"Connection: close\r\n\r\n")
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                    b"Connection: close\r\n\r\n"
+                )
             self.shutdown_request(request)
             return
         try:
@@ -430,19 +470,33 @@ class _Server(ThreadingHTTPServer):
 class RunningService:
     """A service listening on a loopback port in a background thread."""
 
-    def __init__(self, service: OrdersService, host: str = "127.0.0.1", port: int = 0, *,
-                 token: str | None = None, max_connections: int = 32,
-                 read_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        service: OrdersService,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+        max_connections: int = 32,
+        read_timeout_s: float = 10.0,
+    ) -> None:
         self.service = service
-        self._server = _Server((host, port), service, token=token,
-                               max_connections=max_connections,
-                               read_timeout_s=read_timeout_s)
+        self._server = _Server(
+            (host, port),
+            service,
+            token=token,
+            max_connections=max_connections,
+            read_timeout_s=read_timeout_s,
+        )
         host_bound, self.port = self._server.server_address[:2]
         self.host = host_bound.decode() if isinstance(host_bound, bytes) else str(host_bound)
         # A short poll interval keeps stop() prompt; the loop is idle otherwise.
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.05}, name="orders-api",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="orders-api",
+            daemon=True,
+        )
         self._thread.start()
 
     @property
@@ -461,22 +515,38 @@ class RunningService:
     def __enter__(self) -> RunningService:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
 
-def serve(service: OrdersService, host: str = "127.0.0.1", port: int = 0, *,
-          token: str | None = None, max_connections: int = 32,
-          read_timeout_s: float = 10.0) -> RunningService:
+def serve(
+    service: OrdersService,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    token: str | None = None,
+    max_connections: int = 32,
+    read_timeout_s: float = 10.0,
+) -> RunningService:
     """Serve ``service`` over HTTP on ``host:port`` (0 picks a free port). ``token``
     guards the mutating routes; see the module docstring for the limits.
 
     Raises:
         OSError: the address cannot be bound.
     """
-    return RunningService(service, host, port, token=token, max_connections=max_connections,
-                          read_timeout_s=read_timeout_s)
+    return RunningService(
+        service,
+        host,
+        port,
+        token=token,
+        max_connections=max_connections,
+        read_timeout_s=read_timeout_s,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -485,8 +555,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--db", required=True, type=Path)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--token-file", type=Path, default=None,
-                        help="a file holding the bearer token the mutating routes require")
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="a file holding the bearer token the mutating routes require",
+    )
     args = parser.parse_args(argv)
     token = args.token_file.read_text().strip() if args.token_file else None
     running = serve(OrdersService(args.db), args.host, args.port, token=token or None)

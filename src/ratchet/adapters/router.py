@@ -71,30 +71,46 @@ class RouterAdapter:
         details: dict[str, str] = {}
         for name in _PARTS:
             obs = parts[name]
-            details |= {f"{name}.instance_id": obs.instance_id,
-                        f"{name}.version": str(obs.version),
-                        f"{name}.fingerprint": obs.fingerprint}
+            details |= {
+                f"{name}.instance_id": obs.instance_id,
+                f"{name}.version": str(obs.version),
+                f"{name}.fingerprint": obs.fingerprint,
+            }
             details |= {f"{name}.{k}": v for k, v in obs.details.items()}
-        fingerprint = digest(Domain.ENVIRONMENT, {name: {
-            "instance_id": parts[name].instance_id, "version": parts[name].version,
-            "fingerprint": parts[name].fingerprint} for name in _PARTS})
-        return Observation(instance_id="router-" + instance.hexdigest()[:40],
-                           version=sum(parts[p].version for p in _PARTS),
-                           fingerprint=fingerprint, details=details)
+        fingerprint = digest(
+            Domain.ENVIRONMENT,
+            {
+                name: {
+                    "instance_id": parts[name].instance_id,
+                    "version": parts[name].version,
+                    "fingerprint": parts[name].fingerprint,
+                }
+                for name in _PARTS
+            },
+        )
+        return Observation(
+            instance_id="router-" + instance.hexdigest()[:40],
+            version=sum(parts[p].version for p in _PARTS),
+            fingerprint=fingerprint,
+            details=details,
+        )
 
     @property
     def enforces_preconditions(self) -> bool:
         """Only when both parts declare it (see docs/adapters.md)."""
-        return all(getattr(part, "enforces_preconditions", False) is True
-                   for part in (self.files, self.calls))
+        return all(
+            getattr(part, "enforces_preconditions", False) is True
+            for part in (self.files, self.calls)
+        )
 
     def observe(self) -> Observation:
         """Both parts observed and combined. Raises AdapterError from either part."""
         return self.combine(self._parts())
 
     def _translated(self, action: Action, other: Observation) -> Action:
-        return action.model_copy(update={
-            "expected_env_version": action.expected_env_version - other.version})
+        return action.model_copy(
+            update={"expected_env_version": action.expected_env_version - other.version}
+        )
 
     def project(self, action: Action, before: Observation) -> Observation | None:
         """The combined observation after ``action``, or None (see each part's project)."""
@@ -121,8 +137,9 @@ class RouterAdapter:
         self.files.raise_fence(fence)
         self.calls.raise_fence(fence)
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         """Send the write to its part, with the expected version translated.
 
         Raises:
@@ -138,10 +155,12 @@ class RouterAdapter:
             # (its successor wrote there): let the target part judge the fence first, so a
             # late write is refused for what it is, not only for the drift it caused.
             part.raise_fence(fence)
-            raise AdapterError("environment precondition failed", retryable=False,
-                               expected=action.expected_env_version)
-        return part.execute(self._translated(action, other), intent_digest, fence,
-                            approval_digest)
+            raise AdapterError(
+                "environment precondition failed",
+                retryable=False,
+                expected=action.expected_env_version,
+            )
+        return part.execute(self._translated(action, other), intent_digest, fence, approval_digest)
 
     def lookup(self, idempotency_key: str) -> Receipt | None:
         """The receipt from whichever part holds the key (files first), or None.
@@ -176,14 +195,19 @@ class RouterAdapter:
         report = self.files.verify(target)
         after = self._parts()
         files_before = before["files"]
-        bound = (before == after and report.env_instance_id == files_before.instance_id
-                 and report.env_version == files_before.version
-                 and report.env_fingerprint == files_before.fingerprint)
+        bound = (
+            before == after
+            and report.env_instance_id == files_before.instance_id
+            and report.env_version == files_before.version
+            and report.env_fingerprint == files_before.fingerprint
+        )
         combined = self.combine(before)
-        output_digest = digest(_VERIFIER_DOMAIN, {"part": report.output_digest,
-                                                  "bound": bound})
-        return VerifierReport(target=target, passed=report.passed and bound,
-                              env_instance_id=combined.instance_id,
-                              env_version=combined.version,
-                              env_fingerprint=combined.fingerprint,
-                              output_digest=output_digest)
+        output_digest = digest(_VERIFIER_DOMAIN, {"part": report.output_digest, "bound": bound})
+        return VerifierReport(
+            target=target,
+            passed=report.passed and bound,
+            env_instance_id=combined.instance_id,
+            env_version=combined.version,
+            env_fingerprint=combined.fingerprint,
+            output_digest=output_digest,
+        )

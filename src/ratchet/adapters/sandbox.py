@@ -69,8 +69,13 @@ def bwrap_works(binary: str) -> bool:
             argv += ["--ro-bind", d, d]
     argv += ["--proc", "/proc", "--dev", "/dev", "--", "/bin/true"]
     try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,  # noqa: S603
-                              timeout=30, check=False)
+        done = subprocess.run(  # noqa: S603
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -81,8 +86,7 @@ def for_own_verifiers() -> SandboxMode:
     commands (grep, the example's test), not agent-written code: bubblewrap where it
     works, else the opt-out, which they report. Never for a user's fleet."""
     binary = shutil.which("bwrap")
-    return SandboxMode.BWRAP if binary is not None and bwrap_works(binary) else (
-        SandboxMode.NONE)
+    return SandboxMode.BWRAP if binary is not None and bwrap_works(binary) else (SandboxMode.NONE)
 
 
 def _outside_system(path: Path) -> bool:
@@ -101,8 +105,10 @@ def _prefixes_of(program: str) -> list[Path]:
     for candidate in (path, path.resolve()):
         if not _outside_system(candidate):
             continue
-        venv = next((parent for parent in list(candidate.parents)[:4]
-                     if (parent / "pyvenv.cfg").is_file()), None)
+        venv = next(
+            (parent for parent in list(candidate.parents)[:4] if (parent / "pyvenv.cfg").is_file()),
+            None,
+        )
         if venv is not None:
             found.append(venv)
             for line in (venv / "pyvenv.cfg").read_text(errors="replace").splitlines():
@@ -144,10 +150,15 @@ class Sandbox:
     _marked: list[bool] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
-    def resolve(cls, mode: SandboxMode | str = SandboxMode.AUTO, *, uid: int | None = None,
-                masked: Iterable[str | os.PathLike[str]] = (),
-                read_only: Iterable[str | os.PathLike[str]] = (),
-                bwrap: str | None = None) -> Sandbox:
+    def resolve(
+        cls,
+        mode: SandboxMode | str = SandboxMode.AUTO,
+        *,
+        uid: int | None = None,
+        masked: Iterable[str | os.PathLike[str]] = (),
+        read_only: Iterable[str | os.PathLike[str]] = (),
+        bwrap: str | None = None,
+    ) -> Sandbox:
         """Pick the confinement ``mode`` asks for (``auto``: bwrap, else uid, else none
         possible).
 
@@ -165,18 +176,29 @@ class Sandbox:
             if binary is not None and bwrap_works(binary):
                 return cls(SandboxMode.BWRAP, bwrap=binary, masked=hidden, read_only=extra)
             if mode is SandboxMode.BWRAP:
-                raise ConfigurationError("RATCHET_VERIFIER_SANDBOX=bwrap but bwrap cannot "
-                                         "run here (install Debian's bubblewrap; it needs "
-                                         "user namespaces or root)", field="verifier_sandbox")
+                raise ConfigurationError(
+                    "RATCHET_VERIFIER_SANDBOX=bwrap but bwrap cannot "
+                    "run here (install Debian's bubblewrap; it needs "
+                    "user namespaces or root)",
+                    field="verifier_sandbox",
+                )
             if uid is None:
-                return cls(SandboxMode.AUTO, masked=hidden, read_only=extra, unavailable=(
-                    "bwrap is missing or cannot run here and no RATCHET_VERIFIER_UID is set"))
+                return cls(
+                    SandboxMode.AUTO,
+                    masked=hidden,
+                    read_only=extra,
+                    unavailable=(
+                        "bwrap is missing or cannot run here and no RATCHET_VERIFIER_UID is set"
+                    ),
+                )
         if uid is None:
-            raise ConfigurationError("RATCHET_VERIFIER_SANDBOX=uid needs RATCHET_VERIFIER_UID",
-                                     field="verifier_uid")
+            raise ConfigurationError(
+                "RATCHET_VERIFIER_SANDBOX=uid needs RATCHET_VERIFIER_UID", field="verifier_uid"
+            )
         if os.geteuid() != 0:
-            raise ConfigurationError("running verifiers as another uid needs a root worker",
-                                     field="verifier_uid")
+            raise ConfigurationError(
+                "running verifiers as another uid needs a root worker", field="verifier_uid"
+            )
         if uid == 0:
             raise ConfigurationError("the verifier uid must not be root", field="verifier_uid")
         for path in hidden:
@@ -186,8 +208,10 @@ class Sandbox:
                 continue
             readable = info.st_uid == uid or bool(info.st_mode & stat.S_IROTH)
             if readable:
-                raise ConfigurationError(f"{path} is readable by the verifier uid {uid}; "
-                                         "make it owner-only (0600)", field="verifier_uid")
+                raise ConfigurationError(
+                    f"{path} is readable by the verifier uid {uid}; make it owner-only (0600)",
+                    field="verifier_uid",
+                )
         return cls(SandboxMode.UID, uid=uid, gid=uid, masked=hidden, read_only=extra)
 
     @property
@@ -200,11 +224,21 @@ class Sandbox:
             raise ConfigurationError(
                 "verifier commands run agent-written code and no sandbox is available: "
                 f"{self.unavailable}; install bubblewrap, set RATCHET_VERIFIER_UID, or opt "
-                "out with RATCHET_VERIFIER_SANDBOX=none", field="verifier_sandbox")
+                "out with RATCHET_VERIFIER_SANDBOX=none",
+                field="verifier_sandbox",
+            )
 
-    def command(self, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str],
-                workspace: Path, state_dir: Path, writable: Sequence[Path],
-                network: bool = False) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+    def command(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: Mapping[str, str],
+        workspace: Path,
+        state_dir: Path,
+        writable: Sequence[Path],
+        network: bool = False,
+    ) -> tuple[list[str], dict[str, str], dict[str, Any]]:
         """What to start for ``argv``: (argv, environment, extra ``Popen`` arguments).
 
         ``workspace`` is bound read-write with ``state_dir`` emptied inside it, then
@@ -219,12 +253,10 @@ class Sandbox:
             if not self._marked:
                 _make_not_dumpable()
                 self._marked.append(True)
-            return list(argv), dict(env), {"user": self.uid, "group": self.gid,
-                                           "extra_groups": []}
+            return list(argv), dict(env), {"user": self.uid, "group": self.gid, "extra_groups": []}
         if self.bwrap is None:  # for the type checker: BWRAP always has its binary
             raise ConfigurationError("bwrap sandbox without a binary")
-        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
-                "--clearenv"]
+        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
         if network:
             args.append("--share-net")
         bound: list[Path] = []
@@ -260,6 +292,8 @@ class Sandbox:
         if self.mode is SandboxMode.UID:
             return f"verifier sandbox: separate uid {self.uid}"
         if self.mode is SandboxMode.NONE:
-            return ("verifier sandbox: NONE (RATCHET_VERIFIER_SANDBOX=none): agent-written "
-                    "tests run unconfined, as the worker's uid")
+            return (
+                "verifier sandbox: NONE (RATCHET_VERIFIER_SANDBOX=none): agent-written "
+                "tests run unconfined, as the worker's uid"
+            )
         return f"verifier sandbox: unavailable ({self.unavailable}); verifier runs refused"

@@ -90,17 +90,24 @@ class CommandVerifier:
             output limit.
     """
 
-    def __init__(self, commands: Mapping[str, VerifierCommand | Sequence[str]], *,
-                 path: str = DEFAULT_PATH, sandbox: Sandbox | None = None) -> None:
+    def __init__(
+        self,
+        commands: Mapping[str, VerifierCommand | Sequence[str]],
+        *,
+        path: str = DEFAULT_PATH,
+        sandbox: Sandbox | None = None,
+    ) -> None:
         self._commands: dict[str, VerifierCommand] = {}
         for target, spec in commands.items():
-            command = spec if isinstance(spec, VerifierCommand) else VerifierCommand(
-                argv=tuple(spec))
+            command = (
+                spec if isinstance(spec, VerifierCommand) else VerifierCommand(argv=tuple(spec))
+            )
             if not command.argv:
                 raise ConfigurationError("verifier command is empty", target=target)
             if command.timeout_seconds <= 0 or command.max_output_bytes <= 0:
-                raise ConfigurationError("verifier timeout and output limit must be positive",
-                                         target=target)
+                raise ConfigurationError(
+                    "verifier timeout and output limit must be positive", target=target
+                )
             if command.cwd is not None:
                 try:
                     check_rel_path(command.cwd)
@@ -125,15 +132,23 @@ class CommandVerifier:
     def targets(self) -> tuple[str, ...]:
         return tuple(sorted(self._commands))
 
-    def _environment(self, workspace: VerifiedWorkspace, command: VerifierCommand) -> dict[
-            str, str]:
+    def _environment(
+        self, workspace: VerifiedWorkspace, command: VerifierCommand
+    ) -> dict[str, str]:
         home = workspace.state_dir / "verifier-home"
         tmp = workspace.state_dir / "verifier-tmp"
         home.mkdir(exist_ok=True)
         tmp.mkdir(exist_ok=True)
-        env = {"PATH": self._path, "HOME": str(home), "TMPDIR": str(tmp),
-               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-               "PYTHONHASHSEED": "0", "NO_COLOR": "1"}
+        env = {
+            "PATH": self._path,
+            "HOME": str(home),
+            "TMPDIR": str(tmp),
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "NO_COLOR": "1",
+        }
         env.update(command.env)
         return env
 
@@ -146,48 +161,85 @@ class CommandVerifier:
         """
         command = self._commands.get(target)
         if command is None:
-            raise AdapterError("verifier target is not allow-listed", retryable=False,
-                               target=target)
+            raise AdapterError(
+                "verifier target is not allow-listed", retryable=False, target=target
+            )
         sandbox = self.sandbox
         sandbox.check_usable()
         before = workspace.observe()
         cwd = workspace.root / command.cwd if command.cwd else workspace.root
         env = self._environment(workspace, command)
         argv, env, extra = sandbox.command(
-            command.argv, cwd=cwd, env=env, workspace=workspace.root,
-            state_dir=workspace.state_dir, network=command.network,
-            writable=(Path(env["HOME"]), Path(env["TMPDIR"])))
+            command.argv,
+            cwd=cwd,
+            env=env,
+            workspace=workspace.root,
+            state_dir=workspace.state_dir,
+            network=command.network,
+            writable=(Path(env["HOME"]), Path(env["TMPDIR"])),
+        )
         exit_code, timed_out, output, truncated = _run_bounded(
-            command, argv=argv, cwd=cwd, env=env, extra=extra)
+            command, argv=argv, cwd=cwd, env=env, extra=extra
+        )
         after = workspace.observe()
         bound = before.same_state(after) and before.details == after.details
         passed = bound and exit_code == 0 and not timed_out
         text = output.decode("utf-8", "replace")
-        self.last_run = VerifierRun(target=target, passed=passed, bound=bound,
-                                    exit_code=exit_code, timed_out=timed_out,
-                                    truncated=truncated, output=text)
-        output_digest = digest(_OUTPUT_DOMAIN, {
-            "target": target, "exit_code": exit_code, "timed_out": timed_out,
-            "truncated": truncated, "bound": bound,
-            "output_sha256": hashlib.sha256(output).hexdigest(),
-        })
-        return VerifierReport(target=target, passed=passed,
-                              env_instance_id=before.instance_id, env_version=before.version,
-                              env_fingerprint=before.fingerprint, output_digest=output_digest)
+        self.last_run = VerifierRun(
+            target=target,
+            passed=passed,
+            bound=bound,
+            exit_code=exit_code,
+            timed_out=timed_out,
+            truncated=truncated,
+            output=text,
+        )
+        output_digest = digest(
+            _OUTPUT_DOMAIN,
+            {
+                "target": target,
+                "exit_code": exit_code,
+                "timed_out": timed_out,
+                "truncated": truncated,
+                "bound": bound,
+                "output_sha256": hashlib.sha256(output).hexdigest(),
+            },
+        )
+        return VerifierReport(
+            target=target,
+            passed=passed,
+            env_instance_id=before.instance_id,
+            env_version=before.version,
+            env_fingerprint=before.fingerprint,
+            output_digest=output_digest,
+        )
 
 
-def _run_bounded(command: VerifierCommand, *, argv: list[str], cwd: Path,
-                 env: dict[str, str], extra: dict[str, Any]) -> tuple[int | None, bool, bytes,
-                                                                     bool]:
+def _run_bounded(
+    command: VerifierCommand,
+    *,
+    argv: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    extra: dict[str, Any],
+) -> tuple[int | None, bool, bytes, bool]:
     """Run ``argv`` (``command``'s, as the sandbox wraps it) under ``command``'s limits;
     return (exit code, timed out, kept output, truncated)."""
     try:
         proc = subprocess.Popen(  # noqa: S603 - an allow-listed argv, no shell
-            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, **extra)
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **extra,
+        )
     except OSError as exc:
-        raise AdapterError("verifier command could not be started", retryable=True,
-                           error=type(exc).__name__) from None
+        raise AdapterError(
+            "verifier command could not be started", retryable=True, error=type(exc).__name__
+        ) from None
     deadline = time.monotonic() + command.timeout_seconds
     kept = bytearray()
     truncated = timed_out = False
@@ -209,7 +261,7 @@ def _run_bounded(command: VerifierCommand, *, argv: list[str], cwd: Path,
             room = command.max_output_bytes - len(kept)
             if len(chunk) > room:
                 truncated = True
-            kept += chunk[:max(room, 0)]
+            kept += chunk[: max(room, 0)]
     exit_code: int | None = None
     if not timed_out:
         try:

@@ -95,9 +95,16 @@ class WorkspaceAdapter:
         AdapterError: the journal cannot be opened (retryable=True).
     """
 
-    def __init__(self, root: str | os.PathLike[str], allowed_paths: Iterable[str], *,
-                 namespace: str = "workspace", verifier: CommandVerifier | None = None,
-                 clock: Clock | None = None, hook: WriteHook | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        allowed_paths: Iterable[str],
+        *,
+        namespace: str = "workspace",
+        verifier: CommandVerifier | None = None,
+        clock: Clock | None = None,
+        hook: WriteHook | None = None,
+    ) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ConfigurationError("workspace root is not a directory", root=str(root))
@@ -126,8 +133,12 @@ class WorkspaceAdapter:
     def __enter__(self) -> WorkspaceAdapter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -186,9 +197,12 @@ class WorkspaceAdapter:
                 current = "not-a-file"
             done = current == row.new_sha if row.op == "write" else current is None
             if done:
-                self._journal.commit_write(row.idempotency_key, namespace=self._namespace,
-                                           fingerprint=self._scan()[0],
-                                           committed_at=self._clock.now())
+                self._journal.commit_write(
+                    row.idempotency_key,
+                    namespace=self._namespace,
+                    fingerprint=self._scan()[0],
+                    committed_at=self._clock.now(),
+                )
             else:
                 self._journal.abort_write(row.idempotency_key)
         # Under the lock no write is in progress: every temp file is garbage.
@@ -211,8 +225,12 @@ class WorkspaceAdapter:
     def _observe_locked(self) -> Observation:
         fp, _, git = self._scan()
         version = self._journal.note_fingerprint(fp)
-        return Observation(instance_id=self.instance_id, version=version, fingerprint=fp,
-                           details=self._details(git))
+        return Observation(
+            instance_id=self.instance_id,
+            version=version,
+            fingerprint=fp,
+            details=self._details(git),
+        )
 
     def observe(self) -> Observation:
         """Instance id, durable version, fingerprint of the allowed files (+ git facts).
@@ -238,7 +256,9 @@ class WorkspaceAdapter:
             fp, files, git = self._scan()
             version = self._journal.note_fingerprint(fp)
             if (before.instance_id, before.version, before.fingerprint) != (
-                self.instance_id, version, fp
+                self.instance_id,
+                version,
+                fp,
             ):
                 return None
             data: bytes | None = None
@@ -253,9 +273,12 @@ class WorkspaceAdapter:
             if git is not None:
                 dirty = predict_git_dirty(self.root, git, path, data)
                 after_git = GitState(head=git.head, dirty=dirty, changed=git.changed)
-            return Observation(instance_id=self.instance_id, version=version + 1,
-                               fingerprint=fingerprint(files, after_git),
-                               details=self._details(after_git))
+            return Observation(
+                instance_id=self.instance_id,
+                version=version + 1,
+                fingerprint=fingerprint(files, after_git),
+                details=self._details(after_git),
+            )
 
     # -- fences, writes, receipts -------------------------------------------------------------
 
@@ -275,12 +298,12 @@ class WorkspaceAdapter:
         for part in path.split("/"):
             current = current / part
             if current.is_symlink():
-                raise AdapterError("path goes through a symbolic link", retryable=False,
-                                   path=path)
+                raise AdapterError("path goes through a symbolic link", retryable=False, path=path)
         return current
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         """Write or delete one file under ``action.idempotency_key``, or refuse.
 
         Raises:
@@ -291,8 +314,11 @@ class WorkspaceAdapter:
                 I/O or journal failure (retryable=True).
         """
         if action.kind not in (ActionKind.WRITE_FILE, ActionKind.DELETE_FILE):
-            raise AdapterError("the workspace performs write_file and delete_file only",
-                               retryable=False, kind=action.kind.value)
+            raise AdapterError(
+                "the workspace performs write_file and delete_file only",
+                retryable=False,
+                kind=action.kind.value,
+            )
         key = action.idempotency_key
         if key is None:
             raise AdapterError("writes need an idempotency key", retryable=False)
@@ -303,13 +329,18 @@ class WorkspaceAdapter:
         with self._locked():
             fp, _, _ = self._scan()
             intent = WriteIntent(
-                idempotency_key=key, intent_digest=intent_digest,
-                op="write" if data is not None else "delete", path=path,
+                idempotency_key=key,
+                intent_digest=intent_digest,
+                op="write" if data is not None else "delete",
+                path=path,
                 new_sha=content_sha(data) if data is not None else None,
-                prior_sha=file_sha(target), temp_name=temp.name,
-                approval_digest=approval_digest)
-            existing = self._journal.begin_write(intent, fence, fingerprint=fp,
-                                                 expected_version=action.expected_env_version)
+                prior_sha=file_sha(target),
+                temp_name=temp.name,
+                approval_digest=approval_digest,
+            )
+            existing = self._journal.begin_write(
+                intent, fence, fingerprint=fp, expected_version=action.expected_env_version
+            )
             if existing is not None:
                 return existing  # same key, same intent: no second effect
             if data is None and intent.prior_sha is None:
@@ -325,12 +356,16 @@ class WorkspaceAdapter:
             except OSError as exc:
                 # Left as an intent: recovery compares the file with the intent and
                 # settles it (the rename either happened or it did not).
-                raise AdapterError("workspace write failed", retryable=True, path=path,
-                                   error=type(exc).__name__) from None
+                raise AdapterError(
+                    "workspace write failed", retryable=True, path=path, error=type(exc).__name__
+                ) from None
             self._hook("after_replace")
-            receipt = self._journal.commit_write(key, namespace=self._namespace,
-                                                 fingerprint=self._scan()[0],
-                                                 committed_at=self._clock.now())
+            receipt = self._journal.commit_write(
+                key,
+                namespace=self._namespace,
+                fingerprint=self._scan()[0],
+                committed_at=self._clock.now(),
+            )
             self._hook("after_receipt")
             return receipt
 
@@ -349,8 +384,11 @@ class WorkspaceAdapter:
                 (retryable=False).
         """
         if action.kind is not ActionKind.READ_FILE:
-            raise AdapterError("the workspace reads read_file actions only", retryable=False,
-                               kind=action.kind.value)
+            raise AdapterError(
+                "the workspace reads read_file actions only",
+                retryable=False,
+                kind=action.kind.value,
+            )
         path = action.args["path"]
         target = self._target(path)
         with self._locked():
@@ -363,8 +401,7 @@ class WorkspaceAdapter:
             try:
                 content = data.decode()
             except UnicodeDecodeError:
-                raise AdapterError("file is not UTF-8 text", retryable=False,
-                                   path=path) from None
+                raise AdapterError("file is not UTF-8 text", retryable=False, path=path) from None
             return ReadResult(content=content, env_version=self._observe_locked().version)
 
     @property

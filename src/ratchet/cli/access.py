@@ -19,19 +19,23 @@ from ratchet.worker.settings import Settings
 
 __all__: list[str] = []
 
-redis_app = typer.Typer(help="Redis access: least-privilege ACL users, script loading.",
-                        no_args_is_help=True)
+redis_app = typer.Typer(
+    help="Redis access: least-privilege ACL users, script loading.", no_args_is_help=True
+)
 app.add_typer(redis_app, name="redis")
 
 
 @redis_app.command("acl")
 @ratchet_errors
 def redis_acl(
-    out: Annotated[Path, typer.Option("--out", help="Folder for users.acl and the "
-                                      "password files (created).")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Folder for users.acl and the password files (created).")
+    ],
     prefix: Annotated[str, typer.Option(help="User name prefix.")] = "ratchet",
-    default_user: Annotated[str, typer.Option(
-        "--default-user", help="ping: the unauthenticated user may only PING; off.")] = "ping",
+    default_user: Annotated[
+        str,
+        typer.Option("--default-user", help="ping: the unauthenticated user may only PING; off."),
+    ] = "ping",
     as_json: JsonFlag = False,
 ) -> None:
     """Write a Redis ACL file with one user per role and a fresh password per user.
@@ -52,8 +56,11 @@ def redis_acl(
         raise ConfigurationError(f"{acl_path} already exists; not overwriting", field="out")
     acl_path.write_text(acl_file(users, default_user=default_user))
     lines = acl_setuser_lines(users)
-    info: dict[str, Any] = {"acl_file": str(acl_path), "users": [u.name for u in users],
-                            "setuser": lines}
+    info: dict[str, Any] = {
+        "acl_file": str(acl_path),
+        "users": [u.name for u in users],
+        "setuser": lines,
+    }
     if as_json:
         print_json(info)
         return

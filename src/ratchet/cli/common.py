@@ -61,8 +61,9 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 scenario_app = typer.Typer(help="Task contracts (scenarios).", no_args_is_help=True)
-keys_app = typer.Typer(help="Checkpoint keys and approver / reviewer signing keys.",
-                       no_args_is_help=True)
+keys_app = typer.Typer(
+    help="Checkpoint keys and approver / reviewer signing keys.", no_args_is_help=True
+)
 app.add_typer(scenario_app, name="scenario")
 app.add_typer(keys_app, name="keys")
 store_app = typer.Typer(help="The store (Redis) itself: its epoch.", no_args_is_help=True)

@@ -30,11 +30,17 @@ def page_runs(fleet: Fleet, query: RunQuery) -> tuple[list[dict[str, Any]], str 
     """
     store = fleet.store
     if query.search:
-        page = store.search_runs(query.search, query.phase, limit=query.limit,
-                                 after=query.after, oldest_first=query.oldest_first)
+        page = store.search_runs(
+            query.search,
+            query.phase,
+            limit=query.limit,
+            after=query.after,
+            oldest_first=query.oldest_first,
+        )
     else:
-        page = store.list_runs(query.phase, limit=query.limit, after=query.after,
-                               oldest_first=query.oldest_first)
+        page = store.list_runs(
+            query.phase, limit=query.limit, after=query.after, oldest_first=query.oldest_first
+        )
     return [run_summary(row, page.now_ms) for row in page.rows], page.next_cursor, page.scanned
 
 
@@ -43,8 +49,7 @@ def queue_depth(fleet: Fleet) -> int:
     try:
         return int(fleet.rq_connection.llen(fleet.queue.key))
     except RedisError as exc:
-        raise StoreUnavailableError("the queue cannot be read",
-                                    cause=type(exc).__name__) from None
+        raise StoreUnavailableError("the queue cannot be read", cause=type(exc).__name__) from None
 
 
 def run_exists(fleet: Fleet, run_id: str) -> bool:
@@ -66,8 +71,9 @@ def fleet_console_data(fleet: Fleet, *, limit: int = 500) -> ConsoleData:
         rows: list[dict[str, Any]] = []
         after = None
         while len(rows) < n:
-            page, after, _ = page_runs(fleet, RunQuery(limit=min(MAX_PAGE, n - len(rows)),
-                                                       after=after))
+            page, after, _ = page_runs(
+                fleet, RunQuery(limit=min(MAX_PAGE, n - len(rows)), after=after)
+            )
             rows += page
             if after is None:
                 break
@@ -79,11 +85,16 @@ def fleet_console_data(fleet: Fleet, *, limit: int = 500) -> ConsoleData:
     def run_detail(run_id: str, now: int) -> dict[str, Any]:
         return run_to_json(inspect_run(fleet, run_id), now, fleet=fleet)
 
-    return ConsoleData(list_runs=list_runs, run_detail=run_detail, limit=limit,
-                       list_workers=lambda: list_workers(fleet),
-                       page_runs=lambda query: page_runs(fleet, query), count_runs=count_runs,
-                       queue_depth=lambda: queue_depth(fleet),
-                       run_exists=lambda run_id: run_exists(fleet, run_id))
+    return ConsoleData(
+        list_runs=list_runs,
+        run_detail=run_detail,
+        limit=limit,
+        list_workers=lambda: list_workers(fleet),
+        page_runs=lambda query: page_runs(fleet, query),
+        count_runs=count_runs,
+        queue_depth=lambda: queue_depth(fleet),
+        run_exists=lambda run_id: run_exists(fleet, run_id),
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -100,12 +111,25 @@ def _is_loopback(host: str) -> bool:
 def console_command(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free).")] = 8765,
-    limit: Annotated[int, typer.Option(min=1, max=10_000, help=(
-        "Newest runs read by a view that needs a whole list; the runs list and the "
-        "review queue page through the indexes instead."))] = 500,
-    allow_host: Annotated[list[str] | None, typer.Option(
-        "--allow-host", help="Another Host name to answer (NAME or NAME:PORT), e.g. the "
-        "one a reverse proxy forwards; repeat for more.")] = None,
+    limit: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=10_000,
+            help=(
+                "Newest runs read by a view that needs a whole list; the runs list and the "
+                "review queue page through the indexes instead."
+            ),
+        ),
+    ] = 500,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-host",
+            help="Another Host name to answer (NAME or NAME:PORT), e.g. the "
+            "one a reverse proxy forwards; repeat for more.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the read-only web console: runs, a run's evidence, the review queue.
 
@@ -115,10 +139,17 @@ def console_command(
     only requests whose Host header names it (DNS rebinding gets 421).
     """
     if not _is_loopback(host):
-        typer.echo(f"ratchet: warning: the console has no authentication and is listening "
-                   f"on {host}; anyone who can reach it sees every run", err=True)
-    server = serve_console(fleet_console_data(Fleet.connect(), limit=limit), host=host,
-                           port=port, allowed_hosts=allow_host or ())
+        typer.echo(
+            f"ratchet: warning: the console has no authentication and is listening "
+            f"on {host}; anyone who can reach it sees every run",
+            err=True,
+        )
+    server = serve_console(
+        fleet_console_data(Fleet.connect(), limit=limit),
+        host=host,
+        port=port,
+        allowed_hosts=allow_host or (),
+    )
     typer.echo(f"ratchet console on {server.url} (read-only; Ctrl+C to stop)")
     try:
         server.serve_forever()

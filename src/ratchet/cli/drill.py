@@ -23,20 +23,33 @@ __all__: list[str] = []
 def drill(
     workers: Annotated[int, typer.Option(min=2, max=32, help="Worker processes.")] = 3,
     runs: Annotated[int, typer.Option(min=1, max=5000, help="Runs to submit.")] = 24,
-    lease_ttl: Annotated[float, typer.Option("--lease-ttl", min=0.2, max=60.0,
-                                             help="Lease TTL in seconds.")] = 1.0,
-    duration: Annotated[float, typer.Option(min=5.0, max=24 * 3600.0,
-                                            help="At most this many seconds of faults; "
-                                            "then the runs left settle.")] = 240.0,
-    faults: Annotated[str, typer.Option(help=f"'all' or a comma list of: {', '.join(FAULTS)}"
-                                        )] = "all",
+    lease_ttl: Annotated[
+        float, typer.Option("--lease-ttl", min=0.2, max=60.0, help="Lease TTL in seconds.")
+    ] = 1.0,
+    duration: Annotated[
+        float,
+        typer.Option(
+            min=5.0,
+            max=24 * 3600.0,
+            help="At most this many seconds of faults; then the runs left settle.",
+        ),
+    ] = 240.0,
+    faults: Annotated[
+        str, typer.Option(help=f"'all' or a comma list of: {', '.join(FAULTS)}")
+    ] = "all",
     seed: Annotated[int, typer.Option(help="Seed of the fault schedule.")] = 1,
-    think_ms: Annotated[int, typer.Option("--think-ms", min=0, max=10_000,
-                                          help="Agent latency before each step.")] = 150,
-    folder: Annotated[Path | None, typer.Option("--dir", help="Drill folder (kept); "
-                                                "default: a new temporary folder.")] = None,
-    redis_server: Annotated[str | None, typer.Option(
-        "--redis-server", help="redis-server binary (7.0+ enables the rollback fault).")
+    think_ms: Annotated[
+        int, typer.Option("--think-ms", min=0, max=10_000, help="Agent latency before each step.")
+    ] = 150,
+    folder: Annotated[
+        Path | None,
+        typer.Option("--dir", help="Drill folder (kept); default: a new temporary folder."),
+    ] = None,
+    redis_server: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-server", help="redis-server binary (7.0+ enables the rollback fault)."
+        ),
     ] = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -45,21 +58,34 @@ def drill(
     Redis kill -9 and rollback, duplicate enqueues), then check from the adapters' own
     records that nothing was duplicated, lost or accepted stale. Exits 0 only on pass."""
     os.environ.setdefault("RATCHET_LOG_LEVEL", "WARNING")
-    options = DrillOptions(workers=workers, runs=runs, lease_ttl_s=lease_ttl,
-                           duration_s=duration, faults=parse_faults(faults), seed=seed,
-                           folder=folder, think_ms=think_ms, redis_server=redis_server)
+    options = DrillOptions(
+        workers=workers,
+        runs=runs,
+        lease_ttl_s=lease_ttl,
+        duration_s=duration,
+        faults=parse_faults(faults),
+        seed=seed,
+        folder=folder,
+        think_ms=think_ms,
+        redis_server=redis_server,
+    )
     if as_json:
         report = run_drill(options)
         print_json(report)
     else:
         console = Console(stderr=True)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=True) as bar:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as bar:
             task = bar.add_task("drill", total=runs)
 
             def update(label: str, settled: int, total: int) -> None:
-                bar.update(task, description=f"drill: {label}", completed=settled,
-                           total=total)
+                bar.update(task, description=f"drill: {label}", completed=settled, total=total)
 
             report = run_drill(options, progress=update)
         render(report, Console())

@@ -67,8 +67,12 @@ __all__: list[str] = []
 @app.command()
 @ratchet_errors
 def demo(
-    local: Annotated[bool, typer.Option("--local", help="One process, in-memory stand-ins, "
-                                        "a crash injected in one window.")] = False,
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local", help="One process, in-memory stand-ins, a crash injected in one window."
+        ),
+    ] = False,
     runs: Annotated[int, typer.Option(min=1, max=50, help="Runs to submit.")] = 6,
     workers: Annotated[int, typer.Option(min=2, max=8, help="Worker processes.")] = 2,
     as_json: JsonFlag = False,
@@ -86,10 +90,20 @@ def demo(
         print_json(data)
     else:
         console = Console(highlight=False)
-        table = Table(title="ratchet fleet demo (embedded Redis, real worker processes)",
-                      show_header=False)
-        for name in ("runs", "completed", "duplicate_effects", "stale_writes_rejected",
-                     "takeovers", "workers_killed", "workers", "lease_ttl_ms", "elapsed_s"):
+        table = Table(
+            title="ratchet fleet demo (embedded Redis, real worker processes)", show_header=False
+        )
+        for name in (
+            "runs",
+            "completed",
+            "duplicate_effects",
+            "stale_writes_rejected",
+            "takeovers",
+            "workers_killed",
+            "workers",
+            "lease_ttl_ms",
+            "elapsed_s",
+        ):
             table.add_row(name, str(data[name]))
         table.add_row("killed while holding", ", ".join(report.killed_holding) or "-")
         table.add_row("verifier", report.sandbox)
@@ -139,12 +153,15 @@ def store_init_command(as_json: JsonFlag = False) -> None:
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"store epoch {epoch}" + (" (new)" if before is None else
-                                             " (already initialised)"))
+        typer.echo(
+            f"store epoch {epoch}" + (" (new)" if before is None else " (already initialised)")
+        )
         if indexed.indexed or indexed.unverifiable:
-            typer.echo(f"phase indexes: {indexed.indexed} runs indexed, "
-                       f"{len(indexed.unverifiable)} left out (they do not verify: "
-                       "ratchet show RUN_ID says why)")
+            typer.echo(
+                f"phase indexes: {indexed.indexed} runs indexed, "
+                f"{len(indexed.unverifiable)} left out (they do not verify: "
+                "ratchet show RUN_ID says why)"
+            )
 
 
 # --- submit ------------------------------------------------------------------------------------
@@ -159,17 +176,26 @@ def _document_from_task(task_file: Path, agent: str) -> RunDocument:
 @app.command("submit")
 @ratchet_errors
 def submit_command(
-    task_file: Annotated[Path | None, typer.Argument(
-        help="Task file (JSON/YAML): scenario (or scenario_file), environment, agent_config."
-    )] = None,
-    agent: Annotated[str, typer.Option(
-        help="Built-in agent (greeting, scripted), package.module:factory, or a plan file."
-    )] = "greeting",
+    task_file: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Task file (JSON/YAML): scenario (or scenario_file), environment, agent_config."
+        ),
+    ] = None,
+    agent: Annotated[
+        str,
+        typer.Option(
+            help="Built-in agent (greeting, scripted), package.module:factory, or a plan file."
+        ),
+    ] = "greeting",
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run id to use.")] = None,
-    example: Annotated[str | None, typer.Option(
-        help="Submit the built-in example task ('greeting') instead of a task file.")] = None,
-    workspace: Annotated[Path | None, typer.Option(
-        help="Workspace folder for --example (created if missing).")] = None,
+    example: Annotated[
+        str | None,
+        typer.Option(help="Submit the built-in example task ('greeting') instead of a task file."),
+    ] = None,
+    workspace: Annotated[
+        Path | None, typer.Option(help="Workspace folder for --example (created if missing).")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Create a run (document + signed generation 1) and enqueue it. Prints the run id."""
@@ -198,13 +224,18 @@ def submit_command(
 @app.command("runs")
 @ratchet_errors
 def runs_command(
-    phase: Annotated[Phase | None, typer.Option(
-        help="Only runs in this phase, by when they entered it.")] = None,
+    phase: Annotated[
+        Phase | None, typer.Option(help="Only runs in this phase, by when they entered it.")
+    ] = None,
     limit: Annotated[int, typer.Option(min=1, max=MAX_PAGE, help="Runs per page.")] = 50,
-    after: Annotated[str | None, typer.Option(
-        help="Continue after this cursor (the one the previous page printed).")] = None,
-    search: Annotated[str | None, typer.Option(
-        help="Only runs whose id, task id or lease owner starts with this.")] = None,
+    after: Annotated[
+        str | None,
+        typer.Option(help="Continue after this cursor (the one the previous page printed)."),
+    ] = None,
+    search: Annotated[
+        str | None,
+        typer.Option(help="Only runs whose id, task id or lease owner starts with this."),
+    ] = None,
     oldest: Annotated[bool, typer.Option("--oldest", help="Oldest first.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -215,31 +246,58 @@ def runs_command(
     page (`--after CURSOR`).
     """
     fleet = Fleet.connect()
-    query = RunQuery(phase=phase.value if phase is not None else None, search=search,
-                     after=after, oldest_first=oldest, limit=limit)
+    query = RunQuery(
+        phase=phase.value if phase is not None else None,
+        search=search,
+        after=after,
+        oldest_first=oldest,
+        limit=limit,
+    )
     rows, cursor, scanned = page_runs(fleet, query)
     counts, total = fleet.store.phase_counts(), fleet.store.run_count()
     unindexed = max(0, total - sum(counts.values()))
     if as_json:
-        print_json({"counts": counts, "total": total, "unindexed": unindexed,
-                    "phase": query.phase, "runs": rows, "scanned": scanned,
-                    "next_cursor": cursor})
+        print_json(
+            {
+                "counts": counts,
+                "total": total,
+                "unindexed": unindexed,
+                "phase": query.phase,
+                "runs": rows,
+                "scanned": scanned,
+                "next_cursor": cursor,
+            }
+        )
         return
     console = Console(highlight=False)
-    console.print("  ".join([f"all {total}"] + [f"{name} {n}" for name, n in counts.items()])
-                  + (f"  (in no phase list: {unindexed}; `ratchet store init` indexes "
-                     "them)" if unindexed else ""), markup=False)
-    title = f"{len(rows)} runs" + (f" in {query.phase}" if query.phase else "") + (
-        f" matching {search!r} ({scanned} examined)" if search else "")
+    console.print(
+        "  ".join([f"all {total}"] + [f"{name} {n}" for name, n in counts.items()])
+        + (
+            f"  (in no phase list: {unindexed}; `ratchet store init` indexes them)"
+            if unindexed
+            else ""
+        ),
+        markup=False,
+    )
+    title = (
+        f"{len(rows)} runs"
+        + (f" in {query.phase}" if query.phase else "")
+        + (f" matching {search!r} ({scanned} examined)" if search else "")
+    )
     table = Table(title=title)
-    for column in ("run_id", "phase", "task", "owner", "lease", "generation", "failures",
-                   "note"):
+    for column in ("run_id", "phase", "task", "owner", "lease", "generation", "failures", "note"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["run_id"], row.get("phase") or "?", row.get("task_id") or "-",
-                      row.get("owner") or "-", row.get("lease") or "-",
-                      str(row.get("generation")), str(row.get("failures") or 0),
-                      row.get("note") or "")
+        table.add_row(
+            row["run_id"],
+            row.get("phase") or "?",
+            row.get("task_id") or "-",
+            row.get("owner") or "-",
+            row.get("lease") or "-",
+            str(row.get("generation")),
+            str(row.get("failures") or 0),
+            row.get("note") or "",
+        )
     console.print(table)
     if cursor is not None:
         console.print(f"next page: --after {cursor}", markup=False)
@@ -285,27 +343,38 @@ def approve_command(
     run_id: str,
     action_id: str,
     key: Annotated[Path, typer.Option("--key", help="Approver private key (PEM).")],
-    signer_id: Annotated[str | None, typer.Option("--id", help="Approver id (default: "
-                                                  "from the key file name).")] = None,
-    ttl: Annotated[int, typer.Option(min=1, max=30 * 24 * 3600,
-                                     help="Seconds the approval stays valid.")] = 3600,
+    signer_id: Annotated[
+        str | None, typer.Option("--id", help="Approver id (default: from the key file name).")
+    ] = None,
+    ttl: Annotated[
+        int, typer.Option(min=1, max=30 * 24 * 3600, help="Seconds the approval stays valid.")
+    ] = 3600,
     as_json: JsonFlag = False,
 ) -> None:
     """Sign an approval of exactly the pending write `show` displays, and re-enqueue."""
     private, signer = _signer(key, signer_id, "approver")
-    posted = sign_approval_for(Fleet.connect(), run_id, action_id, key=private,
-                               approver_id=signer, ttl_s=ttl)
+    posted = sign_approval_for(
+        Fleet.connect(), run_id, action_id, key=private, approver_id=signer, ttl_s=ttl
+    )
     evidence = posted.evidence
     if not isinstance(evidence, ApprovalEvidence):  # for the type checker
         raise ContractError("posted evidence is not an approval")
-    info = {"run_id": run_id, "action_id": action_id, "approver_id": signer,
-            "nonce": evidence.claims.nonce, "expires_at": evidence.claims.expires_at,
-            "approval_digest": evidence.digest, "verified": posted.verified}
+    info = {
+        "run_id": run_id,
+        "action_id": action_id,
+        "approver_id": signer,
+        "nonce": evidence.claims.nonce,
+        "expires_at": evidence.claims.expires_at,
+        "approval_digest": evidence.digest,
+        "verified": posted.verified,
+    }
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"approved {action_id} of {run_id} as {signer}; run re-enqueued"
-                   + _unverified_note(posted.verified, "approver"))
+        typer.echo(
+            f"approved {action_id} of {run_id} as {signer}; run re-enqueued"
+            + _unverified_note(posted.verified, "approver")
+        )
 
 
 @app.command("retry")
@@ -334,8 +403,12 @@ def _operator() -> str:
 def cancel_command(
     run_id: str,
     reason: Annotated[str, typer.Option("--reason", help="Why (recorded with the run).")],
-    wait: Annotated[float, typer.Option(min=0, max=3600, help="Seconds to wait for a "
-                                        "worker to end the run (0: do not wait).")] = 0,
+    wait: Annotated[
+        float,
+        typer.Option(
+            min=0, max=3600, help="Seconds to wait for a worker to end the run (0: do not wait)."
+        ),
+    ] = 0,
     as_json: JsonFlag = False,
 ) -> None:
     """End a run at its next safe point: a worker settles any pending write by its key,
@@ -345,9 +418,14 @@ def cancel_command(
     fleet = Fleet.connect()
     operator = _operator()
     posted = cancel_run(fleet, run_id, reason=reason, operator=operator)
-    info: dict[str, Any] = {"run_id": run_id, "request_id": posted.request.request_id,
-                            "operator": operator, "phase_before": posted.phase,
-                            "held_by": posted.held_by or None, "phase": posted.phase}
+    info: dict[str, Any] = {
+        "run_id": run_id,
+        "request_id": posted.request.request_id,
+        "operator": operator,
+        "phase_before": posted.phase,
+        "held_by": posted.held_by or None,
+        "phase": posted.phase,
+    }
     ended = False
     if wait > 0:
         deadline = time.monotonic() + wait
@@ -363,12 +441,13 @@ def cancel_command(
     if as_json:
         print_json(info)
     elif wait > 0:
-        typer.echo(f"{run_id} is {info['phase']}" + ("" if ended else
-                   f" (cancel {posted.request.request_id} requested; not applied yet)"))
+        typer.echo(
+            f"{run_id} is {info['phase']}"
+            + ("" if ended else f" (cancel {posted.request.request_id} requested; not applied yet)")
+        )
     else:
         held = f"; {posted.held_by} stops at its next guard" if posted.held_by else ""
-        typer.echo(f"cancel {posted.request.request_id} of {run_id} requested by "
-                   f"{operator}{held}")
+        typer.echo(f"cancel {posted.request.request_id} of {run_id} requested by {operator}{held}")
     if wait > 0 and not ended:
         raise typer.Exit(EXIT_CHECK_FAILED)
 
@@ -386,9 +465,13 @@ def review_command(
     decision: Annotated[Decision, typer.Option("--decision")],
     key: Annotated[Path, typer.Option("--key", help="Reviewer private key (PEM).")],
     signer_id: Annotated[str | None, typer.Option("--id", help="Reviewer id.")] = None,
-    incident: Annotated[str | None, typer.Option(
-        help="rebaseline: the incident it resolves (default: the newest that reports a "
-             "changed environment).")] = None,
+    incident: Annotated[
+        str | None,
+        typer.Option(
+            help="rebaseline: the incident it resolves (default: the newest that reports a "
+            "changed environment)."
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Sign a decision on the run's open review case (replan | abort), or rebaseline a run
@@ -396,44 +479,62 @@ def review_command(
     now becomes its baseline; every approval of the old state is void), and re-enqueue."""
     private, signer = _signer(key, signer_id, "reviewer")
     if decision is Decision.REBASELINE:
-        posted = rebaseline_run(Fleet.connect(), run_id, key=private, reviewer_id=signer,
-                                incident_id=incident)
+        posted = rebaseline_run(
+            Fleet.connect(), run_id, key=private, reviewer_id=signer, incident_id=incident
+        )
         claims_rb = posted.evidence.claims
         if not isinstance(claims_rb, RebaselineClaims):  # for the type checker
             raise ContractError("posted evidence is not a rebaseline decision")
-        info_rb = {"run_id": run_id, "decision": decision.value, "reviewer_id": signer,
-                   "incident_id": claims_rb.incident_id, "nonce": claims_rb.nonce,
-                   "old_env_version": claims_rb.old_env_version,
-                   "new_env_version": claims_rb.new_env_version,
-                   "verified": posted.verified}
+        info_rb = {
+            "run_id": run_id,
+            "decision": decision.value,
+            "reviewer_id": signer,
+            "incident_id": claims_rb.incident_id,
+            "nonce": claims_rb.nonce,
+            "old_env_version": claims_rb.old_env_version,
+            "new_env_version": claims_rb.new_env_version,
+            "verified": posted.verified,
+        }
         if as_json:
             print_json(info_rb)
         else:
-            typer.echo(f"rebaseline signed for {run_id} ({claims_rb.incident_id}: version "
-                       f"{claims_rb.old_env_version} -> {claims_rb.new_env_version}) as "
-                       f"{signer}; run re-enqueued"
-                       + _unverified_note(posted.verified, "reviewer"))
+            typer.echo(
+                f"rebaseline signed for {run_id} ({claims_rb.incident_id}: version "
+                f"{claims_rb.old_env_version} -> {claims_rb.new_env_version}) as "
+                f"{signer}; run re-enqueued" + _unverified_note(posted.verified, "reviewer")
+            )
         return
-    posted = sign_review_for(Fleet.connect(), run_id, decision.value, key=private,
-                             reviewer_id=signer)
+    posted = sign_review_for(
+        Fleet.connect(), run_id, decision.value, key=private, reviewer_id=signer
+    )
     claims = posted.evidence.claims
     if not isinstance(claims, ReviewDecisionClaims):  # for the type checker
         raise ContractError("posted evidence is not a review decision")
-    info = {"run_id": run_id, "decision": decision.value, "reviewer_id": signer,
-            "case_id": claims.case_id, "nonce": claims.nonce, "verified": posted.verified}
+    info = {
+        "run_id": run_id,
+        "decision": decision.value,
+        "reviewer_id": signer,
+        "case_id": claims.case_id,
+        "nonce": claims.nonce,
+        "verified": posted.verified,
+    }
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"{decision.value} signed for {run_id} ({claims.case_id}) as "
-                   f"{signer}; run re-enqueued" + _unverified_note(posted.verified, "reviewer"))
+        typer.echo(
+            f"{decision.value} signed for {run_id} ({claims.case_id}) as "
+            f"{signer}; run re-enqueued" + _unverified_note(posted.verified, "reviewer")
+        )
 
 
 def _unverified_note(verified: bool, role: str) -> str:
     if verified:
         return " (verified against the trust root)"
     env = f"RATCHET_{role.upper()}S_FILE"
-    return (f"\nwarning: signed but NOT verified: no {role} trust root here (set {env}); "
-            "a worker will refuse it if the signer is not trusted")
+    return (
+        f"\nwarning: signed but NOT verified: no {role} trust root here (set {env}); "
+        "a worker will refuse it if the signer is not trusted"
+    )
 
 
 # --- keys generate -------------------------------------------------------------------------------
@@ -450,8 +551,9 @@ class KeyKind(StrEnum):
 def keys_generate(
     kind: Annotated[KeyKind, typer.Option("--kind")],
     out: Annotated[Path, typer.Option("--out", help="Folder to write into.")],
-    signer_id: Annotated[str | None, typer.Option("--id", help="Signer id (approver or "
-                                                  "reviewer).")] = None,
+    signer_id: Annotated[
+        str | None, typer.Option("--id", help="Signer id (approver or reviewer).")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Write a checkpoint key file, or an Ed25519 key pair, with owner-only permissions.
@@ -473,17 +575,24 @@ def keys_generate(
             raise ConfigurationError("--id is required for signer keys", field="id")
         private = Ed25519PrivateKey.generate()
         path = out / f"{kind.value}-{signer_id}.pem"
-        write_private(path, private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8,
-                                                  NoEncryption()))
+        write_private(
+            path, private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
+        )
         public_hex = private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
         trust = out / f"{kind.value}s.json"
         roots = json.loads(trust.read_text()) if trust.exists() else {}
         roots[signer_id] = public_hex
         trust.write_text(json.dumps(roots, indent=2, sort_keys=True) + "\n")
-        info = {"kind": kind.value, "id": signer_id, "private_key_path": str(path),
-                "trust_file": str(trust), "public_key_hex": public_hex}
+        info = {
+            "kind": kind.value,
+            "id": signer_id,
+            "private_key_path": str(path),
+            "trust_file": str(trust),
+            "public_key_hex": public_hex,
+        }
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"wrote {info['path'] if 'path' in info else info['private_key_path']}"
-                   " (mode 0600)")
+        typer.echo(
+            f"wrote {info['path'] if 'path' in info else info['private_key_path']} (mode 0600)"
+        )

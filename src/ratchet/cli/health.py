@@ -56,8 +56,9 @@ def local_workers(fleet: Fleet, hostname: str | None = None) -> list[dict[str, A
     try:
         workers = Worker.all(queue=fleet.queue, serializer=JSONSerializer)
     except RedisError as exc:
-        raise StoreUnavailableError(f"cannot read RQ's worker registry: "
-                                    f"{type(exc).__name__}") from None
+        raise StoreUnavailableError(
+            f"cannot read RQ's worker registry: {type(exc).__name__}"
+        ) from None
     now = datetime.now(UTC)
     out = []
     for worker in workers:
@@ -66,18 +67,24 @@ def local_workers(fleet: Fleet, hostname: str | None = None) -> list[dict[str, A
         beat = worker.last_heartbeat
         if beat is not None and beat.tzinfo is None:
             beat = beat.replace(tzinfo=UTC)
-        out.append({"name": worker.name, "pid": worker.pid, "state": str(worker.get_state()),
-                    "heartbeat_age_s": None if beat is None
-                    else round((now - beat).total_seconds(), 1),
-                    "alive": _alive(worker.pid)})
+        out.append(
+            {
+                "name": worker.name,
+                "pid": worker.pid,
+                "state": str(worker.get_state()),
+                "heartbeat_age_s": None if beat is None else round((now - beat).total_seconds(), 1),
+                "alive": _alive(worker.pid),
+            }
+        )
     return sorted(out, key=lambda w: str(w["name"]))
 
 
 @app.command("health")
 @ratchet_errors
 def health_command(
-    min_workers: Annotated[int, typer.Option(
-        min=1, max=64, help="How many live worker processes this host must have.")] = 1,
+    min_workers: Annotated[
+        int, typer.Option(min=1, max=64, help="How many live worker processes this host must have.")
+    ] = 1,
     as_json: JsonFlag = False,
 ) -> None:
     """Exit 0 when this host has at least MIN_WORKERS live worker processes registered on
@@ -87,12 +94,22 @@ def health_command(
     alive = sum(1 for w in workers if w["alive"])
     healthy = alive >= min_workers
     if as_json:
-        print_json({"healthy": healthy, "alive": alive, "min_workers": min_workers,
-                    "queue": fleet.settings.queue, "workers": workers})
+        print_json(
+            {
+                "healthy": healthy,
+                "alive": alive,
+                "min_workers": min_workers,
+                "queue": fleet.settings.queue,
+                "workers": workers,
+            }
+        )
     elif healthy:
         typer.echo(f"healthy: {alive} live worker processes on queue {fleet.settings.queue}")
     if not healthy:
         if not as_json:
-            typer.echo(f"ratchet: unhealthy: {alive} live worker processes of this host on "
-                       f"queue {fleet.settings.queue}, at least {min_workers} needed", err=True)
+            typer.echo(
+                f"ratchet: unhealthy: {alive} live worker processes of this host on "
+                f"queue {fleet.settings.queue}, at least {min_workers} needed",
+                err=True,
+            )
         raise typer.Exit(EXIT_CHECK_FAILED)

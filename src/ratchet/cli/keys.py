@@ -40,23 +40,25 @@ from ratchet.worker.settings import Settings
 
 __all__ = ["checkpoint_keys_path", "read_checkpoint_keys", "replace_file", "runs_signed_with"]
 
-FileOption = Annotated[Path | None, typer.Option(
-    "--file", help="The key file (default: from RATCHET_* settings).")]
+FileOption = Annotated[
+    Path | None, typer.Option("--file", help="The key file (default: from RATCHET_* settings).")
+]
 
 
 def checkpoint_keys_path(settings: Settings) -> Path:
     """The checkpoint key file in use. Raises ConfigurationError if keys come from the
     environment (rotate by moving to a key file) or none is configured."""
     if settings.checkpoint_key is not None:
-        raise ConfigurationError("the checkpoint key comes from RATCHET_CHECKPOINT_KEY; "
-                                 "move to RATCHET_CHECKPOINT_KEYS_FILE to rotate",
-                                 field="checkpoint_key")
+        raise ConfigurationError(
+            "the checkpoint key comes from RATCHET_CHECKPOINT_KEY; "
+            "move to RATCHET_CHECKPOINT_KEYS_FILE to rotate",
+            field="checkpoint_key",
+        )
     if settings.checkpoint_keys_file is not None:
         return settings.checkpoint_keys_file
     if settings.embedded:
         return settings.state_dir / "keys" / "checkpoint.json"
-    raise ConfigurationError("no checkpoint key file configured",
-                             field="checkpoint_keys_file")
+    raise ConfigurationError("no checkpoint key file configured", field="checkpoint_keys_file")
 
 
 def read_checkpoint_keys(path: Path) -> dict[str, Any]:
@@ -65,11 +67,13 @@ def read_checkpoint_keys(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
         keys = {str(k): bytes.fromhex(str(v)) for k, v in doc["keys"].items()}
-        KeyRing.from_secrets(keys, signing_kid=str(doc["signing"]),
-                             retired=[str(k) for k in doc.get("retired", [])])
+        KeyRing.from_secrets(
+            keys, signing_kid=str(doc["signing"]), retired=[str(k) for k in doc.get("retired", [])]
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigurationError(f"{path} is not a readable checkpoint key file",
-                                 field="checkpoint_keys_file") from None
+        raise ConfigurationError(
+            f"{path} is not a readable checkpoint key file", field="checkpoint_keys_file"
+        ) from None
     doc.setdefault("retired", [])
     return dict(doc)
 
@@ -114,8 +118,9 @@ def runs_signed_with(fleet: Fleet, kid: str, *, limit: int = 100_000) -> list[st
     return found
 
 
-def resign_documents(fleet: Fleet, kid: str, *,
-                     limit: int = 100_000) -> tuple[list[str], list[str]]:
+def resign_documents(
+    fleet: Fleet, kid: str, *, limit: int = 100_000
+) -> tuple[list[str], list[str]]:
     """Sign again, with the ring's signing key, every run document signed with ``kid``.
 
     A document is written once, at submit, so retiring the key that signed it would make
@@ -141,8 +146,9 @@ def resign_documents(fleet: Fleet, kid: str, *,
         except RatchetError:
             refused.append(run_id)
             continue
-        if fleet.store.replace_document(run_id, blob,
-                                        seal_document(fleet.keyring, run_id, document)):
+        if fleet.store.replace_document(
+            run_id, blob, seal_document(fleet.keyring, run_id, document)
+        ):
             resigned.append(run_id)
         else:
             refused.append(run_id)
@@ -159,8 +165,12 @@ def _write_checkpoint_keys(path: Path, doc: dict[str, Any]) -> None:
 
 
 def _summary(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
-    return {"path": str(path), "signing": doc["signing"], "kids": sorted(doc["keys"]),
-            "retired": sorted(doc["retired"])}
+    return {
+        "path": str(path),
+        "signing": doc["signing"],
+        "kids": sorted(doc["keys"]),
+        "retired": sorted(doc["retired"]),
+    }
 
 
 @keys_app.command("rotate")
@@ -181,8 +191,10 @@ def keys_rotate(file: FileOption = None, as_json: JsonFlag = False) -> None:
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"{path}: {kid} signs from now on; {previous} still verifies until "
-                   "retired. Restart the workers to pick it up.")
+        typer.echo(
+            f"{path}: {kid} signs from now on; {previous} still verifies until "
+            "retired. Restart the workers to pick it up."
+        )
 
 
 @keys_app.command("retire")
@@ -190,8 +202,13 @@ def keys_rotate(file: FileOption = None, as_json: JsonFlag = False) -> None:
 def keys_retire(
     kid: Annotated[str, typer.Argument(help="Key id to retire.")],
     file: FileOption = None,
-    force: Annotated[bool, typer.Option(help="Retire even though runs' current checkpoints "
-                                        "still use it (they will fail closed).")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            help="Retire even though runs' current checkpoints "
+            "still use it (they will fail closed)."
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Retire an old checkpoint key: checkpoints signed with it are refused from now on."""
@@ -211,13 +228,16 @@ def keys_retire(
             raise ConfigurationError(
                 f"{len(unreadable)} run document(s) signed with {kid!r} could not be signed "
                 f"again ({_some(unreadable)}): they do not verify or changed meanwhile; "
-                "nothing retired", field="kid")
+                "nothing retired",
+                field="kid",
+            )
         in_use = runs_signed_with(fleet, kid)
         if in_use:
             raise ConfigurationError(
                 f"{len(in_use)} run(s) still have a current checkpoint signed with {kid!r} "
                 f"({_some(in_use)}); let them commit once under the new key, or use --force",
-                field="kid")
+                field="kid",
+            )
     if kid not in doc["retired"]:
         doc["retired"].append(kid)
     _write_checkpoint_keys(path, doc)
@@ -225,9 +245,11 @@ def keys_retire(
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"{path}: {kid} retired; checkpoints signed with it are refused "
-                   f"({len(resigned)} run document(s) signed again first). "
-                   "Restart the workers to pick it up.")
+        typer.echo(
+            f"{path}: {kid} retired; checkpoints signed with it are refused "
+            f"({len(resigned)} run document(s) signed again first). "
+            "Restart the workers to pick it up."
+        )
 
 
 class SignerRole(StrEnum):
@@ -241,8 +263,10 @@ def _trust_path(role: SignerRole, file: Path | None) -> Path:
     settings = Settings()
     path = settings.approvers_file if role is SignerRole.APPROVER else settings.reviewers_file
     if path is None:
-        raise ConfigurationError(f"no {role.value} trust file: set RATCHET_{role.value.upper()}"
-                                 "S_FILE or pass --file", field="file")
+        raise ConfigurationError(
+            f"no {role.value} trust file: set RATCHET_{role.value.upper()}S_FILE or pass --file",
+            field="file",
+        )
     return path
 
 
@@ -260,8 +284,7 @@ def keys_revoke(
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
-        raise ConfigurationError(f"{path} is not a readable trust file", field="file") \
-            from None
+        raise ConfigurationError(f"{path} is not a readable trust file", field="file") from None
     if not isinstance(doc, dict) or signer_id not in doc or signer_id == "_revoked":
         raise ConfigurationError(f"no {role.value} {signer_id!r} in {path}", field="id")
     revoked = sorted({*(str(x) for x in doc.get("_revoked", [])), signer_id})
@@ -273,8 +296,7 @@ def keys_revoke(
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"{path}: {role.value} {signer_id} revoked. Restart the workers to pick "
-                   "it up.")
+        typer.echo(f"{path}: {role.value} {signer_id} revoked. Restart the workers to pick it up.")
 
 
 @keys_app.command("list")
@@ -288,11 +310,16 @@ def keys_list(as_json: JsonFlag = False) -> None:
         info["checkpoint"] = _summary(path, read_checkpoint_keys(path))
     except ConfigurationError as exc:
         info["checkpoint"] = {"note": exc.message}
-    for role, trust in (("approvers", settings.approvers_file),
-                        ("reviewers", settings.reviewers_file)):
+    for role, trust in (
+        ("approvers", settings.approvers_file),
+        ("reviewers", settings.reviewers_file),
+    ):
         roots = load_trust_roots(trust, role[:-1])
-        info[role] = None if roots is None else {
-            "signers": sorted(roots.keys), "revoked": sorted(roots.revoked)}
+        info[role] = (
+            None
+            if roots is None
+            else {"signers": sorted(roots.keys), "revoked": sorted(roots.revoked)}
+        )
     if as_json:
         print_json(info)
         return

@@ -68,8 +68,12 @@ def _print_demo(report: DemoReport) -> None:
     table.add_column("idempotency key", overflow="fold")
     table.add_column("env version", justify="right")
     for event in report.trace:
-        table.add_row(str(event["seq"]), event["outcome"], event["idempotency_key"] or "-",
-                      str(event["env_version"]))
+        table.add_row(
+            str(event["seq"]),
+            event["outcome"],
+            event["idempotency_key"] or "-",
+            str(event["env_version"]),
+        )
     console.print(table)
     summary = Table(title="summary", show_header=False)
     summary.add_column("what")
@@ -119,15 +123,21 @@ class ScenarioFormat(StrEnum):
 @ratchet_errors
 def scenario_check(
     file: Annotated[Path, typer.Argument(help="Scenario file (JSON or YAML).")],
-    fmt: Annotated[ScenarioFormat | None, typer.Option(
-        "--format", help="File format; by default taken from the suffix (.yaml/.yml).",
-        case_sensitive=False)] = None,
+    fmt: Annotated[
+        ScenarioFormat | None,
+        typer.Option(
+            "--format",
+            help="File format; by default taken from the suffix (.yaml/.yml).",
+            case_sensitive=False,
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Strict-load a scenario and print its fingerprint. Exit 2 naming the offending field."""
     if fmt is None:
-        fmt = (ScenarioFormat.YAML if file.suffix.lower() in (".yaml", ".yml")
-               else ScenarioFormat.JSON)
+        fmt = (
+            ScenarioFormat.YAML if file.suffix.lower() in (".yaml", ".yml") else ScenarioFormat.JSON
+        )
     try:
         text = file.read_bytes().decode("utf-8")
     except OSError as exc:
@@ -135,15 +145,25 @@ def scenario_check(
     except UnicodeDecodeError:
         raise ScenarioError("scenario file is not UTF-8", field="scenario") from None
     scenario = load_scenario(text, fmt="yaml" if fmt is ScenarioFormat.YAML else "json")
-    info = {"ok": True, "file": str(file), "format": fmt.value, "task_id": scenario.task_id,
-            "task_version": scenario.task_version, "policy_id": scenario.policy_id,
-            "policy_version": scenario.policy_version, "fingerprint": scenario.fingerprint}
+    info = {
+        "ok": True,
+        "file": str(file),
+        "format": fmt.value,
+        "task_id": scenario.task_id,
+        "task_version": scenario.task_version,
+        "policy_id": scenario.policy_id,
+        "policy_version": scenario.policy_version,
+        "fingerprint": scenario.fingerprint,
+    }
     if as_json:
         print_json(info)
         return
     console = Console(highlight=False)
-    console.print(f"ok: {file} ({fmt.value}) task {scenario.task_id} v{scenario.task_version},"
-                  f" policy {scenario.policy_id} v{scenario.policy_version}", markup=False)
+    console.print(
+        f"ok: {file} ({fmt.value}) task {scenario.task_id} v{scenario.task_version},"
+        f" policy {scenario.policy_id} v{scenario.policy_version}",
+        markup=False,
+    )
     console.print(f"fingerprint {scenario.fingerprint}", markup=False)
 
 
@@ -159,8 +179,11 @@ class SignerRole(StrEnum):
 def gen_checkpoint_key() -> None:
     """Print a fresh random 32-byte checkpoint HMAC key as hex on stdout."""
     typer.echo(secrets.token_bytes(32).hex())
-    typer.echo("keep this key outside checkpoints and the environment file of the run; "
-               "supply it to workers as a secret", err=True)
+    typer.echo(
+        "keep this key outside checkpoints and the environment file of the run; "
+        "supply it to workers as a secret",
+        err=True,
+    )
 
 
 @keys_app.command("gen-signer")
@@ -177,8 +200,10 @@ def gen_signer(
     to the workers' trust roots for the role.
     """
     if not _SIGNER_ID.match(signer_id):
-        raise ConfigurationError("signer id must be 1..64 characters of [A-Za-z0-9._-] "
-                                 "starting with a letter or digit", field="id")
+        raise ConfigurationError(
+            "signer id must be 1..64 characters of [A-Za-z0-9._-] starting with a letter or digit",
+            field="id",
+        )
     try:
         out.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
@@ -188,12 +213,19 @@ def gen_signer(
     write_private(path, key.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()))
     public_hex = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
     if as_json:
-        print_json({"role": role.value, "id": signer_id, "private_key_path": str(path),
-                     "public_key_hex": public_hex})
+        print_json(
+            {
+                "role": role.value,
+                "id": signer_id,
+                "private_key_path": str(path),
+                "public_key_hex": public_hex,
+            }
+        )
         return
     typer.echo(public_hex)
-    typer.echo(f"wrote the {role.value} private key for {signer_id} to {path} (mode 0600)",
-               err=True)
+    typer.echo(
+        f"wrote the {role.value} private key for {signer_id} to {path} (mode 0600)", err=True
+    )
 
 
 # --- version ---------------------------------------------------------------------------------
@@ -210,7 +242,12 @@ def _version() -> str:
 def version(as_json: JsonFlag = False) -> None:
     """Print the installed ratchet version."""
     if as_json:
-        print_json({"name": "ratchet", "version": _version(),
-                     "python": ".".join(map(str, sys.version_info[:3]))})
+        print_json(
+            {
+                "name": "ratchet",
+                "version": _version(),
+                "python": ".".join(map(str, sys.version_info[:3])),
+            }
+        )
     else:
         typer.echo(f"ratchet {_version()}")

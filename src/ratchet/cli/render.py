@@ -32,10 +32,16 @@ def run_summary(row: ListedRun, now_ms: int) -> dict[str, Any]:
     """One row of ``ratchet runs`` (and of the console's list), from a listing row: what
     the index and the run's hashes say, nothing verified (``ratchet show`` verifies). A
     row that could not be read says so in ``note``."""
-    out: dict[str, Any] = {"run_id": row.run_id, "phase": row.phase,
-                           "listed_at_ms": row.listed_at_ms, "task_id": row.task_id,
-                           "owner": row.owner, "generation": row.generation,
-                           "failures": row.incidents, "last_failure": row.last_incident}
+    out: dict[str, Any] = {
+        "run_id": row.run_id,
+        "phase": row.phase,
+        "listed_at_ms": row.listed_at_ms,
+        "task_id": row.task_id,
+        "owner": row.owner,
+        "generation": row.generation,
+        "failures": row.incidents,
+        "last_failure": row.last_incident,
+    }
     if row.problem is not None:
         out.update(lease="-", note=row.problem)
         return out
@@ -61,12 +67,22 @@ def run_to_json(view: RunView, now: int, *, fleet: Fleet | None = None) -> dict[
         "phase": state.phase.value,
         "stop_reason": state.stop_reason,
         "generation": view.generation,
-        "lease": {"owner": snap.owner, "lease_version": snap.lease_version,
-                  "live": snap.lease_live, "expires_at_ms": snap.expires_at_ms},
-        "task": {"task_id": state.task_id, "task_version": state.task_version,
-                 "policy_id": state.policy_id, "policy_version": state.policy_version},
-        "budgets": {"used": state.usage.model_dump(),
-                    "limits": view.document.scenario.budgets.model_dump()},
+        "lease": {
+            "owner": snap.owner,
+            "lease_version": snap.lease_version,
+            "live": snap.lease_live,
+            "expires_at_ms": snap.expires_at_ms,
+        },
+        "task": {
+            "task_id": state.task_id,
+            "task_version": state.task_version,
+            "policy_id": state.policy_id,
+            "policy_version": state.policy_version,
+        },
+        "budgets": {
+            "used": state.usage.model_dump(),
+            "limits": view.document.scenario.budgets.model_dump(),
+        },
         "environment": state.environment.model_dump(mode="json"),
         "pending": None,
         "review": None,
@@ -79,7 +95,8 @@ def run_to_json(view: RunView, now: int, *, fleet: Fleet | None = None) -> dict[
         pending = state.pending.model_dump(mode="json")
         if state.pending.approval is not None:
             pending["approval_status"] = approval_status(
-                state.pending.approval, now=now, proposals_used=state.usage.proposals)
+                state.pending.approval, now=now, proposals_used=state.usage.proposals
+            )
         data["pending"] = pending
     if state.review is not None:
         data["review"] = state.review.model_dump(mode="json")
@@ -88,8 +105,7 @@ def run_to_json(view: RunView, now: int, *, fleet: Fleet | None = None) -> dict[
     return data
 
 
-def render_run(console: Console, view: RunView, now: int, *,
-               fleet: Fleet | None = None) -> None:
+def render_run(console: Console, view: RunView, now: int, *, fleet: Fleet | None = None) -> None:
     """The rich text of ``ratchet show``; with ``fleet``, headed by the status and what
     went wrong, and with the timeline in place of the bare trace."""
     diagnosis = diagnose(fleet, view) if fleet is not None else None
@@ -98,17 +114,25 @@ def render_run(console: Console, view: RunView, now: int, *,
     state = view.state
     snap = view.snapshot
     head = Table(title=f"run {state.run_id}", show_header=False)
-    head.add_row("phase", state.phase.value + (f" ({state.stop_reason})"
-                                               if state.stop_reason else ""))
-    head.add_row("task / policy", f"{state.task_id} v{state.task_version} / "
-                 f"{state.policy_id} v{state.policy_version}")
+    head.add_row(
+        "phase", state.phase.value + (f" ({state.stop_reason})" if state.stop_reason else "")
+    )
+    head.add_row(
+        "task / policy",
+        f"{state.task_id} v{state.task_version} / {state.policy_id} v{state.policy_version}",
+    )
     head.add_row("generation", str(view.generation))
-    head.add_row("lease", f"{snap.owner or '-'} v{snap.lease_version} "
-                 f"({'live' if snap.lease_live else 'free'})")
+    head.add_row(
+        "lease",
+        f"{snap.owner or '-'} v{snap.lease_version} ({'live' if snap.lease_live else 'free'})",
+    )
     limits = view.document.scenario.budgets
     used = state.usage
-    head.add_row("budgets", f"proposals {used.proposals}/{limits.proposals}, steps "
-                 f"{used.steps}/{limits.steps}, cost {used.cost_units}/{limits.cost_units}")
+    head.add_row(
+        "budgets",
+        f"proposals {used.proposals}/{limits.proposals}, steps "
+        f"{used.steps}/{limits.steps}, cost {used.cost_units}/{limits.cost_units}",
+    )
     env = state.environment
     head.add_row("environment", f"{env.instance_id} v{env.version} {env.fingerprint[:16]}")
     console.print(head)
@@ -119,41 +143,58 @@ def render_run(console: Console, view: RunView, now: int, *,
         table.add_row("idempotency key", pending.action.idempotency_key or "-")
         table.add_row("intent digest", pending.intent_digest)
         if pending.approval is not None:
-            table.add_row("approval", f"{pending.approval.approver_id}: " + approval_status(
-                pending.approval, now=now, proposals_used=used.proposals))
+            table.add_row(
+                "approval",
+                f"{pending.approval.approver_id}: "
+                + approval_status(pending.approval, now=now, proposals_used=used.proposals),
+            )
         else:
             table.add_row("approval", "none")
         console.print(table)
         if state.phase.value == "awaiting_approval":
-            console.print(f"to approve: ratchet approve {state.run_id} "
-                          f"{pending.action.action_id} --key APPROVER_KEY.pem", markup=False)
+            console.print(
+                f"to approve: ratchet approve {state.run_id} "
+                f"{pending.action.action_id} --key APPROVER_KEY.pem",
+                markup=False,
+            )
     if state.review is not None:
         case = state.review
-        table = Table(title=f"review case {case.case_id} ({case.reason.value})",
-                      show_header=False)
+        table = Table(title=f"review case {case.case_id} ({case.reason.value})", show_header=False)
         table.add_row("pending intent digest", case.pending.intent_digest)
-        table.add_row("receipt intent digest",
-                      case.receipt.intent_digest if case.receipt else "(no receipt)")
+        table.add_row(
+            "receipt intent digest", case.receipt.intent_digest if case.receipt else "(no receipt)"
+        )
         table.add_row("receipt fingerprint", case.receipt_fingerprint or "-")
         if case.receipt is not None:
-            table.add_row("receipt", f"{case.receipt.namespace} v{case.receipt.receipt_version}"
-                          f" {case.receipt.receipt_id} {case.receipt.result}")
+            table.add_row(
+                "receipt",
+                f"{case.receipt.namespace} v{case.receipt.receipt_version}"
+                f" {case.receipt.receipt_id} {case.receipt.result}",
+            )
         console.print(table)
-        console.print(f"to decide: ratchet review {state.run_id} --decision replan|abort "
-                      "--key REVIEWER_KEY.pem", markup=False)
+        console.print(
+            f"to decide: ratchet review {state.run_id} --decision replan|abort "
+            "--key REVIEWER_KEY.pem",
+            markup=False,
+        )
     if state.executed:
         table = Table(title="executed writes")
         for column in ("key", "receipt", "intent digest"):
             table.add_column(column, overflow="fold")
         for entry in state.executed:
-            table.add_row(entry.idempotency_key, f"{entry.receipt.namespace}/"
-                          f"{entry.receipt.receipt_id}", entry.intent_digest[:16])
+            table.add_row(
+                entry.idempotency_key,
+                f"{entry.receipt.namespace}/{entry.receipt.receipt_id}",
+                entry.intent_digest[:16],
+            )
         console.print(table)
     for incident in view.incidents:
-        said = " ".join(str(incident[k]) for k in ("reason", "message", "operator")
-                        if incident.get(k))
-        console.print(f"incident: {incident.get('kind')}" + (f": {said}" if said else ""),
-                      markup=False)
+        said = " ".join(
+            str(incident[k]) for k in ("reason", "message", "operator") if incident.get(k)
+        )
+        console.print(
+            f"incident: {incident.get('kind')}" + (f": {said}" if said else ""), markup=False
+        )
     if diagnosis is not None:
         _render_change(console, diagnosis.get("pending_change"))
         _render_timeline(console, diagnosis)
@@ -162,8 +203,9 @@ def render_run(console: Console, view: RunView, now: int, *,
     for column in ("seq", "outcome", "action", "env"):
         trace.add_column(column)
     for event in state.trace:
-        trace.add_row(str(event.seq), event.outcome.value, event.action_id or "-",
-                      str(event.env_version))
+        trace.add_row(
+            str(event.seq), event.outcome.value, event.action_id or "-", str(event.env_version)
+        )
     console.print(trace)
 
 
@@ -179,14 +221,20 @@ def render_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
     table = Table(title=f"status: {status.get('state')}", show_header=False)
     table.add_row("now", str(status.get("summary") or "-"))
     if status.get("owner"):
-        table.add_row("lease", f"{status['owner']} v{status.get('lease_version')}, expires "
-                      f"in {status.get('expires_in_ms')} ms (store's clock)")
+        table.add_row(
+            "lease",
+            f"{status['owner']} v{status.get('lease_version')}, expires "
+            f"in {status.get('expires_in_ms')} ms (store's clock)",
+        )
     if status.get("worker"):
         table.add_row("worker", str(status["worker"]))
     depth = status.get("queue_depth")
-    table.add_row("queue", f"{status.get('queue')}: {depth if depth is not None else '?'} "
-                  "waiting" + (f", this run at {status['queue_position']}"
-                               if status.get("queue_position") else ""))
+    table.add_row(
+        "queue",
+        f"{status.get('queue')}: {depth if depth is not None else '?'} "
+        "waiting"
+        + (f", this run at {status['queue_position']}" if status.get("queue_position") else ""),
+    )
     if status.get("why") and str(status["why"]) not in str(status.get("summary")):
         table.add_row("why", str(status["why"]))
     for note in diagnosis.get("notes") or []:
@@ -194,8 +242,9 @@ def render_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
     console.print(table)
     incident = diagnosis.get("current_incident")
     if incident:
-        console.print(Text(f"current incident ({_ms(incident.get('at_ms'))}): "
-                           f"{incident.get('summary')}"))
+        console.print(
+            Text(f"current incident ({_ms(incident.get('at_ms'))}): {incident.get('summary')}")
+        )
     error = diagnosis.get("last_job_error")
     if error:
         table = Table(title="last job error", show_header=False)
@@ -205,13 +254,20 @@ def render_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
         console.print(table)
     output = diagnosis.get("verifier_output")
     if output:
-        console.print(Text(
-            f"verifier output: {output.get('target')} failed ({output.get('message')}); "
-            f"exit code {output.get('exit_code')}, timed out {output.get('timed_out')}, "
-            f"truncated {output.get('truncated')}; {output.get('binding')}"))
-        console.print(Text(f"--- last lines, {output.get('label')} "
-                           + ("(earlier output cut) " if output.get("tail_cut") else "")
-                           + "---"))
+        console.print(
+            Text(
+                f"verifier output: {output.get('target')} failed ({output.get('message')}); "
+                f"exit code {output.get('exit_code')}, timed out {output.get('timed_out')}, "
+                f"truncated {output.get('truncated')}; {output.get('binding')}"
+            )
+        )
+        console.print(
+            Text(
+                f"--- last lines, {output.get('label')} "
+                + ("(earlier output cut) " if output.get("tail_cut") else "")
+                + "---"
+            )
+        )
         console.print(Text(str(output.get("tail") or "")), soft_wrap=True)
         console.print(Text("--- end of verifier output ---"))
 
@@ -220,16 +276,14 @@ def _render_change(console: Console, change: dict[str, Any] | None) -> None:
     if not change:
         return
     content = change.get("content") or {}
-    head = (f"pending {change.get('operation')} "
-            f"{change.get('path') or change.get('target') or ''}: ")
+    head = f"pending {change.get('operation')} {change.get('path') or change.get('target') or ''}: "
     if content:
         head += f"{content.get('bytes')} bytes, {content.get('form')}, sha256 "
         head += str(content.get("sha256", ""))[:16]
     if change.get("scrubbed"):
         head += " (text that looks like a secret is redacted here)"
     console.print(Text(head))
-    for note in (change.get("receipt_note"), change.get("current_note"),
-                 change.get("diff_note")):
+    for note in (change.get("receipt_note"), change.get("current_note"), change.get("diff_note")):
         if note:
             console.print(Text(f"  {note}"))
     if change.get("diff"):
@@ -240,17 +294,21 @@ def _render_change(console: Console, change: dict[str, Any] | None) -> None:
 
 def _render_timeline(console: Console, diagnosis: dict[str, Any]) -> None:
     left_out = diagnosis.get("timeline_left_out") or 0
-    title = "timeline" + (f" (newest {len(diagnosis.get('timeline') or [])}; {left_out} "
-                          "earlier not shown)" if left_out else "")
+    title = "timeline" + (
+        f" (newest {len(diagnosis.get('timeline') or [])}; {left_out} earlier not shown)"
+        if left_out
+        else ""
+    )
     table = Table(title=title)
     for column in ("at (store's clock; trace: upper bound)", "source", "what", "detail"):
         table.add_column(column, overflow="fold")
     for item in diagnosis.get("timeline") or []:
         at = item.get("at_ms")
-        when = ("<= " + _ms(at)[:-4] if item.get("source") == "trace" else _ms(at))
+        when = "<= " + _ms(at)[:-4] if item.get("source") == "trace" else _ms(at)
         source = str(item.get("source"))
         if item.get("seq") is not None:
             source += f" #{item['seq']}"
-        table.add_row(when, source, Text(str(item.get("what"))),
-                      Text(str(item.get("detail") or "")))
+        table.add_row(
+            when, source, Text(str(item.get("what"))), Text(str(item.get("detail") or ""))
+        )
     console.print(table)

@@ -26,8 +26,9 @@ def parse_duration(text: str) -> int:
     text = text.strip().lower()
     parts = _DURATION.findall(text)
     if not text or "".join(n + u for n, u in parts) != text:
-        raise ContractError(f"bad duration {text[:40]!r}: use e.g. 90s, 15m, 12h, 30d, 2w",
-                            field="finished_before")
+        raise ContractError(
+            f"bad duration {text[:40]!r}: use e.g. 90s, 15m, 12h, 30d, 2w", field="finished_before"
+        )
     return sum(int(n) * _UNITS[u] for n, u in parts) * 1000
 
 
@@ -35,8 +36,9 @@ def parse_duration(text: str) -> int:
 @ratchet_errors
 def export_command(
     run_id: str,
-    out: Annotated[Path | None, typer.Option("--out", help="File to write (default: "
-                                             "RUN.ratchet-export here).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="File to write (default: RUN.ratchet-export here).")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Write a run's signed checkpoint, archive, document, history and incidents as one
@@ -47,8 +49,9 @@ def export_command(
     if as_json:
         print_json(info)
     else:
-        typer.echo(f"exported {run_id} ({summary.phase}, generation {summary.generation}) "
-                   f"to {path}")
+        typer.echo(
+            f"exported {run_id} ({summary.phase}, generation {summary.generation}) to {path}"
+        )
 
 
 @app.command("verify")
@@ -63,24 +66,32 @@ def verify_command(file: Path, as_json: JsonFlag = False) -> None:
             raise ContractError("the file is larger than any export", field="file")
         blob = file.read_bytes()
     except OSError as exc:
-        raise ConfigurationError(f"cannot read {file}: {exc.strerror or exc}",
-                                 field="file") from None
+        raise ConfigurationError(
+            f"cannot read {file}: {exc.strerror or exc}", field="file"
+        ) from None
     summary = verify_export(load_keyring(Settings()), blob)
     if as_json:
         print_json(summary.as_dict())
     else:
-        typer.echo(f"{file}: verified: run {summary.run_id}, {summary.phase}, generation "
-                   f"{summary.generation}, {summary.executed} executed writes")
+        typer.echo(
+            f"{file}: verified: run {summary.run_id}, {summary.phase}, generation "
+            f"{summary.generation}, {summary.executed} executed writes"
+        )
 
 
 @app.command("purge")
 @ratchet_errors
 def purge_command(
-    finished_before: Annotated[str, typer.Option(
-        "--finished-before", help="Purge runs that finished longer ago than this "
-        "(90s, 15m, 12h, 30d, 2w).")],
-    export_dir: Annotated[Path | None, typer.Option(
-        "--export-dir", help="Export each run here before it is removed.")] = None,
+    finished_before: Annotated[
+        str,
+        typer.Option(
+            "--finished-before",
+            help="Purge runs that finished longer ago than this (90s, 15m, 12h, 30d, 2w).",
+        ),
+    ],
+    export_dir: Annotated[
+        Path | None, typer.Option("--export-dir", help="Export each run here before it is removed.")
+    ] = None,
     limit: Annotated[int, typer.Option(min=1, max=100_000)] = 1000,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go.")] = False,
     as_json: JsonFlag = False,
@@ -89,14 +100,21 @@ def purge_command(
     tombstone per run so its id, keys and nonces are never reused. A run that is not
     finished, does not verify, is held, or has an unconsumed approval or decision is
     kept, with the reason."""
-    report = purge_finished(Fleet.connect(), older_than_ms=parse_duration(finished_before),
-                            export_dir=export_dir, limit=limit, dry_run=dry_run)
+    report = purge_finished(
+        Fleet.connect(),
+        older_than_ms=parse_duration(finished_before),
+        export_dir=export_dir,
+        limit=limit,
+        dry_run=dry_run,
+    )
     if as_json:
         print_json(report.as_dict())
         return
     verb = "would purge" if dry_run else "purged"
-    typer.echo(f"{verb} {len(report.purged)} runs"
-               + (f", exported to {export_dir}" if export_dir and report.exported else "")
-               + f"; kept {len(report.kept)}")
+    typer.echo(
+        f"{verb} {len(report.purged)} runs"
+        + (f", exported to {export_dir}" if export_dir and report.exported else "")
+        + f"; kept {len(report.kept)}"
+    )
     for run_id, why in sorted(report.kept.items())[:50]:
         typer.echo(f"  kept {run_id}: {why}")

@@ -13,8 +13,7 @@ from ratchet.worker.taskfile import plan_file_schema, task_file_schema
 
 __all__: list[str] = []
 
-schema_app = typer.Typer(help="JSON Schemas of the files ratchet reads.",
-                         no_args_is_help=True)
+schema_app = typer.Typer(help="JSON Schemas of the files ratchet reads.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 
 

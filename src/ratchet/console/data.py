@@ -21,8 +21,16 @@ from typing import Any
 from ratchet.errors import ContractError, RatchetError
 from ratchet.runtime import Phase
 
-__all__ = ["DEFAULT_PAGE", "ConsoleData", "RunListing", "RunQuery", "RunRow", "list_page",
-           "run_counts", "waiting_runs"]
+__all__ = [
+    "DEFAULT_PAGE",
+    "ConsoleData",
+    "RunListing",
+    "RunQuery",
+    "RunRow",
+    "list_page",
+    "run_counts",
+    "waiting_runs",
+]
 
 RunRow = dict[str, Any]
 DEFAULT_PAGE = 50  # rows per page of the runs list
@@ -91,8 +99,10 @@ class ConsoleData:
 
 
 def _matches(row: RunRow, search: str) -> bool:
-    return any(isinstance(row.get(name), str) and str(row[name]).startswith(search)
-               for name in ("run_id", "task_id", "owner"))
+    return any(
+        isinstance(row.get(name), str) and str(row[name]).startswith(search)
+        for name in ("run_id", "task_id", "owner")
+    )
 
 
 def _page_of_list(data: ConsoleData, query: RunQuery) -> tuple[list[RunRow], str | None, int]:
@@ -108,8 +118,7 @@ def _page_of_list(data: ConsoleData, query: RunQuery) -> tuple[list[RunRow], str
     start = 0
     if query.after:
         if not query.after.isdigit() or int(query.after) > len(rows):
-            raise ContractError("the cursor is not one this listing gave out",
-                                field="after")
+            raise ContractError("the cursor is not one this listing gave out", field="after")
         start = int(query.after)
     end = start + query.limit
     return rows[start:end], (str(end) if end < len(rows) else None), len(rows[start:end])
@@ -145,8 +154,11 @@ def list_page(data: ConsoleData, query: RunQuery) -> RunListing:
     return RunListing(rows, cursor, counts, total, scanned, depth)
 
 
-def waiting_runs(data: ConsoleData, *, limit: int = 50,
-                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[RunRow]]:
+def waiting_runs(
+    data: ConsoleData,
+    *,
+    limit: int = 50,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[RunRow]]:
     """Runs waiting for a human, newest first, at most ``limit`` of each (the phase
     indexes list them; :func:`run_counts` says how many wait): (needs review details,
     awaiting approval details, rows that could not be read or verified). Each listed run
@@ -156,10 +168,13 @@ def waiting_runs(data: ConsoleData, *, limit: int = 50,
     reviews: list[dict[str, Any]] = []
     approvals: list[dict[str, Any]] = []
     broken: list[RunRow] = []
-    for phase, into in ((Phase.NEEDS_REVIEW.value, reviews),
-                        (Phase.AWAITING_APPROVAL.value, approvals)):
+    for phase, into in (
+        (Phase.NEEDS_REVIEW.value, reviews),
+        (Phase.AWAITING_APPROVAL.value, approvals),
+    ):
         rows, _cursor, _scanned = (data.page_runs or (lambda q: _page_of_list(data, q)))(
-            RunQuery(phase=phase, limit=limit))
+            RunQuery(phase=phase, limit=limit)
+        )
         for row in rows:
             if row.get("note") and str(row["note"]).startswith("unreadable"):
                 broken.append(row)

@@ -42,8 +42,10 @@ def waiting_since(run: dict[str, Any]) -> int | None:
     """When (seconds, the store's clock) the run last started waiting for an approval:
     its newest ``awaiting_approval`` or ``approval_expired`` trace event."""
     for event in reversed(run.get("trace") or []):
-        if isinstance(event, dict) and event.get("outcome") in ("awaiting_approval",
-                                                                 "approval_expired"):
+        if isinstance(event, dict) and event.get("outcome") in (
+            "awaiting_approval",
+            "approval_expired",
+        ):
             at = event.get("at")
             return at if isinstance(at, int) else None
     return None
@@ -62,13 +64,16 @@ class QueueGauges:
             except RatchetError as exc:
                 log.warning("queue gauges not read", extra={"error": type(exc).__name__})
             else:
-                depth = GaugeMetricFamily("ratchet_queue_depth",
-                                          "Jobs waiting in the fleet's queue.")
+                depth = GaugeMetricFamily(
+                    "ratchet_queue_depth", "Jobs waiting in the fleet's queue."
+                )
                 depth.add_metric([], int(info.get("queue_depth") or 0))
                 yield depth
-                workers = GaugeMetricFamily("ratchet_workers",
-                                            "Workers registered for the queue, by state.",
-                                            labels=["state"])
+                workers = GaugeMetricFamily(
+                    "ratchet_workers",
+                    "Workers registered for the queue, by state.",
+                    labels=["state"],
+                )
                 counts = dict.fromkeys(WORKER_STATES, 0)
                 for worker in info.get("workers") or []:
                     state = str(worker.get("state"))
@@ -82,14 +87,16 @@ class QueueGauges:
     def _approval_age(self) -> Metric:
         gauge = GaugeMetricFamily(
             "ratchet_oldest_approval_age_seconds",
-            "How long the run waiting longest for a signed approval has waited.")
+            "How long the run waiting longest for a signed approval has waited.",
+        )
         oldest = 0
         try:
             if self._data.page_runs is not None:
                 # The index lists runs by when they entered the phase: the oldest is the
                 # first of one page, oldest first. One run is opened, at any fleet size.
-                rows, _cursor, _scanned = self._data.page_runs(RunQuery(
-                    phase=Phase.AWAITING_APPROVAL.value, oldest_first=True, limit=1))
+                rows, _cursor, _scanned = self._data.page_runs(
+                    RunQuery(phase=Phase.AWAITING_APPROVAL.value, oldest_first=True, limit=1)
+                )
             else:
                 rows = self._data.list_runs(self._data.limit)
         except RatchetError as exc:

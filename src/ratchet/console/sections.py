@@ -63,12 +63,23 @@ def status_section(run: dict[str, Any]) -> str:
     if not isinstance(status, dict):
         return ""
     state = "frozen" if status.get("frozen") else str(status.get("state"))
-    rows = [("state", f'<span class="badge state-{_e(state)}">{_e(state)}</span> '
-                      f"{_e(status.get('summary'))}")]
+    rows = [
+        (
+            "state",
+            f'<span class="badge state-{_e(state)}">{_e(state)}</span> {_e(status.get("summary"))}',
+        )
+    ]
     if status.get("owner"):
-        rows.append(("lease", _e(f"{status['owner']} v{status.get('lease_version')}, "
-                                 f"expires in {status.get('expires_in_ms')} ms by the "
-                                 "store's clock")))
+        rows.append(
+            (
+                "lease",
+                _e(
+                    f"{status['owner']} v{status.get('lease_version')}, "
+                    f"expires in {status.get('expires_in_ms')} ms by the "
+                    "store's clock"
+                ),
+            )
+        )
     if status.get("worker"):
         rows.append(("worker", f'<span class="mono">{_e(status["worker"])}</span>'))
     depth = status.get("queue_depth")
@@ -87,41 +98,76 @@ def problem_sections(run: dict[str, Any]) -> str:
     parts: list[str] = []
     incident = run.get("current_incident")
     if isinstance(incident, dict):
-        parts.append("<h2>Current incident</h2>" + _kv([
-            ("what", _e(incident.get("summary"))), ("kind", _e(incident.get("kind"))),
-            ("at", _e(_ms(incident.get("at_ms"))))]))
+        parts.append(
+            "<h2>Current incident</h2>"
+            + _kv(
+                [
+                    ("what", _e(incident.get("summary"))),
+                    ("kind", _e(incident.get("kind"))),
+                    ("at", _e(_ms(incident.get("at_ms")))),
+                ]
+            )
+        )
     error = run.get("last_job_error")
     if isinstance(error, dict):
-        parts.append("<h2>Last job error</h2>" + _kv([
-            ("error", f"<strong>{_e(error.get('error'))}</strong>"),
-            ("message", _e(error.get("message"))),
-            ("where", f'<span class="mono">{_e(error.get("where"))}</span>'),
-            ("attempt", _e(error.get("attempt"))), ("next", _e(error.get("next"))),
-            ("at", _e(_ms(error.get("at_ms"))))]))
+        parts.append(
+            "<h2>Last job error</h2>"
+            + _kv(
+                [
+                    ("error", f"<strong>{_e(error.get('error'))}</strong>"),
+                    ("message", _e(error.get("message"))),
+                    ("where", f'<span class="mono">{_e(error.get("where"))}</span>'),
+                    ("attempt", _e(error.get("attempt"))),
+                    ("next", _e(error.get("next"))),
+                    ("at", _e(_ms(error.get("at_ms")))),
+                ]
+            )
+        )
     output = run.get("verifier_output")
     if isinstance(output, dict):
         cut = " (earlier output cut)" if output.get("tail_cut") else ""
-        parts.append("<h2>Verifier output (last failed check)</h2>" + _kv([
-            ("target", _e(output.get("target"))), ("result", _e(output.get("message"))),
-            ("exit code", _e(output.get("exit_code"))),
-            ("timed out / truncated", _e(f"{output.get('timed_out')} / "
-                                         f"{output.get('truncated')}")),
-            ("signed report", _e(output.get("binding"))),
-            ("output digest", f'<span class="mono">{_e(output.get("output_digest"))}</span>'),
-            ("at", _e(_ms(output.get("at_ms"))))])
+        parts.append(
+            "<h2>Verifier output (last failed check)</h2>"
+            + _kv(
+                [
+                    ("target", _e(output.get("target"))),
+                    ("result", _e(output.get("message"))),
+                    ("exit code", _e(output.get("exit_code"))),
+                    (
+                        "timed out / truncated",
+                        _e(f"{output.get('timed_out')} / {output.get('truncated')}"),
+                    ),
+                    ("signed report", _e(output.get("binding"))),
+                    (
+                        "output digest",
+                        f'<span class="mono">{_e(output.get("output_digest"))}</span>',
+                    ),
+                    ("at", _e(_ms(output.get("at_ms")))),
+                ]
+            )
             + f'<p class="label">{_e(output.get("label"))}; secrets scrubbed{_e(cut)}</p>'
-            + f'<pre class="tail">{_e(output.get("tail"))}</pre>')
+            + f'<pre class="tail">{_e(output.get("tail"))}</pre>'
+        )
     return "".join(parts)
 
 
 def _diff_html(diff: str) -> str:
     lines = []
     for line in diff.splitlines():
-        cls = ("hunk" if line.startswith("@@") else "add" if line.startswith("+")
-               and not line.startswith("+++") else "del" if line.startswith("-")
-               and not line.startswith("---") else "")
-        lines.append(f'<span class="{cls}">{_e(line) or "&nbsp;"}</span>' if cls
-                     else f"<span>{_e(line) or '&nbsp;'}</span>")
+        cls = (
+            "hunk"
+            if line.startswith("@@")
+            else "add"
+            if line.startswith("+") and not line.startswith("+++")
+            else "del"
+            if line.startswith("-") and not line.startswith("---")
+            else ""
+        )
+        lines.append(
+            f'<span class="{cls}">{_e(line) or "&nbsp;"}</span>'
+            if cls
+            else f"<span>{_e(line) or '&nbsp;'}</span>"
+        )
     return f'<pre class="diff">{"".join(lines)}</pre>'
 
 
@@ -132,16 +178,34 @@ def change_section(run: dict[str, Any]) -> str:
         return ""
     raw = change.get("content")
     content: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    rows = [("operation", _e(f"{change.get('operation')} "
-                             f"{change.get('path') or change.get('target') or ''}"))]
+    rows = [
+        (
+            "operation",
+            _e(f"{change.get('operation')} {change.get('path') or change.get('target') or ''}"),
+        )
+    ]
     if content:
-        rows.append(("content", _e(f"{content.get('bytes')} bytes, {content.get('form')}, "
-                                   f"sha256 {content.get('sha256')}")))
+        rows.append(
+            (
+                "content",
+                _e(
+                    f"{content.get('bytes')} bytes, {content.get('form')}, "
+                    f"sha256 {content.get('sha256')}"
+                ),
+            )
+        )
     current = change.get("current")
     if isinstance(current, dict):
-        rows.append(("current file", _e(f"{current.get('bytes')} bytes, "
-                                        f"{current.get('form')}, sha256 "
-                                        f"{current.get('sha256')}")))
+        rows.append(
+            (
+                "current file",
+                _e(
+                    f"{current.get('bytes')} bytes, "
+                    f"{current.get('form')}, sha256 "
+                    f"{current.get('sha256')}"
+                ),
+            )
+        )
     for name in ("receipt_note", "current_note", "diff_note"):
         if change.get(name):
             rows.append((name.split("_")[0], _e(change[name])))
@@ -173,13 +237,15 @@ def timeline_section(run: dict[str, Any]) -> str:
             f"{'&le; ' if source == 'trace' else ''}"
             f"{_e(_ms(item.get('at_ms'), seconds_only=source == 'trace'))}</td>"
             f"<td>{_e(label)}</td><td>{_e(item.get('what'))}</td>"
-            f"<td>{_e(item.get('detail') or '')}</td></tr>")
+            f"<td>{_e(item.get('detail') or '')}</td></tr>"
+        )
     left_out = run.get("timeline_left_out") or 0
-    note = (f'<p class="note">{_e(left_out)} earlier entries not shown</p>' if left_out
-            else "")
-    return (f"<h2>Timeline</h2>{note}<table class=\"timeline\"><tr><th>at (store's clock; "
-            "a trace time is an upper bound, to the second)</th><th>source</th><th>what</th>"
-            f"<th>detail</th></tr>{''.join(rows)}</table>")
+    note = f'<p class="note">{_e(left_out)} earlier entries not shown</p>' if left_out else ""
+    return (
+        f'<h2>Timeline</h2>{note}<table class="timeline"><tr><th>at (store\'s clock; '
+        "a trace time is an upper bound, to the second)</th><th>source</th><th>what</th>"
+        f"<th>detail</th></tr>{''.join(rows)}</table>"
+    )
 
 
 def workers_table(info: dict[str, Any]) -> str:
@@ -188,17 +254,20 @@ def workers_table(info: dict[str, Any]) -> str:
     for worker in info.get("workers") or []:
         age = worker.get("heartbeat_age_s")
         rows.append(
-            f"<tr><td class=\"mono\">{_e(worker.get('name'))}</td>"
-            f"<td class=\"mono\">{_e(worker.get('owner') or '-')}</td>"
+            f'<tr><td class="mono">{_e(worker.get("name"))}</td>'
+            f'<td class="mono">{_e(worker.get("owner") or "-")}</td>'
             f"<td>{_e(worker.get('state'))}</td>"
             f"<td>{_run_link(worker.get('current_run'))}</td>"
-            f"<td class=\"mono\">{_e(worker.get('current_job') or '-')}</td>"
+            f'<td class="mono">{_e(worker.get("current_job") or "-")}</td>'
             f"<td>{_e(f'{age} s ago' if age is not None else '-')}</td>"
             f"<td>{_e(', '.join(worker.get('queues') or []))}</td>"
             f"<td>{_e(worker.get('successful_jobs'))} / {_e(worker.get('failed_jobs'))}"
-            "</td></tr>")
+            "</td></tr>"
+        )
     if not rows:
         return '<p class="note">no worker is registered for this queue</p>'
-    return ("<table><tr><th>worker</th><th>lease owner id</th><th>state</th><th>run</th>"
-            "<th>current job</th><th>last heartbeat</th><th>queues</th>"
-            f"<th>jobs ok / failed</th></tr>{''.join(rows)}</table>")
+    return (
+        "<table><tr><th>worker</th><th>lease owner id</th><th>state</th><th>run</th>"
+        "<th>current job</th><th>last heartbeat</th><th>queues</th>"
+        f"<th>jobs ok / failed</th></tr>{''.join(rows)}</table>"
+    )

@@ -71,8 +71,10 @@ __all__ = ["CSP", "ConsoleServer", "own_hosts", "serve_console"]
 
 log = logging.getLogger("ratchet.console")
 
-CSP = ("default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
-       "base-uri 'none'; frame-ancestors 'none'")
+CSP = (
+    "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+    "base-uri 'none'; frame-ancestors 'none'"
+)
 _HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
@@ -95,20 +97,24 @@ class _FleetGauges:
 
     def collect(self) -> Any:
         by_phase, total = run_counts(self._data)
-        runs = GaugeMetricFamily("ratchet_runs", "Runs by phase (unindexed: runs in no "
-                                 "phase index, created before phase indexes).",
-                                 labels=["phase"])
+        runs = GaugeMetricFamily(
+            "ratchet_runs",
+            "Runs by phase (unindexed: runs in no phase index, created before phase indexes).",
+            labels=["phase"],
+        )
         counts = {phase: by_phase.get(phase, 0) for phase in sorted(_PHASES)}
         counts["unindexed"] = max(0, total - sum(counts.values()))
         for phase, count in counts.items():
             runs.add_metric([phase], count)
         yield runs
-        waiting = GaugeMetricFamily("ratchet_approvals_waiting",
-                                    "Runs waiting for a signed approval.")
+        waiting = GaugeMetricFamily(
+            "ratchet_approvals_waiting", "Runs waiting for a signed approval."
+        )
         waiting.add_metric([], counts[Phase.AWAITING_APPROVAL.value])
         yield waiting
-        reviews = GaugeMetricFamily("ratchet_reviews_waiting",
-                                    "Runs frozen in needs_review, waiting for a reviewer.")
+        reviews = GaugeMetricFamily(
+            "ratchet_reviews_waiting", "Runs frozen in needs_review, waiting for a reviewer."
+        )
         reviews.add_metric([], counts[Phase.NEEDS_REVIEW.value])
         yield reviews
 
@@ -133,15 +139,17 @@ class ConsoleServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], data: ConsoleData, *,
-                 allowed_hosts: Iterable[str] = ()) -> None:
+    def __init__(
+        self, address: tuple[str, int], data: ConsoleData, *, allowed_hosts: Iterable[str] = ()
+    ) -> None:
         super().__init__(address, _Handler)
         self.data = data
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_FleetGauges(data))
         self.registry.register(QueueGauges(data))
-        self.allowed_hosts = own_hosts(str(self.server_address[0]),
-                                       int(self.server_address[1]), allowed_hosts)
+        self.allowed_hosts = own_hosts(
+            str(self.server_address[0]), int(self.server_address[1]), allowed_hosts
+        )
 
     @property
     def url(self) -> str:
@@ -163,8 +171,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         if not self._own_origin():
             return
-        self._send(HTTPStatus.METHOD_NOT_ALLOWED, b"read-only: GET and HEAD only\n",
-                   "text/plain; charset=utf-8", extra={"Allow": "GET, HEAD"})
+        self._send(
+            HTTPStatus.METHOD_NOT_ALLOWED,
+            b"read-only: GET and HEAD only\n",
+            "text/plain; charset=utf-8",
+            extra={"Allow": "GET, HEAD"},
+        )
 
     def _own_origin(self) -> bool:
         """True when the request names this console in ``Host``; otherwise answer 421
@@ -173,9 +185,11 @@ class _Handler(BaseHTTPRequestHandler):
         if host and host in self.server.allowed_hosts:
             return True
         self.close_connection = True
-        self._send(HTTPStatus.MISDIRECTED_REQUEST,
-                   b"this console answers only its own address\n",
-                   "text/plain; charset=utf-8")
+        self._send(
+            HTTPStatus.MISDIRECTED_REQUEST,
+            b"this console answers only its own address\n",
+            "text/plain; charset=utf-8",
+        )
         log.warning("request for another host refused", extra={"outcome": "421"})
         return False
 
@@ -190,8 +204,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._dispatch(head=False)
 
-    def _send(self, status: HTTPStatus, body: bytes, content_type: str, *,
-              head: bool = False, extra: dict[str, str] | None = None) -> None:
+    def _send(
+        self,
+        status: HTTPStatus,
+        body: bytes,
+        content_type: str,
+        *,
+        head: bool = False,
+        extra: dict[str, str] | None = None,
+    ) -> None:
         self.send_response(status)
         for name, value in {**_HEADERS, **(extra or {})}.items():
             self.send_header(name, value)
@@ -208,8 +229,9 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._own_origin():
             return
         if len(self.path) > _MAX_PATH:
-            self._html(HTTPStatus.REQUEST_URI_TOO_LONG, error_page("too long", "URI too long"),
-                       head)
+            self._html(
+                HTTPStatus.REQUEST_URI_TOO_LONG, error_page("too long", "URI too long"), head
+            )
             return
         parts = urlsplit(self.path)
         path, query = parts.path, parse_qs(parts.query, max_num_fields=10)
@@ -218,28 +240,38 @@ class _Handler(BaseHTTPRequestHandler):
             if path in ("/", "/runs"):
                 page, location = self._runs(query)
                 if location is not None:
-                    self._send(HTTPStatus.SEE_OTHER, b"", "text/plain; charset=utf-8",
-                               head=head, extra={"Location": location})
+                    self._send(
+                        HTTPStatus.SEE_OTHER,
+                        b"",
+                        "text/plain; charset=utf-8",
+                        head=head,
+                        extra={"Location": location},
+                    )
                 else:
                     self._html(HTTPStatus.OK, page, head)
             elif path.startswith("/runs/") and path.count("/") == 2:
                 run_id = unquote(path.removeprefix("/runs/"))
                 now = data.now()
-                self._html(HTTPStatus.OK, run_page(data.run_detail(run_id, now), now=now),
-                           head)
+                self._html(HTTPStatus.OK, run_page(data.run_detail(run_id, now), now=now), head)
             elif path == "/reviews":
                 reviews, approvals, broken = waiting_runs(data)
                 counts, _total = run_counts(data)
-                self._html(HTTPStatus.OK, review_queue_page(reviews, approvals, broken,
-                                                            now=data.now(), counts=counts),
-                           head)
+                self._html(
+                    HTTPStatus.OK,
+                    review_queue_page(reviews, approvals, broken, now=data.now(), counts=counts),
+                    head,
+                )
             elif path == "/workers":
                 self._html(HTTPStatus.OK, self._workers(), head)
             elif path == "/static/console.css":
                 self._send(HTTPStatus.OK, CSS.encode(), "text/css; charset=utf-8", head=head)
             elif path == "/metrics":
-                self._send(HTTPStatus.OK, generate_latest(self.server.registry),
-                           "text/plain; version=0.0.4; charset=utf-8", head=head)
+                self._send(
+                    HTTPStatus.OK,
+                    generate_latest(self.server.registry),
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    head=head,
+                )
             elif path == "/healthz":
                 self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8", head=head)
             else:
@@ -253,9 +285,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._html(HTTPStatus.CONFLICT, error_page("cannot show this", text), head)
         except Exception as exc:
             log.error("console page failed", extra={"error": type(exc).__name__})
-            self._html(HTTPStatus.INTERNAL_SERVER_ERROR,
-                       error_page("cannot show this", f"unreadable: {type(exc).__name__}"),
-                       head)
+            self._html(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                error_page("cannot show this", f"unreadable: {type(exc).__name__}"),
+                head,
+            )
 
     def _workers(self) -> str:
         data = self.server.data
@@ -283,19 +317,24 @@ class _Handler(BaseHTTPRequestHandler):
         limit = _bounded(first("limit"), DEFAULT_PAGE, low=1, high=200)
         if search is not None and data.run_exists is not None and data.run_exists(search):
             return "", f"/runs/{quote(search, safe='')}"
-        run_query = RunQuery(phase=phase, search=search, after=first("after") or None,
-                             oldest_first=SORTS[sort], limit=limit)
+        run_query = RunQuery(
+            phase=phase,
+            search=search,
+            after=first("after") or None,
+            oldest_first=SORTS[sort],
+            limit=limit,
+        )
         try:
             listing = list_page(data, run_query)
         except ContractError as exc:
             if exc.context.get("field") != "after":
                 raise
             notices.append(f"{exc.message}: showing the first page")
-            run_query = RunQuery(phase=phase, search=search, oldest_first=SORTS[sort],
-                                 limit=limit)
+            run_query = RunQuery(phase=phase, search=search, oldest_first=SORTS[sort], limit=limit)
             listing = list_page(data, run_query)
-        return runs_page(listing, run_query, sort=sort, refresh=refresh,
-                         notice="; ".join(notices) or None), None
+        return runs_page(
+            listing, run_query, sort=sort, refresh=refresh, notice="; ".join(notices) or None
+        ), None
 
 
 def _bounded(text: str, default: int, *, low: int, high: int) -> int:
@@ -307,9 +346,14 @@ def _bounded(text: str, default: int, *, low: int, high: int) -> int:
     return 0 if value == 0 and default == 0 else min(max(value, low), high)
 
 
-def serve_console(data: ConsoleData, *, host: str = "127.0.0.1", port: int = 8765,
-                  background: bool = False,
-                  allowed_hosts: Iterable[str] = ()) -> ConsoleServer:
+def serve_console(
+    data: ConsoleData,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    background: bool = False,
+    allowed_hosts: Iterable[str] = (),
+) -> ConsoleServer:
     """Bind the console. ``background=True`` serves from a daemon thread and returns;
     otherwise the caller runs ``serve_forever()``. Port 0 picks a free port.
     ``allowed_hosts`` adds ``Host`` names beyond the console's own (a reverse proxy's).
@@ -319,9 +363,9 @@ def serve_console(data: ConsoleData, *, host: str = "127.0.0.1", port: int = 876
     try:
         server = ConsoleServer((host, port), data, allowed_hosts=allowed_hosts)
     except OSError as exc:
-        raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                                 field="port") from None
+        raise ConfigurationError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}", field="port"
+        ) from None
     if background:
-        threading.Thread(target=server.serve_forever, name="ratchet-console",
-                         daemon=True).start()
+        threading.Thread(target=server.serve_forever, name="ratchet-console", daemon=True).start()
     return server

@@ -26,15 +26,26 @@ from ratchet.langgraph.scripts import LgScript
 __all__ = ["copy_thread", "delete_for_runs", "delete_thread", "prune"]
 
 
-def _rewrite(p: Protocol, thread_id: str, view: View, heads: dict[str, str], mode: str,
-             fence: bool, drop: Sequence[str],
-             updates: Sequence[str]) -> Op[View | GenerationMoved | None]:
+def _rewrite(
+    p: Protocol,
+    thread_id: str,
+    view: View,
+    heads: dict[str, str],
+    mode: str,
+    fence: bool,
+    drop: Sequence[str],
+    updates: Sequence[str],
+) -> Op[View | GenerationMoved | None]:
     k = thread_keys(thread_id)
-    head = p.codec.seal({"kind": "head", "thread_id": thread_id,
-                         "generation": view.generation + 1}, {"heads": heads})
-    reply = yield Script(LgScript.REWRITE, (
-        k.meta, k.heads, k.ckpts, k.refs, k.gens, k.index, k.blobs, k.writes, k.windex), (
-        view.generation, head, mode, "1" if fence else "0", len(drop), *drop, *updates))
+    head = p.codec.seal(
+        {"kind": "head", "thread_id": thread_id, "generation": view.generation + 1},
+        {"heads": heads},
+    )
+    reply = yield Script(
+        LgScript.REWRITE,
+        (k.meta, k.heads, k.ckpts, k.refs, k.gens, k.index, k.blobs, k.writes, k.windex),
+        (view.generation, head, mode, "1" if fence else "0", len(drop), *drop, *updates),
+    )
     result = decode_rewrite(reply)
     if result is None or isinstance(result, GenerationMoved):
         return result
@@ -53,8 +64,7 @@ def delete_thread(p: Protocol, thread_id: str) -> Op[None]:
         if not isinstance(result, GenerationMoved):
             return
         view = p.verify_head(thread_id, result.generation, result.head)
-    raise GenerationMismatchError("the thread kept moving; it was not deleted",
-                                  thread_id=thread_id)
+    raise GenerationMismatchError("the thread kept moving; it was not deleted", thread_id=thread_id)
 
 
 def prune(p: Protocol, thread_ids: Sequence[str], strategy: str) -> Op[None]:
@@ -72,21 +82,26 @@ def prune(p: Protocol, thread_ids: Sequence[str], strategy: str) -> Op[None]:
             drop = [m[2] for m in members or () if m[2] not in keep]
             if not drop:
                 break
-            result = yield from _rewrite(p, thread_id, view, dict(view.heads), "drop", False,
-                                         drop, ())
+            result = yield from _rewrite(
+                p, thread_id, view, dict(view.heads), "drop", False, drop, ()
+            )
             if not isinstance(result, GenerationMoved):
                 break
         else:
-            raise GenerationMismatchError("the thread kept moving; it was not pruned",
-                                          thread_id=thread_id)
+            raise GenerationMismatchError(
+                "the thread kept moving; it was not pruned", thread_id=thread_id
+            )
 
 
 def _drop_runs(p: Protocol, thread_id: str, runs: set[str]) -> Op[None]:
     for _ in range(MAX_ATTEMPTS):
         view, members = yield from p.members(thread_id, None, None, "", 0)
         loaded: list[Loaded] = yield from p.load_members(thread_id, members or [])
-        doomed = {(item.ns, item.checkpoint["id"]) for item in loaded
-                  if item.metadata.get("run_id") in runs}
+        doomed = {
+            (item.ns, item.checkpoint["id"])
+            for item in loaded
+            if item.metadata.get("run_id") in runs
+        }
         if not doomed:
             return
         remaining = [item for item in loaded if (item.ns, item.checkpoint["id"]) not in doomed]
@@ -108,8 +123,9 @@ def _drop_runs(p: Protocol, thread_id: str, runs: set[str]) -> Op[None]:
         result = yield from _rewrite(p, thread_id, view, heads, "drop", False, drop, updates)
         if not isinstance(result, GenerationMoved):
             return
-    raise GenerationMismatchError("the thread kept moving; runs were not deleted",
-                                  thread_id=thread_id)
+    raise GenerationMismatchError(
+        "the thread kept moving; runs were not deleted", thread_id=thread_id
+    )
 
 
 def delete_for_runs(p: Protocol, run_ids: Sequence[str]) -> Op[None]:
@@ -143,10 +159,16 @@ def copy_thread(p: Protocol, source: str, target: str) -> Op[None]:
         if item.parent_id is not None:
             conf["checkpoint_id"] = item.parent_id
         checkpoint = item.checkpoint
-        versions = {ch: checkpoint["channel_versions"][ch]
-                    for ch in checkpoint["channel_values"]}
+        versions = {ch: checkpoint["channel_versions"][ch] for ch in checkpoint["channel_values"]}
         yield from p.put({"configurable": conf}, checkpoint, item.metadata, versions)
         if item.slots:
-            yield from p.put_slots({"configurable": {
-                "thread_id": target, "checkpoint_ns": item.ns,
-                "checkpoint_id": checkpoint["id"]}}, item.slots)
+            yield from p.put_slots(
+                {
+                    "configurable": {
+                        "thread_id": target,
+                        "checkpoint_ns": item.ns,
+                        "checkpoint_id": checkpoint["id"],
+                    }
+                },
+                item.slots,
+            )

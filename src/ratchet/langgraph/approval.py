@@ -36,9 +36,19 @@ from ratchet.runtime.evidence import ApprovalClaims, ApprovalEvidence, TrustRoot
 __all__ = ["BOUND_FIELDS", "REQUEST_KIND", "ApprovalGate", "approval_request"]
 
 REQUEST_KIND = "ratchet.approval_request"
-BOUND_FIELDS = ("task_id", "run_id", "policy_id", "policy_version", "action_id",
-                "idempotency_key", "intent_digest", "env_instance_id", "env_fingerprint",
-                "env_version", "generation")
+BOUND_FIELDS = (
+    "task_id",
+    "run_id",
+    "policy_id",
+    "policy_version",
+    "action_id",
+    "idempotency_key",
+    "intent_digest",
+    "env_instance_id",
+    "env_fingerprint",
+    "env_version",
+    "generation",
+)
 
 
 def approval_request(**fields: Any) -> dict[str, Any]:
@@ -47,10 +57,12 @@ def approval_request(**fields: Any) -> dict[str, Any]:
     Raises ContractError for a missing or unexpected field.
     """
     if set(fields) != set(BOUND_FIELDS):
-        raise ContractError("an approval request names exactly the bound fields",
-                            field="approval_request",
-                            missing=sorted(set(BOUND_FIELDS) - set(fields)),
-                            unexpected=sorted(set(fields) - set(BOUND_FIELDS)))
+        raise ContractError(
+            "an approval request names exactly the bound fields",
+            field="approval_request",
+            missing=sorted(set(BOUND_FIELDS) - set(fields)),
+            unexpected=sorted(set(fields) - set(BOUND_FIELDS)),
+        )
     return {"kind": REQUEST_KIND, **fields}
 
 
@@ -76,23 +88,27 @@ class ApprovalGate:
     def __repr__(self) -> str:
         return f"ApprovalGate(trust={self._trust!r})"
 
-    def _verify(self, evidence: ApprovalEvidence, request: Mapping[str, Any], *,
-                now: int | None) -> ApprovalClaims:
+    def _verify(
+        self, evidence: ApprovalEvidence, request: Mapping[str, Any], *, now: int | None
+    ) -> ApprovalClaims:
         self._trust.verify_approval(evidence)
         claims = evidence.claims
         if request.get("kind") != REQUEST_KIND:
             raise ApprovalError("the interrupt is not an approval request", reason="binding")
         for name in BOUND_FIELDS:
             if getattr(claims, name) != request.get(name):
-                raise ApprovalError(f"the approval is bound to another {name}",
-                                    reason="binding", field=name)
+                raise ApprovalError(
+                    f"the approval is bound to another {name}", reason="binding", field=name
+                )
         if now is not None and claims.expired(now=now, proposals_used=0):
-            raise ApprovalError("the approval has expired", reason="expired",
-                                expires_at=claims.expires_at)
+            raise ApprovalError(
+                "the approval has expired", reason="expired", expires_at=claims.expires_at
+            )
         return claims
 
-    def check(self, value: Any, request: Mapping[str, Any], *, thread_id: str,
-              now: int) -> ApprovalEvidence:
+    def check(
+        self, value: Any, request: Mapping[str, Any], *, thread_id: str, now: int
+    ) -> ApprovalEvidence:
         """Run checks 1-5 and consume the nonce. Raises ApprovalError (``reason``:
         malformed, unknown_signer, revoked_signer, bad_signature, binding, expired) or
         NonceReplayError. Re-checking the same approval for the same thread and intent is
@@ -103,12 +119,14 @@ class ApprovalGate:
         key = nonce_key(claims.nonce)
         claimed = self._client.set(key, owner, nx=True, ex=self._nonce_ttl_s)
         if not claimed and self._client.get(key) != owner:
-            raise NonceReplayError("the approval nonce was already used",
-                                       nonce=claims.nonce, thread_id=thread_id)
+            raise NonceReplayError(
+                "the approval nonce was already used", nonce=claims.nonce, thread_id=thread_id
+            )
         return evidence
 
-    def confirm(self, value: Any, request: Mapping[str, Any], *,
-                thread_id: str) -> ApprovalEvidence:
+    def confirm(
+        self, value: Any, request: Mapping[str, Any], *, thread_id: str
+    ) -> ApprovalEvidence:
         """Inside the node after ``interrupt()`` returned: signature and binding again, and
         the nonce claimed by :meth:`check` for this thread and intent. Raises ApprovalError,
         NonceReplayError."""
@@ -116,22 +134,32 @@ class ApprovalGate:
         claims = self._verify(evidence, request, now=None)
         owner = f"{thread_id}|{claims.intent_digest}".encode()
         if self._client.get(nonce_key(claims.nonce)) != owner:
-            raise NonceReplayError("the approval was not checked for this thread",
-                                   nonce=claims.nonce, thread_id=thread_id)
+            raise NonceReplayError(
+                "the approval was not checked for this thread",
+                nonce=claims.nonce,
+                thread_id=thread_id,
+            )
         return evidence
 
-    def resume(self, graph: Any, config: Mapping[str, Any], value: Any, *, now: int,
-               **invoke: Any) -> Any:
+    def resume(
+        self, graph: Any, config: Mapping[str, Any], value: Any, *, now: int, **invoke: Any
+    ) -> Any:
         """Check ``value`` against the thread's one pending approval request, then resume
         the graph with it. Raises ContractError when the thread waits on no approval (or on
         several), plus everything :meth:`check` raises."""
         thread_id = str(config["configurable"]["thread_id"])
         state = graph.get_state(config)
-        pending = [i for i in state.interrupts
-                   if isinstance(i.value, Mapping) and i.value.get("kind") == REQUEST_KIND]
+        pending = [
+            i
+            for i in state.interrupts
+            if isinstance(i.value, Mapping) and i.value.get("kind") == REQUEST_KIND
+        ]
         if len(pending) != 1:
-            raise ContractError("the thread is not waiting on exactly one approval",
-                                field="interrupts", pending=len(pending))
+            raise ContractError(
+                "the thread is not waiting on exactly one approval",
+                field="interrupts",
+                pending=len(pending),
+            )
         evidence = self.check(value, pending[0].value, thread_id=thread_id, now=now)
         resume = {pending[0].id: evidence.model_dump(mode="json")}
         return graph.invoke(Command(resume=resume), config, **invoke)

@@ -109,9 +109,16 @@ def thread_keys(thread_id: str) -> ThreadKeys:
     tag = thread_tag(thread_id)
     base = f"{PREFIX}:{{{tag}}}"
     return ThreadKeys(
-        thread_id=thread_id, tag=tag, meta=f"{base}:meta", heads=f"{base}:heads",
-        ckpts=f"{base}:ckpts", refs=f"{base}:refs", gens=f"{base}:gens",
-        index=f"{base}:index", blobs=f"{base}:blobs", writes=f"{base}:writes",
+        thread_id=thread_id,
+        tag=tag,
+        meta=f"{base}:meta",
+        heads=f"{base}:heads",
+        ckpts=f"{base}:ckpts",
+        refs=f"{base}:refs",
+        gens=f"{base}:gens",
+        index=f"{base}:index",
+        blobs=f"{base}:blobs",
+        writes=f"{base}:writes",
         windex=f"{base}:windex",
     )
 

@@ -113,15 +113,28 @@ class Loaded:
     slots: list[Slot]
 
     def as_tuple(self, thread_id: str) -> CheckpointTuple:
-        conf = {"thread_id": thread_id, "checkpoint_ns": self.ns,
-                "checkpoint_id": self.checkpoint["id"]}
+        conf = {
+            "thread_id": thread_id,
+            "checkpoint_ns": self.ns,
+            "checkpoint_id": self.checkpoint["id"],
+        }
         parent = None
         if self.parent_id is not None:
-            parent = {"configurable": {"thread_id": thread_id, "checkpoint_ns": self.ns,
-                                       "checkpoint_id": self.parent_id}}
+            parent = {
+                "configurable": {
+                    "thread_id": thread_id,
+                    "checkpoint_ns": self.ns,
+                    "checkpoint_id": self.parent_id,
+                }
+            }
         writes = [(s.task_id, s.channel, s.value) for s in self.slots]
-        return CheckpointTuple({"configurable": conf}, self.checkpoint, self.metadata,
-                               parent, writes)  # type: ignore[arg-type]
+        return CheckpointTuple(
+            {"configurable": conf},
+            self.checkpoint,
+            self.metadata,
+            parent,  # type: ignore[arg-type]
+            writes,
+        )
 
 
 def read_lease(conf: Mapping[str, Any]) -> tuple[str, int] | None:
@@ -133,8 +146,9 @@ def read_lease(conf: Mapping[str, Any]) -> tuple[str, int] | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping) or set(raw) != {"owner", "version"}:
-        raise ContractError(f"configurable[{LEASE_KEY!r}] must be "
-                            "{'owner': str, 'version': int}", field=LEASE_KEY)
+        raise ContractError(
+            f"configurable[{LEASE_KEY!r}] must be {{'owner': str, 'version': int}}", field=LEASE_KEY
+        )
     owner, version = raw["owner"], raw["version"]
     check_id(owner, "owner")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -147,8 +161,7 @@ def thread_of(config: RunnableConfig | None) -> tuple[str, str | None, Mapping[s
     conf = (config or {}).get("configurable") or {}
     thread_id = conf.get("thread_id")
     if thread_id is None or thread_id == "":
-        raise ContractError("config['configurable']['thread_id'] is required",
-                            field="thread_id")
+        raise ContractError("config['configurable']['thread_id'] is required", field="thread_id")
     ns = conf.get("checkpoint_ns")
     if ns is not None and not isinstance(ns, str):
         raise ContractError("checkpoint_ns must be a string", field="checkpoint_ns")
@@ -158,8 +171,9 @@ def thread_of(config: RunnableConfig | None) -> tuple[str, str | None, Mapping[s
 class Protocol:
     """Builds and checks every call of the saver. Thread-safe; holds no connection."""
 
-    def __init__(self, codec: RecordCodec, *, owner: str, lease_ttl_ms: int,
-                 max_threads: int = 10_000) -> None:
+    def __init__(
+        self, codec: RecordCodec, *, owner: str, lease_ttl_ms: int, max_threads: int = 10_000
+    ) -> None:
         self.codec = codec
         self.owner = owner
         self.lease_ttl_ms = lease_ttl_ms
@@ -191,30 +205,43 @@ class Protocol:
         """
         seen = self.cached(thread_id)
         if seen is not None and generation < seen.generation:
-            raise CheckpointError("the thread's generation went backwards in Redis: "
-                                  "rolled back or replayed", reason="rolled_back",
-                                  thread_id=thread_id, generation=generation,
-                                  seen_generation=seen.generation)
+            raise CheckpointError(
+                "the thread's generation went backwards in Redis: rolled back or replayed",
+                reason="rolled_back",
+                thread_id=thread_id,
+                generation=generation,
+                seen_generation=seen.generation,
+            )
         if generation == 0 and not head:
             view = View(0, {})
         else:
             binding, value = self.codec.open(head, {"kind": "head", "thread_id": thread_id})
             if binding["generation"] != generation:
-                raise CheckpointError("the head record is not at the high-water mark",
-                                      reason="stale_generation", thread_id=thread_id,
-                                      generation=binding["generation"], high_water=generation)
+                raise CheckpointError(
+                    "the head record is not at the high-water mark",
+                    reason="stale_generation",
+                    thread_id=thread_id,
+                    generation=binding["generation"],
+                    high_water=generation,
+                )
             heads = value.get("heads") if isinstance(value, dict) else None
             if not isinstance(heads, dict):
-                raise CheckpointError("the head record is malformed", reason="malformed",
-                                      thread_id=thread_id)
+                raise CheckpointError(
+                    "the head record is malformed", reason="malformed", thread_id=thread_id
+                )
             view = View(generation, dict(heads))
         self.remember(thread_id, view)
         return view
 
     # -- put ------------------------------------------------------------------------------
 
-    def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
-            new_versions: Mapping[str, Any]) -> Op[RunnableConfig]:
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: Mapping[str, Any],
+    ) -> Op[RunnableConfig]:
         """Store a checkpoint as its namespace's new head (see lua/put.lua)."""
         thread_id, ns_or_none, conf = thread_of(config)
         ns = ns_or_none or ""
@@ -231,8 +258,18 @@ class Protocol:
                 continue
             vkey = version_key(ver)
             blob_args.append(blob_field(ns, ch, vkey))
-            blob_args.append(self.codec.seal({"kind": "blob", "thread_id": thread_id, "ns": ns,
-                                              "channel": ch, "version": vkey}, values[ch]))
+            blob_args.append(
+                self.codec.seal(
+                    {
+                        "kind": "blob",
+                        "thread_id": thread_id,
+                        "ns": ns,
+                        "channel": ch,
+                        "version": vkey,
+                    },
+                    values[ch],
+                )
+            )
         refs = " ".join(sorted(blob_field(ns, ch, vk) for ch, vk in values_at.items()))
         meta = get_serializable_checkpoint_metadata(config, metadata)
         content = {"checkpoint": body, "metadata": meta, "values_at": values_at}
@@ -245,25 +282,55 @@ class Protocol:
         for _ in range(MAX_ATTEMPTS):
             generation = view.generation + 1
             heads = {**view.heads, ns: checkpoint_id}
-            record = self.codec.seal({"kind": "checkpoint", "thread_id": thread_id, "ns": ns,
-                                      "checkpoint_id": checkpoint_id, "parent_id": parent_id,
-                                      "generation": generation}, content)
-            head = self.codec.seal({"kind": "head", "thread_id": thread_id,
-                                    "generation": generation}, {"heads": heads})
-            reply = yield Script(LgScript.PUT, _put_keys(keys), (
-                thread_id, owner, held, self.lease_ttl_ms, view.generation, head,
-                namespace_digest(ns), checkpoint_digest(ns, checkpoint_id), record, refs,
-                *blob_args))
+            record = self.codec.seal(
+                {
+                    "kind": "checkpoint",
+                    "thread_id": thread_id,
+                    "ns": ns,
+                    "checkpoint_id": checkpoint_id,
+                    "parent_id": parent_id,
+                    "generation": generation,
+                },
+                content,
+            )
+            head = self.codec.seal(
+                {"kind": "head", "thread_id": thread_id, "generation": generation}, {"heads": heads}
+            )
+            reply = yield Script(
+                LgScript.PUT,
+                _put_keys(keys),
+                (
+                    thread_id,
+                    owner,
+                    held,
+                    self.lease_ttl_ms,
+                    view.generation,
+                    head,
+                    namespace_digest(ns),
+                    checkpoint_digest(ns, checkpoint_id),
+                    record,
+                    refs,
+                    *blob_args,
+                ),
+            )
             result = decode_put(reply, thread_id, owner, held)
             if isinstance(result, GenerationMoved):
                 view = self.verify_head(thread_id, result.generation, result.head)
                 continue
             self.remember(thread_id, View(result.generation, heads))
-            return {"configurable": {
-                "thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id,
-                LEASE_KEY: {"owner": owner, "version": result.lease_version}}}
-        raise GenerationMismatchError("the thread kept moving; the put was not stored",
-                                      thread_id=thread_id, attempts=MAX_ATTEMPTS)
+            return {
+                "configurable": {
+                    "thread_id": thread_id,
+                    "checkpoint_ns": ns,
+                    "checkpoint_id": checkpoint_id,
+                    LEASE_KEY: {"owner": owner, "version": result.lease_version},
+                }
+            }
+        raise GenerationMismatchError(
+            "the thread kept moving; the put was not stored",
+            thread_id=thread_id,
+            attempts=MAX_ATTEMPTS,
+        )
 
     def _index_run(self, run_id: str, thread_id: str) -> Op[None]:
         # Recorded before the checkpoint is stored, so delete_for_runs never misses a thread
@@ -286,11 +353,18 @@ class Protocol:
 
     # -- put_writes -----------------------------------------------------------------------
 
-    def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
-                   task_id: str, task_path: str = "") -> Op[None]:
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> Op[None]:
         """Store pending writes of a checkpoint (see lua/put_writes.lua)."""
-        slots = [Slot(task_id, task_path, WRITES_IDX_MAP.get(channel, idx), channel, value)
-                 for idx, (channel, value) in enumerate(writes)]
+        slots = [
+            Slot(task_id, task_path, WRITES_IDX_MAP.get(channel, idx), channel, value)
+            for idx, (channel, value) in enumerate(writes)
+        ]
         return self.put_slots(config, slots)
 
     def put_slots(self, config: RunnableConfig, slots: Sequence[Slot]) -> Op[None]:
@@ -298,31 +372,48 @@ class Protocol:
         ns = ns_or_none or ""
         checkpoint_id = conf.get("checkpoint_id")
         if not isinstance(checkpoint_id, str) or not checkpoint_id:
-            raise ContractError("put_writes needs configurable['checkpoint_id']",
-                                field="checkpoint_id")
+            raise ContractError(
+                "put_writes needs configurable['checkpoint_id']", field="checkpoint_id"
+            )
         lease = read_lease(conf)
         owner, held = lease if lease is not None else (self.owner, 0)
-        args: list[str | bytes | int] = [thread_id, owner, held, self.lease_ttl_ms,
-                                         checkpoint_digest(ns, checkpoint_id)]
+        args: list[str | bytes | int] = [
+            thread_id,
+            owner,
+            held,
+            self.lease_ttl_ms,
+            checkpoint_digest(ns, checkpoint_id),
+        ]
         for s in slots:
-            sealed = self.codec.seal({"kind": "write", "thread_id": thread_id, "ns": ns,
-                                      "checkpoint_id": checkpoint_id, "task_id": s.task_id,
-                                      "task_path": s.task_path, "idx": s.idx,
-                                      "channel": s.channel}, s.value)
-            args += [write_digest(s.task_id, s.idx), "replace" if s.idx < 0 else "keep",
-                     sealed]
+            sealed = self.codec.seal(
+                {
+                    "kind": "write",
+                    "thread_id": thread_id,
+                    "ns": ns,
+                    "checkpoint_id": checkpoint_id,
+                    "task_id": s.task_id,
+                    "task_path": s.task_path,
+                    "idx": s.idx,
+                    "channel": s.channel,
+                },
+                s.value,
+            )
+            args += [write_digest(s.task_id, s.idx), "replace" if s.idx < 0 else "keep", sealed]
         keys = thread_keys(thread_id)
-        reply = yield Script(LgScript.PUT_WRITES, (keys.meta, keys.writes, keys.windex),
-                             tuple(args))
+        reply = yield Script(
+            LgScript.PUT_WRITES, (keys.meta, keys.writes, keys.windex), tuple(args)
+        )
         decode_put_writes(reply, thread_id, owner, held)
 
     # -- reads ----------------------------------------------------------------------------
 
     def read(self, thread_id: str, ns: str, digests: Sequence[str]) -> Op[tuple[View, list[Entry]]]:
         keys = thread_keys(thread_id)
-        reply = yield Script(LgScript.READ, (keys.meta, keys.heads, keys.ckpts, keys.refs,
-                                             keys.blobs, keys.writes, keys.windex),
-                             (namespace_digest(ns), *digests))
+        reply = yield Script(
+            LgScript.READ,
+            (keys.meta, keys.heads, keys.ckpts, keys.refs, keys.blobs, keys.writes, keys.windex),
+            (namespace_digest(ns), *digests),
+        )
         result = decode_read(reply)
         view = self.verify_head(thread_id, result.generation, result.head)
         return view, result.entries
@@ -339,15 +430,23 @@ class Protocol:
             resolved = entries[0].digest if entries else None
             expected = checkpoint_digest(ns, head_id) if head_id is not None else None
             if resolved != expected:
-                raise CheckpointError("Redis resolved another head than the signed head "
-                                      "record names", reason="head_mismatch",
-                                      thread_id=thread_id)
+                raise CheckpointError(
+                    "Redis resolved another head than the signed head record names",
+                    reason="head_mismatch",
+                    thread_id=thread_id,
+                )
         if not entries or not entries[0].record:
             return None
         return self.load(thread_id, ns, entries[0], view, checkpoint_id).as_tuple(thread_id)
 
-    def load(self, thread_id: str, ns: str | None, entry: Entry, view: View,
-             checkpoint_id: str | None = None) -> Loaded:
+    def load(
+        self,
+        thread_id: str,
+        ns: str | None,
+        entry: Entry,
+        view: View,
+        checkpoint_id: str | None = None,
+    ) -> Loaded:
         """Verify one read entry (record, blobs, writes); ``ns`` None takes the record's.
 
         Raises CheckpointError.
@@ -360,46 +459,67 @@ class Protocol:
         binding, content = self.codec.open(entry.record, expect)
         cid, ns = binding["checkpoint_id"], binding["ns"]
         if not isinstance(cid, str) or not isinstance(ns, str):
-            raise CheckpointError("a checkpoint record is malformed", reason="malformed",
-                                  thread_id=thread_id)
+            raise CheckpointError(
+                "a checkpoint record is malformed", reason="malformed", thread_id=thread_id
+            )
         if checkpoint_digest(ns, cid) != entry.digest:
-            raise CheckpointError("a checkpoint record sits in another checkpoint's place",
-                                  reason="binding", thread_id=thread_id)
+            raise CheckpointError(
+                "a checkpoint record sits in another checkpoint's place",
+                reason="binding",
+                thread_id=thread_id,
+            )
         if binding["generation"] > view.generation:
-            raise CheckpointError("a checkpoint is newer than the thread's high-water mark",
-                                  reason="rolled_back", thread_id=thread_id)
-        body, metadata, values_at = (content["checkpoint"], content["metadata"],
-                                     content["values_at"])
+            raise CheckpointError(
+                "a checkpoint is newer than the thread's high-water mark",
+                reason="rolled_back",
+                thread_id=thread_id,
+            )
+        body, metadata, values_at = (
+            content["checkpoint"],
+            content["metadata"],
+            content["values_at"],
+        )
         wanted = {blob_field(ns, ch, vk): (ch, vk) for ch, vk in values_at.items()}
         got = dict(entry.blobs)
         if set(got) != set(wanted):
-            raise CheckpointError("the checkpoint's channel values are not the ones it was "
-                                  "signed with", reason="missing_blob", thread_id=thread_id)
+            raise CheckpointError(
+                "the checkpoint's channel values are not the ones it was signed with",
+                reason="missing_blob",
+                thread_id=thread_id,
+            )
         values: dict[str, Any] = {}
         for field, (ch, vk) in wanted.items():
-            _, values[ch] = self.codec.open(got[field], {
-                "kind": "blob", "thread_id": thread_id, "ns": ns, "channel": ch,
-                "version": vk})
+            _, values[ch] = self.codec.open(
+                got[field],
+                {"kind": "blob", "thread_id": thread_id, "ns": ns, "channel": ch, "version": vk},
+            )
         slots: list[Slot] = []
         for field, blob in entry.writes:
-            wb, value = self.codec.open(blob, {"kind": "write", "thread_id": thread_id,
-                                               "ns": ns, "checkpoint_id": cid})
+            wb, value = self.codec.open(
+                blob, {"kind": "write", "thread_id": thread_id, "ns": ns, "checkpoint_id": cid}
+            )
             if field != f"{entry.digest}|{write_digest(wb['task_id'], wb['idx'])}":
-                raise CheckpointError("a pending write sits in another write's place",
-                                      reason="binding", thread_id=thread_id)
+                raise CheckpointError(
+                    "a pending write sits in another write's place",
+                    reason="binding",
+                    thread_id=thread_id,
+                )
             slots.append(Slot(wb["task_id"], wb["task_path"], wb["idx"], wb["channel"], value))
         slots.sort(key=lambda s: (s.task_path, s.task_id, s.idx))
         checkpoint: Checkpoint = {**body, "channel_values": values}  # type: ignore[typeddict-item]
-        return Loaded(ns, binding["generation"], binding["parent_id"], checkpoint, metadata,
-                      slots)
+        return Loaded(ns, binding["generation"], binding["parent_id"], checkpoint, metadata, slots)
 
-    def members(self, thread_id: str, ns: str | None, before_id: str | None,
-                before_ns: str, limit: int) -> Op[tuple[View, list[tuple[str, int, str]] | None]]:
+    def members(
+        self, thread_id: str, ns: str | None, before_id: str | None, before_ns: str, limit: int
+    ) -> Op[tuple[View, list[tuple[str, int, str]] | None]]:
         """The verified head and index entries newest first (None: ``before`` is unknown)."""
         keys = thread_keys(thread_id)
         before = checkpoint_digest(before_ns, before_id) if before_id else ""
-        reply = yield Script(LgScript.LIST, (keys.meta, keys.index, keys.gens),
-                             (namespace_digest(ns) if ns is not None else "", before, limit))
+        reply = yield Script(
+            LgScript.LIST,
+            (keys.meta, keys.index, keys.gens),
+            (namespace_digest(ns) if ns is not None else "", before, limit),
+        )
         result = decode_list(reply)
         view = self.verify_head(thread_id, result.generation, result.head)
         if before_id and result.before_generation == 0:
@@ -411,25 +531,35 @@ class Protocol:
                 members = [m for m in members if m[1] < result.before_generation]
         return view, members
 
-    def load_members(self, thread_id: str,
-                     members: Sequence[tuple[str, int, str]]) -> Op[list[Loaded]]:
+    def load_members(
+        self, thread_id: str, members: Sequence[tuple[str, int, str]]
+    ) -> Op[list[Loaded]]:
         """Read and verify the checkpoints of index entries, keeping their order."""
         loaded: list[Loaded] = []
         for i in range(0, len(members), PAGE):
-            page = members[i:i + PAGE]
+            page = members[i : i + PAGE]
             view, entries = yield from self.read(thread_id, "", [m[2] for m in page])
             for member, entry in zip(page, entries, strict=True):
                 if not entry.record:
                     continue  # dropped between the two calls
                 item = self.load(thread_id, None, entry, view)
                 if namespace_digest(item.ns) != member[0]:
-                    raise CheckpointError("a checkpoint is indexed under another namespace",
-                                          reason="binding", thread_id=thread_id)
+                    raise CheckpointError(
+                        "a checkpoint is indexed under another namespace",
+                        reason="binding",
+                        thread_id=thread_id,
+                    )
                 loaded.append(item)
         return loaded
 
-    def list(self, config: RunnableConfig | None, *, filter: Mapping[str, Any] | None,
-             before: RunnableConfig | None, limit: int | None) -> Op[None]:
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: Mapping[str, Any] | None,
+        before: RunnableConfig | None,
+        limit: int | None,
+    ) -> Op[None]:
         """Emit matching checkpoints newest first (by generation)."""
         thread_id, ns, conf = thread_of(config)
         checkpoint_id = conf.get("checkpoint_id")
@@ -447,7 +577,7 @@ class Protocol:
             return
         emitted = 0
         for i in range(0, len(members), PAGE):
-            for item in (yield from self.load_members(thread_id, members[i:i + PAGE])):
+            for item in (yield from self.load_members(thread_id, members[i : i + PAGE])):
                 if not _matches(item.metadata, filter):
                     continue
                 yield Emit(item.as_tuple(thread_id))

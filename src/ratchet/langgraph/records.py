@@ -46,11 +46,13 @@ _MAGIC = b"ratchet/langgraph/v1\x00"
 ALLOWED_TYPES = frozenset({"msgpack", "null", "bytes", "bytearray", "json"})
 _FIELDS: dict[str, frozenset[str]] = {
     "head": frozenset({"kind", "thread_id", "generation"}),
-    "checkpoint": frozenset({"kind", "thread_id", "ns", "checkpoint_id", "parent_id",
-                             "generation"}),
+    "checkpoint": frozenset(
+        {"kind", "thread_id", "ns", "checkpoint_id", "parent_id", "generation"}
+    ),
     "blob": frozenset({"kind", "thread_id", "ns", "channel", "version"}),
-    "write": frozenset({"kind", "thread_id", "ns", "checkpoint_id", "task_id", "task_path",
-                        "idx", "channel"}),
+    "write": frozenset(
+        {"kind", "thread_id", "ns", "checkpoint_id", "task_id", "task_path", "idx", "channel"}
+    ),
 }
 
 
@@ -68,8 +70,7 @@ def version_key(version: object) -> str:
         return f"f:{version!r}"
     if isinstance(version, str):
         return f"s:{version}"
-    raise ContractError("a channel version must be an int, float or str",
-                        field="channel_versions")
+    raise ContractError("a channel version must be an int, float or str", field="channel_versions")
 
 
 def _bad(reason: str, message: str, **context: Any) -> CheckpointError:
@@ -94,11 +95,19 @@ class RecordCodec:
         """
         type_tag, data = self.serde.dumps_typed(value)
         if type_tag not in ALLOWED_TYPES:
-            raise ContractError(f"the serializer produced type {type_tag!r}; only "
-                                f"{sorted(ALLOWED_TYPES)} are stored (never pickle)",
-                                field="serde")
-        payload = (_MAGIC + canonical_json(binding) + b"\n" + type_tag.encode("ascii") + b"\n"
-                   + bytes(data))
+            raise ContractError(
+                f"the serializer produced type {type_tag!r}; only "
+                f"{sorted(ALLOWED_TYPES)} are stored (never pickle)",
+                field="serde",
+            )
+        payload = (
+            _MAGIC
+            + canonical_json(binding)
+            + b"\n"
+            + type_tag.encode("ascii")
+            + b"\n"
+            + bytes(data)
+        )
         return seal_envelope(self.keyring, payload)
 
     def open(self, blob: bytes, expect: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -121,19 +130,21 @@ class RecordCodec:
         if cut < 0 or cut2 < 0:
             raise _bad("malformed", f"the {kind} record has no binding", kind=kind)
         try:
-            binding = orjson.loads(payload[len(_MAGIC):cut])
+            binding = orjson.loads(payload[len(_MAGIC) : cut])
         except orjson.JSONDecodeError:
-            raise _bad("malformed", f"the {kind} record's binding is not JSON",
-                       kind=kind) from None
+            raise _bad("malformed", f"the {kind} record's binding is not JSON", kind=kind) from None
         if not isinstance(binding, dict) or set(binding) != _FIELDS.get(kind, frozenset()):
             raise _bad("binding", f"the {kind} record has another shape", kind=kind)
         for name, value in expect.items():
             got = binding[name]
             if got != value or type(got) is not type(value):
-                raise _bad("binding", f"the {kind} record was signed for another {name}",
-                           kind=kind, field=name)
-        type_tag = payload[cut + 1:cut2].decode("ascii", errors="replace")
+                raise _bad(
+                    "binding",
+                    f"the {kind} record was signed for another {name}",
+                    kind=kind,
+                    field=name,
+                )
+        type_tag = payload[cut + 1 : cut2].decode("ascii", errors="replace")
         if type_tag not in ALLOWED_TYPES:
-            raise _bad("serde_type", f"the {kind} record holds type {type_tag!r}",
-                       kind=kind)
-        return binding, self.serde.loads_typed((type_tag, payload[cut2 + 1:]))
+            raise _bad("serde_type", f"the {kind} record holds type {type_tag!r}", kind=kind)
+        return binding, self.serde.loads_typed((type_tag, payload[cut2 + 1 :]))

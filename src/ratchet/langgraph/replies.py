@@ -69,8 +69,13 @@ class ThreadLease:
 
     def config(self, **configurable: Any) -> dict[str, Any]:
         """A LangGraph config for this thread carrying this lease (plus ``configurable``)."""
-        return {"configurable": {"thread_id": self.thread_id, LEASE_KEY: self.as_config(),
-                                 **configurable}}
+        return {
+            "configurable": {
+                "thread_id": self.thread_id,
+                LEASE_KEY: self.as_config(),
+                **configurable,
+            }
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,16 +165,19 @@ def _blob(value: object, script: str, name: str) -> bytes:
 def _pairs(value: object, script: str, name: str) -> list[tuple[str, bytes]]:
     if not isinstance(value, list) or len(value) % 2:
         _fail(f"field {name} is not a list of pairs", script, field=name)
-    return [(_text(value[i], script, name), _blob(value[i + 1], script, name))
-            for i in range(0, len(value), 2)]
+    return [
+        (_text(value[i], script, name), _blob(value[i + 1], script, name))
+        for i in range(0, len(value), 2)
+    ]
 
 
 def _unknown(status: str, script: str) -> NoReturn:
     _fail(f"unknown reply status '{status}'", script, status=status)
 
 
-def _lease_refused(status: str, f: list[Any], script: str, thread_id: str, owner: str,
-                   lease_version: int) -> NoReturn:
+def _lease_refused(
+    status: str, f: list[Any], script: str, thread_id: str, owner: str, lease_version: int
+) -> NoReturn:
     _arity(f, 4, script, status)
     current_owner = _text(f[0], script, "owner")
     current_version = _int(f[1], script, "lease_version")
@@ -177,31 +185,46 @@ def _lease_refused(status: str, f: list[Any], script: str, thread_id: str, owner
     now = _int(f[3], script, "now_ms")
     if status == "held":
         raise LeaseHeldElsewhereError(
-            "another live worker holds the thread's lease", thread_id=thread_id,
-            owner=current_owner, lease_version=current_version, expires_at_ms=expires,
-            now_ms=now)
+            "another live worker holds the thread's lease",
+            thread_id=thread_id,
+            owner=current_owner,
+            lease_version=current_version,
+            expires_at_ms=expires,
+            now_ms=now,
+        )
     reason = status
     if status == "lease_lost" and current_version < lease_version:
         # The store hands out an older lease version than the caller already holds: it
         # went backwards (a restored snapshot, a failover that lost writes).
         reason = "store_rolled_back"
     raise LeaseLostError(
-        f"the thread's lease is no longer held ({reason})", thread_id=thread_id,
-        owner=owner, lease_version=lease_version, reason=reason,
-        current_owner=current_owner or None, current_lease_version=current_version,
-        expires_at_ms=expires, now_ms=now)
+        f"the thread's lease is no longer held ({reason})",
+        thread_id=thread_id,
+        owner=owner,
+        lease_version=lease_version,
+        reason=reason,
+        current_owner=current_owner or None,
+        current_lease_version=current_version,
+        expires_at_ms=expires,
+        now_ms=now,
+    )
 
 
-def decode_put(reply: object, thread_id: str, owner: str,
-               lease_version: int) -> Stored | GenerationMoved:
+def decode_put(
+    reply: object, thread_id: str, owner: str, lease_version: int
+) -> Stored | GenerationMoved:
     """Decode put. Raises LeaseHeldElsewhereError, LeaseLostError, ContractError (a blob the
     checkpoint reads was never stored), StoreProtocolError."""
     script = "put"
     status, f = _split(reply, script)
     if status == "stored":
         _arity(f, 4, script, status)
-        return Stored(_int(f[0], script, "generation"), _int(f[1], script, "lease_version"),
-                      _int(f[2], script, "expires_at_ms"), _int(f[3], script, "now_ms"))
+        return Stored(
+            _int(f[0], script, "generation"),
+            _int(f[1], script, "lease_version"),
+            _int(f[2], script, "expires_at_ms"),
+            _int(f[3], script, "now_ms"),
+        )
     if status == "generation_moved":
         _arity(f, 2, script, status)
         return GenerationMoved(_int(f[0], script, "generation"), _blob(f[1], script, "head"))
@@ -209,22 +232,29 @@ def decode_put(reply: object, thread_id: str, owner: str,
         _lease_refused(status, f, script, thread_id, owner, lease_version)
     if status == "missing_blob":
         _arity(f, 1, script, status)
-        raise ContractError("the checkpoint holds a channel value that was never stored "
-                            "(its channel is missing from new_versions)",
-                            field="new_versions", thread_id=thread_id)
+        raise ContractError(
+            "the checkpoint holds a channel value that was never stored "
+            "(its channel is missing from new_versions)",
+            field="new_versions",
+            thread_id=thread_id,
+        )
     _unknown(status, script)
 
 
-def decode_put_writes(reply: object, thread_id: str, owner: str,
-                      lease_version: int) -> WritesStored:
+def decode_put_writes(
+    reply: object, thread_id: str, owner: str, lease_version: int
+) -> WritesStored:
     """Decode put_writes. Raises LeaseHeldElsewhereError, LeaseLostError, StoreProtocolError."""
     script = "put_writes"
     status, f = _split(reply, script)
     if status == "stored":
         _arity(f, 4, script, status)
-        return WritesStored(_int(f[0], script, "lease_version"),
-                            _int(f[1], script, "expires_at_ms"),
-                            _int(f[2], script, "now_ms"), _int(f[3], script, "written"))
+        return WritesStored(
+            _int(f[0], script, "lease_version"),
+            _int(f[1], script, "expires_at_ms"),
+            _int(f[2], script, "now_ms"),
+            _int(f[3], script, "written"),
+        )
     if status in ("held", "lease_lost", "lease_expired"):
         _lease_refused(status, f, script, thread_id, owner, lease_version)
     _unknown(status, script)
@@ -244,9 +274,14 @@ def decode_read(reply: object) -> ReadReply:
     for item in raw:
         if not isinstance(item, list) or len(item) != 4:
             _fail("an entry is not a 4-list", script)
-        entries.append(Entry(_text(item[0], script, "digest"), _blob(item[1], script, "record"),
-                             _pairs(item[2], script, "blobs"),
-                             _pairs(item[3], script, "writes")))
+        entries.append(
+            Entry(
+                _text(item[0], script, "digest"),
+                _blob(item[1], script, "record"),
+                _pairs(item[2], script, "blobs"),
+                _pairs(item[3], script, "writes"),
+            )
+        )
     return ReadReply(_int(f[0], script, "generation"), _blob(f[1], script, "head"), entries)
 
 
@@ -265,8 +300,12 @@ def decode_list(reply: object) -> ListReply:
         if len(parts) != 3 or not parts[1].isdigit():
             _fail("an index member is malformed", script)
         members.append((parts[0], int(parts[1]), parts[2]))
-    return ListReply(_int(f[0], script, "generation"), _blob(f[1], script, "head"),
-                     _int(f[2], script, "before_generation"), members)
+    return ListReply(
+        _int(f[0], script, "generation"),
+        _blob(f[1], script, "head"),
+        _int(f[2], script, "before_generation"),
+        members,
+    )
 
 
 def decode_rewrite(reply: object) -> Rewritten | GenerationMoved | None:
@@ -291,8 +330,13 @@ def decode_claim(reply: object, thread_id: str, owner: str) -> ThreadLease:
     status, f = _split(reply, script)
     if status == "acquired":
         _arity(f, 4, script, status)
-        return ThreadLease(thread_id, owner, _int(f[0], script, "lease_version"),
-                           _int(f[1], script, "expires_at_ms"), _int(f[2], script, "now_ms"))
+        return ThreadLease(
+            thread_id,
+            owner,
+            _int(f[0], script, "lease_version"),
+            _int(f[1], script, "expires_at_ms"),
+            _int(f[2], script, "now_ms"),
+        )
     if status == "held":
         _lease_refused(status, f, script, thread_id, owner, 0)
     _unknown(status, script)
@@ -306,8 +350,13 @@ def decode_renew(reply: object, lease: ThreadLease) -> ThreadLease:
         _arity(f, 3, script, status)
         if _int(f[0], script, "lease_version") != lease.lease_version:
             _fail("renewed another lease version", script)
-        return ThreadLease(lease.thread_id, lease.owner, lease.lease_version,
-                           _int(f[1], script, "expires_at_ms"), _int(f[2], script, "now_ms"))
+        return ThreadLease(
+            lease.thread_id,
+            lease.owner,
+            lease.lease_version,
+            _int(f[1], script, "expires_at_ms"),
+            _int(f[2], script, "now_ms"),
+        )
     if status in ("lease_lost", "lease_expired"):
         _lease_refused(status, f, script, lease.thread_id, lease.owner, lease.lease_version)
     _unknown(status, script)
@@ -333,6 +382,11 @@ def decode_lease_info(reply: object, thread_id: str) -> LeaseInfo:
         _unknown(status, script)
     _arity(f, 5, script, status)
     owner = _text(f[0], script, "owner")
-    return LeaseInfo(thread_id, owner or None, _int(f[1], script, "lease_version"),
-                     _int(f[2], script, "expires_at_ms"), _int(f[3], script, "now_ms"),
-                     _int(f[4], script, "generation"))
+    return LeaseInfo(
+        thread_id,
+        owner or None,
+        _int(f[1], script, "lease_version"),
+        _int(f[2], script, "expires_at_ms"),
+        _int(f[3], script, "now_ms"),
+        _int(f[4], script, "generation"),
+    )

@@ -92,19 +92,27 @@ class RatchetSaver(BaseCheckpointSaver[str]):
     serializer that falls back to pickle, or a bad owner or ttl.
     """
 
-    def __init__(self, client: Any = None, *, keyring: KeyRing, aclient: Any = None,
-                 owner: str | None = None, lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
-                 serde: SerializerProtocol | None = None, max_threads: int = 10_000) -> None:
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        keyring: KeyRing,
+        aclient: Any = None,
+        owner: str | None = None,
+        lease_ttl_ms: int = DEFAULT_LEASE_TTL_MS,
+        serde: SerializerProtocol | None = None,
+        max_threads: int = 10_000,
+    ) -> None:
         if client is None and aclient is None:
             raise ConfigurationError("RatchetSaver needs a sync or an async Redis client")
         if any(_decodes(c) for c in (client, aclient) if c is not None):
             raise ConfigurationError("the Redis client must use decode_responses=False")
         if getattr(serde, "pickle_fallback", False):
             raise ConfigurationError("a serializer with pickle_fallback is refused")
-        if isinstance(lease_ttl_ms, bool) or not isinstance(lease_ttl_ms, int) \
-                or lease_ttl_ms < 1:
-            raise ConfigurationError("lease_ttl_ms must be a positive integer",
-                                     field="lease_ttl_ms")
+        if isinstance(lease_ttl_ms, bool) or not isinstance(lease_ttl_ms, int) or lease_ttl_ms < 1:
+            raise ConfigurationError(
+                "lease_ttl_ms must be a positive integer", field="lease_ttl_ms"
+            )
         if not isinstance(keyring, KeyRing):
             raise ConfigurationError("keyring must be a ratchet KeyRing")
         super().__init__(serde=serde or default_serde())
@@ -114,14 +122,22 @@ class RatchetSaver(BaseCheckpointSaver[str]):
         self._aclient = aclient
         self._runner = sync_runner(client) if client is not None else None
         self._arunner = AsyncScriptRunner(aclient) if aclient is not None else None
-        self._protocol = Protocol(RecordCodec(keyring, self.serde), owner=self.owner,
-                                  lease_ttl_ms=lease_ttl_ms, max_threads=max_threads)
+        self._protocol = Protocol(
+            RecordCodec(keyring, self.serde),
+            owner=self.owner,
+            lease_ttl_ms=lease_ttl_ms,
+            max_threads=max_threads,
+        )
 
     @classmethod
     def from_url(cls, url: str, *, keyring: KeyRing, **kwargs: Any) -> RatchetSaver:
         """A saver with a sync and an asyncio client for ``url`` (``redis://host:port/db``)."""
-        return cls(redis.Redis.from_url(url, decode_responses=False), keyring=keyring,
-                   aclient=redis.asyncio.Redis.from_url(url, decode_responses=False), **kwargs)
+        return cls(
+            redis.Redis.from_url(url, decode_responses=False),
+            keyring=keyring,
+            aclient=redis.asyncio.Redis.from_url(url, decode_responses=False),
+            **kwargs,
+        )
 
     def __repr__(self) -> str:
         return f"RatchetSaver(owner={self.owner!r}, lease_ttl_ms={self.lease_ttl_ms})"
@@ -237,17 +253,26 @@ class RatchetSaver(BaseCheckpointSaver[str]):
         or is not fresh, StoreUnavailableError, StoreProtocolError."""
         return self._drive(self._protocol.get_tuple(config))
 
-    def list(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
-             before: RunnableConfig | None = None,
-             limit: int | None = None) -> Iterator[CheckpointTuple]:
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
         """Checkpoints of a thread, newest first by the store's generation (not by id).
         ``checkpoint_ns`` absent lists every namespace. Raises ContractError without a
         thread id, CheckpointError, StoreUnavailableError."""
-        return self._iterate(self._protocol.list(config, filter=filter, before=before,
-                                                 limit=limit))
+        return self._iterate(self._protocol.list(config, filter=filter, before=before, limit=limit))
 
-    def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
-            new_versions: ChannelVersions) -> RunnableConfig:
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
         """Store a checkpoint as its namespace's head, fenced by the thread's lease.
 
         Returns the config of the stored checkpoint, with the lease it was written under.
@@ -256,8 +281,13 @@ class RatchetSaver(BaseCheckpointSaver[str]):
         """
         return self._drive(self._protocol.put(config, checkpoint, metadata, new_versions))
 
-    def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
-                   task_id: str, task_path: str = "") -> None:
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
         """Store pending writes, fenced like :meth:`put`. Raises the same errors."""
         self._drive(self._protocol.put_writes(config, writes, task_id, task_path))
 
@@ -275,20 +305,23 @@ class RatchetSaver(BaseCheckpointSaver[str]):
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint and write, re-signed, onto the target (claimed)."""
-        self._drive(admin.copy_thread(self._protocol, str(source_thread_id),
-                                      str(target_thread_id)))
+        self._drive(admin.copy_thread(self._protocol, str(source_thread_id), str(target_thread_id)))
 
     # -- BaseCheckpointSaver: async -------------------------------------------------------
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """Async :meth:`get_tuple`."""
-        result: CheckpointTuple | None = await self._arun(
-            lambda: self._protocol.get_tuple(config))
+        result: CheckpointTuple | None = await self._arun(lambda: self._protocol.get_tuple(config))
         return result
 
-    async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
-                    before: RunnableConfig | None = None,
-                    limit: int | None = None) -> AsyncIterator[CheckpointTuple]:
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
         """Async :meth:`list`."""
         op = self._protocol.list(config, filter=filter, before=before, limit=limit)
         if self._arunner is not None:
@@ -298,15 +331,26 @@ class RatchetSaver(BaseCheckpointSaver[str]):
         for item in await asyncio.to_thread(lambda: [*self._iterate(op)]):
             yield item
 
-    async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
-                   metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
         """Async :meth:`put`."""
         result: RunnableConfig = await self._arun(
-            lambda: self._protocol.put(config, checkpoint, metadata, new_versions))
+            lambda: self._protocol.put(config, checkpoint, metadata, new_versions)
+        )
         return result
 
-    async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
-                          task_id: str, task_path: str = "") -> None:
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
         """Async :meth:`put_writes`."""
         await self._arun(lambda: self._protocol.put_writes(config, writes, task_id, task_path))
 
@@ -320,30 +364,39 @@ class RatchetSaver(BaseCheckpointSaver[str]):
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """Async :meth:`prune`."""
-        await self._arun(lambda: admin.prune(self._protocol, [str(t) for t in thread_ids],
-                                             strategy))
+        await self._arun(
+            lambda: admin.prune(self._protocol, [str(t) for t in thread_ids], strategy)
+        )
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Async :meth:`copy_thread`."""
-        await self._arun(lambda: admin.copy_thread(self._protocol, str(source_thread_id),
-                                                   str(target_thread_id)))
+        await self._arun(
+            lambda: admin.copy_thread(self._protocol, str(source_thread_id), str(target_thread_id))
+        )
 
     # -- leases ---------------------------------------------------------------------------
 
     def _claim(self, thread_id: str, ttl_ms: int | None) -> Op[ThreadLease]:
         keys = thread_keys(thread_id)
-        reply = yield Script(LgScript.CLAIM, (keys.meta,),
-                             (thread_id, self.owner, ttl_ms or self.lease_ttl_ms))
+        reply = yield Script(
+            LgScript.CLAIM, (keys.meta,), (thread_id, self.owner, ttl_ms or self.lease_ttl_ms)
+        )
         return decode_claim(reply, thread_id, self.owner)
 
     def _renew(self, lease: ThreadLease, ttl_ms: int | None) -> Op[ThreadLease]:
-        reply = yield Script(LgScript.RENEW, (thread_keys(lease.thread_id).meta,),
-                             (lease.owner, lease.lease_version, ttl_ms or self.lease_ttl_ms))
+        reply = yield Script(
+            LgScript.RENEW,
+            (thread_keys(lease.thread_id).meta,),
+            (lease.owner, lease.lease_version, ttl_ms or self.lease_ttl_ms),
+        )
         return decode_renew(reply, lease)
 
     def _release(self, lease: ThreadLease) -> Op[None]:
-        reply = yield Script(LgScript.RELEASE, (thread_keys(lease.thread_id).meta,),
-                             (lease.owner, lease.lease_version))
+        reply = yield Script(
+            LgScript.RELEASE,
+            (thread_keys(lease.thread_id).meta,),
+            (lease.owner, lease.lease_version),
+        )
         decode_release(reply, lease)
 
     def _lease_info(self, thread_id: str) -> Op[LeaseInfo]:

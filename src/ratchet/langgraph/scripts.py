@@ -57,12 +57,14 @@ class AsyncScriptRunner:
         if isinstance(sha, bytes):
             sha = sha.decode("ascii", errors="replace")
         if sha != script.sha:
-            raise StoreProtocolError("SCRIPT LOAD returned an unexpected SHA",
-                                     script=script.name.value)
+            raise StoreProtocolError(
+                "SCRIPT LOAD returned an unexpected SHA", script=script.name.value
+            )
         self._loaded.add(script.name)
 
-    async def run(self, name: StrEnum, keys: Sequence[str],
-                  args: Sequence[str | bytes | int]) -> Any:
+    async def run(
+        self, name: StrEnum, keys: Sequence[str], args: Sequence[str | bytes | int]
+    ) -> Any:
         """Run script ``name`` and return the raw reply.
 
         Raises redis ConnectionError / TimeoutError as they come and redis ResponseError for

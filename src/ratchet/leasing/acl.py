@@ -67,13 +67,25 @@ class Role(StrEnum):
     QUEUE = "queue"
 
 
-_WORKER_SCRIPTS = (ScriptName.ACQUIRE_LEASE, ScriptName.RENEW_LEASE, ScriptName.RELEASE_LEASE,
-                   ScriptName.COMMIT, ScriptName.READ_RUN, ScriptName.CLAIM_REAP,
-                   ScriptName.DROP_EXPIRY_ENTRY, ScriptName.RECORD_INCIDENT)
+_WORKER_SCRIPTS = (
+    ScriptName.ACQUIRE_LEASE,
+    ScriptName.RENEW_LEASE,
+    ScriptName.RELEASE_LEASE,
+    ScriptName.COMMIT,
+    ScriptName.READ_RUN,
+    ScriptName.CLAIM_REAP,
+    ScriptName.DROP_EXPIRY_ENTRY,
+    ScriptName.RECORD_INCIDENT,
+)
 _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
     Role.WORKER: _WORKER_SCRIPTS,
-    Role.OPERATOR: (ScriptName.CREATE_RUN, ScriptName.READ_RUN, ScriptName.POST_EVIDENCE,
-                    ScriptName.REPLACE_DOCUMENT, ScriptName.PURGE_RUN),
+    Role.OPERATOR: (
+        ScriptName.CREATE_RUN,
+        ScriptName.READ_RUN,
+        ScriptName.POST_EVIDENCE,
+        ScriptName.REPLACE_DOCUMENT,
+        ScriptName.PURGE_RUN,
+    ),
     Role.READER: (ScriptName.READ_RUN,),
 }
 # Direct calls of RedisStore besides the scripts (see store.py).
@@ -81,8 +93,7 @@ _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
 # theirs) to refuse an evicting Redis.
 # ``hmget``, ``llen``, ``zcard``: listings (a page's hashes and incident counts, the exact
 # counts per phase; see listing.py).
-_READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info", "hmget", "llen",
-          "zcard")
+_READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info", "hmget", "llen", "zcard")
 _DIRECT: Mapping[Role, tuple[str, ...]] = {
     Role.WORKER: (*_READS, "zadd", "zrem", "set"),  # expiry index; SET NX nonce claims
     # the runs index (create); index removal after a purge on Redis Cluster
@@ -95,26 +106,78 @@ _CONNECTION = ("ping", "hello", "client|setname", "client|getname")
 #: registries, job results, worker registration, the pubsub command channel, its Lua).
 QUEUE_COMMANDS = (
     # keys and strings
-    "exists", "get", "set", "del", "expire", "persist", "rename", "ttl", "type",
+    "exists",
+    "get",
+    "set",
+    "del",
+    "expire",
+    "persist",
+    "rename",
+    "ttl",
+    "type",
     # hashes
-    "hset", "hget", "hgetall", "hexists", "hdel", "hincrby", "hincrbyfloat", "hmget",
+    "hset",
+    "hget",
+    "hgetall",
+    "hexists",
+    "hdel",
+    "hincrby",
+    "hincrbyfloat",
+    "hmget",
     # lists (BLMOVE/BLPOP: the blocking dequeue; LMOVE: the intermediate queue)
-    "rpush", "lpush", "lpop", "lrem", "lrange", "llen", "lpos", "lmove", "blmove", "blpop",
+    "rpush",
+    "lpush",
+    "lpop",
+    "lrem",
+    "lrange",
+    "llen",
+    "lpos",
+    "lmove",
+    "blmove",
+    "blpop",
     "lindex",
     # sets and sorted sets (registries)
-    "sadd", "srem", "smembers", "scard", "sismember",
-    "zadd", "zrem", "zrange", "zrangebyscore", "zremrangebyscore", "zremrangebyrank",
-    "zcard", "zscore",
+    "sadd",
+    "srem",
+    "smembers",
+    "scard",
+    "sismember",
+    "zadd",
+    "zrem",
+    "zrange",
+    "zrangebyscore",
+    "zremrangebyscore",
+    "zremrangebyrank",
+    "zcard",
+    "zscore",
     # streams (job results)
-    "xadd", "xread", "xrevrange", "xlen", "xtrim",
+    "xadd",
+    "xread",
+    "xrevrange",
+    "xlen",
+    "xtrim",
     # transactions
-    "multi", "exec", "discard", "watch", "unwatch",
+    "multi",
+    "exec",
+    "discard",
+    "watch",
+    "unwatch",
     # RQ's own scripts (confined to rq:* keys by this user's key pattern)
-    "evalsha", "script|load", "script|exists",
+    "evalsha",
+    "script|load",
+    "script|exists",
     # pubsub: the worker's command channel
-    "subscribe", "unsubscribe", "publish",
+    "subscribe",
+    "unsubscribe",
+    "publish",
     # worker registration
-    "info", "client|setname", "client|getname", "client|info", "ping", "hello", "time",
+    "info",
+    "client|setname",
+    "client|getname",
+    "client|info",
+    "ping",
+    "hello",
+    "time",
 )
 
 _CALL = re.compile(r"redis\.p?call\(\s*'([A-Za-z]+)'")
@@ -122,8 +185,11 @@ _CALL = re.compile(r"redis\.p?call\(\s*'([A-Za-z]+)'")
 
 def script_commands(name: ScriptName) -> frozenset[str]:
     """The commands one shipped script issues (lower case), read from its source."""
-    text = resources.files("ratchet.leasing").joinpath("lua", f"{name.value}.lua").read_text(
-        encoding="utf-8")
+    text = (
+        resources.files("ratchet.leasing")
+        .joinpath("lua", f"{name.value}.lua")
+        .read_text(encoding="utf-8")
+    )
     body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
     return frozenset(cmd.lower() for cmd in _CALL.findall(body))
 
@@ -187,6 +253,7 @@ def acl_file(users: Iterable[AclUser], *, default_user: str = "ping") -> str:
         default = "user default off resetkeys resetchannels -@all"
     else:
         raise ConfigurationError("default_user must be 'ping' or 'off'", field="default_user")
-    lines = [default] + [f"user {user.name} {user.rules().removeprefix('reset ')}"
-                         for user in users]
+    lines = [default] + [
+        f"user {user.name} {user.rules().removeprefix('reset ')}" for user in users
+    ]
     return "\n".join(lines) + "\n"

@@ -42,8 +42,7 @@ _local = threading.local()  # zstd (de)compressor objects are not safe to share 
 def _compressor() -> zstandard.ZstdCompressor:
     found: zstandard.ZstdCompressor | None = getattr(_local, "compressor", None)
     if found is None:
-        found = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True,
-                                         write_content_size=True)
+        found = zstandard.ZstdCompressor(level=LEVEL, write_checksum=True, write_content_size=True)
         _local.compressor = found
     return found
 
@@ -56,8 +55,9 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return found
 
 
-def encode_checkpoint(envelope: bytes, *, compress: bool,
-                      min_bytes: int = COMPRESS_MIN_BYTES) -> bytes:
+def encode_checkpoint(
+    envelope: bytes, *, compress: bool, min_bytes: int = COMPRESS_MIN_BYTES
+) -> bytes:
     """The bytes to store for ``envelope``: a zstd frame when ``compress`` is on, the
     envelope is at least ``min_bytes`` long and the frame saves at least an eighth;
     otherwise the envelope as it is."""

@@ -87,7 +87,9 @@ def _matching(snap: RunSnapshot, key: RunKey) -> RunSnapshot:
     if (key.task_id, key.env_instance_id) != (snap.task_id, snap.env_instance_id):
         raise HighWaterUnavailableError(
             "the key's task or environment instance is not this run's",
-            run_id=key.run_id, reason="key_mismatch")
+            run_id=key.run_id,
+            reason="key_mismatch",
+        )
     return snap
 
 
@@ -100,8 +102,9 @@ def _read_for(store: RedisStore, key: RunKey, *, with_checkpoint: bool) -> RunSn
     try:
         snap = store.read_run(key.run_id, with_checkpoint=with_checkpoint)
     except (RunNotFoundError, StoreUnavailableError) as exc:
-        raise HighWaterUnavailableError("no high-water mark could be read", run_id=key.run_id,
-                                        cause=type(exc).__name__) from exc
+        raise HighWaterUnavailableError(
+            "no high-water mark could be read", run_id=key.run_id, cause=type(exc).__name__
+        ) from exc
     return _matching(snap, key)
 
 
@@ -127,9 +130,11 @@ class LeasedRun:
         self._phase: str | None = None  # the phase last committed here (None: unknown)
 
     def __repr__(self) -> str:
-        return (f"LeasedRun(run_id={self.run_id!r}, owner={self.owner!r}, "
-                f"lease_version={self.lease_version}, generation={self._generation}, "
-                f"state_version={self._state_version})")
+        return (
+            f"LeasedRun(run_id={self.run_id!r}, owner={self.owner!r}, "
+            f"lease_version={self.lease_version}, generation={self._generation}, "
+            f"state_version={self._state_version})"
+        )
 
     @property
     def lease(self) -> Lease:
@@ -185,8 +190,9 @@ class LeasedRun:
         Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError, LeaseLostError
         (the lease is no longer this handle's).
         """
-        snap = self._store.read_run(self.run_id, with_checkpoint=with_checkpoint,
-                                    with_scenario=with_scenario)
+        snap = self._store.read_run(
+            self.run_id, with_checkpoint=with_checkpoint, with_scenario=with_scenario
+        )
         self._check_live(snap)
         self._generation, self._state_version = snap.generation, snap.state_version
         self._primed = snap
@@ -194,11 +200,15 @@ class LeasedRun:
 
     def _snapshot(self, key: RunKey, *, with_checkpoint: bool) -> RunSnapshot:
         if key.run_id != self.run_id:
-            raise HighWaterUnavailableError("the key names another run", run_id=self.run_id,
-                                            requested_run_id=key.run_id)
+            raise HighWaterUnavailableError(
+                "the key names another run", run_id=self.run_id, requested_run_id=key.run_id
+            )
         primed, self._primed = self._primed, None
-        if primed is not None and primed.generation == self._generation and (
-                primed.checkpoint is not None or not with_checkpoint):
+        if (
+            primed is not None
+            and primed.generation == self._generation
+            and (primed.checkpoint is not None or not with_checkpoint)
+        ):
             snap = _matching(primed, key)
         else:
             snap = _read_for(self._store, key, with_checkpoint=with_checkpoint)
@@ -210,10 +220,16 @@ class LeasedRun:
     def _check_live(self, snap: RunSnapshot) -> None:
         if not snap.is_held_by(self.owner, self.lease_version):
             raise LeaseLostError(
-                "the lease is no longer held", run_id=self.run_id, owner=self.owner,
-                lease_version=self.lease_version, current_owner=snap.owner,
-                current_lease_version=snap.lease_version, expires_at_ms=snap.expires_at_ms,
-                now_ms=snap.now_ms, reason="not_live")
+                "the lease is no longer held",
+                run_id=self.run_id,
+                owner=self.owner,
+                lease_version=self.lease_version,
+                current_owner=snap.owner,
+                current_lease_version=snap.lease_version,
+                expires_at_ms=snap.expires_at_ms,
+                now_ms=snap.now_ms,
+                reason="not_live",
+            )
 
     def high_water(self, key: RunKey) -> int:
         """The authoritative high-water generation.
@@ -231,11 +247,19 @@ class LeasedRun:
         snap = self._snapshot(key, with_checkpoint=True)
         if snap.checkpoint is None:
             raise StoreProtocolError("the run has no checkpoint", run_id=self.run_id)
-        return StoredCheckpoint(generation=snap.generation, blob=snap.checkpoint,
-                                archive=snap.archive)
+        return StoredCheckpoint(
+            generation=snap.generation, blob=snap.checkpoint, archive=snap.archive
+        )
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
         """Commit ``blob`` as generation ``expected_generation + 1``, fenced by this lease
         (``segment``, when not empty, is appended to the run's archive with it).
 
@@ -256,35 +280,50 @@ class LeasedRun:
             return
         self._check_key(key)
         if commits[0].expected_generation == 0:
-            raise RunExistsError("the run exists; create runs with RedisStore.create_run",
-                                 run_id=self.run_id)
+            raise RunExistsError(
+                "the run exists; create runs with RedisStore.create_run", run_id=self.run_id
+            )
         # Phases go out only when one may differ from the phase last committed here.
         moves = any(c.phase and c.phase != self._phase for c in commits)
-        prepared = [self._store.prepare_commit(self.run_id,
-                                               generation=c.expected_generation + 1,
-                                               checkpoint=c.blob, nonces=c.nonces,
-                                               segment=c.segment,
-                                               not_after_ms=c.not_after_ms,
-                                               phase=c.phase if moves else "")
-                    for c in commits]
+        prepared = [
+            self._store.prepare_commit(
+                self.run_id,
+                generation=c.expected_generation + 1,
+                checkpoint=c.blob,
+                nonces=c.nonces,
+                segment=c.segment,
+                not_after_ms=c.not_after_ms,
+                phase=c.phase if moves else "",
+            )
+            for c in commits
+        ]
         reap, self._release_mode = self._release_mode, None
         stated = [c.phase for c in commits if c.phase]
         self._phase, known = None, self._phase  # unknown until the batch applied
         if reap is None:
-            self._store.commit_many(self._lease, prepared,
-                                    expected_state_version=self._state_version,
-                                    applied=self._apply)
+            self._store.commit_many(
+                self._lease,
+                prepared,
+                expected_state_version=self._state_version,
+                applied=self._apply,
+            )
         else:
             _, self._released = self._store.commit_and_release(
-                self._lease, prepared, expected_state_version=self._state_version,
-                reap=reap, applied=self._apply)
+                self._lease,
+                prepared,
+                expected_state_version=self._state_version,
+                reap=reap,
+                applied=self._apply,
+            )
         self._phase = stated[-1] if stated else known
 
     def _check_key(self, key: RunKey) -> None:
         if (key.run_id, key.task_id, key.env_instance_id) != (
-                self.run_id, self._task_id, self._env_instance_id):
-            raise ContractError("the key does not name this run", field="key",
-                                run_id=self.run_id)
+            self.run_id,
+            self._task_id,
+            self._env_instance_id,
+        ):
+            raise ContractError("the key does not name this run", field="key", run_id=self.run_id)
 
     def _apply(self, result: CommitResult) -> None:
         if result.current_generation == result.generation:
@@ -293,9 +332,17 @@ class LeasedRun:
 
     # -- beyond the port -------------------------------------------------------------------
 
-    def commit(self, blob: bytes, *, generation: int | None = None,
-               commit_id: str | None = None, nonces: Sequence[str] = (),
-               finished: bool = False, segment: bytes = b"", phase: str = "") -> CommitResult:
+    def commit(
+        self,
+        blob: bytes,
+        *,
+        generation: int | None = None,
+        commit_id: str | None = None,
+        nonces: Sequence[str] = (),
+        finished: bool = False,
+        segment: bytes = b"",
+        phase: str = "",
+    ) -> CommitResult:
         """Fenced commit of ``blob`` as ``generation`` (default: last seen + 1), in
         ``phase`` when given (``""``: the run's phase stays as it is).
 
@@ -303,9 +350,16 @@ class LeasedRun:
         """
         known, self._phase = self._phase, None
         result = self._store.commit(
-            self._lease, generation=self._generation + 1 if generation is None else generation,
-            expected_state_version=self._state_version, checkpoint=blob, commit_id=commit_id,
-            nonces=nonces, finished=finished, segment=segment, phase=phase)
+            self._lease,
+            generation=self._generation + 1 if generation is None else generation,
+            expected_state_version=self._state_version,
+            checkpoint=blob,
+            commit_id=commit_id,
+            nonces=nonces,
+            finished=finished,
+            segment=segment,
+            phase=phase,
+        )
         self._apply(result)
         self._phase = phase or known
         return result
@@ -363,11 +417,19 @@ class RunCreator:
         snap = self._read(key, with_checkpoint=True)
         if snap.checkpoint is None:
             raise StoreProtocolError("the run has no checkpoint", run_id=key.run_id)
-        return StoredCheckpoint(generation=snap.generation, blob=snap.checkpoint,
-                                archive=snap.archive)
+        return StoredCheckpoint(
+            generation=snap.generation, blob=snap.checkpoint, archive=snap.archive
+        )
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
         """Create the run (``expected_generation == 0`` only), with its first archive
         segment when the checkpoint names an archive.
 
@@ -376,20 +438,27 @@ class RunCreator:
         CommitOutcomeUnknownError (no reply: re-read before acting), StoreProtocolError.
         """
         if expected_generation != 0:
-            raise LeaseLostError("commits after creation need a lease", run_id=key.run_id,
-                                 reason="no_lease")
+            raise LeaseLostError(
+                "commits after creation need a lease", run_id=key.run_id, reason="no_lease"
+            )
         if nonces:
-            raise ContractError("a new run consumes no nonces", field="nonces",
-                                run_id=key.run_id)
+            raise ContractError("a new run consumes no nonces", field="nonces", run_id=key.run_id)
         try:
-            self._store.create_run(key.run_id, task_id=key.task_id,
-                                   env_instance_id=key.env_instance_id,
-                                   scenario=self._scenario, checkpoint=blob,
-                                   commit_id=self._commit_id, archive_segment=segment)
+            self._store.create_run(
+                key.run_id,
+                task_id=key.task_id,
+                env_instance_id=key.env_instance_id,
+                scenario=self._scenario,
+                checkpoint=blob,
+                commit_id=self._commit_id,
+                archive_segment=segment,
+            )
         except StoreUnavailableError as exc:
-            raise CommitOutcomeUnknownError("no reply to create_run; re-read before acting",
-                                            run_id=key.run_id,
-                                            commit_id=self._commit_id) from exc
+            raise CommitOutcomeUnknownError(
+                "no reply to create_run; re-read before acting",
+                run_id=key.run_id,
+                commit_id=self._commit_id,
+            ) from exc
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         """Create the run (a batch of exactly one commit at generation 0).
@@ -397,8 +466,14 @@ class RunCreator:
         Raises what :meth:`advance` raises; LeaseLostError for any longer batch.
         """
         if len(commits) > 1:
-            raise LeaseLostError("commits after creation need a lease", run_id=key.run_id,
-                                 reason="no_lease")
+            raise LeaseLostError(
+                "commits after creation need a lease", run_id=key.run_id, reason="no_lease"
+            )
         for commit in commits:
-            self.advance(key, expected_generation=commit.expected_generation,
-                         blob=commit.blob, nonces=commit.nonces, segment=commit.segment)
+            self.advance(
+                key,
+                expected_generation=commit.expected_generation,
+                blob=commit.blob,
+                nonces=commit.nonces,
+                segment=commit.segment,
+            )

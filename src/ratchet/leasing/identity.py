@@ -28,8 +28,7 @@ class StoreIdentity(StorePlumbing):
         """Give a new store its epoch (``SET NX``); an initialised store keeps its own.
         Returns the store's epoch. Raises StoreUnavailableError, StoreFullError."""
         fresh = f"ep-{secrets.token_hex(12)}"
-        self._call("epoch init", None,
-                   lambda: self._client.set(EPOCH_KEY, fresh.encode(), nx=True))
+        self._call("epoch init", None, lambda: self._client.set(EPOCH_KEY, fresh.encode(), nx=True))
         epoch = self.read_epoch()
         if epoch is None:
             raise StoreProtocolError("the store's epoch could not be written")
@@ -59,11 +58,15 @@ class StoreIdentity(StorePlumbing):
                 "the store has no epoch record: it was wiped, restarted without its AOF, "
                 "lost keys to eviction, or was never initialised. Nothing runs on it; if "
                 "it is a new store, initialise it with `ratchet store init`",
-                reason="missing")
+                reason="missing",
+            )
         if expected is not None and epoch != expected:
-            raise StoreEpochError("the store's epoch changed since this process started: "
-                                  "it is not the same store", reason="changed",
-                                  expected=expected, found=epoch)
+            raise StoreEpochError(
+                "the store's epoch changed since this process started: it is not the same store",
+                reason="changed",
+                expected=expected,
+                found=epoch,
+            )
         return epoch
 
     def eviction_policy(self) -> str | None:

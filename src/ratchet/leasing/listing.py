@@ -54,8 +54,7 @@ __all__ = ["MAX_PAGE", "ListedRun", "RunListings", "RunPage"]
 MAX_PAGE = 1000
 _MAX_CURSOR = 1024
 _SEARCH_CHUNK = 200
-_STATE_FIELDS = ("task_id", "generation", "phase", "phase_at_ms", "created_at_ms",
-                 "updated_at_ms")
+_STATE_FIELDS = ("task_id", "generation", "phase", "phase_at_ms", "created_at_ms", "updated_at_ms")
 _LEASE_FIELDS = ("owner", "lease_version", "expires_at_ms")
 
 
@@ -175,8 +174,13 @@ def _check_limit(limit: int) -> int:
     return limit
 
 
-def _after(chunk: Sequence[tuple[bytes, float]], i: int, base: int,
-           base_score: float | None, oldest_first: bool) -> _Position:
+def _after(
+    chunk: Sequence[tuple[bytes, float]],
+    i: int,
+    base: int,
+    base_score: float | None,
+    oldest_first: bool,
+) -> _Position:
     """The position after entry ``i`` of ``chunk``, whose walk had passed ``base`` entries
     with score ``base_score`` before the chunk began."""
     member, score = chunk[i]
@@ -223,14 +227,21 @@ class RunListings(StorePlumbing):
 
         counts = self._call("index counts", None, read)
         if len(counts) != len(keys) or not all(
-                isinstance(n, int) and not isinstance(n, bool) for n in counts):
+            isinstance(n, int) and not isinstance(n, bool) for n in counts
+        ):
             raise StoreProtocolError("an index count is not an integer")
         return [int(n) for n in counts]
 
     # -- pages --------------------------------------------------------------------------
 
-    def list_runs(self, phase: str | None = None, *, limit: int = 50,
-                  after: str | None = None, oldest_first: bool = False) -> RunPage:
+    def list_runs(
+        self,
+        phase: str | None = None,
+        *,
+        limit: int = 50,
+        after: str | None = None,
+        oldest_first: bool = False,
+    ) -> RunPage:
         """A page of runs: those in ``phase`` (by the time they entered it) or every run
         (by creation time), newest first unless ``oldest_first``, continuing after the
         cursor ``after`` (a page's ``next_cursor``).
@@ -243,13 +254,23 @@ class RunListings(StorePlumbing):
         more = len(chunk) > limit
         chunk = chunk[:limit]
         rows, now_ms = self._rows([member for member, _ in chunk], [s for _, s in chunk])
-        cursor = (_after(chunk, len(chunk) - 1, base, base_score, oldest_first).encode()
-                  if more and chunk else None)
+        cursor = (
+            _after(chunk, len(chunk) - 1, base, base_score, oldest_first).encode()
+            if more and chunk
+            else None
+        )
         return RunPage(tuple(rows), cursor, phase, oldest_first, len(chunk), now_ms)
 
-    def search_runs(self, prefix: str, phase: str | None = None, *, limit: int = 50,
-                    after: str | None = None, oldest_first: bool = False,
-                    budget: int = 5000) -> RunPage:
+    def search_runs(
+        self,
+        prefix: str,
+        phase: str | None = None,
+        *,
+        limit: int = 50,
+        after: str | None = None,
+        oldest_first: bool = False,
+        budget: int = 5000,
+    ) -> RunPage:
         """Like :meth:`list_runs`, keeping only the runs whose id, task id or live lease
         owner starts with ``prefix`` (exact, case-sensitive). At most ``budget`` index
         entries are examined per call; ``next_cursor`` then continues the search where it
@@ -258,8 +279,7 @@ class RunListings(StorePlumbing):
         Raises what :meth:`list_runs` raises, and ContractError for an empty prefix.
         """
         if not isinstance(prefix, str) or not prefix or len(prefix) > 200:
-            raise ContractError("the search text must be 1 to 200 characters",
-                                field="search")
+            raise ContractError("the search text must be 1 to 200 characters", field="search")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ContractError("budget must be a positive integer", field="budget")
         key, start = self._start(phase, limit, after, oldest_first)
@@ -274,38 +294,59 @@ class RunListings(StorePlumbing):
             rows, now_ms = self._rows([m for m, _ in chunk], [s for _, s in chunk])
             for i, row in enumerate(rows):
                 scanned += 1
-                if any(isinstance(v, str) and v.startswith(prefix)
-                       for v in (row.run_id, row.task_id, row.owner)):
+                if any(
+                    isinstance(v, str) and v.startswith(prefix)
+                    for v in (row.run_id, row.task_id, row.owner)
+                ):
                     found.append(row)
                     if len(found) == limit:
                         end = _after(chunk, i, base, base_score, oldest_first)
-                        return RunPage(tuple(found), end.encode(), phase, oldest_first,
-                                       scanned, now_ms)
+                        return RunPage(
+                            tuple(found), end.encode(), phase, oldest_first, scanned, now_ms
+                        )
             position = _after(chunk, len(chunk) - 1, base, base_score, oldest_first)
             if len(chunk) < want:
                 return RunPage(tuple(found), None, phase, oldest_first, scanned, now_ms)
-        return RunPage(tuple(found), position.encode() if position else None, phase,
-                       oldest_first, scanned, now_ms or self.server_time_ms())
+        return RunPage(
+            tuple(found),
+            position.encode() if position else None,
+            phase,
+            oldest_first,
+            scanned,
+            now_ms or self.server_time_ms(),
+        )
 
-    def _start(self, phase: str | None, limit: int, after: str | None,
-               oldest_first: bool) -> tuple[str, _Position | None]:
+    def _start(
+        self, phase: str | None, limit: int, after: str | None, oldest_first: bool
+    ) -> tuple[str, _Position | None]:
         _check_limit(limit)
         key = RUNS_INDEX if phase is None else phase_index(phase)
         if after is None or after == "":
             return key, None
         position = decode_cursor(after)
         if position.oldest_first != bool(oldest_first):
-            raise ContractError("the cursor was given out for the other order",
-                                field="after")
+            raise ContractError("the cursor was given out for the other order", field="after")
         return key, position
 
-    def _range(self, key: str, begin: str, end: str, *, oldest_first: bool, offset: int,
-               count: int) -> list[tuple[bytes, float]]:
+    def _range(
+        self, key: str, begin: str, end: str, *, oldest_first: bool, offset: int, count: int
+    ) -> list[tuple[bytes, float]]:
         """Entries from score ``begin`` to score ``end`` in walk order (``ZRANGE ...
         BYSCORE [REV] LIMIT offset count``)."""
-        raw = self._call("listing", None, lambda: self._client.zrange(
-            key, begin, end, desc=not oldest_first, byscore=True, offset=offset, num=count,
-            withscores=True))
+        raw = self._call(
+            "listing",
+            None,
+            lambda: self._client.zrange(
+                key,
+                begin,
+                end,
+                desc=not oldest_first,
+                byscore=True,
+                offset=offset,
+                num=count,
+                withscores=True,
+            ),
+        )
         entries: list[tuple[bytes, float]] = []
         for member, score in raw:
             if not isinstance(member, bytes) or not isinstance(score, float):
@@ -313,34 +354,55 @@ class RunListings(StorePlumbing):
             entries.append((member, score))
         return entries
 
-    def _entries(self, key: str, position: _Position | None, count: int, oldest_first: bool,
-                 ) -> tuple[list[tuple[bytes, float]], int, float | None]:
+    def _entries(
+        self,
+        key: str,
+        position: _Position | None,
+        count: int,
+        oldest_first: bool,
+    ) -> tuple[list[tuple[bytes, float]], int, float | None]:
         """Up to ``count`` entries after ``position`` in walk order, with how many entries
         at ``position``'s score the walk had passed before them."""
         near, far = ("-inf", "+inf") if oldest_first else ("+inf", "-inf")
         if position is None:
-            return self._range(key, near, far, oldest_first=oldest_first, offset=0,
-                               count=count), 0, None
+            return (
+                self._range(key, near, far, oldest_first=oldest_first, offset=0, count=count),
+                0,
+                None,
+            )
         here = _bound(position.score)
         # One read in the usual case: the entry the cursor names, then what follows it.
-        got = self._range(key, here, far, oldest_first=oldest_first,
-                          offset=position.seen - 1, count=count + 1)
+        got = self._range(
+            key, here, far, oldest_first=oldest_first, offset=position.seen - 1, count=count + 1
+        )
         if got and got[0] == (position.member, position.score):
             return got[1:], position.seen, position.score
         # The entries at that score changed since: resume after the member by name.
-        ties = self._range(key, here, here, oldest_first=oldest_first, offset=0,
-                           count=MAX_PAGE * 100)
-        later = [(m, s) for m, s in ties
-                 if (m > position.member if oldest_first else m < position.member)]
+        ties = self._range(
+            key, here, here, oldest_first=oldest_first, offset=0, count=MAX_PAGE * 100
+        )
+        later = [
+            (m, s)
+            for m, s in ties
+            if (m > position.member if oldest_first else m < position.member)
+        ]
         rest: list[tuple[bytes, float]] = []
         if len(later) < count:
-            rest = self._range(key, _bound(position.score, exclusive=True), far,
-                               oldest_first=oldest_first, offset=0,
-                               count=count - len(later))
+            rest = self._range(
+                key,
+                _bound(position.score, exclusive=True),
+                far,
+                oldest_first=oldest_first,
+                offset=0,
+                count=count - len(later),
+            )
         return (later + rest)[:count], len(ties) - len(later), position.score
 
-    def _rows(self, members: Sequence[bytes], scores: Sequence[float],
-              ) -> tuple[list[ListedRun], int]:
+    def _rows(
+        self,
+        members: Sequence[bytes],
+        scores: Sequence[float],
+    ) -> tuple[list[ListedRun], int]:
         """Read the listed runs' hashes in one pipeline (and Redis' time with them on a
         single Redis). A row that cannot be read says why; the others are unaffected."""
         ids: list[str | None] = []
@@ -372,8 +434,11 @@ class RunListings(StorePlumbing):
         replies = self._call("listing", None, read) if members else []
         if self._inline_indexes and replies:
             now = replies.pop(0)
-            if (not isinstance(now, list | tuple) or len(now) != 2
-                    or not all(isinstance(x, int) for x in now)):
+            if (
+                not isinstance(now, list | tuple)
+                or len(now) != 2
+                or not all(isinstance(x, int) for x in now)
+            ):
                 raise StoreProtocolError("TIME reply is malformed")
             now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
         else:
@@ -381,35 +446,52 @@ class RunListings(StorePlumbing):
         per_run: dict[str, tuple[object, object, object]] = {}
         valid = [run_id for run_id in ids if run_id is not None]
         for index, valid_id in enumerate(valid):
-            per_run[valid_id] = (replies[3 * index], replies[3 * index + 1],
-                                 replies[3 * index + 2])
+            per_run[valid_id] = (replies[3 * index], replies[3 * index + 1], replies[3 * index + 2])
         # The newest incident's kind, read only for the runs that have any (most have
         # none): a second, usually skipped, pipeline instead of one more command per row.
         with_some = [r for r in valid if isinstance(per_run[r][2], int) and per_run[r][2]]
-        newest = dict(zip(with_some, self._call("listing", None, functools.partial(
-            newest_incidents, with_some)), strict=True)) if with_some else {}
+        newest = (
+            dict(
+                zip(
+                    with_some,
+                    self._call("listing", None, functools.partial(newest_incidents, with_some)),
+                    strict=True,
+                )
+            )
+            if with_some
+            else {}
+        )
         rows: list[ListedRun] = []
         for member, score, run_id in zip(members, scores, ids, strict=True):
             listed = int(score) if math.isfinite(score) else 0
             if run_id is None:
-                rows.append(ListedRun(self._member(member), listed,
-                                      problem="unreadable: not a valid run id"))
+                rows.append(
+                    ListedRun(
+                        self._member(member), listed, problem="unreadable: not a valid run id"
+                    )
+                )
                 continue
             state, lease, count = per_run[run_id]
-            rows.append(self._row(run_id, listed, state, lease, count, newest.get(run_id),
-                                  now_ms))
+            rows.append(self._row(run_id, listed, state, lease, count, newest.get(run_id), now_ms))
         return rows, now_ms
 
     @staticmethod
-    def _row(run_id: str, listed: int, state: object, lease: object, count: object,
-             newest: object, now_ms: int) -> ListedRun:
+    def _row(
+        run_id: str,
+        listed: int,
+        state: object,
+        lease: object,
+        count: object,
+        newest: object,
+        now_ms: int,
+    ) -> ListedRun:
         for reply in (state, lease, count, newest):  # newest: None when not read
             if isinstance(reply, Exception):
-                return ListedRun(run_id, listed,
-                                 problem=f"unreadable: {type(reply).__name__}")
+                return ListedRun(run_id, listed, problem=f"unreadable: {type(reply).__name__}")
         if not isinstance(state, list) or not isinstance(lease, list) or state[1] is None:
-            return ListedRun(run_id, listed, problem="unreadable: no such run (an index "
-                             "entry without a run)")
+            return ListedRun(
+                run_id, listed, problem="unreadable: no such run (an index entry without a run)"
+            )
         try:
             task_id, generation, phase, _phase_at, created, updated = state
             owner, version, expires = lease
@@ -418,14 +500,19 @@ class RunListings(StorePlumbing):
             live = owner_text is not None and expires_at is not None and now_ms < expires_at
             phase_text = _text(phase)
             return ListedRun(
-                run_id, listed,
+                run_id,
+                listed,
                 phase=phase_text if phase_text in PHASES else None,
-                task_id=_text(task_id), generation=_int(generation),
-                created_at_ms=_int(created), updated_at_ms=_int(updated),
-                owner=owner_text if live else None, lease_version=_int(version),
+                task_id=_text(task_id),
+                generation=_int(generation),
+                created_at_ms=_int(created),
+                updated_at_ms=_int(updated),
+                owner=owner_text if live else None,
+                lease_version=_int(version),
                 expires_at_ms=expires_at,
                 incidents=count if isinstance(count, int) else 0,
-                last_incident=_incident_kind(newest))
+                last_incident=_incident_kind(newest),
+            )
         except (ValueError, RatchetError):
             return ListedRun(run_id, listed, problem="unreadable: malformed state")
 
@@ -441,8 +528,11 @@ class RunListings(StorePlumbing):
         """
         start = 0
         while True:
-            members = self._call("runs index", None, functools.partial(
-                self._client.zrange, RUNS_INDEX, start, start + chunk - 1))
+            members = self._call(
+                "runs index",
+                None,
+                functools.partial(self._client.zrange, RUNS_INDEX, start, start + chunk - 1),
+            )
             if not members:
                 return
             start += len(members)
@@ -477,8 +567,7 @@ class RunListings(StorePlumbing):
                 return list(pipe.execute())
 
             if recorded:
-                found = self._call("phase index", None,
-                                   functools.partial(scores, recorded))
+                found = self._call("phase index", None, functools.partial(scores, recorded))
                 for (run_id, phase), score in zip(recorded, found, strict=True):
                     if score is None:
                         yield run_id, phase
@@ -501,7 +590,8 @@ class RunListings(StorePlumbing):
                     try:
                         pipe.watch(state)
                         generation, current, at, updated = pipe.hmget(
-                            state, ["generation", "phase", "phase_at_ms", "updated_at_ms"])
+                            state, ["generation", "phase", "phase_at_ms", "updated_at_ms"]
+                        )
                         if generation is None:
                             return None
                         if current is not None:
@@ -509,8 +599,7 @@ class RunListings(StorePlumbing):
                                 return None
                             return _ms(at) or _ms(updated)
                         pipe.multi()
-                        pipe.hset(state, mapping={"phase": phase,
-                                                  "phase_at_ms": _ms(updated)})
+                        pipe.hset(state, mapping={"phase": phase, "phase_at_ms": _ms(updated)})
                         pipe.execute()
                         return _ms(updated)
                     except WatchError:
@@ -520,6 +609,7 @@ class RunListings(StorePlumbing):
         at_ms = self._call("phase record", run_id, record)
         if at_ms is None:
             return False
-        self._call("phase index", run_id,
-                   lambda: self._client.zadd(index, {run_id: at_ms}, nx=True))
+        self._call(
+            "phase index", run_id, lambda: self._client.zadd(index, {run_id: at_ms}, nx=True)
+        )
         return True

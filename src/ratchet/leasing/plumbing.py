@@ -44,13 +44,22 @@ def store_full(exc: ResponseError, what: str, run_id: str | None) -> StoreFullEr
     """The typed error for Redis refusing writes (``OOM``: maxmemory under noeviction;
     ``MISCONF``: persistence failing, e.g. the AOF's disk is full), else None."""
     text = str(exc)
-    if isinstance(exc, OutOfMemoryError) or text.startswith("OOM") or (
-            "command not allowed when used memory" in text):
-        return StoreFullError(f"Redis is out of memory and refuses writes ({what}): free "
-                              "memory or raise maxmemory", reason="oom", run_id=run_id)
+    if (
+        isinstance(exc, OutOfMemoryError)
+        or text.startswith("OOM")
+        or ("command not allowed when used memory" in text)
+    ):
+        return StoreFullError(
+            f"Redis is out of memory and refuses writes ({what}): free memory or raise maxmemory",
+            reason="oom",
+            run_id=run_id,
+        )
     if text.startswith("MISCONF") or "MISCONF" in text[:200]:
-        return StoreFullError(f"Redis cannot persist and refuses writes ({what}): check the "
-                              "disk its AOF is on", reason="misconf", run_id=run_id)
+        return StoreFullError(
+            f"Redis cannot persist and refuses writes ({what}): check the disk its AOF is on",
+            reason="misconf",
+            run_id=run_id,
+        )
     return None
 
 
@@ -79,18 +88,21 @@ class StorePlumbing:
             full = store_full(exc, what, run_id)
             if full is not None:
                 raise full from exc
-            raise StoreProtocolError(f"Redis refused {what}", run_id=run_id,
-                                     cause=type(exc).__name__) from exc
+            raise StoreProtocolError(
+                f"Redis refused {what}", run_id=run_id, cause=type(exc).__name__
+            ) from exc
         except RedisError as exc:
-            raise StoreUnavailableError(f"Redis unreachable during {what}", run_id=run_id,
-                                        cause=type(exc).__name__) from exc
+            raise StoreUnavailableError(
+                f"Redis unreachable during {what}", run_id=run_id, cause=type(exc).__name__
+            ) from exc
 
     def _call(self, what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
         with self._reachable(what, run_id):
             return fn()
 
-    def _run(self, name: ScriptName, run_id: str, keys: Sequence[str],
-             args: Sequence[str | bytes | int]) -> Any:
+    def _run(
+        self, name: ScriptName, run_id: str, keys: Sequence[str], args: Sequence[str | bytes | int]
+    ) -> Any:
         return self._call(name.value, run_id, lambda: self._runner.run(name, keys, args))
 
     def load_scripts(self) -> None:
@@ -102,8 +114,13 @@ class StorePlumbing:
             raise ContractError(f"{field} must be non-empty bytes", field=field, run_id=run_id)
         if len(blob) > limit:
             raise CheckpointTooLargeError(
-                f"{field} exceeds the configured cap", reason="too_large", field=field,
-                run_id=run_id, size=len(blob), limit=limit)
+                f"{field} exceeds the configured cap",
+                reason="too_large",
+                field=field,
+                run_id=run_id,
+                size=len(blob),
+                limit=limit,
+            )
 
     @staticmethod
     def _member(value: object) -> str:

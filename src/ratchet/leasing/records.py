@@ -39,15 +39,17 @@ class RunRecords(StorePlumbing):
         # Each incident has an id, so a decision that resolves one can name it.
         record = {"id": f"inc-{secrets.token_hex(6)}", **record}
         text = json.dumps(record, sort_keys=True, separators=(",", ":"))
-        reply = self._run(ScriptName.RECORD_INCIDENT, run_id, [keys.incidents, keys.state],
-                          [text, keep])
+        reply = self._run(
+            ScriptName.RECORD_INCIDENT, run_id, [keys.incidents, keys.state], [text, keep]
+        )
         return decode_counted(reply, run_id, script="record_incident", ok="recorded")
 
     def incidents(self, run_id: str, *, limit: int = 50) -> list[dict[str, Any]]:
         """The run's incidents, newest first, each with ``at_ms``."""
         keys = run_keys(run_id)
-        raw = self._call("incidents", run_id,
-                         lambda: self._client.lrange(keys.incidents, 0, limit - 1))
+        raw = self._call(
+            "incidents", run_id, lambda: self._client.lrange(keys.incidents, 0, limit - 1)
+        )
         out: list[dict[str, Any]] = []
         for item in raw:
             text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
@@ -71,8 +73,9 @@ class RunRecords(StorePlumbing):
         """
         keys = run_keys(run_id)
         self._check_blob(evidence, run_id, "evidence", EVIDENCE_MAX_BYTES)
-        reply = self._run(ScriptName.POST_EVIDENCE, run_id, [keys.inbox, keys.state],
-                          [evidence, keep])
+        reply = self._run(
+            ScriptName.POST_EVIDENCE, run_id, [keys.inbox, keys.state], [evidence, keep]
+        )
         return decode_counted(reply, run_id, script="post_evidence", ok="posted")
 
     def replace_document(self, run_id: str, old: bytes, new: bytes) -> bool:
@@ -85,8 +88,9 @@ class RunRecords(StorePlumbing):
         """
         keys = run_keys(run_id)
         self._check_blob(new, run_id, "scenario", self.max_scenario_bytes)
-        reply = self._run(ScriptName.REPLACE_DOCUMENT, run_id, [keys.scenario, keys.state],
-                          [old, new])
+        reply = self._run(
+            ScriptName.REPLACE_DOCUMENT, run_id, [keys.scenario, keys.state], [old, new]
+        )
         return decode_replaced(reply, run_id)
 
     def inbox(self, run_id: str, *, limit: int = 20) -> list[bytes]:

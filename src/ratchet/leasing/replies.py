@@ -78,8 +78,7 @@ def _split(reply: object, script: str) -> tuple[str, list[object]]:
 
 def _arity(fields: list[object], n: int, script: str, status: str) -> None:
     if len(fields) != n:
-        _fail(f"reply '{status}' has {len(fields)} fields, expected {n}", script,
-              status=status)
+        _fail(f"reply '{status}' has {len(fields)} fields, expected {n}", script, status=status)
 
 
 def _int(value: object, script: str, name: str) -> int:
@@ -112,8 +111,7 @@ text_field = _text
 
 def _blob(value: object, script: str, name: str) -> bytes:
     if not isinstance(value, bytes):
-        _fail(f"field {name} is not bytes (is the client decoding responses?)", script,
-              field=name)
+        _fail(f"field {name} is not bytes (is the client decoding responses?)", script, field=name)
     return value
 
 
@@ -127,24 +125,36 @@ def decode_create(reply: object, run_id: str) -> RunCreated:
     status, f = _split(reply, script)
     if status == "created":
         _arity(f, 3, script, status)
-        return RunCreated(run_id, _int(f[0], script, "generation"),
-                          _int(f[1], script, "state_version"),
-                          created_at_ms=_int(f[2], script, "now_ms"), already_applied=False)
+        return RunCreated(
+            run_id,
+            _int(f[0], script, "generation"),
+            _int(f[1], script, "state_version"),
+            created_at_ms=_int(f[2], script, "now_ms"),
+            already_applied=False,
+        )
     if status == "already_applied":
         _arity(f, 5, script, status)
-        return RunCreated(run_id, _int(f[0], script, "generation"),
-                          _int(f[1], script, "state_version"),
-                          created_at_ms=_int(f[2], script, "created_at_ms"),
-                          already_applied=True, phase=_text(f[3], script, "phase"),
-                          phase_at_ms=_int(f[4], script, "phase_at_ms"))
+        return RunCreated(
+            run_id,
+            _int(f[0], script, "generation"),
+            _int(f[1], script, "state_version"),
+            created_at_ms=_int(f[2], script, "created_at_ms"),
+            already_applied=True,
+            phase=_text(f[3], script, "phase"),
+            phase_at_ms=_int(f[4], script, "phase_at_ms"),
+        )
     if status == "exists":
         _arity(f, 2, script, status)
-        raise RunExistsError("a run with this id already exists", run_id=run_id,
-                             generation=_int(f[0], script, "generation"),
-                             state_version=_int(f[1], script, "state_version"))
+        raise RunExistsError(
+            "a run with this id already exists",
+            run_id=run_id,
+            generation=_int(f[0], script, "generation"),
+            state_version=_int(f[1], script, "state_version"),
+        )
     if status == "purged":
-        raise RunExistsError("a run with this id was purged; run ids are never reused",
-                             run_id=run_id, purged=True)
+        raise RunExistsError(
+            "a run with this id was purged; run ids are never reused", run_id=run_id, purged=True
+        )
     _unknown(status, script)
 
 
@@ -160,21 +170,30 @@ def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHo
         took_over = _int(f[7], script, "took_over")
         if took_over not in (0, 1):
             _fail("took_over is not 0 or 1", script, run_id=run_id)
-        lease = Lease(run_id=run_id, owner=owner,
-                      lease_version=_int(f[0], script, "lease_version"),
-                      expires_at_ms=_int(f[1], script, "expires_at_ms"),
-                      now_ms=_int(f[2], script, "now_ms"))
-        return Acquired(lease=lease, generation=_int(f[3], script, "generation"),
-                        state_version=_int(f[4], script, "state_version"),
-                        task_id=_text(f[5], script, "task_id"),
-                        env_instance_id=_text(f[6], script, "env_instance_id"),
-                        took_over=took_over == 1)
+        lease = Lease(
+            run_id=run_id,
+            owner=owner,
+            lease_version=_int(f[0], script, "lease_version"),
+            expires_at_ms=_int(f[1], script, "expires_at_ms"),
+            now_ms=_int(f[2], script, "now_ms"),
+        )
+        return Acquired(
+            lease=lease,
+            generation=_int(f[3], script, "generation"),
+            state_version=_int(f[4], script, "state_version"),
+            task_id=_text(f[5], script, "task_id"),
+            env_instance_id=_text(f[6], script, "env_instance_id"),
+            took_over=took_over == 1,
+        )
     if status == "held":
         _arity(f, 4, script, status)
-        return LeaseHolder(run_id=run_id, owner=_text(f[0], script, "owner"),
-                           lease_version=_int(f[1], script, "lease_version"),
-                           expires_at_ms=_int(f[2], script, "expires_at_ms"),
-                           now_ms=_int(f[3], script, "now_ms"))
+        return LeaseHolder(
+            run_id=run_id,
+            owner=_text(f[0], script, "owner"),
+            lease_version=_int(f[1], script, "lease_version"),
+            expires_at_ms=_int(f[2], script, "expires_at_ms"),
+            now_ms=_int(f[3], script, "now_ms"),
+        )
     if status == "no_run":
         _arity(f, 0, script, status)
         raise RunNotFoundError("no run with this id", run_id=run_id)
@@ -186,8 +205,11 @@ def _lease_lost(f: list[object], script: str, lease: Lease, why: str) -> NoRetur
     current_owner = _text(f[0], script, "owner")
     raise LeaseLostError(
         f"the lease is no longer held ({why})",
-        run_id=lease.run_id, owner=lease.owner, lease_version=lease.lease_version,
-        reason=why, current_owner=current_owner or None,
+        run_id=lease.run_id,
+        owner=lease.owner,
+        lease_version=lease.lease_version,
+        reason=why,
+        current_owner=current_owner or None,
         current_lease_version=_int(f[1], script, "lease_version"),
         expires_at_ms=_int(f[2], script, "expires_at_ms"),
         now_ms=_int(f[3], script, "now_ms"),
@@ -203,9 +225,13 @@ def decode_renew(reply: object, lease: Lease) -> Lease:
         version = _int(f[0], script, "lease_version")
         if version != lease.lease_version:
             _fail("renewed a different lease version", script, status=status)
-        return Lease(run_id=lease.run_id, owner=lease.owner, lease_version=version,
-                     expires_at_ms=_int(f[1], script, "expires_at_ms"),
-                     now_ms=_int(f[2], script, "now_ms"))
+        return Lease(
+            run_id=lease.run_id,
+            owner=lease.owner,
+            lease_version=version,
+            expires_at_ms=_int(f[1], script, "expires_at_ms"),
+            now_ms=_int(f[2], script, "now_ms"),
+        )
     if status in ("lost", "expired"):
         _lease_lost(f, script, lease, status)
     if status == "no_run":
@@ -220,8 +246,9 @@ def decode_release(reply: object, lease: Lease) -> Released:
     status, f = _split(reply, script)
     if status == "released":
         _arity(f, 2, script, status)
-        return Released(lease.run_id, _int(f[0], script, "lease_version"),
-                        _int(f[1], script, "now_ms"))
+        return Released(
+            lease.run_id, _int(f[0], script, "lease_version"), _int(f[1], script, "now_ms")
+        )
     if status == "lost":
         _lease_lost(f, script, lease, status)
     if status == "no_run":
@@ -252,12 +279,17 @@ def decode_phase_move(entries: list[object], run_id: str) -> PhaseMove | None:
     script = "commit"
     _status, f = _split(last, script)
     _arity(f, 3, script, "phase")
-    return PhaseMove(run_id, _text(f[0], script, "old_phase"), _text(f[1], script, "phase"),
-                     _int(f[2], script, "now_ms"))
+    return PhaseMove(
+        run_id,
+        _text(f[0], script, "old_phase"),
+        _text(f[1], script, "phase"),
+        _int(f[2], script, "now_ms"),
+    )
 
 
-def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: int,
-                  expected_state_version: int) -> CommitResult:
+def decode_commit(
+    reply: object, lease: Lease, *, commit_id: str, generation: int, expected_state_version: int
+) -> CommitResult:
     """Decode commit.
 
     Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
@@ -272,47 +304,68 @@ def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: in
         new_generation = _int(f[0], script, "generation")
         if new_generation != generation:
             _fail("committed a generation other than the one sent", script, **ids)
-        return CommitResult(lease.run_id, commit_id, new_generation,
-                            _int(f[1], script, "state_version"),
-                            current_generation=new_generation, already_applied=False)
+        return CommitResult(
+            lease.run_id,
+            commit_id,
+            new_generation,
+            _int(f[1], script, "state_version"),
+            current_generation=new_generation,
+            already_applied=False,
+        )
     if status == "already_applied":
         _arity(f, 3, script, status)
-        return CommitResult(lease.run_id, commit_id, _int(f[0], script, "generation"),
-                            _int(f[2], script, "state_version"),
-                            current_generation=_int(f[1], script, "current_generation"),
-                            already_applied=True)
+        return CommitResult(
+            lease.run_id,
+            commit_id,
+            _int(f[0], script, "generation"),
+            _int(f[2], script, "state_version"),
+            current_generation=_int(f[1], script, "current_generation"),
+            already_applied=True,
+        )
     if status in ("lease_lost", "lease_expired"):
         _lease_lost(f, script, lease, status)
     if status == "generation_mismatch":
         _arity(f, 2, script, status)
         high_water = _int(f[0], script, "generation")
         raise GenerationMismatchError(
-            "the checkpoint's generation is not high-water + 1", **ids,
-            generation=generation, expected_generation=generation - 1,
-            high_water=high_water, state_version=_int(f[1], script, "state_version"))
+            "the checkpoint's generation is not high-water + 1",
+            **ids,
+            generation=generation,
+            expected_generation=generation - 1,
+            high_water=high_water,
+            state_version=_int(f[1], script, "state_version"),
+        )
     if status == "stale_state":
         _arity(f, 2, script, status)
         raise StaleStateError(
-            "the expected state version is not current", **ids,
+            "the expected state version is not current",
+            **ids,
             expected_state_version=expected_state_version,
             high_water=_int(f[0], script, "generation"),
-            state_version=_int(f[1], script, "state_version"))
+            state_version=_int(f[1], script, "state_version"),
+        )
     if status == "nonce_replayed":
         _arity(f, 1, script, status)
-        raise NonceReplayError("a nonce was already consumed by this run", **ids,
-                               nonce=_text(f[0], script, "nonce"))
+        raise NonceReplayError(
+            "a nonce was already consumed by this run", **ids, nonce=_text(f[0], script, "nonce")
+        )
     if status == "approval_expired":
         _arity(f, 3, script, status)
         raise ApprovalWindowClosedError(
-            "the approval of the commit's pending write expired by Redis' clock", **ids,
+            "the approval of the commit's pending write expired by Redis' clock",
+            **ids,
             generation=_int(f[0], script, "generation"),
             not_after_ms=_int(f[1], script, "not_after_ms"),
-            now_ms=_int(f[2], script, "now_ms"))
+            now_ms=_int(f[2], script, "now_ms"),
+        )
     if status == "commit_id_conflict":
         _arity(f, 1, script, status)
-        raise ContractError("commit id was used before for a different checkpoint",
-                            field="commit_id", **ids,
-                            generation=_int(f[0], script, "generation"))
+        raise ContractError(
+            "commit id was used before for a different checkpoint",
+            field="commit_id",
+            **ids,
+            generation=_int(f[0], script, "generation"),
+        )
     if status == "no_run":
         _arity(f, 0, script, status)
         raise RunNotFoundError("no run with this id", run_id=lease.run_id)
@@ -321,8 +374,9 @@ def decode_commit(reply: object, lease: Lease, *, commit_id: str, generation: in
     _unknown(status, script)
 
 
-def decode_read(reply: object, run_id: str, *, with_checkpoint: bool,
-                with_scenario: bool) -> RunSnapshot:
+def decode_read(
+    reply: object, run_id: str, *, with_checkpoint: bool, with_scenario: bool
+) -> RunSnapshot:
     """Decode read_run. Raises RunNotFoundError, StoreProtocolError."""
     script = "read_run"
     status, f = _split(reply, script)
@@ -369,16 +423,19 @@ def decode_claim_reap(reply: object, run_id: str) -> ReapClaim:
     status, f = _split(reply, script)
     if status == "claimed":
         _arity(f, 2, script, status)
-        return ReapClaim(run_id, True, status, _int(f[0], script, "lease_version"),
-                         _int(f[1], script, "now_ms"))
+        return ReapClaim(
+            run_id, True, status, _int(f[0], script, "lease_version"), _int(f[1], script, "now_ms")
+        )
     if status == "live":
         _arity(f, 4, script, status)
-        return ReapClaim(run_id, False, status, _int(f[1], script, "lease_version"),
-                         _int(f[3], script, "now_ms"))
+        return ReapClaim(
+            run_id, False, status, _int(f[1], script, "lease_version"), _int(f[3], script, "now_ms")
+        )
     if status == "already":
         _arity(f, 3, script, status)
-        return ReapClaim(run_id, False, status, _int(f[0], script, "lease_version"),
-                         _int(f[2], script, "now_ms"))
+        return ReapClaim(
+            run_id, False, status, _int(f[0], script, "lease_version"), _int(f[2], script, "now_ms")
+        )
     if status == "no_run":
         _arity(f, 0, script, status)
         return ReapClaim(run_id, False, status, 0, 0)

@@ -32,8 +32,9 @@ class Lease:
 
     def fence(self, state_version: int) -> Fence:
         """The fencing token for adapter writes made under this lease."""
-        return Fence(run_id=self.run_id, lease_version=self.lease_version,
-                     state_version=state_version)
+        return Fence(
+            run_id=self.run_id, lease_version=self.lease_version, state_version=state_version
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,5 +168,4 @@ class RunSnapshot:
 
     def is_held_by(self, owner: str, lease_version: int) -> bool:
         """True when ``(owner, lease_version)`` is the live lease."""
-        return (self.lease_live and self.owner == owner
-                and self.lease_version == lease_version)
+        return self.lease_live and self.owner == owner and self.lease_version == lease_version

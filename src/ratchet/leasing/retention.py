@@ -37,8 +37,16 @@ class RunRetention(StorePlumbing):
 
     _inline_indexes: bool  # set by RedisStore: a single Redis (not a Cluster)
 
-    def purge_run(self, run_id: str, *, generation: int, state_version: int, phase: str,
-                  checkpoint_digest: str, export: str = "") -> str:
+    def purge_run(
+        self,
+        run_id: str,
+        *,
+        generation: int,
+        state_version: int,
+        phase: str,
+        checkpoint_digest: str,
+        export: str = "",
+    ) -> str:
         """Remove a verified finished run, leaving its tombstone. Returns ``purged``,
         ``gone`` (no such run), ``moved`` (it changed since it was verified: kept) or
         ``held`` (a live lease: kept).
@@ -48,14 +56,28 @@ class RunRetention(StorePlumbing):
         keys = run_keys(run_id)
         inline = self._inline_indexes
         reply = self._run(
-            ScriptName.PURGE_RUN, run_id,
-            [keys.state, keys.lease, keys.tombstone, keys.ckpt, keys.scenario, keys.history,
-             keys.commits, keys.nonces, keys.incidents, keys.inbox, keys.archive,
-             *(INDEX_KEYS if inline else ())],
-            [run_id, generation, state_version, phase, checkpoint_digest, export[:500]])
+            ScriptName.PURGE_RUN,
+            run_id,
+            [
+                keys.state,
+                keys.lease,
+                keys.tombstone,
+                keys.ckpt,
+                keys.scenario,
+                keys.history,
+                keys.commits,
+                keys.nonces,
+                keys.incidents,
+                keys.inbox,
+                keys.archive,
+                *(INDEX_KEYS if inline else ()),
+            ],
+            [run_id, generation, state_version, phase, checkpoint_digest, export[:500]],
+        )
         if not isinstance(reply, list) or not reply or _text(reply[0]) not in _OUTCOMES:
-            raise StoreProtocolError("unexpected reply from purge_run", run_id=run_id,
-                                     script="purge_run")
+            raise StoreProtocolError(
+                "unexpected reply from purge_run", run_id=run_id, script="purge_run"
+            )
         outcome = _text(reply[0])
         if outcome == "purged" and not inline:
             client = self._client
@@ -73,8 +95,9 @@ class RunRetention(StorePlumbing):
         Raises ContractError (a bad id), StoreUnavailableError.
         """
         check_id(run_id, "run_id")
-        raw = self._call("tombstone", run_id,
-                         lambda: self._client.hgetall(run_keys(run_id).tombstone))
+        raw = self._call(
+            "tombstone", run_id, lambda: self._client.hgetall(run_keys(run_id).tombstone)
+        )
         if not raw:
             return None
         return {_text(k): _text(v) for k, v in raw.items()}

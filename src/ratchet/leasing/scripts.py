@@ -75,8 +75,8 @@ def load_script(name: StrEnum, package: str = "ratchet.leasing") -> LuaScript:
     The file is ``<package>/lua/<name>.lua``; other ratchet packages that ship scripts
     (``ratchet.langgraph``) pass their own ``package``.
     """
-    source = resources.files(package).joinpath("lua", f"{name.value}.lua").read_text(
-        encoding="utf-8"
+    source = (
+        resources.files(package).joinpath("lua", f"{name.value}.lua").read_text(encoding="utf-8")
     )
     sha = hashlib.sha1(source.encode("utf-8"), usedforsecurity=False).hexdigest()
     return LuaScript(name=name, source=source, sha=sha)
@@ -104,8 +104,9 @@ class _Line:
             conn = self._conn
             if conn is None:
                 conn = self._conn = self._pool.make_connection()
-            return conn.retry.call_with_retry(lambda: self._send(conn, command),
-                                              lambda _error: conn.disconnect())
+            return conn.retry.call_with_retry(
+                lambda: self._send(conn, command), lambda _error: conn.disconnect()
+            )
 
     @staticmethod
     def _send(conn: Any, command: tuple[Any, ...]) -> Any:
@@ -140,8 +141,11 @@ os.register_at_fork(after_in_child=_forget_lines)
 def _line_for(client: Any) -> _Line | None:
     """A line for a plain ``redis.Redis`` with a pool; None for any other client."""
     pool = getattr(client, "connection_pool", None)
-    if (type(client) is not redis.Redis or getattr(client, "connection", None) is not None
-            or not callable(getattr(pool, "make_connection", None))):
+    if (
+        type(client) is not redis.Redis
+        or getattr(client, "connection", None) is not None
+        or not callable(getattr(pool, "make_connection", None))
+    ):
         return None
     return _Line(pool)
 
@@ -182,8 +186,14 @@ class ScriptRunner:
         with self._lock:
             self._loaded.add(script.name)
 
-    def run(self, name: StrEnum, keys: Sequence[str], args: Sequence[str | bytes | int], *,
-            hot: bool = False) -> Any:
+    def run(
+        self,
+        name: StrEnum,
+        keys: Sequence[str],
+        args: Sequence[str | bytes | int],
+        *,
+        hot: bool = False,
+    ) -> Any:
         """Run script ``name`` with ``keys`` and ``args`` and return the raw reply
         (``hot``: over the runner's own connection, when it has one).
 
@@ -212,4 +222,6 @@ class ScriptRunner:
             raise StoreProtocolError(
                 "the script is not loaded on the server and this Redis user may not "
                 "load it; load the scripts with the admin user "
-                "(ratchet redis load-scripts)", script=script.name.value) from None
+                "(ratchet redis load-scripts)",
+                script=script.name.value,
+            ) from None

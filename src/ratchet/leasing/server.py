@@ -85,11 +85,19 @@ def free_port() -> int:
 class RedisServer:
     """One ``redis-server`` process on loopback, owned by the caller."""
 
-    def __init__(self, data_dir: str | os.PathLike[str], *, port: int | None = None,
-                 executable: str | os.PathLike[str] | None = None, appendonly: bool = True,
-                 appendfsync: Literal["always", "everysec", "no"] = "always",
-                 cluster: bool = False, extra_args: Sequence[str] = (),
-                 startup_timeout_s: float = 15.0, detached: bool = False) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        executable: str | os.PathLike[str] | None = None,
+        appendonly: bool = True,
+        appendfsync: Literal["always", "everysec", "no"] = "always",
+        cluster: bool = False,
+        extra_args: Sequence[str] = (),
+        startup_timeout_s: float = 15.0,
+        detached: bool = False,
+    ) -> None:
         """``detached=True`` starts the server in its own session, so it outlives the
         process that started it and ignores that terminal's Ctrl+C (the embedded default:
         every process of one machine shares it)."""
@@ -131,18 +139,32 @@ class RedisServer:
     def command_line(self) -> list[str]:
         args = [
             self.executable,
-            "--port", str(self.port),
-            "--bind", LOOPBACK,
-            "--dir", os.fspath(self.data_dir),
-            "--daemonize", "no",
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", self.appendfsync,
-            "--logfile", os.fspath(self.log_path),
+            "--port",
+            str(self.port),
+            "--bind",
+            LOOPBACK,
+            "--dir",
+            os.fspath(self.data_dir),
+            "--daemonize",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--logfile",
+            os.fspath(self.log_path),
         ]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "5000"]
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "5000",
+            ]
         return args + list(self.extra_args)
 
     def client(self, **kwargs: Any) -> redis.Redis:
@@ -166,8 +188,13 @@ class RedisServer:
             # its password) reaches the server's environment.
             env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
             self._proc = subprocess.Popen(  # noqa: S603 - fixed argument list, no shell
-                self.command_line(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=self.detached, env=env)
+                self.command_line(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=self.detached,
+                env=env,
+            )
             try:
                 self.wait_ready()
             except ConfigurationError:
@@ -184,21 +211,28 @@ class RedisServer:
     def wait_ready(self) -> None:
         """Poll PING until the server answers (the AOF is loaded) or the deadline passes."""
         deadline = time.monotonic() + self.startup_timeout_s
-        probe = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=1.0,
-                            socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0))
+        probe = redis.Redis(
+            host=LOOPBACK,
+            port=self.port,
+            socket_timeout=1.0,
+            socket_connect_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
+        )
         try:
             while True:
                 if self._proc is None or self._proc.poll() is not None:
-                    raise ConfigurationError("redis-server exited during start-up",
-                                             port=self.port, log=self._log_tail())
+                    raise ConfigurationError(
+                        "redis-server exited during start-up", port=self.port, log=self._log_tail()
+                    )
                 try:
                     if probe.ping():
                         return
                 except (RedisConnectionError, RedisTimeoutError, BusyLoadingError):
                     pass
                 if time.monotonic() > deadline:
-                    raise ConfigurationError("redis-server was not ready in time",
-                                             port=self.port, log=self._log_tail())
+                    raise ConfigurationError(
+                        "redis-server was not ready in time", port=self.port, log=self._log_tail()
+                    )
                 time.sleep(_POLL_S)
         finally:
             probe.close()
@@ -254,13 +288,13 @@ class RedisServer:
         """
         proc = self._proc
         if not self.detached or proc is None or proc.poll() is not None:
-            raise ConfigurationError("only a running detached redis-server can be let go",
-                                     port=self.port)
+            raise ConfigurationError(
+                "only a running detached redis-server can be let go", port=self.port
+            )
         # The process stays this process's child until one of them exits: a daemon thread
         # waits for it, so it never lingers as a zombie and its handle is never collected
         # while it runs.
-        threading.Thread(target=proc.wait, name=f"redis-server-{proc.pid}",
-                         daemon=True).start()
+        threading.Thread(target=proc.wait, name=f"redis-server-{proc.pid}", daemon=True).start()
         self._proc = None
         return proc.pid
 
@@ -272,25 +306,38 @@ class RedisServer:
     def __enter__(self) -> RedisServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
 
 class LocalCluster:
     """A Redis Cluster of ``masters`` servers on loopback, no replicas."""
 
-    def __init__(self, base_dir: str | os.PathLike[str], *, masters: int = 3,
-                 executable: str | os.PathLike[str] | None = None,
-                 appendfsync: Literal["always", "everysec", "no"] = "everysec",
-                 ready_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_dir: str | os.PathLike[str],
+        *,
+        masters: int = 3,
+        executable: str | os.PathLike[str] | None = None,
+        appendfsync: Literal["always", "everysec", "no"] = "everysec",
+        ready_timeout_s: float = 30.0,
+    ) -> None:
         if masters < 3:
             raise ConfigurationError("a Redis Cluster needs at least three masters")
         self.base_dir = Path(base_dir)
         self.ready_timeout_s = ready_timeout_s
         self.servers = [
-            RedisServer(self.base_dir / f"node-{i}", executable=executable, cluster=True,
-                        appendfsync=appendfsync)
+            RedisServer(
+                self.base_dir / f"node-{i}",
+                executable=executable,
+                cluster=True,
+                appendfsync=appendfsync,
+            )
             for i in range(masters)
         ]
 
@@ -320,12 +367,17 @@ class LocalCluster:
         cli = find_redis_cli(self.servers[0].executable)
         addresses = [f"{LOOPBACK}:{s.port}" for s in self.servers]
         done = subprocess.run(  # noqa: S603 - fixed argument list, no shell
-            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0",
-             "--cluster-yes"],
-            input=b"yes\n", capture_output=True, timeout=self.ready_timeout_s, check=False)
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            input=b"yes\n",
+            capture_output=True,
+            timeout=self.ready_timeout_s,
+            check=False,
+        )
         if done.returncode != 0:
-            raise ConfigurationError("redis-cli --cluster create failed",
-                                     output=done.stdout.decode(errors="replace")[-2000:])
+            raise ConfigurationError(
+                "redis-cli --cluster create failed",
+                output=done.stdout.decode(errors="replace")[-2000:],
+            )
         self._wait_ok()
         return self
 
@@ -350,9 +402,11 @@ class LocalCluster:
             return False
         text = info.decode() if isinstance(info, bytes) else str(info)
         fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
-        return (fields.get("cluster_state") == "ok"
-                and fields.get("cluster_slots_assigned") == "16384"
-                and fields.get("cluster_known_nodes") == str(len(self.servers)))
+        return (
+            fields.get("cluster_state") == "ok"
+            and fields.get("cluster_slots_assigned") == "16384"
+            and fields.get("cluster_known_nodes") == str(len(self.servers))
+        )
 
     def stop(self) -> None:
         for server in self.servers:
@@ -365,6 +419,10 @@ class LocalCluster:
             self.stop()
             raise
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()

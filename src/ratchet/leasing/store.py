@@ -130,15 +130,24 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
     frames (:mod:`ratchet.leasing.encoding`); either way, reads accept both.
     """
 
-    def __init__(self, client: Any, *, max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
-                 max_scenario_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
-                 history_limit: int = 64, commit_retries: int = 1,
-                 nonce_ttl_s: int | None = None, compress_checkpoints: bool = True) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+        max_scenario_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+        history_limit: int = 64,
+        commit_retries: int = 1,
+        nonce_ttl_s: int | None = None,
+        compress_checkpoints: bool = True,
+    ) -> None:
         super().__init__(client)
-        for name, value, low in (("max_checkpoint_bytes", max_checkpoint_bytes, 1),
-                                 ("max_scenario_bytes", max_scenario_bytes, 1),
-                                 ("history_limit", history_limit, 1),
-                                 ("commit_retries", commit_retries, 0)):
+        for name, value, low in (
+            ("max_checkpoint_bytes", max_checkpoint_bytes, 1),
+            ("max_scenario_bytes", max_scenario_bytes, 1),
+            ("history_limit", history_limit, 1),
+            ("commit_retries", commit_retries, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"{name} must be an integer >= {low}", field=name)
         if nonce_ttl_s is not None and (not isinstance(nonce_ttl_s, int) or nonce_ttl_s < 1):
@@ -163,9 +172,18 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
 
     # -- runs -------------------------------------------------------------------------
 
-    def create_run(self, run_id: str, *, task_id: str, env_instance_id: str, scenario: bytes,
-                   checkpoint: bytes, commit_id: str | None = None,
-                   archive_segment: bytes = b"", phase: str = "running") -> RunCreated:
+    def create_run(
+        self,
+        run_id: str,
+        *,
+        task_id: str,
+        env_instance_id: str,
+        scenario: bytes,
+        checkpoint: bytes,
+        commit_id: str | None = None,
+        archive_segment: bytes = b"",
+        phase: str = "running",
+    ) -> RunCreated:
         """Create a run with its scenario and signed first checkpoint (generation 1), and
         the first segment of its archive when the checkpoint names one.
 
@@ -182,46 +200,79 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         self._check_blob(scenario, run_id, "scenario", self.max_scenario_bytes)
         self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
         if archive_segment:
-            self._check_blob(archive_segment, run_id, "archive_segment",
-                             self.max_checkpoint_bytes)
+            self._check_blob(archive_segment, run_id, "archive_segment", self.max_checkpoint_bytes)
         digest = hashlib.sha256(checkpoint).hexdigest()
         inline = self._inline_indexes
         reply = self._run(
-            ScriptName.CREATE_RUN, run_id,
-            [keys.state, keys.scenario, keys.ckpt, keys.history, keys.commits, keys.lease,
-             keys.archive, keys.tombstone,
-             *([RUNS_INDEX, phase_index(phase)] if inline else [])],
-            [task_id, env_instance_id, scenario,
-             encode_checkpoint(checkpoint, compress=self.compress_checkpoints), commit_id,
-             digest, archive_segment, run_id, phase])
+            ScriptName.CREATE_RUN,
+            run_id,
+            [
+                keys.state,
+                keys.scenario,
+                keys.ckpt,
+                keys.history,
+                keys.commits,
+                keys.lease,
+                keys.archive,
+                keys.tombstone,
+                *([RUNS_INDEX, phase_index(phase)] if inline else []),
+            ],
+            [
+                task_id,
+                env_instance_id,
+                scenario,
+                encode_checkpoint(checkpoint, compress=self.compress_checkpoints),
+                commit_id,
+                digest,
+                archive_segment,
+                run_id,
+                phase,
+            ],
+        )
         created = decode_create(reply, run_id)
         if not inline or created.already_applied:
             # A retry that finds the run created must still see it indexed, under the
             # phase it is in now.
-            self._call("runs index", run_id, lambda: self._client.zadd(
-                RUNS_INDEX, {run_id: created.created_at_ms}, nx=True))
-            now_phase, at_ms = ((created.phase, created.phase_at_ms) if created.already_applied
-                                else (phase, created.created_at_ms))
+            self._call(
+                "runs index",
+                run_id,
+                lambda: self._client.zadd(RUNS_INDEX, {run_id: created.created_at_ms}, nx=True),
+            )
+            now_phase, at_ms = (
+                (created.phase, created.phase_at_ms)
+                if created.already_applied
+                else (phase, created.created_at_ms)
+            )
             if now_phase in PHASES:
-                self._call("phase index", run_id, lambda: self._client.zadd(
-                    phase_index(now_phase), {run_id: at_ms}, nx=True))
+                self._call(
+                    "phase index",
+                    run_id,
+                    lambda: self._client.zadd(phase_index(now_phase), {run_id: at_ms}, nx=True),
+                )
         return created
 
-    def read_run(self, run_id: str, *, with_checkpoint: bool = False,
-                 with_scenario: bool = False) -> RunSnapshot:
+    def read_run(
+        self, run_id: str, *, with_checkpoint: bool = False, with_scenario: bool = False
+    ) -> RunSnapshot:
         """The authoritative state of one run, in one step.
 
         Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
         """
         keys = run_keys(run_id)
-        reply = self._run(ScriptName.READ_RUN, run_id,
-                          [keys.state, keys.lease, keys.ckpt, keys.scenario, keys.archive],
-                          ["1" if with_checkpoint else "0", "1" if with_scenario else "0"])
-        snap = decode_read(reply, run_id, with_checkpoint=with_checkpoint,
-                           with_scenario=with_scenario)
+        reply = self._run(
+            ScriptName.READ_RUN,
+            run_id,
+            [keys.state, keys.lease, keys.ckpt, keys.scenario, keys.archive],
+            ["1" if with_checkpoint else "0", "1" if with_scenario else "0"],
+        )
+        snap = decode_read(
+            reply, run_id, with_checkpoint=with_checkpoint, with_scenario=with_scenario
+        )
         if snap.checkpoint is not None and snap.checkpoint.startswith(ZSTD_MAGIC):
-            snap = replace(snap, checkpoint=decode_checkpoint(
-                snap.checkpoint, max_bytes=self.max_checkpoint_bytes))
+            snap = replace(
+                snap,
+                checkpoint=decode_checkpoint(snap.checkpoint, max_bytes=self.max_checkpoint_bytes),
+            )
         return snap
 
     def creator(self, scenario: bytes) -> RunCreator:
@@ -241,16 +292,22 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
             raise ContractError("ttl_ms must be a positive integer", field="ttl_ms")
         inline = self._inline_indexes
-        reply = self._run(ScriptName.ACQUIRE_LEASE, run_id,
-                          [keys.lease, keys.state, *([EXPIRY_INDEX] if inline else [])],
-                          [owner, ttl_ms, *([run_id] if inline else [])])
+        reply = self._run(
+            ScriptName.ACQUIRE_LEASE,
+            run_id,
+            [keys.lease, keys.state, *([EXPIRY_INDEX] if inline else [])],
+            [owner, ttl_ms, *([run_id] if inline else [])],
+        )
         outcome = decode_acquire(reply, run_id, owner)
         if isinstance(outcome, LeaseHolder):
             return outcome
         lease = outcome.lease
         if not inline:
-            self._call("expiry index", run_id, lambda: self._client.zadd(
-                EXPIRY_INDEX, {run_id: lease.expires_at_ms}))
+            self._call(
+                "expiry index",
+                run_id,
+                lambda: self._client.zadd(EXPIRY_INDEX, {run_id: lease.expires_at_ms}),
+            )
         return LeasedRun(self, outcome, ttl_ms=ttl_ms)
 
     def acquire(self, run_id: str, *, owner: str, ttl_ms: int) -> LeasedRun | None:
@@ -266,9 +323,13 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         outcome = self.try_acquire(run_id, owner=owner, ttl_ms=ttl_ms)
         if isinstance(outcome, LeaseHolder):
             raise LeaseHeldElsewhereError(
-                "another live worker holds the lease", run_id=run_id, owner=outcome.owner,
-                lease_version=outcome.lease_version, expires_at_ms=outcome.expires_at_ms,
-                now_ms=outcome.now_ms)
+                "another live worker holds the lease",
+                run_id=run_id,
+                owner=outcome.owner,
+                lease_version=outcome.lease_version,
+                expires_at_ms=outcome.expires_at_ms,
+                now_ms=outcome.now_ms,
+            )
         return outcome
 
     def renew(self, lease: Lease, *, ttl_ms: int) -> Lease:
@@ -281,14 +342,19 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
             raise ContractError("ttl_ms must be a positive integer", field="ttl_ms")
         inline = self._inline_indexes
-        reply = self._run(ScriptName.RENEW_LEASE, lease.run_id,
-                          [keys.lease, *([EXPIRY_INDEX] if inline else [])],
-                          [lease.owner, lease.lease_version, ttl_ms,
-                           *([lease.run_id] if inline else [])])
+        reply = self._run(
+            ScriptName.RENEW_LEASE,
+            lease.run_id,
+            [keys.lease, *([EXPIRY_INDEX] if inline else [])],
+            [lease.owner, lease.lease_version, ttl_ms, *([lease.run_id] if inline else [])],
+        )
         renewed = decode_renew(reply, lease)
         if not inline:
-            self._call("expiry index", lease.run_id, lambda: self._client.zadd(
-                EXPIRY_INDEX, {lease.run_id: renewed.expires_at_ms}))
+            self._call(
+                "expiry index",
+                lease.run_id,
+                lambda: self._client.zadd(EXPIRY_INDEX, {lease.run_id: renewed.expires_at_ms}),
+            )
         return renewed
 
     def release(self, lease: Lease, *, reap: bool = False) -> Released:
@@ -301,10 +367,16 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         """
         keys = run_keys(lease.run_id)
         inline = self._inline_indexes
-        reply = self._run(ScriptName.RELEASE_LEASE, lease.run_id,
-                          [keys.lease, *([EXPIRY_INDEX] if inline else [])],
-                          [lease.owner, lease.lease_version,
-                           *([lease.run_id, "reap" if reap else "drop"] if inline else [])])
+        reply = self._run(
+            ScriptName.RELEASE_LEASE,
+            lease.run_id,
+            [keys.lease, *([EXPIRY_INDEX] if inline else [])],
+            [
+                lease.owner,
+                lease.lease_version,
+                *([lease.run_id, "reap" if reap else "drop"] if inline else []),
+            ],
+        )
         released = decode_release(reply, lease)
         if not inline:
             self._index_released(lease.run_id, released, reap=reap)
@@ -313,22 +385,30 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
     def _index_released(self, run_id: str, released: Released, *, reap: bool) -> None:
         """The expiry index after a release, where scripts cannot reach it (Cluster)."""
         if reap:
-            self._call("expiry index", run_id, lambda: self._client.zadd(
-                EXPIRY_INDEX, {run_id: released.now_ms}))
+            self._call(
+                "expiry index",
+                run_id,
+                lambda: self._client.zadd(EXPIRY_INDEX, {run_id: released.now_ms}),
+            )
         else:
-            self._call("expiry index", run_id,
-                       lambda: self._client.zrem(EXPIRY_INDEX, run_id))
+            self._call("expiry index", run_id, lambda: self._client.zrem(EXPIRY_INDEX, run_id))
 
     def _index_moved(self, move: PhaseMove) -> None:
         """The phase indexes after a commit moved the run, where scripts cannot reach
         them (Cluster). Added to the new phase's index first: a crash between the two
         calls leaves the run listed twice, never nowhere."""
         if move.new in PHASES:
-            self._call("phase index", move.run_id, lambda: self._client.zadd(
-                phase_index(move.new), {move.run_id: move.at_ms}))
+            self._call(
+                "phase index",
+                move.run_id,
+                lambda: self._client.zadd(phase_index(move.new), {move.run_id: move.at_ms}),
+            )
         if move.old in PHASES:
-            self._call("phase index", move.run_id, lambda: self._client.zrem(
-                phase_index(move.old), move.run_id))
+            self._call(
+                "phase index",
+                move.run_id,
+                lambda: self._client.zrem(phase_index(move.old), move.run_id),
+            )
 
     # -- nonces -----------------------------------------------------------------------
 
@@ -349,9 +429,11 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
             if holder == run_id.encode():
                 continue
             raise NonceReplayError(
-                "the nonce was consumed by another run", run_id=run_id, nonce=nonce,
-                claimed_by=holder.decode("utf-8", "replace") if isinstance(holder, bytes)
-                else None)
+                "the nonce was consumed by another run",
+                run_id=run_id,
+                nonce=nonce,
+                claimed_by=holder.decode("utf-8", "replace") if isinstance(holder, bytes) else None,
+            )
 
     def nonce_claimed_by(self, nonce: str) -> str | None:
         """Which run claimed ``nonce``, if any. Raises StoreUnavailableError."""
@@ -365,9 +447,13 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
 
     # -- commits ----------------------------------------------------------------------
 
-    def _commit_call(self, lease: Lease, commits: Sequence[PreparedCommit],
-                     expected_state_version: int, release: str,
-                     ) -> tuple[list[str], list[str | bytes | int]]:
+    def _commit_call(
+        self,
+        lease: Lease,
+        commits: Sequence[PreparedCommit],
+        expected_state_version: int,
+        release: str,
+    ) -> tuple[list[str], list[str | bytes | int]]:
         keys = run_keys(lease.run_id)
         index: list[str] = []
         if self._inline_indexes:
@@ -378,21 +464,53 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
             elif release:
                 index = [EXPIRY_INDEX]
         # Numbers travel as text: the commit connection packs str and bytes as they are.
-        args: list[str | bytes | int] = [lease.owner, str(lease.lease_version),
-                                         str(expected_state_version), str(self.history_limit),
-                                         str(len(commits)), release, lease.run_id]
+        args: list[str | bytes | int] = [
+            lease.owner,
+            str(lease.lease_version),
+            str(expected_state_version),
+            str(self.history_limit),
+            str(len(commits)),
+            release,
+            lease.run_id,
+        ]
         for commit in commits:
-            args += [str(commit.generation), commit.stored or commit.checkpoint,
-                     commit.commit_id, commit.digest, commit.segment,
-                     str(commit.not_after_ms), commit.phase, str(len(commit.nonces)),
-                     *commit.nonces]
-        return ([keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces,
-                 keys.archive, *index], args)
+            args += [
+                str(commit.generation),
+                commit.stored or commit.checkpoint,
+                commit.commit_id,
+                commit.digest,
+                commit.segment,
+                str(commit.not_after_ms),
+                commit.phase,
+                str(len(commit.nonces)),
+                *commit.nonces,
+            ]
+        return (
+            [
+                keys.lease,
+                keys.state,
+                keys.ckpt,
+                keys.history,
+                keys.commits,
+                keys.nonces,
+                keys.archive,
+                *index,
+            ],
+            args,
+        )
 
-    def prepare_commit(self, run_id: str, *, generation: int, checkpoint: bytes,
-                       commit_id: str | None = None, nonces: Sequence[str] = (),
-                       segment: bytes = b"", not_after_ms: int = 0,
-                       phase: str = "") -> PreparedCommit:
+    def prepare_commit(
+        self,
+        run_id: str,
+        *,
+        generation: int,
+        checkpoint: bytes,
+        commit_id: str | None = None,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+        not_after_ms: int = 0,
+        phase: str = "",
+    ) -> PreparedCommit:
         """Check one commit's arguments and compute its digest (no I/O). ``not_after_ms``
         (Redis time; 0: none) makes the script refuse the commit once TIME passed it.
         ``phase`` (``""``: unchanged) is the phase the checkpoint is in: unsigned metadata
@@ -402,32 +520,52 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         """
         if phase:
             check_phase(phase)
-        if isinstance(not_after_ms, bool) or not isinstance(not_after_ms, int) or (
-                not_after_ms < 0):
-            raise ContractError("not_after_ms must be a non-negative integer",
-                                field="not_after_ms", run_id=run_id)
+        if (
+            isinstance(not_after_ms, bool)
+            or not isinstance(not_after_ms, int)
+            or (not_after_ms < 0)
+        ):
+            raise ContractError(
+                "not_after_ms must be a non-negative integer", field="not_after_ms", run_id=run_id
+            )
         commit_id = new_commit_id() if commit_id is None else check_id(commit_id, "commit_id")
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 2:
-            raise ContractError("a commit's generation must be an integer >= 2",
-                                field="generation", run_id=run_id)
+            raise ContractError(
+                "a commit's generation must be an integer >= 2", field="generation", run_id=run_id
+            )
         nonces = list(nonces)
         for nonce in nonces:
             check_id(nonce, "nonce")
         if len(set(nonces)) != len(nonces):
-            raise ContractError("nonces repeat within one commit", field="nonces",
-                                run_id=run_id)
+            raise ContractError("nonces repeat within one commit", field="nonces", run_id=run_id)
         self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
         if segment:
             self._check_blob(segment, run_id, "archive_segment", self.max_checkpoint_bytes)
-        return PreparedCommit(generation, checkpoint, commit_id,
-                              hashlib.sha256(checkpoint).hexdigest(), tuple(nonces),
-                              encode_checkpoint(checkpoint,
-                                                compress=self.compress_checkpoints),
-                              bytes(segment), not_after_ms, phase)
+        return PreparedCommit(
+            generation,
+            checkpoint,
+            commit_id,
+            hashlib.sha256(checkpoint).hexdigest(),
+            tuple(nonces),
+            encode_checkpoint(checkpoint, compress=self.compress_checkpoints),
+            bytes(segment),
+            not_after_ms,
+            phase,
+        )
 
-    def commit(self, lease: Lease, *, generation: int, expected_state_version: int,
-               checkpoint: bytes, commit_id: str | None = None, nonces: Sequence[str] = (),
-               finished: bool = False, segment: bytes = b"", phase: str = "") -> CommitResult:
+    def commit(
+        self,
+        lease: Lease,
+        *,
+        generation: int,
+        expected_state_version: int,
+        checkpoint: bytes,
+        commit_id: str | None = None,
+        nonces: Sequence[str] = (),
+        finished: bool = False,
+        segment: bytes = b"",
+        phase: str = "",
+    ) -> CommitResult:
         """The fenced commit: store ``checkpoint`` as ``generation`` (high-water + 1).
 
         ``nonces`` are claimed globally for this run first, then consumed in the commit
@@ -441,20 +579,30 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
         CommitOutcomeUnknownError when no reply arrived (re-read the run before acting).
         """
-        prepared = self.prepare_commit(lease.run_id, generation=generation,
-                                       checkpoint=checkpoint, commit_id=commit_id,
-                                       nonces=nonces, segment=segment, phase=phase)
-        results = self.commit_many(lease, [prepared],
-                                   expected_state_version=expected_state_version)
+        prepared = self.prepare_commit(
+            lease.run_id,
+            generation=generation,
+            checkpoint=checkpoint,
+            commit_id=commit_id,
+            nonces=nonces,
+            segment=segment,
+            phase=phase,
+        )
+        results = self.commit_many(lease, [prepared], expected_state_version=expected_state_version)
         if finished:
-            self._call("expiry index", lease.run_id,
-                       lambda: self._client.zrem(EXPIRY_INDEX, lease.run_id))
+            self._call(
+                "expiry index", lease.run_id, lambda: self._client.zrem(EXPIRY_INDEX, lease.run_id)
+            )
         return results[0]
 
-    def commit_many(self, lease: Lease, commits: Sequence[PreparedCommit], *,
-                    expected_state_version: int,
-                    applied: Callable[[CommitResult], None] | None = None,
-                    ) -> list[CommitResult]:
+    def commit_many(
+        self,
+        lease: Lease,
+        commits: Sequence[PreparedCommit],
+        *,
+        expected_state_version: int,
+        applied: Callable[[CommitResult], None] | None = None,
+    ) -> list[CommitResult]:
         """Fenced commits of consecutive generations in one call of the commit script (one
         round trip, one AOF fsync, on a single Redis and on a Cluster alike).
 
@@ -471,10 +619,15 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         results, _ = self._commit_batch(lease, commits, expected_state_version, "", applied)
         return results
 
-    def commit_and_release(self, lease: Lease, commits: Sequence[PreparedCommit], *,
-                           expected_state_version: int, reap: bool = False,
-                           applied: Callable[[CommitResult], None] | None = None,
-                           ) -> tuple[list[CommitResult], Released]:
+    def commit_and_release(
+        self,
+        lease: Lease,
+        commits: Sequence[PreparedCommit],
+        *,
+        expected_state_version: int,
+        reap: bool = False,
+        applied: Callable[[CommitResult], None] | None = None,
+    ) -> tuple[list[CommitResult], Released]:
         """:meth:`commit_many`, then the lease given up in the same script call once every
         commit applied (as :meth:`release` with ``reap`` would): a job's last commit and
         its release cost one round trip and one fsync. A refused commit releases nothing.
@@ -483,28 +636,36 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         been applied before (a retry) and the lease has moved on since.
         """
         if not commits:
-            raise ContractError("commit_and_release needs at least one commit",
-                                field="commits", run_id=lease.run_id)
-        results, released = self._commit_batch(lease, commits, expected_state_version,
-                                                "reap" if reap else "drop", applied)
+            raise ContractError(
+                "commit_and_release needs at least one commit", field="commits", run_id=lease.run_id
+            )
+        results, released = self._commit_batch(
+            lease, commits, expected_state_version, "reap" if reap else "drop", applied
+        )
         if released is None:  # for the type checker: _commit_batch decoded the release
-            raise StoreProtocolError("the commit script did not release the lease",
-                                     run_id=lease.run_id, script="commit")
+            raise StoreProtocolError(
+                "the commit script did not release the lease", run_id=lease.run_id, script="commit"
+            )
         if not self._inline_indexes:
             self._index_released(lease.run_id, released, reap=reap)
         return results, released
 
-    def _commit_batch(self, lease: Lease, commits: Sequence[PreparedCommit],
-                      expected_state_version: int, release: str,
-                      applied: Callable[[CommitResult], None] | None,
-                      ) -> tuple[list[CommitResult], Released | None]:
+    def _commit_batch(
+        self,
+        lease: Lease,
+        commits: Sequence[PreparedCommit],
+        expected_state_version: int,
+        release: str,
+        applied: Callable[[CommitResult], None] | None,
+    ) -> tuple[list[CommitResult], Released | None]:
         run_id = lease.run_id
         if not commits:
             return [], None
         for index, commit in enumerate(commits[1:], start=1):
             if commit.generation != commits[0].generation + index:
-                raise ContractError("a batch's generations must be consecutive",
-                                    field="generation", run_id=run_id)
+                raise ContractError(
+                    "a batch's generations must be consecutive", field="generation", run_id=run_id
+                )
         nonces = [nonce for commit in commits for nonce in commit.nonces]
         if nonces:
             self.claim_nonces(run_id, nonces)
@@ -521,8 +682,9 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
                 full = store_full(exc, "the commit", run_id)
                 if full is not None:
                     raise full from exc
-                raise StoreProtocolError("Redis refused the commit", run_id=run_id,
-                                         commit_id=commits[0].commit_id) from exc
+                raise StoreProtocolError(
+                    "Redis refused the commit", run_id=run_id, commit_id=commits[0].commit_id
+                ) from exc
             except RedisError as exc:
                 last = exc
                 continue
@@ -537,27 +699,39 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
             results = []
             for index, (commit, entry) in enumerate(zip(commits, entries, strict=False)):
                 result = decode_commit(
-                    entry, lease, commit_id=commit.commit_id, generation=commit.generation,
-                    expected_state_version=expected_state_version + index)
+                    entry,
+                    lease,
+                    commit_id=commit.commit_id,
+                    generation=commit.generation,
+                    expected_state_version=expected_state_version + index,
+                )
                 if applied is not None:
                     applied(result)
                 results.append(result)
             if len(entries) != expected_entries:  # a shorter reply must end in a refusal
-                raise StoreProtocolError("the commit script stopped without a refusal",
-                                         run_id=run_id, script="commit")
+                raise StoreProtocolError(
+                    "the commit script stopped without a refusal", run_id=run_id, script="commit"
+                )
             return results, (decode_release(entries[-1], lease) if release else None)
         raise CommitOutcomeUnknownError(
-            "no reply to the commit; re-read the run before acting", run_id=run_id,
-            commit_id=commits[-1].commit_id, generation=commits[-1].generation,
-            lease_version=lease.lease_version, cause=type(last).__name__)
+            "no reply to the commit; re-read the run before acting",
+            run_id=run_id,
+            commit_id=commits[-1].commit_id,
+            generation=commits[-1].generation,
+            lease_version=lease.lease_version,
+            cause=type(last).__name__,
+        )
 
     # -- cross-run indexes --------------------------------------------------------------
 
     def server_time_ms(self) -> int:
         """Redis server time in milliseconds. Raises StoreUnavailableError."""
         reply = self._call("TIME", None, self._client.time)
-        if (not isinstance(reply, tuple | list) or len(reply) != 2
-                or not all(isinstance(x, int) for x in reply)):
+        if (
+            not isinstance(reply, tuple | list)
+            or len(reply) != 2
+            or not all(isinstance(x, int) for x in reply)
+        ):
             raise StoreProtocolError("TIME reply is malformed")
         return int(reply[0]) * 1000 + int(reply[1]) // 1000
 
@@ -568,8 +742,11 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         StoreUnavailableError, StoreProtocolError.
         """
         now_ms = self.server_time_ms()
-        members = self._call("expiry index", None, lambda: self._client.zrangebyscore(
-            EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit))
+        members = self._call(
+            "expiry index",
+            None,
+            lambda: self._client.zrangebyscore(EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit),
+        )
         return [self._member(m) for m in members]
 
     def expired_entries(self, *, limit: int = 100) -> list[tuple[str, int]]:
@@ -578,8 +755,13 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         Raises StoreUnavailableError, StoreProtocolError.
         """
         now_ms = self.server_time_ms()
-        members = self._call("expiry index", None, lambda: self._client.zrangebyscore(
-            EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit, withscores=True))
+        members = self._call(
+            "expiry index",
+            None,
+            lambda: self._client.zrangebyscore(
+                EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit, withscores=True
+            ),
+        )
         return [(self._member(m), int(score)) for m, score in members]
 
     def expect_pickup(self, run_id: str, *, within_ms: int) -> None:
@@ -591,8 +773,11 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         """
         check_id(run_id, "run_id")
         deadline = self.server_time_ms() + within_ms
-        self._call("expiry index", run_id, lambda: self._client.zadd(
-            EXPIRY_INDEX, {run_id: deadline}, gt=True))
+        self._call(
+            "expiry index",
+            run_id,
+            lambda: self._client.zadd(EXPIRY_INDEX, {run_id: deadline}, gt=True),
+        )
 
     def park_expiry_entry(self, run_id: str, *, for_ms: int) -> None:
         """Move ``run_id``'s expiry index entry ``for_ms`` into the future (``ZADD XX``):
@@ -600,8 +785,9 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         only say "look at this run", so a race with a worker re-scoring it is harmless.
         Raises StoreUnavailableError."""
         later = self.server_time_ms() + for_ms
-        self._call("expiry index", None, lambda: self._client.zadd(
-            EXPIRY_INDEX, {run_id: later}, xx=True))
+        self._call(
+            "expiry index", None, lambda: self._client.zadd(EXPIRY_INDEX, {run_id: later}, xx=True)
+        )
 
     def forget_index_member(self, member: str) -> None:
         """Remove a member that is not a run id from the expiry index (junk written there
@@ -616,8 +802,9 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         StoreUnavailableError, StoreProtocolError.
         """
         check_id(run_id, "run_id")
-        reply = self._run(ScriptName.CLAIM_REAP, run_id, [run_keys(run_id).lease],
-                          [reclaim_after_ms])
+        reply = self._run(
+            ScriptName.CLAIM_REAP, run_id, [run_keys(run_id).lease], [reclaim_after_ms]
+        )
         return decode_claim_reap(reply, run_id)
 
     def drop_expiry_entry(self, run_id: str, score_ms: int) -> bool:
@@ -626,12 +813,12 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         Raises StoreUnavailableError, StoreProtocolError.
         """
         check_id(run_id, "run_id")
-        reply = self._run(ScriptName.DROP_EXPIRY_ENTRY, run_id, [EXPIRY_INDEX],
-                          [run_id, score_ms])
+        reply = self._run(ScriptName.DROP_EXPIRY_ENTRY, run_id, [EXPIRY_INDEX], [run_id, score_ms])
         return decode_drop_expiry(reply)
 
     def run_ids(self, *, limit: int = 1000) -> list[str]:
         """Run ids created through this store, oldest first (up to ``limit``)."""
-        members = self._call("runs index", None,
-                             lambda: self._client.zrange(RUNS_INDEX, 0, limit - 1))
+        members = self._call(
+            "runs index", None, lambda: self._client.zrange(RUNS_INDEX, 0, limit - 1)
+        )
         return [self._member(m) for m in members]

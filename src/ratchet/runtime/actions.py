@@ -113,8 +113,10 @@ class Action(Frozen):
         if names != spec.args:
             missing = sorted(spec.args - names)
             extra = sorted(names - spec.args)
-            raise ValueError(f"kind {self.kind} takes exactly {sorted(spec.args)}; "
-                             f"missing {missing}, unexpected {extra}")
+            raise ValueError(
+                f"kind {self.kind} takes exactly {sorted(spec.args)}; "
+                f"missing {missing}, unexpected {extra}"
+            )
         for name in spec.path_args:
             check_rel_path(self.args[name])
         if spec.risk.is_write and self.idempotency_key is None:
@@ -132,8 +134,7 @@ class Action(Frozen):
         """Computed once per (frozen) action; a copy computes its own (see model_copy)."""
         return intent_digest(self)
 
-    def model_copy(self, *, update: Mapping[str, Any] | None = None,
-                   deep: bool = False) -> Action:
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Action:
         """pydantic copies the instance dict, cached digest included; a copy with other
         arguments must not inherit it, so every copy computes its own."""
         copied = super().model_copy(update=update, deep=deep)

@@ -250,8 +250,9 @@ def _where(entry: _Entry | None, *more: str | int) -> list[str | int]:
     return parts[::-1]
 
 
-def _refuse_leaf(entry: _Entry | None, segment: tuple[str | int, ...], item: Any,
-                 strings: bool) -> None:
+def _refuse_leaf(
+    entry: _Entry | None, segment: tuple[str | int, ...], item: Any, strings: bool
+) -> None:
     if type(item) is _Refused:
         key = () if item.key is None else (item.key,)
         raise _refusal(_where(entry, *segment, *key), item.what)
@@ -279,8 +280,7 @@ def _check_parsed(value: Any, limit: int, *, strings: bool) -> None:
             continue
         if depth > limit:
             raise _refusal(_where(entry), f"JSON nests deeper than {limit} levels")
-        pairs: Iterable[tuple[str | int, Any]] = (
-            item.items() if kind is dict else enumerate(item))
+        pairs: Iterable[tuple[str | int, Any]] = item.items() if kind is dict else enumerate(item)
         for segment, child in pairs:
             child_kind = type(child)
             if child_kind is dict or child_kind is list:
@@ -355,12 +355,19 @@ class _StrictLoader(yaml.SafeLoader):
         # ``index``: the key node for a mapping value, the position in a sequence, None
         # for a mapping key (and for the document itself, which has no parent).
         if parent is not None:
-            self.at.append(index if isinstance(index, int) else
-                           str(index.value) if isinstance(index, yaml.ScalarNode) else "?")
+            self.at.append(
+                index
+                if isinstance(index, int)
+                else str(index.value)
+                if isinstance(index, yaml.ScalarNode)
+                else "?"
+            )
         if self.check_event(yaml.AliasEvent):
             raise _refusal(self.at, "YAML aliases are not allowed; write the value out")
-        if (self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent)
-                and len(self.at) >= self.max_depth):
+        if (
+            self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent)
+            and len(self.at) >= self.max_depth
+        ):
             raise _refusal(self.at, f"YAML nests deeper than {self.max_depth} levels")
         node = super().compose_node(parent, index)
         if parent is not None:
@@ -373,17 +380,23 @@ for _first, _resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items():
     for _tag, _regexp in _resolvers:
         # Floats and dates still resolve, so that they are refused by name, never taken
         # for text.
-        if _tag in ("tag:yaml.org,2002:float", "tag:yaml.org,2002:null",
-                    "tag:yaml.org,2002:timestamp"):
-            _StrictLoader.yaml_implicit_resolvers.setdefault(_first, []).append(
-                (_tag, _regexp))
+        if _tag in (
+            "tag:yaml.org,2002:float",
+            "tag:yaml.org,2002:null",
+            "tag:yaml.org,2002:timestamp",
+        ):
+            _StrictLoader.yaml_implicit_resolvers.setdefault(_first, []).append((_tag, _regexp))
 for _tag, _pattern, _firsts in (
     ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
     ("tag:yaml.org,2002:int", _DECIMAL.pattern, "-+0123456789"),
     (_AMBIGUOUS_TAG, r"^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF)$", "yYnNoO"),
-    (_AMBIGUOUS_TAG, r"^(?:[-+]?0[0-9_]+|[-+]?0[bBoOxX][0-9a-fA-F_]*"
-                     r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+|[-+]?[0-9]+_[0-9_]*"
-                     r"|[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+|<<)$", "-+0123456789<"),
+    (
+        _AMBIGUOUS_TAG,
+        r"^(?:[-+]?0[0-9_]+|[-+]?0[bBoOxX][0-9a-fA-F_]*"
+        r"|[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+|[-+]?[0-9]+_[0-9_]*"
+        r"|[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+|<<)$",
+        "-+0123456789<",
+    ),
 ):
     _StrictLoader.add_implicit_resolver(_tag, re.compile(_pattern), list(_firsts))
 
@@ -441,8 +454,10 @@ def _construct_str(loader: _StrictLoader, node: yaml.ScalarNode) -> str:
 
 
 def _ambiguous(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
-    raise _YamlRefusal(f"plain value {_shown(str(node.value))} reads differently in YAML 1.1 "
-                       "and 1.2; quote it for text, or write true/false or a decimal integer")
+    raise _YamlRefusal(
+        f"plain value {_shown(str(node.value))} reads differently in YAML 1.1 "
+        "and 1.2; quote it for text, or write true/false or a decimal integer"
+    )
 
 
 def _refuse(loader: _StrictLoader, node: yaml.Node) -> Any:
@@ -450,8 +465,7 @@ def _refuse(loader: _StrictLoader, node: yaml.Node) -> Any:
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG,
-                              _construct_sequence)
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG, _construct_str)
 _StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 _StrictLoader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)

@@ -110,8 +110,9 @@ def empty_archive(run_id: str) -> ArchiveRef:
 
 
 def _chain(previous: str, segment: bytes) -> str:
-    return hashlib.sha256(Domain.ARCHIVE + b"\x00" + bytes.fromhex(previous)
-                          + hashlib.sha256(segment).digest()).hexdigest()
+    return hashlib.sha256(
+        Domain.ARCHIVE + b"\x00" + bytes.fromhex(previous) + hashlib.sha256(segment).digest()
+    ).hexdigest()
 
 
 class CheckpointPayload(Frozen):
@@ -148,10 +149,15 @@ def run_key(state: RunState) -> RunKey:
     return RunKey(state.task_id, state.run_id, state.environment.instance_id)
 
 
-def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
-                    generation: int,
-                    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
-                    previous: RunState | None = None) -> bytes:
+def seal_checkpoint(
+    state: RunState,
+    scenario: Scenario,
+    keyring: KeyRing,
+    *,
+    generation: int,
+    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+    previous: RunState | None = None,
+) -> bytes:
     """Validate ``state`` and sign it as ``generation``.
 
     Order: cross-object invariants (only the entries that are new since ``previous``, the
@@ -177,8 +183,9 @@ def seal_checkpoint(state: RunState, scenario: Scenario, keyring: KeyRing, *,
     return _sign(keyring, body, max_bytes)
 
 
-def _payload(generation: int, scenario: Scenario, state: dict[str, Any],
-             archive: ArchiveRef | None = None) -> dict[str, Any]:
+def _payload(
+    generation: int, scenario: Scenario, state: dict[str, Any], archive: ArchiveRef | None = None
+) -> dict[str, Any]:
     data = {
         "schema_version": CHECKPOINT_SCHEMA_VERSION,
         "generation": generation,
@@ -186,13 +193,22 @@ def _payload(generation: int, scenario: Scenario, state: dict[str, Any],
         "state": state,
     }
     if archive is not None:
-        data["archive"] = {"chain": archive.chain, "executed": archive.executed,
-                           "segments": archive.segments, "trace": archive.trace}
+        data["archive"] = {
+            "chain": archive.chain,
+            "executed": archive.executed,
+            "segments": archive.segments,
+            "trace": archive.trace,
+        }
     return data
 
 
-_SERIALISATION_ERRORS = (TypeError, ValueError, AttributeError, PydanticSerializationError,
-                         ContractError)
+_SERIALISATION_ERRORS = (
+    TypeError,
+    ValueError,
+    AttributeError,
+    PydanticSerializationError,
+    ContractError,
+)
 _ARCHIVED: set[str] = {"trace", "executed"}  # never mutated
 
 
@@ -201,14 +217,16 @@ def _serialising() -> Iterator[None]:
     try:
         yield
     except _SERIALISATION_ERRORS as exc:
-        raise InvariantViolation(f"run state cannot be serialised: {type(exc).__name__}",
-                                 field="state") from None
+        raise InvariantViolation(
+            f"run state cannot be serialised: {type(exc).__name__}", field="state"
+        ) from None
 
 
 def _schema_error(exc: ValidationError) -> InvariantViolation:
     first = exc.errors()[0]
-    return InvariantViolation(f"run state fails its schema at {first['loc']}: "
-                              f"{first['msg']}", field=str(first["loc"]))
+    return InvariantViolation(
+        f"run state fails its schema at {first['loc']}: {first['msg']}", field=str(first["loc"])
+    )
 
 
 @contextmanager
@@ -222,14 +240,25 @@ def _schema_checked() -> Iterator[None]:
 def _sign(keyring: KeyRing, body: bytes, max_bytes: int) -> bytes:
     blob = seal_envelope(keyring, body)
     if len(blob) > max_bytes:
-        raise CheckpointTooLargeError("checkpoint exceeds the size cap", size=len(blob),
-                                      max_bytes=max_bytes, reason="too_large")
+        raise CheckpointTooLargeError(
+            "checkpoint exceeds the size cap",
+            size=len(blob),
+            max_bytes=max_bytes,
+            reason="too_large",
+        )
     return blob
 
 
-def seal_split(state: RunState, scenario: Scenario, keyring: KeyRing, *, generation: int,
-               archived: ArchiveRef, max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
-               previous: RunState | None = None) -> Sealed:
+def seal_split(
+    state: RunState,
+    scenario: Scenario,
+    keyring: KeyRing,
+    *,
+    generation: int,
+    archived: ArchiveRef,
+    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+    previous: RunState | None = None,
+) -> Sealed:
     """Seal ``state`` as a checkpoint whose trace and executed writes live in the archive.
 
     ``archived`` is what the archive already holds (the reference the last checkpoint
@@ -245,10 +274,9 @@ def seal_split(state: RunState, scenario: Scenario, keyring: KeyRing, *, generat
         CheckpointTooLargeError: the envelope would exceed ``max_bytes``.
     """
     if archived.trace > len(state.trace) or archived.executed > len(state.executed):
-        raise InvariantViolation("the archive holds more entries than the state",
-                                 field="archive")
-    new_trace = state.trace[archived.trace:]
-    new_executed = state.executed[archived.executed:]
+        raise InvariantViolation("the archive holds more entries than the state", field="archive")
+    new_trace = state.trace[archived.trace :]
+    new_executed = state.executed[archived.executed :]
     # The same guards as _serialising() and _schema_checked(), inline: this runs twice per
     # write, and the context managers cost more than the dumps they guard.
     try:
@@ -259,20 +287,25 @@ def seal_split(state: RunState, scenario: Scenario, keyring: KeyRing, *, generat
         segment = b""
         ref = archived
         if new_trace or new_executed:
-            segment = orjson.dumps({
-                "executed": [e.model_dump(mode="json", warnings=False) for e in new_executed],
-                "trace": [e.model_dump(mode="json", warnings=False) for e in new_trace],
-            }, option=orjson.OPT_SORT_KEYS)
+            segment = orjson.dumps(
+                {
+                    "executed": [e.model_dump(mode="json", warnings=False) for e in new_executed],
+                    "trace": [e.model_dump(mode="json", warnings=False) for e in new_trace],
+                },
+                option=orjson.OPT_SORT_KEYS,
+            )
             # Not validated here: the body's schema check below covers every field of it.
             ref = ArchiveRef.model_construct(
                 trace=archived.trace + len(new_trace),
                 executed=archived.executed + len(new_executed),
-                segments=archived.segments + 1, chain=_chain(archived.chain, segment))
-        body = orjson.dumps(_payload(generation, scenario, head, ref),
-                            option=orjson.OPT_SORT_KEYS)
+                segments=archived.segments + 1,
+                chain=_chain(archived.chain, segment),
+            )
+        body = orjson.dumps(_payload(generation, scenario, head, ref), option=orjson.OPT_SORT_KEYS)
     except _SERIALISATION_ERRORS as exc:
-        raise InvariantViolation(f"run state cannot be serialised: {type(exc).__name__}",
-                                 field="state") from None
+        raise InvariantViolation(
+            f"run state cannot be serialised: {type(exc).__name__}", field="state"
+        ) from None
     try:
         CheckpointPayload.model_validate_json(body)
         if segment:
@@ -299,15 +332,16 @@ def _dump(state: RunState, previous: RunState | None) -> dict[str, Any]:
         dumped = state.model_dump(mode="json", warnings=False)
         trace, executed = dumped["trace"], dumped["executed"]
     else:
-        dumped = state.model_dump(mode="json", warnings=False,
-                                  exclude={"trace", "executed"})
+        dumped = state.model_dump(mode="json", warnings=False, exclude={"trace", "executed"})
         _, old_trace, old_executed = cached
         keep = _shared_prefix(previous.trace, state.trace)
-        trace = old_trace[:keep] + [e.model_dump(mode="json", warnings=False)
-                                    for e in state.trace[keep:]]
+        trace = old_trace[:keep] + [
+            e.model_dump(mode="json", warnings=False) for e in state.trace[keep:]
+        ]
         keep = _shared_prefix(previous.executed, state.executed)
-        executed = old_executed[:keep] + [e.model_dump(mode="json", warnings=False)
-                                          for e in state.executed[keep:]]
+        executed = old_executed[:keep] + [
+            e.model_dump(mode="json", warnings=False) for e in state.executed[keep:]
+        ]
         dumped["trace"], dumped["executed"] = trace, executed
     _DUMPS[id(state)] = (state, trace, executed)
     try:
@@ -330,8 +364,9 @@ def _shared_prefix(old: tuple[object, ...], new: tuple[object, ...]) -> int:
     return count if count <= len(new) and new[:count] == old else 0
 
 
-def _schema_probe(data: dict[str, Any], state: RunState, previous: RunState | None,
-                  body: bytes) -> bytes:
+def _schema_probe(
+    data: dict[str, Any], state: RunState, previous: RunState | None, body: bytes
+) -> bytes:
     """The bytes whose schema must be checked before signing ``body``.
 
     Trace events and executed writes that are the very same (frozen, already validated)
@@ -364,24 +399,35 @@ def check_environment(state: RunState, observed: Observation) -> None:
     """
     recorded = state.environment
     if observed.instance_id != recorded.instance_id:
-        raise _fail("environment", "environment instance differs from the checkpoint's",
-                    expected=recorded.instance_id, observed=observed.instance_id)
+        raise _fail(
+            "environment",
+            "environment instance differs from the checkpoint's",
+            expected=recorded.instance_id,
+            observed=observed.instance_id,
+        )
     if observed.same_state(recorded):
         return
     pending = state.pending
-    if pending is not None and pending.env_after is not None and observed.same_state(
-        pending.env_after
+    if (
+        pending is not None
+        and pending.env_after is not None
+        and observed.same_state(pending.env_after)
     ):
         return
     if state.review is not None and observed.same_state(state.review.environment):
         return
-    raise _fail("environment", "environment is neither the checkpoint's state nor the "
-                "one-commit state of its pending write",
-                expected_version=recorded.version, observed_version=observed.version)
+    raise _fail(
+        "environment",
+        "environment is neither the checkpoint's state nor the "
+        "one-commit state of its pending write",
+        expected_version=recorded.version,
+        observed_version=observed.version,
+    )
 
 
-def _check_trust(state: RunState, approvers: TrustRoots | None,
-                 reviewers: TrustRoots | None) -> None:
+def _check_trust(
+    state: RunState, approvers: TrustRoots | None, reviewers: TrustRoots | None
+) -> None:
     """Every approval and decision inside must verify under the supplied trust roots.
 
     A signer revoked since is accepted here: the evidence was verified when it was used
@@ -399,8 +445,9 @@ def _check_trust(state: RunState, approvers: TrustRoots | None,
     if approvals and approvers is None:
         raise _fail("trust", "checkpoint holds approvals but no approver trust root was given")
     if (decisions or state.rebaselines) and reviewers is None:
-        raise _fail("trust", "checkpoint holds review decisions but no reviewer trust root "
-                    "was given")
+        raise _fail(
+            "trust", "checkpoint holds review decisions but no reviewer trust root was given"
+        )
     try:
         if approvers is not None:
             for approval in approvals:
@@ -411,12 +458,16 @@ def _check_trust(state: RunState, approvers: TrustRoots | None,
             for rebaseline in state.rebaselines:
                 reviewers.verify_rebaseline(rebaseline, allow_revoked=True)
     except EvidenceError as exc:
-        raise _fail("trust", f"evidence inside the checkpoint does not verify: {exc.message}",
-                    evidence_reason=getattr(exc, "reason", "")) from None
+        raise _fail(
+            "trust",
+            f"evidence inside the checkpoint does not verify: {exc.message}",
+            evidence_reason=getattr(exc, "reason", ""),
+        ) from None
 
 
-def open_checkpoint(blob: bytes, *, keyring: KeyRing,
-                    archive: Sequence[bytes] = ()) -> CheckpointPayload:
+def open_checkpoint(
+    blob: bytes, *, keyring: KeyRing, archive: Sequence[bytes] = ()
+) -> CheckpointPayload:
     """Checks 1-4 of the module docstring: the authentic, strict, canonical payload, with
     the trace and executed writes of its archive put back into its state.
 
@@ -433,16 +484,21 @@ def open_checkpoint(blob: bytes, *, keyring: KeyRing,
     except ValidationError as exc:
         schema = _peek_schema_version(body)
         if schema is not None and schema != CHECKPOINT_SCHEMA_VERSION:
-            raise _fail("schema_version", "unsupported checkpoint schema version",
-                        schema_version=schema) from None
+            raise _fail(
+                "schema_version", "unsupported checkpoint schema version", schema_version=schema
+            ) from None
         first = exc.errors()[0]
-        raise _fail("schema", f"checkpoint payload fails its schema at {first['loc']}: "
-                    f"{first['msg']}") from None
+        raise _fail(
+            "schema", f"checkpoint payload fails its schema at {first['loc']}: {first['msg']}"
+        ) from None
     ref = payload.archive
     if ref is None:
         if archive:
-            raise _fail("archive", "the store holds an archive this checkpoint does not name",
-                        segments=len(archive))
+            raise _fail(
+                "archive",
+                "the store holds an archive this checkpoint does not name",
+                segments=len(archive),
+            )
         return payload
     return payload.model_copy(update={"state": _unarchive(payload.state, ref, archive)})
 
@@ -453,8 +509,12 @@ def _unarchive(head: RunState, ref: ArchiveRef, archive: Sequence[bytes]) -> Run
     if head.trace or head.executed:
         raise _fail("archive", "a checkpoint with an archive carries trace entries itself")
     if len(archive) != ref.segments:
-        raise _fail("archive", "the archive does not have the signed number of segments",
-                    segments=len(archive), expected=ref.segments)
+        raise _fail(
+            "archive",
+            "the archive does not have the signed number of segments",
+            segments=len(archive),
+            expected=ref.segments,
+        )
     chain = archive_genesis(head.run_id)
     trace: list[TraceEvent] = []
     executed: list[ExecutedWrite] = []
@@ -464,8 +524,7 @@ def _unarchive(head: RunState, ref: ArchiveRef, archive: Sequence[bytes]) -> Run
         try:
             parsed = ArchiveSegment.model_validate_json(segment)
         except ValidationError:
-            raise _fail("archive", "an archive segment fails its schema",
-                        segment=index) from None
+            raise _fail("archive", "an archive segment fails its schema", segment=index) from None
         if not parsed.trace and not parsed.executed:
             raise _fail("archive", "an archive segment is empty", segment=index)
         chain = _chain(chain, segment)
@@ -474,20 +533,29 @@ def _unarchive(head: RunState, ref: ArchiveRef, archive: Sequence[bytes]) -> Run
     if chain != ref.chain:
         raise _fail("archive", "the archive's hash chain is not the signed one")
     if (len(trace), len(executed)) != (ref.trace, ref.executed):
-        raise _fail("archive", "the archive does not hold the signed number of entries",
-                    trace=len(trace), executed=len(executed))
+        raise _fail(
+            "archive",
+            "the archive does not hold the signed number of entries",
+            trace=len(trace),
+            executed=len(executed),
+        )
     return head.model_copy(update={"trace": tuple(trace), "executed": tuple(executed)})
 
 
-def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
-                       store: GenerationStore | None,
-                       observe: Callable[[RunState, int], Observation],
-                       approvers: TrustRoots | None = None,
-                       reviewers: TrustRoots | None = None,
-                       archive: Sequence[bytes] = (),
-                       opened: CheckpointPayload | None = None,
-                       accept_environment: Observation | None = None,
-                       tolerate_environment: bool = False) -> Restored:
+def restore_checkpoint(
+    blob: bytes,
+    *,
+    scenario: Scenario,
+    keyring: KeyRing,
+    store: GenerationStore | None,
+    observe: Callable[[RunState, int], Observation],
+    approvers: TrustRoots | None = None,
+    reviewers: TrustRoots | None = None,
+    archive: Sequence[bytes] = (),
+    opened: CheckpointPayload | None = None,
+    accept_environment: Observation | None = None,
+    tolerate_environment: bool = False,
+) -> Restored:
     """Verify a checkpoint and return its state. See the module docstring for the order.
 
     ``archive`` is the run's archive segments as the store returned them with ``blob``
@@ -512,11 +580,15 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
     Raises:
         CheckpointError: ``reason`` names the failed check.
     """
-    payload = opened if opened is not None else open_checkpoint(blob, keyring=keyring,
-                                                                archive=archive)
+    payload = (
+        opened if opened is not None else open_checkpoint(blob, keyring=keyring, archive=archive)
+    )
     if payload.scenario_fingerprint != scenario.fingerprint:
-        raise _fail("scenario", "checkpoint was made under another scenario (task, policy, "
-                    "permissions, allowlists, initial state or verifier expectations changed)")
+        raise _fail(
+            "scenario",
+            "checkpoint was made under another scenario (task, policy, "
+            "permissions, allowlists, initial state or verifier expectations changed)",
+        )
     state = payload.state
     try:
         check_invariants(state, scenario)
@@ -527,11 +599,14 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
     try:
         high_water = store.high_water(run_key(state))
     except HighWaterUnavailableError as exc:
-        raise _fail("high_water_missing", f"high-water mark unavailable: {exc.message}") \
-            from None
+        raise _fail("high_water_missing", f"high-water mark unavailable: {exc.message}") from None
     if payload.generation != high_water:
-        raise _fail("stale_generation", "checkpoint generation is not the high-water mark",
-                    generation=payload.generation, high_water=high_water)
+        raise _fail(
+            "stale_generation",
+            "checkpoint generation is not the high-water mark",
+            generation=payload.generation,
+            high_water=high_water,
+        )
     observed = observe(state, payload.generation)
     refused: CheckpointError | None = None
     if accept_environment is None or not observed.same_state(accept_environment):
@@ -542,8 +617,14 @@ def restore_checkpoint(blob: bytes, *, scenario: Scenario, keyring: KeyRing,
                 raise
             refused = exc
     _check_trust(state, approvers, reviewers)
-    return Restored(state=state, generation=payload.generation, blob=blob,
-                    archive=payload.archive, observed=observed, environment_refused=refused)
+    return Restored(
+        state=state,
+        generation=payload.generation,
+        blob=blob,
+        archive=payload.archive,
+        observed=observed,
+        environment_refused=refused,
+    )
 
 
 def _peek_schema_version(body: bytes) -> object:

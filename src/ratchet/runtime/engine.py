@@ -115,14 +115,27 @@ class StepResult:
 class RunEngine:
     """Drives one run. Construct with :meth:`start` or :meth:`resume`, never directly."""
 
-    def __init__(self, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
-                 store: GenerationStore, clock: Clock, state: RunState, generation: int,
-                 blob: bytes, approvers: TrustRoots | None = None,
-                 reviewers: TrustRoots | None = None, lease_version: int = 1,
-                 probe: Probe | None = None,
-                 max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
-                 coalesce: bool = False, archive_trace: bool = False,
-                 archive: ArchiveRef | None = None, store_epoch: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        scenario: Scenario,
+        keyring: KeyRing,
+        adapter: Adapter,
+        store: GenerationStore,
+        clock: Clock,
+        state: RunState,
+        generation: int,
+        blob: bytes,
+        approvers: TrustRoots | None = None,
+        reviewers: TrustRoots | None = None,
+        lease_version: int = 1,
+        probe: Probe | None = None,
+        max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+        coalesce: bool = False,
+        archive_trace: bool = False,
+        archive: ArchiveRef | None = None,
+        store_epoch: str | None = None,
+    ) -> None:
         self.scenario = scenario
         self.adapter = adapter
         self.store = store
@@ -138,8 +151,11 @@ class RunEngine:
         self._held: list[Advance] = []  # sealed commits not sent yet (coalesce only)
         # What the run's archive holds (None: the checkpoint carries its whole trace).
         # A checkpoint that names an archive keeps one; archive_trace starts one.
-        self._archive = archive if archive is not None else (
-            empty_archive(state.run_id) if archive_trace else None)
+        self._archive = (
+            archive
+            if archive is not None
+            else (empty_archive(state.run_id) if archive_trace else None)
+        )
         # The last commit the store acknowledged, with the archive the next commit extends.
         self._durable = (state, generation, blob, self._archive)
         self.state = state
@@ -149,42 +165,95 @@ class RunEngine:
         self.environment_refused: Exception | None = None
 
     def __repr__(self) -> str:
-        return (f"RunEngine(run_id={self.state.run_id!r}, phase={self.state.phase.value!r}, "
-                f"generation={self.generation})")
+        return (
+            f"RunEngine(run_id={self.state.run_id!r}, phase={self.state.phase.value!r}, "
+            f"generation={self.generation})"
+        )
 
     # -- construction ------------------------------------------------------------------
 
     @classmethod
-    def start(cls, run_id: str, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
-              store: GenerationStore, clock: Clock, **options: Any) -> RunEngine:
+    def start(
+        cls,
+        run_id: str,
+        *,
+        scenario: Scenario,
+        keyring: KeyRing,
+        adapter: Adapter,
+        store: GenerationStore,
+        clock: Clock,
+        **options: Any,
+    ) -> RunEngine:
         """Observe the environment, build the first state and commit it as generation 1.
 
         ``document_digest`` (an option) binds the run's signed document into the state.
         """
         observed = adapter.observe()
-        state = machine.new_run(run_id, scenario, observed, clock.now(),
-                                document_digest=options.pop("document_digest", None))
+        state = machine.new_run(
+            run_id,
+            scenario,
+            observed,
+            clock.now(),
+            document_digest=options.pop("document_digest", None),
+        )
         max_bytes = options.get("max_checkpoint_bytes", DEFAULT_MAX_CHECKPOINT_BYTES)
         if options.pop("archive_trace", False):
-            sealed = seal_split(state, scenario, keyring, generation=1,
-                                archived=empty_archive(run_id), max_bytes=max_bytes)
-            store.advance(run_key(state), expected_generation=0, blob=sealed.blob,
-                          segment=sealed.segment)
-            return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
-                       clock=clock, state=state, generation=1, blob=sealed.blob,
-                       archive=sealed.archive, **options)
+            sealed = seal_split(
+                state,
+                scenario,
+                keyring,
+                generation=1,
+                archived=empty_archive(run_id),
+                max_bytes=max_bytes,
+            )
+            store.advance(
+                run_key(state), expected_generation=0, blob=sealed.blob, segment=sealed.segment
+            )
+            return cls(
+                scenario=scenario,
+                keyring=keyring,
+                adapter=adapter,
+                store=store,
+                clock=clock,
+                state=state,
+                generation=1,
+                blob=sealed.blob,
+                archive=sealed.archive,
+                **options,
+            )
         blob = seal_checkpoint(state, scenario, keyring, generation=1, max_bytes=max_bytes)
         store.advance(run_key(state), expected_generation=0, blob=blob)
-        return cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
-                   clock=clock, state=state, generation=1, blob=blob, **options)
+        return cls(
+            scenario=scenario,
+            keyring=keyring,
+            adapter=adapter,
+            store=store,
+            clock=clock,
+            state=state,
+            generation=1,
+            blob=blob,
+            **options,
+        )
 
     @classmethod
-    def resume(cls, blob: bytes, *, scenario: Scenario, keyring: KeyRing, adapter: Adapter,
-               store: GenerationStore, clock: Clock, approvers: TrustRoots | None = None,
-               reviewers: TrustRoots | None = None, lease_version: int = 1,
-               archive: Sequence[bytes] = (), opened: CheckpointPayload | None = None,
-               accept_environment: Observation | None = None,
-               tolerate_environment: bool = False, **options: Any) -> RunEngine:
+    def resume(
+        cls,
+        blob: bytes,
+        *,
+        scenario: Scenario,
+        keyring: KeyRing,
+        adapter: Adapter,
+        store: GenerationStore,
+        clock: Clock,
+        approvers: TrustRoots | None = None,
+        reviewers: TrustRoots | None = None,
+        lease_version: int = 1,
+        archive: Sequence[bytes] = (),
+        opened: CheckpointPayload | None = None,
+        accept_environment: Observation | None = None,
+        tolerate_environment: bool = False,
+        **options: Any,
+    ) -> RunEngine:
         """Restore a checkpoint (all checks of :func:`restore_checkpoint`), then raise the
         adapter's fence to this lease and observe the environment.
 
@@ -203,20 +272,44 @@ class RunEngine:
         """
 
         def fence_then_observe(state: RunState, generation: int) -> Observation:
-            adapter.raise_fence(Fence(run_id=state.run_id, lease_version=lease_version,
-                                      state_version=generation,
-                                      store_epoch=options.get("store_epoch")))
+            adapter.raise_fence(
+                Fence(
+                    run_id=state.run_id,
+                    lease_version=lease_version,
+                    state_version=generation,
+                    store_epoch=options.get("store_epoch"),
+                )
+            )
             return adapter.observe()
 
-        restored = restore_checkpoint(blob, scenario=scenario, keyring=keyring, store=store,
-                                      observe=fence_then_observe, approvers=approvers,
-                                      reviewers=reviewers, archive=archive, opened=opened,
-                                      accept_environment=accept_environment,
-                                      tolerate_environment=tolerate_environment)
-        engine = cls(scenario=scenario, keyring=keyring, adapter=adapter, store=store,
-                     clock=clock, state=restored.state, generation=restored.generation,
-                     blob=restored.blob, approvers=approvers, reviewers=reviewers,
-                     lease_version=lease_version, archive=restored.archive, **options)
+        restored = restore_checkpoint(
+            blob,
+            scenario=scenario,
+            keyring=keyring,
+            store=store,
+            observe=fence_then_observe,
+            approvers=approvers,
+            reviewers=reviewers,
+            archive=archive,
+            opened=opened,
+            accept_environment=accept_environment,
+            tolerate_environment=tolerate_environment,
+        )
+        engine = cls(
+            scenario=scenario,
+            keyring=keyring,
+            adapter=adapter,
+            store=store,
+            clock=clock,
+            state=restored.state,
+            generation=restored.generation,
+            blob=restored.blob,
+            approvers=approvers,
+            reviewers=reviewers,
+            lease_version=lease_version,
+            archive=restored.archive,
+            **options,
+        )
         engine.observed_at_restore = restored.observed
         engine.environment_refused = restored.environment_refused
         return engine
@@ -228,8 +321,12 @@ class RunEngine:
         return run_key(self.state)
 
     def _fence(self) -> Fence:
-        return Fence(run_id=self.state.run_id, lease_version=self.lease_version,
-                     state_version=self.generation, store_epoch=self.store_epoch)
+        return Fence(
+            run_id=self.state.run_id,
+            lease_version=self.lease_version,
+            state_version=self.generation,
+            store_epoch=self.store_epoch,
+        )
 
     @property
     def held_commits(self) -> int:
@@ -248,8 +345,9 @@ class RunEngine:
         acknowledged commit (see :meth:`_send`).
         """
         if self._held:
-            self._send(list(self._held), self.state, self.generation, self.checkpoint,
-                       self._archive)
+            self._send(
+                list(self._held), self.state, self.generation, self.checkpoint, self._archive
+            )
 
     def _commit(self, new: RunState, *, hold: bool = False) -> None:
         """Validate, sign and commit ``new`` as the next generation, consuming new nonces.
@@ -263,17 +361,31 @@ class RunEngine:
         archive = self._archive
         not_after = machine.approval_deadline_ms(new, self.scenario)
         if archive is None:
-            blob = seal_checkpoint(new, self.scenario, self._keyring, generation=target,
-                                   max_bytes=self._max_bytes, previous=self.state)
-            commit = Advance(self.generation, blob, nonces, not_after_ms=not_after,
-                             phase=new.phase.value)
+            blob = seal_checkpoint(
+                new,
+                self.scenario,
+                self._keyring,
+                generation=target,
+                max_bytes=self._max_bytes,
+                previous=self.state,
+            )
+            commit = Advance(
+                self.generation, blob, nonces, not_after_ms=not_after, phase=new.phase.value
+            )
         else:
-            sealed = seal_split(new, self.scenario, self._keyring, generation=target,
-                                archived=archive, max_bytes=self._max_bytes,
-                                previous=self.state)
+            sealed = seal_split(
+                new,
+                self.scenario,
+                self._keyring,
+                generation=target,
+                archived=archive,
+                max_bytes=self._max_bytes,
+                previous=self.state,
+            )
             blob, archive = sealed.blob, sealed.archive
-            commit = Advance(self.generation, blob, nonces, sealed.segment, not_after,
-                             new.phase.value)
+            commit = Advance(
+                self.generation, blob, nonces, sealed.segment, not_after, new.phase.value
+            )
         if hold and self._coalesce:
             self._held.append(commit)
             self.state, self.generation, self.checkpoint = new, target, blob
@@ -281,8 +393,14 @@ class RunEngine:
             return
         self._send([*self._held, commit], new, target, blob, archive)
 
-    def _send(self, batch: list[Advance], new: RunState, target: int, blob: bytes,
-              archive: ArchiveRef | None) -> None:
+    def _send(
+        self,
+        batch: list[Advance],
+        new: RunState,
+        target: int,
+        blob: bytes,
+        archive: ArchiveRef | None,
+    ) -> None:
         """Send ``batch`` (held commits, then the one that ends in ``new``) and adopt it.
 
         Timeline of a lost reply (CrashWindow.COMMIT_REPLY_LOST): the store may or may not
@@ -298,8 +416,13 @@ class RunEngine:
                 # with neither may take it.
                 if len(batch) == 1 and not batch[0].not_after_ms and not batch[0].phase:
                     one = batch[0]
-                    self.store.advance(self.key, expected_generation=one.expected_generation,
-                                       blob=one.blob, nonces=one.nonces, segment=one.segment)
+                    self.store.advance(
+                        self.key,
+                        expected_generation=one.expected_generation,
+                        blob=one.blob,
+                        nonces=one.nonces,
+                        segment=one.segment,
+                    )
                 else:
                     self.store.advance_many(self.key, batch)
             except CommitOutcomeUnknownError:
@@ -315,14 +438,20 @@ class RunEngine:
 
     # -- proposals -----------------------------------------------------------------------
 
-    def _result(self, window: CrashWindow | None = None,
-                read: ReadResult | None = None) -> StepResult:
-        return StepResult(self.state.trace[-1].outcome, self.state.phase, self.generation,
-                          window, read)
+    def _result(
+        self, window: CrashWindow | None = None, read: ReadResult | None = None
+    ) -> StepResult:
+        return StepResult(
+            self.state.trace[-1].outcome, self.state.phase, self.generation, window, read
+        )
 
-    def propose(self, raw: Action | dict[str, Any], *,
-                approval: ApprovalEvidence | None = None,
-                agent_state: dict[str, Any] | None = None) -> StepResult:
+    def propose(
+        self,
+        raw: Action | dict[str, Any],
+        *,
+        approval: ApprovalEvidence | None = None,
+        agent_state: dict[str, Any] | None = None,
+    ) -> StepResult:
         """Gate one proposal and carry it out: commit, call the adapter, commit again.
 
         ``agent_state`` is the agent's own JSON state; it is signed and committed with the
@@ -336,20 +465,26 @@ class RunEngine:
         """
         self._probe(CrashWindow.BEFORE_PROPOSAL)
         proposal = machine.propose(
-            self.state, self.scenario, raw, now=self.clock.now(), generation=self.generation,
-            project=self.adapter.project, approval=approval, approvers=self.approvers,
+            self.state,
+            self.scenario,
+            raw,
+            now=self.clock.now(),
+            generation=self.generation,
+            project=self.adapter.project,
+            approval=approval,
+            approvers=self.approvers,
             agent_state=agent_state,
         )
         disposition, action = proposal.disposition, proposal.action
         if disposition is Disposition.READ and action is not None:
             result = self.adapter.read(action)
-            self._commit(machine.apply_read(proposal.state, action, result,
-                                            now=self.clock.now()))
+            self._commit(machine.apply_read(proposal.state, action, result, now=self.clock.now()))
             return self._result(read=result)
         elif disposition is Disposition.VERIFY and action is not None:
             report = self.adapter.verify(action.args["target"])
-            self._commit(machine.apply_verification(proposal.state, action, report,
-                                                    now=self.clock.now()))
+            self._commit(
+                machine.apply_verification(proposal.state, action, report, now=self.clock.now())
+            )
         elif disposition in (Disposition.EXECUTE_WRITE, Disposition.CHECK_REPLAY):
             self._commit(proposal.state)
             self._probe(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
@@ -384,8 +519,7 @@ class RunEngine:
         """
         state = self.state
         now = self.clock.now()
-        frozen = machine.check_executable(state, self.scenario, now=now,
-                                          approvers=self.approvers)
+        frozen = machine.check_executable(state, self.scenario, now=now, approvers=self.approvers)
         if frozen is not None:
             self._commit(frozen)
             return
@@ -395,8 +529,11 @@ class RunEngine:
         key = pending.action.idempotency_key or ""
         if pending.replay_of is not None:
             authoritative = self.adapter.lookup(key)
-            self._commit(self._reviewed(lambda seen: machine.record_replay(
-                state, authoritative, now=now, observed=seen)))
+            self._commit(
+                self._reviewed(
+                    lambda seen: machine.record_replay(state, authoritative, now=now, observed=seen)
+                )
+            )
             return
         if not self._adapter_checks_preconditions:
             # Defence in depth: the adapter's own version check misses an edit that left
@@ -408,29 +545,38 @@ class RunEngine:
                 return
         approval = pending.approval.digest if pending.approval is not None else None
         try:
-            receipt = self.adapter.execute(pending.action, pending.intent_digest,
-                                           self._fence(), approval)
+            receipt = self.adapter.execute(
+                pending.action, pending.intent_digest, self._fence(), approval
+            )
         except IdempotencyConflictError as exc:
             conflicting = exc.context.get("receipt")
             if conflicting is None:
                 conflicting = self.adapter.lookup(key)
             seen = self.adapter.observe()
             if conflicting is None:
-                self._commit(machine.open_review(state, ReviewReason.RECEIPT_MISSING, None,
-                                                 now=now, observed=seen,
-                                                 detail="adapter reported a conflict "
-                                                 "but shows no receipt"))
+                self._commit(
+                    machine.open_review(
+                        state,
+                        ReviewReason.RECEIPT_MISSING,
+                        None,
+                        now=now,
+                        observed=seen,
+                        detail="adapter reported a conflict but shows no receipt",
+                    )
+                )
             else:
-                self._commit(machine.record_receipt(state, conflicting, now=now,
-                                                    observed=seen))
+                self._commit(machine.record_receipt(state, conflicting, now=now, observed=seen))
             return
         except FenceRejectedError:
             raise  # a newer owner exists: stop before anything else
         except AdapterError as exc:
             if exc.context.get("retryable"):
                 raise
-            self._commit(machine.record_execution_error(state, exc.message,
-                                                        now=self.clock.now(), fatal=False))
+            self._commit(
+                machine.record_execution_error(
+                    state, exc.message, now=self.clock.now(), fatal=False
+                )
+            )
             return
         self._probe(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
         self._record_and_complete(receipt, TraceOutcome.EXECUTED)
@@ -468,12 +614,15 @@ class RunEngine:
             return
         raise EnvironmentMismatchError(
             "the environment changed since the pending write was planned; nothing was sent",
-            reason="stale_observation", expected_version=pending.env_before.version,
+            reason="stale_observation",
+            expected_version=pending.env_before.version,
             observed_version=live.version,
-            fingerprint_changed=live.fingerprint != pending.env_before.fingerprint)
+            fingerprint_changed=live.fingerprint != pending.env_before.fingerprint,
+        )
 
-    def _record_and_complete(self, receipt: Receipt, outcome: TraceOutcome,
-                             observed: Observation | None = None) -> None:
+    def _record_and_complete(
+        self, receipt: Receipt, outcome: TraceOutcome, observed: Observation | None = None
+    ) -> None:
         """Commit the adapter's receipt together with the state it implies: one commit.
 
         Timeline: adapter wrote -> environment observed -> receipt checked -> ONE commit of
@@ -495,8 +644,9 @@ class RunEngine:
                     self._commit(alone)
                     self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
                 raise
-        checked = machine.record_receipt(self.state, receipt, now=now, traced=False,
-                                         observed=observed)
+        checked = machine.record_receipt(
+            self.state, receipt, now=now, traced=False, observed=observed
+        )
         if checked.pending is None or checked.pending.receipt is None:
             self._commit(checked)  # a review case was opened instead
             return
@@ -510,8 +660,9 @@ class RunEngine:
 
     def _complete(self, outcome: TraceOutcome) -> None:
         observed = self.adapter.observe()
-        self._commit(machine.complete_write(self.state, observed, now=self.clock.now(),
-                                            outcome=outcome))
+        self._commit(
+            machine.complete_write(self.state, observed, now=self.clock.now(), outcome=outcome)
+        )
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -537,10 +688,16 @@ class RunEngine:
             # adapter's authoritative receipt still reads the same.
             authoritative = self.adapter.lookup(key)
             if authoritative is None or authoritative.fingerprint != pending.receipt.fingerprint:
-                reason = (ReviewReason.RECEIPT_MISSING if authoritative is None
-                          else ReviewReason.RECEIPT_DRIFT)
-                self._commit(machine.open_review(state, reason, authoritative, now=now,
-                                                 observed=self.adapter.observe()))
+                reason = (
+                    ReviewReason.RECEIPT_MISSING
+                    if authoritative is None
+                    else ReviewReason.RECEIPT_DRIFT
+                )
+                self._commit(
+                    machine.open_review(
+                        state, reason, authoritative, now=now, observed=self.adapter.observe()
+                    )
+                )
             else:
                 self._complete(TraceOutcome.RECONCILED)
             return self._result(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
@@ -560,17 +717,25 @@ class RunEngine:
         # with the same key. An effect without a receipt cannot be explained: review.
         observed = self.adapter.observe()
         if not observed.same_state(pending.env_before):
-            self._commit(machine.open_review(
-                state, ReviewReason.RECEIPT_MISSING, None, now=now, observed=observed,
-                detail="environment changed but the adapter has no receipt for the key"))
+            self._commit(
+                machine.open_review(
+                    state,
+                    ReviewReason.RECEIPT_MISSING,
+                    None,
+                    now=now,
+                    observed=observed,
+                    detail="environment changed but the adapter has no receipt for the key",
+                )
+            )
         else:
             self._execute_pending(observed)
         return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
 
     # -- human evidence and control ------------------------------------------------------------
 
-    def refresh_pending_approval(self, evidence: ApprovalEvidence, *,
-                                 execute: bool = True) -> StepResult:
+    def refresh_pending_approval(
+        self, evidence: ApprovalEvidence, *, execute: bool = True
+    ) -> StepResult:
         """Bind a fresh exact approval to the pending write, commit, and (by default)
         execute it. The superseded evidence is sealed in the trace.
 
@@ -580,8 +745,14 @@ class RunEngine:
         """
         if self.approvers is None:
             raise ConfigurationError("no approver trust root configured")
-        new = machine.attach_approval(self.state, self.scenario, evidence, self.approvers,
-                                      generation=self.generation, now=self.clock.now())
+        new = machine.attach_approval(
+            self.state,
+            self.scenario,
+            evidence,
+            self.approvers,
+            generation=self.generation,
+            now=self.clock.now(),
+        )
         self._commit(new)
         if execute:
             self._execute_pending()
@@ -599,9 +770,15 @@ class RunEngine:
         key = case.pending.action.idempotency_key if case is not None else None
         authoritative = self.adapter.lookup(key) if key else None
         observed = self.adapter.observe()
-        new = machine.apply_review_decision(self.state, self.scenario, decision,
-                                            self.reviewers, authoritative=authoritative,
-                                            observed=observed, now=self.clock.now())
+        new = machine.apply_review_decision(
+            self.state,
+            self.scenario,
+            decision,
+            self.reviewers,
+            authoritative=authoritative,
+            observed=observed,
+            now=self.clock.now(),
+        )
         self._commit(new)
         return self._result()
 
@@ -637,20 +814,35 @@ class RunEngine:
         observed = self.observed_at_restore if settled is None else self.adapter.observe()
         now = self.clock.now()
         try:
-            new = machine.cancel(self.state, reason, now=now, by=by, request_id=request_id,
-                                 settled=settled, observed=observed)
+            new = machine.cancel(
+                self.state,
+                reason,
+                now=now,
+                by=by,
+                request_id=request_id,
+                settled=settled,
+                observed=observed,
+            )
         except InvalidTransitionError:
             pending = self.state.pending
             if settled is None or pending is None:
                 raise
             receipt = settled.receipt
-            reason_code = (ReviewReason.RECEIPT_MISSING if receipt is None
-                           else ReviewReason.INTENT_CONFLICT
-                           if receipt.intent_digest != pending.intent_digest
-                           else ReviewReason.RECEIPT_DRIFT)
-            new = machine.open_review(self.state, reason_code, receipt, now=now,
-                                      observed=observed,
-                                      detail="found while settling a cancelled run's write")
+            reason_code = (
+                ReviewReason.RECEIPT_MISSING
+                if receipt is None
+                else ReviewReason.INTENT_CONFLICT
+                if receipt.intent_digest != pending.intent_digest
+                else ReviewReason.RECEIPT_DRIFT
+            )
+            new = machine.open_review(
+                self.state,
+                reason_code,
+                receipt,
+                now=now,
+                observed=observed,
+                detail="found while settling a cancelled run's write",
+            )
         self._commit(new)
         return self._result()
 
@@ -664,12 +856,19 @@ class RunEngine:
         """
         if self.reviewers is None:
             raise ConfigurationError("no reviewer trust root configured")
-        machine.check_rebaseline(self.state, self.scenario, decision, self.reviewers,
-                                 generation=self.generation)
+        machine.check_rebaseline(
+            self.state, self.scenario, decision, self.reviewers, generation=self.generation
+        )
         settled = self._settle_pending()
-        new = machine.apply_rebaseline(self.state, self.scenario, decision, self.reviewers,
-                                       generation=self.generation,
-                                       observed=self.adapter.observe(), settled=settled,
-                                       now=self.clock.now())
+        new = machine.apply_rebaseline(
+            self.state,
+            self.scenario,
+            decision,
+            self.reviewers,
+            generation=self.generation,
+            observed=self.adapter.observe(),
+            settled=settled,
+            now=self.clock.now(),
+        )
         self._commit(new)
         return self._result()

@@ -147,75 +147,109 @@ class TrustRoots:
     revoked: frozenset[str] = frozenset()
 
     @classmethod
-    def from_public_bytes(cls, role: str, keys: Mapping[str, bytes],
-                          revoked: frozenset[str] = frozenset()) -> TrustRoots:
+    def from_public_bytes(
+        cls, role: str, keys: Mapping[str, bytes], revoked: frozenset[str] = frozenset()
+    ) -> TrustRoots:
         """Build trust roots from raw 32-byte Ed25519 public keys. Raises ConfigurationError."""
         parsed: dict[str, Ed25519PublicKey] = {}
         for signer, raw in keys.items():
             try:
                 parsed[signer] = Ed25519PublicKey.from_public_bytes(raw)
             except ValueError:
-                raise ConfigurationError(f"{role} key for {signer!r} is not an Ed25519 "
-                                         "public key", signer=signer) from None
+                raise ConfigurationError(
+                    f"{role} key for {signer!r} is not an Ed25519 public key", signer=signer
+                ) from None
         return cls(role, parsed, revoked)
 
     def __repr__(self) -> str:
         return f"TrustRoots(role={self.role!r}, signers={sorted(self.keys)!r})"
 
-    def verify(self, domain: bytes, signer: str, claims: Frozen, signature_hex: str,
-               error: type[EvidenceError], *, allow_revoked: bool = False) -> None:
+    def verify(
+        self,
+        domain: bytes,
+        signer: str,
+        claims: Frozen,
+        signature_hex: str,
+        error: type[EvidenceError],
+        *,
+        allow_revoked: bool = False,
+    ) -> None:
         """Verify one signature. ``allow_revoked`` is for sealed, historical evidence that
         was verified when it was used: a later revocation does not unmake it."""
         key = self.keys.get(signer)
         if key is None:
-            raise error(f"unknown {self.role} {signer!r}", reason="unknown_signer",
-                        signer=signer)
+            raise error(f"unknown {self.role} {signer!r}", reason="unknown_signer", signer=signer)
         if signer in self.revoked and not allow_revoked:
-            raise error(f"{self.role} {signer!r} is revoked", reason="revoked_signer",
-                        signer=signer)
+            raise error(
+                f"{self.role} {signer!r} is revoked", reason="revoked_signer", signer=signer
+            )
         try:
             key.verify(bytes.fromhex(signature_hex), _message(domain, signer, claims))
         except (InvalidSignature, ValueError):
-            raise error(f"signature by {self.role} {signer!r} does not verify",
-                        reason="bad_signature", signer=signer) from None
+            raise error(
+                f"signature by {self.role} {signer!r} does not verify",
+                reason="bad_signature",
+                signer=signer,
+            ) from None
 
-    def verify_approval(self, evidence: ApprovalEvidence, *,
-                        allow_revoked: bool = False) -> None:
+    def verify_approval(self, evidence: ApprovalEvidence, *, allow_revoked: bool = False) -> None:
         """Raises ApprovalError (``reason``: unknown_signer, revoked_signer, bad_signature)."""
-        self.verify(Domain.APPROVAL, evidence.approver_id, evidence.claims,
-                    evidence.signature, ApprovalError, allow_revoked=allow_revoked)
+        self.verify(
+            Domain.APPROVAL,
+            evidence.approver_id,
+            evidence.claims,
+            evidence.signature,
+            ApprovalError,
+            allow_revoked=allow_revoked,
+        )
 
     def verify_review(self, decision: ReviewDecision, *, allow_revoked: bool = False) -> None:
         """Raises ReviewDecisionError (same reasons as :meth:`verify_approval`)."""
-        self.verify(Domain.REVIEW, decision.reviewer_id, decision.claims,
-                    decision.signature, ReviewDecisionError, allow_revoked=allow_revoked)
+        self.verify(
+            Domain.REVIEW,
+            decision.reviewer_id,
+            decision.claims,
+            decision.signature,
+            ReviewDecisionError,
+            allow_revoked=allow_revoked,
+        )
 
-    def verify_rebaseline(self, decision: RebaselineDecision, *,
-                          allow_revoked: bool = False) -> None:
+    def verify_rebaseline(
+        self, decision: RebaselineDecision, *, allow_revoked: bool = False
+    ) -> None:
         """Raises ReviewDecisionError (same reasons as :meth:`verify_approval`)."""
-        self.verify(Domain.REBASELINE, decision.reviewer_id, decision.claims,
-                    decision.signature, ReviewDecisionError, allow_revoked=allow_revoked)
+        self.verify(
+            Domain.REBASELINE,
+            decision.reviewer_id,
+            decision.claims,
+            decision.signature,
+            ReviewDecisionError,
+            allow_revoked=allow_revoked,
+        )
 
     def is_revoked(self, signer: str) -> bool:
         return signer in self.revoked
 
 
-def sign_approval(private_key: Ed25519PrivateKey, approver_id: str,
-                  claims: ApprovalClaims) -> ApprovalEvidence:
+def sign_approval(
+    private_key: Ed25519PrivateKey, approver_id: str, claims: ApprovalClaims
+) -> ApprovalEvidence:
     """Sign approval claims (control plane / CLI side; workers never hold private keys)."""
     sig = private_key.sign(_message(Domain.APPROVAL, approver_id, claims))
     return ApprovalEvidence(claims=claims, approver_id=approver_id, signature=sig.hex())
 
 
-def sign_review_decision(private_key: Ed25519PrivateKey, reviewer_id: str,
-                         claims: ReviewDecisionClaims) -> ReviewDecision:
+def sign_review_decision(
+    private_key: Ed25519PrivateKey, reviewer_id: str, claims: ReviewDecisionClaims
+) -> ReviewDecision:
     """Sign a reviewer decision (reviewer side)."""
     sig = private_key.sign(_message(Domain.REVIEW, reviewer_id, claims))
     return ReviewDecision(claims=claims, reviewer_id=reviewer_id, signature=sig.hex())
 
 
-def sign_rebaseline(private_key: Ed25519PrivateKey, reviewer_id: str,
-                    claims: RebaselineClaims) -> RebaselineDecision:
+def sign_rebaseline(
+    private_key: Ed25519PrivateKey, reviewer_id: str, claims: RebaselineClaims
+) -> RebaselineDecision:
     """Sign a rebaseline decision (reviewer side)."""
     sig = private_key.sign(_message(Domain.REBASELINE, reviewer_id, claims))
     return RebaselineDecision(claims=claims, reviewer_id=reviewer_id, signature=sig.hex())

@@ -114,8 +114,14 @@ class Proposal:
     reason: str = ""
 
 
-def new_run(run_id: str, scenario: Scenario, observation: Observation, now: int, *,
-            document_digest: str | None = None) -> RunState:
+def new_run(
+    run_id: str,
+    scenario: Scenario,
+    observation: Observation,
+    now: int,
+    *,
+    document_digest: str | None = None,
+) -> RunState:
     """The initial state of a run on an observed environment. ``document_digest`` binds
     the signed run document the run was created from into every checkpoint."""
     state = RunState(
@@ -132,33 +138,45 @@ def new_run(run_id: str, scenario: Scenario, observation: Observation, now: int,
         started_at=now,
         environment=observation,
     )
-    return _with(state, _event(state, now, TraceOutcome.STARTED,
-                               detail={"env_instance_id": observation.instance_id}))
+    return _with(
+        state,
+        _event(
+            state, now, TraceOutcome.STARTED, detail={"env_instance_id": observation.instance_id}
+        ),
+    )
 
 
 # --- proposals ---------------------------------------------------------------------------
 
 
-def _reject(state: RunState, now: int, outcome: TraceOutcome, reason: str,
-            action: Action | None = None) -> Proposal:
+def _reject(
+    state: RunState, now: int, outcome: TraceOutcome, reason: str, action: Action | None = None
+) -> Proposal:
     event = _event(state, now, outcome, action=action, detail={"reason": reason})
     return Proposal(_with(state, event), Disposition.REJECTED, outcome, action, reason)
 
 
 def _exhaust(state: RunState, now: int, which: str, action: Action | None = None) -> Proposal:
-    event = _event(state, now, TraceOutcome.BUDGET_EXHAUSTED, action=action,
-                   detail={"budget": which})
+    event = _event(
+        state, now, TraceOutcome.BUDGET_EXHAUSTED, action=action, detail={"budget": which}
+    )
     phase = transition(state.phase, Event.BUDGET_EXHAUSTED)
-    new = _with(state, event, phase=phase, stop_reason=f"budget exhausted: {which}",
-                pending=None)
+    new = _with(state, event, phase=phase, stop_reason=f"budget exhausted: {which}", pending=None)
     return Proposal(new, Disposition.FINISHED, TraceOutcome.BUDGET_EXHAUSTED, action, which)
 
 
-def propose(state: RunState, scenario: Scenario, raw: Action | dict[str, Any], *, now: int,
-            generation: int, project: Projector | None = None,
-            approval: ApprovalEvidence | None = None,
-            approvers: TrustRoots | None = None,
-            agent_state: dict[str, Any] | None = None) -> Proposal:
+def propose(
+    state: RunState,
+    scenario: Scenario,
+    raw: Action | dict[str, Any],
+    *,
+    now: int,
+    generation: int,
+    project: Projector | None = None,
+    approval: ApprovalEvidence | None = None,
+    approvers: TrustRoots | None = None,
+    agent_state: dict[str, Any] | None = None,
+) -> Proposal:
     """Gate one proposal. See the module docstring for the order of checks.
 
     ``agent_state``, when given, replaces the agent's own JSON state in whatever this
@@ -168,22 +186,31 @@ def propose(state: RunState, scenario: Scenario, raw: Action | dict[str, Any], *
         InvalidTransitionError: the run is terminal (nothing is recorded).
     """
     if state.phase in TERMINAL_PHASES:
-        raise InvalidTransitionError(f"run is {state.phase.value}; it takes no proposals",
-                                     phase=state.phase.value)
+        raise InvalidTransitionError(
+            f"run is {state.phase.value}; it takes no proposals", phase=state.phase.value
+        )
     budgets = scenario.budgets
-    if state.phase is not Phase.RUNNING or state.usage.proposals >= budgets.proposals or (
-            now - state.started_at > budgets.wall_clock_seconds):
+    if (
+        state.phase is not Phase.RUNNING
+        or state.usage.proposals >= budgets.proposals
+        or (now - state.started_at > budgets.wall_clock_seconds)
+    ):
         if agent_state is not None:
             state = state.model_copy(update={"agent_state": agent_state})
         if state.phase is not Phase.RUNNING:
-            return _reject(state, now, TraceOutcome.REJECTED_PHASE,
-                           f"run is {state.phase.value}: proposals are frozen")
+            return _reject(
+                state,
+                now,
+                TraceOutcome.REJECTED_PHASE,
+                f"run is {state.phase.value}: proposals are frozen",
+            )
         if state.usage.proposals >= budgets.proposals:
             return _exhaust(state, now, "proposals")
         return _exhaust(state, now, "wall_clock_seconds")
     # The agent's state and the proposal count change together: one copy.
     counted: dict[str, Any] = {
-        "usage": state.usage.model_copy(update={"proposals": state.usage.proposals + 1})}
+        "usage": state.usage.model_copy(update={"proposals": state.usage.proposals + 1})
+    }
     if agent_state is not None:
         counted["agent_state"] = agent_state
     state = state.model_copy(update=counted)
@@ -192,58 +219,112 @@ def propose(state: RunState, scenario: Scenario, raw: Action | dict[str, Any], *
     except ActionError as exc:
         return _reject(state, now, TraceOutcome.REJECTED_SCHEMA, exc.message)
     if now > action.deadline_at:
-        return _reject(state, now, TraceOutcome.REJECTED_DEADLINE,
-                       "proposal deadline has passed", action)
+        return _reject(
+            state, now, TraceOutcome.REJECTED_DEADLINE, "proposal deadline has passed", action
+        )
     if state.pending is not None:
-        return _reject(state, now, TraceOutcome.REJECTED_PENDING,
-                       "a pending write must finish first", action)
+        return _reject(
+            state, now, TraceOutcome.REJECTED_PENDING, "a pending write must finish first", action
+        )
     if action.kind not in scenario.permissions:
-        return _reject(state, now, TraceOutcome.REJECTED_PERMISSION,
-                       f"{action.kind.value} is not permitted", action)
+        return _reject(
+            state,
+            now,
+            TraceOutcome.REJECTED_PERMISSION,
+            f"{action.kind.value} is not permitted",
+            action,
+        )
     for name in ("path",):
         if name in action.args and not scenario.path_allowed(action.args[name]):
-            return _reject(state, now, TraceOutcome.REJECTED_SCOPE,
-                           f"path {action.args[name]!r} is outside allowed_paths", action)
+            return _reject(
+                state,
+                now,
+                TraceOutcome.REJECTED_SCOPE,
+                f"path {action.args[name]!r} is outside allowed_paths",
+                action,
+            )
     target = kind_spec_target(action.kind, action.args)
     if target is not None and not scenario.target_allowed(action.kind, target):
-        return _reject(state, now, TraceOutcome.REJECTED_SCOPE,
-                       f"target {target!r} is not allow-listed", action)
+        return _reject(
+            state,
+            now,
+            TraceOutcome.REJECTED_SCOPE,
+            f"target {target!r} is not allow-listed",
+            action,
+        )
     if action.expected_env_version != state.environment.version:
-        return _reject(state, now, TraceOutcome.REJECTED_STALE_ENV,
-                       f"planned against environment version {action.expected_env_version}, "
-                       f"current is {state.environment.version}", action)
+        return _reject(
+            state,
+            now,
+            TraceOutcome.REJECTED_STALE_ENV,
+            f"planned against environment version {action.expected_env_version}, "
+            f"current is {state.environment.version}",
+            action,
+        )
     if action.kind is ActionKind.FINISH:
         return _finish(state, now, action)
     if state.usage.steps >= budgets.steps:
         return _exhaust(state, now, "steps", action)
     if state.usage.cost_units + action.cost_units > budgets.cost_units:
         return _exhaust(state, now, "cost_units", action)
-    state = state.model_copy(update={"usage": state.usage.model_copy(update={
-        "steps": state.usage.steps + 1,
-        "cost_units": state.usage.cost_units + action.cost_units,
-    })})
+    state = state.model_copy(
+        update={
+            "usage": state.usage.model_copy(
+                update={
+                    "steps": state.usage.steps + 1,
+                    "cost_units": state.usage.cost_units + action.cost_units,
+                }
+            )
+        }
+    )
     if not action.is_write:
-        disposition = Disposition.READ if action.kind is ActionKind.READ_FILE else (
-            Disposition.VERIFY)
+        disposition = (
+            Disposition.READ if action.kind is ActionKind.READ_FILE else (Disposition.VERIFY)
+        )
         # Reads and verifications leave no trace until their result is applied.
         return Proposal(state, disposition, TraceOutcome.READ, action)
-    return _propose_write(state, scenario, action, now=now, generation=generation,
-                          project=project, approval=approval, approvers=approvers)
+    return _propose_write(
+        state,
+        scenario,
+        action,
+        now=now,
+        generation=generation,
+        project=project,
+        approval=approval,
+        approvers=approvers,
+    )
 
 
-def _propose_write(state: RunState, scenario: Scenario, action: Action, *, now: int,
-                   generation: int, project: Projector | None,
-                   approval: ApprovalEvidence | None,
-                   approvers: TrustRoots | None) -> Proposal:
+def _propose_write(
+    state: RunState,
+    scenario: Scenario,
+    action: Action,
+    *,
+    now: int,
+    generation: int,
+    project: Projector | None,
+    approval: ApprovalEvidence | None,
+    approvers: TrustRoots | None,
+) -> Proposal:
     key = action.idempotency_key
     intent = action.intent_digest
     if key in state.quarantined_keys:
-        return _reject(state, now, TraceOutcome.REJECTED_KEY_QUARANTINED,
-                       "key was quarantined by a reviewer; plan with a new key", action)
+        return _reject(
+            state,
+            now,
+            TraceOutcome.REJECTED_KEY_QUARANTINED,
+            "key was quarantined by a reviewer; plan with a new key",
+            action,
+        )
     cached = state.cached(key) if key else None
     if cached is not None and cached.intent_digest != intent:
-        return _reject(state, now, TraceOutcome.REJECTED_KEY_CONFLICT,
-                       "key was already used for a different intent", action)
+        return _reject(
+            state,
+            now,
+            TraceOutcome.REJECTED_KEY_CONFLICT,
+            "key was already used for a different intent",
+            action,
+        )
     env = state.environment
     pending = PendingWrite(
         action=action,
@@ -253,27 +334,42 @@ def _propose_write(state: RunState, scenario: Scenario, action: Action, *, now: 
         replay_of=cached.receipt_fingerprint if cached is not None else None,
     )
     disposition = Disposition.CHECK_REPLAY if cached is not None else Disposition.EXECUTE_WRITE
-    accepted = _with(state, _event(state, now, TraceOutcome.ACCEPTED_PENDING, action=action,
-                                   detail={"replay": int(cached is not None)}),
-                     pending=pending)
+    accepted = _with(
+        state,
+        _event(
+            state,
+            now,
+            TraceOutcome.ACCEPTED_PENDING,
+            action=action,
+            detail={"replay": int(cached is not None)},
+        ),
+        pending=pending,
+    )
     if not scenario.needs_approval(action.kind):
         return Proposal(accepted, disposition, TraceOutcome.ACCEPTED_PENDING, action)
     if approval is not None and approvers is not None:
         try:
-            approved = attach_approval(accepted, scenario, approval, approvers,
-                                       generation=generation, now=now)
+            approved = attach_approval(
+                accepted, scenario, approval, approvers, generation=generation, now=now
+            )
         except ApprovalError as exc:
             waiting = _await(accepted, now, action, f"approval refused: {exc.message}")
-            return Proposal(waiting, Disposition.AWAIT_APPROVAL, TraceOutcome.REJECTED_APPROVAL,
-                            action, exc.message)
+            return Proposal(
+                waiting,
+                Disposition.AWAIT_APPROVAL,
+                TraceOutcome.REJECTED_APPROVAL,
+                action,
+                exc.message,
+            )
         return Proposal(approved, disposition, TraceOutcome.ACCEPTED_PENDING, action)
     waiting = _await(accepted, now, action, "approval required")
     return Proposal(waiting, Disposition.AWAIT_APPROVAL, TraceOutcome.AWAITING_APPROVAL, action)
 
 
 def _await(state: RunState, now: int, action: Action, reason: str) -> RunState:
-    event = _event(state, now, TraceOutcome.AWAITING_APPROVAL, action=action,
-                   detail={"reason": reason})
+    event = _event(
+        state, now, TraceOutcome.AWAITING_APPROVAL, action=action, detail={"reason": reason}
+    )
     return _with(state, event, phase=transition(state.phase, Event.APPROVAL_NEEDED))
 
 
@@ -286,26 +382,49 @@ def _finish(state: RunState, now: int, action: Action) -> Proposal:
         and report.env_instance_id == env.instance_id
         and report.env_version == env.version
         and report.env_fingerprint == env.fingerprint
-        and (state.last_write_env_version is None
-             or report.env_version >= state.last_write_env_version)
-        and any(e.outcome is TraceOutcome.VERIFIED and e.verifier == report
-                for e in state.trace)
+        and (
+            state.last_write_env_version is None
+            or report.env_version >= state.last_write_env_version
+        )
+        and any(e.outcome is TraceOutcome.VERIFIED and e.verifier == report for e in state.trace)
     )
     if not ok:
-        return _reject(state, now, TraceOutcome.REJECTED_UNVERIFIED,
-                       "no passing verifier event at the current environment version", action)
-    event = _event(state, now, TraceOutcome.COMPLETED, action=action,
-                   detail={"summary": action.args["summary"][:1024]})
-    new = _with(state, event, phase=transition(state.phase, Event.COMPLETE),
-                stop_reason="completed", plan_cursor=state.plan_cursor + 1)
+        return _reject(
+            state,
+            now,
+            TraceOutcome.REJECTED_UNVERIFIED,
+            "no passing verifier event at the current environment version",
+            action,
+        )
+    event = _event(
+        state,
+        now,
+        TraceOutcome.COMPLETED,
+        action=action,
+        detail={"summary": action.args["summary"][:1024]},
+    )
+    new = _with(
+        state,
+        event,
+        phase=transition(state.phase, Event.COMPLETE),
+        stop_reason="completed",
+        plan_cursor=state.plan_cursor + 1,
+    )
     return Proposal(new, Disposition.FINISHED, TraceOutcome.COMPLETED, action)
 
 
 # --- approvals ---------------------------------------------------------------------------
 
 
-def _check_approval(state: RunState, scenario: Scenario, evidence: ApprovalEvidence,
-                    approvers: TrustRoots, *, generation: int, now: int) -> PendingWrite:
+def _check_approval(
+    state: RunState,
+    scenario: Scenario,
+    evidence: ApprovalEvidence,
+    approvers: TrustRoots,
+    *,
+    generation: int,
+    now: int,
+) -> PendingWrite:
     pending = state.pending
     if pending is None:
         raise ApprovalError("there is no pending write to approve", reason="no_pending")
@@ -316,8 +435,7 @@ def _check_approval(state: RunState, scenario: Scenario, evidence: ApprovalEvide
     bound = {
         "task_id": (c.task_id, scenario.task_id),
         "run_id": (c.run_id, state.run_id),
-        "policy": ((c.policy_id, c.policy_version),
-                   (scenario.policy_id, scenario.policy_version)),
+        "policy": ((c.policy_id, c.policy_version), (scenario.policy_id, scenario.policy_version)),
         "action_id": (c.action_id, action.action_id),
         "idempotency_key": (c.idempotency_key, action.idempotency_key),
         "intent_digest": (c.intent_digest, pending.intent_digest),
@@ -328,45 +446,61 @@ def _check_approval(state: RunState, scenario: Scenario, evidence: ApprovalEvide
     }
     for name, (claimed, actual) in bound.items():
         if claimed != actual:
-            raise ApprovalError(f"approval is bound to another {name}", reason="binding",
-                                field=name)
+            raise ApprovalError(
+                f"approval is bound to another {name}", reason="binding", field=name
+            )
     if c.nonce in state.consumed_nonces:
-        raise ApprovalError("approval nonce was already consumed", reason="replayed_nonce",
-                            nonce=c.nonce)
+        raise ApprovalError(
+            "approval nonce was already consumed", reason="replayed_nonce", nonce=c.nonce
+        )
     if c.expired(now=now, proposals_used=state.usage.proposals):
         raise ApprovalError("approval has expired", reason="expired")
     return pending
 
 
-def attach_approval(state: RunState, scenario: Scenario, evidence: ApprovalEvidence,
-                    approvers: TrustRoots, *, generation: int, now: int) -> RunState:
+def attach_approval(
+    state: RunState,
+    scenario: Scenario,
+    evidence: ApprovalEvidence,
+    approvers: TrustRoots,
+    *,
+    generation: int,
+    now: int,
+) -> RunState:
     """Bind a fresh, exact, trusted approval to the pending write and consume its nonce.
 
     Any approval the pending write held before is sealed in the trace. Raises
     ApprovalError (``reason`` says which check failed); the state is then unchanged.
     """
-    pending = _check_approval(state, scenario, evidence, approvers,
-                              generation=generation, now=now)
+    pending = _check_approval(state, scenario, evidence, approvers, generation=generation, now=now)
     phase = state.phase
     if phase is Phase.AWAITING_APPROVAL:
         phase = transition(phase, Event.APPROVAL_GRANTED)
     elif phase is not Phase.RUNNING:
-        raise ApprovalError(f"run is {phase.value}; approvals are not accepted",
-                            reason="phase")
-    event = _event(state, now, TraceOutcome.APPROVAL_REFRESHED, action=pending.action,
-                   detail={"approver_id": evidence.approver_id,
-                           "approval_digest": evidence.digest},
-                   sealed_approval=pending.approval)
-    return _with(state, event, phase=phase,
-                 pending=pending.model_copy(update={"approval": evidence}),
-                 consumed_nonces=(*state.consumed_nonces, evidence.claims.nonce))
+        raise ApprovalError(f"run is {phase.value}; approvals are not accepted", reason="phase")
+    event = _event(
+        state,
+        now,
+        TraceOutcome.APPROVAL_REFRESHED,
+        action=pending.action,
+        detail={"approver_id": evidence.approver_id, "approval_digest": evidence.digest},
+        sealed_approval=pending.approval,
+    )
+    return _with(
+        state,
+        event,
+        phase=phase,
+        pending=pending.model_copy(update={"approval": evidence}),
+        consumed_nonces=(*state.consumed_nonces, evidence.claims.nonce),
+    )
 
 
 refresh_pending_approval = attach_approval
 
 
-def check_executable(state: RunState, scenario: Scenario, *, now: int,
-                     approvers: TrustRoots | None = None) -> RunState | None:
+def check_executable(
+    state: RunState, scenario: Scenario, *, now: int, approvers: TrustRoots | None = None
+) -> RunState | None:
     """Decide whether the pending write may be sent to the adapter now.
 
     Returns None when it may. Otherwise returns the new state: an approval-requiring write
@@ -378,21 +512,33 @@ def check_executable(state: RunState, scenario: Scenario, *, now: int,
     if pending is None or pending.receipt is not None:
         raise InvalidTransitionError("there is no pending write to execute")
     if state.phase is not Phase.RUNNING:
-        raise InvalidTransitionError(f"run is {state.phase.value}; nothing may execute",
-                                     phase=state.phase.value)
+        raise InvalidTransitionError(
+            f"run is {state.phase.value}; nothing may execute", phase=state.phase.value
+        )
     if not scenario.needs_approval(pending.action.kind):
         return None
     approval = pending.approval
-    revoked = (approval is not None and approvers is not None
-               and approvers.is_revoked(approval.approver_id))
-    if approval is not None and not revoked and not approval.claims.expired(
-        now=now, proposals_used=state.usage.proposals
+    revoked = (
+        approval is not None
+        and approvers is not None
+        and approvers.is_revoked(approval.approver_id)
+    )
+    if (
+        approval is not None
+        and not revoked
+        and not approval.claims.expired(now=now, proposals_used=state.usage.proposals)
     ):
         return None
-    reason = ("approval missing" if approval is None
-              else "approver revoked" if revoked else "approval expired")
-    event = _event(state, now, TraceOutcome.APPROVAL_EXPIRED, action=pending.action,
-                   detail={"reason": reason})
+    reason = (
+        "approval missing"
+        if approval is None
+        else "approver revoked"
+        if revoked
+        else "approval expired"
+    )
+    event = _event(
+        state, now, TraceOutcome.APPROVAL_EXPIRED, action=pending.action, detail={"reason": reason}
+    )
     return _with(state, event, phase=transition(state.phase, Event.APPROVAL_NEEDED))
 
 
@@ -402,9 +548,13 @@ def approval_deadline_ms(state: RunState, scenario: Scenario) -> int:
     an engine whose clock is wrong still cannot commit the write for execution late. 0
     for every other state."""
     pending = state.pending
-    if (pending is None or pending.receipt is not None or pending.approval is None
-            or state.phase is not Phase.RUNNING
-            or not scenario.needs_approval(pending.action.kind)):
+    if (
+        pending is None
+        or pending.receipt is not None
+        or pending.approval is None
+        or state.phase is not Phase.RUNNING
+        or not scenario.needs_approval(pending.action.kind)
+    ):
         return 0
     # ``expired`` means ``now > expires_at`` in whole seconds: the last valid instant is
     # the end of that second.

@@ -81,9 +81,15 @@ def _apply(files: Mapping[str, str], action: Action) -> dict[str, str] | None:
 class MemoryWorkspace:
     """A workspace of text files with versions, fences and authoritative receipts."""
 
-    def __init__(self, instance_id: str, files: Mapping[str, str], *, clock: ManualClock,
-                 expectations: Mapping[str, Mapping[str, str]] | None = None,
-                 namespace: str = "memory-workspace") -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        files: Mapping[str, str],
+        *,
+        clock: ManualClock,
+        expectations: Mapping[str, Mapping[str, str]] | None = None,
+        namespace: str = "memory-workspace",
+    ) -> None:
         self.instance_id = instance_id
         self.files: dict[str, str] = dict(files)
         self.version = 1
@@ -106,8 +112,11 @@ class MemoryWorkspace:
         return len(self.effects)
 
     def observe(self) -> Observation:
-        return Observation(instance_id=self.instance_id, version=self.version,
-                           fingerprint=files_fingerprint(self.files))
+        return Observation(
+            instance_id=self.instance_id,
+            version=self.version,
+            fingerprint=files_fingerprint(self.files),
+        )
 
     def project(self, action: Action, before: Observation) -> Observation | None:
         if not before.same_state(self.observe()):
@@ -118,30 +127,41 @@ class MemoryWorkspace:
             after = _apply(self.files, action)
         if after is None:
             return None
-        return Observation(instance_id=self.instance_id, version=self.version + 1,
-                           fingerprint=files_fingerprint(after))
+        return Observation(
+            instance_id=self.instance_id,
+            version=self.version + 1,
+            fingerprint=files_fingerprint(after),
+        )
 
     def _check_fence(self, fence: Fence) -> None:
         if fence.store_epoch is not None:
             if self.store_epoch is None:
                 self.store_epoch = fence.store_epoch
             elif self.store_epoch != fence.store_epoch:
-                raise FenceRejectedError("this environment serves another store",
-                                         run_id=fence.run_id, reason="store_epoch",
-                                         bound_epoch=self.store_epoch,
-                                         fence_epoch=fence.store_epoch)
+                raise FenceRejectedError(
+                    "this environment serves another store",
+                    run_id=fence.run_id,
+                    reason="store_epoch",
+                    bound_epoch=self.store_epoch,
+                    fence_epoch=fence.store_epoch,
+                )
         seen = self.fences.get(fence.run_id)
         if seen is not None and fence.key() < seen:
             self.refused_stale += 1
-            raise FenceRejectedError("fence is older than one already seen",
-                                     run_id=fence.run_id, fence=fence.key(), seen=seen)
+            raise FenceRejectedError(
+                "fence is older than one already seen",
+                run_id=fence.run_id,
+                fence=fence.key(),
+                seen=seen,
+            )
         self.fences[fence.run_id] = fence.key()
 
     def raise_fence(self, fence: Fence) -> None:
         self._check_fence(fence)
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         self._check_fence(fence)
         key = action.idempotency_key
         if key is None:
@@ -149,12 +169,17 @@ class MemoryWorkspace:
         existing = self.receipts.get(key)
         if existing is not None:
             if existing.intent_digest != intent_digest:
-                raise IdempotencyConflictError("key was used for another intent",
-                                               idempotency_key=key, receipt=existing)
+                raise IdempotencyConflictError(
+                    "key was used for another intent", idempotency_key=key, receipt=existing
+                )
             return existing
         if action.expected_env_version != self.version:
-            raise AdapterError("environment precondition failed", retryable=False,
-                               expected=action.expected_env_version, actual=self.version)
+            raise AdapterError(
+                "environment precondition failed",
+                retryable=False,
+                expected=action.expected_env_version,
+                actual=self.version,
+            )
         result: dict[str, Any]
         if action.kind is ActionKind.EXTERNAL_CALL:
             self.external_calls.append(dict(action.args))
@@ -162,8 +187,9 @@ class MemoryWorkspace:
         else:
             after = _apply(self.files, action)
             if after is None:
-                raise AdapterError("nothing to delete", retryable=False,
-                                   path=action.args.get("path", ""))
+                raise AdapterError(
+                    "nothing to delete", retryable=False, path=action.args.get("path", "")
+                )
             self.files = after
             result = {"path": action.args["path"]}
         self.version += 1
@@ -197,10 +223,14 @@ class MemoryWorkspace:
             raise AdapterError(f"unknown verifier target {target!r}", target=target)
         passed = all(self.files.get(p) == c for p, c in expected.items())
         obs = self.observe()
-        return VerifierReport(target=target, passed=passed, env_instance_id=obs.instance_id,
-                              env_version=obs.version, env_fingerprint=obs.fingerprint,
-                              output_digest=digest(Domain.ENVIRONMENT,
-                                                   {"target": target, "passed": passed}))
+        return VerifierReport(
+            target=target,
+            passed=passed,
+            env_instance_id=obs.instance_id,
+            env_version=obs.version,
+            env_fingerprint=obs.fingerprint,
+            output_digest=digest(Domain.ENVIRONMENT, {"target": target, "passed": passed}),
+        )
 
     # -- the outside world going wrong (tests) --------------------------------------------
 
@@ -242,24 +272,34 @@ class MemoryGenerationStore:
             raise HighWaterUnavailableError("generation store unavailable", run_id=key.run_id)
         stored = self.checkpoints.get(key)
         if stored is None:
-            raise HighWaterUnavailableError("no high-water mark for this run",
-                                            run_id=key.run_id)
+            raise HighWaterUnavailableError("no high-water mark for this run", run_id=key.run_id)
         return stored
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
         if not self.available:
             raise HighWaterUnavailableError("generation store unavailable", run_id=key.run_id)
         current = self.checkpoints.get(key)
         high = current.generation if current is not None else 0
         if expected_generation != high:
-            raise GenerationMismatchError("expected generation is not the high-water mark",
-                                          run_id=key.run_id, expected=expected_generation,
-                                          high_water=high)
+            raise GenerationMismatchError(
+                "expected generation is not the high-water mark",
+                run_id=key.run_id,
+                expected=expected_generation,
+                high_water=high,
+            )
         for nonce in nonces:
             if nonce in self.nonces:
-                raise NonceReplayError("nonce already consumed", nonce=nonce,
-                                       run_id=self.nonces[nonce])
+                raise NonceReplayError(
+                    "nonce already consumed", nonce=nonce, run_id=self.nonces[nonce]
+                )
         for nonce in nonces:
             self.nonces[nonce] = key.run_id
         archive = current.archive if current is not None else ()
@@ -269,13 +309,19 @@ class MemoryGenerationStore:
         self.commits += 1
         if self.lose_next_reply:
             self.lose_next_reply = False
-            raise CommitOutcomeUnknownError("reply lost after the commit was applied",
-                                            run_id=key.run_id)
+            raise CommitOutcomeUnknownError(
+                "reply lost after the commit was applied", run_id=key.run_id
+            )
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         for commit in commits:
-            self.advance(key, expected_generation=commit.expected_generation,
-                         blob=commit.blob, nonces=commit.nonces, segment=commit.segment)
+            self.advance(
+                key,
+                expected_generation=commit.expected_generation,
+                blob=commit.blob,
+                nonces=commit.nonces,
+                segment=commit.segment,
+            )
 
     def roll_back_to(self, key: RunKey, stored: StoredCheckpoint) -> None:
         """Simulate a restored backup (tests): the high-water mark moves back."""
@@ -307,15 +353,27 @@ class LeasedMemoryStore:
         """Take the run's lease: older lease versions can no longer commit."""
         newest = self.store.leases.get(run_id, 0)
         if self.lease_version < newest:
-            raise LeaseLostError("a newer lease exists", run_id=run_id,
-                                 lease_version=self.lease_version, newest=newest)
+            raise LeaseLostError(
+                "a newer lease exists",
+                run_id=run_id,
+                lease_version=self.lease_version,
+                newest=newest,
+            )
         self.store.leases[run_id] = self.lease_version
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
         self.claim(key.run_id)
-        self.store.advance(key, expected_generation=expected_generation, blob=blob,
-                           nonces=nonces, segment=segment)
+        self.store.advance(
+            key, expected_generation=expected_generation, blob=blob, nonces=nonces, segment=segment
+        )
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         self.claim(key.run_id)
@@ -334,8 +392,9 @@ class ObserveFailsAfterWrite(AdapterProxy):
         super().__init__(inner)
         self._armed = False
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         receipt = super().execute(action, intent_digest, fence, approval_digest)
         self._armed = True
         return receipt

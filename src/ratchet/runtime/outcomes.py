@@ -59,8 +59,15 @@ __all__ = [
 # --- receipts ------------------------------------------------------------------------------
 
 
-def open_review(state: RunState, reason: ReviewReason, receipt: Receipt | None, *,
-                now: int, detail: str = "", observed: Observation | None = None) -> RunState:
+def open_review(
+    state: RunState,
+    reason: ReviewReason,
+    receipt: Receipt | None,
+    *,
+    now: int,
+    detail: str = "",
+    observed: Observation | None = None,
+) -> RunState:
     """Freeze the run in ``needs_review``, keeping the pending write and the receipt.
 
     ``observed`` is the environment as observed when the case opens (the engine observes
@@ -85,19 +92,29 @@ def open_review(state: RunState, reason: ReviewReason, receipt: Receipt | None, 
     )
     info: dict[str, Any] = {"reason": reason.value, "case_id": case.case_id}
     if receipt is not None:
-        info |= {"receipt_intent_digest": receipt.intent_digest,
-                 "receipt_fingerprint": case.receipt_fingerprint or ""}
+        info |= {
+            "receipt_intent_digest": receipt.intent_digest,
+            "receipt_fingerprint": case.receipt_fingerprint or "",
+        }
     if detail:
         info["detail"] = detail[:1024]
     if case.environment is not state.environment:
-        info |= {"env_version": case.environment.version,
-                 "env_fingerprint": case.environment.fingerprint}
+        info |= {
+            "env_version": case.environment.version,
+            "env_fingerprint": case.environment.fingerprint,
+        }
     event = _event(state, now, TraceOutcome.REVIEW_OPENED, action=pending.action, detail=info)
     return _with(state, event, phase=transition(state.phase, Event.REVIEW_OPENED), review=case)
 
 
-def record_receipt(state: RunState, receipt: Receipt, *, now: int, traced: bool = True,
-                   observed: Observation | None = None) -> RunState:
+def record_receipt(
+    state: RunState,
+    receipt: Receipt,
+    *,
+    now: int,
+    traced: bool = True,
+    observed: Observation | None = None,
+) -> RunState:
     """Attach the adapter's receipt to the pending write (before the state advances).
 
     A receipt for another intent, or one that does not bind the pending approval (or was
@@ -111,30 +128,49 @@ def record_receipt(state: RunState, receipt: Receipt, *, now: int, traced: bool 
         raise InvalidTransitionError("no pending write is waiting for a receipt")
     action = pending.action
     if receipt.idempotency_key != action.idempotency_key:
-        return open_review(state, ReviewReason.RECEIPT_DRIFT, receipt, now=now,
-                           detail="receipt names another idempotency key", observed=observed)
+        return open_review(
+            state,
+            ReviewReason.RECEIPT_DRIFT,
+            receipt,
+            now=now,
+            detail="receipt names another idempotency key",
+            observed=observed,
+        )
     if receipt.intent_digest != pending.intent_digest:
-        return open_review(state, ReviewReason.INTENT_CONFLICT, receipt, now=now,
-                           observed=observed)
+        return open_review(state, ReviewReason.INTENT_CONFLICT, receipt, now=now, observed=observed)
     approval = pending.approval
     if approval is not None and (
         receipt.approval_digest != approval.digest
         or receipt.committed_at > approval.claims.expires_at
     ):
-        return open_review(state, ReviewReason.APPROVAL_UNBOUND, receipt, now=now,
-                           detail="receipt does not bind the approval or postdates its expiry",
-                           observed=observed)
+        return open_review(
+            state,
+            ReviewReason.APPROVAL_UNBOUND,
+            receipt,
+            now=now,
+            detail="receipt does not bind the approval or postdates its expiry",
+            observed=observed,
+        )
     with_receipt = pending.model_copy(update={"receipt": receipt})
     if not traced:
         return state.model_copy(update={"pending": with_receipt})
-    event = _event(state, now, TraceOutcome.RECEIPT_RECORDED, action=action,
-                   detail={"receipt_id": receipt.receipt_id,
-                           "receipt_fingerprint": receipt.fingerprint})
+    event = _event(
+        state,
+        now,
+        TraceOutcome.RECEIPT_RECORDED,
+        action=action,
+        detail={"receipt_id": receipt.receipt_id, "receipt_fingerprint": receipt.fingerprint},
+    )
     return _with(state, event, pending=with_receipt)
 
 
-def complete_write(state: RunState, observed: Observation, *, now: int,
-                   outcome: TraceOutcome = TraceOutcome.EXECUTED) -> RunState:
+def complete_write(
+    state: RunState,
+    observed: Observation,
+    *,
+    now: int,
+    outcome: TraceOutcome = TraceOutcome.EXECUTED,
+) -> RunState:
     """Advance the state after a recorded receipt: the deterministic transition.
 
     The adapter's receipt is authoritative, the runtime's cache of executed writes only a
@@ -154,12 +190,17 @@ def complete_write(state: RunState, observed: Observation, *, now: int,
         raise InvalidTransitionError("no recorded receipt to apply")
     receipt = pending.receipt
     if observed.instance_id != state.environment.instance_id:
-        raise EnvironmentMismatchError("environment instance changed",
-                                       expected=state.environment.instance_id,
-                                       observed=observed.instance_id)
+        raise EnvironmentMismatchError(
+            "environment instance changed",
+            expected=state.environment.instance_id,
+            observed=observed.instance_id,
+        )
     expected = pending.env_after
-    fresh = (observed.same_state(expected) if expected is not None
-             else observed.version == receipt.env_version_after)
+    fresh = (
+        observed.same_state(expected)
+        if expected is not None
+        else observed.version == receipt.env_version_after
+    )
     entry = ExecutedWrite(
         action_id=pending.action.action_id,
         idempotency_key=receipt.idempotency_key,
@@ -168,31 +209,58 @@ def complete_write(state: RunState, observed: Observation, *, now: int,
         receipt_fingerprint=receipt.fingerprint,
     )
     if not fresh and observed.same_state(pending.env_before):
-        event = _event(state, now, TraceOutcome.REPLAYED, action=pending.action,
-                       detail={"receipt_id": receipt.receipt_id,
-                               "receipt_fingerprint": entry.receipt_fingerprint,
-                               "rebuilt_from": "adapter_receipt"})
-        return _with(state, event, pending=None, executed=(*state.executed, entry),
-                     plan_cursor=state.plan_cursor + 1)
+        event = _event(
+            state,
+            now,
+            TraceOutcome.REPLAYED,
+            action=pending.action,
+            detail={
+                "receipt_id": receipt.receipt_id,
+                "receipt_fingerprint": entry.receipt_fingerprint,
+                "rebuilt_from": "adapter_receipt",
+            },
+        )
+        return _with(
+            state,
+            event,
+            pending=None,
+            executed=(*state.executed, entry),
+            plan_cursor=state.plan_cursor + 1,
+        )
     if not fresh and expected is not None:
         raise EnvironmentMismatchError(
             "environment is not the pending write's one-commit state",
-            expected_version=expected.version, observed_version=observed.version)
+            expected_version=expected.version,
+            observed_version=observed.version,
+        )
     if not fresh:
         raise EnvironmentMismatchError(
             "environment version differs from the receipt's",
-            expected_version=receipt.env_version_after, observed_version=observed.version)
+            expected_version=receipt.env_version_after,
+            observed_version=observed.version,
+        )
     moved = state.model_copy(update={"environment": observed})
-    event = _event(moved, now, outcome, action=pending.action,
-                   detail={"receipt_id": receipt.receipt_id,
-                           "receipt_fingerprint": entry.receipt_fingerprint})
-    return _with(moved, event, pending=None, executed=(*state.executed, entry),
-                 last_write_env_version=observed.version, verification=None,
-                 plan_cursor=state.plan_cursor + 1)
+    event = _event(
+        moved,
+        now,
+        outcome,
+        action=pending.action,
+        detail={"receipt_id": receipt.receipt_id, "receipt_fingerprint": entry.receipt_fingerprint},
+    )
+    return _with(
+        moved,
+        event,
+        pending=None,
+        executed=(*state.executed, entry),
+        last_write_env_version=observed.version,
+        verification=None,
+        plan_cursor=state.plan_cursor + 1,
+    )
 
 
-def record_replay(state: RunState, authoritative: Receipt | None, *, now: int,
-                  observed: Observation | None = None) -> RunState:
+def record_replay(
+    state: RunState, authoritative: Receipt | None, *, now: int, observed: Observation | None = None
+) -> RunState:
     """Check a cached key's replay against the adapter's receipt.
 
     Only an authoritative receipt identical in every field to the cached one is a replay;
@@ -203,23 +271,39 @@ def record_replay(state: RunState, authoritative: Receipt | None, *, now: int,
     if pending is None or pending.replay_of is None:
         raise InvalidTransitionError("the pending write is not a replay")
     if authoritative is None:
-        return open_review(state, ReviewReason.RECEIPT_MISSING, None, now=now,
-                           detail="the adapter has no receipt for a cached key",
-                           observed=observed)
+        return open_review(
+            state,
+            ReviewReason.RECEIPT_MISSING,
+            None,
+            now=now,
+            detail="the adapter has no receipt for a cached key",
+            observed=observed,
+        )
     if authoritative.fingerprint != pending.replay_of:
-        reason = (ReviewReason.INTENT_CONFLICT
-                  if authoritative.intent_digest != pending.intent_digest
-                  else ReviewReason.RECEIPT_DRIFT)
-        return open_review(state, reason, authoritative, now=now,
-                           detail="the adapter's receipt differs from the cached copy",
-                           observed=observed)
-    event = _event(state, now, TraceOutcome.REPLAYED, action=pending.action,
-                   detail={"receipt_id": authoritative.receipt_id})
+        reason = (
+            ReviewReason.INTENT_CONFLICT
+            if authoritative.intent_digest != pending.intent_digest
+            else ReviewReason.RECEIPT_DRIFT
+        )
+        return open_review(
+            state,
+            reason,
+            authoritative,
+            now=now,
+            detail="the adapter's receipt differs from the cached copy",
+            observed=observed,
+        )
+    event = _event(
+        state,
+        now,
+        TraceOutcome.REPLAYED,
+        action=pending.action,
+        detail={"receipt_id": authoritative.receipt_id},
+    )
     return _with(state, event, pending=None, plan_cursor=state.plan_cursor + 1)
 
 
-def record_execution_error(state: RunState, message: str, *, now: int,
-                           fatal: bool) -> RunState:
+def record_execution_error(state: RunState, message: str, *, now: int, fatal: bool) -> RunState:
     """The adapter refused the pending write for good, with no effect: drop it.
 
     ``fatal`` ends the run in ``failed``; otherwise the agent may plan again.
@@ -227,12 +311,19 @@ def record_execution_error(state: RunState, message: str, *, now: int,
     pending = state.pending
     if pending is None or pending.receipt is not None:
         raise InvalidTransitionError("no unexecuted pending write to drop")
-    event = _event(state, now, TraceOutcome.EXECUTION_ERROR, action=pending.action,
-                   detail={"error": message[:1024], "fatal": int(fatal)})
+    event = _event(
+        state,
+        now,
+        TraceOutcome.EXECUTION_ERROR,
+        action=pending.action,
+        detail={"error": message[:1024], "fatal": int(fatal)},
+    )
     changes: dict[str, Any] = {"pending": None}
     if fatal:
-        changes |= {"phase": transition(state.phase, Event.FATAL_ERROR),
-                    "stop_reason": f"execution error: {message[:200]}"}
+        changes |= {
+            "phase": transition(state.phase, Event.FATAL_ERROR),
+            "stop_reason": f"execution error: {message[:200]}",
+        }
     return _with(state, event, **changes)
 
 
@@ -241,15 +332,22 @@ def record_execution_error(state: RunState, message: str, *, now: int,
 
 def apply_read(state: RunState, action: Action, result: ReadResult, *, now: int) -> RunState:
     """Record a read (its content digest, not its content)."""
-    event = _event(state, now, TraceOutcome.READ, action=action, detail={
-        "path": action.args.get("path", ""),
-        "content_digest": digest(Domain.ENVIRONMENT, result.content),
-    })
+    event = _event(
+        state,
+        now,
+        TraceOutcome.READ,
+        action=action,
+        detail={
+            "path": action.args.get("path", ""),
+            "content_digest": digest(Domain.ENVIRONMENT, result.content),
+        },
+    )
     return _with(state, event, plan_cursor=state.plan_cursor + 1)
 
 
-def apply_verification(state: RunState, action: Action, report: VerifierReport, *,
-                       now: int) -> RunState:
+def apply_verification(
+    state: RunState, action: Action, report: VerifierReport, *, now: int
+) -> RunState:
     """Record a verifier report bound to the current environment.
 
     Raises:
@@ -257,22 +355,32 @@ def apply_verification(state: RunState, action: Action, report: VerifierReport, 
     """
     env = state.environment
     if (report.env_instance_id, report.env_version, report.env_fingerprint) != (
-        env.instance_id, env.version, env.fingerprint
+        env.instance_id,
+        env.version,
+        env.fingerprint,
     ):
-        raise EnvironmentMismatchError("verifier ran against another environment state",
-                                       expected_version=env.version,
-                                       observed_version=report.env_version)
-    event = _event(state, now, TraceOutcome.VERIFIED, action=action,
-                   detail={"passed": int(report.passed), "target": report.target},
-                   verifier=report)
+        raise EnvironmentMismatchError(
+            "verifier ran against another environment state",
+            expected_version=env.version,
+            observed_version=report.env_version,
+        )
+    event = _event(
+        state,
+        now,
+        TraceOutcome.VERIFIED,
+        action=action,
+        detail={"passed": int(report.passed), "target": report.target},
+        verifier=report,
+    )
     return _with(state, event, verification=report, plan_cursor=state.plan_cursor + 1)
 
 
 # --- review decisions and cancellation -------------------------------------------------------
 
 
-def check_review_decision(state: RunState, scenario: Scenario, decision: ReviewDecision,
-                          reviewers: TrustRoots) -> ReviewCase:
+def check_review_decision(
+    state: RunState, scenario: Scenario, decision: ReviewDecision, reviewers: TrustRoots
+) -> ReviewCase:
     """The checks on a decision that need no adapter: an open case, a trusted reviewer's
     valid signature, every binding, an unused nonce. Returns the open case.
 
@@ -290,36 +398,49 @@ def check_review_decision(state: RunState, scenario: Scenario, decision: ReviewD
     bound = {
         "task_id": (c.task_id, scenario.task_id),
         "run_id": (c.run_id, state.run_id),
-        "policy": ((c.policy_id, c.policy_version),
-                   (scenario.policy_id, scenario.policy_version)),
+        "policy": ((c.policy_id, c.policy_version), (scenario.policy_id, scenario.policy_version)),
         "case_id": (c.case_id, case.case_id),
         "action_id": (c.action_id, action.action_id),
         "idempotency_key": (c.idempotency_key, action.idempotency_key),
         "pending_intent_digest": (c.pending_intent_digest, case.pending.intent_digest),
-        "receipt_intent_digest": (c.receipt_intent_digest,
-                                  case.receipt.intent_digest if case.receipt else None),
+        "receipt_intent_digest": (
+            c.receipt_intent_digest,
+            case.receipt.intent_digest if case.receipt else None,
+        ),
         "receipt_fingerprint": (c.receipt_fingerprint, case.receipt_fingerprint),
         "env_instance_id": (c.env_instance_id, case.environment.instance_id),
     }
     for name, (claimed, actual) in bound.items():
         if claimed != actual:
-            raise ReviewDecisionError(f"decision is bound to another {name}",
-                                      reason="binding", field=name)
+            raise ReviewDecisionError(
+                f"decision is bound to another {name}", reason="binding", field=name
+            )
     # The decision names the environment the reviewer saw when deciding: the one the case
     # recorded, or a later one (a person edited the workspace while the run waited); never
     # an earlier one. It applies only while the environment still reads that version.
     if c.env_version < case.environment.version:
-        raise ReviewDecisionError("decision is bound to an environment older than the case",
-                                  reason="binding", field="env_version")
+        raise ReviewDecisionError(
+            "decision is bound to an environment older than the case",
+            reason="binding",
+            field="env_version",
+        )
     if c.nonce in state.consumed_nonces:
-        raise ReviewDecisionError("decision nonce was already consumed",
-                                  reason="replayed_nonce", nonce=c.nonce)
+        raise ReviewDecisionError(
+            "decision nonce was already consumed", reason="replayed_nonce", nonce=c.nonce
+        )
     return case
 
 
-def apply_review_decision(state: RunState, scenario: Scenario, decision: ReviewDecision,
-                          reviewers: TrustRoots, *, authoritative: Receipt | None,
-                          observed: Observation, now: int) -> RunState:
+def apply_review_decision(
+    state: RunState,
+    scenario: Scenario,
+    decision: ReviewDecision,
+    reviewers: TrustRoots,
+    *,
+    authoritative: Receipt | None,
+    observed: Observation,
+    now: int,
+) -> RunState:
     """Consume a signed reviewer decision on the open case.
 
     ``authoritative`` is the adapter's receipt for the case's key, read again just now;
@@ -330,12 +451,14 @@ def apply_review_decision(state: RunState, scenario: Scenario, decision: ReviewD
     case = check_review_decision(state, scenario, decision, reviewers)
     c, action = decision.claims, case.pending.action
     if (observed.instance_id, observed.version) != (c.env_instance_id, c.env_version):
-        raise ReviewDecisionError("environment changed after the decision was signed",
-                                  reason="environment_changed")
+        raise ReviewDecisionError(
+            "environment changed after the decision was signed", reason="environment_changed"
+        )
     fresh = authoritative.fingerprint if authoritative is not None else None
     if fresh != case.receipt_fingerprint:
-        raise ReviewDecisionError("the authoritative receipt drifted since the case opened",
-                                  reason="receipt_drift")
+        raise ReviewDecisionError(
+            "the authoritative receipt drifted since the case opened", reason="receipt_drift"
+        )
     sealed = case.model_copy(update={"decision": decision})
     common: dict[str, Any] = {
         "review": None,
@@ -348,11 +471,21 @@ def apply_review_decision(state: RunState, scenario: Scenario, decision: ReviewD
     key = action.idempotency_key
     if c.verdict is ReviewVerdict.REPLAN:
         event = _event(state, now, TraceOutcome.REVIEW_REPLANNED, action=action, detail=detail)
-        return _with(state, event, phase=transition(state.phase, Event.REVIEW_REPLAN),
-                     quarantined_keys=(*state.quarantined_keys, key), **common)
+        return _with(
+            state,
+            event,
+            phase=transition(state.phase, Event.REVIEW_REPLAN),
+            quarantined_keys=(*state.quarantined_keys, key),
+            **common,
+        )
     event = _event(state, now, TraceOutcome.REVIEW_ABORTED, action=action, detail=detail)
-    return _with(state, event, phase=transition(state.phase, Event.REVIEW_ABORT),
-                 stop_reason=f"aborted by reviewer {decision.reviewer_id}", **common)
+    return _with(
+        state,
+        event,
+        phase=transition(state.phase, Event.REVIEW_ABORT),
+        stop_reason=f"aborted by reviewer {decision.reviewer_id}",
+        **common,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,8 +497,16 @@ class Settled:
     receipt: Receipt | None
 
 
-def cancel(state: RunState, reason: str, *, now: int, by: str = "", request_id: str = "",
-           settled: Settled | None = None, observed: Observation | None = None) -> RunState:
+def cancel(
+    state: RunState,
+    reason: str,
+    *,
+    now: int,
+    by: str = "",
+    request_id: str = "",
+    settled: Settled | None = None,
+    observed: Observation | None = None,
+) -> RunState:
     """Cancel a running or waiting run at a safe point.
 
     A write only waiting for approval was never sent: it is dropped and the trace records
@@ -396,42 +537,66 @@ def cancel(state: RunState, reason: str, *, now: int, by: str = "", request_id: 
         receipt, committed = settled.receipt, pending.receipt
         key = pending.action.idempotency_key or ""
         if receipt is None and committed is None:
-            info |= {"dropped_key": key, "dropped_intent": pending.intent_digest,
-                     "looked_up": "absent"}
-        elif receipt is not None and receipt.idempotency_key == key and (
-            receipt.intent_digest == pending.intent_digest) and (
-            committed is None or committed.fingerprint == receipt.fingerprint
+            info |= {
+                "dropped_key": key,
+                "dropped_intent": pending.intent_digest,
+                "looked_up": "absent",
+            }
+        elif (
+            receipt is not None
+            and receipt.idempotency_key == key
+            and (receipt.intent_digest == pending.intent_digest)
+            and (committed is None or committed.fingerprint == receipt.fingerprint)
         ):
-            executed = (*executed, ExecutedWrite(
-                action_id=pending.action.action_id, idempotency_key=key,
-                intent_digest=receipt.intent_digest, receipt=receipt,
-                receipt_fingerprint=receipt.fingerprint))
+            executed = (
+                *executed,
+                ExecutedWrite(
+                    action_id=pending.action.action_id,
+                    idempotency_key=key,
+                    intent_digest=receipt.intent_digest,
+                    receipt=receipt,
+                    receipt_fingerprint=receipt.fingerprint,
+                ),
+            )
             info |= {"executed_key": key, "receipt_fingerprint": receipt.fingerprint}
         else:
-            raise InvalidTransitionError("the adapter's answer for the pending write's key "
-                                         "does not settle it; it needs a review")
+            raise InvalidTransitionError(
+                "the adapter's answer for the pending write's key "
+                "does not settle it; it needs a review"
+            )
     elif pending is not None:
-        info |= {"dropped_key": pending.action.idempotency_key or "",
-                 "dropped_intent": pending.intent_digest}
+        info |= {
+            "dropped_key": pending.action.idempotency_key or "",
+            "dropped_intent": pending.intent_digest,
+        }
     phase = transition(state.phase, Event.CANCEL)
     stop = f"cancelled: {reason}"
     if observed is not None and not observed.same_state(state.environment):
         # Ended on an environment the run's checkpoint does not explain (edited behind it,
         # or a store rolled back past writes the adapter holds): said so, never hidden.
-        info |= {"env_version_now": observed.version,
-                 "env_fingerprint_now": observed.fingerprint,
-                 "environment": "not the checkpoint's; not reconciled"}
+        info |= {
+            "env_version_now": observed.version,
+            "env_fingerprint_now": observed.fingerprint,
+            "environment": "not the checkpoint's; not reconciled",
+        }
         stop += " (the environment had changed behind the run; not reconciled)"
     event = _event(state, now, TraceOutcome.CANCELLED, detail=info)
-    return _with(state, event, phase=phase, pending=None, executed=executed,
-                 stop_reason=stop[:4096])
+    return _with(
+        state, event, phase=phase, pending=None, executed=executed, stop_reason=stop[:4096]
+    )
 
 
 # --- rebaseline ------------------------------------------------------------------------------
 
 
-def check_rebaseline(state: RunState, scenario: Scenario, decision: RebaselineDecision,
-                     reviewers: TrustRoots, *, generation: int) -> None:
+def check_rebaseline(
+    state: RunState,
+    scenario: Scenario,
+    decision: RebaselineDecision,
+    reviewers: TrustRoots,
+    *,
+    generation: int,
+) -> None:
     """The checks on a rebaseline decision that need no adapter: a running or waiting run,
     a trusted reviewer's valid signature, every binding (task, run, policy, the checkpoint
     generation, the environment the run recorded), an unused nonce, the same instance.
@@ -440,41 +605,57 @@ def check_rebaseline(state: RunState, scenario: Scenario, decision: RebaselineDe
         ReviewDecisionError: ``reason`` names the failed check.
     """
     if state.phase not in (Phase.RUNNING, Phase.AWAITING_APPROVAL):
-        raise ReviewDecisionError(f"a {state.phase.value} run is not rebaselined",
-                                  reason="phase")
+        raise ReviewDecisionError(f"a {state.phase.value} run is not rebaselined", reason="phase")
     reviewers.verify_rebaseline(decision)
     c, env = decision.claims, state.environment
     bound = {
         "task_id": (c.task_id, scenario.task_id),
         "run_id": (c.run_id, state.run_id),
-        "policy": ((c.policy_id, c.policy_version),
-                   (scenario.policy_id, scenario.policy_version)),
+        "policy": ((c.policy_id, c.policy_version), (scenario.policy_id, scenario.policy_version)),
         "generation": (c.generation, generation),
-        "old_environment": ((c.old_env_instance_id, c.old_env_version, c.old_env_fingerprint),
-                            (env.instance_id, env.version, env.fingerprint)),
+        "old_environment": (
+            (c.old_env_instance_id, c.old_env_version, c.old_env_fingerprint),
+            (env.instance_id, env.version, env.fingerprint),
+        ),
     }
     for name, (claimed, actual) in bound.items():
         if claimed != actual:
-            raise ReviewDecisionError(f"rebaseline is bound to another {name}",
-                                      reason="binding", field=name)
+            raise ReviewDecisionError(
+                f"rebaseline is bound to another {name}", reason="binding", field=name
+            )
     if c.new_env_instance_id != env.instance_id:
-        raise ReviewDecisionError("a rebaseline keeps the environment instance",
-                                  reason="binding", field="new_env_instance_id")
+        raise ReviewDecisionError(
+            "a rebaseline keeps the environment instance",
+            reason="binding",
+            field="new_env_instance_id",
+        )
     if c.nonce in state.consumed_nonces:
-        raise ReviewDecisionError("rebaseline nonce was already consumed",
-                                  reason="replayed_nonce", nonce=c.nonce)
+        raise ReviewDecisionError(
+            "rebaseline nonce was already consumed", reason="replayed_nonce", nonce=c.nonce
+        )
 
 
 def decision_baseline(decision: RebaselineDecision) -> Observation:
     """The environment a rebaseline decision names as the new baseline."""
     c = decision.claims
-    return Observation(instance_id=c.new_env_instance_id, version=c.new_env_version,
-                       fingerprint=c.new_env_fingerprint)
+    return Observation(
+        instance_id=c.new_env_instance_id,
+        version=c.new_env_version,
+        fingerprint=c.new_env_fingerprint,
+    )
 
 
-def apply_rebaseline(state: RunState, scenario: Scenario, decision: RebaselineDecision,
-                     reviewers: TrustRoots, *, generation: int, observed: Observation,
-                     settled: Settled | None, now: int) -> RunState:
+def apply_rebaseline(
+    state: RunState,
+    scenario: Scenario,
+    decision: RebaselineDecision,
+    reviewers: TrustRoots,
+    *,
+    generation: int,
+    observed: Observation,
+    settled: Settled | None,
+    now: int,
+) -> RunState:
     """Make the environment as observed now the run's new baseline, on a reviewer's
     signed decision (all checks of :func:`check_rebaseline`, then: ``observed`` is exactly
     the environment the decision names).
@@ -491,25 +672,38 @@ def apply_rebaseline(state: RunState, scenario: Scenario, decision: RebaselineDe
     """
     check_rebaseline(state, scenario, decision, reviewers, generation=generation)
     if not observed.same_state(decision_baseline(decision)):
-        raise ReviewDecisionError("the environment changed after the rebaseline was signed",
-                                  reason="environment_changed")
+        raise ReviewDecisionError(
+            "the environment changed after the rebaseline was signed", reason="environment_changed"
+        )
     pending, c, old = state.pending, decision.claims, state.environment
     info: dict[str, Any] = {
-        "reviewer_id": decision.reviewer_id, "incident_id": c.incident_id,
-        "old_env_version": old.version, "old_env_fingerprint": old.fingerprint,
-        "new_env_version": observed.version, "new_env_fingerprint": observed.fingerprint,
+        "reviewer_id": decision.reviewer_id,
+        "incident_id": c.incident_id,
+        "old_env_version": old.version,
+        "old_env_fingerprint": old.fingerprint,
+        "new_env_version": observed.version,
+        "new_env_fingerprint": observed.fingerprint,
     }
     if pending is not None:
         if state.phase is not Phase.AWAITING_APPROVAL and (
             settled is None or settled.receipt is not None or pending.receipt is not None
         ):
-            raise ReviewDecisionError("the pending write may have reached the adapter; "
-                                      "the change may be the run's own write",
-                                      reason="pending_write_landed")
-        info |= {"dropped_key": pending.action.idempotency_key or "",
-                 "dropped_intent": pending.intent_digest}
+            raise ReviewDecisionError(
+                "the pending write may have reached the adapter; "
+                "the change may be the run's own write",
+                reason="pending_write_landed",
+            )
+        info |= {
+            "dropped_key": pending.action.idempotency_key or "",
+            "dropped_intent": pending.intent_digest,
+        }
     event = _event(state, now, TraceOutcome.REBASELINED, detail=info)
-    return _with(state, event, phase=transition(state.phase, Event.REBASELINE),
-                 pending=None, environment=observed,
-                 rebaselines=(*state.rebaselines, decision),
-                 consumed_nonces=(*state.consumed_nonces, c.nonce))
+    return _with(
+        state,
+        event,
+        phase=transition(state.phase, Event.REBASELINE),
+        pending=None,
+        environment=observed,
+        rebaselines=(*state.rebaselines, decision),
+        consumed_nonces=(*state.consumed_nonces, c.nonce),
+    )

@@ -58,9 +58,7 @@ class Observation(Frozen):
     instance_id: Identifier
     version: NonNegInt
     fingerprint: Digest
-    details: dict[Annotated[str, Strict()], Annotated[str, Strict()]] = Field(
-        default_factory=dict
-    )
+    details: dict[Annotated[str, Strict()], Annotated[str, Strict()]] = Field(default_factory=dict)
 
     def same_state(self, other: Observation) -> bool:
         return (
@@ -114,8 +112,7 @@ class Receipt(Frozen):
         Computed once per (frozen) receipt; a copy computes its own (see model_copy)."""
         return model_digest(Domain.RECEIPT, self)
 
-    def model_copy(self, *, update: Mapping[str, Any] | None = None,
-                   deep: bool = False) -> Receipt:
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Receipt:
         """pydantic copies the instance dict, cached fingerprint included; a changed copy
         must not inherit it, so every copy computes its own."""
         copied = super().model_copy(update=update, deep=deep)
@@ -157,8 +154,9 @@ class Adapter(Protocol):
     def raise_fence(self, fence: Fence) -> None:
         """Record a new owner's fence without writing. Raises FenceRejectedError."""
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         """Perform one write under ``action.idempotency_key`` or refuse.
 
         Same key and same intent returns the existing receipt without a second effect;
@@ -225,8 +223,15 @@ class GenerationStore(Protocol):
     def load(self, key: RunKey) -> StoredCheckpoint:
         """The checkpoint at the high-water mark. Raises HighWaterUnavailableError."""
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
         """Store ``blob`` as generation ``expected_generation + 1``, consume ``nonces`` and
         append ``segment`` (when not empty) to the run's archive, all in one atomic step.
 
@@ -276,8 +281,9 @@ class AdapterProxy:
     def raise_fence(self, fence: Fence) -> None:
         self._inner.raise_fence(fence)
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         return self._inner.execute(action, intent_digest, fence, approval_digest)
 
     def lookup(self, idempotency_key: str) -> Receipt | None:
@@ -308,10 +314,18 @@ class StoreProxy:
     def load(self, key: RunKey) -> StoredCheckpoint:
         return self._inner.load(key)
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
-        self._inner.advance(key, expected_generation=expected_generation, blob=blob,
-                            nonces=nonces, segment=segment)
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
+        self._inner.advance(
+            key, expected_generation=expected_generation, blob=blob, nonces=nonces, segment=segment
+        )
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
         self._inner.advance_many(key, commits)

@@ -80,8 +80,9 @@ class Scenario(Frozen):
 
     @field_validator("approval_required")
     @classmethod
-    def _approvable(cls, kinds: tuple[ActionKind, ...],
-                    info: ValidationInfo) -> tuple[ActionKind, ...]:
+    def _approvable(
+        cls, kinds: tuple[ActionKind, ...], info: ValidationInfo
+    ) -> tuple[ActionKind, ...]:
         permitted = info.data.get("permissions", ())
         for kind in kinds:
             if kind not in permitted:
@@ -91,8 +92,7 @@ class Scenario(Frozen):
             # read, a verifier run or a finish has neither, so listing one would promise a
             # check that never happens: refuse the contract instead.
             if not KIND_SPECS[kind].risk.is_write:
-                raise ValueError(f"names {kind}, which is not a write; approvals gate "
-                                 "writes only")
+                raise ValueError(f"names {kind}, which is not a write; approvals gate writes only")
         return kinds
 
     @model_validator(mode="after")

@@ -87,8 +87,7 @@ class KeyRing:
 
     def __post_init__(self) -> None:
         if self.signing_kid not in self.keys:
-            raise ConfigurationError("signing key id is not in the key ring",
-                                     kid=self.signing_kid)
+            raise ConfigurationError("signing key id is not in the key ring", kid=self.signing_kid)
         if self.signing_kid in self.retired:
             raise ConfigurationError("the signing key is retired", kid=self.signing_kid)
         for kid in self.keys:
@@ -96,11 +95,13 @@ class KeyRing:
                 raise ConfigurationError("key ids must be 1..64 printable ASCII characters")
 
     @classmethod
-    def from_secrets(cls, secrets: Mapping[str, bytes], *, signing_kid: str,
-                     retired: Iterable[str] = ()) -> KeyRing:
+    def from_secrets(
+        cls, secrets: Mapping[str, bytes], *, signing_kid: str, retired: Iterable[str] = ()
+    ) -> KeyRing:
         """Build a key ring from raw key bytes. Raises ConfigurationError."""
-        return cls({kid: SecretKey(m) for kid, m in secrets.items()}, signing_kid,
-                   frozenset(retired))
+        return cls(
+            {kid: SecretKey(m) for kid, m in secrets.items()}, signing_kid, frozenset(retired)
+        )
 
     def __repr__(self) -> str:
         return f"KeyRing(kids={sorted(self.keys)!r}, signing_kid={self.signing_kid!r})"
@@ -110,11 +111,13 @@ class KeyRing:
         MAC never verifies a run document's, or the other way round."""
         key = self.keys.get(kid)
         if key is None:
-            raise CheckpointError("checkpoint was signed with an unknown key id",
-                                  reason="unknown_kid", kid=kid)
+            raise CheckpointError(
+                "checkpoint was signed with an unknown key id", reason="unknown_kid", kid=kid
+            )
         if kid in self.retired:
-            raise CheckpointError("checkpoint was signed with a retired key",
-                                  reason="retired_kid", kid=kid)
+            raise CheckpointError(
+                "checkpoint was signed with a retired key", reason="retired_kid", kid=kid
+            )
         return key.mac(_mac_input(kid, payload, domain))
 
 
@@ -130,8 +133,7 @@ class EnvelopeHeader:
     checksum: str
 
 
-def seal_envelope(keyring: KeyRing, payload: bytes, *,
-                  domain: bytes = Domain.CHECKPOINT) -> bytes:
+def seal_envelope(keyring: KeyRing, payload: bytes, *, domain: bytes = Domain.CHECKPOINT) -> bytes:
     """Sign ``payload`` with the ring's signing key and return the envelope bytes.
     ``domain`` separates what is signed (checkpoints, run documents)."""
     kid = keyring.signing_kid
@@ -169,7 +171,11 @@ def parse_envelope(blob: bytes) -> tuple[EnvelopeHeader, bytes]:
     if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
         raise _bad("malformed", "checkpoint envelope header has the wrong fields")
     kid, length, mac, checksum, version = (
-        header["kid"], header["len"], header["mac"], header["sum"], header["v"]
+        header["kid"],
+        header["len"],
+        header["mac"],
+        header["sum"],
+        header["v"],
     )
     if type(version) is not int or version != ENVELOPE_VERSION:
         raise _bad("envelope_version", "unsupported checkpoint envelope version")
@@ -188,8 +194,7 @@ def _is_hex(text: str) -> bool:
     return _LOWER_HEX.fullmatch(text) is not None
 
 
-def open_envelope(keyring: KeyRing, blob: bytes, *,
-                  domain: bytes = Domain.CHECKPOINT) -> bytes:
+def open_envelope(keyring: KeyRing, blob: bytes, *, domain: bytes = Domain.CHECKPOINT) -> bytes:
     """Verify an envelope signed under ``domain`` and return its payload bytes.
 
     Checks, in order: strict parse, checksum, HMAC (constant time). Raises

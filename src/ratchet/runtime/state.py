@@ -103,7 +103,8 @@ def transition(phase: Phase, event: Event) -> Phase:
     except KeyError:
         raise InvalidTransitionError(
             f"event {event.value} is not allowed in phase {phase.value}",
-            phase=phase.value, event=event.value,
+            phase=phase.value,
+            event=event.value,
         ) from None
 
 
@@ -268,8 +269,9 @@ def _fail(message: str, **context: object) -> InvariantViolation:
     return InvariantViolation(f"invalid run state: {message}", **context)
 
 
-def check_invariants(state: RunState, scenario: Scenario, *,
-                     previous: RunState | None = None) -> None:
+def check_invariants(
+    state: RunState, scenario: Scenario, *, previous: RunState | None = None
+) -> None:
     """Check every cross-object invariant of ``state`` under ``scenario``.
 
     Explicit checks, never ``assert``: they must hold under ``python -O`` too. With
@@ -283,20 +285,26 @@ def check_invariants(state: RunState, scenario: Scenario, *,
     if state.scenario_fingerprint != scenario.fingerprint:
         raise _fail("scenario fingerprint differs", field="scenario_fingerprint")
     if (state.task_id, state.task_version, state.policy_id, state.policy_version) != (
-        scenario.task_id, scenario.task_version, scenario.policy_id, scenario.policy_version
+        scenario.task_id,
+        scenario.task_version,
+        scenario.policy_id,
+        scenario.policy_version,
     ):
         raise _fail("task or policy differs from the scenario", field="task_id")
     if previous is not None and state.document_digest != previous.document_digest:
         raise _fail("the run document's digest changed", field="document_digest")
     trace, checked = state.trace, 0
-    if previous is not None and len(previous.trace) <= len(trace) and (
-        trace[:len(previous.trace)] == previous.trace  # C; identity first
+    if (
+        previous is not None
+        and len(previous.trace) <= len(trace)
+        and (
+            trace[: len(previous.trace)] == previous.trace  # C; identity first
+        )
     ):
         checked = len(previous.trace)
     for index in range(checked, len(trace)):
         if trace[index].seq != index + 1:
-            raise _fail("trace sequence numbers are not contiguous", field="trace",
-                        seq=index + 1)
+            raise _fail("trace sequence numbers are not contiguous", field="trace", seq=index + 1)
     budgets = scenario.budgets
     if state.usage.proposals > budgets.proposals or state.usage.steps > budgets.steps:
         raise _fail("usage exceeds the proposal or step budget", field="usage")
@@ -305,8 +313,12 @@ def check_invariants(state: RunState, scenario: Scenario, *,
     if state.usage.steps > state.usage.proposals:
         raise _fail("more steps than proposals", field="usage")
     known = 0
-    if previous is not None and len(previous.executed) <= len(state.executed) and (
-        state.executed[:len(previous.executed)] == previous.executed  # C; identity first
+    if (
+        previous is not None
+        and len(previous.executed) <= len(state.executed)
+        and (
+            state.executed[: len(previous.executed)] == previous.executed  # C; identity first
+        )
     ):
         known = len(previous.executed)
     if known < len(state.executed):  # the entries last checked had unique keys
@@ -345,7 +357,9 @@ def _check_pending(state: RunState) -> None:
     if pending.approval is not None:
         c = pending.approval.claims
         if (c.action_id, c.idempotency_key, c.intent_digest) != (
-            action.action_id, key, pending.intent_digest
+            action.action_id,
+            key,
+            pending.intent_digest,
         ):
             raise _fail("pending approval is bound to another action", field="pending")
         if c.nonce not in state.consumed_nonces:
@@ -360,8 +374,7 @@ def _check_pending(state: RunState) -> None:
 def _check_phase(state: RunState) -> None:
     phase = state.phase
     if (phase is Phase.NEEDS_REVIEW) != (state.review is not None):
-        raise _fail("a review case is open exactly when the phase is needs_review",
-                    field="review")
+        raise _fail("a review case is open exactly when the phase is needs_review", field="review")
     if state.review is not None and state.review.pending != state.pending:
         raise _fail("the review case does not hold the pending write", field="review")
     if phase is Phase.AWAITING_APPROVAL and state.pending is None:
@@ -370,8 +383,9 @@ def _check_phase(state: RunState) -> None:
         raise _fail("a terminal run still has a pending write", field="pending")
     for decision in state.rebaselines:
         if decision.claims.nonce not in state.consumed_nonces:
-            raise _fail("a rebaseline decision's nonce is not recorded as consumed",
-                        field="rebaselines")
+            raise _fail(
+                "a rebaseline decision's nonce is not recorded as consumed", field="rebaselines"
+            )
     for case in state.closed_reviews:
         if case.decision is None:
             raise _fail("a closed review case has no decision", field="closed_reviews")
@@ -381,17 +395,21 @@ def _check_phase(state: RunState) -> None:
             raise _fail("completed without a passing verifier report", field="verification")
         env = state.environment
         if (report.env_instance_id, report.env_version, report.env_fingerprint) != (
-            env.instance_id, env.version, env.fingerprint
+            env.instance_id,
+            env.version,
+            env.fingerprint,
         ) or (
             state.last_write_env_version is not None
             and report.env_version < state.last_write_env_version
         ):
-            raise _fail("completion evidence is not bound to the last write's version",
-                        field="verification")
+            raise _fail(
+                "completion evidence is not bound to the last write's version", field="verification"
+            )
         # The report alone is a claim; the finish gate accepted it only because a passing
         # verifier event of that very report is in the trace. Restore (of a checkpoint
         # re-signed by anyone who holds the key) must find the same event.
-        if not any(e.outcome is TraceOutcome.VERIFIED and e.verifier == report
-                   for e in reversed(state.trace)):
-            raise _fail("completed without a passing verifier event in the trace",
-                        field="trace")
+        if not any(
+            e.outcome is TraceOutcome.VERIFIED and e.verifier == report
+            for e in reversed(state.trace)
+        ):
+            raise _fail("completed without a passing verifier event in the trace", field="trace")

@@ -10,17 +10,25 @@ from ratchet.runtime.state import RunState, TraceEvent, TraceOutcome
 __all__ = ["append_event", "make_event"]
 
 
-def make_event(state: RunState, now: int, outcome: TraceOutcome, *, action: Action | None = None,
-           intent: str | None = None, detail: dict[str, Any] | None = None,
-           **extra: Any) -> TraceEvent:
+def make_event(
+    state: RunState,
+    now: int,
+    outcome: TraceOutcome,
+    *,
+    action: Action | None = None,
+    intent: str | None = None,
+    detail: dict[str, Any] | None = None,
+    **extra: Any,
+) -> TraceEvent:
     return TraceEvent(
         seq=state.next_seq,
         at=now,
         outcome=outcome,
         action_id=action.action_id if action else None,
         idempotency_key=action.idempotency_key if action else None,
-        intent_digest=intent if intent is not None else (
-            action.intent_digest if action and action.is_write else None),
+        intent_digest=intent
+        if intent is not None
+        else (action.intent_digest if action and action.is_write else None),
         env_version=state.environment.version,
         detail=detail or {},
         **extra,

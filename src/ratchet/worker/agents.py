@@ -116,14 +116,16 @@ def step_key(view: AgentView, position: int) -> str:
     return derive_idempotency_key(view.run_id, position, salt=str(len(view.quarantined_keys)))
 
 
-def make_action(view: AgentView, position: int, kind: str, args: dict[str, str], *,
-                deadline_s: int = 600) -> dict[str, Any]:
+def make_action(
+    view: AgentView, position: int, kind: str, args: dict[str, str], *, deadline_s: int = 600
+) -> dict[str, Any]:
     """Complete a planned step into an action: risk label, key, precondition, deadline."""
     try:
         spec = KIND_SPECS[ActionKind(kind)]
     except ValueError:
-        raise ConfigurationError(f"unknown action kind {kind!r} in the plan",
-                                 field="kind") from None
+        raise ConfigurationError(
+            f"unknown action kind {kind!r} in the plan", field="kind"
+        ) from None
     return {
         "action_id": f"{view.run_id}-s{position}-p{view.usage.proposals + 1}",
         "kind": kind,
@@ -150,8 +152,9 @@ class ScriptedAgent:
             raise ConfigurationError("a plan needs at least one step", field="steps")
         for index, step in enumerate(steps):
             if not isinstance(step, dict) or set(step) - {"kind", "args"} or "kind" not in step:
-                raise ConfigurationError(f"plan step {index} must be {{kind, args}}",
-                                         field=f"steps[{index}]")
+                raise ConfigurationError(
+                    f"plan step {index} must be {{kind, args}}", field=f"steps[{index}]"
+                )
         self.steps = steps
 
     @classmethod
@@ -192,8 +195,11 @@ class GreetingAgent:
         think = config.get("think_ms", 0)
         if isinstance(think, bool) or not isinstance(think, int) or not 0 <= think <= 60_000:
             raise ConfigurationError("think_ms must be an integer 0..60000", field="think_ms")
-        return cls(path=str(config.get("path", "app.py")),
-                   target=str(config.get("target", "unit")), think_ms=think)
+        return cls(
+            path=str(config.get("path", "app.py")),
+            target=str(config.get("target", "unit")),
+            think_ms=think,
+        )
 
     def next_step(self, view: AgentView) -> AgentStep | None:
         if self.think_ms:
@@ -202,18 +208,24 @@ class GreetingAgent:
         planned = view.agent_state.get("planned")
         if key in view.executed_keys:
             if view.verified:
-                return AgentStep(make_action(view, 3, "finish", {"summary": "greeting fixed"}),
-                                 {"step": "finish", "planned": planned})
-            return AgentStep(make_action(view, 2, "run_verifier", {"target": self.target}),
-                             {"step": "verify", "planned": planned})
+                return AgentStep(
+                    make_action(view, 3, "finish", {"summary": "greeting fixed"}),
+                    {"step": "finish", "planned": planned},
+                )
+            return AgentStep(
+                make_action(view, 2, "run_verifier", {"target": self.target}),
+                {"step": "verify", "planned": planned},
+            )
         if planned is None and view.last_read is not None:
             planned = view.last_read.replace("wrold", "world")
         if isinstance(planned, str):
-            return AgentStep(make_action(view, self.WRITE_POSITION, "write_file",
-                                         {"path": self.path, "content": planned}),
-                             {"step": "write", "planned": planned})
-        return AgentStep(make_action(view, 0, "read_file", {"path": self.path}),
-                         {"step": "read"})
+            return AgentStep(
+                make_action(
+                    view, self.WRITE_POSITION, "write_file", {"path": self.path, "content": planned}
+                ),
+                {"step": "write", "planned": planned},
+            )
+        return AgentStep(make_action(view, 0, "read_file", {"path": self.path}), {"step": "read"})
 
 
 _BUILTIN: dict[str, Callable[[dict[str, Any]], Any]] = {
@@ -245,8 +257,9 @@ class AgentPolicy:
     def __post_init__(self) -> None:
         for prefix in self.prefixes:
             if _MODULE_PATH.fullmatch(prefix) is None:
-                raise ConfigurationError(f"agent prefix {prefix!r} is not a module path",
-                                         field="agents")
+                raise ConfigurationError(
+                    f"agent prefix {prefix!r} is not a module path", field="agents"
+                )
 
     def _allows_module(self, module: str) -> bool:
         return any(module == p or module.startswith(p + ".") for p in self.prefixes)
@@ -269,17 +282,24 @@ class AgentPolicy:
                     try:
                         loaded: AgentFactory = point.load()
                     except Exception as exc:  # a plugin's own import error, reported
-                        raise _refuse(spec, f"(entry point {point.value}) cannot be "
-                                            f"imported: {type(exc).__name__}") from None
+                        raise _refuse(
+                            spec,
+                            f"(entry point {point.value}) cannot be imported: {type(exc).__name__}",
+                        ) from None
                     return loaded
-            raise _refuse(spec, "is neither built in nor an installed ratchet.agents "
-                                "plugin")
-        if _MODULE_PATH.fullmatch(module_name) is None or not attr or not all(
-                part.isidentifier() for part in attr.split(".")):
+            raise _refuse(spec, "is neither built in nor an installed ratchet.agents plugin")
+        if (
+            _MODULE_PATH.fullmatch(module_name) is None
+            or not attr
+            or not all(part.isidentifier() for part in attr.split("."))
+        ):
             raise _refuse(spec, "is not 'package.module:factory'")
         if not self._allows_module(module_name):
-            raise _refuse(spec, "is not allowed on this worker: RATCHET_AGENTS lists the "
-                                "module prefixes dotted-path agents may come from")
+            raise _refuse(
+                spec,
+                "is not allowed on this worker: RATCHET_AGENTS lists the "
+                "module prefixes dotted-path agents may come from",
+            )
         try:
             target: Any = importlib.import_module(module_name)
             for part in attr.split("."):  # package.module:Class.factory works too
@@ -313,15 +333,15 @@ def build_agent(spec: str, factory: AgentFactory, config: dict[str, Any]) -> Age
     except ConfigurationError:
         raise
     except Exception as exc:  # a user's factory: its failure is a configuration error
-        raise _refuse(spec, f"factory failed: {type(exc).__name__}: "
-                            f"{str(exc)[:200]}") from None
+        raise _refuse(spec, f"factory failed: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(agent, Agent):
         raise _refuse(spec, "has no next_step(view)")
     return agent
 
 
-def load_agent(spec: str, config: dict[str, Any] | None = None, *,
-               policy: AgentPolicy | None = None) -> Agent:
+def load_agent(
+    spec: str, config: dict[str, Any] | None = None, *, policy: AgentPolicy | None = None
+) -> Agent:
     """Build an agent allowed by ``policy`` (default: built-ins and installed plugins).
 
     Raises:

@@ -89,12 +89,17 @@ def _diff(old: bytes, new: bytes, path: str) -> dict[str, Any]:
         return {"diff": None, "diff_note": "not diffed: binary content"}
     if old_text == new_text:
         return {"diff": "", "diff_note": "the file already holds exactly this content"}
-    lines = list(difflib.unified_diff(old_text.splitlines(keepends=True),
-                                      new_text.splitlines(keepends=True),
-                                      fromfile=f"a/{path} (current)",
-                                      tofile=f"b/{path} (pending)"))
-    lines = [line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-             for line in lines]
+    lines = list(
+        difflib.unified_diff(
+            old_text.splitlines(keepends=True),
+            new_text.splitlines(keepends=True),
+            fromfile=f"a/{path} (current)",
+            tofile=f"b/{path} (pending)",
+        )
+    )
+    lines = [
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    ]
     note = ""
     if len(lines) > DIFF_LINES:
         note = f"{len(lines) - DIFF_LINES} more diff lines not shown"
@@ -122,18 +127,26 @@ def pending_change(view: RunView) -> dict[str, Any] | None:
     action = pending.action
     if action.kind is ActionKind.EXTERNAL_CALL:
         body = str(action.args.get("body", "")).encode("utf-8")
-        return {"operation": "external_call", "target": str(action.args.get("operation")),
-                "content": _describe(body), "current": None,
-                "current_note": "an external call: there is no current file", "diff": None,
-                "diff_note": ""}
+        return {
+            "operation": "external_call",
+            "target": str(action.args.get("operation")),
+            "content": _describe(body),
+            "current": None,
+            "current_note": "an external call: there is no current file",
+            "diff": None,
+            "diff_note": "",
+        }
     if action.kind not in (ActionKind.WRITE_FILE, ActionKind.DELETE_FILE):
         return None
     path = str(action.args["path"])
-    new = (str(action.args["content"]).encode("utf-8")
-           if action.kind is ActionKind.WRITE_FILE else b"")
-    out: dict[str, Any] = {"path": path, "operation": action.kind.value,
-                           "content": _describe(new) if action.kind is ActionKind.WRITE_FILE
-                           else None}
+    new = (
+        str(action.args["content"]).encode("utf-8") if action.kind is ActionKind.WRITE_FILE else b""
+    )
+    out: dict[str, Any] = {
+        "path": path,
+        "operation": action.kind.value,
+        "content": _describe(new) if action.kind is ActionKind.WRITE_FILE else None,
+    }
     if pending.receipt is not None:
         out["receipt_note"] = "the adapter's receipt is recorded: the write was done"
     try:
@@ -143,8 +156,12 @@ def pending_change(view: RunView) -> dict[str, Any] | None:
         return out
     root = Path(view.document.environment.root)
     if not root.is_dir():
-        out.update(current=None, current_note="the workspace is not reachable from here",
-                   diff=None, diff_note="")
+        out.update(
+            current=None,
+            current_note="the workspace is not reachable from here",
+            diff=None,
+            diff_note="",
+        )
         return out
     current, note = _read_current(root, path, allowed)
     missing = current is None and note == _MISSING

@@ -31,9 +31,15 @@ __all__ = ["StoreClock", "check_clock_skew"]
 class StoreClock:
     """An upper bound of the store's clock (see the module docstring)."""
 
-    def __init__(self, store_ms: int, *, sent_at: float | None = None, margin_ms: int = 1000,
-                 drift_ppm: int = 1000,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store_ms: int,
+        *,
+        sent_at: float | None = None,
+        margin_ms: int = 1000,
+        drift_ppm: int = 1000,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._monotonic = monotonic
         self._margin_ms = margin_ms
         self._drift = drift_ppm / 1_000_000
@@ -62,8 +68,9 @@ class StoreClock:
         return math.ceil(self.now_ms() / 1000)
 
 
-def check_clock_skew(store_ms: int, *, sent_at_wall: float, received_at_wall: float,
-                     max_skew_ms: int) -> float:
+def check_clock_skew(
+    store_ms: int, *, sent_at_wall: float, received_at_wall: float, max_skew_ms: int
+) -> float:
     """The worker's wall clock minus Redis' (seconds; the round trip's midpoint against
     the store's reading).
 
@@ -76,5 +83,7 @@ def check_clock_skew(store_ms: int, *, sent_at_wall: float, received_at_wall: fl
         raise ConfigurationError(
             f"this host's clock is {skew_ms / 1000:+.1f} s from the Redis server's (bound "
             f"{max_skew_ms / 1000:.1f} s, RATCHET_MAX_CLOCK_SKEW_MS): fix its time sync "
-            "before it runs work", field="max_clock_skew_ms")
+            "before it runs work",
+            field="max_clock_skew_ms",
+        )
     return skew_ms / 1000

@@ -99,8 +99,7 @@ def _running_url(info_path: Path) -> str | None:
         return None
     # The port may have been reused since (a reboot, another server): only the process
     # that was started there is this state folder's server.
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2,
-                         socket_connect_timeout=1)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, socket_connect_timeout=1)
     try:
         serving = int(client.info("server").get("process_id", -1))
     except (redis.RedisError, ValueError, TypeError):
@@ -143,7 +142,9 @@ def _embedded_or_refuse(state_dir: Path) -> str:
         raise ConfigurationError(
             "no store configured: set RATCHET_REDIS_URL, or start `ratchet worker` (it "
             f"starts the embedded Redis in {state_dir.resolve() / 'redis'}); this command "
-            "starts no server of its own", field="redis_url")
+            "starts no server of its own",
+            field="redis_url",
+        )
     return url
 
 
@@ -184,17 +185,23 @@ def load_keyring(settings: Settings) -> KeyRing:
             with contextlib.suppress(FileExistsError):  # another process was first
                 write_private_file(path, json.dumps(doc).encode())
     if path is None:
-        raise ConfigurationError("no checkpoint key: set RATCHET_CHECKPOINT_KEY or "
-                                 "RATCHET_CHECKPOINT_KEYS_FILE", field="checkpoint_key")
+        raise ConfigurationError(
+            "no checkpoint key: set RATCHET_CHECKPOINT_KEY or RATCHET_CHECKPOINT_KEYS_FILE",
+            field="checkpoint_key",
+        )
     try:
         doc = json.loads(Path(path).read_text())
-        keys = {str(kid): _hex_key(str(value), "checkpoint key file")
-                for kid, value in doc["keys"].items()}
-        return KeyRing.from_secrets(keys, signing_kid=str(doc["signing"]),
-                                    retired=[str(k) for k in doc.get("retired", [])])
+        keys = {
+            str(kid): _hex_key(str(value), "checkpoint key file")
+            for kid, value in doc["keys"].items()
+        }
+        return KeyRing.from_secrets(
+            keys, signing_kid=str(doc["signing"]), retired=[str(k) for k in doc.get("retired", [])]
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigurationError("checkpoint key file is unreadable or malformed",
-                                 field="checkpoint_keys_file") from None
+        raise ConfigurationError(
+            "checkpoint key file is unreadable or malformed", field="checkpoint_keys_file"
+        ) from None
 
 
 def load_trust_roots(path: Path | None, role: str) -> TrustRoots | None:
@@ -209,8 +216,9 @@ def load_trust_roots(path: Path | None, role: str) -> TrustRoots | None:
         revoked = frozenset(str(x) for x in doc.pop("_revoked", []))
         keys = {str(k): _hex_key(str(v), f"{role} key file") for k, v in doc.items()}
     except (OSError, ValueError, AttributeError):
-        raise ConfigurationError(f"{role} key file is unreadable or malformed",
-                                 field=f"{role}s_file") from None
+        raise ConfigurationError(
+            f"{role} key file is unreadable or malformed", field=f"{role}s_file"
+        ) from None
     return TrustRoots.from_public_bytes(role, keys, revoked)
 
 
@@ -228,8 +236,13 @@ class Fleet:
     epoch: str | None = None  # the store's epoch this process started with
 
     @classmethod
-    def connect(cls, settings: Settings | None = None, *, check_store: bool = True,
-                start_embedded: bool = False) -> Fleet:
+    def connect(
+        cls,
+        settings: Settings | None = None,
+        *,
+        check_store: bool = True,
+        start_embedded: bool = False,
+    ) -> Fleet:
         """Build from settings (environment by default).
 
         With ``check_store`` (every command and worker but ``ratchet store init``) the
@@ -253,14 +266,18 @@ class Fleet:
         # The queue may use its own Redis user (RQ needs broad writes on rq:* keys, which
         # the store's least-privilege user must not have): see ratchet.leasing.acl.
         rq_url = os.environ.get("RATCHET_QUEUE_REDIS_URL", "").strip() or url
-        rq_connection = redis.Redis.from_url(rq_url, socket_timeout=30,
-                                             socket_connect_timeout=5)
+        rq_connection = redis.Redis.from_url(rq_url, socket_timeout=30, socket_connect_timeout=5)
         epoch = store.check_epoch() if check_store else None
-        return cls(settings=settings, url=url, store=store, rq_connection=rq_connection,
-                   keyring=load_keyring(settings),
-                   approvers=load_trust_roots(settings.approvers_file, "approver"),
-                   reviewers=load_trust_roots(settings.reviewers_file, "reviewer"),
-                   epoch=epoch)
+        return cls(
+            settings=settings,
+            url=url,
+            store=store,
+            rq_connection=rq_connection,
+            keyring=load_keyring(settings),
+            approvers=load_trust_roots(settings.approvers_file, "approver"),
+            reviewers=load_trust_roots(settings.reviewers_file, "reviewer"),
+            epoch=epoch,
+        )
 
     def check_eviction_policy(self) -> None:
         """Workers and submit refuse a Redis that may evict keys: with any
@@ -277,12 +294,15 @@ class Fleet:
             raise ConfigurationError(
                 "Redis' maxmemory-policy cannot be read (CONFIG GET and INFO are both "
                 "refused); after checking it is noeviction, set "
-                "RATCHET_ALLOW_UNKNOWN_EVICTION_POLICY=true", field="maxmemory_policy")
+                "RATCHET_ALLOW_UNKNOWN_EVICTION_POLICY=true",
+                field="maxmemory_policy",
+            )
         if policy != "noeviction":
             raise ConfigurationError(
                 f"Redis' maxmemory-policy is {policy}: it may evict runs, leases and "
                 "high-water marks silently; set maxmemory-policy noeviction",
-                field="maxmemory_policy")
+                field="maxmemory_policy",
+            )
 
     def __repr__(self) -> str:
         return f"Fleet(settings={self.settings!r})"
@@ -294,10 +314,12 @@ class Fleet:
 
         Raises ConfigurationError (an explicit mode that cannot work here)."""
         s = self.settings
-        masked = [p for p in (s.checkpoint_keys_file, s.approvers_file, s.reviewers_file)
-                  if p is not None]
-        return Sandbox.resolve(s.verifier_sandbox, uid=s.verifier_uid, masked=masked,
-                               read_only=s.verifier_read_only)
+        masked = [
+            p for p in (s.checkpoint_keys_file, s.approvers_file, s.reviewers_file) if p is not None
+        ]
+        return Sandbox.resolve(
+            s.verifier_sandbox, uid=s.verifier_uid, masked=masked, read_only=s.verifier_read_only
+        )
 
     @property
     def agent_policy(self) -> AgentPolicy:
@@ -306,8 +328,12 @@ class Fleet:
 
     @property
     def queue(self) -> Queue:
-        return Queue(self.settings.queue, connection=self.rq_connection,
-                     serializer=JSONSerializer, default_timeout=self.settings.job_timeout_s)
+        return Queue(
+            self.settings.queue,
+            connection=self.rq_connection,
+            serializer=JSONSerializer,
+            default_timeout=self.settings.job_timeout_s,
+        )
 
     def enqueue(self, run_id: str) -> str:
         """Put ``{run_id}`` on the queue as JSON. Returns the RQ job id."""
@@ -315,7 +341,12 @@ class Fleet:
         # deadline on the reaper's index, set before the job exists, makes sure some
         # worker takes the run anyway.
         self.store.expect_pickup(run_id, within_ms=self.settings.pickup_timeout_ms)
-        job = self.queue.enqueue(JOB_FUNCTION, run_id, job_timeout=self.settings.job_timeout_s,
-                                 result_ttl=3600, failure_ttl=7 * 24 * 3600,
-                                 description=f"ratchet run {run_id}")
+        job = self.queue.enqueue(
+            JOB_FUNCTION,
+            run_id,
+            job_timeout=self.settings.job_timeout_s,
+            result_ttl=3600,
+            failure_ttl=7 * 24 * 3600,
+            description=f"ratchet run {run_id}",
+        )
         return str(job.id)

@@ -71,13 +71,18 @@ class CancelRequest(Frozen):
 def new_cancel_request(run_id: str, *, by: str, reason: str, now_ms: int) -> CancelRequest:
     """A request with a fresh id. Raises ContractError for an empty reason or operator."""
     try:
-        return CancelRequest(run_id=run_id, request_id=f"cx-{secrets.token_hex(8)}",
-                             by=by.strip()[:200], reason=reason.strip()[:1024],
-                             requested_at_ms=now_ms)
+        return CancelRequest(
+            run_id=run_id,
+            request_id=f"cx-{secrets.token_hex(8)}",
+            by=by.strip()[:200],
+            reason=reason.strip()[:1024],
+            requested_at_ms=now_ms,
+        )
     except ValidationError as exc:
         field = ".".join(str(p) for p in exc.errors()[0]["loc"]) or "request"
-        raise ContractError(f"bad cancel request: {field} is empty or invalid",
-                            field=field) from None
+        raise ContractError(
+            f"bad cancel request: {field} is empty or invalid", field=field
+        ) from None
 
 
 def seal_cancel(keyring: KeyRing, request: CancelRequest) -> bytes:
@@ -125,9 +130,14 @@ def find_controls(keyring: KeyRing, run_id: str, inbox: list[bytes]) -> Controls
     return Controls(found, tuple(refused))
 
 
-def find_rebaseline(inbox: list[bytes], state: RunState, scenario: Scenario,
-                    reviewers: TrustRoots | None, *, generation: int
-                    ) -> tuple[RebaselineDecision | None, list[str]]:
+def find_rebaseline(
+    inbox: list[bytes],
+    state: RunState,
+    scenario: Scenario,
+    reviewers: TrustRoots | None,
+    *,
+    generation: int,
+) -> tuple[RebaselineDecision | None, list[str]]:
     """The first rebaseline decision in ``inbox`` that passes every check that needs no
     adapter against the opened (not yet restored) checkpoint, and why others failed.
 

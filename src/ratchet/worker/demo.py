@@ -44,8 +44,12 @@ DEMO_NOTE = (
 )
 RUN_ID = "demo-run-1"
 CRASH_WINDOW = CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT
-_RISKS = {"read_file": "read_only", "write_file": "reversible_write",
-          "run_verifier": "verification", "finish": "control"}
+_RISKS = {
+    "read_file": "read_only",
+    "write_file": "reversible_write",
+    "run_verifier": "verification",
+    "finish": "control",
+}
 
 
 class InjectedCrash(Exception):  # noqa: N818 - it is a simulated crash, not an error
@@ -54,8 +58,9 @@ class InjectedCrash(Exception):  # noqa: N818 - it is a simulated crash, not an 
 
 def demo_scenario() -> Scenario:
     """The task contract of the example: fix the greeting in ``app.py``."""
-    return greeting_scenario(budgets={"proposals": 20, "steps": 10,
-                                      "wall_clock_seconds": 600, "cost_units": 100})
+    return greeting_scenario(
+        budgets={"proposals": 20, "steps": 10, "wall_clock_seconds": 600, "cost_units": 100}
+    )
 
 
 @dataclass
@@ -82,33 +87,51 @@ class DemoReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "run_id": self.run_id, "phase": self.phase,
-            "generation": self.generation, "write_count": self.write_count,
+            "ok": self.ok,
+            "run_id": self.run_id,
+            "phase": self.phase,
+            "generation": self.generation,
+            "write_count": self.write_count,
             "crash_window": self.crash_window,
             "crash_window_recovered": self.recovered_window,
             "reconcile_outcome": self.reconcile_outcome,
             "lease_version": self.lease_version,
             "stale_write_refused": self.stale_write_refused,
             "trace_outcomes": [e["outcome"] for e in self.trace],
-            "trace": self.trace, "checks": self.checks, "note": self.note,
+            "trace": self.trace,
+            "checks": self.checks,
+            "note": self.note,
         }
 
 
-def _action(engine: RunEngine, clock: ManualClock, kind: str, args: dict[str, str],
-            key: str | None = None) -> Action:
+def _action(
+    engine: RunEngine, clock: ManualClock, kind: str, args: dict[str, str], key: str | None = None
+) -> Action:
     """What the scripted agent proposes: planned against the current environment version."""
     state = engine.state
-    return Action.model_validate({
-        "action_id": f"a-{state.next_seq}", "kind": kind, "risk": _RISKS[kind],
-        "args": args, "idempotency_key": key,
-        "expected_env_version": state.environment.version,
-        "deadline_at": clock.now() + 60,
-    })
+    return Action.model_validate(
+        {
+            "action_id": f"a-{state.next_seq}",
+            "kind": kind,
+            "risk": _RISKS[kind],
+            "args": args,
+            "idempotency_key": key,
+            "expected_env_version": state.environment.version,
+            "deadline_at": clock.now() + 60,
+        }
+    )
 
 
 def _trace(state: RunState) -> list[dict[str, Any]]:
-    return [{"seq": e.seq, "outcome": e.outcome.value, "idempotency_key": e.idempotency_key,
-             "env_version": e.env_version} for e in state.trace]
+    return [
+        {
+            "seq": e.seq,
+            "outcome": e.outcome.value,
+            "idempotency_key": e.idempotency_key,
+            "env_version": e.env_version,
+        }
+        for e in state.trace
+    ]
 
 
 def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
@@ -122,13 +145,24 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
     """
     scenario = demo_scenario()
     clock = ManualClock()
-    keyring = KeyRing.from_secrets({"demo": checkpoint_key or secrets.token_bytes(32)},
-                                   signing_kid="demo")
-    workspace = MemoryWorkspace("ws-demo", scenario.initial_files, clock=clock,
-                                expectations={"unit": scenario.verifier.expected_files})
+    keyring = KeyRing.from_secrets(
+        {"demo": checkpoint_key or secrets.token_bytes(32)}, signing_kid="demo"
+    )
+    workspace = MemoryWorkspace(
+        "ws-demo",
+        scenario.initial_files,
+        clock=clock,
+        expectations={"unit": scenario.verifier.expected_files},
+    )
     store = MemoryGenerationStore()
-    ports: dict[str, Any] = {"scenario": scenario, "keyring": keyring, "adapter": workspace,
-                             "store": store, "clock": clock, "archive_trace": True}
+    ports: dict[str, Any] = {
+        "scenario": scenario,
+        "keyring": keyring,
+        "adapter": workspace,
+        "store": store,
+        "clock": clock,
+        "archive_trace": True,
+    }
 
     crashed: list[CrashWindow] = []
 
@@ -144,8 +178,9 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
     clock.advance(2)
     key = derive_idempotency_key(RUN_ID, first.state.plan_cursor)
     with contextlib.suppress(InjectedCrash):  # recorded in ``crashed`` by the probe
-        first.propose(_action(first, clock, "write_file",
-                              {"path": "app.py", "content": RIGHT_GREETING}, key))
+        first.propose(
+            _action(first, clock, "write_file", {"path": "app.py", "content": RIGHT_GREETING}, key)
+        )
     clock.advance(30)  # the lease expires; another worker takes the run over
 
     # Owner 2 (lease version 2): restore the checkpoint at the high-water mark (which
@@ -170,11 +205,16 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
 
     state = final.state
     report = DemoReport(
-        run_id=state.run_id, phase=state.phase.value, generation=final.generation,
-        write_count=workspace.write_count, crash_window=CRASH_WINDOW.value,
+        run_id=state.run_id,
+        phase=state.phase.value,
+        generation=final.generation,
+        write_count=workspace.write_count,
+        crash_window=CRASH_WINDOW.value,
         recovered_window=reconciled.window.value if reconciled.window else None,
-        reconcile_outcome=reconciled.outcome.value, lease_version=second.lease_version,
-        stale_write_refused=stale_refused, final_content=workspace.files["app.py"],
+        reconcile_outcome=reconciled.outcome.value,
+        lease_version=second.lease_version,
+        stale_write_refused=stale_refused,
+        final_content=workspace.files["app.py"],
         trace=_trace(state),
     )
     report.checks = {

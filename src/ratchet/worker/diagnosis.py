@@ -42,14 +42,21 @@ from ratchet.worker.ops import RunView
 from ratchet.worker.queueview import QueueFacts, owner_of_worker, queue_facts
 from ratchet.worker.scrub import Scrubber
 
-__all__ = ["FREEZING_KINDS", "MESSAGE_CHARS", "TIMELINE_LIMIT", "HistoryEntry", "diagnose",
-           "read_history"]
+__all__ = [
+    "FREEZING_KINDS",
+    "MESSAGE_CHARS",
+    "TIMELINE_LIMIT",
+    "HistoryEntry",
+    "diagnose",
+    "read_history",
+]
 
 TIMELINE_LIMIT = 200
 MESSAGE_CHARS = 500
 #: Incident kinds after which nothing continues the run until an operator acts.
-FREEZING_KINDS = frozenset({"restore_refused", "environment_changed",
-                            "store_record_unreadable", "reaper_entry_refused"})
+FREEZING_KINDS = frozenset(
+    {"restore_refused", "environment_changed", "store_record_unreadable", "reaper_entry_refused"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +76,16 @@ def read_history(fleet: Fleet, run_id: str) -> list[HistoryEntry]:
     try:
         raw = fleet.store.client.lrange(run_keys(run_id).history, 0, -1)
     except redis.RedisError as exc:
-        raise StoreUnavailableError("the run's history cannot be read", run_id=run_id,
-                                    cause=type(exc).__name__) from None
+        raise StoreUnavailableError(
+            "the run's history cannot be read", run_id=run_id, cause=type(exc).__name__
+        ) from None
     out = []
     for item in reversed(raw):
-        parts = (item.decode("utf-8", "replace") if isinstance(item, bytes)
-                 else str(item)).split("|")
+        parts = (item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)).split(
+            "|"
+        )
         if len(parts) == 7 and all(parts[i].isdigit() for i in (0, 2, 6)):
-            out.append(HistoryEntry(int(parts[0]), int(parts[2]), parts[3][:200],
-                                    int(parts[6])))
+            out.append(HistoryEntry(int(parts[0]), int(parts[2]), parts[3][:200], int(parts[6])))
     return out
 
 
@@ -90,7 +98,7 @@ class _Text:
     def __call__(self, value: object, limit: int = MESSAGE_CHARS) -> str:
         # Scrub before cutting, so a cut never leaves a secret's start behind a "...";
         # the scrubber itself redacts a configured secret's start at the end of its input.
-        text = self._scrubber.scrub(("" if value is None else str(value))[:limit * 4 + 256])
+        text = self._scrubber.scrub(("" if value is None else str(value))[: limit * 4 + 256])
         return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -111,52 +119,75 @@ def _since_retry(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _incident_line(incident: dict[str, Any], text: _Text) -> str:
     kind = incident.get("kind")
     if kind == "job_error":
-        return (f"job error {text(incident.get('error'), 100)} at "
-                f"{text(incident.get('where'), 200)} (attempt "
-                f"{text(incident.get('attempt'), 10)}): {text(incident.get('message'))}; "
-                f"{text(incident.get('next'), 100)}")
+        return (
+            f"job error {text(incident.get('error'), 100)} at "
+            f"{text(incident.get('where'), 200)} (attempt "
+            f"{text(incident.get('attempt'), 10)}): {text(incident.get('message'))}; "
+            f"{text(incident.get('next'), 100)}"
+        )
     if kind == "lease_taken_over":
         return f"lease v{text(incident.get('lease_version'), 20)} taken over after expiry"
     if kind == "verifier_failed":
-        return (f"verifier {text(incident.get('target'), 100)} failed: "
-                f"{text(incident.get('message'))}")
+        return (
+            f"verifier {text(incident.get('target'), 100)} failed: {text(incident.get('message'))}"
+        )
     if kind == "operator_retry":
-        return (f"operator retry by {text(incident.get('operator'), 100)}: "
-                f"{text(incident.get('reason'))}")
+        return (
+            f"operator retry by {text(incident.get('operator'), 100)}: "
+            f"{text(incident.get('reason'))}"
+        )
     if kind == "unreadable":
         return f"unreadable record: {text(incident.get('malformed'), 200)}"
     reason = incident.get("reason")
-    return (f"{text(kind, 100)}" + (f" ({text(reason, 100)})" if reason else "")
-            + f": {text(incident.get('message'))}")
+    return (
+        f"{text(kind, 100)}"
+        + (f" ({text(reason, 100)})" if reason else "")
+        + f": {text(incident.get('message'))}"
+    )
 
 
 def _incident_view(incident: dict[str, Any] | None, text: _Text) -> dict[str, Any] | None:
     if incident is None:
         return None
-    return {"kind": text(incident.get("kind"), 100), "at_ms": _int(incident.get("at_ms")),
-            "summary": _incident_line(incident, text),
-            "reason": text(incident.get("reason"), 200) or None}
+    return {
+        "kind": text(incident.get("kind"), 100),
+        "at_ms": _int(incident.get("at_ms")),
+        "summary": _incident_line(incident, text),
+        "reason": text(incident.get("reason"), 200) or None,
+    }
 
 
 def _job_error(incidents: list[dict[str, Any]], text: _Text) -> dict[str, Any] | None:
     incident = next((i for i in incidents if i.get("kind") == "job_error"), None)
     if incident is None:
         return None
-    return {"kind": "job_error", "error": text(incident.get("error"), 100),
-            "message": text(incident.get("message")), "where": text(incident.get("where"), 200),
-            "attempt": _int(incident.get("attempt")), "next": text(incident.get("next"), 100),
-            "at_ms": _int(incident.get("at_ms"))}
+    return {
+        "kind": "job_error",
+        "error": text(incident.get("error"), 100),
+        "message": text(incident.get("message")),
+        "where": text(incident.get("where"), 200),
+        "attempt": _int(incident.get("attempt")),
+        "next": text(incident.get("next"), 100),
+        "at_ms": _int(incident.get("at_ms")),
+    }
 
 
-def _verifier_output(view: RunView, incidents: list[dict[str, Any]],
-                     text: _Text) -> dict[str, Any] | None:
+def _verifier_output(
+    view: RunView, incidents: list[dict[str, Any]], text: _Text
+) -> dict[str, Any] | None:
     incident = next((i for i in incidents if i.get("kind") == "verifier_failed"), None)
     if incident is None:
         return None
     digest = incident.get("output_digest")
     latest = view.state.verification
-    signed_at = next((e.seq for e in reversed(view.state.trace)
-                      if e.verifier is not None and e.verifier.output_digest == digest), None)
+    signed_at = next(
+        (
+            e.seq
+            for e in reversed(view.state.trace)
+            if e.verifier is not None and e.verifier.output_digest == digest
+        ),
+        None,
+    )
     if latest is not None and latest.output_digest == digest:
         binding = "its digest is the run's latest signed verifier report"
     elif signed_at is not None:
@@ -165,28 +196,46 @@ def _verifier_output(view: RunView, incidents: list[dict[str, Any]],
             binding += "; a later verification passed"
     else:
         binding = "no signed verifier report has its digest (that job's commit did not land)"
-    return {"target": text(incident.get("target"), 100),
-            "exit_code": _int(incident.get("exit_code")),
-            "timed_out": incident.get("timed_out") is True,
-            "truncated": incident.get("truncated") is True,
-            "bound": incident.get("bound") is True,
-            "message": text(incident.get("message")), "at_ms": _int(incident.get("at_ms")),
-            "lease_version": _int(incident.get("lease_version")),
-            "output_digest": text(digest, 100), "signed_report_seq": signed_at,
-            "binding": binding, "tail": text(incident.get("tail"), 8192),
-            "tail_cut": incident.get("tail_cut") is True,
-            "label": "unsigned, for diagnosis: the tail is not covered by any signature"}
+    return {
+        "target": text(incident.get("target"), 100),
+        "exit_code": _int(incident.get("exit_code")),
+        "timed_out": incident.get("timed_out") is True,
+        "truncated": incident.get("truncated") is True,
+        "bound": incident.get("bound") is True,
+        "message": text(incident.get("message")),
+        "at_ms": _int(incident.get("at_ms")),
+        "lease_version": _int(incident.get("lease_version")),
+        "output_digest": text(digest, 100),
+        "signed_report_seq": signed_at,
+        "binding": binding,
+        "tail": text(incident.get("tail"), 8192),
+        "tail_cut": incident.get("tail_cut") is True,
+        "label": "unsigned, for diagnosis: the tail is not covered by any signature",
+    }
 
 
-def _status(fleet: Fleet, view: RunView, queue: QueueFacts | None,
-            incidents: list[dict[str, Any]], text: _Text) -> dict[str, Any]:
+def _status(
+    fleet: Fleet,
+    view: RunView,
+    queue: QueueFacts | None,
+    incidents: list[dict[str, Any]],
+    text: _Text,
+) -> dict[str, Any]:
     snap, state = view.snapshot, view.state
     run_id = state.run_id
-    out: dict[str, Any] = {"store_now_ms": snap.now_ms, "owner": None,
-                           "lease_version": snap.lease_version, "expires_in_ms": None,
-                           "worker": None, "queue": fleet.settings.queue,
-                           "queue_position": None, "queue_depth": None, "due_in_ms": None,
-                           "frozen": False, "why": None}
+    out: dict[str, Any] = {
+        "store_now_ms": snap.now_ms,
+        "owner": None,
+        "lease_version": snap.lease_version,
+        "expires_in_ms": None,
+        "worker": None,
+        "queue": fleet.settings.queue,
+        "queue_position": None,
+        "queue_depth": None,
+        "due_in_ms": None,
+        "frozen": False,
+        "why": None,
+    }
     if queue is not None:
         out["queue"], out["queue_depth"] = queue.queue, queue.depth
         out["queue_position"] = queue.positions.get(run_id)
@@ -194,56 +243,81 @@ def _status(fleet: Fleet, view: RunView, queue: QueueFacts | None,
         out.update(owner=snap.owner, expires_in_ms=snap.expires_at_ms - snap.now_ms)
         worker = queue.started.get(run_id) if queue is not None else None
         if worker and owner_of_worker(worker) == snap.owner:
-            out.update(state="running", worker=worker,
-                       summary=f"running on {worker} (lease v{snap.lease_version} held by "
-                               f"{snap.owner}, expires in {out['expires_in_ms']} ms by the "
-                               "store's clock)")
+            out.update(
+                state="running",
+                worker=worker,
+                summary=f"running on {worker} (lease v{snap.lease_version} held by "
+                f"{snap.owner}, expires in {out['expires_in_ms']} ms by the "
+                "store's clock)",
+            )
         else:
-            out.update(state="leased",
-                       summary=f"leased by {snap.owner} (lease v{snap.lease_version}, "
-                               f"expires in {out['expires_in_ms']} ms by the store's clock)"
-                               "; no worker reports running its job")
+            out.update(
+                state="leased",
+                summary=f"leased by {snap.owner} (lease v{snap.lease_version}, "
+                f"expires in {out['expires_in_ms']} ms by the store's clock)"
+                "; no worker reports running its job",
+            )
         return out
     recent = _since_retry(incidents)
-    freezing = next((i for i in recent if i.get("kind") in FREEZING_KINDS or (
-        i.get("kind") == "job_error" and str(i.get("next", "")).startswith("frozen"))), None)
+    freezing = next(
+        (
+            i
+            for i in recent
+            if i.get("kind") in FREEZING_KINDS
+            or (i.get("kind") == "job_error" and str(i.get("next", "")).startswith("frozen"))
+        ),
+        None,
+    )
     if freezing is not None and _int(freezing.get("lease_version")) not in (
-            None, snap.lease_version):
+        None,
+        snap.lease_version,
+    ):
         freezing = None  # a later job took the run and got past it
     phase_why = _phase_why(view, text)
     if freezing is not None and state.phase not in TERMINAL_PHASES:
         phase_why = None  # waiting or not, the last job that took the run refused it
     pending_why = phase_why
     if pending_why is None and freezing is not None:
-        pending_why = (f"its last job froze it ({_incident_line(freezing, text)}), but a "
-                       "job for it is still waiting")
+        pending_why = (
+            f"its last job froze it ({_incident_line(freezing, text)}), but a "
+            "job for it is still waiting"
+        )
     if out["queue_position"] is not None:
-        out.update(state="queued", why=pending_why,
-                   summary=f"queued at position {out['queue_position']} of "
-                           f"{out['queue_depth']} in {out['queue']}")
+        out.update(
+            state="queued",
+            why=pending_why,
+            summary=f"queued at position {out['queue_position']} of "
+            f"{out['queue_depth']} in {out['queue']}",
+        )
         return out
     try:
         due = fleet.store.client.zscore(EXPIRY_INDEX, run_id)
     except redis.RedisError:
         due = None
     if due is not None and state.phase not in TERMINAL_PHASES:
-        out.update(state="scheduled", due_in_ms=int(due) - snap.now_ms,
-                   summary=f"scheduled: the reaper hands it to a worker in "
-                           f"{max(int(due) - snap.now_ms, 0)} ms")
+        out.update(
+            state="scheduled",
+            due_in_ms=int(due) - snap.now_ms,
+            summary=f"scheduled: the reaper hands it to a worker in "
+            f"{max(int(due) - snap.now_ms, 0)} ms",
+        )
         error = next((i for i in recent if i.get("kind") == "job_error"), None)
-        out["why"] = pending_why or (f"retry after a job error: "
-                                     f"{_incident_line(error, text)}"
-                                     if error is not None else None)
+        out["why"] = pending_why or (
+            f"retry after a job error: {_incident_line(error, text)}" if error is not None else None
+        )
         return out
     out["state"] = "idle"
     if phase_why is not None:
         out["why"] = phase_why
     elif freezing is not None:
-        out.update(frozen=True, why=f"{_incident_line(freezing, text)}; "
-                                    f"{_remedy(freezing, run_id)}")
+        out.update(
+            frozen=True, why=f"{_incident_line(freezing, text)}; {_remedy(freezing, run_id)}"
+        )
     else:
-        out["why"] = ("nothing holds, queues or schedules it: the agent proposed nothing "
-                      "more, or its job was lost (ratchet retry hands it back)")
+        out["why"] = (
+            "nothing holds, queues or schedules it: the agent proposed nothing "
+            "more, or its job was lost (ratchet retry hands it back)"
+        )
     out["summary"] = ("frozen by " if out["frozen"] else "idle: ") + str(out["why"])
     return out
 
@@ -252,10 +326,11 @@ def _remedy(incident: dict[str, Any], run_id: str) -> str:
     """The command that resolves a freezing incident (docs/operator-guide.md)."""
     reason = str(incident.get("reason", ""))
     if incident.get("kind") == "environment_changed" or reason == "environment":
-        return (f"the workspace changed behind the run: ratchet review {run_id} --decision "
-                f"rebaseline (or ratchet cancel {run_id})")
-    return (f"fix the cause, then: ratchet retry {run_id} --reason ... "
-            f"(or ratchet cancel {run_id})")
+        return (
+            f"the workspace changed behind the run: ratchet review {run_id} --decision "
+            f"rebaseline (or ratchet cancel {run_id})"
+        )
+    return f"fix the cause, then: ratchet retry {run_id} --reason ... (or ratchet cancel {run_id})"
 
 
 def _phase_why(view: RunView, text: _Text) -> str | None:
@@ -263,64 +338,100 @@ def _phase_why(view: RunView, text: _Text) -> str | None:
     state = view.state
     if state.phase in TERMINAL_PHASES:
         return f"the run ended {state.phase.value}" + (
-            f": {text(state.stop_reason)}" if state.stop_reason else "")
+            f": {text(state.stop_reason)}" if state.stop_reason else ""
+        )
     if state.phase is Phase.AWAITING_APPROVAL and state.pending is not None:
-        return (f"waiting for a signed approval of {state.pending.action.action_id} "
-                "(ratchet approve)")
+        return (
+            f"waiting for a signed approval of {state.pending.action.action_id} (ratchet approve)"
+        )
     if state.phase is Phase.NEEDS_REVIEW and state.review is not None:
         return f"waiting for a reviewer's decision on {state.review.case_id} (ratchet review)"
     return None
 
 
-def _timeline(view: RunView, history: list[HistoryEntry], incidents: list[dict[str, Any]],
-              text: _Text) -> tuple[list[dict[str, Any]], int]:
+def _timeline(
+    view: RunView, history: list[HistoryEntry], incidents: list[dict[str, Any]], text: _Text
+) -> tuple[list[dict[str, Any]], int]:
     # Exact items (Redis ms): lease changes go in as early as the trace allows, incidents
     # as late (see _merge). ``early`` marks the former.
     exact: list[tuple[int, int, bool, dict[str, Any]]] = []
-    takeovers = {_int(i.get("lease_version")): i for i in incidents
-                 if i.get("kind") == "lease_taken_over"}
+    takeovers = {
+        _int(i.get("lease_version")): i for i in incidents if i.get("kind") == "lease_taken_over"
+    }
     previous: HistoryEntry | None = None
     for entry in history:
         if previous is not None and entry.lease_version != previous.lease_version:
             taken = takeovers.pop(entry.lease_version, None)
             at = entry.at_ms
             if taken is not None:
-                what = (f"taken over from {text(previous.owner, 200)} after lease expiry"
-                        if previous.lease_version == entry.lease_version - 1 else
-                        "taken over after lease expiry (last commit before it by "
-                        f"{text(previous.owner, 200)}, lease v{previous.lease_version})")
+                what = (
+                    f"taken over from {text(previous.owner, 200)} after lease expiry"
+                    if previous.lease_version == entry.lease_version - 1
+                    else "taken over after lease expiry (last commit before it by "
+                    f"{text(previous.owner, 200)}, lease v{previous.lease_version})"
+                )
                 at = _int(taken.get("at_ms")) or at
             elif not previous.owner:  # the creation entry: no lease before
                 what = "first lease"
             elif entry.owner == previous.owner:
                 what = "lease taken again by the same owner"
             else:
-                what = (f"handed on from {text(previous.owner, 200)} (no takeover recorded: "
-                        "it released the lease)")
-            exact.append((at, 0, True, {"at_ms": at, "source": "lease",
-                                        "lease_version": entry.lease_version,
-                                        "owner": text(entry.owner, 200), "what": what}))
+                what = (
+                    f"handed on from {text(previous.owner, 200)} (no takeover recorded: "
+                    "it released the lease)"
+                )
+            exact.append(
+                (
+                    at,
+                    0,
+                    True,
+                    {
+                        "at_ms": at,
+                        "source": "lease",
+                        "lease_version": entry.lease_version,
+                        "owner": text(entry.owner, 200),
+                        "what": what,
+                    },
+                )
+            )
         previous = entry
     for incident in incidents:
         kind = incident.get("kind")
         stamp = _int(incident.get("at_ms"))
-        if stamp is None or (kind == "lease_taken_over"
-                             and _int(incident.get("lease_version")) not in takeovers):
+        if stamp is None or (
+            kind == "lease_taken_over" and _int(incident.get("lease_version")) not in takeovers
+        ):
             continue  # no time, or already shown as its lease change
         early = kind == "lease_taken_over"
-        exact.append((stamp, 0 if early else 1, early, {
-            "at_ms": stamp, "source": "incident", "kind": text(kind, 100),
-            "what": _incident_line(incident, text)}))
+        exact.append(
+            (
+                stamp,
+                0 if early else 1,
+                early,
+                {
+                    "at_ms": stamp,
+                    "source": "incident",
+                    "kind": text(kind, 100),
+                    "what": _incident_line(incident, text),
+                },
+            )
+        )
     exact.sort(key=lambda t: t[:2])
     trace = []
     for event in view.state.trace:
         detail = ", ".join(f"{k}={text(v, 200)}" for k, v in sorted(event.detail.items()))
         what = event.outcome.value + (f" {event.action_id}" if event.action_id else "")
         if event.verifier is not None:
-            what += (f" ({event.verifier.target}: "
-                     f"{'passed' if event.verifier.passed else 'failed'})")
-        trace.append({"at_ms": event.at * 1000, "source": "trace", "seq": event.seq,
-                      "what": what, "detail": detail})
+            what += f" ({event.verifier.target}: {'passed' if event.verifier.passed else 'failed'})"
+        trace.append(
+            {
+                "at_ms": event.at * 1000,
+                "source": "trace",
+                "seq": event.seq,
+                "what": what,
+                "detail": detail,
+            }
+        )
     items = _merge(trace, exact)
     left_out = max(len(items) - TIMELINE_LIMIT, 0)
     return items[left_out:], left_out
@@ -333,8 +444,9 @@ def _timeline(view: RunView, history: list[HistoryEntry], incidents: list[dict[s
 _TRACE_AHEAD_MS = 1000
 
 
-def _merge(trace: list[dict[str, Any]],
-           exact: list[tuple[int, int, bool, dict[str, Any]]]) -> list[dict[str, Any]]:
+def _merge(
+    trace: list[dict[str, Any]], exact: list[tuple[int, int, bool, dict[str, Any]]]
+) -> list[dict[str, Any]]:
     """The trace in its own order, with each exact item placed among it: a lease change
     after the events that surely happened before it (their latest possible time is
     earlier), an incident after every event that may have happened before it (their
@@ -349,8 +461,11 @@ def _merge(trace: list[dict[str, Any]],
     for at_ms, _, early, item in exact:
         while index < len(trace):
             stamp = trace[index]["at_ms"]
-            before = (stamp - _TRACE_AHEAD_MS < at_ms if early
-                      else stamp - _TRACE_AHEAD_MS - 1000 <= at_ms)
+            before = (
+                stamp - _TRACE_AHEAD_MS < at_ms
+                if early
+                else stamp - _TRACE_AHEAD_MS - 1000 <= at_ms
+            )
             if not before:
                 break
             out.append(trace[index])
@@ -384,14 +499,14 @@ def diagnose(fleet: Fleet, view: RunView) -> dict[str, Any]:
         "current_incident": _incident_view(incidents[0] if incidents else None, text),
         "last_job_error": _job_error(incidents, text),
         "verifier_output": _verifier_output(view, incidents, text),
-        "timeline": timeline, "timeline_left_out": left_out,
+        "timeline": timeline,
+        "timeline_left_out": left_out,
         "pending_change": _scrubbed_change(pending_change(view), scrubber),
         "notes": notes,
     }
 
 
-def _scrubbed_change(change: dict[str, Any] | None,
-                     scrubber: Scrubber) -> dict[str, Any] | None:
+def _scrubbed_change(change: dict[str, Any] | None, scrubber: Scrubber) -> dict[str, Any] | None:
     """The change with secret-looking text redacted, and marked when anything was: the
     approver sees that the write carries something that looks like a secret, not the
     secret itself."""

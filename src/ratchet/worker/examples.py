@@ -14,13 +14,18 @@ from typing import Any
 from ratchet.runtime import Scenario
 from ratchet.worker.runs import EnvironmentSpec, RunDocument, VerifierSpec
 
-__all__ = ["RIGHT_GREETING", "WRONG_GREETING", "greeting_document", "greeting_scenario",
-           "make_greeting_workspace"]
+__all__ = [
+    "RIGHT_GREETING",
+    "WRONG_GREETING",
+    "greeting_document",
+    "greeting_scenario",
+    "make_greeting_workspace",
+]
 
 WRONG_GREETING = 'print("Hello, wrold")\n'
 RIGHT_GREETING = 'print("Hello, world")\n'
 
-_TEST = '''import subprocess
+_TEST = """import subprocess
 import sys
 from pathlib import Path
 
@@ -35,7 +40,7 @@ def test_app_prints_the_greeting():
 
 if __name__ == "__main__":  # runnable without pytest too
     test_app_prints_the_greeting()
-'''
+"""
 
 
 def make_greeting_workspace(root: Path) -> Path:
@@ -46,28 +51,35 @@ def make_greeting_workspace(root: Path) -> Path:
     return root
 
 
-def greeting_scenario(*, approval_required: tuple[str, ...] = (),
-                      budgets: dict[str, int] | None = None) -> Scenario:
-    return Scenario.model_validate({
-        "schema_version": 1,
-        "task_id": "fix-greeting",
-        "task_version": "1",
-        "policy_id": "default",
-        "policy_version": "1",
-        "permissions": ["read_file", "write_file", "run_verifier", "finish"],
-        "allowed_paths": ["app.py"],
-        "allowed_verifier_targets": ["unit"],
-        "approval_required": list(approval_required),
-        "budgets": budgets or {"proposals": 30, "steps": 20, "wall_clock_seconds": 3600,
-                               "cost_units": 0},
-        "initial_files": {"app.py": WRONG_GREETING},
-        "verifier": {"target": "unit", "expected_files": {"app.py": RIGHT_GREETING}},
-    })
+def greeting_scenario(
+    *, approval_required: tuple[str, ...] = (), budgets: dict[str, int] | None = None
+) -> Scenario:
+    return Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "fix-greeting",
+            "task_version": "1",
+            "policy_id": "default",
+            "policy_version": "1",
+            "permissions": ["read_file", "write_file", "run_verifier", "finish"],
+            "allowed_paths": ["app.py"],
+            "allowed_verifier_targets": ["unit"],
+            "approval_required": list(approval_required),
+            "budgets": budgets
+            or {"proposals": 30, "steps": 20, "wall_clock_seconds": 3600, "cost_units": 0},
+            "initial_files": {"app.py": WRONG_GREETING},
+            "verifier": {"target": "unit", "expected_files": {"app.py": RIGHT_GREETING}},
+        }
+    )
 
 
-def greeting_document(root: Path, *, agent_config: dict[str, Any] | None = None,
-                      approval_required: tuple[str, ...] = (),
-                      runner: str = "auto") -> RunDocument:
+def greeting_document(
+    root: Path,
+    *,
+    agent_config: dict[str, Any] | None = None,
+    approval_required: tuple[str, ...] = (),
+    runner: str = "auto",
+) -> RunDocument:
     """The run document of the example task on the workspace at ``root``.
 
     ``runner``: ``pytest`` runs the test with pytest, ``python`` runs the test file as a
@@ -77,7 +89,9 @@ def greeting_document(root: Path, *, agent_config: dict[str, Any] | None = None,
         runner = "pytest" if importlib.util.find_spec("pytest") is not None else "python"
     argv: tuple[str, ...] = (
         (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_app.py")
-        if runner == "pytest" else (sys.executable, "test_app.py"))
+        if runner == "pytest"
+        else (sys.executable, "test_app.py")
+    )
     verifier = VerifierSpec(argv=argv, timeout_seconds=120)
     return RunDocument(
         scenario=greeting_scenario(approval_required=approval_required),

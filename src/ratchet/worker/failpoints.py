@@ -120,27 +120,33 @@ def parse_failpoints(text: str) -> list[Failpoint]:
         action, _, hit_text = rest.partition("@")
         verb, _, arg = action.partition(":")
         if name not in POINTS:
-            raise ConfigurationError(f"unknown failpoint {name!r}", field="RATCHET_FAILPOINTS",
-                                     entry=entry)
+            raise ConfigurationError(
+                f"unknown failpoint {name!r}", field="RATCHET_FAILPOINTS", entry=entry
+            )
         if verb not in ACTIONS:
-            raise ConfigurationError(f"unknown failpoint action {verb!r}",
-                                     field="RATCHET_FAILPOINTS", entry=entry)
+            raise ConfigurationError(
+                f"unknown failpoint action {verb!r}", field="RATCHET_FAILPOINTS", entry=entry
+            )
         if verb == "drop-reply" and name not in _DROPPABLE:
-            raise ConfigurationError(f"drop-reply works at {', '.join(_DROPPABLE)} only",
-                                     field="RATCHET_FAILPOINTS", entry=entry)
+            raise ConfigurationError(
+                f"drop-reply works at {', '.join(_DROPPABLE)} only",
+                field="RATCHET_FAILPOINTS",
+                entry=entry,
+            )
         if verb == "delay" and not arg.isdigit():
-            raise ConfigurationError("delay needs milliseconds: delay:MS",
-                                     field="RATCHET_FAILPOINTS", entry=entry)
+            raise ConfigurationError(
+                "delay needs milliseconds: delay:MS", field="RATCHET_FAILPOINTS", entry=entry
+            )
         if hit_text not in ("", "*") and not hit_text.isdigit():
-            raise ConfigurationError("hit must be a number or *", field="RATCHET_FAILPOINTS",
-                                     entry=entry)
+            raise ConfigurationError(
+                "hit must be a number or *", field="RATCHET_FAILPOINTS", entry=entry
+            )
         hit = None if hit_text == "*" else int(hit_text or "1")
         points.append(Failpoint(name, verb, int(arg or "0"), hit))
     return points
 
 
-def _append_line(path: str | os.PathLike[str], record: dict[str, Any], *,
-                 sync: bool) -> None:
+def _append_line(path: str | os.PathLike[str], record: dict[str, Any], *, sync: bool) -> None:
     # One write(2) per line on an O_APPEND descriptor: lines from concurrent writers never
     # interleave, and a line written before a SIGKILL survives it (the kernel has it).
     line = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode()
@@ -221,10 +227,19 @@ class Failpoints:
     def _record(self, spec: Failpoint) -> None:
         if not self._log_path:
             return
-        _append_line(self._log_path, {
-            "pid": os.getpid(), "window": spec.point, "action": spec.action,
-            "hit": self._hits[spec.point], "at": time.time(), "run_id": self.run_id,
-            "lease_version": self.lease_version}, sync=True)
+        _append_line(
+            self._log_path,
+            {
+                "pid": os.getpid(),
+                "window": spec.point,
+                "action": spec.action,
+                "hit": self._hits[spec.point],
+                "at": time.time(),
+                "run_id": self.run_id,
+                "lease_version": self.lease_version,
+            },
+            sync=True,
+        )
 
 
 class EventLog:
@@ -242,8 +257,9 @@ class EventLog:
         return f"EventLog(path={os.fspath(self.path)!r})"
 
     def emit(self, kind: str, **fields: Any) -> None:
-        _append_line(self.path, {"kind": kind, "pid": os.getpid(), "at": time.time(),
-                                 **fields}, sync=False)
+        _append_line(
+            self.path, {"kind": kind, "pid": os.getpid(), "at": time.time(), **fields}, sync=False
+        )
 
 
 def events_from_env() -> EventLog | None:
@@ -266,8 +282,7 @@ class Tripwires:
 
     def emit(self, kind: str, **fields: Any) -> None:
         if self.events is not None:
-            self.events.emit(kind, run_id=self.run_id, lease_version=self.lease_version,
-                             **fields)
+            self.events.emit(kind, run_id=self.run_id, lease_version=self.lease_version, **fields)
 
     def _zombie(self, point: WorkerPoint) -> bool:
         """Fire ``point``; True when the worker was paused there and its lease is gone."""
@@ -282,8 +297,7 @@ class Tripwires:
         except RatchetError:
             return True  # cannot prove the lease: count the attempt as stale
 
-    def commit(self, send: Callable[[], None], *,
-               commits: Sequence[tuple[int, bytes]]) -> None:
+    def commit(self, send: Callable[[], None], *, commits: Sequence[tuple[int, bytes]]) -> None:
         """Send commits (``(generation, blob)`` each, one round trip) past the guard; log
         a stale attempt's outcome and every ack.
 
@@ -299,8 +313,12 @@ class Tripwires:
             raise
         except RatchetError as exc:
             if stale:
-                self.emit("stale_commit", outcome="rejected", generation=generation,
-                          error=type(exc).__name__)
+                self.emit(
+                    "stale_commit",
+                    outcome="rejected",
+                    generation=generation,
+                    error=type(exc).__name__,
+                )
             raise
         if stale:
             self.emit("stale_commit", outcome="accepted", generation=generation)
@@ -318,8 +336,13 @@ class Tripwires:
         except RatchetError as exc:
             if stale:
                 refused = isinstance(exc, FenceRejectedError)
-                self.emit("stale_write", outcome="refused" if refused else "failed",
-                          key=key, action_kind=kind, error=type(exc).__name__)
+                self.emit(
+                    "stale_write",
+                    outcome="refused" if refused else "failed",
+                    key=key,
+                    action_kind=kind,
+                    error=type(exc).__name__,
+                )
             raise
         if stale:
             self.emit("stale_write", outcome="accepted", key=key, action_kind=kind)

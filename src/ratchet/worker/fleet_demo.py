@@ -62,8 +62,11 @@ class FleetDemoReport:
 
     @property
     def ok(self) -> bool:
-        return (self.completed == self.runs and self.duplicate_effects == 0
-                and self.greeting_fixed == self.runs)
+        return (
+            self.completed == self.runs
+            and self.duplicate_effects == 0
+            and self.greeting_fixed == self.runs
+        )
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -81,23 +84,31 @@ def _owners_in_history(fleet: Fleet, run_id: str) -> set[str]:
     return owners
 
 
-def _mid_run_holder(fleet: Fleet, run_ids: list[str],
-                    pids: dict[int, BaseProcess]) -> tuple[int, str] | None:
+def _mid_run_holder(
+    fleet: Fleet, run_ids: list[str], pids: dict[int, BaseProcess]
+) -> tuple[int, str] | None:
     """A worker pid holding a live lease on a run whose write is in flight or done."""
     for run_id in run_ids:
         snap = fleet.store.read_run(run_id)
         if not snap.lease_live or snap.owner is None or snap.generation < 3:
             continue
-        pid = int(snap.owner.rsplit("-", 1)[-1]) if snap.owner.rsplit("-", 1)[-1].isdigit() \
-            else None
+        pid = (
+            int(snap.owner.rsplit("-", 1)[-1]) if snap.owner.rsplit("-", 1)[-1].isdigit() else None
+        )
         if pid in pids:
             return pid, run_id
     return None
 
 
-def run_fleet_demo(*, runs: int = 6, workers: int = 2, lease_ttl_ms: int = 2000,
-                   think_ms: int = 250, deadline_s: float = 180.0,
-                   state_dir: Path | None = None) -> FleetDemoReport:
+def run_fleet_demo(
+    *,
+    runs: int = 6,
+    workers: int = 2,
+    lease_ttl_ms: int = 2000,
+    think_ms: int = 250,
+    deadline_s: float = 180.0,
+    state_dir: Path | None = None,
+) -> FleetDemoReport:
     """Run the demo and return its report. Raises ConfigurationError on a bad setup."""
     if runs < 1 or workers < 2:
         raise ConfigurationError("the demo needs at least one run and two workers")
@@ -105,14 +116,19 @@ def run_fleet_demo(*, runs: int = 6, workers: int = 2, lease_ttl_ms: int = 2000,
     with tempfile.TemporaryDirectory(prefix="ratchet-demo-") as tmp:
         base = Path(state_dir) if state_dir is not None else Path(tmp)
         settings = Settings(
-            redis_url=None, state_dir=base / "state", queue="ratchet-demo",
-            lease_ttl_ms=lease_ttl_ms, renew_interval_ms=max(lease_ttl_ms // 4, 50),
+            redis_url=None,
+            state_dir=base / "state",
+            queue="ratchet-demo",
+            lease_ttl_ms=lease_ttl_ms,
+            renew_interval_ms=max(lease_ttl_ms // 4, 50),
             stall_timeout_ms=max(lease_ttl_ms * 10, 30_000),
-            reaper_interval_ms=max(lease_ttl_ms // 8, 50), job_timeout_s=600,
+            reaper_interval_ms=max(lease_ttl_ms // 8, 50),
+            job_timeout_s=600,
             worker_name="demo",
             # The demo's verifier runs the example's own test, not agent-written code: on
             # a machine without bubblewrap it opts out of confinement, and says so.
-            verifier_sandbox=for_own_verifiers())
+            verifier_sandbox=for_own_verifiers(),
+        )
         url = ensure_embedded_redis(settings.state_dir)
         # Children get the URL explicitly: they share this one server and key ring.
         fleet = Fleet.connect(settings)
@@ -120,22 +136,41 @@ def run_fleet_demo(*, runs: int = 6, workers: int = 2, lease_ttl_ms: int = 2000,
         key_file = settings.state_dir / "keys" / "checkpoint.json"
         child = child.model_copy(update={"checkpoint_keys_file": key_file})
         try:
-            report = _run(fleet, child, base, runs=runs, workers=workers, think_ms=think_ms,
-                          deadline_s=deadline_s, started=started)
+            report = _run(
+                fleet,
+                child,
+                base,
+                runs=runs,
+                workers=workers,
+                think_ms=think_ms,
+                deadline_s=deadline_s,
+                started=started,
+            )
             report.sandbox = fleet.sandbox.describe()
             return report
         finally:
             stop_embedded_redis(settings.state_dir)
 
 
-def _run(fleet: Fleet, child: Settings, base: Path, *, runs: int, workers: int,
-         think_ms: int, deadline_s: float, started: float) -> FleetDemoReport:
+def _run(
+    fleet: Fleet,
+    child: Settings,
+    base: Path,
+    *,
+    runs: int,
+    workers: int,
+    think_ms: int,
+    deadline_s: float,
+    started: float,
+) -> FleetDemoReport:
     roots: dict[str, Path] = {}
     for index in range(runs):
         root = make_greeting_workspace(base / "workspaces" / f"ws-{index}")
-        run_id = submit(fleet, greeting_document(root, agent_config={"think_ms": think_ms},
-                                                 runner="python"),
-                        run_id=f"demo-{index}-{os.getpid()}")
+        run_id = submit(
+            fleet,
+            greeting_document(root, agent_config={"think_ms": think_ms}, runner="python"),
+            run_id=f"demo-{index}-{os.getpid()}",
+        )
         roots[run_id] = root
     ctx = mp.get_context("spawn")
     payload = _settings_json(child)
@@ -181,10 +216,17 @@ def _run(fleet: Fleet, child: Settings, base: Path, *, runs: int, workers: int,
         runs=len(run_ids),
         completed=sum(1 for p in phases.values() if p == Phase.COMPLETED.value),
         duplicate_effects=sum(max(0, n - 1) for n in effects.values()),
-        stale_writes_rejected=refused, takeovers=takeovers, workers_killed=len(killed),
-        elapsed_s=round(time.monotonic() - started, 2), workers=len(procs),
-        lease_ttl_ms=child.lease_ttl_ms, phases=phases, effects=effects,
-        killed_holding=killed, greeting_fixed=fixed)
+        stale_writes_rejected=refused,
+        takeovers=takeovers,
+        workers_killed=len(killed),
+        elapsed_s=round(time.monotonic() - started, 2),
+        workers=len(procs),
+        lease_ttl_ms=child.lease_ttl_ms,
+        phases=phases,
+        effects=effects,
+        killed_holding=killed,
+        greeting_fixed=fixed,
+    )
 
 
 def _wait_terminal(fleet: Fleet, run_ids: list[str], deadline: float) -> dict[str, str]:

@@ -54,10 +54,18 @@ log = logging.getLogger("ratchet.worker.heartbeat")
 class Heartbeat:
     """Renews one lease from a background thread until stopped or lost."""
 
-    def __init__(self, renew: Callable[[], int], *, run_id: str, interval_ms: int,
-                 stall_timeout_ms: int, lease_ttl_ms: int, acquired_at: float | None = None,
-                 monotonic: Callable[[], float] = time.monotonic,
-                 failpoints: Failpoints | None = None) -> None:
+    def __init__(
+        self,
+        renew: Callable[[], int],
+        *,
+        run_id: str,
+        interval_ms: int,
+        stall_timeout_ms: int,
+        lease_ttl_ms: int,
+        acquired_at: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        failpoints: Failpoints | None = None,
+    ) -> None:
         """``acquired_at`` is the monotonic time just *before* the acquire call was sent:
         the lease cannot have started earlier, so counting the TTL from it is safe."""
         self._failpoints = failpoints
@@ -75,12 +83,10 @@ class Heartbeat:
         self._valid_until = start + self._ttl  # conservative local bound
         self.renewals = 0
         self.reason: str | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{run_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{run_id}", daemon=True)
 
     def __repr__(self) -> str:
-        return (f"Heartbeat(run_id={self.run_id!r}, renewals={self.renewals}, "
-                f"lost={self.lost})")
+        return f"Heartbeat(run_id={self.run_id!r}, renewals={self.renewals}, lost={self.lost})"
 
     def start(self) -> Heartbeat:
         self._thread.start()
@@ -107,8 +113,11 @@ class Heartbeat:
     def check(self) -> None:
         """Raise LeaseLostError if the lease is lost or in doubt."""
         if self.lost:
-            raise LeaseLostError("lease lost or in doubt; stopping before any effect",
-                                 run_id=self.run_id, reason=self.reason or "lost")
+            raise LeaseLostError(
+                "lease lost or in doubt; stopping before any effect",
+                run_id=self.run_id,
+                reason=self.reason or "lost",
+            )
 
     def _mark_lost(self, reason: str) -> None:
         if not self._lost.is_set():
@@ -149,14 +158,22 @@ class Heartbeat:
 class GuardedStore(StoreProxy):
     """A ``GenerationStore`` that refuses to commit once the heartbeat has lost the lease."""
 
-    def __init__(self, inner: GenerationStore, heartbeat: Heartbeat,
-                 tripwires: Tripwires | None = None) -> None:
+    def __init__(
+        self, inner: GenerationStore, heartbeat: Heartbeat, tripwires: Tripwires | None = None
+    ) -> None:
         super().__init__(inner)
         self._heartbeat = heartbeat
         self._tripwires = tripwires
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
         self.advance_many(key, [Advance(expected_generation, blob, tuple(nonces), segment)])
 
     def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
@@ -164,16 +181,23 @@ class GuardedStore(StoreProxy):
         if self._tripwires is None:
             self._send(key, commits)
         else:
-            self._tripwires.commit(lambda: self._send(key, commits), commits=[
-                (c.expected_generation + 1, c.blob) for c in commits])
+            self._tripwires.commit(
+                lambda: self._send(key, commits),
+                commits=[(c.expected_generation + 1, c.blob) for c in commits],
+            )
         self._heartbeat.progress()
 
     def _send(self, key: RunKey, commits: Sequence[Advance]) -> None:
         # advance() carries neither a commit's deadline nor its phase.
         if len(commits) == 1 and not commits[0].not_after_ms and not commits[0].phase:
             c = commits[0]
-            self._inner.advance(key, expected_generation=c.expected_generation, blob=c.blob,
-                                nonces=c.nonces, segment=c.segment)
+            self._inner.advance(
+                key,
+                expected_generation=c.expected_generation,
+                blob=c.blob,
+                nonces=c.nonces,
+                segment=c.segment,
+            )
         else:
             self._inner.advance_many(key, commits)
 
@@ -181,8 +205,9 @@ class GuardedStore(StoreProxy):
 class GuardedAdapter(AdapterProxy):
     """An ``Adapter`` that makes no write once the heartbeat has lost the lease."""
 
-    def __init__(self, inner: Adapter, heartbeat: Heartbeat,
-                 tripwires: Tripwires | None = None) -> None:
+    def __init__(
+        self, inner: Adapter, heartbeat: Heartbeat, tripwires: Tripwires | None = None
+    ) -> None:
         super().__init__(inner)
         self._heartbeat = heartbeat
         self._tripwires = tripwires
@@ -196,14 +221,17 @@ class GuardedAdapter(AdapterProxy):
         self._heartbeat.check()
         self._inner.raise_fence(fence)
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         self._heartbeat.check()
         if self._tripwires is None:
             return self._inner.execute(action, intent_digest, fence, approval_digest)
         return self._tripwires.write(
             lambda: self._inner.execute(action, intent_digest, fence, approval_digest),
-            key=action.idempotency_key, kind=action.kind.value)
+            key=action.idempotency_key,
+            kind=action.kind.value,
+        )
 
     def verify(self, target: str) -> VerifierReport:
         self._heartbeat.check()

@@ -137,8 +137,7 @@ class JobReport:
         return asdict(self)
 
 
-def configure(fleet: Fleet, probe: Probe | None = None,
-              events: EventLog | None = None) -> None:
+def configure(fleet: Fleet, probe: Probe | None = None, events: EventLog | None = None) -> None:
     """Set this process's fleet, failpoints and drill event log (the pool calls it once
     per worker process)."""
     _PROCESS.fleet = fleet
@@ -150,16 +149,18 @@ def run_job(run_id: str) -> dict[str, Any]:
     """The RQ entry point: ``{run_id}`` in, a JSON report out."""
     if _PROCESS.fleet is None:
         _PROCESS.fleet = Fleet.connect()
-    return execute_run(_PROCESS.fleet, run_id, probe=_PROCESS.probe,
-                       events=_PROCESS.events).as_dict()
+    return execute_run(
+        _PROCESS.fleet, run_id, probe=_PROCESS.probe, events=_PROCESS.events
+    ).as_dict()
 
 
 def _owner(fleet: Fleet) -> str:
     return owner_id(fleet.settings.worker_name)
 
 
-def _tripwires(fleet: Fleet, lease: LeasedRun, points: Failpoints | None,
-               events: EventLog | None) -> Tripwires | None:
+def _tripwires(
+    fleet: Fleet, lease: LeasedRun, points: Failpoints | None, events: EventLog | None
+) -> Tripwires | None:
     if points is None and events is None:
         return None
     if points is not None:
@@ -174,25 +175,43 @@ def _tripwires(fleet: Fleet, lease: LeasedRun, points: Failpoints | None,
     return wires
 
 
-def execute_run(fleet: Fleet, run_id: str, *, probe: Probe | None = None,
-                owner: str | None = None, events: EventLog | None = None) -> JobReport:
+def execute_run(
+    fleet: Fleet,
+    run_id: str,
+    *,
+    probe: Probe | None = None,
+    owner: str | None = None,
+    events: EventLog | None = None,
+) -> JobReport:
     """Run one job for ``run_id``. Never raises for outcomes a fleet expects.
 
     ``events`` (drills only) receives the lease, restore, acknowledged commits and stale
     attempts of this job. Raises FailpointFired (drills only) and unexpected errors.
     """
     report = _execute(fleet, run_id, probe=probe, owner=owner, events=events)
-    job_ended(run_id, outcome=report.outcome, phase=report.phase,
-              lease_version=report.lease_version, generation=report.generation,
-              steps=report.steps)
+    job_ended(
+        run_id,
+        outcome=report.outcome,
+        phase=report.phase,
+        lease_version=report.lease_version,
+        generation=report.generation,
+        steps=report.steps,
+    )
     if events is not None:
-        events.emit("job_end", run_id=run_id, outcome=report.outcome, phase=report.phase,
-                    lease_version=report.lease_version, generation=report.generation)
+        events.emit(
+            "job_end",
+            run_id=run_id,
+            outcome=report.outcome,
+            phase=report.phase,
+            lease_version=report.lease_version,
+            generation=report.generation,
+        )
     return report
 
 
-def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | None,
-             events: EventLog | None) -> JobReport:
+def _execute(
+    fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | None, events: EventLog | None
+) -> JobReport:
     settings = fleet.settings
     owner = owner or _owner(fleet)
     try:
@@ -200,8 +219,10 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
         # without-AOF or evicting Redis is never run on.
         fleet.store.check_epoch(fleet.epoch)
     except StoreEpochError as exc:
-        log.error("store epoch check failed", extra={"run_id": run_id,
-                                                     "reason": str(exc.context["reason"])})
+        log.error(
+            "store epoch check failed",
+            extra={"run_id": run_id, "reason": str(exc.context["reason"])},
+        )
         return JobReport(run_id, "store_epoch_changed", detail=exc.message)
     acquired_at = time.monotonic()
     try:
@@ -212,12 +233,16 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
     except StoreProtocolError as exc:
         # The run's lease or state record is not what the scripts wrote (corrupted or
         # rewritten): nothing of it is used. Recorded for an operator where possible.
-        log.error("run records unreadable", extra={"run_id": run_id,
-                                                    "reason": exc.message})
+        log.error("run records unreadable", extra={"run_id": run_id, "reason": exc.message})
         with contextlib.suppress(RatchetError):
-            fleet.store.record_incident(run_id, {"kind": "store_record_unreadable",
-                                                 "reason": "lease_or_state",
-                                                 "message": exc.message})
+            fleet.store.record_incident(
+                run_id,
+                {
+                    "kind": "store_record_unreadable",
+                    "reason": "lease_or_state",
+                    "message": exc.message,
+                },
+            )
         return JobReport(run_id, "store_refused", detail=exc.message)
     if isinstance(got, LeaseHolder):
         return JobReport(run_id, "held_elsewhere", detail=f"held by {got.owner}")
@@ -238,14 +263,20 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
         clock.observe(renewed.now_ms, sent_at=sent_at)
         return renewed.expires_at_ms
 
-    heartbeat = Heartbeat(renew, run_id=run_id, interval_ms=settings.renew_interval,
-                          stall_timeout_ms=settings.stall_timeout_ms,
-                          lease_ttl_ms=settings.lease_ttl_ms, acquired_at=acquired_at,
-                          failpoints=points).start()
+    heartbeat = Heartbeat(
+        renew,
+        run_id=run_id,
+        interval_ms=settings.renew_interval,
+        stall_timeout_ms=settings.stall_timeout_ms,
+        lease_ttl_ms=settings.lease_ttl_ms,
+        acquired_at=acquired_at,
+        failpoints=points,
+    ).start()
     held = _HeldLease(lease, heartbeat)
     adapter = None
-    log_context = logs.enter_run(run_id, lease_version=lease.lease_version,
-                                 generation=lease.generation)
+    log_context = logs.enter_run(
+        run_id, lease_version=lease.lease_version, generation=lease.generation
+    )
     try:
         # Under the lease: the restore's high-water check is answered by this same read.
         snap = lease.read(with_checkpoint=True, with_scenario=True)
@@ -256,8 +287,7 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
             # schema, and that the checkpoint binds this very document, all before the
             # document's agent, environment or verifier commands are touched.
             document = open_document(fleet.keyring, run_id, snap.scenario)
-            opened = open_checkpoint(snap.checkpoint, keyring=fleet.keyring,
-                                     archive=snap.archive)
+            opened = open_checkpoint(snap.checkpoint, keyring=fleet.keyring, archive=snap.archive)
             check_document_binding(opened.state, document)
             if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
                 held.release()  # nothing more to do, nothing of it is built
@@ -268,42 +298,51 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
             # be imported can still be cancelled (see ratchet.worker.control).
             inbox = fleet.store.inbox(run_id)
             cancel, rebaseline = _controls(fleet, run_id, inbox, opened, document)
-            agent_factory = (fleet.agent_policy.resolve(document.agent) if cancel is None
-                             else None)
+            agent_factory = fleet.agent_policy.resolve(document.agent) if cancel is None else None
             # A run under review whose environment a person changed meanwhile restores
             # only to consume a decision a reviewer signed for the environment as it is
             # now: the decision's own check (its version against the one observed) then
             # decides; nothing else can run in review.
-            deciding = (opened.state.phase is Phase.NEEDS_REVIEW
-                        and _decision_waiting(inbox, opened.state))
+            deciding = opened.state.phase is Phase.NEEDS_REVIEW and _decision_waiting(
+                inbox, opened.state
+            )
             token = settings.http_token.get_secret_value() if settings.http_token else None
-            adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock,
-                                    http_token=token)
+            adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock, http_token=token)
             engine = RunEngine.resume(
-                snap.checkpoint, scenario=document.scenario, keyring=fleet.keyring,
+                snap.checkpoint,
+                scenario=document.scenario,
+                keyring=fleet.keyring,
                 adapter=GuardedAdapter(ObservedAdapter(adapter, recorder), heartbeat, wires),
                 store=GuardedStore(ObservedStore(lease, run_id), heartbeat, wires),
-                clock=clock, approvers=fleet.approvers, reviewers=fleet.reviewers,
-                lease_version=lease.lease_version, probe=probe, archive=snap.archive,
-                opened=opened, coalesce=settings.coalesce_commits,
-                archive_trace=settings.archive_trace, store_epoch=fleet.epoch,
-                accept_environment=(decision_baseline(rebaseline) if rebaseline is not None
-                                    else None),
-                tolerate_environment=cancel is not None or deciding)
+                clock=clock,
+                approvers=fleet.approvers,
+                reviewers=fleet.reviewers,
+                lease_version=lease.lease_version,
+                probe=probe,
+                archive=snap.archive,
+                opened=opened,
+                coalesce=settings.coalesce_commits,
+                archive_trace=settings.archive_trace,
+                store_epoch=fleet.epoch,
+                accept_environment=(
+                    decision_baseline(rebaseline) if rebaseline is not None else None
+                ),
+                tolerate_environment=cancel is not None or deciding,
+            )
             if rebaseline is not None:
                 # The restore accepted the environment only on this decision: it must
                 # apply, or nothing runs on that environment.
                 engine.apply_rebaseline(rebaseline)
         except IntegrityError as exc:
             if isinstance(exc.__context__, HighWaterUnavailableError) and (
-                    exc.__context__.context.get("cause") == "StoreUnavailableError"):
+                exc.__context__.context.get("cause") == "StoreUnavailableError"
+            ):
                 # Redis could not be read mid-restore: no evidence of anything; retry.
                 report.outcome, report.detail = "lease_lost", "store: high water unreadable"
                 return report
             _refuse(fleet, held, report, exc)
             return report
-        except (FenceRejectedError, ConfigurationError, ContractError,
-                ReviewDecisionError) as exc:
+        except (FenceRejectedError, ConfigurationError, ContractError, ReviewDecisionError) as exc:
             # Failing closed: nothing about this run can be trusted or built as it is.
             # Retrying would fail the same way, so it leaves the reaper's index.
             _refuse(fleet, held, report, exc)
@@ -320,8 +359,7 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
             return report
         restored_seq = engine.state.trace[-1].seq
         if wires is not None:
-            wires.emit("restore", generation=engine.generation,
-                       phase=engine.state.phase.value)
+            wires.emit("restore", generation=engine.generation, phase=engine.state.phase.value)
         if cancel is not None or agent_factory is None:
             _cancel(engine, cancel, report)
         else:
@@ -364,8 +402,9 @@ def _execute(fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | Non
     return report
 
 
-def _controls(fleet: Fleet, run_id: str, inbox: list[bytes], opened: CheckpointPayload,
-              document: RunDocument) -> tuple[CancelRequest | None, RebaselineDecision | None]:
+def _controls(
+    fleet: Fleet, run_id: str, inbox: list[bytes], opened: CheckpointPayload, document: RunDocument
+) -> tuple[CancelRequest | None, RebaselineDecision | None]:
     """The operator controls waiting in the inbox for the opened (not yet restored) run:
     a verified cancel request (not for a run under review: a reviewer decides it; the
     request stays and applies once the run leaves review), else a rebaseline decision
@@ -376,8 +415,9 @@ def _controls(fleet: Fleet, run_id: str, inbox: list[bytes], opened: CheckpointP
     cancel = controls.cancel if opened.state.phase is not Phase.NEEDS_REVIEW else None
     rebaseline = None
     if cancel is None:
-        rebaseline, refused = find_rebaseline(inbox, opened.state, document.scenario,
-                                              fleet.reviewers, generation=opened.generation)
+        rebaseline, refused = find_rebaseline(
+            inbox, opened.state, document.scenario, fleet.reviewers, generation=opened.generation
+        )
         refusals += [("evidence_refused", reason) for reason in refused]
     for kind, reason in refusals:
         with contextlib.suppress(RatchetError):
@@ -390,9 +430,12 @@ def _decision_waiting(inbox: list[bytes], state: RunState) -> bool:
     case = state.review
     for raw in inbox:
         evidence = parse_evidence(raw)
-        if (isinstance(evidence, ReviewDecision) and case is not None
-                and evidence.claims.case_id == case.case_id
-                and evidence.claims.nonce not in state.consumed_nonces):
+        if (
+            isinstance(evidence, ReviewDecision)
+            and case is not None
+            and evidence.claims.case_id == case.case_id
+            and evidence.claims.nonce not in state.consumed_nonces
+        ):
             return True
     return False
 
@@ -428,28 +471,50 @@ def _consume_inbox(fleet: Fleet, engine: RunEngine, inbox: list[bytes]) -> None:
                     continue
                 engine.apply_review_decision(evidence)
         except (EvidenceError, ConfigurationError) as exc:
-            fleet.store.record_incident(run_id, {
-                "kind": "evidence_refused", "reason": str(getattr(exc, "reason", "")),
-                "message": exc.message})
+            fleet.store.record_incident(
+                run_id,
+                {
+                    "kind": "evidence_refused",
+                    "reason": str(getattr(exc, "reason", "")),
+                    "message": exc.message,
+                },
+            )
 
 
 def _view(engine: RunEngine, last_read: str | None) -> AgentView:
     state = engine.state
     report = state.verification
     env = state.environment
-    verified = bool(report is not None and report.passed and report.env_version == env.version
-                    and report.env_fingerprint == env.fingerprint)
+    verified = bool(
+        report is not None
+        and report.passed
+        and report.env_version == env.version
+        and report.env_fingerprint == env.fingerprint
+    )
     return AgentView(
-        run_id=state.run_id, phase=state.phase, observation=env,
-        plan_cursor=state.plan_cursor, usage=state.usage,
-        last_outcome=state.trace[-1].outcome, quarantined_keys=state.quarantined_keys,
-        agent_state=dict(state.agent_state), now=engine.clock.now(),
+        run_id=state.run_id,
+        phase=state.phase,
+        observation=env,
+        plan_cursor=state.plan_cursor,
+        usage=state.usage,
+        last_outcome=state.trace[-1].outcome,
+        quarantined_keys=state.quarantined_keys,
+        agent_state=dict(state.agent_state),
+        now=engine.clock.now(),
         executed_keys=frozenset(e.idempotency_key for e in state.executed),
-        verified=verified, last_read=last_read)
+        verified=verified,
+        last_read=last_read,
+    )
 
 
-def _step(fleet: Fleet, engine: RunEngine, document: RunDocument,
-          agent_factory: AgentFactory, heartbeat: Heartbeat, report: JobReport) -> None:
+def _step(
+    fleet: Fleet,
+    engine: RunEngine,
+    document: RunDocument,
+    agent_factory: AgentFactory,
+    heartbeat: Heartbeat,
+    report: JobReport,
+) -> None:
     agent = build_agent(document.agent, agent_factory, dict(document.agent_config))
     coalesce = plans_ahead(agent)
     last_read: str | None = None
@@ -573,11 +638,19 @@ def _job_error(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: Exceptio
     except RatchetError:
         attempt = settings.max_job_errors
     frozen = attempt >= settings.max_job_errors
-    record = {"kind": "job_error", "error": type(exc).__name__, "message": message,
-              "where": _where(exc), "attempt": attempt, "lease_version": lease.lease_version,
-              "next": "frozen: an operator acts" if frozen else "retried after a backoff"}
-    log.error("job failed", extra={"run_id": run_id, "error": type(exc).__name__,
-                                   "outcome": record["next"]})
+    record = {
+        "kind": "job_error",
+        "error": type(exc).__name__,
+        "message": message,
+        "where": _where(exc),
+        "attempt": attempt,
+        "lease_version": lease.lease_version,
+        "next": "frozen: an operator acts" if frozen else "retried after a backoff",
+    }
+    log.error(
+        "job failed",
+        extra={"run_id": run_id, "error": type(exc).__name__, "outcome": record["next"]},
+    )
     metrics.job_error(exc)
     with contextlib.suppress(RatchetError):
         fleet.store.record_incident(run_id, record)
@@ -592,22 +665,43 @@ def _job_error(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: Exceptio
     report.outcome, report.detail = "job_error", f"{type(exc).__name__}: {message}"
 
 
-def _refuse(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: RatchetError, *,
-            kind: str = "restore_refused") -> None:
+def _refuse(
+    fleet: Fleet,
+    lease: _HeldLease,
+    report: JobReport,
+    exc: RatchetError,
+    *,
+    kind: str = "restore_refused",
+) -> None:
     """A restore (or a step) failed closed: record why, take the run off the index, run
     nothing more."""
     reason = str(getattr(exc, "reason", "") or type(exc).__name__)
     report.outcome, report.detail = kind, f"{reason}: {exc.message}"
     log.error(kind.replace("_", " "), extra={"run_id": lease.run_id, "reason": reason})
-    record: dict[str, Any] = {"kind": kind, "reason": reason,
-                              "message": exc.message, "lease_version": lease.lease_version,
-                              "high_water": lease.generation}
+    record: dict[str, Any] = {
+        "kind": kind,
+        "reason": reason,
+        "message": exc.message,
+        "lease_version": lease.lease_version,
+        "high_water": lease.generation,
+    }
     # The evidence an operator (and a drill's checker) needs: what the adapter had seen
     # against what it was offered, or what the environment check compared.
-    evidence = {name: exc.context[name] for name in
-                ("fence", "seen", "expected", "observed", "generation", "high_water",
-                 "expected_version", "observed_version", "fingerprint_changed")
-                if name in exc.context}
+    evidence = {
+        name: exc.context[name]
+        for name in (
+            "fence",
+            "seen",
+            "expected",
+            "observed",
+            "generation",
+            "high_water",
+            "expected_version",
+            "observed_version",
+            "fingerprint_changed",
+        )
+        if name in exc.context
+    }
     if evidence:
         record["evidence"] = evidence
     try:

@@ -43,8 +43,22 @@ __all__ = [
 ]
 
 #: The fields a line may carry besides time, level, logger and message.
-FIELDS = ("worker_id", "run_id", "lease_version", "generation", "reason", "outcome",
-          "phase", "error", "kind", "port", "steps", "windows", "cause", "job_id")
+FIELDS = (
+    "worker_id",
+    "run_id",
+    "lease_version",
+    "generation",
+    "reason",
+    "outcome",
+    "phase",
+    "error",
+    "kind",
+    "port",
+    "steps",
+    "windows",
+    "cause",
+    "job_id",
+)
 _RUN_FIELDS = ("run_id", "lease_version", "generation")
 
 
@@ -56,7 +70,8 @@ class _RunContext:
 
 
 _current: contextvars.ContextVar[_RunContext | None] = contextvars.ContextVar(
-    "ratchet_run_context", default=None)
+    "ratchet_run_context", default=None
+)
 _by_run: dict[str, _RunContext] = {}
 _lock = threading.Lock()
 _worker_id: str | None = None
@@ -68,8 +83,9 @@ def set_worker_id(worker_id: str | None) -> None:
     _worker_id = worker_id
 
 
-def enter_run(run_id: str, *, lease_version: int | None,
-              generation: int | None) -> contextvars.Token[_RunContext | None]:
+def enter_run(
+    run_id: str, *, lease_version: int | None, generation: int | None
+) -> contextvars.Token[_RunContext | None]:
     """Attach a run to every line logged from here on (by this job and its heartbeat),
     until :func:`leave_run` with the returned token."""
     ctx = _RunContext(run_id, lease_version, generation)
@@ -89,8 +105,7 @@ def leave_run(token: contextvars.Token[_RunContext | None]) -> None:
 
 
 @contextmanager
-def bind_run(run_id: str, *, lease_version: int | None,
-             generation: int | None) -> Iterator[None]:
+def bind_run(run_id: str, *, lease_version: int | None, generation: int | None) -> Iterator[None]:
     """Attach a run to every line logged inside the block (and by its heartbeat)."""
     ctx = _RunContext(run_id, lease_version, generation)
     token = _current.set(ctx)
@@ -180,8 +195,13 @@ class TextFormatter(logging.Formatter):
         return f"{head} {pairs}" if pairs else head
 
 
-def configure_logging(*, worker_id: str | None = None, stream: IO[str] | None = None,
-                      level: str | None = None, fmt: str | None = None) -> logging.Handler:
+def configure_logging(
+    *,
+    worker_id: str | None = None,
+    stream: IO[str] | None = None,
+    level: str | None = None,
+    fmt: str | None = None,
+) -> logging.Handler:
     """Install ratchet's handler on the root logger (replacing earlier handlers).
 
     ``fmt`` and ``level`` default to ``RATCHET_LOG_FORMAT`` and ``RATCHET_LOG_LEVEL``.

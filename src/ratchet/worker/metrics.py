@@ -111,62 +111,125 @@ __all__ = [
 
 log = logging.getLogger("ratchet.worker.metrics")
 
-JOBS = Counter("ratchet_jobs_total", "Jobs ended, by outcome and the phase of their run.",
-               ["outcome", "phase"])
+JOBS = Counter(
+    "ratchet_jobs_total", "Jobs ended, by outcome and the phase of their run.", ["outcome", "phase"]
+)
 LEASES_ACQUIRED = Counter("ratchet_leases_acquired_total", "Leases acquired.")
 LEASES_TAKEN_OVER = Counter(
     "ratchet_leases_taken_over_total",
-    "Leases acquired whose previous holder let them expire without releasing them.")
+    "Leases acquired whose previous holder let them expire without releasing them.",
+)
 LEASES_RENEWED = Counter("ratchet_leases_renewed_total", "Lease renewals that landed.")
-LEASES_LOST = Counter("ratchet_leases_lost_total", "Leases given up as lost or in doubt.",
-                      ["reason"])
+LEASES_LOST = Counter(
+    "ratchet_leases_lost_total", "Leases given up as lost or in doubt.", ["reason"]
+)
 COMMITS = Counter("ratchet_commits_total", "Fenced checkpoint commits that landed.")
 COMMIT_SECONDS = Histogram(
     "ratchet_commit_duration_seconds",
     "Latency of fenced checkpoint commits that landed, one observation per round trip "
     "(commits sent together in one batch are one observation).",
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
-STALE_COMMITS = Counter("ratchet_stale_commits_refused_total",
-                        "Commits refused by the store's fence (lease, generation, state).",
-                        ["reason"])
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+STALE_COMMITS = Counter(
+    "ratchet_stale_commits_refused_total",
+    "Commits refused by the store's fence (lease, generation, state).",
+    ["reason"],
+)
 STALE_ADAPTER_WRITES = Counter(
     "ratchet_stale_adapter_writes_refused_total",
     "Adapter writes or fence raises from this process refused by the adapter's fence.",
-    ["call"])
+    ["call"],
+)
 RECEIPT_CONFLICTS = Counter(
     "ratchet_receipt_conflicts_total",
-    "Review cases opened because the world and the records disagree.", ["reason"])
-APPROVALS_REQUESTED = Counter("ratchet_approvals_requested_total",
-                              "Runs that started waiting for a signed approval.")
-APPROVALS_EXPIRED = Counter("ratchet_approvals_expired_total",
-                            "Approvals found expired before their write executed.")
-CLOCK_SKEW = Gauge("ratchet_clock_skew_seconds",
-                   "This worker's wall clock minus the Redis server's, measured at start.")
-REAPER_BAD_ENTRIES = Counter("ratchet_reaper_bad_entries_total",
-                             "Expiry index entries the reaper could not handle (parked).")
-REAPER_REQUEUES = Counter("ratchet_reaper_requeues_total",
-                          "Runs re-enqueued by this process' reaper.", ["cause"])
+    "Review cases opened because the world and the records disagree.",
+    ["reason"],
+)
+APPROVALS_REQUESTED = Counter(
+    "ratchet_approvals_requested_total", "Runs that started waiting for a signed approval."
+)
+APPROVALS_EXPIRED = Counter(
+    "ratchet_approvals_expired_total", "Approvals found expired before their write executed."
+)
+CLOCK_SKEW = Gauge(
+    "ratchet_clock_skew_seconds",
+    "This worker's wall clock minus the Redis server's, measured at start.",
+)
+REAPER_BAD_ENTRIES = Counter(
+    "ratchet_reaper_bad_entries_total", "Expiry index entries the reaper could not handle (parked)."
+)
+REAPER_REQUEUES = Counter(
+    "ratchet_reaper_requeues_total", "Runs re-enqueued by this process' reaper.", ["cause"]
+)
 
 JOB_ERRORS = Counter(
     "ratchet_job_errors_total",
     "Jobs that failed with an exception (not a lost lease or fence), by exception type.",
-    ["error"])
+    ["error"],
+)
 RUN_SECONDS = Histogram(
     "ratchet_run_duration_seconds",
-    "Runs from creation to a terminal phase, by the store's clock.", ["phase"],
-    buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600,
-             3 * 24 * 3600))
+    "Runs from creation to a terminal phase, by the store's clock.",
+    ["phase"],
+    buckets=(
+        1,
+        5,
+        15,
+        30,
+        60,
+        120,
+        300,
+        600,
+        1800,
+        3600,
+        4 * 3600,
+        12 * 3600,
+        24 * 3600,
+        3 * 24 * 3600,
+    ),
+)
 
 #: Every outcome a job reports (``ratchet.worker.job.JobReport``); anything else is
 #: counted as ``other``.
-JOB_OUTCOMES = ("held_elsewhere", "terminal", "waiting", "finished", "cancelled", "yielded",
-                "lease_lost", "retry_later", "restore_refused", "environment_changed",
-                "no_proposal", "job_error", "poisoned", "store_epoch_changed", "no_run",
-                "store_refused", "other")
-_BUILTIN_ERRORS = (TypeError, ValueError, KeyError, IndexError, AttributeError,
-                   RuntimeError, RecursionError, NotImplementedError, ZeroDivisionError,
-                   ArithmeticError, LookupError, UnicodeError, ImportError, OSError,
-                   TimeoutError, MemoryError, AssertionError, StopIteration)
+JOB_OUTCOMES = (
+    "held_elsewhere",
+    "terminal",
+    "waiting",
+    "finished",
+    "cancelled",
+    "yielded",
+    "lease_lost",
+    "retry_later",
+    "restore_refused",
+    "environment_changed",
+    "no_proposal",
+    "job_error",
+    "poisoned",
+    "store_epoch_changed",
+    "no_run",
+    "store_refused",
+    "other",
+)
+_BUILTIN_ERRORS = (
+    TypeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    RuntimeError,
+    RecursionError,
+    NotImplementedError,
+    ZeroDivisionError,
+    ArithmeticError,
+    LookupError,
+    UnicodeError,
+    ImportError,
+    OSError,
+    TimeoutError,
+    MemoryError,
+    AssertionError,
+    StopIteration,
+)
 
 
 def _ratchet_errors() -> list[type[BaseException]]:
@@ -177,7 +240,8 @@ def _ratchet_errors() -> list[type[BaseException]]:
 
 
 _KNOWN_ERRORS: dict[type[BaseException], str] = {
-    cls: cls.__name__ for cls in (*_ratchet_errors(), *_BUILTIN_ERRORS)}
+    cls: cls.__name__ for cls in (*_ratchet_errors(), *_BUILTIN_ERRORS)
+}
 #: The ``error`` label values of ``ratchet_job_errors_total``.
 JOB_ERROR_TYPES = (*sorted(set(_KNOWN_ERRORS.values())), "other")
 
@@ -188,8 +252,9 @@ _LOST_REASONS = (
     ("lease not renewed", "not_renewed_in_time"),
     ("executor stalled", "stalled"),
 )
-_REVIEW_REASONS = frozenset({"intent_conflict", "receipt_missing", "receipt_drift",
-                             "approval_unbound"})
+_REVIEW_REASONS = frozenset(
+    {"intent_conflict", "receipt_missing", "receipt_drift", "approval_unbound"}
+)
 _PHASE_LABELS = (*(p.value for p in Phase), "unknown")
 
 
@@ -219,8 +284,7 @@ _initialise()
 
 def lease_lost(reason: str) -> None:
     """Count a lost lease; the heartbeat's free-text reason maps to a fixed label."""
-    label = next((name for prefix, name in _LOST_REASONS if reason.startswith(prefix)),
-                 "other")
+    label = next((name for prefix, name in _LOST_REASONS if reason.startswith(prefix)), "other")
     LEASES_LOST.labels(reason=label).inc()
 
 
@@ -253,8 +317,7 @@ def observe_trace(state: RunState, *, since_seq: int) -> None:
         if state.phase in TERMINAL_PHASES and event is state.trace[-1]:
             # Both ends by the store's clock: ``started_at`` was stamped at creation, the
             # last event by this job's clock anchored at the acquire's Redis time.
-            RUN_SECONDS.labels(phase=state.phase.value).observe(
-                max(event.at - state.started_at, 0))
+            RUN_SECONDS.labels(phase=state.phase.value).observe(max(event.at - state.started_at, 0))
         if event.outcome is TraceOutcome.AWAITING_APPROVAL:
             APPROVALS_REQUESTED.inc()
         elif event.outcome is TraceOutcome.APPROVAL_EXPIRED:
@@ -275,8 +338,10 @@ def lease_acquired(*, took_over: bool) -> None:
 
 def observe_job(outcome: str, phase: str | None) -> None:
     """Count one ended job. ``phase`` is None when the job never read its run."""
-    JOBS.labels(outcome=outcome if outcome in JOB_OUTCOMES else "other",
-                phase=phase if phase in _PHASE_LABELS else "unknown").inc()
+    JOBS.labels(
+        outcome=outcome if outcome in JOB_OUTCOMES else "other",
+        phase=phase if phase in _PHASE_LABELS else "unknown",
+    ).inc()
 
 
 def error_label(exc: BaseException) -> str:
@@ -304,8 +369,9 @@ def metrics_port(index: int = 0) -> int | None:
     if not raw:
         return None
     if not raw.isdigit() or not 0 < int(raw) + index < 65536:
-        raise ConfigurationError("RATCHET_METRICS_PORT must be a TCP port number",
-                                 field="RATCHET_METRICS_PORT")
+        raise ConfigurationError(
+            "RATCHET_METRICS_PORT must be a TCP port number", field="RATCHET_METRICS_PORT"
+        )
     return int(raw) + index
 
 
@@ -328,8 +394,9 @@ class MetricsEndpoint:
         self._thread.join(timeout=5)
 
 
-def serve_metrics(index: int = 0, *, port: int | None = None,
-                  host: str | None = None) -> MetricsEndpoint | None:
+def serve_metrics(
+    index: int = 0, *, port: int | None = None, host: str | None = None
+) -> MetricsEndpoint | None:
     """Serve this process' metrics if a port is configured; None when it is not.
 
     ``port`` 0 picks a free port. A port that cannot be bound is logged and skipped: a
@@ -343,8 +410,9 @@ def serve_metrics(index: int = 0, *, port: int | None = None,
     try:
         server, thread = start_http_server(chosen, addr=addr)
     except OSError as exc:
-        log.warning("metrics endpoint not started",
-                    extra={"port": chosen, "error": type(exc).__name__})
+        log.warning(
+            "metrics endpoint not started", extra={"port": chosen, "error": type(exc).__name__}
+        )
         return None
     bound = int(server.server_address[1])
     log.info("metrics endpoint started", extra={"port": bound})

@@ -55,16 +55,31 @@ TAIL_LINES = 40
 log = logging.getLogger("ratchet.worker.job")
 
 
-def job_ended(run_id: str, *, outcome: str, phase: str | None, lease_version: int | None,
-              generation: int | None, steps: int) -> None:
+def job_ended(
+    run_id: str,
+    *,
+    outcome: str,
+    phase: str | None,
+    lease_version: int | None,
+    generation: int | None,
+    steps: int,
+) -> None:
     """Count an ended job and log one line about it (none for a run held elsewhere: this
     process did nothing with it)."""
     metrics.observe_job(outcome, phase)
     if lease_version is None:
         return
-    log.info("job ended", extra={"run_id": run_id, "lease_version": lease_version,
-                                 "generation": generation, "outcome": outcome,
-                                 "phase": phase, "steps": steps})
+    log.info(
+        "job ended",
+        extra={
+            "run_id": run_id,
+            "lease_version": lease_version,
+            "generation": generation,
+            "outcome": outcome,
+            "phase": phase,
+            "steps": steps,
+        },
+    )
 
 
 class ObservedStore(StoreProxy):
@@ -74,12 +89,24 @@ class ObservedStore(StoreProxy):
         super().__init__(inner)
         self._run_id = run_id
 
-    def advance(self, key: RunKey, *, expected_generation: int, blob: bytes,
-                nonces: Sequence[str] = (), segment: bytes = b"") -> None:
+    def advance(
+        self,
+        key: RunKey,
+        *,
+        expected_generation: int,
+        blob: bytes,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+    ) -> None:
         """Raises what the inner store raises."""
         with metrics.observe_commit():
-            self._inner.advance(key, expected_generation=expected_generation, blob=blob,
-                                nonces=nonces, segment=segment)
+            self._inner.advance(
+                key,
+                expected_generation=expected_generation,
+                blob=blob,
+                nonces=nonces,
+                segment=segment,
+            )
         logs.set_generation(self._run_id, expected_generation + 1)
         log.debug("committed", extra={"run_id": self._run_id})
 
@@ -114,36 +141,52 @@ class RunRecorder:
         try:
             self._store.record_incident(self._run_id, record)
         except RatchetError as exc:
-            log.warning("run record not written", extra={
-                "run_id": self._run_id, "reason": record.get("kind"),
-                "error": type(exc).__name__})
+            log.warning(
+                "run record not written",
+                extra={
+                    "run_id": self._run_id,
+                    "reason": record.get("kind"),
+                    "error": type(exc).__name__,
+                },
+            )
 
     def lease_acquired(self, *, took_over: bool) -> None:
         """Count the acquire; record a takeover (the previous holder's lease expired)."""
         metrics.lease_acquired(took_over=took_over)
         if took_over:
-            self._record({"kind": "lease_taken_over", "lease_version": self._lease_version,
-                          "message": "the previous holder's lease expired"})
+            self._record(
+                {
+                    "kind": "lease_taken_over",
+                    "lease_version": self._lease_version,
+                    "message": "the previous holder's lease expired",
+                }
+            )
 
     def verifier_failed(self, report: VerifierReport, run: Any) -> None:
         """Record a verification that did not pass, with a scrubbed tail of its output
         when the adapter kept it (``run``: a ``VerifierRun`` or None)."""
         record: dict[str, Any] = {
-            "kind": "verifier_failed", "target": report.target,
-            "lease_version": self._lease_version, "output_digest": report.output_digest,
-            "env_version": report.env_version, "signed": False}
+            "kind": "verifier_failed",
+            "target": report.target,
+            "lease_version": self._lease_version,
+            "output_digest": report.output_digest,
+            "env_version": report.env_version,
+            "signed": False,
+        }
         output = getattr(run, "output", None)
         if isinstance(output, str) and getattr(run, "target", None) == report.target:
             scrubber = Scrubber.from_settings(self._settings)
-            text, cut = tail(scrubber.scrub(output), max_bytes=TAIL_BYTES,
-                             max_lines=TAIL_LINES)
+            text, cut = tail(scrubber.scrub(output), max_bytes=TAIL_BYTES, max_lines=TAIL_LINES)
             exit_code = getattr(run, "exit_code", None)
             record.update(
                 exit_code=exit_code if isinstance(exit_code, int) else None,
                 timed_out=bool(getattr(run, "timed_out", False)),
                 truncated=bool(getattr(run, "truncated", False)),
-                bound=bool(getattr(run, "bound", False)), tail=text, tail_cut=cut,
-                message=_verifier_message(run))
+                bound=bool(getattr(run, "bound", False)),
+                tail=text,
+                tail_cut=cut,
+                message=_verifier_message(run),
+            )
         else:
             record["message"] = "the verification did not pass (no output kept)"
         self._record(record)
@@ -180,8 +223,9 @@ class ObservedAdapter(AdapterProxy):
             metrics.STALE_ADAPTER_WRITES.labels(call="raise_fence").inc()
             raise
 
-    def execute(self, action: Action, intent_digest: str, fence: Fence,
-                approval_digest: str | None) -> Receipt:
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
         """Raises what the inner adapter raises."""
         try:
             return self._inner.execute(action, intent_digest, fence, approval_digest)

@@ -110,11 +110,15 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     clock = StoreClock(fleet.store.server_time_ms(), sent_at=sent_at)  # the run's start
     adapter = build_adapter(document)
     try:
-        RunEngine.start(run_id, scenario=document.scenario, keyring=fleet.keyring,
-                        adapter=adapter,
-                        store=fleet.store.creator(seal_document(fleet.keyring, run_id,
-                                                                document)),
-                        clock=clock, document_digest=document_digest(document))
+        RunEngine.start(
+            run_id,
+            scenario=document.scenario,
+            keyring=fleet.keyring,
+            adapter=adapter,
+            store=fleet.store.creator(seal_document(fleet.keyring, run_id, document)),
+            clock=clock,
+            document_digest=document_digest(document),
+        )
     finally:
         close = getattr(adapter, "close", None)
         if callable(close):
@@ -153,9 +157,13 @@ def inspect_run(fleet: Fleet, run_id: str) -> RunView:
         if tombstone is None:
             raise
         export = tombstone.get("export") or "none"
-        raise RunNotFoundError(f"the run was purged ({tombstone.get('phase', '?')}, "
-                               f"generation {tombstone.get('generation', '?')}; export: "
-                               f"{export})", run_id=run_id, purged=True) from None
+        raise RunNotFoundError(
+            f"the run was purged ({tombstone.get('phase', '?')}, "
+            f"generation {tombstone.get('generation', '?')}; export: "
+            f"{export})",
+            run_id=run_id,
+            purged=True,
+        ) from None
     if snap.checkpoint is None or snap.scenario is None:
         raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
     document = open_document(fleet.keyring, run_id, snap.scenario)
@@ -164,10 +172,13 @@ def inspect_run(fleet: Fleet, run_id: str) -> RunView:
     if payload.scenario_fingerprint != document.scenario.fingerprint:
         raise IntegrityError("the checkpoint was made under another scenario", run_id=run_id)
     if payload.generation != snap.generation:
-        raise IntegrityError("the checkpoint is not at the high-water mark", run_id=run_id,
-                             generation=payload.generation, high_water=snap.generation)
-    return RunView(snap, document, payload.state, payload.generation,
-                   fleet.store.incidents(run_id))
+        raise IntegrityError(
+            "the checkpoint is not at the high-water mark",
+            run_id=run_id,
+            generation=payload.generation,
+            high_water=snap.generation,
+        )
+    return RunView(snap, document, payload.state, payload.generation, fleet.store.incidents(run_id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,16 +190,21 @@ class Posted:
     verified: bool
 
 
-def _post(fleet: Fleet, run_id: str,
-          evidence: ApprovalEvidence | ReviewDecision | RebaselineDecision,
-          verified: bool, error: type[EvidenceError]) -> Posted:
+def _post(
+    fleet: Fleet,
+    run_id: str,
+    evidence: ApprovalEvidence | ReviewDecision | RebaselineDecision,
+    verified: bool,
+    error: type[EvidenceError],
+) -> Posted:
     """Refuse a nonce another run consumed (the store's global record), then leave the
     evidence in the run's inbox and re-enqueue the run."""
     nonce = evidence.claims.nonce
     holder = fleet.store.nonce_claimed_by(nonce)
     if holder is not None and holder != run_id:
-        raise error("the nonce was already consumed by another run",
-                    reason="replayed_nonce", nonce=nonce)
+        raise error(
+            "the nonce was already consumed by another run", reason="replayed_nonce", nonce=nonce
+        )
     fleet.store.post_evidence(run_id, model_json(evidence))
     fleet.enqueue(run_id)
     return Posted(evidence, verified)
@@ -209,8 +225,14 @@ def post_approval(fleet: Fleet, run_id: str, evidence: ApprovalEvidence) -> Post
     verified = fleet.approvers is not None
     if fleet.approvers is not None:
         now = fleet.store.server_time_ms() // 1000
-        machine.attach_approval(view.state, view.document.scenario, evidence,
-                                fleet.approvers, generation=view.generation, now=now)
+        machine.attach_approval(
+            view.state,
+            view.document.scenario,
+            evidence,
+            fleet.approvers,
+            generation=view.generation,
+            now=now,
+        )
     return _post(fleet, run_id, evidence, verified, ApprovalError)
 
 
@@ -226,15 +248,22 @@ def post_review_decision(fleet: Fleet, run_id: str, decision: ReviewDecision) ->
     view = inspect_run(fleet, run_id)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
-        machine.check_review_decision(view.state, view.document.scenario, decision,
-                                      fleet.reviewers)
+        machine.check_review_decision(view.state, view.document.scenario, decision, fleet.reviewers)
     elif view.state.review is None:
         raise ReviewDecisionError("no review case is open", reason="no_open_case")
     return _post(fleet, run_id, decision, verified, ReviewDecisionError)
 
 
-def approve(fleet: Fleet, run_id: str, action_id: str, *, key: Ed25519PrivateKey,
-            approver_id: str, ttl_s: int = 3600, extra_proposals: int = 10) -> Posted:
+def approve(
+    fleet: Fleet,
+    run_id: str,
+    action_id: str,
+    *,
+    key: Ed25519PrivateKey,
+    approver_id: str,
+    ttl_s: int = 3600,
+    extra_proposals: int = 10,
+) -> Posted:
     """Sign an approval of the run's pending write ``action_id``, check it as the worker
     will (:func:`post_approval`), post it and re-enqueue the run.
 
@@ -248,23 +277,34 @@ def approve(fleet: Fleet, run_id: str, action_id: str, *, key: Ed25519PrivateKey
     if pending is None:
         raise ContractError("the run has no pending write to approve", run_id=run_id)
     if pending.action.action_id != action_id:
-        raise ContractError("the pending write is another action", run_id=run_id,
-                            pending_action_id=pending.action.action_id)
+        raise ContractError(
+            "the pending write is another action",
+            run_id=run_id,
+            pending_action_id=pending.action.action_id,
+        )
     env = state.environment
     claims = ApprovalClaims(
-        task_id=state.task_id, run_id=run_id, policy_id=state.policy_id,
-        policy_version=state.policy_version, action_id=action_id,
+        task_id=state.task_id,
+        run_id=run_id,
+        policy_id=state.policy_id,
+        policy_version=state.policy_version,
+        action_id=action_id,
         idempotency_key=pending.action.idempotency_key or "",
-        intent_digest=pending.intent_digest, env_instance_id=env.instance_id,
-        env_fingerprint=env.fingerprint, env_version=env.version, generation=view.generation,
+        intent_digest=pending.intent_digest,
+        env_instance_id=env.instance_id,
+        env_fingerprint=env.fingerprint,
+        env_version=env.version,
+        generation=view.generation,
         nonce=f"ap-{secrets.token_hex(12)}",
         expires_at=fleet.store.server_time_ms() // 1000 + ttl_s,
-        max_proposals=state.usage.proposals + extra_proposals)
+        max_proposals=state.usage.proposals + extra_proposals,
+    )
     return post_approval(fleet, run_id, sign_approval(key, approver_id, claims))
 
 
-def review(fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey,
-           reviewer_id: str) -> Posted:
+def review(
+    fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey, reviewer_id: str
+) -> Posted:
     """Sign a reviewer decision on the run's open case, check it
     (:func:`post_review_decision`), post it and re-enqueue the run.
 
@@ -284,18 +324,23 @@ def review(fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey,
     # one a person made while the run waited): the worker applies it only while it reads so.
     seen = _observe_now(fleet, view)
     if seen.instance_id != case.environment.instance_id:
-        raise ContractError("the environment is another instance than the case's",
-                            run_id=run_id)
+        raise ContractError("the environment is another instance than the case's", run_id=run_id)
     claims = ReviewDecisionClaims(
-        task_id=state.task_id, run_id=run_id, policy_id=state.policy_id,
-        policy_version=state.policy_version, case_id=case.case_id,
+        task_id=state.task_id,
+        run_id=run_id,
+        policy_id=state.policy_id,
+        policy_version=state.policy_version,
+        case_id=case.case_id,
         action_id=case.pending.action.action_id,
         idempotency_key=case.pending.action.idempotency_key or "",
         pending_intent_digest=case.pending.intent_digest,
         receipt_intent_digest=case.receipt.intent_digest if case.receipt else None,
         receipt_fingerprint=case.receipt_fingerprint,
-        env_instance_id=seen.instance_id, env_version=seen.version,
-        verdict=decided, nonce=f"rv-{secrets.token_hex(12)}")
+        env_instance_id=seen.instance_id,
+        env_version=seen.version,
+        verdict=decided,
+        nonce=f"rv-{secrets.token_hex(12)}",
+    )
     return post_review_decision(fleet, run_id, sign_review_decision(key, reviewer_id, claims))
 
 
@@ -316,10 +361,18 @@ def retry(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> None:
     if phase in TERMINAL_PHASES:
         raise ContractError(f"the run is {phase.value}; nothing to retry", run_id=run_id)
     if view.snapshot.lease_live:
-        raise ContractError(f"a worker holds the run ({view.snapshot.owner}); nothing to retry",
-                            run_id=run_id)
-    fleet.store.record_incident(run_id, {"kind": "operator_retry", "operator": operator[:100],
-                                         "reason": reason[:500], "phase": phase.value})
+        raise ContractError(
+            f"a worker holds the run ({view.snapshot.owner}); nothing to retry", run_id=run_id
+        )
+    fleet.store.record_incident(
+        run_id,
+        {
+            "kind": "operator_retry",
+            "operator": operator[:100],
+            "reason": reason[:500],
+            "phase": phase.value,
+        },
+    )
     fleet.enqueue(run_id)
 
 
@@ -350,14 +403,18 @@ def cancel(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> CancelPo
     if phase in TERMINAL_PHASES:
         raise ContractError(f"the run is {phase.value}; nothing to cancel", run_id=run_id)
     if phase is Phase.NEEDS_REVIEW:
-        raise ContractError("the run is under review: a reviewer ends it "
-                            "(ratchet review RUN --decision abort)", run_id=run_id)
-    request = new_cancel_request(run_id, by=operator, reason=reason,
-                                 now_ms=fleet.store.server_time_ms())
+        raise ContractError(
+            "the run is under review: a reviewer ends it (ratchet review RUN --decision abort)",
+            run_id=run_id,
+        )
+    request = new_cancel_request(
+        run_id, by=operator, reason=reason, now_ms=fleet.store.server_time_ms()
+    )
     fleet.store.post_evidence(run_id, seal_cancel(fleet.keyring, request))
     fleet.enqueue(run_id)
-    return CancelPosted(request, phase.value,
-                        (view.snapshot.owner or "") if view.snapshot.lease_live else "")
+    return CancelPosted(
+        request, phase.value, (view.snapshot.owner or "") if view.snapshot.lease_live else ""
+    )
 
 
 def _environment_incident(view: RunView, incident_id: str | None) -> str:
@@ -371,12 +428,15 @@ def _environment_incident(view: RunView, incident_id: str | None) -> str:
             continue
         reason = str(incident.get("reason", ""))
         if incident.get("kind") == "environment_changed" or (
-                incident.get("kind") == "restore_refused" and reason == "environment"):
+            incident.get("kind") == "restore_refused" and reason == "environment"
+        ):
             return found
     if incident_id is not None:
         raise ContractError(f"the run has no incident {incident_id}", field="incident")
-    raise ContractError("no incident of this run reports a changed environment; "
-                        "nothing to rebaseline", field="incident")
+    raise ContractError(
+        "no incident of this run reports a changed environment; nothing to rebaseline",
+        field="incident",
+    )
 
 
 def _observe_now(fleet: Fleet, view: RunView) -> Observation:
@@ -392,8 +452,14 @@ def _observe_now(fleet: Fleet, view: RunView) -> Observation:
             close()
 
 
-def rebaseline(fleet: Fleet, run_id: str, *, key: Ed25519PrivateKey, reviewer_id: str,
-               incident_id: str | None = None) -> Posted:
+def rebaseline(
+    fleet: Fleet,
+    run_id: str,
+    *,
+    key: Ed25519PrivateKey,
+    reviewer_id: str,
+    incident_id: str | None = None,
+) -> Posted:
     """Sign a reviewer's rebaseline decision for a run frozen because its environment was
     changed behind it: observe the environment now (read-only, through the run's
     adapter), bind the decision to the run, the incident, the checkpoint generation, the
@@ -413,23 +479,38 @@ def rebaseline(fleet: Fleet, run_id: str, *, key: Ed25519PrivateKey, reviewer_id
     seen = _observe_now(fleet, view)
     env = state.environment
     if seen.same_state(env):
-        raise ContractError("the environment is the one the run recorded; nothing to "
-                            "rebaseline (ratchet retry RUN hands it back)", run_id=run_id)
+        raise ContractError(
+            "the environment is the one the run recorded; nothing to "
+            "rebaseline (ratchet retry RUN hands it back)",
+            run_id=run_id,
+        )
     if seen.instance_id != env.instance_id:
-        raise ContractError("the environment is another instance; a rebaseline keeps the "
-                            "instance (submit a new run instead)", run_id=run_id)
+        raise ContractError(
+            "the environment is another instance; a rebaseline keeps the "
+            "instance (submit a new run instead)",
+            run_id=run_id,
+        )
     claims = RebaselineClaims(
-        task_id=state.task_id, run_id=run_id, policy_id=state.policy_id,
-        policy_version=state.policy_version, incident_id=incident,
-        generation=view.generation, old_env_instance_id=env.instance_id,
-        old_env_version=env.version, old_env_fingerprint=env.fingerprint,
-        new_env_instance_id=seen.instance_id, new_env_version=seen.version,
-        new_env_fingerprint=seen.fingerprint, nonce=f"rb-{secrets.token_hex(12)}")
+        task_id=state.task_id,
+        run_id=run_id,
+        policy_id=state.policy_id,
+        policy_version=state.policy_version,
+        incident_id=incident,
+        generation=view.generation,
+        old_env_instance_id=env.instance_id,
+        old_env_version=env.version,
+        old_env_fingerprint=env.fingerprint,
+        new_env_instance_id=seen.instance_id,
+        new_env_version=seen.version,
+        new_env_fingerprint=seen.fingerprint,
+        nonce=f"rb-{secrets.token_hex(12)}",
+    )
     decision = sign_rebaseline(key, reviewer_id, claims)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
-        machine.check_rebaseline(state, view.document.scenario, decision, fleet.reviewers,
-                                 generation=view.generation)
+        machine.check_rebaseline(
+            state, view.document.scenario, decision, fleet.reviewers, generation=view.generation
+        )
     return _post(fleet, run_id, decision, verified, ReviewDecisionError)
 
 
@@ -438,8 +519,7 @@ def load_private_key(pem: bytes) -> Ed25519PrivateKey:
     try:
         key = load_pem_private_key(pem, password=None)
     except (ValueError, TypeError):
-        raise ConfigurationError("the key file is not an unencrypted PEM private key") \
-            from None
+        raise ConfigurationError("the key file is not an unencrypted PEM private key") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise ConfigurationError("the key file is not an Ed25519 private key")
     return key

@@ -86,8 +86,9 @@ class RatchetWorker(SimpleWorker):
         super().handle_warm_shutdown_request()  # type: ignore[no-untyped-call]
 
 
-def worker_main(settings_json: str, index: int, burst: bool = False, *,
-                own_process_group: bool = False) -> None:
+def worker_main(
+    settings_json: str, index: int, burst: bool = False, *, own_process_group: bool = False
+) -> None:
     """Entry point of one worker process.
 
     ``own_process_group`` (the pool's processes): a terminal's Ctrl+C reaches only the
@@ -120,11 +121,19 @@ def worker_main(settings_json: str, index: int, burst: bool = False, *,
     metrics.serve_metrics(index)  # RATCHET_METRICS_PORT + index, if set
     # A claim older than the pickup deadline whose run no worker took means the job that
     # claim enqueued was lost: another reaper may claim the run again.
-    reaper = Reaper(fleet.store, fleet.enqueue, interval_ms=settings.reaper_interval_ms,
-                    reclaim_after_ms=settings.pickup_timeout_ms).start()
+    reaper = Reaper(
+        fleet.store,
+        fleet.enqueue,
+        interval_ms=settings.reaper_interval_ms,
+        reclaim_after_ms=settings.pickup_timeout_ms,
+    ).start()
     retention = start_retention(fleet)  # RATCHET_RETENTION_S, if set
-    worker = RatchetWorker([fleet.queue], connection=fleet.rq_connection,
-                           serializer=JSONSerializer, name=f"{owner}-{index}")
+    worker = RatchetWorker(
+        [fleet.queue],
+        connection=fleet.rq_connection,
+        serializer=JSONSerializer,
+        name=f"{owner}-{index}",
+    )
     try:
         worker.work(burst=burst, with_scheduler=False, logging_level="WARNING")
     finally:
@@ -150,8 +159,12 @@ def measure_clock_skew(fleet: Fleet) -> float:
     store_ms = fleet.store.server_time_ms()
     received = time.time()
     try:
-        skew = check_clock_skew(store_ms, sent_at_wall=sent, received_at_wall=received,
-                                max_skew_ms=fleet.settings.max_clock_skew_ms)
+        skew = check_clock_skew(
+            store_ms,
+            sent_at_wall=sent,
+            received_at_wall=received,
+            max_skew_ms=fleet.settings.max_clock_skew_ms,
+        )
     except ConfigurationError:
         metrics.CLOCK_SKEW.set(((sent + received) / 2 * 1000 - store_ms) / 1000)
         raise
@@ -176,8 +189,10 @@ class RestartPolicy:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RestartPolicy:
-        return cls(base_ms=settings.worker_restart_backoff_ms,
-                   cap_ms=settings.worker_restart_backoff_max_ms)
+        return cls(
+            base_ms=settings.worker_restart_backoff_ms,
+            cap_ms=settings.worker_restart_backoff_max_ms,
+        )
 
     def after_death(self, quick_deaths: int, lived_ms: int) -> tuple[int, int | None]:
         """The slot's new count of deaths in a row that came too soon, and the delay
@@ -231,8 +246,9 @@ def _who(pid: int, slot: _Slot) -> str:
 class _Supervisor:
     """Starts the worker processes, replaces those that die, stops them on SIGTERM."""
 
-    def __init__(self, payload: str, *, concurrency: int, burst: bool,
-                 policy: RestartPolicy) -> None:
+    def __init__(
+        self, payload: str, *, concurrency: int, burst: bool, policy: RestartPolicy
+    ) -> None:
         self._ctx = mp.get_context("spawn")
         self._payload = payload
         self._burst = burst
@@ -254,8 +270,9 @@ class _Supervisor:
             os.write(self._wake_w, b"\0")
 
     def run(self) -> int:
-        previous = {sig: signal.signal(sig, self._on_signal)
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             for slot in self._slots:
                 self._start(slot)
@@ -284,11 +301,14 @@ class _Supervisor:
                 self._start(slot)
             except OSError as exc:  # no process could be made (EAGAIN, ENOMEM): a death
                 slot.restart_at = None
-                self._died(slot, 0, f"could not start: {exc.strerror or type(exc).__name__}",
-                           lived_ms=0)
+                self._died(
+                    slot, 0, f"could not start: {exc.strerror or type(exc).__name__}", lived_ms=0
+                )
                 continue
-            log.info(f"worker process {self._pid(slot)} (slot {slot.index}) started in "
-                     "place of the one that died")
+            log.info(
+                f"worker process {self._pid(slot)} (slot {slot.index}) started in "
+                "place of the one that died"
+            )
         alive = [slot.proc for slot in self._slots if slot.proc is not None]
         pending = [slot.restart_at for slot in self._slots if slot.restart_at is not None]
         if not alive and (self._stopping or not pending):
@@ -300,9 +320,12 @@ class _Supervisor:
         return True
 
     def _start(self, slot: _Slot) -> None:
-        proc = self._ctx.Process(target=worker_main, args=(self._payload, slot.index,
-                                                           self._burst),
-                                 kwargs={"own_process_group": True}, daemon=False)
+        proc = self._ctx.Process(
+            target=worker_main,
+            args=(self._payload, slot.index, self._burst),
+            kwargs={"own_process_group": True},
+            daemon=False,
+        )
         proc.start()
         slot.proc, slot.started, slot.restart_at = proc, time.monotonic(), None
 
@@ -317,11 +340,13 @@ class _Supervisor:
             if not self._stopping:
                 self._stopping = True
                 alive = sum(slot.proc is not None for slot in self._slots)
-                log.info(f"{name}: stopping; each of the {alive} running worker processes "
-                         "finishes its current step, none is replaced", extra={"cause": name})
+                log.info(
+                    f"{name}: stopping; each of the {alive} running worker processes "
+                    "finishes its current step, none is replaced",
+                    extra={"cause": name},
+                )
             else:
-                log.warning(f"{name} again: worker processes stop at once",
-                            extra={"cause": name})
+                log.warning(f"{name} again: worker processes stop at once", extra={"cause": name})
             for slot in self._slots:
                 slot.restart_at = None
             self._send(signum)
@@ -346,8 +371,10 @@ class _Supervisor:
             cause = describe_exit(code)
             if self._stopping:
                 slot.exitcode = code
-                log.info(f"worker process {pid} (slot {slot.index}) stopped: {cause}",
-                         extra={"cause": cause})
+                log.info(
+                    f"worker process {pid} (slot {slot.index}) stopped: {cause}",
+                    extra={"cause": cause},
+                )
                 continue
             if self._burst and code == 0:
                 continue  # the queue was empty: nothing is left for this slot to do
@@ -362,8 +389,11 @@ class _Supervisor:
             self._give_up(slot, pid, cause)
             return
         slot.restart_at = time.monotonic() + delay_ms / 1000
-        log.warning(f"{_who(pid, slot)} died: {cause} (death {self.deaths} of this pool); "
-                    f"a new one starts in {_duration(delay_ms)}", extra={"cause": cause})
+        log.warning(
+            f"{_who(pid, slot)} died: {cause} (death {self.deaths} of this pool); "
+            f"a new one starts in {_duration(delay_ms)}",
+            extra={"cause": cause},
+        )
 
     def _give_up(self, slot: _Slot, pid: int, cause: str) -> None:
         # A crash loop: every replacement dies as it starts (a store that refuses it, a
@@ -373,12 +403,14 @@ class _Supervisor:
         self._stopping = True
         for other in self._slots:
             other.restart_at = None
-        log.error(f"giving up: {_who(pid, slot)} died: {cause} "
-                  f"(death {self.deaths} of this pool); the last {slot.quick_deaths} "
-                  f"processes of slot {slot.index} each died within "
-                  f"{_duration(self._policy.stable_after_ms)} of their start: a crash "
-                  f"loop; stopping the others, exit code {EXIT_CRASH_LOOP}",
-                  extra={"cause": cause, "reason": "crash_loop"})
+        log.error(
+            f"giving up: {_who(pid, slot)} died: {cause} "
+            f"(death {self.deaths} of this pool); the last {slot.quick_deaths} "
+            f"processes of slot {slot.index} each died within "
+            f"{_duration(self._policy.stable_after_ms)} of their start: a crash "
+            f"loop; stopping the others, exit code {EXIT_CRASH_LOOP}",
+            extra={"cause": cause, "reason": "crash_loop"},
+        )
         self._send(signal.SIGTERM)
 
 
@@ -403,6 +435,10 @@ def run_pool(settings: Settings, *, concurrency: int, burst: bool = False) -> in
     fleet.check_eviction_policy()
     _ = fleet.sandbox  # an explicit sandbox mode that cannot work here stops the start
     measure_clock_skew(fleet)
-    supervisor = _Supervisor(_settings_json(settings), concurrency=concurrency, burst=burst,
-                             policy=RestartPolicy.from_settings(settings))
+    supervisor = _Supervisor(
+        _settings_json(settings),
+        concurrency=concurrency,
+        burst=burst,
+        policy=RestartPolicy.from_settings(settings),
+    )
     return supervisor.run()

@@ -74,21 +74,29 @@ def queue_facts(fleet: Fleet) -> QueueFacts:
     queue = fleet.queue
     try:
         depth = int(fleet.rq_connection.llen(queue.key))
-        waiting = [i.decode() if isinstance(i, bytes) else str(i) for i in
-                   fleet.rq_connection.lrange(queue.key, 0, SCAN_JOBS - 1)]
-        started_ids = queue.started_job_registry.get_job_ids(0, SCAN_JOBS - 1,
-                                                             cleanup=False)
+        waiting = [
+            i.decode() if isinstance(i, bytes) else str(i)
+            for i in fleet.rq_connection.lrange(queue.key, 0, SCAN_JOBS - 1)
+        ]
+        started_ids = queue.started_job_registry.get_job_ids(0, SCAN_JOBS - 1, cleanup=False)
         positions: dict[str, int] = {}
         for index, (run_id, _) in enumerate(_descriptions(fleet, waiting)):
             if run_id is not None:
                 positions.setdefault(run_id, index + 1)
-        started = {run_id: worker for run_id, worker in _descriptions(fleet, started_ids)
-                   if run_id is not None}
+        started = {
+            run_id: worker
+            for run_id, worker in _descriptions(fleet, started_ids)
+            if run_id is not None
+        }
     except redis.RedisError as exc:
-        raise StoreUnavailableError("the queue cannot be read",
-                                    cause=type(exc).__name__) from None
-    return QueueFacts(queue.name, depth, positions, started,
-                      complete=depth <= SCAN_JOBS and len(started_ids) < SCAN_JOBS)
+        raise StoreUnavailableError("the queue cannot be read", cause=type(exc).__name__) from None
+    return QueueFacts(
+        queue.name,
+        depth,
+        positions,
+        started,
+        complete=depth <= SCAN_JOBS and len(started_ids) < SCAN_JOBS,
+    )
 
 
 def _age_s(then: datetime | None, now_ms: int) -> float | None:
@@ -110,26 +118,35 @@ def list_workers(fleet: Fleet) -> dict[str, Any]:
     now_ms = fleet.store.server_time_ms()
     try:
         connection = fleet.queue.connection
-        found = [worker for key in worker_registration.get_keys(queue=fleet.queue)
-                 if connection.exists(key)
-                 and (worker := Worker.find_by_key(key, connection=connection,
-                                                   serializer=JSONSerializer)) is not None]
+        found = [
+            worker
+            for key in worker_registration.get_keys(queue=fleet.queue)
+            if connection.exists(key)
+            and (
+                worker := Worker.find_by_key(key, connection=connection, serializer=JSONSerializer)
+            )
+            is not None
+        ]
         rows = []
         running = {worker: run_id for run_id, worker in facts.started.items()}
         for worker in sorted(found, key=lambda w: w.name):
             heartbeat = getattr(worker, "last_heartbeat", None)
-            rows.append({
-                "name": worker.name, "owner": owner_of_worker(worker.name),
-                "state": str(worker.get_state()),
-                "current_job": worker.get_current_job_id(),
-                "current_run": running.get(worker.name),
-                "last_heartbeat": heartbeat.isoformat() if heartbeat else None,
-                "heartbeat_age_s": _age_s(heartbeat, now_ms),
-                "queues": [q.name for q in getattr(worker, "queues", [])],
-                "successful_jobs": int(getattr(worker, "successful_job_count", 0) or 0),
-                "failed_jobs": int(getattr(worker, "failed_job_count", 0) or 0)})
+            rows.append(
+                {
+                    "name": worker.name,
+                    "owner": owner_of_worker(worker.name),
+                    "state": str(worker.get_state()),
+                    "current_job": worker.get_current_job_id(),
+                    "current_run": running.get(worker.name),
+                    "last_heartbeat": heartbeat.isoformat() if heartbeat else None,
+                    "heartbeat_age_s": _age_s(heartbeat, now_ms),
+                    "queues": [q.name for q in getattr(worker, "queues", [])],
+                    "successful_jobs": int(getattr(worker, "successful_job_count", 0) or 0),
+                    "failed_jobs": int(getattr(worker, "failed_job_count", 0) or 0),
+                }
+            )
     except redis.RedisError as exc:
-        raise StoreUnavailableError("the worker registry cannot be read",
-                                    cause=type(exc).__name__) from None
-    return {"queue": facts.queue, "queue_depth": facts.depth, "now_ms": now_ms,
-            "workers": rows}
+        raise StoreUnavailableError(
+            "the worker registry cannot be read", cause=type(exc).__name__
+        ) from None
+    return {"queue": facts.queue, "queue_depth": facts.depth, "now_ms": now_ms, "workers": rows}

@@ -45,8 +45,14 @@ class ReapResult:
 PARK_MS = 60_000  # how long an entry the reaper could not handle waits before a retry
 
 
-def reap_once(store: RedisStore, enqueue: Callable[[str], object], *, limit: int = 100,
-              reclaim_after_ms: int = 30_000, park_ms: int = PARK_MS) -> ReapResult:
+def reap_once(
+    store: RedisStore,
+    enqueue: Callable[[str], object],
+    *,
+    limit: int = 100,
+    reclaim_after_ms: int = 30_000,
+    park_ms: int = PARK_MS,
+) -> ReapResult:
     """One reaper tick. Errors are handled per entry: an entry that cannot be handled
     (a run whose lease record is not what the scripts wrote, an id that is not one) is
     recorded, counted and parked ``park_ms`` later, so it never blocks the entries behind
@@ -74,8 +80,13 @@ def reap_once(store: RedisStore, enqueue: Callable[[str], object], *, limit: int
     return ReapResult(len(entries), tuple(enqueued), tuple(parked))
 
 
-def _reap_entry(store: RedisStore, enqueue: Callable[[str], object], run_id: str,
-                score: int, reclaim_after_ms: int) -> bool:
+def _reap_entry(
+    store: RedisStore,
+    enqueue: Callable[[str], object],
+    run_id: str,
+    score: int,
+    reclaim_after_ms: int,
+) -> bool:
     claim = store.claim_reap(run_id, reclaim_after_ms=reclaim_after_ms)
     if claim.status == "no_run":
         store.drop_expiry_entry(run_id, score)
@@ -86,20 +97,33 @@ def _reap_entry(store: RedisStore, enqueue: Callable[[str], object], run_id: str
     store.drop_expiry_entry(run_id, score)
     cause, generation = _cause(store, run_id)
     metrics.REAPER_REQUEUES.labels(cause=cause).inc()
-    log.info("re-enqueued", extra={"run_id": run_id, "cause": cause,
-                                   "lease_version": claim.lease_version,
-                                   "generation": generation})
+    log.info(
+        "re-enqueued",
+        extra={
+            "run_id": run_id,
+            "cause": cause,
+            "lease_version": claim.lease_version,
+            "generation": generation,
+        },
+    )
     return True
 
 
 def _park(store: RedisStore, run_id: str, exc: RatchetError, park_ms: int) -> None:
     metrics.REAPER_BAD_ENTRIES.inc()
-    log.error("reaper cannot handle an entry; parked",
-              extra={"run_id": run_id, "error": type(exc).__name__})
+    log.error(
+        "reaper cannot handle an entry; parked",
+        extra={"run_id": run_id, "error": type(exc).__name__},
+    )
     with contextlib.suppress(RatchetError):
-        store.record_incident(run_id, {"kind": "reaper_entry_refused",
-                                       "reason": type(exc).__name__,
-                                       "message": exc.message[:500]})
+        store.record_incident(
+            run_id,
+            {
+                "kind": "reaper_entry_refused",
+                "reason": type(exc).__name__,
+                "message": exc.message[:500],
+            },
+        )
     with contextlib.suppress(RatchetError):
         store.park_expiry_entry(run_id, for_ms=park_ms)
 
@@ -118,8 +142,14 @@ def _cause(store: RedisStore, run_id: str) -> tuple[str, int | None]:
 class Reaper:
     """A daemon thread running :func:`reap_once` every ``interval_ms``."""
 
-    def __init__(self, store: RedisStore, enqueue: Callable[[str], object], *,
-                 interval_ms: int, reclaim_after_ms: int = 30_000) -> None:
+    def __init__(
+        self,
+        store: RedisStore,
+        enqueue: Callable[[str], object],
+        *,
+        interval_ms: int,
+        reclaim_after_ms: int = 30_000,
+    ) -> None:
         self._store = store
         self._enqueue = enqueue
         self._interval = interval_ms / 1000
@@ -140,8 +170,9 @@ class Reaper:
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                result = reap_once(self._store, self._enqueue,
-                                   reclaim_after_ms=self._reclaim_after_ms)
+                result = reap_once(
+                    self._store, self._enqueue, reclaim_after_ms=self._reclaim_after_ms
+                )
             except RatchetError as exc:
                 log.warning("reaper tick failed", extra={"error": type(exc).__name__})
                 continue

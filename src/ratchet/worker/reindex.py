@@ -31,8 +31,11 @@ class IndexReport:
     unverifiable: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
-        return {"indexed": self.indexed, "already": self.already,
-                "unverifiable": dict(sorted(self.unverifiable.items()))}
+        return {
+            "indexed": self.indexed,
+            "already": self.already,
+            "unverifiable": dict(sorted(self.unverifiable.items())),
+        }
 
 
 def index_phases(fleet: Fleet) -> IndexReport:

@@ -60,8 +60,16 @@ from ratchet.worker.context import Fleet
 from ratchet.worker.ops import RunView, inspect_run
 from ratchet.worker.runs import check_document_binding, open_document
 
-__all__ = ["ExportSummary", "PurgeReport", "RetentionLoop", "export_run", "purge_finished",
-           "start_retention", "verify_export", "write_export"]
+__all__ = [
+    "ExportSummary",
+    "PurgeReport",
+    "RetentionLoop",
+    "export_run",
+    "purge_finished",
+    "start_retention",
+    "verify_export",
+    "write_export",
+]
 
 log = logging.getLogger("ratchet.worker.retention")
 
@@ -82,10 +90,16 @@ class ExportSummary:
     exported_at_ms: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "phase": self.phase, "generation": self.generation,
-                "task_id": self.task_id, "executed_writes": self.executed,
-                "trace_events": self.trace_events, "exported_at_ms": self.exported_at_ms,
-                "verified": True}
+        return {
+            "run_id": self.run_id,
+            "phase": self.phase,
+            "generation": self.generation,
+            "task_id": self.task_id,
+            "executed_writes": self.executed,
+            "trace_events": self.trace_events,
+            "exported_at_ms": self.exported_at_ms,
+            "verified": True,
+        }
 
 
 def _b64(raw: bytes) -> str:
@@ -107,11 +121,15 @@ def export_run(fleet: Fleet, run_id: str, *, view: RunView | None = None) -> byt
     client = fleet.store.client
     history = [_text(h) for h in client.lrange(keys.history, 0, -1)]
     body = {
-        "format": EXPORT_FORMAT, "run_id": run_id,
-        "exported_at_ms": fleet.store.server_time_ms(), "generation": view.generation,
-        "document": _b64(snap.scenario), "checkpoint": _b64(snap.checkpoint),
+        "format": EXPORT_FORMAT,
+        "run_id": run_id,
+        "exported_at_ms": fleet.store.server_time_ms(),
+        "generation": view.generation,
+        "document": _b64(snap.scenario),
+        "checkpoint": _b64(snap.checkpoint),
         "archive": [_b64(segment) for segment in snap.archive],
-        "history": history, "incidents": _plain(view.incidents),
+        "history": history,
+        "incidents": _plain(view.incidents),
         "consumed_nonces": list(view.state.consumed_nonces),
         "inbox": [_b64(raw) for raw in fleet.store.inbox(run_id, limit=1000)],
     }
@@ -129,8 +147,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def write_export(fleet: Fleet, run_id: str, path: Path, *,
-                 view: RunView | None = None) -> ExportSummary:
+def write_export(
+    fleet: Fleet, run_id: str, path: Path, *, view: RunView | None = None
+) -> ExportSummary:
     """Write ``run_id``'s export to ``path`` (owner-only, atomically: a temporary file in
     the same folder, then a rename), read it back and verify it. Returns its summary.
 
@@ -154,11 +173,11 @@ def write_export(fleet: Fleet, run_id: str, path: Path, *,
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError as exc:
-        raise ConfigurationError(f"cannot write the export {path}: {exc.strerror or exc}",
-                                 field="export") from None
+        raise ConfigurationError(
+            f"cannot write the export {path}: {exc.strerror or exc}", field="export"
+        ) from None
     if verify_export(fleet.keyring, path.read_bytes()) != summary:
-        raise IntegrityError("the export read back differs from what was written",
-                             run_id=run_id)
+        raise IntegrityError("the export read back differs from what was written", run_id=run_id)
     return summary
 
 
@@ -178,14 +197,27 @@ def verify_export(keyring: KeyRing, blob: bytes) -> ExportSummary:
     try:
         body = open_envelope(keyring, blob, domain=Domain.EXPORT)
     except CheckpointError as exc:
-        raise _refused(f"it does not verify ({exc.context.get('reason', 'malformed')})",
-                       check=str(exc.context.get("reason", "malformed"))) from None
+        raise _refused(
+            f"it does not verify ({exc.context.get('reason', 'malformed')})",
+            check=str(exc.context.get("reason", "malformed")),
+        ) from None
     try:
         data = strict_json_loads(body)
     except ContractError:
         raise _refused("its signed body is not strict JSON", check="schema") from None
-    want = {"format", "run_id", "exported_at_ms", "generation", "document", "checkpoint",
-            "archive", "history", "incidents", "consumed_nonces", "inbox"}
+    want = {
+        "format",
+        "run_id",
+        "exported_at_ms",
+        "generation",
+        "document",
+        "checkpoint",
+        "archive",
+        "history",
+        "incidents",
+        "consumed_nonces",
+        "inbox",
+    }
     if not isinstance(data, dict) or set(data) != want or data["format"] != EXPORT_FORMAT:
         raise _refused("its signed body has the wrong fields or format", check="schema")
     try:
@@ -201,17 +233,24 @@ def verify_export(keyring: KeyRing, blob: bytes) -> ExportSummary:
     check_document_binding(payload.state, document)
     state: RunState = payload.state
     if state.run_id != run_id or payload.generation != data["generation"]:
-        raise _refused("the checkpoint is another run's or another generation's",
-                       check="binding")
+        raise _refused("the checkpoint is another run's or another generation's", check="binding")
     if payload.scenario_fingerprint != document.scenario.fingerprint:
         raise _refused("the checkpoint was made under another scenario", check="scenario")
     try:
         check_invariants(state, document.scenario)
     except RatchetError as exc:
-        raise _refused(f"the checkpoint's state is invalid: {exc.message}",
-                       check="invariant") from None
-    return ExportSummary(run_id, state.phase.value, payload.generation, state.task_id,
-                         len(state.executed), len(state.trace), int(data["exported_at_ms"]))
+        raise _refused(
+            f"the checkpoint's state is invalid: {exc.message}", check="invariant"
+        ) from None
+    return ExportSummary(
+        run_id,
+        state.phase.value,
+        payload.generation,
+        state.task_id,
+        len(state.executed),
+        len(state.trace),
+        int(data["exported_at_ms"]),
+    )
 
 
 # --- purge -------------------------------------------------------------------------------
@@ -228,8 +267,13 @@ class PurgeReport:
     dry_run: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"cutoff_ms": self.cutoff_ms, "purged": self.purged, "exported": self.exported,
-                "kept": self.kept, "dry_run": self.dry_run}
+        return {
+            "cutoff_ms": self.cutoff_ms,
+            "purged": self.purged,
+            "exported": self.exported,
+            "kept": self.kept,
+            "dry_run": self.dry_run,
+        }
 
 
 def _unconsumed(raw: bytes, state: RunState) -> str | None:
@@ -245,8 +289,14 @@ def _unconsumed(raw: bytes, state: RunState) -> str | None:
     return None
 
 
-def purge_finished(fleet: Fleet, *, older_than_ms: int, export_dir: Path | None = None,
-                   limit: int = 500, dry_run: bool = False) -> PurgeReport:
+def purge_finished(
+    fleet: Fleet,
+    *,
+    older_than_ms: int,
+    export_dir: Path | None = None,
+    limit: int = 500,
+    dry_run: bool = False,
+) -> PurgeReport:
     """Purge up to ``limit`` runs that finished (completed, failed, cancelled) more than
     ``older_than_ms`` ago by the store's clock, exporting each first into ``export_dir``
     when one is given. See the module docstring for what keeps a run.
@@ -259,21 +309,24 @@ def purge_finished(fleet: Fleet, *, older_than_ms: int, export_dir: Path | None 
     report = PurgeReport(cutoff, dry_run=dry_run)
     candidates: list[str] = []
     for phase in sorted(TERMINAL_PHASES):
-        members = fleet.store.client.zrangebyscore(phase_index(phase.value), "-inf", cutoff,
-                                                   start=0, num=limit)
+        members = fleet.store.client.zrangebyscore(
+            phase_index(phase.value), "-inf", cutoff, start=0, num=limit
+        )
         candidates += [_text(m) for m in members]
     for run_id in sorted(set(candidates))[:limit]:
         why = _purge_one(fleet, run_id, export_dir=export_dir, dry_run=dry_run, report=report)
         if why is not None:
             report.kept[run_id] = why
     if report.purged:
-        log.info("purged finished runs", extra={"purged": len(report.purged),
-                                                 "kept": len(report.kept)})
+        log.info(
+            "purged finished runs", extra={"purged": len(report.purged), "kept": len(report.kept)}
+        )
     return report
 
 
-def _purge_one(fleet: Fleet, run_id: str, *, export_dir: Path | None, dry_run: bool,
-               report: PurgeReport) -> str | None:
+def _purge_one(
+    fleet: Fleet, run_id: str, *, export_dir: Path | None, dry_run: bool, report: PurgeReport
+) -> str | None:
     try:
         view = inspect_run(fleet, run_id)
     except RatchetError as exc:
@@ -300,13 +353,20 @@ def _purge_one(fleet: Fleet, run_id: str, *, export_dir: Path | None, dry_run: b
         report.exported[run_id] = str(path)
         name = path.name
     digest = hashlib.sha256(snap.checkpoint or b"").hexdigest()
-    outcome = fleet.store.purge_run(run_id, generation=snap.generation,
-                                    state_version=snap.state_version,
-                                    phase=state.phase.value, checkpoint_digest=digest,
-                                    export=name)
+    outcome = fleet.store.purge_run(
+        run_id,
+        generation=snap.generation,
+        state_version=snap.state_version,
+        phase=state.phase.value,
+        checkpoint_digest=digest,
+        export=name,
+    )
     if outcome != "purged":
-        return {"gone": "already gone", "moved": "changed since it was verified",
-                "held": "a worker took its lease"}.get(outcome, outcome)
+        return {
+            "gone": "already gone",
+            "moved": "changed since it was verified",
+            "held": "a worker took its lease",
+        }.get(outcome, outcome)
     report.purged.append(run_id)
     return None
 
@@ -319,8 +379,15 @@ class RetentionLoop:
     purge script (the least-privilege worker ACL has no ``DEL``) is reported once and
     the loop stops; run ``ratchet purge`` as the operator instead."""
 
-    def __init__(self, fleet: Fleet, *, older_than_ms: int, every_s: float,
-                 export_dir: Path | None = None, limit: int = 200) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        older_than_ms: int,
+        every_s: float,
+        export_dir: Path | None = None,
+        limit: int = 200,
+    ) -> None:
         self._fleet = fleet
         self._older_than_ms = older_than_ms
         self._every = every_s
@@ -328,8 +395,7 @@ class RetentionLoop:
         self._limit = limit
         self._stop = threading.Event()
         self.purged = 0
-        self._thread = threading.Thread(target=self._loop, name="ratchet-retention",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="ratchet-retention", daemon=True)
 
     def start(self) -> RetentionLoop:
         self._thread.start()
@@ -343,11 +409,16 @@ class RetentionLoop:
     def _loop(self) -> None:
         while not self._stop.wait(self._every):
             try:
-                report = purge_finished(self._fleet, older_than_ms=self._older_than_ms,
-                                        export_dir=self._export_dir, limit=self._limit)
+                report = purge_finished(
+                    self._fleet,
+                    older_than_ms=self._older_than_ms,
+                    export_dir=self._export_dir,
+                    limit=self._limit,
+                )
             except StoreProtocolError as exc:
-                log.error("retention stopped: the store refused the purge",
-                          extra={"reason": exc.message})
+                log.error(
+                    "retention stopped: the store refused the purge", extra={"reason": exc.message}
+                )
                 return
             except RatchetError as exc:
                 log.warning("retention pass failed", extra={"error": type(exc).__name__})
@@ -362,5 +433,9 @@ def start_retention(fleet: Fleet) -> RetentionLoop | None:
     if settings.retention_s is None:
         return None
     every = min(60.0, settings.retention_s / 10)
-    return RetentionLoop(fleet, older_than_ms=settings.retention_s * 1000, every_s=every,
-                         export_dir=settings.retention_export_dir).start()
+    return RetentionLoop(
+        fleet,
+        older_than_ms=settings.retention_s * 1000,
+        every_s=every,
+        export_dir=settings.retention_export_dir,
+    ).start()

@@ -107,8 +107,9 @@ def seal_document(keyring: KeyRing, run_id: str, document: RunDocument) -> bytes
 
 
 def _refused(message: str, run_id: str, **context: object) -> IntegrityError:
-    return IntegrityError(f"run document refused: {message}", reason="document",
-                          run_id=run_id, **context)
+    return IntegrityError(
+        f"run document refused: {message}", reason="document", run_id=run_id, **context
+    )
 
 
 def open_document(keyring: KeyRing, run_id: str, blob: bytes) -> RunDocument:
@@ -122,8 +123,11 @@ def open_document(keyring: KeyRing, run_id: str, blob: bytes) -> RunDocument:
     try:
         body = open_envelope(keyring, blob, domain=Domain.DOCUMENT)
     except CheckpointError as exc:
-        raise _refused(f"it does not verify ({exc.context.get('reason', 'malformed')})",
-                       run_id, check=str(exc.context.get("reason", "malformed"))) from None
+        raise _refused(
+            f"it does not verify ({exc.context.get('reason', 'malformed')})",
+            run_id,
+            check=str(exc.context.get("reason", "malformed")),
+        ) from None
     try:
         data = strict_json_loads(body)
     except ContractError:
@@ -148,12 +152,22 @@ def check_document_binding(state: RunState, document: RunDocument) -> None:
     """
     expected = state.document_digest
     if expected is None or not constant_time_equal(expected, document_digest(document)):
-        raise _refused("the checkpoint binds another document" if expected is not None
-                       else "the checkpoint binds no document", state.run_id, check="digest")
+        raise _refused(
+            "the checkpoint binds another document"
+            if expected is not None
+            else "the checkpoint binds no document",
+            state.run_id,
+            check="digest",
+        )
 
 
-def build_adapter(document: RunDocument, *, sandbox: Sandbox | None = None,
-                  clock: Clock | None = None, http_token: str | None = None) -> Adapter:
+def build_adapter(
+    document: RunDocument,
+    *,
+    sandbox: Sandbox | None = None,
+    clock: Clock | None = None,
+    http_token: str | None = None,
+) -> Adapter:
     """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
     commands; a worker passes its own, checked usable here before anything is built.
     ``clock`` stamps the workspace's receipts (a worker passes the store's clock: the
@@ -169,13 +183,19 @@ def build_adapter(document: RunDocument, *, sandbox: Sandbox | None = None,
     scenario = document.scenario
     missing = set(scenario.allowed_verifier_targets) - set(env.verifiers)
     if missing:
-        raise ConfigurationError("the environment has no command for verifier targets "
-                                 f"{sorted(missing)}", field="environment.verifiers")
-    verifier = CommandVerifier({
-        target: VerifierCommand(argv=spec.argv, timeout_seconds=float(spec.timeout_seconds),
-                                network=spec.network)
-        for target, spec in env.verifiers.items()
-    }, sandbox=sandbox)
+        raise ConfigurationError(
+            f"the environment has no command for verifier targets {sorted(missing)}",
+            field="environment.verifiers",
+        )
+    verifier = CommandVerifier(
+        {
+            target: VerifierCommand(
+                argv=spec.argv, timeout_seconds=float(spec.timeout_seconds), network=spec.network
+            )
+            for target, spec in env.verifiers.items()
+        },
+        sandbox=sandbox,
+    )
     files = WorkspaceAdapter(env.root, scenario.allowed_paths, verifier=verifier, clock=clock)
     if env.http_base_url is None:
         return files

@@ -36,21 +36,25 @@ _MIN_SECRET = 8  # shorter configured values are not treated as secrets (too man
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|URL|CREDENTIAL", re.IGNORECASE)
 _NOT_SECRET_NAME = re.compile(r"_(FILE|DIR|PATH|PORT|ADDR)$|_KEYS_FILE$", re.IGNORECASE)
 
-_PATTERNS = tuple(re.compile(p) for p in (
-    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?(-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
-    r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}",
-    r"\bgh[pousr]_[A-Za-z0-9]{20,}",
-    r"\bgithub_pat_[A-Za-z0-9_]{20,}",
-    r"\bglpat-[A-Za-z0-9_-]{20,}",
-    r"\bxox[abposr]-[A-Za-z0-9-]{10,}",
-    r"\b(AKIA|ASIA)[0-9A-Z]{16}\b",
-    r"\bsk[-_](live_|test_|proj-)?[A-Za-z0-9_-]{20,}",
-    r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",
-))
+_PATTERNS = tuple(
+    re.compile(p)
+    for p in (
+        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?(-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
+        r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}",
+        r"\bgh[pousr]_[A-Za-z0-9]{20,}",
+        r"\bgithub_pat_[A-Za-z0-9_]{20,}",
+        r"\bglpat-[A-Za-z0-9_-]{20,}",
+        r"\bxox[abposr]-[A-Za-z0-9-]{10,}",
+        r"\b(AKIA|ASIA)[0-9A-Z]{16}\b",
+        r"\bsk[-_](live_|test_|proj-)?[A-Za-z0-9_-]{20,}",
+        r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",
+    )
+)
 # Keeps the name and the separator, replaces the value.
 _ASSIGNMENT = re.compile(
     r"(?i)\b([A-Za-z0-9_.-]*(?:password|passwd|secret|token|api[_-]?key|access[_-]?key|"
-    r"private[_-]?key|auth)[A-Za-z0-9_.-]*[\"']?\s*[=:]\s*[\"']?)([^\s\"',;]{4,})")
+    r"private[_-]?key|auth)[A-Za-z0-9_.-]*[\"']?\s*[=:]\s*[\"']?)([^\s\"',;]{4,})"
+)
 _URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@]*:)([^\s/@]+)(@)")
 
 
@@ -75,8 +79,9 @@ class Scrubber:
         return f"Scrubber({len(self._secrets)} known values)"
 
     @classmethod
-    def from_settings(cls, settings: Settings,
-                      environ: Mapping[str, str] | None = None) -> Scrubber:
+    def from_settings(
+        cls, settings: Settings, environ: Mapping[str, str] | None = None
+    ) -> Scrubber:
         """The secrets ``settings`` and the ``RATCHET_*`` environment hold. A key file that
         cannot be read adds nothing (the key ring's own loading reports that)."""
         env = os.environ if environ is None else environ
@@ -86,8 +91,11 @@ class Scrubber:
                 values.append(secret.get_secret_value())
         values += _key_file_values(settings)
         for name, value in env.items():
-            if (name.startswith(PREFIX) and _SECRET_NAME.search(name)
-                    and not _NOT_SECRET_NAME.search(name)):
+            if (
+                name.startswith(PREFIX)
+                and _SECRET_NAME.search(name)
+                and not _NOT_SECRET_NAME.search(name)
+            ):
                 values.append(value)
         values += [p for v in list(values) if (p := _url_password(v))]
         return cls(values)

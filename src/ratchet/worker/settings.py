@@ -39,22 +39,33 @@ __all__ = ["OTHER_NAMES", "PREFIX", "Settings", "check_environment_names", "sett
 PREFIX: Final = "RATCHET_"
 
 #: ``RATCHET_*`` names that are not settings of :class:`Settings`, and who reads them.
-OTHER_NAMES: Final = frozenset({
-    # ratchet.worker.logs
-    "RATCHET_LOG_FORMAT", "RATCHET_LOG_LEVEL",
-    # ratchet.worker.metrics
-    "RATCHET_METRICS_PORT", "RATCHET_METRICS_ADDR",
-    # ratchet.worker.context: RQ's own connection (an ACL user of its own)
-    "RATCHET_QUEUE_REDIS_URL",
-    # ratchet.leasing.server: which redis-server binary to run
-    "RATCHET_REDIS_SERVER",
-    # ratchet.worker.failpoints: drills
-    "RATCHET_FAILPOINTS", "RATCHET_FAILPOINTS_LOG", "RATCHET_DRILL_EVENTS",
-    # ratchet's own test suite and CI
-    "RATCHET_TEST_REDIS_URL", "RATCHET_REQUIRE_SANDBOX", "RATCHET_REQUIRE_BROWSER",
-    "RATCHET_SCREENSHOT_DIR", "RATCHET_CHROMIUM", "RATCHET_CHROMEDRIVER",
-    "RATCHET_TEST_API_TOKEN", "RATCHET_PROBE_AGENT_MARKER",
-})
+OTHER_NAMES: Final = frozenset(
+    {
+        # ratchet.worker.logs
+        "RATCHET_LOG_FORMAT",
+        "RATCHET_LOG_LEVEL",
+        # ratchet.worker.metrics
+        "RATCHET_METRICS_PORT",
+        "RATCHET_METRICS_ADDR",
+        # ratchet.worker.context: RQ's own connection (an ACL user of its own)
+        "RATCHET_QUEUE_REDIS_URL",
+        # ratchet.leasing.server: which redis-server binary to run
+        "RATCHET_REDIS_SERVER",
+        # ratchet.worker.failpoints: drills
+        "RATCHET_FAILPOINTS",
+        "RATCHET_FAILPOINTS_LOG",
+        "RATCHET_DRILL_EVENTS",
+        # ratchet's own test suite and CI
+        "RATCHET_TEST_REDIS_URL",
+        "RATCHET_REQUIRE_SANDBOX",
+        "RATCHET_REQUIRE_BROWSER",
+        "RATCHET_SCREENSHOT_DIR",
+        "RATCHET_CHROMIUM",
+        "RATCHET_CHROMEDRIVER",
+        "RATCHET_TEST_API_TOKEN",
+        "RATCHET_PROBE_AGENT_MARKER",
+    }
+)
 
 _Ms = Annotated[int, Field(ge=50, le=24 * 3600 * 1000)]
 
@@ -62,13 +73,14 @@ _Ms = Annotated[int, Field(ge=50, le=24 * 3600 * 1000)]
 class Settings(BaseSettings):
     """Everything a worker, submitter or operator command needs to find and fence runs."""
 
-    model_config = SettingsConfigDict(env_prefix="RATCHET_", extra="forbid",
-                                      validate_default=True)
+    model_config = SettingsConfigDict(env_prefix="RATCHET_", extra="forbid", validate_default=True)
 
     redis_url: SecretStr | None = Field(
-        default=None, description="Redis primary; unset: a private embedded redis-server")
-    state_dir: Path = Field(default=Path(".ratchet"),
-                            description="local state: embedded Redis data, generated keys")
+        default=None, description="Redis primary; unset: a private embedded redis-server"
+    )
+    state_dir: Path = Field(
+        default=Path(".ratchet"), description="local state: embedded Redis data, generated keys"
+    )
     queue: str = Field(default="ratchet", min_length=1, max_length=100)
     lease_ttl_ms: _Ms = 15_000
     renew_interval_ms: _Ms | None = None
@@ -98,13 +110,17 @@ class Settings(BaseSettings):
     # have an archive keep it whatever this says.
     archive_trace: bool = True
     checkpoint_key: SecretStr | None = Field(
-        default=None, description="hex key (>= 32 bytes) used as key id 'env'")
+        default=None, description="hex key (>= 32 bytes) used as key id 'env'"
+    )
     checkpoint_keys_file: Path | None = Field(
-        default=None, description='JSON {"signing": kid, "keys": {kid: hex}, "retired": []}')
-    approvers_file: Path | None = Field(default=None,
-                                        description='JSON {"approver-id": "<public hex>"}')
-    reviewers_file: Path | None = Field(default=None,
-                                        description='JSON {"reviewer-id": "<public hex>"}')
+        default=None, description='JSON {"signing": kid, "keys": {kid: hex}, "retired": []}'
+    )
+    approvers_file: Path | None = Field(
+        default=None, description='JSON {"approver-id": "<public hex>"}'
+    )
+    reviewers_file: Path | None = Field(
+        default=None, description='JSON {"reviewer-id": "<public hex>"}'
+    )
     worker_name: str | None = Field(default=None, max_length=100)
     # Module prefixes dotted-path agents may come from (RATCHET_AGENTS="mypkg,other.pkg");
     # built-in agents and installed ratchet.agents plugins are always allowed.
@@ -131,13 +147,21 @@ class Settings(BaseSettings):
 
     @classmethod
     def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The names are checked whenever the environment is read, before any value is.
-        return (init_settings, _EnvironmentNames(settings_cls), env_settings, dotenv_settings,
-                file_secret_settings)
+        return (
+            init_settings,
+            _EnvironmentNames(settings_cls),
+            env_settings,
+            dotenv_settings,
+            file_secret_settings,
+        )
 
     @field_validator("agents", "verifier_read_only", mode="before")
     @classmethod
@@ -156,8 +180,9 @@ class Settings(BaseSettings):
         if self.job_timeout_s * 1000 <= 4 * self.lease_ttl_ms:
             raise ValueError("job_timeout_s must be far longer than the lease TTL")
         if self.worker_restart_backoff_ms > self.worker_restart_backoff_max_ms:
-            raise ValueError("worker_restart_backoff_ms must not exceed "
-                             "worker_restart_backoff_max_ms")
+            raise ValueError(
+                "worker_restart_backoff_ms must not exceed worker_restart_backoff_max_ms"
+            )
         return self
 
     @property
@@ -170,10 +195,12 @@ class Settings(BaseSettings):
         return self.redis_url is None
 
     def __repr__(self) -> str:
-        return (f"Settings(redis={'set' if self.redis_url else 'embedded'}, "
-                f"queue={self.queue!r}, lease_ttl_ms={self.lease_ttl_ms}, "
-                f"renew_interval_ms={self.renew_interval}, "
-                f"stall_timeout_ms={self.stall_timeout_ms})")
+        return (
+            f"Settings(redis={'set' if self.redis_url else 'embedded'}, "
+            f"queue={self.queue!r}, lease_ttl_ms={self.lease_ttl_ms}, "
+            f"renew_interval_ms={self.renew_interval}, "
+            f"stall_timeout_ms={self.stall_timeout_ms})"
+        )
 
     __str__ = __repr__
 
@@ -192,21 +219,24 @@ def check_environment_names(environ: Mapping[str, str] | None = None) -> None:
     """
     environ = os.environ if environ is None else environ
     known = setting_names() | OTHER_NAMES
-    unknown = sorted(name for name in environ
-                     if name.upper().startswith(PREFIX) and name.upper() not in known)
+    unknown = sorted(
+        name for name in environ if name.upper().startswith(PREFIX) and name.upper() not in known
+    )
     if not unknown:
         return
     # Compared without the prefix, which every name shares and which would make any two
     # names look alike.
-    stems = sorted(name[len(PREFIX):] for name in known)
+    stems = sorted(name[len(PREFIX) :] for name in known)
     parts = []
     for name in unknown:
-        close = difflib.get_close_matches(name.upper()[len(PREFIX):], stems, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(name.upper()[len(PREFIX) :], stems, n=1, cutoff=0.6)
         parts.append(f"{name} (did you mean {PREFIX}{close[0]}?)" if close else name)
     noun = "variable" if len(unknown) == 1 else "variables"
     raise ConfigurationError(
         f"unknown environment {noun} {', '.join(parts)}; ratchet reads no such name: fix "
-        "or unset it", field=unknown[0])
+        "or unset it",
+        field=unknown[0],
+    )
 
 
 class _EnvironmentNames(PydanticBaseSettingsSource):

@@ -74,8 +74,7 @@ _YAML_SUFFIXES = (".yaml", ".yml")
 _SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 _SHOWN_PATH = 200  # characters of a file name quoted in a message
 
-_PathText = Annotated[str, Strict(), Field(min_length=1, max_length=4096,
-                                           pattern=r"^[^\x00]*$")]
+_PathText = Annotated[str, Strict(), Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
 _ArgText = Annotated[str, Strict(), Field(max_length=1 << 20)]
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -103,22 +102,28 @@ class TaskFile(Frozen):
 
     model_config = ConfigDict(
         title="ratchet task file",
-        json_schema_extra={"oneOf": [{"required": ["scenario"]},
-                                     {"required": ["scenario_file"]}]},
+        json_schema_extra={"oneOf": [{"required": ["scenario"]}, {"required": ["scenario_file"]}]},
     )
 
     scenario: Scenario | None = Field(
-        default=None, json_schema_extra=_never_null,
-        description="The task contract. Exactly one of scenario and scenario_file.")
+        default=None,
+        json_schema_extra=_never_null,
+        description="The task contract. Exactly one of scenario and scenario_file.",
+    )
     scenario_file: _PathText | None = Field(
-        default=None, json_schema_extra=_never_null,
+        default=None,
+        json_schema_extra=_never_null,
         description="A JSON or YAML file holding the scenario, relative to the task file's "
-        "folder. Exactly one of scenario and scenario_file.")
+        "folder. Exactly one of scenario and scenario_file.",
+    )
     environment: TaskEnvironment = Field(
-        default_factory=TaskEnvironment, description="Where the run's effects happen.")
+        default_factory=TaskEnvironment, description="Where the run's effects happen."
+    )
     agent_config: JsonObject = Field(
-        default_factory=dict, description="The agent's configuration, handed to its "
-        "factory as a JSON object. Refused with a plan file.")
+        default_factory=dict,
+        description="The agent's configuration, handed to its "
+        "factory as a JSON object. Refused with a plan file.",
+    )
 
     @field_validator("scenario", "scenario_file", mode="before")
     @classmethod
@@ -182,7 +187,7 @@ def _name(path: Path | str) -> str:
     if text.isprintable() and " " not in text and len(text) <= _SHOWN_PATH:
         return text
     quoted = json.dumps(text)
-    return quoted if len(quoted) <= _SHOWN_PATH else quoted[:_SHOWN_PATH - 4] + '..."'
+    return quoted if len(quoted) <= _SHOWN_PATH else quoted[: _SHOWN_PATH - 4] + '..."'
 
 
 def _one_line(text: str) -> str:
@@ -197,8 +202,9 @@ def _read_bytes(path: Path, what: str, field: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigurationError(f"{name}: cannot read the {what}: {_one_line(reason)}",
-                                 field=field) from None
+        raise ConfigurationError(
+            f"{name}: cannot read the {what}: {_one_line(reason)}", field=field
+        ) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -213,13 +219,15 @@ def _read_bytes(path: Path, what: str, field: str) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
     except OSError as exc:
-        raise ConfigurationError(f"{name}: cannot read the {what}: "
-                                 f"{_one_line(exc.strerror or str(exc))}", field=field) from None
+        raise ConfigurationError(
+            f"{name}: cannot read the {what}: {_one_line(exc.strerror or str(exc))}", field=field
+        ) from None
     finally:
         os.close(fd)
     if size > MAX_FILE_BYTES:
-        raise ContractError(f"{name}: the {what} is larger than {MAX_FILE_BYTES} bytes",
-                            field=field)
+        raise ContractError(
+            f"{name}: the {what} is larger than {MAX_FILE_BYTES} bytes", field=field
+        )
     return b"".join(chunks)
 
 
@@ -230,16 +238,20 @@ def _read_structured(path: Path, what: str, field: str) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ContractError(f"{name}: the {what} is not UTF-8 text (byte "
-                            f"0x{raw[exc.start]:02x} at offset {exc.start})", field=field) from None
+        raise ContractError(
+            f"{name}: the {what} is not UTF-8 text (byte "
+            f"0x{raw[exc.start]:02x} at offset {exc.start})",
+            field=field,
+        ) from None
     try:
         if path.suffix.lower() in _YAML_SUFFIXES:
             return strict_yaml_loads(text)
         return strict_json_loads(text)
     except ContractError as exc:
         where = str(exc.context.get("field") or "$")
-        raise ContractError(f"{name}: {_one_line(exc.message)}",
-                            field=field if where == "$" else where) from None
+        raise ContractError(
+            f"{name}: {_one_line(exc.message)}", field=field if where == "$" else where
+        ) from None
 
 
 def _message(error: Any) -> str:
@@ -269,8 +281,7 @@ def _validated(model: type[_M], data: Any, name: str, *, top: str = "") -> _M:
         if "[key]" in error["loc"]:
             what = f"key: {what}"
         if error.get("type") == "extra_forbidden" and len(loc) == 1 and model is TaskFile:
-            what = ("unknown key; a task file has scenario, scenario_file, environment, "
-                    "agent_config")
+            what = "unknown key; a task file has scenario, scenario_file, environment, agent_config"
         raise ContractError(f"{name}: {path}: {what}", field=path) from None
     except RecursionError:
         raise ContractError(f"{name}: nests too deeply to validate", field=top or "$") from None
@@ -282,8 +293,9 @@ def _resolve(base: Path, text: str, name: str, field: str) -> Path:
     try:
         return (base / text).resolve()
     except (OSError, RuntimeError, ValueError) as exc:
-        raise ConfigurationError(f"{name}: {field}: cannot resolve the path: "
-                                 f"{_one_line(str(exc))}", field=field) from None
+        raise ConfigurationError(
+            f"{name}: {field}: cannot resolve the path: {_one_line(str(exc))}", field=field
+        ) from None
 
 
 def is_plan_file(agent: str) -> bool:
@@ -299,8 +311,9 @@ def load_plan_file(path: Path) -> list[dict[str, Any]]:
         ContractError: what it holds is not a plan (``field`` is the path inside it).
     """
     data = _read_structured(path, "plan file", "agent")
-    plan = _validated(PlanFile, {"steps": data} if isinstance(data, list) else data,
-                      _name(path), top="agent")
+    plan = _validated(
+        PlanFile, {"steps": data} if isinstance(data, list) else data, _name(path), top="agent"
+    )
     return [step.model_dump(mode="json") for step in plan.steps]
 
 
@@ -322,11 +335,14 @@ def load_task_file(path: Path, agent: str) -> RunDocument:
     name = _name(path)
     data = _read_structured(path, "task file", "task_file")
     if not isinstance(data, dict):
-        raise ContractError(f"{name}: the task file must hold an object (scenario, "
-                            "environment, agent_config)", field="task_file")
+        raise ContractError(
+            f"{name}: the task file must hold an object (scenario, environment, agent_config)",
+            field="task_file",
+        )
     if ("scenario" in data) == ("scenario_file" in data):
-        raise ContractError(f"{name}: scenario: give exactly one of scenario and "
-                            "scenario_file", field="scenario")
+        raise ContractError(
+            f"{name}: scenario: give exactly one of scenario and scenario_file", field="scenario"
+        )
     task = _validated(TaskFile, data, name, top="task_file")
     base = _resolve(Path(), str(path), name, "task_file").parent  # its own folder
     scenario = task.scenario
@@ -334,20 +350,32 @@ def load_task_file(path: Path, agent: str) -> RunDocument:
         if task.scenario_file is None:  # for the type checker: the model requires one
             raise ContractError(f"{name}: scenario: missing", field="scenario")
         scenario_path = _resolve(base, task.scenario_file, name, "scenario_file")
-        scenario = _validated(Scenario, _read_structured(scenario_path, "scenario file",
-                                                         "scenario_file"),
-                              _name(scenario_path), top="scenario")
+        scenario = _validated(
+            Scenario,
+            _read_structured(scenario_path, "scenario file", "scenario_file"),
+            _name(scenario_path),
+            top="scenario",
+        )
     agent_name = agent
     agent_config: dict[str, Any] = dict(task.agent_config)
     if is_plan_file(agent):
         if "agent_config" in data:
-            raise ContractError(f"{name}: agent_config: a plan file ({_name(agent)}) "
-                                "replaces agent_config; keep one of them",
-                                field="agent_config")
+            raise ContractError(
+                f"{name}: agent_config: a plan file ({_name(agent)}) "
+                "replaces agent_config; keep one of them",
+                field="agent_config",
+            )
         agent_name, agent_config = "scripted", {"steps": load_plan_file(Path(agent))}
     root = _resolve(base, task.environment.root, name, "environment.root")
     environment = {**task.environment.model_dump(mode="json"), "root": str(root)}
-    return _validated(RunDocument, {
-        "scenario": scenario, "agent": agent_name, "agent_config": agent_config,
-        "environment": _validated(EnvironmentSpec, environment, name, top="environment"),
-    }, name, top="task_file")
+    return _validated(
+        RunDocument,
+        {
+            "scenario": scenario,
+            "agent": agent_name,
+            "agent_config": agent_config,
+            "environment": _validated(EnvironmentSpec, environment, name, top="environment"),
+        },
+        name,
+        top="task_file",
+    )

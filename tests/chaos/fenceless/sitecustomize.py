@@ -11,8 +11,9 @@ from ratchet.adapters import journal
 
 
 def _accepts_every_fence(self: Any, fence: Any) -> bool:
-    row = self._db.execute("SELECT lease_version, state_version FROM fences "
-                           "WHERE run_id = ?", (fence.run_id,)).fetchone()
+    row = self._db.execute(
+        "SELECT lease_version, state_version FROM fences WHERE run_id = ?", (fence.run_id,)
+    ).fetchone()
     if row is not None and fence.key() < (int(row[0]), int(row[1])):
         return True  # a stale fence, accepted and not recorded: no fence at all
     return _checked(self, fence)

@@ -46,8 +46,12 @@ from ratchet.worker.drill.services import INTENTS_PER_RUN
 
 __all__ = ["Invariant", "Verdicts", "check"]
 
-_WRITE_WINDOWS = ("after_pending_before_adapter", "after_adapter_before_receipt",
-                  "after_receipt_before_state", "after_guard_before_adapter")
+_WRITE_WINDOWS = (
+    "after_pending_before_adapter",
+    "after_adapter_before_receipt",
+    "after_receipt_before_state",
+    "after_guard_before_adapter",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +104,17 @@ def _takeovers(evidence: Evidence) -> list[float]:
     acquires: dict[str, list[tuple[float, int]]] = {}
     for event in evidence.events.get("acquire", []):
         acquires.setdefault(str(event["run_id"]), []).append(
-            (float(event["at"]), int(event["lease_version"])))
+            (float(event["at"]), int(event["lease_version"]))
+        )
     out = []
     for hit in evidence.fired:
         if hit.get("action") == "delay" or not isinstance(hit.get("run_id"), str):
             continue
-        later = [at for at, version in acquires.get(hit["run_id"], [])
-                 if version > int(hit.get("lease_version") or 0) and at >= hit["at"]]
+        later = [
+            at
+            for at, version in acquires.get(hit["run_id"], [])
+            if version > int(hit.get("lease_version") or 0) and at >= hit["at"]
+        ]
         if later:
             out.append((min(later) - float(hit["at"])) * 1000)
     return out
@@ -138,18 +146,29 @@ def _acks(evidence: Evidence, record: DrillRecord) -> dict[str, int]:
                     lost_to_rollback += 1
                 continue
             kept = by_generation.get(generation)
-            if facts.generation is None or facts.generation < generation or (
-                    kept is not None and kept != ack["digest"]):
+            if (
+                facts.generation is None
+                or facts.generation < generation
+                or (kept is not None and kept != ack["digest"])
+            ):
                 lost += 1
         if run_id in rewound:
             continue  # its restores after the rollback are judged by the conflict check
         for restore in evidence.events.get("restore", []):
             if restore["run_id"] != run_id:
                 continue
-            older += sum(1 for a in acks if int(a["lease_version"]) < int(
-                restore["lease_version"]) and int(a["generation"]) > int(restore["generation"]))
-    return {"acked": sum(len(a) for a in acks_by_run.values()), "lost": lost,
-            "lost_to_rollback": lost_to_rollback, "older_restores": older}
+            older += sum(
+                1
+                for a in acks
+                if int(a["lease_version"]) < int(restore["lease_version"])
+                and int(a["generation"]) > int(restore["generation"])
+            )
+    return {
+        "acked": sum(len(a) for a in acks_by_run.values()),
+        "lost": lost,
+        "lost_to_rollback": lost_to_rollback,
+        "older_restores": older,
+    }
 
 
 def _history_inversions(facts: RunFacts) -> int:
@@ -177,115 +196,186 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
 
     # 1. Exactly one external effect per intent.
     duplicates = sum(f.adapters.duplicates for f in runs.values())
-    incomplete = [r for r, f in runs.items() if f.phase == "completed" and (
-        f.adapters.effects != INTENTS_PER_RUN or not _consistent(f))]
+    incomplete = [
+        r
+        for r, f in runs.items()
+        if f.phase == "completed" and (f.adapters.effects != INTENTS_PER_RUN or not _consistent(f))
+    ]
     write_faults = sum(hits[w] for w in _WRITE_WINDOWS) + len(record.redis_kills)
-    invariants.append(Invariant(
-        "one_effect_per_intent", _status(duplicates + len(incomplete), write_faults),
-        f"{duplicates} duplicate effects; {len(incomplete)} completed runs whose adapter "
-        "records differ from their receipts", write_faults))
+    invariants.append(
+        Invariant(
+            "one_effect_per_intent",
+            _status(duplicates + len(incomplete), write_faults),
+            f"{duplicates} duplicate effects; {len(incomplete)} completed runs whose adapter "
+            "records differ from their receipts",
+            write_faults,
+        )
+    )
 
     # 2. No acknowledged checkpoint lost; no restore at an older generation.
     acks = _acks(evidence, record)
     takeovers = [e for e in evidence.events.get("restore", []) if int(e["lease_version"]) > 1]
     ack_faults = len(takeovers) + len(record.redis_kills)
-    invariants.append(Invariant(
-        "no_acked_checkpoint_lost",
-        _status(acks["lost"] + acks["older_restores"], acks["acked"] and ack_faults),
-        f"{acks['acked']} acknowledged commits, {acks['lost']} lost, "
-        f"{acks['older_restores']} restores below an earlier lease's ack; "
-        f"{acks['lost_to_rollback']} lost to the injected rollback (expected)",
-        ack_faults))
+    invariants.append(
+        Invariant(
+            "no_acked_checkpoint_lost",
+            _status(acks["lost"] + acks["older_restores"], acks["acked"] and ack_faults),
+            f"{acks['acked']} acknowledged commits, {acks['lost']} lost, "
+            f"{acks['older_restores']} restores below an earlier lease's ack; "
+            f"{acks['lost_to_rollback']} lost to the injected rollback (expected)",
+            ack_faults,
+        )
+    )
 
     # 3 and 4. Stale commits and writes: attempted in zombie drills, never accepted.
     commits = evidence.events.get("stale_commit", [])
     commits_accepted = sum(1 for c in commits if c["outcome"] == "accepted") + sum(
-        _history_inversions(f) for f in runs.values())
-    invariants.append(Invariant(
-        "stale_commits_rejected", _status(commits_accepted, len(commits)),
-        f"{len(commits)} stale commits attempted, {commits_accepted} accepted",
-        hits["after_guard_before_commit"]))
+        _history_inversions(f) for f in runs.values()
+    )
+    invariants.append(
+        Invariant(
+            "stale_commits_rejected",
+            _status(commits_accepted, len(commits)),
+            f"{len(commits)} stale commits attempted, {commits_accepted} accepted",
+            hits["after_guard_before_commit"],
+        )
+    )
     writes = evidence.events.get("stale_write", [])
     writes_accepted = sum(1 for w in writes if w["outcome"] == "accepted") + sum(
-        f.adapters.lease_inversions for f in runs.values())
+        f.adapters.lease_inversions for f in runs.values()
+    )
     by_fence = sum(1 for w in writes if w["outcome"] == "refused")
-    invariants.append(Invariant(
-        "stale_writes_refused", _status(writes_accepted, len(writes)),
-        f"{len(writes)} stale writes attempted, {by_fence} refused by a fence, "
-        f"{writes_accepted} accepted", hits["after_guard_before_adapter"]))
+    invariants.append(
+        Invariant(
+            "stale_writes_refused",
+            _status(writes_accepted, len(writes)),
+            f"{len(writes)} stale writes attempted, {by_fence} refused by a fence, "
+            f"{writes_accepted} accepted",
+            hits["after_guard_before_adapter"],
+        )
+    )
 
     # 5. Every run ends terminal or visibly waiting; none stuck past the bound.
     stuck = sorted(r for r, f in runs.items() if f.status in ("active", "unreadable"))
     deaths = len(record.deaths) + len(record.pauses)
-    invariants.append(Invariant(
-        "no_run_stuck", _status(len(stuck), deaths),
-        f"{len(stuck)} runs unsettled {record.options.settle_bound_s:.0f} s after the "
-        f"last fault{': ' + ', '.join(stuck[:5]) if stuck else ''}", deaths))
+    invariants.append(
+        Invariant(
+            "no_run_stuck",
+            _status(len(stuck), deaths),
+            f"{len(stuck)} runs unsettled {record.options.settle_bound_s:.0f} s after the "
+            f"last fault{': ' + ', '.join(stuck[:5]) if stuck else ''}",
+            deaths,
+        )
+    )
 
     # 6. Conflicts frozen with evidence; rewound runs never continue silently.
     frozen = {r: f for r, f in runs.items() if f.status in ("frozen", "waiting")}
-    no_evidence = [r for r, f in frozen.items() if not (
-        f.review_reason or any(i.get("kind") == "restore_refused" and i.get("reason")
-                               for i in f.incidents))]
+    no_evidence = [
+        r
+        for r, f in frozen.items()
+        if not (
+            f.review_reason
+            or any(i.get("kind") == "restore_refused" and i.get("reason") for i in f.incidents)
+        )
+    ]
     unexpected = [r for r in frozen if r not in rewound]
     # An operator may end a rewound run: its signed cancelled event must then say that the
     # environment was not the checkpoint's (the adapters keep their records).
-    ended_by_cancel = [r for r in rewound if r not in frozen
-                       and runs[r].cancelled_unreconciled]
-    silent = [r for r in rewound if r not in frozen and r not in ended_by_cancel
-              and not _consistent(runs[r])]
+    ended_by_cancel = [r for r in rewound if r not in frozen and runs[r].cancelled_unreconciled]
+    silent = [
+        r
+        for r in rewound
+        if r not in frozen and r not in ended_by_cancel and not _consistent(runs[r])
+    ]
     bad = len(no_evidence) + len(unexpected) + len(silent)
     conflict_status = _status(bad, len(rewound))
     if record.rollback_skipped and not bad:
         conflict_status = "unknown"
-    invariants.append(Invariant(
-        "conflicts_frozen_with_evidence", conflict_status,
-        f"{len(rewound)} runs rewound, {sum(1 for r in rewound if r in frozen)} frozen with "
-        f"evidence, {len(ended_by_cancel)} cancelled by an operator with the mismatch "
-        "recorded; "
-        f"{len(silent)} continued silently; {len(unexpected)} unexpected "
-        f"conflicts {unexpected[:3]}; {len(no_evidence)} without evidence"
-        + (f"; rollback skipped: {record.rollback_skipped}" if record.rollback_skipped
-           else ""), len(rewound)))
+    invariants.append(
+        Invariant(
+            "conflicts_frozen_with_evidence",
+            conflict_status,
+            f"{len(rewound)} runs rewound, {sum(1 for r in rewound if r in frozen)} frozen with "
+            f"evidence, {len(ended_by_cancel)} cancelled by an operator with the mismatch "
+            "recorded; "
+            f"{len(silent)} continued silently; {len(unexpected)} unexpected "
+            f"conflicts {unexpected[:3]}; {len(no_evidence)} without evidence"
+            + (f"; rollback skipped: {record.rollback_skipped}" if record.rollback_skipped else ""),
+            len(rewound),
+        )
+    )
 
     # 7. Terminal runs stay terminal.
-    ended = [e for e in evidence.events.get("job_end", [])
-             if e.get("phase") in ("completed", "failed", "cancelled")
-             and e["run_id"] not in rewound]
-    reopened = sorted({str(e["run_id"]) for e in ended
-                       if runs.get(e["run_id"]) and runs[e["run_id"]].phase != e["phase"]})
-    moved = [d["run_id"] for d in record.duplicate_enqueues if d["run_id"] not in rewound
-             and runs[d["run_id"]].generation != d["generation"]]
-    invariants.append(Invariant(
-        "terminal_runs_stay_terminal",
-        _status(len(reopened) + len(moved), len(record.duplicate_enqueues)),
-        f"{len(record.duplicate_enqueues)} ended runs enqueued again; {len(reopened)} left "
-        f"their terminal phase, {len(moved)} committed again", len(record.duplicate_enqueues)))
+    ended = [
+        e
+        for e in evidence.events.get("job_end", [])
+        if e.get("phase") in ("completed", "failed", "cancelled") and e["run_id"] not in rewound
+    ]
+    reopened = sorted(
+        {
+            str(e["run_id"])
+            for e in ended
+            if runs.get(e["run_id"]) and runs[e["run_id"]].phase != e["phase"]
+        }
+    )
+    moved = [
+        d["run_id"]
+        for d in record.duplicate_enqueues
+        if d["run_id"] not in rewound and runs[d["run_id"]].generation != d["generation"]
+    ]
+    invariants.append(
+        Invariant(
+            "terminal_runs_stay_terminal",
+            _status(len(reopened) + len(moved), len(record.duplicate_enqueues)),
+            f"{len(record.duplicate_enqueues)} ended runs enqueued again; {len(reopened)} left "
+            f"their terminal phase, {len(moved)} committed again",
+            len(record.duplicate_enqueues),
+        )
+    )
 
     # 8. Operator cancels end runs through the fenced path, attributed; nothing else does.
     asked = {str(c["run_id"]): str(c["request_id"]) for c in record.cancels}
-    unattributed = sorted(r for r, f in runs.items() if f.phase == "cancelled" and (
-        f.cancel_request is None or asked.get(r) != f.cancel_request))
-    unended = sorted(r for r in asked if r in runs and runs[r].status not in (
-        "terminal", "waiting", "frozen"))
+    unattributed = sorted(
+        r
+        for r, f in runs.items()
+        if f.phase == "cancelled" and (f.cancel_request is None or asked.get(r) != f.cancel_request)
+    )
+    unended = sorted(
+        r for r in asked if r in runs and runs[r].status not in ("terminal", "waiting", "frozen")
+    )
     cancelled = sum(1 for r in asked if r in runs and runs[r].phase == "cancelled")
-    invariants.append(Invariant(
-        "operator_cancels_end_runs", _status(len(unattributed) + len(unended), len(asked)),
-        f"{len(asked)} cancels requested, {cancelled} runs cancelled (the rest ended first); "
-        f"{len(unattributed)} cancelled runs without their request, {len(unended)} "
-        "requested runs still running", len(asked)))
+    invariants.append(
+        Invariant(
+            "operator_cancels_end_runs",
+            _status(len(unattributed) + len(unended), len(asked)),
+            f"{len(asked)} cancels requested, {cancelled} runs cancelled (the rest ended first); "
+            f"{len(unattributed)} cancelled runs without their request, {len(unended)} "
+            "requested runs still running",
+            len(asked),
+        )
+    )
 
     # 9. Every requested fault fired.
-    fired_kinds = {"kill": actions["kill"], "pause": actions["pause"],
-                   "drop-reply": actions["drop-reply"], "delay": actions["delay"],
-                   "raise": actions["raise"], "redis-kill": len(record.redis_kills),
-                   "duplicate-enqueue": len(record.duplicate_enqueues),
-                   "rollback": 1 if record.rollback else 0, "cancel": len(record.cancels)}
+    fired_kinds = {
+        "kill": actions["kill"],
+        "pause": actions["pause"],
+        "drop-reply": actions["drop-reply"],
+        "delay": actions["delay"],
+        "raise": actions["raise"],
+        "redis-kill": len(record.redis_kills),
+        "duplicate-enqueue": len(record.duplicate_enqueues),
+        "rollback": 1 if record.rollback else 0,
+        "cancel": len(record.cancels),
+    }
     missing = sorted(k for k in record.options.faults if not fired_kinds.get(k))
-    invariants.append(Invariant(
-        "every_fault_fired", "unknown" if missing else "pass",
-        f"never fired: {missing}" if missing else "every requested fault fired",
-        sum(fired_kinds.values())))
+    invariants.append(
+        Invariant(
+            "every_fault_fired",
+            "unknown" if missing else "pass",
+            f"never fired: {missing}" if missing else "every requested fault fired",
+            sum(fired_kinds.values()),
+        )
+    )
 
     latency = _takeovers(evidence)
     metrics_invariant, metrics_figures = _metrics(record, evidence, runs, len(latency))
@@ -293,29 +383,37 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     pct = _percentiles(latency)
     phases = Counter(f.phase for f in runs.values())
     figures = {
-        "runs": len(runs), "runs_by_phase": dict(sorted(phases.items())),
+        "runs": len(runs),
+        "runs_by_phase": dict(sorted(phases.items())),
         "runs_by_status": dict(sorted(Counter(f.status for f in runs.values()).items())),
         "intents": INTENTS_PER_RUN * len(runs),
         "effects": sum(f.adapters.effects for f in runs.values()),
         "duplicate_effects": duplicates,
-        "stale_commits_attempted": len(commits), "stale_commits_accepted": commits_accepted,
-        "stale_writes_attempted": len(writes), "stale_writes_accepted": writes_accepted,
+        "stale_commits_attempted": len(commits),
+        "stale_commits_accepted": commits_accepted,
+        "stale_writes_attempted": len(writes),
+        "stale_writes_accepted": writes_accepted,
         "stale_writes_refused_by_fence": by_fence,
         "adapter_refusals": {
             "workspace": sum(f.adapters.refused_workspace for f in runs.values()),
-            "orders": sum(f.adapters.refused_orders for f in runs.values())},
-        "acked_checkpoints": acks["acked"], "acked_checkpoints_lost": acks["lost"],
+            "orders": sum(f.adapters.refused_orders for f in runs.values()),
+        },
+        "acked_checkpoints": acks["acked"],
+        "acked_checkpoints_lost": acks["lost"],
         "acked_lost_to_rollback": acks["lost_to_rollback"],
         "restores_at_older_generation": acks["older_restores"],
-        "stuck_runs": len(stuck), "rewound_runs": len(rewound),
+        "stuck_runs": len(stuck),
+        "rewound_runs": len(rewound),
         "operator_cancels": len(record.cancels),
         "takeovers": len(latency),
         "takeover_ms": pct,
-        "takeover_ttl_multiple": {k: (round(v / ttl_ms, 2) if v is not None else None)
-                                  for k, v in pct.items()},
+        "takeover_ttl_multiple": {
+            k: (round(v / ttl_ms, 2) if v is not None else None) for k, v in pct.items()
+        },
         "failpoint_hits": dict(sorted(hits.items())),
         "fault_injections": fired_kinds,
-        "worker_exits": len(record.deaths), "zombies_resumed": len(record.pauses),
+        "worker_exits": len(record.deaths),
+        "zombies_resumed": len(record.pauses),
         "metrics": metrics_figures,
     }
     return Verdicts(invariants, figures)
@@ -346,19 +444,21 @@ def _lower_takeovers(record: DrillRecord, evidence: Evidence, watch: MetricsWatc
     resumed = {int(str(p["pid"])): float(p["resumed_at"] or 0) for p in record.pauses}
     acquires: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for event in evidence.events.get("acquire", []):
-        acquires.setdefault((str(event["run_id"]), int(event["lease_version"])), []).append(
-            event)
+        acquires.setdefault((str(event["run_id"]), int(event["lease_version"])), []).append(event)
     counted: set[tuple[str, int]] = set()
     for hit in evidence.fired:
         run_id, version = hit.get("run_id"), hit.get("lease_version")
-        if hit.get("action") not in ("kill", "pause") or not isinstance(run_id, str) \
-                or not isinstance(version, int) or run_id in rewound:
+        if (
+            hit.get("action") not in ("kill", "pause")
+            or not isinstance(run_id, str)
+            or not isinstance(version, int)
+            or run_id in rewound
+        ):
             continue
         until = resumed.get(int(hit["pid"]), 0.0) if hit["action"] == "pause" else None
         for event in acquires.get((run_id, version + 1), []):
             at = float(event["at"])
-            if at >= float(hit["at"]) and (until is None or at < until) \
-                    and _covered(event, watch):
+            if at >= float(hit["at"]) and (until is None or at < until) and _covered(event, watch):
                 counted.add((run_id, version))
     return len(counted)
 
@@ -371,19 +471,28 @@ def _jobs_across_rollback(record: DrillRecord, evidence: Evidence) -> int:
         return 0
     back = float(record.rollback["at"])
     killed = float(record.rollback.get("killed_at", back))
-    zombies = {(str(e["run_id"]), int(e["lease_version"]))
-               for e in evidence.events.get("stale_commit", [])}
-    began = {(str(e["run_id"]), int(e["lease_version"]), int(e["pid"]))
-             for e in evidence.events.get("acquire", []) if float(e["at"]) < back}
-    return sum(1 for e in evidence.events.get("job_end", [])
-               if e.get("outcome") == "lease_lost" and float(e["at"]) > killed
-               and isinstance(e.get("lease_version"), int)
-               and (str(e["run_id"]), int(e["lease_version"]), int(e["pid"])) in began
-               and (str(e["run_id"]), int(e["lease_version"])) not in zombies)
+    zombies = {
+        (str(e["run_id"]), int(e["lease_version"])) for e in evidence.events.get("stale_commit", [])
+    }
+    began = {
+        (str(e["run_id"]), int(e["lease_version"]), int(e["pid"]))
+        for e in evidence.events.get("acquire", [])
+        if float(e["at"]) < back
+    }
+    return sum(
+        1
+        for e in evidence.events.get("job_end", [])
+        if e.get("outcome") == "lease_lost"
+        and float(e["at"]) > killed
+        and isinstance(e.get("lease_version"), int)
+        and (str(e["run_id"]), int(e["lease_version"]), int(e["pid"])) in began
+        and (str(e["run_id"]), int(e["lease_version"])) not in zombies
+    )
 
 
-def _metrics(record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts],
-             report_takeovers: int) -> tuple[Invariant, dict[str, Any]]:
+def _metrics(
+    record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts], report_takeovers: int
+) -> tuple[Invariant, dict[str, Any]]:
     """``metrics_match_report``: the workers' scraped counters against the drill's records.
 
     * stale adapter writes: every fence refusal an adapter counts in its own records (the
@@ -412,9 +521,10 @@ def _metrics(record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts],
     """
     watch = record.metrics
     if watch is None or not watch.scraped:
-        return (Invariant("metrics_match_report", "unknown",
-                          "no worker's metrics could be scraped", 0),
-                {"workers_scraped": 0})
+        return (
+            Invariant("metrics_match_report", "unknown", "no worker's metrics could be scraped", 0),
+            {"workers_scraped": 0},
+        )
     scraped = {w.pid for w in watch.scraped}
     events = [e for kind in evidence.events.values() for e in kind if "pid" in e]
     tail: set[int] = set()  # could have counted after their last scrape
@@ -435,12 +545,15 @@ def _metrics(record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts],
     writes = watch.total("ratchet_stale_adapter_writes_refused_total")
     requeues = watch.total("ratchet_reaper_requeues_total")
 
-    zombie_commits = [c for c in evidence.events.get("stale_commit", [])
-                      if c["outcome"] == "rejected" and c.get("error") in _FENCE_REFUSALS]
-    zombie_writes = [w for w in evidence.events.get("stale_write", [])
-                     if w["outcome"] == "refused"]
-    adapter_refusals = sum(f.adapters.refused_workspace + f.adapters.refused_orders
-                           for f in runs.values())
+    zombie_commits = [
+        c
+        for c in evidence.events.get("stale_commit", [])
+        if c["outcome"] == "rejected" and c.get("error") in _FENCE_REFUSALS
+    ]
+    zombie_writes = [w for w in evidence.events.get("stale_write", []) if w["outcome"] == "refused"]
+    adapter_refusals = sum(
+        f.adapters.refused_workspace + f.adapters.refused_orders for f in runs.values()
+    )
     acquires = [e for e in evidence.events.get("acquire", []) if int(e["pid"]) in scraped]
     upper_takeovers = sum(1 for e in acquires if int(e["lease_version"]) >= 2)
     lower_takeovers = _lower_takeovers(record, evidence, watch)
@@ -452,28 +565,38 @@ def _metrics(record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts],
     problems: list[str] = []
     low_writes = max(covered_writes, adapter_refusals - unscraped_jobs)
     if not low_writes <= writes <= adapter_refusals:
-        problems.append(f"stale adapter writes {writes} not within [{low_writes}, "
-                        f"{adapter_refusals}]: {adapter_refusals} adapter refusals, "
-                        f"{unscraped_jobs} refused jobs unscraped, {covered_writes} zombie "
-                        "refusals scraped")
+        problems.append(
+            f"stale adapter writes {writes} not within [{low_writes}, "
+            f"{adapter_refusals}]: {adapter_refusals} adapter refusals, "
+            f"{unscraped_jobs} refused jobs unscraped, {covered_writes} zombie "
+            "refusals scraped"
+        )
     spanning = _jobs_across_rollback(record, evidence)
     if not covered_commits <= commits <= len(zombie_commits) + spanning:
-        problems.append(f"stale commits {commits} not within [{covered_commits} zombie "
-                        f"refusals scraped, {len(zombie_commits)} zombie refusals + "
-                        f"{spanning} jobs cut off by the rollback]")
+        problems.append(
+            f"stale commits {commits} not within [{covered_commits} zombie "
+            f"refusals scraped, {len(zombie_commits)} zombie refusals + "
+            f"{spanning} jobs cut off by the rollback]"
+        )
     if not lower_takeovers <= takeovers <= upper_takeovers:
-        problems.append(f"takeovers {takeovers} not within [{lower_takeovers} leases lost "
-                        f"to kill/pause, {upper_takeovers} acquires at lease version >= 2]")
+        problems.append(
+            f"takeovers {takeovers} not within [{lower_takeovers} leases lost "
+            f"to kill/pause, {upper_takeovers} acquires at lease version >= 2]"
+        )
     if not covered_acquires <= acquired <= len(acquires):
-        problems.append(f"leases acquired {acquired} not within [{covered_acquires}, "
-                        f"{len(acquires)}] acquire events")
+        problems.append(
+            f"leases acquired {acquired} not within [{covered_acquires}, "
+            f"{len(acquires)}] acquire events"
+        )
 
     figures: dict[str, Any] = {
-        "workers_spawned": len(watch.workers), "workers_scraped": len(scraped),
+        "workers_spawned": len(watch.workers),
+        "workers_scraped": len(scraped),
         "workers_never_scraped": len(watch.workers) - len(scraped),
         "workers_died_unscraped": len(tail),
         "workers_refusals_maybe_unscraped": len(refusal_tail),
-        "scrape_rounds": watch.rounds, "scrape_seconds": round(watch.spent_s, 2),
+        "scrape_rounds": watch.rounds,
+        "scrape_seconds": round(watch.spent_s, 2),
         "takeovers": takeovers,
         "takeovers_bounds": [lower_takeovers, upper_takeovers],
         "report_takeovers": report_takeovers,
@@ -481,11 +604,13 @@ def _metrics(record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts],
         "stale_commits_refused": commits,
         "stale_commits_refused_by_reason": {
             r: watch.total("ratchet_stale_commits_refused_total", reason=r)
-            for r in ("lease_lost", "generation_mismatch", "stale_state")},
+            for r in ("lease_lost", "generation_mismatch", "stale_state")
+        },
         "stale_adapter_writes_refused": writes,
         "stale_adapter_writes_refused_by_call": {
             c: watch.total("ratchet_stale_adapter_writes_refused_total", call=c)
-            for c in ("execute", "raise_fence")},
+            for c in ("execute", "raise_fence")
+        },
         "stale_refusals": commits + writes,
         "report_stale_commits_refused": len(zombie_commits),
         "jobs_across_rollback": spanning,
@@ -494,15 +619,23 @@ def _metrics(record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts],
         "reaper_requeues": requeues,
         "reaper_requeues_by_cause": {
             c: watch.total("ratchet_reaper_requeues_total", cause=c)
-            for c in ("lease_expired", "released", "unknown")},
+            for c in ("lease_expired", "released", "unknown")
+        },
         "refused_jobs_unscraped": unscraped_jobs,
         "exact": exact,
     }
-    detail = "; ".join(problems) if problems else (
-        f"{len(scraped)}/{len(watch.workers)} workers scraped; stale refusals {commits} "
-        f"commits + {writes} adapter writes (drill: {len(zombie_commits)} zombie commits, "
-        f"{adapter_refusals} adapter refusals, {'exact' if exact else 'bounded'}); "
-        f"takeovers {takeovers} in [{lower_takeovers}, {upper_takeovers}]; "
-        f"{len(tail)} workers died with counts after their last scrape")
-    return (Invariant("metrics_match_report", "fail" if problems else "pass", detail,
-                      len(scraped)), figures)
+    detail = (
+        "; ".join(problems)
+        if problems
+        else (
+            f"{len(scraped)}/{len(watch.workers)} workers scraped; stale refusals {commits} "
+            f"commits + {writes} adapter writes (drill: {len(zombie_commits)} zombie commits, "
+            f"{adapter_refusals} adapter refusals, {'exact' if exact else 'bounded'}); "
+            f"takeovers {takeovers} in [{lower_takeovers}, {upper_takeovers}]; "
+            f"{len(tail)} workers died with counts after their last scrape"
+        )
+    )
+    return (
+        Invariant("metrics_match_report", "fail" if problems else "pass", detail, len(scraped)),
+        figures,
+    )

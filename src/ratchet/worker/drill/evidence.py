@@ -43,8 +43,9 @@ class AdapterRecords:
 
     @property
     def duplicates(self) -> int:
-        return sum(max(0, n - 1) for n in (*self.file_effects.values(),
-                                            *self.order_effects.values()))
+        return sum(
+            max(0, n - 1) for n in (*self.file_effects.values(), *self.order_effects.values())
+        )
 
 
 @dataclass
@@ -94,8 +95,9 @@ def _workspace(root: Path, records: AdapterRecords) -> None:
         records.refused_workspace = adapter.refused_stale
     db = _read_only(root / ".ratchet" / "journal.sqlite3")
     try:
-        rows = db.execute("SELECT idempotency_key, intent_digest, lease_version, status "
-                          "FROM writes ORDER BY seq").fetchall()
+        rows = db.execute(
+            "SELECT idempotency_key, intent_digest, lease_version, status FROM writes ORDER BY seq"
+        ).fetchall()
     finally:
         db.close()
     highest = 0
@@ -121,8 +123,9 @@ def _orders(db_path: Path, records: AdapterRecords) -> None:
             records.receipt_keys.add(key)
         row = db.execute("SELECT value FROM meta WHERE key = 'refused_stale'").fetchone()
         records.refused_orders = int(row[0]) if row else 0
-        records.unresolved += int(db.execute(
-            "SELECT count(*) FROM requests WHERE status = 'in_flight'").fetchone()[0])
+        records.unresolved += int(
+            db.execute("SELECT count(*) FROM requests WHERE status = 'in_flight'").fetchone()[0]
+        )
     finally:
         db.close()
 
@@ -161,14 +164,26 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
             if view.state.review is not None:
                 reason = str(view.state.review.reason)
             incidents = view.incidents
-            cancelled = next((e for e in view.state.trace
-                              if e.outcome is TraceOutcome.CANCELLED), None)
+            cancelled = next(
+                (e for e in view.state.trace if e.outcome is TraceOutcome.CANCELLED), None
+            )
             if cancelled is not None:
                 cancel_request = str(cancelled.detail.get("request_id"))
                 unreconciled = "env_version_now" in cancelled.detail
         except RatchetError:
             pass
-        runs[run_id] = RunFacts(run_id, index, status, phase, generation,
-                                _history(fleet, run_id), executed, reason, incidents,
-                                adapters, cancel_request, unreconciled)
+        runs[run_id] = RunFacts(
+            run_id,
+            index,
+            status,
+            phase,
+            generation,
+            _history(fleet, run_id),
+            executed,
+            reason,
+            incidents,
+            adapters,
+            cancel_request,
+            unreconciled,
+        )
     return Evidence(_jsonl(record.fired_log), dict(events), runs)

@@ -65,6 +65,8 @@ class _Cut:
     second: int
     deadline: float
     generations: dict[str, int] | None = None
+
+
 _LETHAL = ("kill",)
 
 
@@ -138,8 +140,7 @@ def classify_run(fleet: Fleet, run_id: str) -> tuple[str, str]:
     if phase in (Phase.NEEDS_REVIEW, Phase.AWAITING_APPROVAL) and not snap.lease_live:
         return "waiting", phase.value
     refused = any(i.get("kind") == "restore_refused" for i in view.incidents)
-    if refused and not snap.lease_live and \
-            fleet.store.client.zscore(EXPIRY_INDEX, run_id) is None:
+    if refused and not snap.lease_live and fleet.store.client.zscore(EXPIRY_INDEX, run_id) is None:
         return "frozen", phase.value
     return "active", phase.value
 
@@ -148,9 +149,16 @@ Progress = Callable[[str, int, int], None]
 
 
 class _Drill:
-    def __init__(self, options: DrillOptions, record: DrillRecord, server: RedisServer,
-                 orders: TenantOrders, fleet: Fleet, pool: WorkerPool,
-                 progress: Progress | None) -> None:
+    def __init__(
+        self,
+        options: DrillOptions,
+        record: DrillRecord,
+        server: RedisServer,
+        orders: TenantOrders,
+        fleet: Fleet,
+        pool: WorkerPool,
+        progress: Progress | None,
+    ) -> None:
         self.o, self.rec, self.server, self.orders = options, record, server, orders
         self.fleet, self.pool, self.progress = fleet, pool, progress
         self.schedule = Schedule(seed=options.seed, faults=options.faults, runs=options.runs)
@@ -203,9 +211,11 @@ class _Drill:
             if worker is not None:
                 worker.fired_at, worker.fired_action = float(entry["at"]), entry["action"]
                 if entry["action"] == "pause":
-                    worker.pause = {"run_id": entry.get("run_id"),
-                                    "lease_version": entry.get("lease_version"),
-                                    "point": entry["window"]}
+                    worker.pause = {
+                        "run_id": entry.get("run_id"),
+                        "lease_version": entry.get("lease_version"),
+                        "point": entry["window"],
+                    }
 
     def _watch_pauses(self) -> None:
         now = time.time()
@@ -222,8 +232,14 @@ class _Drill:
                 continue
             if self._taken_over(worker) or now - worker.paused_at > 10 * self.o.lease_ttl_s + 10:
                 self.pool.resume(worker)
-                self.rec.pauses.append({"pid": worker.pid, "paused_at": worker.paused_at,
-                                        "resumed_at": worker.resumed_at, **worker.pause})
+                self.rec.pauses.append(
+                    {
+                        "pid": worker.pid,
+                        "paused_at": worker.paused_at,
+                        "resumed_at": worker.resumed_at,
+                        **worker.pause,
+                    }
+                )
 
     def _taken_over(self, worker: DrillWorker) -> bool:
         """The paused worker's run has a newer lease and moved on (or settled)."""
@@ -245,12 +261,20 @@ class _Drill:
         patience = max(12.0, 12 * self.o.lease_ttl_s)
         for worker in list(self.pool.workers.values()):
             if worker.terminating_at is not None or (
-                    worker.paused_at is not None and worker.resumed_at is None):
+                worker.paused_at is not None and worker.resumed_at is None
+            ):
                 continue
-            spent = worker.fired_at is not None and worker.fired_action not in _LETHAL \
+            spent = (
+                worker.fired_at is not None
+                and worker.fired_action not in _LETHAL
                 and now - max(worker.fired_at, worker.resumed_at or 0) > 1.0
-            idle = worker.fired_at is None and now - worker.started_at > patience \
-                and worker.spec != "" and self.schedule.remaining > 0
+            )
+            idle = (
+                worker.fired_at is None
+                and now - worker.started_at > patience
+                and worker.spec != ""
+                and self.schedule.remaining > 0
+            )
             if spent or idle:
                 self.pool.terminate(worker)
         self.pool.enforce(grace_s=15.0)
@@ -276,7 +300,8 @@ class _Drill:
         # While worker faults are still to come, keep few runs in flight so the runs last
         # as long as the schedule does (a fault needs a run in progress to land in).
         limit = self.o.max_in_flight or (
-            self.o.workers + 1 if self.schedule.remaining else 2 * self.o.workers)
+            self.o.workers + 1 if self.schedule.remaining else 2 * self.o.workers
+        )
         while self.pending and len(self.rec.runs) - len(self.settled) < limit:
             run_id = self.pending[0]
             try:
@@ -310,8 +335,11 @@ class _Drill:
 
     def _cluster_faults(self) -> None:
         now, fraction = time.time(), self._fraction()
-        if self.schedule.redis_kills_at and fraction >= self.schedule.redis_kills_at[0] \
-                and now - self.last_redis_fault > 2:
+        if (
+            self.schedule.redis_kills_at
+            and fraction >= self.schedule.redis_kills_at[0]
+            and now - self.last_redis_fault > 2
+        ):
             self.schedule.redis_kills_at.pop(0)
             self.server.kill()
             time.sleep(0.2)  # down long enough for workers to notice
@@ -320,18 +348,27 @@ class _Drill:
             self.last_redis_fault = time.time()
             # No runbook step: a job lost with Redis (or with the worker that popped it) is
             # handed out again by the reaper when the run's pickup deadline passes.
-        if self.schedule.rollback_at is not None and self.rec.rollback is None \
-                and self.rec.rollback_skipped is None and fraction >= self.schedule.rollback_at:
+        if (
+            self.schedule.rollback_at is not None
+            and self.rec.rollback is None
+            and self.rec.rollback_skipped is None
+            and fraction >= self.schedule.rollback_at
+        ):
             if self.rec.redis.check_aof is None:
                 self.rec.rollback_skipped = self.rec.redis.rollback_skip_reason
             elif self.cut is not None:
                 self._rollback_when_a_commit_follows_the_cut(self.rec.redis.check_aof)
             elif now - self.last_redis_fault > 2.5:
                 self.cut = _Cut(second=int(now), deadline=now + _CUT_PATIENCE_S)
-        if len(self.rec.duplicate_enqueues) < self.schedule.duplicate_enqueues \
-                and self.rng.random() < 0.05:
-            done = sorted(r for r, (s, _) in self.settled.items() if s == "terminal"
-                          and r not in {d["run_id"] for d in self.rec.duplicate_enqueues})
+        if (
+            len(self.rec.duplicate_enqueues) < self.schedule.duplicate_enqueues
+            and self.rng.random() < 0.05
+        ):
+            done = sorted(
+                r
+                for r, (s, _) in self.settled.items()
+                if s == "terminal" and r not in {d["run_id"] for d in self.rec.duplicate_enqueues}
+            )
             if done:
                 self._duplicate(self.rng.choice(done))
         if self.schedule.cancels_at and fraction >= self.schedule.cancels_at[0]:
@@ -348,14 +385,21 @@ class _Drill:
             return
         run_id = self.rng.choice(candidates)
         try:
-            posted = cancel(self.fleet, run_id, reason="drill: an operator ends the run",
-                            operator="drill")
+            posted = cancel(
+                self.fleet, run_id, reason="drill: an operator ends the run", operator="drill"
+            )
         except RatchetError:
             return
         self.schedule.cancels_at.pop(0)
-        self.rec.cancels.append({"run_id": run_id, "at": time.time(),
-                                 "request_id": posted.request.request_id,
-                                 "phase": posted.phase, "held_by": posted.held_by})
+        self.rec.cancels.append(
+            {
+                "run_id": run_id,
+                "at": time.time(),
+                "request_id": posted.request.request_id,
+                "phase": posted.phase,
+                "held_by": posted.held_by,
+            }
+        )
 
     def _generations(self, runs: Iterable[str]) -> dict[str, int]:
         return {r: self.fleet.store.read_run(r).generation for r in runs}
@@ -376,8 +420,7 @@ class _Drill:
         if cut.generations is None:  # the first look once the next second has begun
             cut.generations = self._generations(self.index)
             return
-        moved = any(g > cut.generations.get(r, g) for r, g in
-                    self._generations(self.index).items())
+        moved = any(g > cut.generations.get(r, g) for r, g in self._generations(self.index).items())
         if moved or now > cut.deadline:
             self._rollback(check_aof, cut.second)
 
@@ -389,9 +432,13 @@ class _Drill:
         self.server.start()
         after = self._generations(self.rec.runs)
         rewound = {r: [before[r], after[r]] for r in before if after[r] < before[r]}
-        self.rec.rollback = {"at": time.time(), "killed_at": killed_at, "cut_s": cut,
-                             "rewound": rewound,
-                             "tool": output[-200:]}
+        self.rec.rollback = {
+            "at": time.time(),
+            "killed_at": killed_at,
+            "cut_s": cut,
+            "rewound": rewound,
+            "tool": output[-200:],
+        }
         self.cut = None
         self.last_redis_fault = time.time()
         # The queue was rolled back too: hand every unfinished run to the workers again.
@@ -406,9 +453,14 @@ class _Drill:
             self.fleet.enqueue(run_id)
         except RatchetError:
             return
-        self.rec.duplicate_enqueues.append({"run_id": run_id, "at": time.time(),
-                                            "generation": view.generation,
-                                            "phase": view.state.phase.value})
+        self.rec.duplicate_enqueues.append(
+            {
+                "run_id": run_id,
+                "at": time.time(),
+                "generation": view.generation,
+                "phase": view.state.phase.value,
+            }
+        )
 
     # -- the whole drill ------------------------------------------------------------------
 
@@ -416,13 +468,19 @@ class _Drill:
         start = time.time()
         while time.time() - start < self.o.duration_s:
             self._guarded_tick()
-            everything_done = (len(self.rec.runs) == self.o.runs
-                               and len(self.settled) == self.o.runs)
-            zombies = any(w.paused_at is not None and w.resumed_at is None
-                          for w in self.pool.workers.values())
-            if everything_done and not zombies and (
-                    self.rec.rollback is not None or self.schedule.rollback_at is None
-                    or self.rec.rollback_skipped is not None):
+            everything_done = len(self.rec.runs) == self.o.runs and len(self.settled) == self.o.runs
+            zombies = any(
+                w.paused_at is not None and w.resumed_at is None for w in self.pool.workers.values()
+            )
+            if (
+                everything_done
+                and not zombies
+                and (
+                    self.rec.rollback is not None
+                    or self.schedule.rollback_at is None
+                    or self.rec.rollback_skipped is not None
+                )
+            ):
                 break
             time.sleep(_TICK_S)
         self.injecting = False
@@ -430,8 +488,14 @@ class _Drill:
         for worker in list(self.pool.workers.values()):
             if worker.paused_at is not None and worker.resumed_at is None:
                 self.pool.resume(worker)
-                self.rec.pauses.append({"pid": worker.pid, "paused_at": worker.paused_at,
-                                        "resumed_at": worker.resumed_at, **worker.pause})
+                self.rec.pauses.append(
+                    {
+                        "pid": worker.pid,
+                        "paused_at": worker.paused_at,
+                        "resumed_at": worker.resumed_at,
+                        **worker.pause,
+                    }
+                )
             if worker.spec:
                 self.pool.terminate(worker)  # faults stop: clean workers settle the rest
         settle_end = time.time() + self.o.settle_bound_s
@@ -447,17 +511,23 @@ class _Drill:
         except (RatchetError, RedisError) as exc:
             self.rec.errors.append(f"tick: {type(exc).__name__}")
         if self.quick_deaths >= 3 * self.o.workers + 10:
-            raise ConfigurationError("worker processes keep exiting at start-up; see "
-                                     "the logs folder of the drill", folder=str(self.rec.folder))
+            raise ConfigurationError(
+                "worker processes keep exiting at start-up; see the logs folder of the drill",
+                folder=str(self.rec.folder),
+            )
 
 
-def run_drill_processes(options: DrillOptions, *,
-                        progress: Progress | None = None) -> tuple[DrillRecord, Fleet, Any]:
+def run_drill_processes(
+    options: DrillOptions, *, progress: Progress | None = None
+) -> tuple[DrillRecord, Fleet, Any]:
     """Run the drill; returns the record, a fleet on the drill's Redis and a ``close``
     callable (the checker reads the stores before everything stops). Processes are stopped
     in ``finally`` on any error. Raises ConfigurationError on a bad setup."""
-    folder = Path(options.folder) if options.folder is not None else Path(
-        tempfile.mkdtemp(prefix="ratchet-drill-"))
+    folder = (
+        Path(options.folder)
+        if options.folder is not None
+        else Path(tempfile.mkdtemp(prefix="ratchet-drill-"))
+    )
     folder.mkdir(parents=True, exist_ok=True)
     choice = choose_redis(options.redis_server, want_rollback="rollback" in options.faults)
     record = DrillRecord(folder=folder, options=options, redis=choice)
@@ -469,19 +539,30 @@ def run_drill_processes(options: DrillOptions, *,
         orders = TenantOrders(folder / "orders")
         ttl = options.ttl_ms
         settings = Settings(
-            redis_url=SecretStr(server.url), state_dir=folder / "state",
-            queue=f"drill-{options.seed}", lease_ttl_ms=ttl,
-            renew_interval_ms=max(ttl // 3, 50), stall_timeout_ms=max(20 * ttl, 20_000),
-            reaper_interval_ms=max(ttl // 5, 50), job_timeout_s=max(600, ttl // 100),
+            redis_url=SecretStr(server.url),
+            state_dir=folder / "state",
+            queue=f"drill-{options.seed}",
+            lease_ttl_ms=ttl,
+            renew_interval_ms=max(ttl // 3, 50),
+            stall_timeout_ms=max(20 * ttl, 20_000),
+            reaper_interval_ms=max(ttl // 5, 50),
+            job_timeout_s=max(600, ttl // 100),
             pickup_timeout_ms=max(3 * ttl, 1000),
-            checkpoint_key=SecretStr(secrets.token_hex(32)), worker_name="drill",
-            verifier_sandbox=for_own_verifiers())  # the drill's verifier is its own grep
+            checkpoint_key=SecretStr(secrets.token_hex(32)),
+            worker_name="drill",
+            verifier_sandbox=for_own_verifiers(),
+        )  # the drill's verifier is its own grep
         fleet = Fleet.connect(settings)
         record.events_dir.mkdir(parents=True, exist_ok=True)
         block = options.workers + 6  # live workers never exceed workers + 4
         record.metrics = MetricsWatch(free_port_block(block), block)
-        pool = WorkerPool(settings, folder, fired_log=record.fired_log,
-                          events_dir=record.events_dir, metrics=record.metrics)
+        pool = WorkerPool(
+            settings,
+            folder,
+            fired_log=record.fired_log,
+            events_dir=record.events_dir,
+            metrics=record.metrics,
+        )
         record.started_at = time.time()
         drill = _Drill(options, record, server, orders, fleet, pool, progress)
         drill.create_runs()
@@ -489,8 +570,9 @@ def run_drill_processes(options: DrillOptions, *,
         while int(time.time()) <= created + 1:  # creations sit before any later AOF cut
             time.sleep(_TICK_S)
         drill.run()
-        record.workers = [{"pid": w.pid, "spec": w.spec, "fired": w.fired_action}
-                          for w in pool.everyone.values()]
+        record.workers = [
+            {"pid": w.pid, "spec": w.spec, "fired": w.fired_action} for w in pool.everyone.values()
+        ]
         drill.scrape()  # the last counts of every worker still running
         pool.stop_all(while_waiting=drill.scrape)
         record.deaths = pool.deaths

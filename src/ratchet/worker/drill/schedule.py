@@ -28,12 +28,25 @@ from ratchet.errors import ConfigurationError
 __all__ = ["FAULTS", "Schedule", "parse_faults"]
 
 #: Every fault kind ``--faults`` accepts (``all`` means every one).
-FAULTS = ("kill", "pause", "drop-reply", "delay", "raise", "redis-kill",
-          "duplicate-enqueue", "rollback", "cancel")
+FAULTS = (
+    "kill",
+    "pause",
+    "drop-reply",
+    "delay",
+    "raise",
+    "redis-kill",
+    "duplicate-enqueue",
+    "rollback",
+    "cancel",
+)
 
 _Maker = Callable[[random.Random], str]  # draws one worker's failpoint spec
-_WINDOWS = ("before_proposal", "after_pending_before_adapter",
-            "after_adapter_before_receipt", "after_receipt_before_state")
+_WINDOWS = (
+    "before_proposal",
+    "after_pending_before_adapter",
+    "after_adapter_before_receipt",
+    "after_receipt_before_state",
+)
 
 
 def parse_faults(text: str) -> frozenset[str]:
@@ -45,8 +58,9 @@ def parse_faults(text: str) -> frozenset[str]:
         return frozenset(FAULTS)
     unknown = sorted(names - set(FAULTS))
     if unknown:
-        raise ConfigurationError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}",
-                                 field="faults")
+        raise ConfigurationError(
+            f"unknown faults {unknown}; known: {', '.join(FAULTS)}", field="faults"
+        )
     return frozenset(names)
 
 
@@ -87,8 +101,7 @@ class Schedule:
         if "duplicate-enqueue" in self.faults:
             self.duplicate_enqueues = max(3, self.runs // 8)
         if "cancel" in self.faults:
-            self.cancels_at = ([0.2, 0.5] if self.runs < 100
-                               else [0.1, 0.25, 0.4, 0.55, 0.7])
+            self.cancels_at = [0.2, 0.5] if self.runs < 100 else [0.1, 0.25, 0.4, 0.55, 0.7]
 
     def __repr__(self) -> str:
         return f"Schedule(seed={self.seed}, specs={len(self.specs)}, faults={sorted(self.faults)})"
@@ -101,16 +114,23 @@ class Schedule:
                 makers.append(_one(window, "kill", 1, 2))
             # The receipt is committed alone only when the observation after the write
             # fails: make it fail, then die in the window that opens.
-            makers.append(lambda r: f"observe_after_write=raise@{r.randint(1, 2)};"
-                                    "after_receipt_before_state=kill@1")
+            makers.append(
+                lambda r: (
+                    f"observe_after_write=raise@{r.randint(1, 2)};after_receipt_before_state=kill@1"
+                )
+            )
             makers.append(_one("after_commit_before_reply", "kill", 2, 8))
             makers.append(_one("during_renewal", "kill", 1, 2))
         if "drop-reply" in want:
             # Drop both the reply and its retry's: the engine sees an unknown outcome and
             # fires commit_reply_lost, where the worker then dies (or, without kill, waits).
             then = "kill" if "kill" in want else "delay:50"
-            makers.append(lambda r: f"after_commit_before_reply=drop-reply@{r.randint(2, 8)};"
-                                    f"commit_reply_lost={then}@1")
+            makers.append(
+                lambda r: (
+                    f"after_commit_before_reply=drop-reply@{r.randint(2, 8)};"
+                    f"commit_reply_lost={then}@1"
+                )
+            )
             makers.append(_one("during_renewal", "drop-reply", 1, 2))
         if "pause" in want:
             # Zombies past the guard: their write / commit must be refused by the fences.

@@ -25,9 +25,13 @@ from ratchet.errors import ConfigurationError
 __all__ = ["COUNTERS", "MetricsWatch", "Scrape", "free_port_block", "scrape"]
 
 #: The counters the drill reads, without the ``_total`` suffix the exposition adds.
-COUNTERS = ("ratchet_leases_acquired", "ratchet_leases_taken_over",
-            "ratchet_stale_commits_refused", "ratchet_stale_adapter_writes_refused",
-            "ratchet_reaper_requeues")
+COUNTERS = (
+    "ratchet_leases_acquired",
+    "ratchet_leases_taken_over",
+    "ratchet_stale_commits_refused",
+    "ratchet_stale_adapter_writes_refused",
+    "ratchet_reaper_requeues",
+)
 
 _TIMEOUT_S = 0.5
 
@@ -65,16 +69,14 @@ def free_port_block(size: int, *, rng: random.Random | None = None) -> int:
             base = int(probe.getsockname()[1])
         if base + size < 65536 and _block_free(base, size):
             return base
-    raise ConfigurationError("no block of free loopback ports for worker metrics",
-                             size=size)
+    raise ConfigurationError("no block of free loopback ports for worker metrics", size=size)
 
 
 def scrape(port: int, *, timeout_s: float = _TIMEOUT_S) -> dict[str, float] | None:
     """The ``ratchet_`` counters served on ``127.0.0.1:port``, summed per name and label
     set (``name|label=value``); None when the endpoint does not answer in time."""
     try:
-        with urllib.request.urlopen(
-                f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as reply:
             text = reply.read().decode("utf-8", "replace")
     except (OSError, ValueError, http.client.HTTPException):
         return None  # refused, timed out, or cut short by a kill: not a scrape
@@ -113,9 +115,11 @@ class Scrape:
         if self.values is None:
             return 0.0
         want = [f"|{k}={v}" for k, v in labels.items()]
-        return sum(v for key, v in self.values.items()
-                   if (key == name or key.startswith(name + "|"))
-                   and all(w in key for w in want))
+        return sum(
+            v
+            for key, v in self.values.items()
+            if (key == name or key.startswith(name + "|")) and all(w in key for w in want)
+        )
 
 
 @dataclass
@@ -133,8 +137,9 @@ class MetricsWatch:
         for port in range(self.base_port, self.base_port + self.block):
             if port not in busy:
                 return port
-        raise ConfigurationError("every metrics port of the drill's block is taken",
-                                 block=self.block)
+        raise ConfigurationError(
+            "every metrics port of the drill's block is taken", block=self.block
+        )
 
     def add(self, pid: int, port: int) -> None:
         self.workers[pid] = Scrape(pid, port)

@@ -28,8 +28,16 @@ from ratchet.runtime import Scenario
 from ratchet.worker.agents import AgentStep, AgentView, ScriptedAgent
 from ratchet.worker.runs import EnvironmentSpec, RunDocument, VerifierSpec
 
-__all__ = ["DrillAgent", "TenantOrders", "drill_agent", "drill_document", "expected_note",
-           "make_workspace", "order_body", "plan"]
+__all__ = [
+    "DrillAgent",
+    "TenantOrders",
+    "drill_agent",
+    "drill_document",
+    "expected_note",
+    "make_workspace",
+    "order_body",
+    "plan",
+]
 
 NOTE = "note.txt"
 #: Writes each run intends: two file writes and one order.
@@ -49,8 +57,7 @@ def plan(index: int) -> list[dict[str, Any]]:
     return [
         {"kind": "read_file", "args": {"path": NOTE}},
         {"kind": "write_file", "args": {"path": NOTE, "content": f"run {index}: step 1\n"}},
-        {"kind": "external_call", "args": {"operation": "place-order",
-                                           "body": order_body(index)}},
+        {"kind": "external_call", "args": {"operation": "place-order", "body": order_body(index)}},
         {"kind": "write_file", "args": {"path": NOTE, "content": expected_note(index)}},
         {"kind": "run_verifier", "args": {"target": "check"}},
         {"kind": "finish", "args": {"summary": "drill plan done"}},
@@ -88,18 +95,29 @@ def drill_agent(config: dict[str, Any]) -> DrillAgent:
 
 
 def _scenario(index: int) -> Scenario:
-    return Scenario.model_validate({
-        "schema_version": 1, "task_id": "drill-order", "task_version": "1",
-        "policy_id": "drill", "policy_version": "1",
-        "permissions": ["read_file", "write_file", "external_call", "run_verifier", "finish"],
-        "allowed_paths": [NOTE], "allowed_verifier_targets": ["check"],
-        "allowed_operations": ["place-order"], "approval_required": [],
-        # Generous: every crash re-proposes the step it died in.
-        "budgets": {"proposals": 400, "steps": 300, "wall_clock_seconds": 24 * 3600,
-                    "cost_units": 0},
-        "initial_files": {NOTE: "draft\n"},
-        "verifier": {"target": "check", "expected_files": {NOTE: expected_note(index)}},
-    })
+    return Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "drill-order",
+            "task_version": "1",
+            "policy_id": "drill",
+            "policy_version": "1",
+            "permissions": ["read_file", "write_file", "external_call", "run_verifier", "finish"],
+            "allowed_paths": [NOTE],
+            "allowed_verifier_targets": ["check"],
+            "allowed_operations": ["place-order"],
+            "approval_required": [],
+            # Generous: every crash re-proposes the step it died in.
+            "budgets": {
+                "proposals": 400,
+                "steps": 300,
+                "wall_clock_seconds": 24 * 3600,
+                "cost_units": 0,
+            },
+            "initial_files": {NOTE: "draft\n"},
+            "verifier": {"target": "check", "expected_files": {NOTE: expected_note(index)}},
+        }
+    )
 
 
 def make_workspace(root: Path) -> Path:
@@ -113,13 +131,17 @@ def drill_document(root: Path, base_url: str, index: int, *, think_ms: int) -> R
     grep = shutil.which("grep", path="/usr/bin:/bin")
     if grep is None:
         raise ConfigurationError("the drill's verifier needs grep in /usr/bin or /bin")
-    verifier = VerifierSpec(argv=(grep, "-qx", expected_note(index).rstrip("\n"), NOTE),
-                            timeout_seconds=60)
+    verifier = VerifierSpec(
+        argv=(grep, "-qx", expected_note(index).rstrip("\n"), NOTE), timeout_seconds=60
+    )
     return RunDocument(
-        scenario=_scenario(index), agent="drill",
+        scenario=_scenario(index),
+        agent="drill",
         agent_config=cast(Any, {"think_ms": think_ms, "steps": plan(index)}),
-        environment=EnvironmentSpec(root=str(root.resolve()), verifiers={"check": verifier},
-                                    http_base_url=base_url))
+        environment=EnvironmentSpec(
+            root=str(root.resolve()), verifiers={"check": verifier}, http_base_url=base_url
+        ),
+    )
 
 
 class _TenantServer(ThreadingHTTPServer):
@@ -174,9 +196,12 @@ class TenantOrders:
         self.tenants: dict[str, OrdersService] = {}
         self._server = _TenantServer(("127.0.0.1", 0), self.tenants)
         self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.05},
-                                        name="drill-orders", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="drill-orders",
+            daemon=True,
+        )
         self._thread.start()
 
     def __repr__(self) -> str:
@@ -198,6 +223,10 @@ class TenantOrders:
     def __enter__(self) -> TenantOrders:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()

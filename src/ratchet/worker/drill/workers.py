@@ -68,14 +68,23 @@ class DrillWorker:
 class WorkerPool:
     """Worker processes of one drill, by pid."""
 
-    def __init__(self, settings: Settings, folder: Path, *, fired_log: Path,
-                 events_dir: Path, metrics: MetricsWatch | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        folder: Path,
+        *,
+        fired_log: Path,
+        events_dir: Path,
+        metrics: MetricsWatch | None = None,
+    ) -> None:
         self._payload = _settings_json(settings)
         self._ctx = mp.get_context("spawn")
         self._folder = folder
-        self._env = {"RATCHET_FAILPOINTS_LOG": os.fspath(fired_log),
-                     "RATCHET_DRILL_EVENTS": os.fspath(events_dir),
-                     "RATCHET_LOG_LEVEL": "WARNING"}
+        self._env = {
+            "RATCHET_FAILPOINTS_LOG": os.fspath(fired_log),
+            "RATCHET_DRILL_EVENTS": os.fspath(events_dir),
+            "RATCHET_LOG_LEVEL": "WARNING",
+        }
         self.workers: dict[int, DrillWorker] = {}
         self.everyone: dict[int, DrillWorker] = {}  # every worker ever started, by pid
         self.deaths: list[dict[str, object]] = []
@@ -99,8 +108,9 @@ class WorkerPool:
         try:
             log = self._folder / "logs" / f"worker-{self.started}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            proc = self._ctx.Process(target=_entry, args=(self._payload, self.started,
-                                                          os.fspath(log)), daemon=True)
+            proc = self._ctx.Process(
+                target=_entry, args=(self._payload, self.started, os.fspath(log)), daemon=True
+            )
             proc.start()
         finally:
             for key, value in saved.items():
@@ -128,14 +138,21 @@ class WorkerPool:
         for worker in dead:
             worker.proc.join(timeout=1)
             del self.workers[worker.pid]
-            self.deaths.append({"pid": worker.pid, "at": time.time(), "spec": worker.spec,
-                                "exitcode": worker.proc.exitcode})
+            self.deaths.append(
+                {
+                    "pid": worker.pid,
+                    "at": time.time(),
+                    "spec": worker.spec,
+                    "exitcode": worker.proc.exitcode,
+                }
+            )
         return dead
 
     def stopped(self) -> list[DrillWorker]:
         """Workers the kernel shows stopped (SIGSTOP) that are not yet known as paused."""
-        return [w for w in self.workers.values()
-                if w.paused_at is None and process_state(w.pid) == "T"]
+        return [
+            w for w in self.workers.values() if w.paused_at is None and process_state(w.pid) == "T"
+        ]
 
     def resume(self, worker: DrillWorker) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -160,12 +177,17 @@ class WorkerPool:
 
     def scrapable(self) -> list[int]:
         """Pids of live workers that can answer a scrape now (not stopped by SIGSTOP)."""
-        return [w.pid for w in self.workers.values()
-                if w.proc.exitcode is None and (w.paused_at is None or w.resumed_at is not None)
-                and process_state(w.pid) not in ("T", "t", "Z", "X", "?")]
+        return [
+            w.pid
+            for w in self.workers.values()
+            if w.proc.exitcode is None
+            and (w.paused_at is None or w.resumed_at is not None)
+            and process_state(w.pid) not in ("T", "t", "Z", "X", "?")
+        ]
 
-    def stop_all(self, grace_s: float = 10.0,
-                 while_waiting: Callable[[], None] | None = None) -> None:
+    def stop_all(
+        self, grace_s: float = 10.0, while_waiting: Callable[[], None] | None = None
+    ) -> None:
         """Resume, SIGTERM, and after ``grace_s`` SIGKILL every worker; wait for all.
 
         ``while_waiting`` is called about every 50 ms while workers are still leaving
@@ -175,7 +197,8 @@ class WorkerPool:
         deadline = time.monotonic() + grace_s
         if while_waiting is not None:
             while time.monotonic() < deadline and any(
-                    w.proc.exitcode is None for w in self.workers.values()):
+                w.proc.exitcode is None for w in self.workers.values()
+            ):
                 while_waiting()
                 time.sleep(0.05)
         for worker in list(self.workers.values()):
