@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import tomllib
+from pathlib import Path
+
+import ratchet
 import ratchet.errors
 import ratchet.runtime
 
@@ -80,3 +85,16 @@ def test_errors_carry_their_context_as_attributes() -> None:
     err = ratchet.errors.LeaseLostError("lost", run_id="r-1", lease_version=4)
     assert (err.run_id, err.lease_version) == ("r-1", 4)  # type: ignore[attr-defined]
     assert "r-1" in repr(err)
+
+
+def test_the_version_is_the_newest_release_of_the_changelog() -> None:
+    root = Path(__file__).resolve().parents[2]
+    releases = re.findall(
+        r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$",
+        (root / "CHANGELOG.md").read_text(encoding="utf-8"),
+        re.MULTILINE,
+    )
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert releases, "the changelog names no release"
+    assert releases[0] == project["version"] == ratchet.__version__
+    assert (root / "src" / "ratchet" / "py.typed").exists()
