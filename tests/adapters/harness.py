@@ -3,6 +3,7 @@ builders, approvals, and a crash probe."""
 
 from __future__ import annotations
 
+import http.client
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from ratchet.runtime import (
     ApprovalClaims,
     ApprovalEvidence,
     CrashWindow,
+    Fence,
     KeyRing,
     RunEngine,
     Scenario,
@@ -28,6 +30,7 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.memory import ManualClock, MemoryGenerationStore
+from tests.adapters.conftest import ServiceBox
 
 WRONG_GREETING = 'print("Hello, wrold")\n'
 RIGHT_GREETING = 'print("Hello, world")\n'
@@ -245,3 +248,39 @@ class Harness:
             max_proposals=state.usage.proposals + 10,
         )
         return sign_approval(self.approver_key, "alice", claims)
+
+
+def order(key: str, body: str = '{"sku":"A-1","qty":1}') -> Action:
+    return Action.model_validate(
+        {
+            "action_id": f"a-{key}",
+            "kind": "external_call",
+            "risk": "irreversible_external_write",
+            "args": {"operation": "place-order", "body": body},
+            "idempotency_key": key,
+            "expected_env_version": 0,
+            "deadline_at": 2**40,
+        }
+    )
+
+
+def raw_post(orders: ServiceBox, key: str, body: str, f: Fence, intent: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", orders.port, timeout=10)
+    try:
+        conn.request(
+            "POST",
+            "/v1/orders",
+            body=body.encode(),
+            headers={
+                "Idempotency-Key": key,
+                "Ratchet-Run-Id": f.run_id,
+                "Ratchet-Lease-Version": str(f.lease_version),
+                "Ratchet-State-Version": str(f.state_version),
+                "Ratchet-Intent-Digest": intent,
+            },
+        )
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()

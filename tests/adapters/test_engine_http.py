@@ -23,9 +23,9 @@ from tests.adapters.harness import (
     SimulatedCrash,
     crash_at,
     make_workspace,
+    raw_post,
     scenario,
 )
-from tests.adapters.test_http import raw_post
 from tests.conftest import test_sandbox_mode
 
 OTHER_CALLER = Fence(run_id="another-caller", lease_version=1, state_version=1)

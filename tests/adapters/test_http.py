@@ -3,7 +3,6 @@ stale fences, lost replies and timeouts (always followed by a lookup), restarts.
 
 from __future__ import annotations
 
-import http.client
 import subprocess
 import sys
 import threading
@@ -17,20 +16,7 @@ from ratchet.adapters.reference_service import DropConnection
 from ratchet.errors import AdapterError, FenceRejectedError, IdempotencyConflictError
 from ratchet.runtime import Action, Fence
 from tests.adapters.conftest import ServiceBox
-
-
-def order(key: str, body: str = '{"sku":"A-1","qty":1}') -> Action:
-    return Action.model_validate(
-        {
-            "action_id": f"a-{key}",
-            "kind": "external_call",
-            "risk": "irreversible_external_write",
-            "args": {"operation": "place-order", "body": body},
-            "idempotency_key": key,
-            "expected_env_version": 0,
-            "deadline_at": 2**40,
-        }
-    )
+from tests.adapters.harness import order, raw_post
 
 
 def fence(lease: int = 1, state: int = 1, run_id: str = "r") -> Fence:
@@ -54,28 +40,6 @@ class Gate:
             self.held.set()
             if not self.release.wait(timeout=30):
                 raise AssertionError("gate was never released")
-
-
-def raw_post(orders: ServiceBox, key: str, body: str, f: Fence, intent: str) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", orders.port, timeout=10)
-    try:
-        conn.request(
-            "POST",
-            "/v1/orders",
-            body=body.encode(),
-            headers={
-                "Idempotency-Key": key,
-                "Ratchet-Run-Id": f.run_id,
-                "Ratchet-Lease-Version": str(f.lease_version),
-                "Ratchet-State-Version": str(f.state_version),
-                "Ratchet-Intent-Digest": intent,
-            },
-        )
-        response = conn.getresponse()
-        response.read()
-        return response.status
-    finally:
-        conn.close()
 
 
 def test_same_key_and_body_returns_the_stored_receipt_and_another_body_gets_422(

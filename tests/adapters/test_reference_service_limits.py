@@ -17,7 +17,7 @@ from ratchet.adapters import HttpAdapter, OrdersService, serve
 from ratchet.adapters.reference_service import RunningService
 from ratchet.errors import AdapterError
 from ratchet.runtime import Fence
-from tests.adapters.test_http import order
+from tests.adapters.harness import order
 
 TOKEN = "orders-token-0123456789abcdef-CANARY"
 

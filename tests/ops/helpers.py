@@ -1,14 +1,19 @@
-"""Runs in the states operators look at: waiting for a review, waiting for an approval."""
+"""Shared pieces of the operations tests: runs in the states operators look at (waiting for
+a review, waiting for an approval), trust files, polling with a deadline, free loopback
+ports and a Prometheus scrape."""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.runtime import Fence, derive_idempotency_key, parse_action
@@ -90,3 +95,40 @@ def poll(predicate: Callable[[], bool], *, deadline_s: float, what: str) -> None
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for: {what}")
+
+
+def free_block(n: int) -> int:
+    """A base port with ``n`` consecutive free loopback ports."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + n >= 65536:
+            continue
+        try:
+            socks = []
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise AssertionError("no block of free ports")
+
+
+def scrape(port: int) -> dict[str, float] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()))
+            values[key] = s.value
+    return values

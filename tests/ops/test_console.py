@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
-import os
-import shutil
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +14,7 @@ from ratchet.console import CSP, ConsoleData, ConsoleServer, serve_console
 from ratchet.console.pages import run_page
 from ratchet.runtime import ApprovalClaims, sign_approval
 from ratchet.worker.context import Fleet
+from tests.ops.browser import browser, fetch, screenshot
 from tests.ops.helpers import MakeWorkspace, run_awaiting_approval, run_in_review
 
 pytestmark = pytest.mark.slow
@@ -32,24 +30,6 @@ def console(fleet: Fleet, workspace: MakeWorkspace) -> Iterator[tuple[ConsoleSer
     finally:
         server.shutdown()
         server.server_close()
-
-
-def fetch(
-    server: ConsoleServer, path: str, method: str = "GET", *, host_header: str | None = None
-) -> tuple[int, dict[str, str], str]:
-    host, port = str(server.server_address[0]), int(server.server_address[1])
-    conn = http.client.HTTPConnection(host, port, timeout=30)
-    try:
-        headers = {"Host": host_header} if host_header is not None else {}
-        conn.request(method, path, headers=headers)
-        response = conn.getresponse()
-        return (
-            response.status,
-            {k.lower(): v for k, v in response.getheaders()},
-            response.read().decode(),
-        )
-    finally:
-        conn.close()
 
 
 def test_the_console_listens_on_loopback_and_serves_pages_with_a_strict_csp(
@@ -197,55 +177,6 @@ def test_expired_approval_evidence_stays_visible_and_is_marked(
 
 # --- the pages in a real browser ------------------------------------------------------------
 
-CHROMIUM = os.environ.get("RATCHET_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("RATCHET_CHROMEDRIVER", "/usr/bin/chromedriver")
-# rebind.test resolves to 127.0.0.1 inside the browser: a DNS-rebinding page's view.
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,2200",
-    "--host-resolver-rules=MAP rebind.test 127.0.0.1",
-)
-
-
-def _browser(profile: Path) -> Any:
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        if os.environ.get("RATCHET_REQUIRE_BROWSER") == "1":  # CI installs it: never skip
-            pytest.fail(f"chromium / chromedriver missing at {CHROMIUM}, {CHROMEDRIVER}")
-        pytest.skip(
-            f"headless browser test needs Debian's chromium and chromium-driver "
-            f"({CHROMIUM}, {CHROMEDRIVER}); apt-get install chromium chromium-driver"
-        )
-    webdriver = pytest.importorskip(
-        "selenium.webdriver", reason="the browser test needs selenium (test extra)"
-    )
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={profile}")
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-
-
-def _screenshot(driver: Any, path: Path, record_property: Any) -> Path:
-    assert driver.save_screenshot(str(path)), f"screenshot {path} not written"
-    copy_to = os.environ.get("RATCHET_SCREENSHOT_DIR")
-    if copy_to:
-        Path(copy_to).mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, Path(copy_to) / path.name)
-    record_property(f"screenshot:{path.name}", str(path))
-    print(f"screenshot: {path}")
-    return path
-
 
 def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
     console: tuple[ConsoleServer, str, str], fleet: Fleet, tmp_path: Path, record_property: Any
@@ -253,7 +184,7 @@ def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
     from selenium.webdriver.common.by import By
 
     server, review_id, approval_id = console
-    driver = _browser(tmp_path / "chromium-profile")
+    driver = browser(tmp_path / "chromium-profile")
     data: ConsoleData = server.data
     review = data.run_detail(review_id, data.now())["review"]
     pending = data.run_detail(approval_id, data.now())["pending"]
@@ -268,18 +199,18 @@ def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
         assert "Timeline" in text and "review_opened" in text
         css = driver.find_element(By.TAG_NAME, "header").value_of_css_property("background-color")
         assert css != "rgba(0, 0, 0, 0)", "the style sheet loaded under the CSP"
-        _screenshot(driver, tmp_path / "console-run-needs-review.png", record_property)
+        screenshot(driver, tmp_path / "console-run-needs-review.png", record_property)
 
         driver.get(f"{server.url}/reviews")
         text = driver.find_element(By.TAG_NAME, "body").text
         assert review_id in text and approval_id in text and review["case_id"] in text
         assert f"ratchet approve {approval_id} {pending['action']['action_id']}" in text
-        _screenshot(driver, tmp_path / "console-review-queue.png", record_property)
+        screenshot(driver, tmp_path / "console-review-queue.png", record_property)
 
         driver.get(f"{server.url}/runs/{approval_id}")
         text = driver.find_element(By.TAG_NAME, "body").text
         assert "awaiting_approval" in text and pending["intent_digest"] in text
-        _screenshot(driver, tmp_path / "console-run-awaiting-approval.png", record_property)
+        screenshot(driver, tmp_path / "console-run-awaiting-approval.png", record_property)
 
         driver.get(f"{server.url}/runs?phase=needs_review")
         rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
@@ -309,7 +240,7 @@ def test_the_runs_list_pages_and_searches_in_chromium(
         fleet.store.create_run(
             run_id, task_id="task-list", env_instance_id="e", scenario=b"s", checkpoint=b"g1"
         )
-    driver = _browser(tmp_path / "chromium-profile")
+    driver = browser(tmp_path / "chromium-profile")
     try:
         driver.get(f"{server.url}/runs?limit=3")
         counts = driver.find_element(By.CSS_SELECTOR, "nav.counts").text
@@ -332,7 +263,7 @@ def test_the_runs_list_pages_and_searches_in_chromium(
         assert "matching" in text and review_id not in text and approval_id not in text
         assert driver.find_elements(By.LINK_TEXT, "continue searching →")
         assert not driver.find_elements(By.TAG_NAME, "script")
-        _screenshot(driver, tmp_path / "console-runs-search-pages.png", record_property)
+        screenshot(driver, tmp_path / "console-runs-search-pages.png", record_property)
 
         driver.get(f"{server.url}/runs?q={review_id}")  # a run id goes straight to it
         assert driver.current_url.endswith(f"/runs/{review_id}")

@@ -5,13 +5,10 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import socket
-import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.leasing import run_keys
 from ratchet.worker import metrics
@@ -20,7 +17,14 @@ from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import inspect_run, submit
 from ratchet.worker.settings import Settings
-from tests.ops.helpers import MakeWorkspace, poll, run_awaiting_approval, run_in_review
+from tests.ops.helpers import (
+    MakeWorkspace,
+    free_block,
+    poll,
+    run_awaiting_approval,
+    run_in_review,
+    scrape,
+)
 from tests.worker.fleet_harness import holder_pid, phase, workers
 
 NAMES = {
@@ -108,43 +112,6 @@ def test_waiting_runs_count_approvals_and_receipt_conflicts(
     assert sample("ratchet_receipt_conflicts_total", reason="intent_conflict") == conflicts + 1
 
 
-def _free_block(n: int) -> int:
-    """A base port with ``n`` consecutive free loopback ports."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        if base + n >= 65536:
-            continue
-        try:
-            socks = []
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise AssertionError("no block of free ports")
-
-
-def _scrape(port: int) -> dict[str, float] | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-    except OSError:
-        return None
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()))
-            values[key] = s.value
-    return values
-
-
 @pytest.mark.slow
 def test_metrics_scraped_during_a_sigkill_run_match_what_redis_recorded(
     fleet: Fleet, settings: Settings, tmp_path: Path
@@ -154,12 +121,12 @@ def test_metrics_scraped_during_a_sigkill_run_match_what_redis_recorded(
         root = make_greeting_workspace(tmp_path / f"ws-{i}")
         doc = greeting_document(root, agent_config={"think_ms": 60}, runner="python")
         runs[submit(fleet, doc, run_id=f"m{i}-{os.getpid()}-{tmp_path.name}")] = root
-    base = _free_block(3)
+    base = free_block(3)
     last: dict[int, dict[str, float]] = {}
 
     def scrape_all() -> None:
         for port in range(base, base + 3):
-            got = _scrape(port)
+            got = scrape(port)
             if got is not None:
                 last[port] = got
 

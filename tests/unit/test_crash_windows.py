@@ -13,21 +13,8 @@ from ratchet.errors import (
     LeaseLostError,
 )
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
-from ratchet.runtime.engine import Probe
 from ratchet.runtime.memory import ObserveFailsAfterWrite
-from tests.unit.world import RIGHT_GREETING, World
-
-
-class SimulatedCrash(Exception):
-    """The worker died here."""
-
-
-def crash_at(window: CrashWindow) -> Probe:
-    def probe(seen: CrashWindow) -> None:
-        if seen is window:
-            raise SimulatedCrash(window.value)
-
-    return probe
+from tests.unit.world import RIGHT_GREETING, SimulatedCrash, World, crash_at
 
 
 def finish(world: World, engine: RunEngine) -> None:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from ratchet.errors import AdapterError, InvalidTransitionError
-from ratchet.runtime import CrashWindow, Phase, Receipt, ReviewReason, RunEngine, TraceOutcome
+from ratchet.runtime import CrashWindow, Phase, ReviewReason, RunEngine, TraceOutcome
 from ratchet.runtime.memory import ObserveFailsAfterWrite
-from tests.unit.world import RIGHT_GREETING, World
+from tests.unit.world import RIGHT_GREETING, World, plant_foreign_receipt
 
 
 @pytest.fixture
@@ -48,21 +48,6 @@ def test_the_same_key_with_another_intent_is_rejected_at_proposal(
     assert result.outcome is TraceOutcome.REJECTED_KEY_CONFLICT
     assert written.state.phase is Phase.RUNNING
     assert world.adapter.write_count == 1
-
-
-def plant_foreign_receipt(world: World, key: str) -> Receipt:
-    receipt = Receipt(
-        namespace=world.adapter.namespace,
-        receipt_version=1,
-        receipt_id="rcpt-foreign",
-        idempotency_key=key,
-        intent_digest="a" * 64,
-        result={"path": "app.py"},
-        committed_at=world.clock.now(),
-        env_version_after=9,
-    )
-    world.adapter.plant_receipt(receipt)
-    return receipt
 
 
 def test_the_same_key_with_another_intent_at_execution_freezes_the_run_with_evidence(

@@ -15,9 +15,13 @@ from ratchet.errors import (
 )
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
 from ratchet.runtime.machine import check_rebaseline, decision_baseline
-from tests.unit.test_crash_windows import SimulatedCrash, crash_at
-from tests.unit.test_idempotency import plant_foreign_receipt
-from tests.unit.world import RIGHT_GREETING, World
+from tests.unit.world import (
+    RIGHT_GREETING,
+    SimulatedCrash,
+    World,
+    crash_at,
+    plant_foreign_receipt,
+)
 
 # --- cancel --------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from ratchet.worker.settings import (
     check_environment_names,
     setting_names,
 )
+from tests.worker.processes import redis_servers_under
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bRATCHET_[A-Z0-9_]*[A-Z0-9]\b")
@@ -99,24 +100,6 @@ def test_reading_settings_from_the_environment_refuses_a_typo(
         Settings(queue="explicit")  # explicit values do not skip the check
     monkeypatch.delenv(TYPO)
     assert Settings().embedded
-
-
-def redis_servers_under(folder: Path) -> list[int]:
-    """Pids of live redis-server processes working in ``folder`` or below (redis-server
-    changes into its data directory, and rewrites its command line)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            comm = (entry / "comm").read_text().strip()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            cwd = Path(os.readlink(entry / "cwd"))
-        except OSError:
-            continue
-        if comm.startswith("redis-server") and state != "Z" and cwd.is_relative_to(folder):
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_ratchet_runs_with_a_typo_exits_two_naming_it_and_starts_no_server(

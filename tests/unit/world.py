@@ -14,10 +14,12 @@ from ratchet.runtime import (
     Action,
     ApprovalClaims,
     ApprovalEvidence,
+    CrashWindow,
     KeyRing,
     Observation,
     RebaselineClaims,
     RebaselineDecision,
+    Receipt,
     ReviewDecision,
     ReviewDecisionClaims,
     ReviewVerdict,
@@ -311,3 +313,33 @@ class World:
         return sign_rebaseline(
             key or self.reviewer_key, reviewer_id, RebaselineClaims.model_validate(claims)
         )
+
+
+# -- faults the core's tests inject ---------------------------------------------------------
+
+
+class SimulatedCrash(Exception):
+    """The worker died here."""
+
+
+def crash_at(window: CrashWindow) -> Probe:
+    def probe(seen: CrashWindow) -> None:
+        if seen is window:
+            raise SimulatedCrash(window.value)
+
+    return probe
+
+
+def plant_foreign_receipt(world: World, key: str) -> Receipt:
+    receipt = Receipt(
+        namespace=world.adapter.namespace,
+        receipt_version=1,
+        receipt_id="rcpt-foreign",
+        idempotency_key=key,
+        intent_digest="a" * 64,
+        result={"path": "app.py"},
+        committed_at=world.clock.now(),
+        env_version_after=9,
+    )
+    world.adapter.plant_receipt(receipt)
+    return receipt

@@ -20,7 +20,7 @@ from ratchet.worker.context import (
     stop_embedded_redis,
 )
 from ratchet.worker.settings import Settings
-from tests.unit.test_settings_names import redis_servers_under
+from tests.worker.processes import redis_servers_under
 
 pytestmark = pytest.mark.slow
 

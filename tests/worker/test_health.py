@@ -15,7 +15,7 @@ import pytest
 
 from ratchet.worker.settings import Settings
 from tests.worker.fleet_harness import poll
-from tests.worker.test_pool_healing import pool_env, running_pool
+from tests.worker.processes import pool_env, running_pool
 
 pytestmark = pytest.mark.slow
 
