@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import tomllib
 from pathlib import Path
+
+import pytest
 
 import ratchet
 import ratchet.errors
@@ -98,3 +101,34 @@ def test_the_version_is_the_newest_release_of_the_changelog() -> None:
     assert releases, "the changelog names no release"
     assert releases[0] == project["version"] == ratchet.__version__
     assert (root / "src" / "ratchet" / "py.typed").exists()
+
+
+PINNED: dict[str, list[str]] = {
+    "ratchet": ["__version__"],
+    "ratchet.leasing": [
+        "Acquired", "CommitResult", "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "Lease",
+        "LeaseHolder", "LeasedRun", "LocalCluster", "PreparedCommit", "RUNS_INDEX",
+        "ReapClaim", "RedisServer", "RedisStore", "Released", "RunCreated", "RunCreator",
+        "RunKeys", "RunSnapshot", "find_redis_cli", "find_redis_server", "free_port",
+        "new_commit_id", "nonce_key", "run_keys",
+    ],
+    "ratchet.adapters": [
+        "CHECKS", "CommandVerifier", "ConformanceCheck", "ConformanceSubject", "HttpAdapter",
+        "OrdersService", "RouterAdapter", "RunningService", "SystemClock", "VerifierCommand",
+        "VerifierRun", "WorkspaceAdapter", "run_check", "run_conformance", "serve",
+    ],
+    "ratchet.console": ["CSP", "ConsoleData", "ConsoleServer", "serve_console", "waiting_runs"],
+    "ratchet.langgraph": [
+        "DEFAULT_LEASE_TTL_MS", "LEASE_KEY", "LeaseInfo", "RatchetSaver", "ThreadKeys",
+        "ThreadLease", "default_serde", "thread_keys", "thread_tag",
+    ],
+    "ratchet.cli": ["app", "main"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("package", sorted(PINNED))
+def test_each_packages_public_names_are_pinned(package: str) -> None:
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(PINNED[package])
+    for name in module.__all__:
+        assert hasattr(module, name), name
