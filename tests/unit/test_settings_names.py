@@ -130,3 +130,31 @@ def test_ratchet_runs_with_a_typo_exits_two_naming_it_and_starts_no_server(
     assert done.stdout == ""
     assert not (tmp_path / "state").exists()
     assert redis_servers_under(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"RATCHET_LEASE_TTL_MS": "s3cr3t-not-a-number"}, "RATCHET_LEASE_TTL_MS"),
+        ({"RATCHET_LEASE_TTL_MS": "1000", "RATCHET_RENEW_INTERVAL_MS": "5000"}, "renew_interval"),
+    ],
+)
+def test_a_bad_setting_value_is_one_line_naming_it_and_never_its_value(
+    tmp_path: Path, variables: dict[str, str], named: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("RATCHET_")}
+    env.update(HOME=str(tmp_path), RATCHET_STATE_DIR=str(tmp_path / "state"), **variables)
+    done = subprocess.run(
+        [sys.executable, "-m", "ratchet.cli.entry", "runs"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("ratchet: error: bad setting") and named in lines[0]
+    assert "Traceback" not in done.stderr and "s3cr3t" not in done.stderr

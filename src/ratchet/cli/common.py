@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 
 import typer
+from pydantic import ValidationError
 
 from ratchet.errors import ConfigurationError, RatchetError
 
@@ -83,13 +84,28 @@ def fail(message: str, field: str | None = None) -> NoReturn:
     raise typer.Exit(EXIT_ERROR)
 
 
+def settings_error(exc: ValidationError) -> ConfigurationError:
+    """A bad setting as one line naming its variable and what is wrong, never its value
+    (a setting may be a secret: pydantic's own message quotes the input)."""
+    first = exc.errors(include_input=False, include_url=False)[0]
+    name = "_".join(str(part) for part in first["loc"]).upper()
+    variable = f"RATCHET_{name}" if name else "RATCHET_*"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return ConfigurationError(f"bad setting {variable}: {first['msg']}{more}", field=variable)
+
+
 def ratchet_errors(fn: Callable[P, R]) -> Callable[P, R]:
-    """Turn a RatchetError into one line on stderr and exit code 2."""
+    """Turn a RatchetError, or a bad setting, into one line on stderr and exit code 2."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except ValidationError as exc:
+                if exc.title != "Settings":
+                    raise  # any other model's refusal is a bug to see whole
+                raise settings_error(exc) from None
         except RatchetError as exc:
             field = exc.context.get("field")
             fail(exc.message, str(field) if field else None)
