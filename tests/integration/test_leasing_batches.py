@@ -286,7 +286,7 @@ def test_the_last_commit_can_carry_the_release_in_the_same_call(
     assert released.lease_version == run.lease_version
     # The next holder gets a higher version, as after any release.
     again = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
-    assert again is not None and again.lease_version == run.lease_version + 1
+    assert again is not None and again.lease_version > run.lease_version
 
 
 def test_a_refused_commit_carries_no_release(store: RedisStore, make_run: MakeRun) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,9 +15,16 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ratchet.errors import CommitOutcomeUnknownError, GenerationMismatchError, StoreError
+from ratchet.adapters.journal import Journal
+from ratchet.errors import (
+    CommitOutcomeUnknownError,
+    FenceRejectedError,
+    GenerationMismatchError,
+    StoreError,
+)
 from ratchet.leasing import RedisServer, RedisStore, free_port, run_keys
 from ratchet.runtime.ports import RunKey
+from ratchet.worker.drill.cluster import choose_redis, truncate_aof
 from tests.integration.conftest import redis_binaries
 
 
@@ -41,7 +50,7 @@ def test_an_acknowledged_commit_survives_kill_9_and_the_generation_never_goes_ba
     store = RedisStore(server.client())
     snap = store.read_run(run_id, with_checkpoint=True)
     assert (snap.generation, snap.state_version, snap.checkpoint) == (11, 11, b"ckpt-11")
-    assert snap.is_held_by("w1", 1)
+    assert snap.is_held_by("w1", run.lease_version)
     with pytest.raises(GenerationMismatchError):
         store.commit(run.lease, generation=11, expected_state_version=10, checkpoint=b"old")
     store.commit(run.lease, generation=12, expected_state_version=11, checkpoint=b"ckpt-12")
@@ -235,4 +244,51 @@ def test_the_port_survives_a_lost_reply_without_the_caller_noticing(
     run.advance(key, expected_generation=1, blob=b"g2")
     assert proxy.dropped.is_set()
     assert run.high_water(key) == 2 and run.load(key).blob == b"g2"
+    store.client.close()
+
+
+def test_a_lease_granted_after_an_aof_rollback_outranks_every_lease_granted_before_it(
+    redis_server_factory: Callable[..., RedisServer],
+    new_run_id: Callable[[], str],
+    tmp_path: Path,
+) -> None:
+    # The store is rewound to before a lease was granted (its AOF cut back a second, as the
+    # drill's rollback does). The holder of that lease is a zombie paused between its lease
+    # guard and its adapter call. The next owner's fence must outrank the zombie's, or the
+    # adapter cannot tell them apart and the zombie's write lands on a run it does not own.
+    choice = choose_redis(None, want_rollback=True)
+    if choice.check_aof is None:
+        pytest.skip(choice.rollback_skip_reason or "no redis-check-aof")
+    server = redis_server_factory(
+        executable=choice.executable, appendfsync="always", extra_args=choice.extra_args
+    )
+    store = RedisStore(server.client())
+    run_id = new_run_id()
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+    cut_s = store.server_time_ms() // 1000
+    deadline = time.monotonic() + 10
+    while store.server_time_ms() // 1000 <= cut_s:
+        if time.monotonic() > deadline:
+            pytest.fail("the store's clock did not reach the next second")
+        time.sleep(0.01)
+    zombie = store.acquire(run_id, owner="zombie", ttl_ms=600_000)
+    assert zombie is not None
+    journal = Journal(tmp_path / "journal.sqlite3")
+    journal.raise_fence(zombie.fence)
+    store.client.close()
+
+    server.kill()
+    truncate_aof(choice.check_aof, server.data_dir, cut_s)
+    server.start()
+
+    store = RedisStore(server.client())
+    rewound = store.read_run(run_id, with_checkpoint=False)
+    assert rewound.owner is None  # the rollback took the zombie's lease away
+    successor = store.acquire(run_id, owner="successor", ttl_ms=600_000)
+    assert successor is not None
+    assert successor.lease_version > zombie.lease_version
+    journal.raise_fence(successor.fence)
+    with pytest.raises(FenceRejectedError):
+        journal.raise_fence(zombie.fence)
+    journal.close()
     store.client.close()

@@ -64,16 +64,19 @@ def test_create_run_retried_with_the_same_commit_id_reports_already_applied(
     assert again.created_at_ms == first.created_at_ms
 
 
-def test_acquire_on_a_free_run_grants_lease_version_one_with_redis_time_expiry(
+def test_acquire_on_a_free_run_grants_the_store_time_as_lease_version_with_redis_time_expiry(
     store: RedisStore, make_run: MakeRun
 ) -> None:
+    # A never-leased run's version is 0, so max(0 + 1, now_ms) is the store's time.
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    assert run.lease_version == 1 and run.generation == 1 and run.state_version == 1
+    assert run.lease_version == run.lease.now_ms
+    assert run.generation == 1 and run.state_version == 1
+    assert run.previous == ("", 0) and not run.took_over
     assert run.lease.expires_at_ms == run.lease.now_ms + 60_000
     snap = store.read_run(key.run_id)
-    assert snap.is_held_by("w1", 1)
+    assert snap.is_held_by("w1", run.lease_version)
 
 
 def test_acquire_while_another_worker_holds_the_lease_returns_none(
@@ -85,7 +88,7 @@ def test_acquire_while_another_worker_holds_the_lease_returns_none(
     assert store.acquire(key.run_id, owner="w2", ttl_ms=60_000) is None
     with pytest.raises(LeaseHeldElsewhereError) as err:
         store.acquire_or_raise(key.run_id, owner="w2", ttl_ms=60_000)
-    assert err.value.owner == "w1" and err.value.lease_version == 1
+    assert err.value.owner == "w1" and err.value.lease_version == held.lease_version
     assert err.value.expires_at_ms == held.lease.expires_at_ms
 
 
@@ -102,7 +105,8 @@ def test_the_same_owner_reacquiring_gets_a_new_version_that_fences_its_old_one(
     key = make_run()
     old = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     new = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
-    assert old is not None and new is not None and new.lease_version == 2
+    assert old is not None and new is not None and new.lease_version > old.lease_version
+    assert new.previous == ("w1", old.lease_version)
     with pytest.raises(LeaseLostError):
         old.commit(b"late")
     new.commit(b"ok")
@@ -119,11 +123,13 @@ def test_expired_lease_is_taken_over_with_a_higher_version_and_the_late_owner_is
         first.renew()
     assert renew_err.value.reason == "expired"
     second = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
-    assert second is not None and second.lease_version == first.lease_version + 1
+    assert second is not None and second.lease_version > first.lease_version
     assert not first.took_over and second.took_over  # free at first, then expired
+    assert second.previous == ("w1", first.lease_version)  # the lease it took over
     with pytest.raises(LeaseLostError) as late:
         first.commit(b"late")
-    assert late.value.current_owner == "w2" and late.value.current_lease_version == 2
+    assert late.value.current_owner == "w2"
+    assert late.value.current_lease_version == second.lease_version
     with pytest.raises(LeaseLostError):
         first.renew()
     with pytest.raises(LeaseLostError):
@@ -135,7 +141,7 @@ def test_expired_lease_is_taken_over_with_a_higher_version_and_the_late_owner_is
     # A live lease re-acquired by its own owner (a higher version) is no takeover.
     again = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
     assert again is not None and not again.took_over
-    assert again.lease_version == second.lease_version + 1
+    assert again.lease_version > second.lease_version
 
 
 def test_commit_after_expiry_is_refused_even_before_anyone_takes_over(
@@ -174,7 +180,7 @@ def test_a_worker_clock_hours_off_changes_nothing(
     assert lease.expires_at_ms - lease.now_ms == 60_000
     monkeypatch.setattr(time, "time", lambda: real_time() - 6 * 3600)
     assert store.acquire(key.run_id, owner="w2", ttl_ms=60_000) is None
-    assert store.read_run(key.run_id).is_held_by("w1", 1)
+    assert store.read_run(key.run_id).is_held_by("w1", run.lease_version)
 
 
 def test_release_frees_the_lease_but_keeps_its_version_growing(
@@ -184,12 +190,13 @@ def test_release_frees_the_lease_but_keeps_its_version_growing(
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     released = run.release()
-    assert released.lease_version == 1
+    assert released.lease_version == run.lease_version
     assert not store.read_run(key.run_id).lease_live
     with pytest.raises(LeaseLostError):
         run.commit(b"after-release")
     nxt = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
-    assert nxt is not None and nxt.lease_version == 2
+    assert nxt is not None and nxt.lease_version > run.lease_version
+    assert nxt.previous == ("", run.lease_version) and not nxt.took_over  # free, not expired
 
 
 def test_commit_advances_generation_and_state_version_together_with_the_content(
@@ -207,7 +214,7 @@ def test_commit_advances_generation_and_state_version_together_with_the_content(
             gen,
             f"ckpt-{gen}".encode(),
         )
-    assert run.fence.lease_version == 1 and run.fence.state_version == 5
+    assert run.fence.lease_version == run.lease_version and run.fence.state_version == 5
 
 
 def test_commit_of_a_generation_other_than_high_water_plus_one_is_refused(

@@ -54,7 +54,9 @@ class LeaseMachine(RuleBasedStateMachine):
             assert outcome.lease_version == self.granted_version
             assert outcome.now_ms < outcome.expires_at_ms
             return
-        assert outcome.lease_version == self.granted_version + 1
+        # The rule: max(the last version + 1, the store's time in ms).
+        assert outcome.lease_version == max(self.granted_version + 1, outcome.lease.now_ms)
+        assert outcome.previous[1] == self.granted_version
         assert outcome.generation == self.generation
         self.granted_version = outcome.lease_version
         worker.handle = outcome

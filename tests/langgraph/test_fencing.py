@@ -28,7 +28,7 @@ def test_a_stale_writer_is_refused_and_the_chain_never_forks(make_saver: Make) -
     a.put(config(t, lease=lease_a), c1, {"step": 1}, {"x": 1})
     wait_until_free(b, t)
     lease_b = b.claim(t)
-    assert lease_b.lease_version == lease_a.lease_version + 1
+    assert lease_b.lease_version > lease_a.lease_version
     c2 = checkpoint({"x": 2}, versions={"x": 2})
     b.put(config(t, parent=c1["id"], lease=lease_b), c2, {"step": 2}, {"x": 2})
 
@@ -53,7 +53,7 @@ def test_a_write_without_a_lease_claims_the_thread_and_is_refused_while_another_
     t = _thread()
     stored = a.put(config(t), checkpoint(), {}, {})
     lease = stored["configurable"]["ratchet_lease"]
-    assert lease["owner"] == "worker-a" and lease["version"] == 1
+    assert lease["owner"] == "worker-a" and lease["version"] > 1  # max(0 + 1, store ms)
     again = a.put(config(t, parent=stored["configurable"]["checkpoint_id"]), checkpoint(), {}, {})
     assert again["configurable"]["ratchet_lease"] == lease  # our live lease keeps its version
     with pytest.raises(LeaseHeldElsewhereError) as held:
@@ -117,7 +117,7 @@ def test_renew_and_release_work_only_for_the_current_lease(make_saver: Make) -> 
     a.release(renewed)
     assert not a.lease_info(t).live
     taken = b.claim(t)
-    assert taken.lease_version == lease.lease_version + 1
+    assert taken.lease_version > lease.lease_version
     with pytest.raises(LeaseLostError):
         a.renew(lease)
     with pytest.raises(LeaseLostError):
@@ -136,7 +136,7 @@ def test_delete_thread_ends_the_lease_so_a_running_worker_cannot_resurrect_it(
     admin.delete_thread(t)
     info = admin.lease_info(t)
     assert info.generation == before + 1 and info.owner is None
-    assert info.lease_version == lease.lease_version + 1
+    assert info.lease_version > lease.lease_version
     with pytest.raises(LeaseLostError):
         a.put(config(t, parent=c1["id"], lease=lease), checkpoint(), {}, {})
     assert admin.get_tuple(config(t)) is None

@@ -15,7 +15,7 @@ from ratchet.worker import metrics
 from ratchet.worker.context import Fleet
 from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import inspect_run, submit
+from ratchet.worker.ops import submit
 from ratchet.worker.settings import Settings
 from tests.ops.helpers import (
     MakeWorkspace,
@@ -167,17 +167,24 @@ def test_metrics_scraped_during_a_sigkill_run_match_what_redis_recorded(
             if k == name or k.startswith(name + "|")
         )
 
-    # What Redis recorded: each acquisition bumps the lease version; a run taken over from
-    # its dead holder was acquired once more, and its history changes owner once.
+    # What Redis recorded: a run taken over from its dead holder has a takeover incident
+    # naming the lease it ended, its history commits under one more lease version, and it
+    # changes owner once, from the lease the incident names.
     client = fleet.store.client
-    extra_acquisitions = sum(inspect_run(fleet, r).snapshot.lease_version - 1 for r in runs)
-    owner_changes = 0
+    extra_acquisitions = owner_changes = 0
     for run_id in runs:
         entries = [e.decode().split("|") for e in client.lrange(run_keys(run_id).history, 0, -1)][
             ::-1
         ]
-        owners = [e[3] for e in entries if int(e[2]) >= 1]  # not the creation entry
-        owner_changes += sum(1 for a, b in itertools.pairwise(owners) if a != b)
+        leased = [(int(e[2]), e[3]) for e in entries if int(e[2]) >= 1]  # not the creation
+        extra_acquisitions += len({version for version, _ in leased}) - 1
+        owner_changes += sum(1 for a, b in itertools.pairwise(leased) if a[1] != b[1])
+        ended = {
+            (i["previous_owner"], i["previous_lease_version"])
+            for i in fleet.store.incidents(run_id)
+            if i.get("kind") == "lease_taken_over"
+        }
+        assert ended <= {(owner, version) for version, owner in leased}
     reaped = sum(1 for r in runs if client.hget(run_keys(r).lease, "reaped_version"))
     assert extra_acquisitions >= 1 and owner_changes >= 1
     assert total("ratchet_leases_taken_over_total") == extra_acquisitions == owner_changes

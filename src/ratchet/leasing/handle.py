@@ -124,6 +124,7 @@ class LeasedRun:
         self._generation = acquired.generation
         self._state_version = acquired.state_version
         self._took_over = acquired.took_over
+        self._previous = (acquired.previous_owner, acquired.previous_lease_version)
         self._primed: RunSnapshot | None = None  # see read()
         self._release_mode: bool | None = None  # armed: reap? (see release_with_next_commit)
         self._released: Released | None = None
@@ -170,6 +171,12 @@ class LeasedRun:
     def took_over(self) -> bool:
         """Whether the acquire took the lease over from an owner whose lease had expired."""
         return self._took_over
+
+    @property
+    def previous(self) -> tuple[str, int]:
+        """The lease this one replaced: ``(owner, lease_version)``; the owner is ``""``
+        when the lease was free and the version 0 when the run had never been leased."""
+        return self._previous
 
     @property
     def fence(self) -> Fence:

@@ -166,7 +166,7 @@ def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHo
     script = "acquire_lease"
     status, f = _split(reply, script)
     if status == "acquired":
-        _arity(f, 8, script, status)
+        _arity(f, 10, script, status)
         took_over = _int(f[7], script, "took_over")
         if took_over not in (0, 1):
             _fail("took_over is not 0 or 1", script, run_id=run_id)
@@ -184,6 +184,8 @@ def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHo
             task_id=_text(f[5], script, "task_id"),
             env_instance_id=_text(f[6], script, "env_instance_id"),
             took_over=took_over == 1,
+            previous_owner=_text(f[8], script, "previous_owner"),
+            previous_lease_version=_int(f[9], script, "previous_lease_version"),
         )
     if status == "held":
         _arity(f, 4, script, status)

@@ -47,6 +47,8 @@ class Acquired:
     task_id: str
     env_instance_id: str
     took_over: bool = False  # the lease had an owner whose lease had expired
+    previous_owner: str = ""  # the lease this one replaced: its owner ("" when free) ...
+    previous_lease_version: int = 0  # ... and version (0: the run was never leased)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,10 @@ Protocol (each step is one script call on the run's own slot; see ``lua/`` and
 
 1. ``create_run`` writes the scenario and the first signed checkpoint (generation 1, state
    version 1) together and refuses an existing run id.
-2. ``acquire`` takes a free or expired lease: ``lease_version + 1``, expiry from Redis
-   ``TIME`` plus the ttl. Losing the race returns ``None``.
+2. ``acquire`` takes a free or expired lease: ``max(lease_version + 1, now_ms)`` (the
+   store's time as a floor, so a lease granted after a rewound store still outranks every
+   lease granted before it), expiry from Redis ``TIME`` plus the ttl. Losing the race
+   returns ``None``.
 3. ``commit`` checks owner, lease version, expiry, generation == high-water + 1 and the
    expected state version, then stores the checkpoint and advances generation and state
    version in the same step. Its commit id makes a retry after a lost reply report

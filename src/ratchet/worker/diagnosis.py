@@ -366,7 +366,7 @@ def _timeline(
             if taken is not None:
                 what = (
                     f"taken over from {text(previous.owner, 200)} after lease expiry"
-                    if previous.lease_version == entry.lease_version - 1
+                    if _int(taken.get("previous_lease_version")) == previous.lease_version
                     else "taken over after lease expiry (last commit before it by "
                     f"{text(previous.owner, 200)}, lease v{previous.lease_version})"
                 )

@@ -171,7 +171,13 @@ def _tripwires(
         return not fleet.store.read_run(run_id).is_held_by(owner, version)
 
     wires = Tripwires(run_id, version, points, events, lease_gone)
-    wires.emit("acquire", owner=owner)
+    wires.emit(
+        "acquire",
+        owner=owner,
+        took_over=lease.took_over,
+        previous_owner=lease.previous[0],
+        previous_lease_version=lease.previous[1],
+    )
     return wires
 
 
@@ -248,7 +254,7 @@ def _execute(
         return JobReport(run_id, "held_elsewhere", detail=f"held by {got.owner}")
     lease: LeasedRun = got
     recorder = RunRecorder(fleet.store, run_id, lease.lease_version, settings)
-    recorder.lease_acquired(took_over=lease.took_over)
+    recorder.lease_acquired(took_over=lease.took_over, previous=lease.previous)
     report = JobReport(run_id, "lease_lost", lease_version=lease.lease_version)
     points = probe if isinstance(probe, Failpoints) else None
     wires = _tripwires(fleet, lease, points, events)

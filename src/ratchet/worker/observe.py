@@ -150,14 +150,17 @@ class RunRecorder:
                 },
             )
 
-    def lease_acquired(self, *, took_over: bool) -> None:
-        """Count the acquire; record a takeover (the previous holder's lease expired)."""
+    def lease_acquired(self, *, took_over: bool, previous: tuple[str, int] = ("", 0)) -> None:
+        """Count the acquire; record a takeover (the previous holder's lease expired),
+        naming the lease it ended (``previous``: its owner and version)."""
         metrics.lease_acquired(took_over=took_over)
         if took_over:
             self._record(
                 {
                     "kind": "lease_taken_over",
                     "lease_version": self._lease_version,
+                    "previous_owner": previous[0],
+                    "previous_lease_version": previous[1],
                     "message": "the previous holder's lease expired",
                 }
             )

@@ -39,7 +39,7 @@ if held == 0 then
     return {'held', owner, version, expires, now_ms}
   end
   if owner ~= ARGV[2] or now_ms >= expires then
-    version = version + 1
+    version = math.max(version + 1, now_ms)
     claimed = true
   end
 else

@@ -5,7 +5,7 @@
 -- Mode "wipe" drops every checkpoint, blob and write of the thread; mode "drop" drops the
 -- listed checkpoints (with their writes), applies the head updates, and then drops every
 -- blob that no remaining checkpoint reads (by the blob lists in KEYS[4]).
--- With fence "1" the current lease also ends: lease_version + 1 and no owner, so a worker
+-- With fence "1" the current lease also ends: max(lease_version + 1, now_ms) and no owner, so a worker
 -- still running on the thread has its next write refused instead of resurrecting it.
 --
 -- KEYS[1]  thread meta hash    ratchet:lg:{<T>}:meta
@@ -95,7 +95,7 @@ redis.call('HSET', KEYS[1], 'generation', generation, 'head', ARGV[2])
 if ARGV[4] == '1' then
   local t = redis.call('TIME')
   local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  version = version + 1
+  version = math.max(version + 1, now_ms)
   redis.call('HSET', KEYS[1], 'owner', '', 'lease_version', version, 'expires_at_ms', now_ms)
 end
 return {'rewritten', generation, version}

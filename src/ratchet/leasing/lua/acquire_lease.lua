@@ -1,8 +1,15 @@
 -- acquire_lease: take a run's lease if it is free, expired, or already the caller's.
 --
 -- Free or expired (or held by the same owner id) means: owner = caller,
--- lease_version + 1, expires_at = now + ttl. The version only ever grows, so every new
--- holder fences out every earlier one, including an earlier incarnation of the caller.
+-- lease_version = max(lease_version + 1, now_ms), expires_at = now + ttl. The version only
+-- ever grows, so every new holder fences out every earlier one, including an earlier
+-- incarnation of the caller. Taking the store's time as a floor keeps that true across a
+-- rewound store (an AOF cut back, a failover to a replica that missed writes): the lease
+-- hash comes back with an old version, but a lease granted after the rewind still
+-- outranks every lease granted before it, so an adapter that has seen the old holder's
+-- fence refuses the old holder once the new one raises its own. Without the floor the
+-- new holder would get the old holder's number again and the two fences would be equal.
+-- (This holds while the store's clock does not step back further than the rewind.)
 -- Expiry is judged by Redis server time (TIME) only; no worker clock is involved.
 --
 -- KEYS[1]  lease hash      ratchet:{<run>}:lease
@@ -17,8 +24,10 @@
 --
 -- Replies:
 --   {"acquired", lease_version, expires_at_ms, now_ms, generation, state_version,
---    task_id, env_instance_id, took_over}   took_over: 1 when the lease had an owner whose
---                                           lease had expired (a takeover), else 0
+--    task_id, env_instance_id, took_over, previous_owner, previous_lease_version}
+--      took_over: 1 when the lease had an owner whose lease had expired (a takeover),
+--      else 0; previous_owner ('' when free) and previous_lease_version (0 when the run
+--      was never leased): the lease this one replaced, so a takeover names what it ended
 --   {"held", owner, lease_version, expires_at_ms, now_ms}  another live owner holds it
 --   {"no_run"}
 --
@@ -43,7 +52,8 @@ local took_over = 0
 if owner ~= '' and now_ms >= expires then
   took_over = 1
 end
-version = version + 1
+local previous = version
+version = math.max(version + 1, now_ms)
 expires = now_ms + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_version', version,
   'expires_at_ms', expires, 'acquired_at_ms', now_ms)
@@ -53,4 +63,4 @@ end
 local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version', 'task_id',
   'env_instance_id')
 return {'acquired', version, expires, now_ms, tonumber(st[1]), tonumber(st[2]), st[3], st[4],
-  took_over}
+  took_over, owner, previous}

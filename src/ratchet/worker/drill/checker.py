@@ -120,6 +120,16 @@ def _takeovers(evidence: Evidence) -> list[float]:
     return out
 
 
+def _later_leases(evidence: Evidence) -> set[tuple[str, int]]:
+    """``(run, lease version)`` of every acquire that replaced an earlier lease of its run
+    (each acquire event names the lease it replaced; 0: the run had never been leased)."""
+    return {
+        (str(e["run_id"]), int(e["lease_version"]))
+        for e in evidence.events.get("acquire", [])
+        if int(e.get("previous_lease_version") or 0) > 0
+    }
+
+
 def _rewound(record: DrillRecord) -> dict[str, tuple[int, int]]:
     if record.rollback is None:
         return {}
@@ -214,7 +224,12 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
 
     # 2. No acknowledged checkpoint lost; no restore at an older generation.
     acks = _acks(evidence, record)
-    takeovers = [e for e in evidence.events.get("restore", []) if int(e["lease_version"]) > 1]
+    later_leases = _later_leases(evidence)
+    takeovers = [
+        e
+        for e in evidence.events.get("restore", [])
+        if (str(e["run_id"]), int(e["lease_version"])) in later_leases
+    ]
     ack_faults = len(takeovers) + len(record.redis_kills)
     invariants.append(
         Invariant(
@@ -435,16 +450,18 @@ def _lower_takeovers(record: DrillRecord, evidence: Evidence, watch: MetricsWatc
     """Leases that must have been taken over, each counted by a scraped worker.
 
     A lease (run, v) whose holder was SIGKILLed by a ``kill`` failpoint, or stopped by a
-    ``pause`` one, was neither finished nor released: the next acquire of that run (lease
-    version v + 1) found it expired and still naming its owner, which is what the metric
-    counts. For a pause, that acquire must come before the zombie was resumed. Runs the
-    rollback rewound are left out (their lease versions repeat).
+    ``pause`` one, was neither finished nor released: the next acquire of that run (the
+    one whose event names lease v as the lease it replaced) found it expired and still
+    naming its owner, which is what the metric counts. For a pause, that acquire must come
+    before the zombie was resumed. Runs the rollback rewound are left out (the lease the
+    rewound store names is not the last one granted).
     """
     rewound = _rewound(record)
     resumed = {int(str(p["pid"])): float(p["resumed_at"] or 0) for p in record.pauses}
     acquires: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for event in evidence.events.get("acquire", []):
-        acquires.setdefault((str(event["run_id"]), int(event["lease_version"])), []).append(event)
+        replaced = (str(event["run_id"]), int(event.get("previous_lease_version") or 0))
+        acquires.setdefault(replaced, []).append(event)
     counted: set[tuple[str, int]] = set()
     for hit in evidence.fired:
         run_id, version = hit.get("run_id"), hit.get("lease_version")
@@ -456,7 +473,7 @@ def _lower_takeovers(record: DrillRecord, evidence: Evidence, watch: MetricsWatc
         ):
             continue
         until = resumed.get(int(hit["pid"]), 0.0) if hit["action"] == "pause" else None
-        for event in acquires.get((run_id, version + 1), []):
+        for event in acquires.get((run_id, version), []):
             at = float(event["at"])
             if at >= float(hit["at"]) and (until is None or at < until) and _covered(event, watch):
                 counted.add((run_id, version))
@@ -555,7 +572,7 @@ def _metrics(
         f.adapters.refused_workspace + f.adapters.refused_orders for f in runs.values()
     )
     acquires = [e for e in evidence.events.get("acquire", []) if int(e["pid"]) in scraped]
-    upper_takeovers = sum(1 for e in acquires if int(e["lease_version"]) >= 2)
+    upper_takeovers = sum(1 for e in acquires if int(e.get("previous_lease_version") or 0) > 0)
     lower_takeovers = _lower_takeovers(record, evidence, watch)
     covered_acquires = sum(1 for e in acquires if _covered(e, watch))
     covered_commits = sum(1 for c in zombie_commits if _covered(c, watch))
