@@ -63,6 +63,7 @@ from ratchet.runtime import (
     sign_approval,
 )
 from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
+from ratchet.worker.executor import Executor
 
 BENCH_KEY = bytes(range(32)) + b"bench-checkpoint-key"
 TARGETS = {"4k": 4 * 1024, "64k": 64 * 1024}
@@ -137,8 +138,7 @@ class _Builder:
             "run-bench",
             scenario=self.scenario,
             keyring=self.keyring,
-            adapter=self.adapter,
-            store=self.store,
+            executor=Executor(self.adapter, self.store),
             clock=self.clock,
             approvers=self.approvers,
         )
@@ -284,7 +284,7 @@ def ops(b: Built) -> dict[str, Callable[[], object]]:
             b.blob,
             scenario=b.scenario,
             keyring=b.keyring,
-            store=b.store,
+            high_water=b.store.high_water,
             observe=observe,
             approvers=b.approvers,
         ).state

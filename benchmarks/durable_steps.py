@@ -353,13 +353,15 @@ def _ratchet(
 ) -> Contender:
     from ratchet.leasing import RedisStore
     from ratchet.runtime import (
+        Hooks,
         KeyRing,
         RunEngine,
-        StoreProxy,
         TraceOutcome,
         derive_idempotency_key,
     )
     from ratchet.runtime.canonical import model_json
+    from ratchet.runtime.effects import Commit
+    from ratchet.worker.executor import Executor
 
     store = RedisStore.from_url(url)
     store.load_scripts()
@@ -390,30 +392,13 @@ def _ratchet(
         "trips_in_steps": 0,
     }
 
-    class Counted(StoreProxy):
-        """The lease handle, counting commit round trips (one per advance call)."""
+    class Counted(Hooks):
+        """Counts commit round trips (one per commit effect the executor performs)."""
 
-        def advance(
-            self,
-            key: Any,
-            *,
-            expected_generation: int,
-            blob: bytes,
-            nonces: Any = (),
-            segment: bytes = b"",
-        ) -> None:
-            stats["round_trips"] += 1
-            super().advance(
-                key,
-                expected_generation=expected_generation,
-                blob=blob,
-                nonces=nonces,
-                segment=segment,
-            )
-
-        def advance_many(self, key: Any, commits: Any) -> None:
-            stats["round_trips"] += 1
-            super().advance_many(key, commits)
+        def around(self, effect: Any, proceed: Callable[[], Any]) -> Any:
+            if isinstance(effect, Commit):
+                stats["round_trips"] += 1
+            return proceed()
 
     def action(engine: Any, run_id: str, index: int) -> dict[str, Any]:
         state = engine.state
@@ -440,8 +425,7 @@ def _ratchet(
             run_id,
             scenario=scenario,
             keyring=keyring,
-            adapter=adapter,
-            store=store.creator(scenario_bytes),
+            executor=Executor(adapter, store.creator(scenario_bytes)),
             clock=clock,
             archive_trace=True,
         )
@@ -457,8 +441,7 @@ def _ratchet(
             archive=snap.archive,
             scenario=scenario,
             keyring=keyring,
-            adapter=adapter,
-            store=Counted(lease),
+            executor=Executor(adapter, lease, hooks=Counted()),
             clock=clock,
             lease_version=lease.lease_version,
             coalesce=coalesce,
@@ -550,7 +533,7 @@ def _ratchet_breakdown(run_once: Callable[[int], int], runs: int, steps: int) ->
     wrap(engine_mod.RunEngine, "propose", "step_total")
     wrap(engine_mod, "seal_checkpoint", "seal_checkpoint")
     wrap(engine_mod, "seal_split", "seal_checkpoint")  # archived runs seal with seal_split
-    wrap(LeasedRun, "advance_many", "redis_commit")  # advance() is a batch of one
+    wrap(LeasedRun, "commit_batch", "redis_commit")
     wrap(LedgerAdapter, "execute", "adapter_execute")
     wrap(LedgerAdapter, "observe", "adapter_observe")
     for name in ("propose", "record_receipt", "complete_write"):  # propose calls project

@@ -30,6 +30,7 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.memory import ManualClock, MemoryGenerationStore
+from ratchet.worker.executor import Executor, WindowProbe
 from tests.adapters.conftest import ServiceBox
 
 WRONG_GREETING = 'print("Hello, wrold")\n'
@@ -156,18 +157,19 @@ class Harness:
     def approvers(self) -> TrustRoots:
         return TrustRoots.from_public_bytes("approver", {"alice": public_bytes(self.approver_key)})
 
-    def ports(self, adapter: Adapter) -> dict[str, Any]:
+    def ports(self, adapter: Adapter, store: Any, probe: Probe | None = None) -> dict[str, Any]:
+        hooks = WindowProbe(probe) if probe is not None else None
         return {
             "scenario": self.scenario,
             "keyring": self.keyring,
-            "adapter": adapter,
+            "executor": Executor(adapter, store, hooks=hooks),
             "clock": self.clock,
             "approvers": self.approvers,
         }
 
     def start(self, probe: Probe | None = None) -> RunEngine:
         return RunEngine.start(
-            self.run_id, store=self.store.leased(1), probe=probe, **self.ports(self.open_adapter())
+            self.run_id, **self.ports(self.open_adapter(), self.store.leased(1), probe)
         )
 
     def latest_blob(self) -> bytes:
@@ -179,10 +181,8 @@ class Harness:
         store.claim(self.run_id)
         return RunEngine.resume(
             self.latest_blob(),
-            store=store,
             lease_version=lease_version,
-            probe=probe,
-            **self.ports(self.open_adapter()),
+            **self.ports(self.open_adapter(), store, probe),
         )
 
     # -- actions ------------------------------------------------------------------------------

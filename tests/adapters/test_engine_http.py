@@ -79,7 +79,7 @@ def test_a_crash_in_each_write_window_recovers_with_exactly_one_order(
     if window is CrashWindow.AFTER_RECEIPT_BEFORE_STATE:
         # Receipt and state are one commit unless the environment cannot be observed
         # right after the write: only then is the receipt committed alone.
-        engine.adapter = ObserveFailsAfterWrite(engine.adapter)
+        engine.executor.hooks = ObserveFailsAfterWrite(engine.executor.hooks)
     with pytest.raises(SimulatedCrash):
         place(run, engine)
 
@@ -121,7 +121,7 @@ def fence_refusals(engine: RunEngine, orders: ServiceBox) -> int:
     engine's live precondition check finds the environment moved under the old owner's
     pending order and lets the router judge its fence (files part first) before anything
     is sent, so the order may never reach the service at all."""
-    router = engine.adapter
+    router = engine.executor.adapter
     assert isinstance(router, RouterAdapter)
     files = router.files
     assert isinstance(files, WorkspaceAdapter)

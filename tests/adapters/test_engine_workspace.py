@@ -83,7 +83,7 @@ def test_a_crash_in_each_write_window_recovers_with_exactly_one_workspace_write(
     if window is CrashWindow.AFTER_RECEIPT_BEFORE_STATE:
         # Receipt and state are one commit unless the environment cannot be observed
         # right after the write: only then is the receipt committed alone.
-        engine.adapter = ObserveFailsAfterWrite(engine.adapter)
+        engine.executor.hooks = ObserveFailsAfterWrite(engine.executor.hooks)
     with pytest.raises(SimulatedCrash):
         engine.propose(run.write(engine, key="fix-1"))
 
@@ -115,7 +115,8 @@ def test_the_old_owners_late_write_is_refused_after_the_new_owner_wrote(
         old.propose(run.write(old, key="fix-1"))
     assert run.effects() == 1
     assert new_owner[0].state.executed[-1].idempotency_key == "fix-1"
-    assert isinstance(old.adapter, WorkspaceAdapter) and old.adapter.refused_stale == 1
+    adapter = old.executor.adapter
+    assert isinstance(adapter, WorkspaceAdapter) and adapter.refused_stale == 1
     finish(run, new_owner[0])
 
 

@@ -13,9 +13,10 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -33,10 +34,12 @@ from ratchet.errors import (
     StoreError,
 )
 from ratchet.leasing import LeasedRun, RedisServer, RedisStore, run_keys
-from ratchet.runtime import Advance, CrashWindow, KeyRing, Phase, RunEngine, RunKey
+from ratchet.runtime import CrashWindow, Effect, Hooks, KeyRing, Phase, RunEngine
+from ratchet.runtime.effects import Commit
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.agents import ScriptedAgent
 from ratchet.worker.drill.services import NOTE, _scenario, make_workspace, plan
+from ratchet.worker.executor import Executor, WindowProbe
 from ratchet.worker.job import _view
 from tests.conftest import test_sandbox_mode
 
@@ -51,45 +54,25 @@ class Crash(Exception):
     """The simulated worker died here."""
 
 
-@dataclass
-class Acks:
-    """A GenerationStore that records every commit the worker saw succeed."""
+class Acks(Hooks):
+    """Executor hooks that record every commit the worker saw succeed."""
 
-    inner: LeasedRun
-    log: list[tuple[int, int, str]]  # (lease version, generation, digest)
+    def __init__(self, lease_version: int, log: list[tuple[int, int, str]]) -> None:
+        self.lease_version = lease_version
+        self.log = log  # (lease version, generation, digest)
 
-    def high_water(self, key: RunKey) -> int:
-        return self.inner.high_water(key)
-
-    def load(self, key: RunKey):  # type: ignore[no-untyped-def]
-        return self.inner.load(key)
-
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
-        self.inner.advance(
-            key, expected_generation=expected_generation, blob=blob, nonces=nonces, segment=segment
-        )
-        self.log.append(
-            (self.inner.lease_version, expected_generation + 1, hashlib.sha256(blob).hexdigest())
-        )
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        self.inner.advance_many(key, commits)
-        for commit in commits:
-            self.log.append(
-                (
-                    self.inner.lease_version,
-                    commit.expected_generation + 1,
-                    hashlib.sha256(commit.blob).hexdigest(),
+    def around(self, effect: Effect, proceed: Callable[[], Any]) -> Any:
+        result = proceed()
+        if isinstance(effect, Commit):
+            for commit in effect.batch:
+                self.log.append(
+                    (
+                        self.lease_version,
+                        commit.expected_generation + 1,
+                        hashlib.sha256(commit.blob).hexdigest(),
+                    )
                 )
-            )
+        return result
 
 
 @dataclass
@@ -148,8 +131,7 @@ class Protocol(RuleBasedStateMachine):
             self.run_id,
             scenario=self.scenario,
             keyring=self.world.keyring,
-            adapter=self.workers[0].adapter,
-            store=self.store.creator(b"{}"),
+            executor=Executor(self.workers[0].adapter, self.store.creator(b"{}")),
             clock=SystemClock(),
         )
         self.journal = root / ".ratchet" / "journal.sqlite3"
@@ -180,11 +162,13 @@ class Protocol(RuleBasedStateMachine):
                 snap.checkpoint,
                 scenario=self.scenario,
                 keyring=self.world.keyring,
-                adapter=worker.adapter,
-                store=Acks(lease, self.acks),
+                executor=Executor(
+                    worker.adapter,
+                    lease,
+                    hooks=WindowProbe(worker.probe, Acks(lease.lease_version, self.acks)),
+                ),
                 clock=SystemClock(),
                 lease_version=lease.lease_version,
-                probe=worker.probe,
                 coalesce=coalesce,
                 archive=snap.archive,
                 archive_trace=archive,

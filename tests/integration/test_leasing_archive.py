@@ -12,6 +12,7 @@ from ratchet.leasing import RedisStore, run_keys
 from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario
 from ratchet.runtime.memory import MemoryWorkspace
 from ratchet.runtime.ports import Advance, RunKey
+from ratchet.worker.executor import Executor
 from tests.integration.conftest import lose_first_reply
 from tests.unit.world import RIGHT_GREETING, scenario_data
 
@@ -38,9 +39,9 @@ def test_segments_are_appended_with_their_commits_and_read_back_in_order(
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     key = RunKey("t", run_id, "e")
-    run.advance(key, expected_generation=1, blob=b"g2", segment=b"s2")
-    run.advance(key, expected_generation=2, blob=b"g3")  # nothing new to archive
-    run.advance_many(
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2", segment=b"s2")])
+    run.commit_batch(key, [Advance(expected_generation=2, blob=b"g3")])  # nothing new to archive
+    run.commit_batch(
         key, [Advance(3, b"g4", segment=b"s4"), Advance(4, b"g5"), Advance(5, b"g6", segment=b"s6")]
     )
     snap = store.read_run(run_id, with_checkpoint=True)
@@ -56,7 +57,7 @@ def test_a_retried_commit_appends_its_segment_once(store: RedisStore, make_run: 
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     dropped = lose_first_reply(store)
-    run.advance_many(key, [Advance(1, b"g2", segment=b"a"), Advance(2, b"g3", segment=b"b")])
+    run.commit_batch(key, [Advance(1, b"g2", segment=b"a"), Advance(2, b"g3", segment=b"b")])
     store.reply_hook = None
     assert dropped and _archive(store, key.run_id) == [b"a", b"b"]
 
@@ -70,8 +71,8 @@ def test_a_stale_lease_appends_nothing(
     expire(store, key.run_id)
     assert store.acquire(key.run_id, owner="w2", ttl_ms=60_000) is not None
     for attempt in (
-        lambda: old.advance(key, expected_generation=1, blob=b"x", segment=b"z"),
-        lambda: old.advance_many(key, [Advance(1, b"x", segment=b"z")]),
+        lambda: old.commit_batch(key, [Advance(expected_generation=1, blob=b"x", segment=b"z")]),
+        lambda: old.commit_batch(key, [Advance(1, b"x", segment=b"z")]),
     ):
         try:
             attempt()
@@ -103,8 +104,7 @@ def test_an_archived_engine_runs_and_restores_on_redis(
         run_id,
         scenario=scenario,
         keyring=keyring,
-        adapter=adapter,
-        store=store.creator(b"scenario"),
+        executor=Executor(adapter, store.creator(b"scenario")),
         clock=Clock(),
         archive_trace=True,
     )
@@ -119,8 +119,7 @@ def test_an_archived_engine_runs_and_restores_on_redis(
             archive=snap.archive,
             scenario=scenario,
             keyring=keyring,
-            adapter=adapter,
-            store=lease,
+            executor=Executor(adapter, lease),
             clock=Clock(),
             lease_version=lease.lease_version,
             coalesce=True,
@@ -152,7 +151,7 @@ def test_an_archived_engine_runs_and_restores_on_redis(
     first.propose(action(first, "write_file", {"path": "app.py", "content": RIGHT_GREETING}, "fix"))
     first.flush()
     before = first.state
-    store.release(first.store.lease)  # type: ignore[attr-defined]
+    store.release(first.executor.store.lease)  # type: ignore[attr-defined, union-attr]
     second = resume("w2")
     assert second.state == before
     second.propose(action(second, "run_verifier", {"target": "unit"}))

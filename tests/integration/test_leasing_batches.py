@@ -1,4 +1,4 @@
-"""Batched commits (``LeasedRun.advance_many`` / ``RedisStore.commit_many``): consecutive
+"""Batched commits (``LeasedRun.commit_batch`` / ``RedisStore.commit_many``): consecutive
 fenced commits in one call of the commit script, on a real server, fakeredis[lua] and the
 env server."""
 
@@ -46,13 +46,15 @@ def test_a_batch_applies_each_commit_at_its_own_generation_in_one_call(
     store: RedisStore, make_run: MakeRun
 ) -> None:
     key, run = _leased(store, make_run)
-    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
+    run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert (snap.generation, snap.state_version, snap.checkpoint) == (4, 4, b"g4")
     assert [(g, v) for g, v, _ in _history(store, key.run_id)] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert (run.generation, run.state_version) == (4, 4)
     assert run.fence.state_version == 4
-    run.advance(key, expected_generation=4, blob=b"g5")  # the handle moved with the batch
+    run.commit_batch(
+        key, [Advance(expected_generation=4, blob=b"g5")]
+    )  # the handle moved with the batch
     assert store.read_run(key.run_id).generation == 5
 
 
@@ -66,7 +68,7 @@ def test_a_batch_from_a_stale_lease_applies_nothing(
     new = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
     assert new is not None
     with pytest.raises(LeaseLostError):
-        old.advance_many(key, [Advance(1, b"stale-2"), Advance(2, b"stale-3")])
+        old.commit_batch(key, [Advance(1, b"stale-2"), Advance(2, b"stale-3")])
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert (snap.generation, snap.checkpoint) == (1, b"ckpt-1")
     assert len(_history(store, key.run_id)) == 1
@@ -78,26 +80,26 @@ def test_a_refused_commit_stops_the_batch_and_keeps_the_ones_before_it(
     other = make_run()
     holder = store.acquire(other.run_id, owner="w9", ttl_ms=60_000)
     assert holder is not None
-    holder.advance(other, expected_generation=1, blob=b"o2")
+    holder.commit_batch(other, [Advance(expected_generation=1, blob=b"o2")])
     key = make_run()
     taken, mine = f"n-taken-{key.run_id}", f"n-mine-{key.run_id}"  # unique per test run
-    holder.advance(other, expected_generation=2, blob=b"o3", nonces=[taken])
+    holder.commit_batch(other, [Advance(expected_generation=2, blob=b"o3", nonces=[taken])])
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     # The nonce is claimed globally before anything is sent: nothing of the batch lands.
     with pytest.raises(NonceReplayError):
-        run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3", (taken,))])
+        run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3", (taken,))])
     assert store.read_run(key.run_id).generation == 1
     # A nonce this run already consumed is refused by the script of the second commit:
     # the first commit stays applied and the handle knows it.
-    run.advance(key, expected_generation=1, blob=b"g2", nonces=[mine])
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2", nonces=[mine])])
     with pytest.raises(NonceReplayError):
-        run.advance_many(key, [Advance(2, b"g3"), Advance(3, b"g4", (mine,))])
+        run.commit_batch(key, [Advance(2, b"g3"), Advance(3, b"g4", (mine,))])
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert (snap.generation, snap.checkpoint) == (3, b"g3")
     assert run.generation == 3
     with pytest.raises(GenerationMismatchError):
-        run.advance_many(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
+        run.commit_batch(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
     assert store.read_run(key.run_id).generation == 3
 
 
@@ -106,7 +108,7 @@ def test_a_lost_batch_reply_is_resent_and_reported_applied_once(
 ) -> None:
     key, run = _leased(store, make_run)
     dropped = lose_first_reply(store)
-    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+    run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3")])
     assert dropped  # the first send's replies were thrown away
     history = _history(store, key.run_id)
     assert [g for g, _, _ in history] == [1, 2, 3]  # each commit applied exactly once
@@ -119,7 +121,7 @@ def test_a_batch_whose_replies_never_arrive_is_an_unknown_outcome(
     key, run = _leased(store, make_run)
     store.reply_hook = lambda run_id, commit_id: True
     with pytest.raises(CommitOutcomeUnknownError) as err:
-        run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+        run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3")])
     assert err.value.generation == 3
     store.reply_hook = None
     assert store.read_run(key.run_id).generation == 3  # applied, only the replies were lost
@@ -128,7 +130,7 @@ def test_a_batch_whose_replies_never_arrive_is_an_unknown_outcome(
 def test_a_batch_survives_script_flush(store: RedisStore, make_run: MakeRun) -> None:
     key, run = _leased(store, make_run)
     store.client.script_flush()
-    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+    run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3")])
     assert store.read_run(key.run_id).generation == 3
 
 
@@ -140,12 +142,12 @@ def test_bad_batches_are_refused_before_reaching_redis(
     with pytest.raises(ContractError):
         store.commit_many(run.lease, prepared, expected_state_version=1)
     with pytest.raises(RunExistsError):
-        run.advance_many(key, [Advance(0, b"again")])
+        run.commit_batch(key, [Advance(0, b"again")])
     with pytest.raises(ContractError):
-        run.advance_many(
+        run.commit_batch(
             RunKey(task_id="other", run_id=key.run_id, env_instance_id="env-1"), [Advance(1, b"g2")]
         )
-    run.advance_many(key, [])  # an empty batch sends nothing
+    run.commit_batch(key, [])  # an empty batch sends nothing
     assert store.read_run(key.run_id).generation == 1
 
 
@@ -155,8 +157,8 @@ def test_the_creator_takes_a_batch_of_one_creation_only(
     key = RunKey(task_id="task-a", run_id=new_run_id(), env_instance_id="env-1")
     creator = store.creator(b"scenario")
     with pytest.raises(LeaseLostError):
-        creator.advance_many(key, [Advance(0, b"g1"), Advance(1, b"g2")])
-    creator.advance_many(key, [Advance(0, b"g1")])
+        creator.commit_batch(key, [Advance(0, b"g1"), Advance(1, b"g2")])
+    creator.commit_batch(key, [Advance(0, b"g1")])
     assert store.read_run(key.run_id).generation == 1
 
 
@@ -179,7 +181,7 @@ def test_commit_many_sends_one_script_call(
 
     monkeypatch.setattr(client, "pipeline", pipeline)
     monkeypatch.setattr(store._runner, "run", run_script)
-    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
+    run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3"), Advance(3, b"g4")])
     assert calls == ["commit"]
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert snap.generation == 4 and snap.checkpoint == b"g4"
@@ -197,7 +199,7 @@ def test_a_batch_that_crosses_the_history_limit_trims_history_and_commit_ids_tog
     key = RunKey("t", run_id, "e")
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    run.advance_many(key, [Advance(g, b"g%d" % (g + 1)) for g in range(1, 6)])
+    run.commit_batch(key, [Advance(g, b"g%d" % (g + 1)) for g in range(1, 6)])
     assert [g for g, _, _ in _history(store, run_id)] == [4, 5, 6]
     ids = {k.decode() for k in redis_client.hkeys(run_keys(run_id).commits)}
     assert ids == {c for _, _, c in _history(store, run_id)}
@@ -215,7 +217,9 @@ def test_a_long_history_is_trimmed_in_steps_of_an_eighth_of_its_limit(
     assert run is not None
     lengths = []
     for generation in range(1, 30):
-        run.advance(key, expected_generation=generation, blob=b"g%d" % (generation + 1))
+        run.commit_batch(
+            key, [Advance(expected_generation=generation, blob=b"g%d" % (generation + 1))]
+        )
         lengths.append(len(_history(store, run_id)))
     # Generation g leaves g entries until 18; the 19th is trimmed back to 16, and so on.
     assert lengths == [*range(2, 19), 16, 17, 18, 16, 17, 18, 16, 17, 18, 16, 17, 18]
@@ -267,7 +271,7 @@ def test_a_reply_that_stops_short_without_a_refusal_is_a_protocol_error(
         store._runner, "run", lambda *_, **__: [[b"committed", 2, 2, 10**13, 10**12]]
     )
     with pytest.raises(StoreProtocolError):
-        run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+        run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3")])
 
 
 @pytest.mark.parametrize("reap", [False, True])
@@ -276,7 +280,7 @@ def test_the_last_commit_can_carry_the_release_in_the_same_call(
 ) -> None:
     key, run = _leased(store, make_run)
     run.release_with_next_commit(reap=reap)
-    run.advance_many(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+    run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3")])
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert (snap.generation, snap.checkpoint, snap.owner) == (3, b"g3", None)
     assert not snap.lease_live and snap.lease_version == run.lease_version
@@ -293,7 +297,7 @@ def test_a_refused_commit_carries_no_release(store: RedisStore, make_run: MakeRu
     key, run = _leased(store, make_run)
     run.release_with_next_commit()
     with pytest.raises(GenerationMismatchError):
-        run.advance(key, expected_generation=5, blob=b"g6")
+        run.commit_batch(key, [Advance(expected_generation=5, blob=b"g6")])
     snap = store.read_run(key.run_id)
     assert snap.generation == 1 and snap.is_held_by("w1", run.lease_version)
     run.release()  # nothing was carried: an ordinary release
@@ -306,7 +310,7 @@ def test_a_release_carried_by_a_retried_commit_is_applied_once(
     key, run = _leased(store, make_run)
     dropped = lose_first_reply(store)
     run.release_with_next_commit()
-    run.advance(key, expected_generation=1, blob=b"g2")
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")])
     assert dropped
     snap = store.read_run(key.run_id)
     assert snap.generation == 2 and snap.owner is None

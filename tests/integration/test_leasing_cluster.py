@@ -75,11 +75,11 @@ def test_every_script_runs_for_runs_whose_keys_land_on_different_masters(
         assert store.acquire(run_id, owner="w2", ttl_ms=60_000) is None
         assert run.high_water(key) == 1
         if index == 0:
-            run.advance(key, expected_generation=1, blob=b"g2", nonces=[nonce])
+            run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2", nonces=[nonce])])
         else:
             with pytest.raises(NonceReplayError):
-                run.advance(key, expected_generation=1, blob=b"g2", nonces=[nonce])
-            run.advance(key, expected_generation=1, blob=b"g2")
+                run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2", nonces=[nonce])])
+            run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")])
         again = run.commit(b"g3", commit_id="c-3")
         assert run.commit(b"g3", generation=3, commit_id="c-3").already_applied
         assert again.generation == 3
@@ -123,16 +123,16 @@ def test_batched_commits_and_archives_run_on_every_master_also_after_script_flus
         key = RunKey("t", run_id, "e")
         run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
         assert run is not None
-        run.advance_many(key, [Advance(1, b"g2", segment=b"s2"), Advance(2, b"g3")])
+        run.commit_batch(key, [Advance(1, b"g2", segment=b"s2"), Advance(2, b"g3")])
         snap = store.read_run(run_id, with_checkpoint=True)
         assert (snap.generation, snap.state_version, snap.checkpoint) == (3, 3, b"g3")
         assert snap.archive == (b"s2",)  # the archive shares the run's slot
         with pytest.raises(GenerationMismatchError):
-            run.advance_many(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
+            run.commit_batch(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
         assert store.read_run(run_id).generation == 3
         # The last commit carries the release; the expiry index (another slot) follows.
         run.release_with_next_commit(reap=True)
-        run.advance_many(key, [Advance(3, b"g4")])
+        run.commit_batch(key, [Advance(3, b"g4")])
         snap = store.read_run(run_id)
         assert snap.generation == 4 and snap.owner is None
         assert store.client.zscore(EXPIRY_INDEX, run_id) is not None
@@ -153,7 +153,7 @@ def test_phase_indexes_counts_and_pages_follow_runs_on_every_master(
         run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
         assert run is not None
         run.release_with_next_commit()
-        run.advance_many(
+        run.commit_batch(
             RunKey("t", run_id, "e"),
             [Advance(1, b"g2", phase="running"), Advance(2, b"g3", phase="awaiting_approval")],
         )

@@ -23,7 +23,7 @@ from ratchet.errors import (
     StoreError,
 )
 from ratchet.leasing import RedisServer, RedisStore, free_port, run_keys
-from ratchet.runtime.ports import RunKey
+from ratchet.runtime.ports import Advance, RunKey
 from ratchet.worker.drill.cluster import choose_redis, truncate_aof
 from tests.integration.conftest import redis_binaries
 
@@ -241,7 +241,7 @@ def test_the_port_survives_a_lost_reply_without_the_caller_noticing(
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     proxy.drop_next_reply()
-    run.advance(key, expected_generation=1, blob=b"g2")
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")])
     assert proxy.dropped.is_set()
     assert run.high_water(key) == 2 and run.load(key).blob == b"g2"
     store.client.close()

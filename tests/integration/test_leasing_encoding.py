@@ -100,7 +100,7 @@ def test_a_damaged_frame_is_handed_on_and_restore_refuses_it(
             read,
             scenario=None,
             keyring=KEYRING,  # type: ignore[arg-type]
-            store=None,
+            high_water=None,
             observe=lambda _s, _g: None,
         )  # type: ignore[arg-type]
     assert err.value.reason == "malformed"

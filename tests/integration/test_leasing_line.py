@@ -15,7 +15,7 @@ import redis
 from ratchet.errors import GenerationMismatchError
 from ratchet.leasing import RedisServer, RedisStore, run_keys
 from ratchet.leasing.scripts import ScriptName
-from ratchet.runtime.ports import RunKey
+from ratchet.runtime.ports import Advance, RunKey
 
 
 def _run(store: RedisStore, run_id: str) -> tuple[Any, RunKey]:
@@ -48,13 +48,15 @@ def test_commits_share_one_connection_of_their_own(
     run, key = _run(store, new_run_id())
     before = client.connection_pool._created_connections
     for generation in range(1, 6):
-        run.advance(key, expected_generation=generation, blob=b"g%d" % (generation + 1))
+        run.commit_batch(
+            key, [Advance(expected_generation=generation, blob=b"g%d" % (generation + 1))]
+        )
     # The pool made exactly one connection more (the line), and kept it.
     assert client.connection_pool._created_connections == before + 1
     assert store.read_run(key.run_id, with_checkpoint=True).checkpoint == b"g6"
     # A refusal over the line is decoded like any other.
     with pytest.raises(GenerationMismatchError):
-        run.advance(key, expected_generation=1, blob=b"old")
+        run.commit_batch(key, [Advance(expected_generation=1, blob=b"old")])
     store._runner.close()
     client.close()
 
@@ -64,12 +66,14 @@ def test_a_killed_commit_connection_is_reopened_by_the_next_commit(
 ) -> None:
     store = line_store
     run, key = _run(store, new_run_id())
-    run.advance(key, expected_generation=1, blob=b"g2")
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")])
     line = _commit_clients(store.client)
     admin = shared_redis_server.client()
     for client_id in line:
         admin.client_kill_filter(_id=client_id)
-    run.advance(key, expected_generation=2, blob=b"g3")  # reconnects on the retry policy
+    run.commit_batch(
+        key, [Advance(expected_generation=2, blob=b"g3")]
+    )  # reconnects on the retry policy
     assert store.read_run(key.run_id).generation == 3
     assert not (_commit_clients(admin) & line)
     admin.close()
@@ -80,7 +84,7 @@ def test_a_forked_child_commits_on_a_connection_of_its_own(
 ) -> None:
     store = line_store
     run, key = _run(store, new_run_id())
-    run.advance(key, expected_generation=1, blob=b"g2")  # the parent's line is open
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")])  # the parent's line is open
     child_run_id = new_run_id()
     read, write = os.pipe()
     pid = os.fork()
@@ -88,7 +92,7 @@ def test_a_forked_child_commits_on_a_connection_of_its_own(
         code = 1
         try:
             child, child_key = _run(store, child_run_id)
-            child.advance(child_key, expected_generation=1, blob=b"c2")
+            child.commit_batch(child_key, [Advance(expected_generation=1, blob=b"c2")])
             os.write(write, b"ok")
             code = 0
         finally:
@@ -98,7 +102,7 @@ def test_a_forked_child_commits_on_a_connection_of_its_own(
     os.close(read)
     os.close(write)
     # The parent's connection was not touched: its next reply is its own.
-    run.advance(key, expected_generation=2, blob=b"g3")
+    run.commit_batch(key, [Advance(expected_generation=2, blob=b"g3")])
     assert store.read_run(key.run_id).generation == 3
     assert store.read_run(child_run_id).generation == 2
 

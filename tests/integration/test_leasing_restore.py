@@ -12,6 +12,7 @@ from ratchet.runtime import Action, KeyRing, RunEngine, Scenario
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.memory import ManualClock, MemoryWorkspace
 from ratchet.runtime.ports import RunKey
+from ratchet.worker.executor import Executor
 
 SECRET = b"integration-checkpoint-key-0123456789abcdef"
 GREETING = 'print("Hello, wrold")\n'
@@ -80,9 +81,8 @@ def ports(world: dict[str, Any], store: Any) -> dict[str, Any]:
     return {
         "scenario": world["scenario"],
         "keyring": world["keyring"],
-        "adapter": world["adapter"],
+        "executor": Executor(world["adapter"], store),
         "clock": world["clock"],
-        "store": store,
     }
 
 

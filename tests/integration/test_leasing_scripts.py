@@ -23,7 +23,7 @@ from ratchet.errors import (
     StaleStateError,
 )
 from ratchet.leasing import RedisStore, run_keys
-from ratchet.runtime.ports import GenerationStore, RunKey
+from ratchet.runtime.ports import Advance, GenerationStore, RunKey
 
 MakeRun = Callable[..., RunKey]
 Expire = Callable[[RedisStore, str], None]
@@ -228,7 +228,7 @@ def test_commit_of_a_generation_other_than_high_water_plus_one_is_refused(
             run.commit(b"x", generation=wrong)
         assert err.value.high_water == 1
     with pytest.raises(GenerationMismatchError):
-        run.advance(key, expected_generation=2, blob=b"x")
+        run.commit_batch(key, [Advance(expected_generation=2, blob=b"x")])
     with pytest.raises(ContractError):
         run.commit(b"x", generation=1)
     assert store.read_run(key.run_id, with_checkpoint=True).checkpoint == b"ckpt-1"
@@ -299,9 +299,9 @@ def test_a_nonce_is_consumed_once_per_run_atomically_with_its_commit(
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    run.advance(key, expected_generation=1, blob=b"g2", nonces=[nonce])
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2", nonces=[nonce])])
     with pytest.raises(NonceReplayError) as err:
-        run.advance(key, expected_generation=2, blob=b"g3", nonces=[nonce])
+        run.commit_batch(key, [Advance(expected_generation=2, blob=b"g3", nonces=[nonce])])
     assert err.value.nonce == nonce
     assert store.read_run(key.run_id).generation == 2
     assert store.nonce_claimed_by(nonce) == key.run_id
@@ -315,9 +315,9 @@ def test_a_nonce_consumed_by_one_run_is_refused_on_another_run(
     run_a = store.acquire(a.run_id, owner="w1", ttl_ms=60_000)
     run_b = store.acquire(b.run_id, owner="w2", ttl_ms=60_000)
     assert run_a is not None and run_b is not None
-    run_a.advance(a, expected_generation=1, blob=b"a2", nonces=[nonce])
+    run_a.commit_batch(a, [Advance(expected_generation=1, blob=b"a2", nonces=[nonce])])
     with pytest.raises(NonceReplayError) as err:
-        run_b.advance(b, expected_generation=1, blob=b"b2", nonces=[nonce])
+        run_b.commit_batch(b, [Advance(expected_generation=1, blob=b"b2", nonces=[nonce])])
     assert err.value.claimed_by == a.run_id
     assert store.read_run(b.run_id).generation == 1
 
@@ -401,11 +401,11 @@ def test_the_lease_handle_is_the_runtime_generation_store_port(
     assert isinstance(run, GenerationStore)
     assert run.high_water(key) == 1
     assert run.load(key).blob == b"g1"
-    run.advance(key, expected_generation=1, blob=b"g2")
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")])
     stored = run.load(key)
     assert (stored.generation, stored.blob) == (2, b"g2")
     with pytest.raises(RunExistsError):
-        run.advance(key, expected_generation=0, blob=b"again")
+        run.commit_batch(key, [Advance(expected_generation=0, blob=b"again")])
 
 
 def test_the_port_refuses_a_key_for_another_task_or_environment(
@@ -422,7 +422,7 @@ def test_the_port_refuses_a_key_for_another_task_or_environment(
         with pytest.raises(HighWaterUnavailableError):
             run.high_water(wrong)
         with pytest.raises(ContractError):
-            run.advance(wrong, expected_generation=1, blob=b"x")
+            run.commit_batch(wrong, [Advance(expected_generation=1, blob=b"x")])
 
 
 def test_the_port_reports_a_lost_lease_on_restore(
@@ -444,13 +444,15 @@ def test_the_creator_port_creates_a_run_at_generation_zero_and_nothing_later(
     assert isinstance(creator, GenerationStore)
     with pytest.raises(HighWaterUnavailableError):
         creator.high_water(key)
-    creator.advance(key, expected_generation=0, blob=b"g1")
-    creator.advance(key, expected_generation=0, blob=b"g1")  # a retry: already applied
+    creator.commit_batch(key, [Advance(expected_generation=0, blob=b"g1")])
+    creator.commit_batch(
+        key, [Advance(expected_generation=0, blob=b"g1")]
+    )  # a retry: already applied
     assert creator.high_water(key) == 1 and creator.load(key).blob == b"g1"
     with pytest.raises(RunExistsError):
-        store.creator(b"scenario").advance(key, expected_generation=0, blob=b"g1")
+        store.creator(b"scenario").commit_batch(key, [Advance(expected_generation=0, blob=b"g1")])
     with pytest.raises(LeaseLostError):
-        creator.advance(key, expected_generation=1, blob=b"g2")
+        creator.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")])
 
 
 def test_the_expiry_index_follows_acquire_renew_release_and_finish(

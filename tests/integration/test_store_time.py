@@ -26,6 +26,7 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.memory import ManualClock, MemoryWorkspace
+from ratchet.worker.executor import Executor
 
 SECRET = b"integration-checkpoint-key-0123456789abcdef"
 APPROVER = Ed25519PrivateKey.generate()
@@ -61,19 +62,20 @@ def engine_on_redis(
     ports: dict[str, Any] = {
         "scenario": scn,
         "keyring": keyring,
-        "adapter": adapter,
         "clock": clock,
         "approvers": approvers,
     }
-    RunEngine.start(
-        run_id, store=store.creator(canonical_json(scn.model_dump(mode="json"))), **ports
-    )
+    creator = store.creator(canonical_json(scn.model_dump(mode="json")))
+    RunEngine.start(run_id, executor=Executor(adapter, creator), **ports)
     lease = store.acquire(run_id, owner="w-time", ttl_ms=60_000)
     assert lease is not None
     snap = lease.read(with_checkpoint=True)
     assert snap.checkpoint is not None
     return RunEngine.resume(
-        snap.checkpoint, store=lease, lease_version=lease.lease_version, **ports
+        snap.checkpoint,
+        executor=Executor(adapter, lease),
+        lease_version=lease.lease_version,
+        **ports,
     )
 
 

@@ -137,19 +137,19 @@ def test_counts_are_exact_after_creates_commits_and_phase_changes(fleet: Fleet) 
     run = store.acquire("r-count-0001", owner="w1", ttl_ms=60_000)
     assert run is not None
     key = RunKey("t", "r-count-0001", "e")
-    run.advance_many(
+    run.commit_batch(
         key, [Advance(1, b"g2", phase="running"), Advance(2, b"g3", phase="awaiting_approval")]
     )
     assert store.phase_counts()["awaiting_approval"] == 1
     assert store.phase_counts()["running"] == 2
-    run.advance_many(key, [Advance(3, b"g4", phase="awaiting_approval")])  # same phase
+    run.commit_batch(key, [Advance(3, b"g4", phase="awaiting_approval")])  # same phase
     run.commit(b"g5", nonces=["n-once"])  # a commit that states no phase leaves it
     assert store.phase_counts()["awaiting_approval"] == 1
     state = store.client.hgetall(run_keys("r-count-0001").state)
     assert state[b"phase"] == b"awaiting_approval" and int(state[b"generation"]) == 5
     # A batch refused at its second commit: the first applied, and so did its phase.
     with pytest.raises(NonceReplayError):
-        run.advance_many(
+        run.commit_batch(
             key,
             [
                 Advance(5, b"g6", phase="needs_review"),
@@ -160,7 +160,7 @@ def test_counts_are_exact_after_creates_commits_and_phase_changes(fleet: Fleet) 
     assert store.phase_counts()["awaiting_approval"] == 0
     assert store.phase_counts()["completed"] == 0
     run.release_with_next_commit()
-    run.advance_many(key, [Advance(6, b"g7", phase="failed")])
+    run.commit_batch(key, [Advance(6, b"g7", phase="failed")])
     assert store.read_run("r-count-0001").owner is None
     assert store.phase_counts() == {**dict.fromkeys(PHASES, 0), "running": 2, "failed": 1}
     assert store.run_count() == 3
@@ -172,7 +172,7 @@ def test_every_index_a_run_is_in_is_named_by_index_keys(fleet: Fleet) -> None:
     (run_id,) = make_runs(store, "r-keys", 1)
     run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    run.advance_many(RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="needs_review")])
+    run.commit_batch(RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="needs_review")])
     assert store.index_keys() == INDEX_KEYS
     assert set(INDEX_KEYS) == {RUNS_INDEX, EXPIRY_INDEX, *PHASE_INDEXES}
     holding = {

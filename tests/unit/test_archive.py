@@ -64,7 +64,7 @@ def restore(world: World, blob: bytes, archive: tuple[bytes, ...]) -> object:
         blob,
         scenario=world.scenario,
         keyring=world.keyring,
-        store=world.store,
+        high_water=world.store.high_water,
         observe=lambda _s, _g: world.adapter.observe(),
         approvers=world.approvers,
         reviewers=world.reviewers,

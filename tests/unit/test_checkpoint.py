@@ -34,7 +34,7 @@ def restore(
         blob,
         scenario=scenario or world.scenario,
         keyring=keyring or world.keyring,
-        store=world.store if with_store else None,
+        high_water=world.store.high_water if with_store else None,
         observe=lambda _state, _gen: observed or world.adapter.observe(),
         approvers=world.approvers if with_trust else None,
         reviewers=world.reviewers if with_trust else None,
@@ -178,7 +178,7 @@ def test_an_invalid_state_does_not_advance_the_high_water_mark(
     gap = TraceEvent(seq=len(engine.state.trace) + 5, at=0, outcome=TraceOutcome.READ)
     broken = engine.state.model_copy(update={"trace": (*engine.state.trace, gap)})
     with pytest.raises(InvariantViolation, match="contiguous"):
-        engine._commit(broken)
+        engine._drive(engine._commit(broken))
     assert world.store.high_water(run_key(engine.state)) == before
     assert engine.generation == before
     restore(world, engine.checkpoint)  # the last good checkpoint still restores
@@ -214,7 +214,7 @@ def test_a_schema_invalid_state_does_not_advance_the_high_water_mark(
     before = world.store.high_water(run_key(engine.state))
     broken = engine.state.model_copy(update={"plan_cursor": -1})
     with pytest.raises(InvariantViolation, match="schema"):
-        engine._commit(broken)
+        engine._drive(engine._commit(broken))
     assert world.store.high_water(run_key(engine.state)) == before
 
 

@@ -3,60 +3,41 @@ run's next commit. Same checkpoints, fewer round trips, and every crash still re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from ratchet.errors import CommitOutcomeUnknownError, LeaseLostError
-from ratchet.runtime import (
-    Advance,
-    CrashWindow,
-    GenerationStore,
-    Phase,
-    RunEngine,
-    RunKey,
-    StoreProxy,
-    TraceOutcome,
-)
+from ratchet.runtime import CrashWindow, Effect, Hooks, Phase, RunEngine, TraceOutcome
+from ratchet.runtime.effects import Commit
 from ratchet.runtime.engine import Probe
 from tests.unit.world import RIGHT_GREETING, World
 
 
-class Recorder(StoreProxy):
-    """Passes commits on and records each round trip: the generations it carried."""
+class Recorder(Hooks):
+    """Executor hooks that record each commit round trip the store applied: the
+    generations it carried."""
 
-    def __init__(self, inner: GenerationStore) -> None:
-        super().__init__(inner)
+    def __init__(self) -> None:
         self.trips: list[list[int]] = []
         self.blobs: list[bytes] = []
 
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
-        super().advance(
-            key, expected_generation=expected_generation, blob=blob, nonces=nonces, segment=segment
-        )
-        self.trips.append([expected_generation + 1])
-        self.blobs.append(blob)
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        super().advance_many(key, commits)
-        self.trips.append([c.expected_generation + 1 for c in commits])
-        self.blobs.extend(c.blob for c in commits)
+    def around(self, effect: Effect, proceed: Callable[[], Any]) -> Any:
+        result = proceed()
+        if isinstance(effect, Commit):
+            self.trips.append([c.expected_generation + 1 for c in effect.batch])
+            self.blobs.extend(c.blob for c in effect.batch)
+        return result
 
 
 def start(
     world: World, *, coalesce: bool, probe: Probe | None = None
 ) -> tuple[RunEngine, Recorder]:
-    recorder = Recorder(world.store.leased(1))
+    recorder = Recorder()
     engine = RunEngine.start(
-        world.run_id, **world.ports(store=recorder, probe=probe, coalesce=coalesce)
+        world.run_id,
+        **world.ports(store=world.store.leased(1), hooks=recorder, probe=probe, coalesce=coalesce),
     )
     return engine, recorder
 

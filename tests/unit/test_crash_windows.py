@@ -37,7 +37,7 @@ def test_a_crash_in_each_write_window_recovers_with_exactly_one_write(
     if window is CrashWindow.AFTER_RECEIPT_BEFORE_STATE:
         # Receipt and state are one commit; the receipt is committed alone only when the
         # environment cannot be observed right after the write.
-        engine.adapter = ObserveFailsAfterWrite(engine.adapter)
+        engine.executor.hooks = ObserveFailsAfterWrite(engine.executor.hooks)
     with pytest.raises(SimulatedCrash):
         engine.propose(world.write(engine, key="fix-1"))
 
@@ -68,8 +68,9 @@ def test_recovery_is_idempotent_when_the_recovering_worker_crashes_too(world: Wo
     with pytest.raises(SimulatedCrash):
         engine.propose(world.write(engine, key="fix-1"))
     second = world.resume(probe=crash_at(CrashWindow.AFTER_RECEIPT_BEFORE_STATE), lease_version=2)
-    second.adapter = ObserveFailsAfterWrite(second.adapter)
-    second.adapter._armed = True  # the recovering worker cannot observe either
+    blind = ObserveFailsAfterWrite(second.executor.hooks)
+    blind._armed = True  # the recovering worker cannot observe either
+    second.executor.hooks = blind
     with pytest.raises(SimulatedCrash):
         second.reconcile()
     third = world.resume(lease_version=3)
@@ -104,17 +105,17 @@ def test_a_lost_commit_reply_is_resolved_by_re_reading_the_store(world: World) -
 
 def test_a_lost_reply_for_a_commit_that_did_not_apply_is_not_assumed(world: World) -> None:
     engine = world.start()
-    original = world.store.advance
+    original = world.store.commit_batch
 
     def lose_without_applying(*args: object, **kw: object) -> None:
         raise CommitOutcomeUnknownError("connection dropped before the script ran")
 
-    world.store.advance = lose_without_applying  # type: ignore[method-assign]
+    world.store.commit_batch = lose_without_applying  # type: ignore[method-assign]
     generation = engine.generation
     with pytest.raises(CommitOutcomeUnknownError):
         engine.propose(world.write(engine, key="fix-1"))
     assert engine.generation == generation
-    world.store.advance = original  # type: ignore[method-assign]
+    world.store.commit_batch = original  # type: ignore[method-assign]
     assert world.adapter.write_count == 0
 
 
@@ -127,7 +128,7 @@ def test_a_stale_owner_is_fenced_by_the_adapter_and_the_store(world: World) -> N
     with pytest.raises(LeaseLostError):
         old.propose(world.write(old, "print('late')\n", key="fix-2"))
     with pytest.raises(FenceRejectedError):
-        old.adapter.execute(
+        old.executor.adapter.execute(
             world.write(old, "print('late')\n", key="fix-2"), "0" * 64, old._fence(), None
         )
     assert world.adapter.refused_stale == 1
@@ -172,7 +173,7 @@ def test_an_unexplained_effect_without_a_receipt_opens_a_review(world: World) ->
 
 def test_a_recorded_receipt_that_drifted_before_recovery_opens_a_review(world: World) -> None:
     engine = world.start(probe=crash_at(CrashWindow.AFTER_RECEIPT_BEFORE_STATE))
-    engine.adapter = ObserveFailsAfterWrite(engine.adapter)
+    engine.executor.hooks = ObserveFailsAfterWrite(engine.executor.hooks)
     with pytest.raises(SimulatedCrash):
         engine.propose(world.write(engine, key="fix-1"))
     world.adapter.replace_receipt("fix-1", receipt_id="rcpt-rewritten")

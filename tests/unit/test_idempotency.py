@@ -10,6 +10,7 @@ import pytest
 from ratchet.errors import AdapterError, InvalidTransitionError
 from ratchet.runtime import CrashWindow, Phase, ReviewReason, RunEngine, TraceOutcome
 from ratchet.runtime.memory import ObserveFailsAfterWrite
+from ratchet.worker.executor import WindowProbe
 from tests.unit.world import RIGHT_GREETING, World, plant_foreign_receipt
 
 
@@ -117,7 +118,7 @@ def test_a_missing_cache_entry_is_rebuilt_from_a_complete_adapter_receipt(world:
         if window.value == "after_adapter_before_receipt":
             raise Crash
 
-    engine._probe = crash
+    engine.executor.hooks = WindowProbe(crash)
     with pytest.raises(Crash):
         engine.propose(world.write(engine, key="fix-1"))
     assert engine.state.executed == ()  # nothing cached
@@ -175,7 +176,7 @@ def test_recovering_a_key_the_cache_lost_never_wedges(
 
     other = RunEngine.start("run-2", **world.ports(store=world.store.leased(1), probe=crash))
     if window == "receipt_committed_alone":
-        other.adapter = ObserveFailsAfterWrite(other.adapter)
+        other.executor.hooks = ObserveFailsAfterWrite(other.executor.hooks)
     with pytest.raises((Crash, AdapterError)):
         other.propose(world.write(other, key="fix-1"))
     stored = world.store.load(other.key)

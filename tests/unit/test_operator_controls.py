@@ -69,7 +69,9 @@ def test_a_write_that_never_reached_the_adapter_is_dropped_after_a_lookup(world:
     # The old owner's late write cannot land any more: the fence went up first.
     pending_action = world.write(old, key="fix-1")
     with pytest.raises(FenceRejectedError):
-        old.adapter.execute(pending_action, pending_action.intent_digest, old._fence(), None)
+        old.executor.adapter.execute(
+            pending_action, pending_action.intent_digest, old._fence(), None
+        )
     assert world.adapter.write_count == 0
 
 

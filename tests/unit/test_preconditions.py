@@ -9,19 +9,24 @@ from typing import Any
 import pytest
 
 from ratchet.errors import CheckpointError, EnvironmentMismatchError, FenceRejectedError
-from ratchet.runtime import AdapterProxy, CrashWindow, Observation, Phase, TraceOutcome
+from ratchet.runtime import CrashWindow, Hooks, Observation, Phase, TraceOutcome
+from ratchet.worker.executor import Executor
 from tests.unit.world import RIGHT_GREETING, World
 
 SILENT_EDIT = "print('edited without moving the version')\n"
 
 
-class CountingAdapter(AdapterProxy):
-    """Counts observations, and can declare that it enforces preconditions itself."""
+class CountingAdapter:
+    """Counts observations, and can declare that it enforces preconditions itself; every
+    other call goes to ``inner``."""
 
     def __init__(self, inner: Any, *, enforces: object = False) -> None:
-        super().__init__(inner)
+        self._inner = inner
         self.observed = 0
         self._enforces = enforces
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
     @property
     def enforces_preconditions(self) -> bool:
@@ -29,7 +34,7 @@ class CountingAdapter(AdapterProxy):
 
     def observe(self) -> Observation:
         self.observed += 1
-        return super().observe()
+        return self._inner.observe()  # type: ignore[no-any-return]
 
 
 def test_a_silent_edit_that_kept_the_version_stops_the_write(world: World) -> None:
@@ -89,7 +94,7 @@ def test_the_write_goes_when_the_live_environment_is_exactly_the_planned_one(
 ) -> None:
     engine = world.start()
     counting = CountingAdapter(world.adapter)
-    engine.adapter = counting
+    engine.executor.adapter = counting
     assert engine.propose(world.write(engine, key="fix-1")).outcome is TraceOutcome.EXECUTED
     assert world.adapter.files["app.py"] == RIGHT_GREETING
     # The live check before the write and the observation after it.
@@ -101,14 +106,14 @@ def test_an_adapter_that_enforces_preconditions_itself_is_not_observed_again(
 ) -> None:
     engine = world.start()
     counting = CountingAdapter(world.adapter, enforces=True)
-    engine.adapter = counting
+    engine.executor.adapter = counting
     assert engine.propose(world.write(engine, key="fix-1")).outcome is TraceOutcome.EXECUTED
     assert counting.observed == 1  # only the observation after the write
 
 
 def test_only_a_literal_true_declaration_skips_the_check(world: World) -> None:
     engine = world.start()
-    engine.adapter = CountingAdapter(world.adapter, enforces="yes")
+    engine.executor.adapter = CountingAdapter(world.adapter, enforces="yes")
     world.adapter.files["app.py"] = SILENT_EDIT
     with pytest.raises(EnvironmentMismatchError):
         engine.propose(world.write(engine, key="fix-1"))
@@ -116,12 +121,23 @@ def test_only_a_literal_true_declaration_skips_the_check(world: World) -> None:
     assert engine.state.phase is Phase.RUNNING
 
 
-def test_the_declaration_reaches_the_engine_through_wrappers(world: World) -> None:
-    """A worker wraps its adapter (guards, metrics): the declaration must pass through, or
-    a declaring adapter would pay the check anyway."""
+def test_the_declaration_reaches_the_engine_through_a_workers_executor(world: World) -> None:
+    """A worker's executor has a guard, hooks and metrics around the adapter: the
+    declaration must still reach the engine, or a declaring adapter would pay the check
+    anyway."""
+
+    class Guard:
+        def check(self) -> None:
+            pass
+
+        def progress(self) -> None:
+            pass
+
     engine = world.start()
     counting = CountingAdapter(world.adapter, enforces=True)
-    engine.adapter = AdapterProxy(AdapterProxy(counting))
+    engine.executor = Executor(
+        counting, world.store.leased(1), hooks=Hooks(), guard=Guard(), measure=True
+    )
     assert engine.propose(world.write(engine, key="fix-1")).outcome is TraceOutcome.EXECUTED
     assert counting.observed == 1
-    assert AdapterProxy(world.adapter).enforces_preconditions is False
+    assert Executor(world.adapter, world.store).enforces_preconditions is False

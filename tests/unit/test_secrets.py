@@ -58,7 +58,7 @@ def test_no_key_material_in_checkpoints_traces_reprs_or_errors(world: World) -> 
             engine.checkpoint,
             scenario=world.scenario,
             keyring=wrong,
-            store=world.store,
+            high_water=world.store.high_water,
             observe=lambda *_: world.adapter.observe(),
         )
     texts += [str(err.value).encode(), repr(err.value).encode()]

@@ -99,7 +99,7 @@ def test_a_resigned_completed_checkpoint_without_a_verifier_event_is_refused(
             forged,
             scenario=world.scenario,
             keyring=world.keyring,
-            store=world.store,
+            high_water=world.store.high_water,
             observe=lambda _s, _g: world.adapter.observe(),
             approvers=world.approvers,
             reviewers=world.reviewers,

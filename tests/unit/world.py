@@ -32,9 +32,11 @@ from ratchet.runtime import (
     sign_review_decision,
 )
 from ratchet.runtime.canonical import canonical_json
+from ratchet.runtime.effects import Hooks
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
 from ratchet.runtime.signing import parse_envelope, seal_envelope
+from ratchet.worker.executor import Executor, WindowProbe
 
 CHECKPOINT_SECRET = b"checkpoint-key-0123456789abcdef!!CANARY"
 OTHER_SECRET = b"another-checkpoint-key-0123456789abcdef"
@@ -115,12 +117,29 @@ class World:
     def reviewers(self) -> TrustRoots:
         return TrustRoots.from_public_bytes("reviewer", {"rita": public_bytes(self.reviewer_key)})
 
-    def ports(self, **extra: Any) -> dict[str, Any]:
+    def ports(
+        self,
+        *,
+        store: Any = None,
+        adapter: Any = None,
+        probe: Probe | None = None,
+        hooks: Hooks | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """RunEngine.start/resume's arguments: this world's scenario, keys, clock and trust
+        roots, and an executor on its adapter and store (or the ones given), with
+        ``probe`` called at every crash window."""
+        if probe is not None:
+            hooks = WindowProbe(probe, hooks)
+        executor = Executor(
+            self.adapter if adapter is None else adapter,
+            self.store if store is None else store,
+            hooks=hooks,
+        )
         return {
             "scenario": self.scenario,
             "keyring": self.keyring,
-            "adapter": self.adapter,
-            "store": self.store,
+            "executor": executor,
             "clock": self.clock,
             "approvers": self.approvers,
             "reviewers": self.reviewers,

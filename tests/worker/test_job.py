@@ -75,20 +75,14 @@ def test_a_job_that_dies_in_a_window_is_finished_by_the_next_owner_with_one_writ
 ) -> None:
     root, document = workspace()
     run_id = submit(fleet, document)
+    points = f"{window.value}=raise"
     if window is CrashWindow.AFTER_RECEIPT_BEFORE_STATE:
         # The receipt is committed apart from the state only when the environment cannot
         # be observed right after the write: play that for the first owner.
-        from ratchet.runtime.memory import ObserveFailsAfterWrite
-        from ratchet.worker import job as job_module
-
-        real = job_module.build_adapter
-        monkeypatch.setattr(
-            job_module, "build_adapter", lambda doc, **kw: ObserveFailsAfterWrite(real(doc, **kw))
-        )
-    probe = Failpoints(parse_failpoints(f"{window.value}=raise"))
+        points += ";observe_after_write=raise"
+    probe = Failpoints(parse_failpoints(points))
     with pytest.raises(FailpointFired):
         execute_run(fleet, run_id, owner="w-1", probe=probe)
-    monkeypatch.undo()
     held = execute_run(fleet, run_id, owner="w-2")
     assert held.outcome == "held_elsewhere"  # the dead owner's lease still runs
     wait_for_expiry(fleet, run_id)

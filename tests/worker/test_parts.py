@@ -12,7 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from ratchet.errors import ConfigurationError, LeaseLostError, StoreUnavailableError
-from ratchet.runtime import Advance, Observation, Phase, TraceOutcome
+from ratchet.runtime import Action, Advance, Fence, Observation, Phase, RunKey, TraceOutcome
+from ratchet.runtime.effects import Commit, Execute, Lookup, Observe, RaiseFence, Verify
 from ratchet.runtime.state import Usage
 from ratchet.worker.agents import (
     AgentPolicy,
@@ -22,11 +23,26 @@ from ratchet.worker.agents import (
     load_agent,
 )
 from ratchet.worker.context import Fleet
-from ratchet.worker.heartbeat import GuardedStore, Heartbeat
+from ratchet.worker.executor import Executor
+from ratchet.worker.heartbeat import Heartbeat
 from ratchet.worker.ops import submit
 from ratchet.worker.reaper import reap_once
 from ratchet.worker.runs import RunDocument
 from ratchet.worker.settings import Settings
+
+
+def _action() -> Action:
+    return Action.model_validate(
+        {
+            "action_id": "a-1",
+            "kind": "write_file",
+            "risk": "reversible_write",
+            "args": {"path": "app.py", "content": "x"},
+            "idempotency_key": "k",
+            "expected_env_version": 0,
+            "deadline_at": 10**12,
+        }
+    )
 
 
 def poll(predicate: Callable[[], bool], deadline_s: float = 10.0) -> None:
@@ -148,16 +164,34 @@ def test_a_refused_renewal_loses_the_lease_and_stops_commits() -> None:
     try:
         poll(lambda: beat.lost)
         assert beat.reason is not None and "LeaseLostError" in beat.reason
-        committed = []
+        committed: list[object] = []
+        adapter_calls: list[str] = []
 
         class Store:
-            def advance(self, *a: object, **k: object) -> None:
+            def commit_batch(self, *a: object, **k: object) -> None:
                 committed.append(1)
 
-        guarded = GuardedStore(Store(), beat)  # type: ignore[arg-type]
-        with pytest.raises(LeaseLostError):
-            guarded.advance(None, expected_generation=1, blob=b"")  # type: ignore[arg-type]
-        assert committed == []
+        class Adapter:
+            def __getattr__(self, name: str) -> Any:
+                return lambda *a, **k: adapter_calls.append(name)
+
+        executor = Executor(Adapter(), Store(), guard=beat)  # type: ignore[arg-type]
+        key = RunKey("t", "r", "e")
+        fence = Fence(run_id="r", lease_version=1, state_version=1)
+        refused = [
+            Commit(key, (Advance(expected_generation=1, blob=b""),)),
+            Execute(_action(), "0" * 64, fence, None),
+            RaiseFence(fence),
+            Verify("unit"),
+        ]
+        for effect in refused:
+            with pytest.raises(LeaseLostError):
+                executor.perform(effect)
+        assert committed == [] and adapter_calls == []
+        # Reading is still allowed: a lost lease needs no guard to observe or look up.
+        executor.perform(Observe())
+        executor.perform(Lookup("k"))
+        assert adapter_calls == ["observe", "lookup"]
     finally:
         beat.stop()
 
@@ -286,22 +320,20 @@ def test_a_run_whose_job_was_lost_before_any_worker_took_it_is_re_enqueued(
     assert enqueued.count(run_id) == 1
 
 
-def test_the_guarded_store_passes_a_single_commits_deadline_and_phase_through() -> None:
+def test_the_executor_passes_a_single_commits_deadline_and_phase_through() -> None:
     """A single commit with an approval deadline (or a phase) must reach the store whole:
-    sent as advance() it lost both, so Redis never enforced the deadline for workers."""
+    sent through a call without them it lost both, so Redis never enforced the deadline
+    for workers."""
     sent: list[list[Advance]] = []
 
     class Store:
-        def advance(self, *a: object, **k: object) -> None:
-            raise AssertionError("advance() carries neither the deadline nor the phase")
-
-        def advance_many(self, key: object, commits: list[Advance]) -> None:
+        def commit_batch(self, key: object, commits: list[Advance]) -> None:
             sent.append(list(commits))
 
     beat = Heartbeat(
         lambda: 0, run_id="r", interval_ms=10_000, stall_timeout_ms=50_000, lease_ttl_ms=60_000
     )
-    guarded = GuardedStore(Store(), beat)  # type: ignore[arg-type]
+    executor = Executor(None, Store(), guard=beat, measure=True)  # type: ignore[arg-type]
     commit = Advance(1, b"blob", (), b"", 123_456, "awaiting_approval")
-    guarded.advance_many(None, [commit])  # type: ignore[arg-type]
+    executor.perform(Commit(RunKey("t", "r", "e"), (commit,)))
     assert sent == [[commit]]

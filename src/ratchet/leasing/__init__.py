@@ -12,7 +12,7 @@ Typical use by a worker::
     if run is None:
         return                      # another live worker holds it
     checkpoint = run.load(key)      # GenerationStore port: generation checked against Redis
-    run.advance(key, expected_generation=checkpoint.generation, blob=next_blob)
+    run.commit_batch(key, [Advance(checkpoint.generation, next_blob)])
 """
 
 from __future__ import annotations

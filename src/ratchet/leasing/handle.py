@@ -10,9 +10,10 @@ through Redis:
   correctly signed checkpoint of an older generation is refused.
 * ``load(key)`` returns the checkpoint at the high-water mark, read in one step with the
   generation it belongs to.
-* ``advance(key, expected_generation=g, blob=..., nonces=...)`` is the fenced commit of
-  generation ``g + 1`` under ``(owner, lease_version, state_version)``.
-* ``advance_many`` sends each commit's phase (``Advance.phase``) with it, so the store
+* ``commit_batch(key, [Advance(g, blob, nonces), ...])`` is the fenced commit of
+  generation ``g + 1`` (and the ones after it) under
+  ``(owner, lease_version, state_version)``.
+* ``commit_batch`` sends each commit's phase (``Advance.phase``) with it, so the store
   lists the run under the phase its checkpoint is in. The handle remembers the phase it
   last committed; a batch that stays in it sends none, so the script has nothing to move
   (only a batch that may change the phase carries the phase indexes).
@@ -180,8 +181,9 @@ class LeasedRun:
 
     @property
     def fence(self) -> Fence:
-        """The fence for adapter writes: ``(run_id, lease_version, state_version)``."""
-        return self._lease.fence(self._state_version)
+        """The fence for adapter writes: ``(run_id, lease_version, generation)``, built
+        from the same counter as the engine's (see docs/architecture.md)."""
+        return self._lease.fence(self._generation)
 
     # -- GenerationStore ---------------------------------------------------------------
 
@@ -258,31 +260,18 @@ class LeasedRun:
             generation=snap.generation, blob=snap.checkpoint, archive=snap.archive
         )
 
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
-        """Commit ``blob`` as generation ``expected_generation + 1``, fenced by this lease
-        (``segment``, when not empty, is appended to the run's archive with it).
+    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+        """Commit a batch of consecutive generations in one round trip, each fenced by
+        this lease (see :meth:`RedisStore.commit_many`); ``segment``, when not empty, is
+        appended to the run's archive with its commit.
 
         Raises RunExistsError (``expected_generation == 0``), GenerationMismatchError,
         StaleStateError, LeaseLostError, NonceReplayError, CheckpointTooLargeError,
         CommitOutcomeUnknownError (re-read before acting), ContractError (the key names
-        another run, task or environment instance), StoreProtocolError.
+        another run, task or environment instance), StoreProtocolError; the commits
+        before a refused one are applied.
         """
-        self.advance_many(key, [Advance(expected_generation, blob, tuple(nonces), segment)])
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        """Commit a batch of consecutive generations in one round trip, each fenced by
-        this lease (see :meth:`RedisStore.commit_many`).
-
-        Raises what :meth:`advance` raises; the commits before a refused one are applied.
-        """
+        commits = batch
         if not commits:
             return
         self._check_key(key)
@@ -377,7 +366,7 @@ class LeasedRun:
         return self._lease
 
     def release_with_next_commit(self, *, reap: bool = False) -> None:
-        """Let the next commit through this handle (``advance`` or ``advance_many``, e.g.
+        """Let the next commit through this handle (``commit_batch``, e.g.
         the engine's final flush) give the lease up in the same script call, once every
         commit in it applied (see :meth:`RedisStore.commit_and_release`); a refused commit
         releases nothing. :meth:`release` then returns that outcome without a call of its
@@ -397,7 +386,7 @@ class LeasedRun:
 class RunCreator:
     """The ``GenerationStore`` a submitter uses to create a run (``RedisStore.creator``).
 
-    ``advance(key, expected_generation=0, blob=...)`` creates the run named by ``key`` with
+    ``commit_batch(key, [Advance(0, blob)])`` creates the run named by ``key`` with
     the bound scenario and ``blob`` as generation 1 (one script call; a retry with the same
     creator after a lost reply reports it applied). Any later generation needs a lease:
     acquire one with :meth:`RedisStore.acquire` and commit through the :class:`LeasedRun`.
@@ -428,59 +417,36 @@ class RunCreator:
             generation=snap.generation, blob=snap.checkpoint, archive=snap.archive
         )
 
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
-        """Create the run (``expected_generation == 0`` only), with its first archive
-        segment when the checkpoint names an archive.
+    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+        """Create the run: a batch of exactly one commit at ``expected_generation == 0``,
+        with the first archive segment when the checkpoint names an archive.
 
-        Raises RunExistsError, LeaseLostError (a later generation without a lease),
-        ContractError (nonces at creation), CheckpointTooLargeError,
+        Raises RunExistsError, LeaseLostError (a later generation, or a longer batch,
+        without a lease), ContractError (nonces at creation), CheckpointTooLargeError,
         CommitOutcomeUnknownError (no reply: re-read before acting), StoreProtocolError.
         """
-        if expected_generation != 0:
+        if len(batch) > 1 or any(c.expected_generation != 0 for c in batch):
             raise LeaseLostError(
                 "commits after creation need a lease", run_id=key.run_id, reason="no_lease"
             )
-        if nonces:
-            raise ContractError("a new run consumes no nonces", field="nonces", run_id=key.run_id)
-        try:
-            self._store.create_run(
-                key.run_id,
-                task_id=key.task_id,
-                env_instance_id=key.env_instance_id,
-                scenario=self._scenario,
-                checkpoint=blob,
-                commit_id=self._commit_id,
-                archive_segment=segment,
-            )
-        except StoreUnavailableError as exc:
-            raise CommitOutcomeUnknownError(
-                "no reply to create_run; re-read before acting",
-                run_id=key.run_id,
-                commit_id=self._commit_id,
-            ) from exc
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        """Create the run (a batch of exactly one commit at generation 0).
-
-        Raises what :meth:`advance` raises; LeaseLostError for any longer batch.
-        """
-        if len(commits) > 1:
-            raise LeaseLostError(
-                "commits after creation need a lease", run_id=key.run_id, reason="no_lease"
-            )
-        for commit in commits:
-            self.advance(
-                key,
-                expected_generation=commit.expected_generation,
-                blob=commit.blob,
-                nonces=commit.nonces,
-                segment=commit.segment,
-            )
+        for commit in batch:
+            if commit.nonces:
+                raise ContractError(
+                    "a new run consumes no nonces", field="nonces", run_id=key.run_id
+                )
+            try:
+                self._store.create_run(
+                    key.run_id,
+                    task_id=key.task_id,
+                    env_instance_id=key.env_instance_id,
+                    scenario=self._scenario,
+                    checkpoint=commit.blob,
+                    commit_id=self._commit_id,
+                    archive_segment=commit.segment,
+                )
+            except StoreUnavailableError as exc:
+                raise CommitOutcomeUnknownError(
+                    "no reply to create_run; re-read before acting",
+                    run_id=key.run_id,
+                    commit_id=self._commit_id,
+                ) from exc

@@ -30,11 +30,10 @@ class Lease:
     expires_at_ms: int
     now_ms: int
 
-    def fence(self, state_version: int) -> Fence:
-        """The fencing token for adapter writes made under this lease."""
-        return Fence(
-            run_id=self.run_id, lease_version=self.lease_version, state_version=state_version
-        )
+    def fence(self, generation: int) -> Fence:
+        """The fencing token for adapter writes made under this lease, standing at the
+        checkpoint ``generation``."""
+        return Fence(run_id=self.run_id, lease_version=self.lease_version, state_version=generation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,8 @@ from ratchet.runtime.checkpoint import (
     restore_checkpoint,
     seal_checkpoint,
 )
-from ratchet.runtime.engine import CrashWindow, RunEngine, StepResult
+from ratchet.runtime.effects import CrashWindow, Effect, Hooks, Performer
+from ratchet.runtime.engine import RunEngine, StepResult
 from ratchet.runtime.evidence import (
     ApprovalClaims,
     ApprovalEvidence,
@@ -37,7 +38,6 @@ from ratchet.runtime.evidence import (
 )
 from ratchet.runtime.ports import (
     Adapter,
-    AdapterProxy,
     Advance,
     Clock,
     Fence,
@@ -47,7 +47,6 @@ from ratchet.runtime.ports import (
     Receipt,
     RunKey,
     StoredCheckpoint,
-    StoreProxy,
     VerifierReport,
 )
 from ratchet.runtime.scenario import Budgets, Scenario, VerifierSpec, load_scenario
@@ -69,7 +68,6 @@ __all__ = [
     "Action",
     "ActionKind",
     "Adapter",
-    "AdapterProxy",
     "Advance",
     "ApprovalClaims",
     "ApprovalEvidence",
@@ -77,11 +75,14 @@ __all__ = [
     "CheckpointPayload",
     "Clock",
     "CrashWindow",
+    "Effect",
     "Event",
     "Fence",
     "GenerationStore",
+    "Hooks",
     "KeyRing",
     "Observation",
+    "Performer",
     "Phase",
     "ReadResult",
     "RebaselineClaims",
@@ -99,7 +100,6 @@ __all__ = [
     "Scenario",
     "SecretKey",
     "StepResult",
-    "StoreProxy",
     "StoredCheckpoint",
     "TraceOutcome",
     "TrustRoots",

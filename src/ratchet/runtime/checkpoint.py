@@ -49,7 +49,7 @@ from ratchet.errors import (
 )
 from ratchet.runtime.canonical import Domain, canonical_json, is_canonical
 from ratchet.runtime.evidence import TrustRoots
-from ratchet.runtime.ports import GenerationStore, Observation, RunKey
+from ratchet.runtime.ports import Observation, RunKey
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.signing import KeyRing, open_envelope, seal_envelope
 from ratchet.runtime.state import ExecutedWrite, RunState, TraceEvent, check_invariants
@@ -65,8 +65,12 @@ __all__ = [
     "Sealed",
     "archive_genesis",
     "check_environment",
+    "check_fresh",
     "empty_archive",
+    "finish_restore",
+    "high_water_missing",
     "open_checkpoint",
+    "open_for_restore",
     "restore_checkpoint",
     "run_key",
     "seal_checkpoint",
@@ -542,40 +546,17 @@ def _unarchive(head: RunState, ref: ArchiveRef, archive: Sequence[bytes]) -> Run
     return head.model_copy(update={"trace": tuple(trace), "executed": tuple(executed)})
 
 
-def restore_checkpoint(
+def open_for_restore(
     blob: bytes,
     *,
     scenario: Scenario,
     keyring: KeyRing,
-    store: GenerationStore | None,
-    observe: Callable[[RunState, int], Observation],
-    approvers: TrustRoots | None = None,
-    reviewers: TrustRoots | None = None,
     archive: Sequence[bytes] = (),
     opened: CheckpointPayload | None = None,
-    accept_environment: Observation | None = None,
-    tolerate_environment: bool = False,
-) -> Restored:
-    """Verify a checkpoint and return its state. See the module docstring for the order.
-
-    ``archive`` is the run's archive segments as the store returned them with ``blob``
-    (oldest first); a checkpoint that names an archive restores only with exactly it.
-
-    ``observe(state, generation)`` is called once the checkpoint is proven authentic and
-    fresh, and returns the environment as it is now (the engine raises the adapter's
-    fence inside it, before observing).
-
-    Expired approvals load (they are evidence an operator must see); whether they may
-    still execute is decided later by the state machine, never here.
-
-    ``opened`` is what :func:`open_checkpoint` returned for ``blob`` and ``archive`` (checks
-    1-4), for a caller that opened it already; it is not opened again.
-
-    Two callers relax the environment check, never the others: ``accept_environment`` is
-    the new baseline a *verified* rebaseline decision names (the caller checked it); an
-    observation that equals it exactly is accepted. ``tolerate_environment`` (an operator's
-    cancel, which writes nothing) returns the refusal in ``Restored.environment_refused``
-    instead of raising it.
+) -> CheckpointPayload:
+    """Checks 1-6 of a restore: open ``blob`` (unless ``opened`` is what
+    :func:`open_checkpoint` returned for it already), then the scenario fingerprint and
+    the run state's invariants. Pure: nothing is read or observed.
 
     Raises:
         CheckpointError: ``reason`` names the failed check.
@@ -589,17 +570,24 @@ def restore_checkpoint(
             "checkpoint was made under another scenario (task, policy, "
             "permissions, allowlists, initial state or verifier expectations changed)",
         )
-    state = payload.state
     try:
-        check_invariants(state, scenario)
+        check_invariants(payload.state, scenario)
     except InvariantViolation as exc:
         raise _fail("invariant", exc.message) from None
-    if store is None:
-        raise _fail("high_water_missing", "no generation store: restore fails closed")
-    try:
-        high_water = store.high_water(run_key(state))
-    except HighWaterUnavailableError as exc:
-        raise _fail("high_water_missing", f"high-water mark unavailable: {exc.message}") from None
+    return payload
+
+
+def high_water_missing(exc: HighWaterUnavailableError) -> CheckpointError:
+    """Check 7's refusal when the high-water mark cannot be read: fail closed."""
+    return _fail("high_water_missing", f"high-water mark unavailable: {exc.message}")
+
+
+def check_fresh(payload: CheckpointPayload, high_water: int) -> None:
+    """Check 7: the checkpoint's generation is the store's high-water mark.
+
+    Raises:
+        CheckpointError: ``stale_generation``, with both generations.
+    """
     if payload.generation != high_water:
         raise _fail(
             "stale_generation",
@@ -607,7 +595,31 @@ def restore_checkpoint(
             generation=payload.generation,
             high_water=high_water,
         )
-    observed = observe(state, payload.generation)
+
+
+def finish_restore(
+    payload: CheckpointPayload,
+    blob: bytes,
+    observed: Observation,
+    *,
+    approvers: TrustRoots | None = None,
+    reviewers: TrustRoots | None = None,
+    accept_environment: Observation | None = None,
+    tolerate_environment: bool = False,
+) -> Restored:
+    """Checks 8 and 9 of a restore, on a checkpoint that passed 1-7: the environment as
+    ``observed`` now (behind the new owner's fence), then the trust roots.
+
+    Two callers relax the environment check, never the others: ``accept_environment`` is
+    the new baseline a *verified* rebaseline decision names (the caller checked it); an
+    observation that equals it exactly is accepted. ``tolerate_environment`` (an operator's
+    cancel, which writes nothing) returns the refusal in ``Restored.environment_refused``
+    instead of raising it.
+
+    Raises:
+        CheckpointError: ``environment`` or ``trust``.
+    """
+    state = payload.state
     refused: CheckpointError | None = None
     if accept_environment is None or not observed.same_state(accept_environment):
         try:
@@ -624,6 +636,58 @@ def restore_checkpoint(
         archive=payload.archive,
         observed=observed,
         environment_refused=refused,
+    )
+
+
+def restore_checkpoint(
+    blob: bytes,
+    *,
+    scenario: Scenario,
+    keyring: KeyRing,
+    high_water: Callable[[RunKey], int] | None,
+    observe: Callable[[RunState, int], Observation],
+    approvers: TrustRoots | None = None,
+    reviewers: TrustRoots | None = None,
+    archive: Sequence[bytes] = (),
+    opened: CheckpointPayload | None = None,
+    accept_environment: Observation | None = None,
+    tolerate_environment: bool = False,
+) -> Restored:
+    """Verify a checkpoint and return its state: every check, in the module docstring's
+    order. The engine's restore (:meth:`RunEngine.resume`) runs the same checks with the
+    high-water read and the observation as effects; this form takes them as callables.
+
+    ``archive`` is the run's archive segments as the store returned them with ``blob``
+    (oldest first); a checkpoint that names an archive restores only with exactly it.
+    ``high_water(key)`` reads the store's high-water mark (None: there is no store, and
+    the restore fails closed). ``observe(state, generation)`` is called once the
+    checkpoint is proven authentic and fresh, and returns the environment as it is now.
+
+    Expired approvals load (they are evidence an operator must see); whether they may
+    still execute is decided later by the state machine, never here. See
+    :func:`finish_restore` for ``accept_environment`` and ``tolerate_environment``.
+
+    Raises:
+        CheckpointError: ``reason`` names the failed check.
+    """
+    payload = open_for_restore(
+        blob, scenario=scenario, keyring=keyring, archive=archive, opened=opened
+    )
+    if high_water is None:
+        raise _fail("high_water_missing", "no generation store: restore fails closed")
+    try:
+        mark = high_water(run_key(payload.state))
+    except HighWaterUnavailableError as exc:
+        raise high_water_missing(exc) from None
+    check_fresh(payload, mark)
+    return finish_restore(
+        payload,
+        blob,
+        observe(payload.state, payload.generation),
+        approvers=approvers,
+        reviewers=reviewers,
+        accept_environment=accept_environment,
+        tolerate_environment=tolerate_environment,
     )
 
 

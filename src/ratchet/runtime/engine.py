@@ -1,8 +1,13 @@
-"""The engine: drives one run through the state machine using the ports it is given.
+"""The engine: drives one run through the state machine, performing no effect itself.
 
 The engine is the only place where the order of commits and adapter calls is decided.
-It imports no I/O: the adapter, the generation store and the clock are passed in, so the
-same engine runs in-memory in unit tests and on Redis with real adapters in a worker.
+It performs none of them: each operation is a generator that yields effects
+(:mod:`ratchet.runtime.effects`: observe, project, raise the fence, execute, look a key
+up, read, verify, read the high-water mark, load, commit a batch) and takes their results
+back. The executor it is given performs them (in a worker, with the lease guard, metrics
+and hooks; in a unit test, against in-memory ports), so the same engine runs in-memory in
+unit tests and on Redis with real adapters in a worker. Time is an argument too: the
+clock it is given (the store's, in a worker).
 
 One write, end to end: two fenced, signed commits::
 
@@ -10,8 +15,9 @@ One write, end to end: two fenced, signed commits::
     observe ──▶ commit receipt + advanced state (gen g+2)
 
 Each arrow is a place a worker can die; :class:`CrashWindow` names them and
-:meth:`RunEngine.reconcile` is the recovery for each (timeline comments there). A
-``probe`` callback is invoked at every window so tests and drills can inject a crash.
+:meth:`RunEngine.reconcile` is the recovery for each (timeline comments there). The
+engine yields a ``Reached(window)`` effect at every window, so tests and drills can
+inject a crash there through the executor's hooks.
 
 Coalesced commits (``coalesce=True``): the receipt + state commit that ends a write is
 sealed at once but *held*, then sent in the same round trip as the run's next commit
@@ -29,8 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from ratchet.errors import (
     AdapterError,
@@ -38,21 +43,26 @@ from ratchet.errors import (
     ConfigurationError,
     EnvironmentMismatchError,
     FenceRejectedError,
+    HighWaterUnavailableError,
     IdempotencyConflictError,
     InvalidTransitionError,
 )
-from ratchet.runtime import machine
+from ratchet.runtime import effects, machine
 from ratchet.runtime.actions import Action
 from ratchet.runtime.checkpoint import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     ArchiveRef,
     CheckpointPayload,
+    check_fresh,
     empty_archive,
-    restore_checkpoint,
+    finish_restore,
+    high_water_missing,
+    open_for_restore,
     run_key,
     seal_checkpoint,
     seal_split,
 )
+from ratchet.runtime.effects import CrashWindow, Op, Performer, drive
 from ratchet.runtime.evidence import (
     ApprovalEvidence,
     RebaselineDecision,
@@ -61,11 +71,9 @@ from ratchet.runtime.evidence import (
 )
 from ratchet.runtime.machine import Disposition
 from ratchet.runtime.ports import (
-    Adapter,
     Advance,
     Clock,
     Fence,
-    GenerationStore,
     Observation,
     ReadResult,
     Receipt,
@@ -83,22 +91,10 @@ from ratchet.runtime.state import (
 
 __all__ = ["CrashWindow", "Probe", "RunEngine", "StepResult"]
 
+_T = TypeVar("_T")
 
-class CrashWindow(StrEnum):
-    """Where a worker can die between a side effect and the checkpoint that records it."""
-
-    BEFORE_PROPOSAL = "before_proposal"
-    AFTER_PENDING_BEFORE_ADAPTER = "after_pending_before_adapter"
-    AFTER_ADAPTER_BEFORE_RECEIPT = "after_adapter_before_receipt"
-    AFTER_RECEIPT_BEFORE_STATE = "after_receipt_before_state"
-    COMMIT_REPLY_LOST = "commit_reply_lost"
-
-
+# A test's or drill's callback for the crash windows (see ratchet.worker.executor).
 Probe = Callable[[CrashWindow], None]
-
-
-def _no_probe(window: CrashWindow) -> None:
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +116,7 @@ class RunEngine:
         *,
         scenario: Scenario,
         keyring: KeyRing,
-        adapter: Adapter,
-        store: GenerationStore,
+        executor: Performer,
         clock: Clock,
         state: RunState,
         generation: int,
@@ -129,7 +124,6 @@ class RunEngine:
         approvers: TrustRoots | None = None,
         reviewers: TrustRoots | None = None,
         lease_version: int = 1,
-        probe: Probe | None = None,
         max_checkpoint_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
         coalesce: bool = False,
         archive_trace: bool = False,
@@ -137,15 +131,13 @@ class RunEngine:
         store_epoch: str | None = None,
     ) -> None:
         self.scenario = scenario
-        self.adapter = adapter
-        self.store = store
+        self.executor = executor
         self.clock = clock
         self.approvers = approvers
         self.reviewers = reviewers
         self.lease_version = lease_version
         self.store_epoch = store_epoch
         self._keyring = keyring
-        self._probe = probe or _no_probe
         self._max_bytes = max_checkpoint_bytes
         self._coalesce = coalesce
         self._held: list[Advance] = []  # sealed commits not sent yet (coalesce only)
@@ -179,8 +171,7 @@ class RunEngine:
         *,
         scenario: Scenario,
         keyring: KeyRing,
-        adapter: Adapter,
-        store: GenerationStore,
+        executor: Performer,
         clock: Clock,
         **options: Any,
     ) -> RunEngine:
@@ -188,7 +179,7 @@ class RunEngine:
 
         ``document_digest`` (an option) binds the run's signed document into the state.
         """
-        observed = adapter.observe()
+        observed = drive(effects.observe(), executor)
         state = machine.new_run(
             run_id,
             scenario,
@@ -197,6 +188,7 @@ class RunEngine:
             document_digest=options.pop("document_digest", None),
         )
         max_bytes = options.get("max_checkpoint_bytes", DEFAULT_MAX_CHECKPOINT_BYTES)
+        archive: ArchiveRef | None = None
         if options.pop("archive_trace", False):
             sealed = seal_split(
                 state,
@@ -206,32 +198,21 @@ class RunEngine:
                 archived=empty_archive(run_id),
                 max_bytes=max_bytes,
             )
-            store.advance(
-                run_key(state), expected_generation=0, blob=sealed.blob, segment=sealed.segment
-            )
-            return cls(
-                scenario=scenario,
-                keyring=keyring,
-                adapter=adapter,
-                store=store,
-                clock=clock,
-                state=state,
-                generation=1,
-                blob=sealed.blob,
-                archive=sealed.archive,
-                **options,
-            )
-        blob = seal_checkpoint(state, scenario, keyring, generation=1, max_bytes=max_bytes)
-        store.advance(run_key(state), expected_generation=0, blob=blob)
+            blob, archive = sealed.blob, sealed.archive
+            first = Advance(0, blob, segment=sealed.segment)
+        else:
+            blob = seal_checkpoint(state, scenario, keyring, generation=1, max_bytes=max_bytes)
+            first = Advance(0, blob)
+        drive(effects.commit(run_key(state), (first,)), executor)
         return cls(
             scenario=scenario,
             keyring=keyring,
-            adapter=adapter,
-            store=store,
+            executor=executor,
             clock=clock,
             state=state,
             generation=1,
             blob=blob,
+            archive=archive,
             **options,
         )
 
@@ -242,8 +223,7 @@ class RunEngine:
         *,
         scenario: Scenario,
         keyring: KeyRing,
-        adapter: Adapter,
-        store: GenerationStore,
+        executor: Performer,
         clock: Clock,
         approvers: TrustRoots | None = None,
         reviewers: TrustRoots | None = None,
@@ -254,8 +234,8 @@ class RunEngine:
         tolerate_environment: bool = False,
         **options: Any,
     ) -> RunEngine:
-        """Restore a checkpoint (all checks of :func:`restore_checkpoint`), then raise the
-        adapter's fence to this lease and observe the environment.
+        """Restore a checkpoint (every check of :func:`restore_checkpoint`), then raise
+        the adapter's fence to this lease and observe the environment.
 
         ``archive`` is the run's archive segments as the store returned them with ``blob``.
         ``opened`` is ``open_checkpoint(blob, archive=archive)`` when the caller made it
@@ -270,36 +250,43 @@ class RunEngine:
         :func:`restore_checkpoint`); the refusal a tolerated check made is kept in
         :attr:`environment_refused`, and the observation in :attr:`observed_at_restore`.
         """
+        payload = open_for_restore(
+            blob, scenario=scenario, keyring=keyring, archive=archive, opened=opened
+        )
+        state = payload.state
 
-        def fence_then_observe(state: RunState, generation: int) -> Observation:
-            adapter.raise_fence(
+        def restore() -> Op[Observation]:
+            # Authentic and bound to this scenario; now fresh (the high-water mark), then
+            # the fence, then the environment as it is behind the fence.
+            try:
+                high_water = yield from effects.high_water(run_key(state))
+            except HighWaterUnavailableError as exc:
+                raise high_water_missing(exc) from None
+            check_fresh(payload, high_water)
+            yield from effects.raise_fence(
                 Fence(
                     run_id=state.run_id,
                     lease_version=lease_version,
-                    state_version=generation,
+                    state_version=payload.generation,
                     store_epoch=options.get("store_epoch"),
                 )
             )
-            return adapter.observe()
+            return (yield from effects.observe())
 
-        restored = restore_checkpoint(
+        observed = drive(restore(), executor)
+        restored = finish_restore(
+            payload,
             blob,
-            scenario=scenario,
-            keyring=keyring,
-            store=store,
-            observe=fence_then_observe,
+            observed,
             approvers=approvers,
             reviewers=reviewers,
-            archive=archive,
-            opened=opened,
             accept_environment=accept_environment,
             tolerate_environment=tolerate_environment,
         )
         engine = cls(
             scenario=scenario,
             keyring=keyring,
-            adapter=adapter,
-            store=store,
+            executor=executor,
             clock=clock,
             state=restored.state,
             generation=restored.generation,
@@ -313,6 +300,9 @@ class RunEngine:
         engine.observed_at_restore = restored.observed
         engine.environment_refused = restored.environment_refused
         return engine
+
+    def _drive(self, op: Op[_T]) -> _T:
+        return drive(op, self.executor)
 
     # -- commits -------------------------------------------------------------------------
 
@@ -345,11 +335,13 @@ class RunEngine:
         acknowledged commit (see :meth:`_send`).
         """
         if self._held:
-            self._send(
-                list(self._held), self.state, self.generation, self.checkpoint, self._archive
+            self._drive(
+                self._send(
+                    list(self._held), self.state, self.generation, self.checkpoint, self._archive
+                )
             )
 
-    def _commit(self, new: RunState, *, hold: bool = False) -> None:
+    def _commit(self, new: RunState, *, hold: bool = False) -> Op[None]:
         """Validate, sign and commit ``new`` as the next generation, consuming new nonces.
 
         With ``hold`` (and ``coalesce``), the sealed commit is kept to travel with the next
@@ -391,7 +383,7 @@ class RunEngine:
             self.state, self.generation, self.checkpoint = new, target, blob
             self._archive = archive
             return
-        self._send([*self._held, commit], new, target, blob, archive)
+        yield from self._send([*self._held, commit], new, target, blob, archive)
 
     def _send(
         self,
@@ -400,7 +392,7 @@ class RunEngine:
         target: int,
         blob: bytes,
         archive: ArchiveRef | None,
-    ) -> None:
+    ) -> Op[None]:
         """Send ``batch`` (held commits, then the one that ends in ``new``) and adopt it.
 
         Timeline of a lost reply (CrashWindow.COMMIT_REPLY_LOST): the store may or may not
@@ -412,22 +404,10 @@ class RunEngine:
         self._held = []
         try:
             try:
-                # advance() carries neither a deadline nor the phase: only a commit
-                # with neither may take it.
-                if len(batch) == 1 and not batch[0].not_after_ms and not batch[0].phase:
-                    one = batch[0]
-                    self.store.advance(
-                        self.key,
-                        expected_generation=one.expected_generation,
-                        blob=one.blob,
-                        nonces=one.nonces,
-                        segment=one.segment,
-                    )
-                else:
-                    self.store.advance_many(self.key, batch)
+                yield from effects.commit(self.key, tuple(batch))
             except CommitOutcomeUnknownError:
-                self._probe(CrashWindow.COMMIT_REPLY_LOST)
-                stored = self.store.load(self.key)
+                yield from effects.reached(CrashWindow.COMMIT_REPLY_LOST)
+                stored = yield from effects.load(self.key)
                 if stored.generation != target or stored.blob != blob:
                     raise
         except BaseException:
@@ -463,34 +443,48 @@ class RunEngine:
             AdapterError: a retryable adapter failure; the pending write stays committed
                 and :meth:`reconcile` resolves it later.
         """
-        self._probe(CrashWindow.BEFORE_PROPOSAL)
+        return self._drive(self._propose(raw, approval, agent_state))
+
+    def _propose(
+        self,
+        raw: Action | dict[str, Any],
+        approval: ApprovalEvidence | None,
+        agent_state: dict[str, Any] | None,
+    ) -> Op[StepResult]:
+        yield from effects.reached(CrashWindow.BEFORE_PROPOSAL)
         proposal = machine.propose(
             self.state,
             self.scenario,
             raw,
             now=self.clock.now(),
             generation=self.generation,
-            project=self.adapter.project,
             approval=approval,
             approvers=self.approvers,
             agent_state=agent_state,
         )
+        planned = machine.unprojected(proposal)
+        if planned is not None:
+            # A new write: ask the adapter what one commit of it leaves behind.
+            after = yield from effects.project(planned.action, planned.env_before)
+            proposal = machine.with_projection(proposal, after)
         disposition, action = proposal.disposition, proposal.action
         if disposition is Disposition.READ and action is not None:
-            result = self.adapter.read(action)
-            self._commit(machine.apply_read(proposal.state, action, result, now=self.clock.now()))
+            result = yield from effects.read(action)
+            yield from self._commit(
+                machine.apply_read(proposal.state, action, result, now=self.clock.now())
+            )
             return self._result(read=result)
         elif disposition is Disposition.VERIFY and action is not None:
-            report = self.adapter.verify(action.args["target"])
-            self._commit(
+            report = yield from effects.verify(action.args["target"])
+            yield from self._commit(
                 machine.apply_verification(proposal.state, action, report, now=self.clock.now())
             )
         elif disposition in (Disposition.EXECUTE_WRITE, Disposition.CHECK_REPLAY):
-            self._commit(proposal.state)
-            self._probe(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
-            self._execute_pending()
+            yield from self._commit(proposal.state)
+            yield from effects.reached(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
+            yield from self._execute_pending()
         else:  # rejected, awaiting approval, finished: record it (budget was spent)
-            self._commit(proposal.state)
+            yield from self._commit(proposal.state)
         return self._result()
 
     def execute_pending(self) -> StepResult:
@@ -499,19 +493,19 @@ class RunEngine:
         Raises:
             InvalidTransitionError: nothing is pending, or the run is frozen or terminal.
         """
-        self._execute_pending()
+        self._drive(self._execute_pending())
         return self._result()
 
-    def _reviewed(self, decide: Callable[[Observation | None], RunState]) -> RunState:
+    def _reviewed(self, decide: Callable[[Observation | None], RunState]) -> Op[RunState]:
         """Run a pure decision; when it opens a review case, run it again with the
         environment observed now, so the case records what the reviewer sees and signs
         (see :func:`machine.open_review`). Only the uncommon path pays the observation."""
         new = decide(None)
         if new.review is not None and self.state.review is None:
-            new = decide(self.adapter.observe())
+            new = decide((yield from effects.observe()))
         return new
 
-    def _execute_pending(self, observed: Observation | None = None) -> None:
+    def _execute_pending(self, observed: Observation | None = None) -> Op[None]:
         """Send the committed pending write to the adapter once, if it may go now.
 
         ``observed`` is an observation taken just now by the caller (reconcile), which
@@ -521,40 +515,44 @@ class RunEngine:
         now = self.clock.now()
         frozen = machine.check_executable(state, self.scenario, now=now, approvers=self.approvers)
         if frozen is not None:
-            self._commit(frozen)
+            yield from self._commit(frozen)
             return
         pending = state.pending
         if pending is None:  # for the type checker: check_executable refused already
             raise InvalidTransitionError("there is no pending write to execute")
         key = pending.action.idempotency_key or ""
         if pending.replay_of is not None:
-            authoritative = self.adapter.lookup(key)
-            self._commit(
-                self._reviewed(
-                    lambda seen: machine.record_replay(state, authoritative, now=now, observed=seen)
+            authoritative = yield from effects.lookup(key)
+            yield from self._commit(
+                (
+                    yield from self._reviewed(
+                        lambda seen: machine.record_replay(
+                            state, authoritative, now=now, observed=seen
+                        )
+                    )
                 )
             )
             return
-        if not self._adapter_checks_preconditions:
+        if not self.executor.enforces_preconditions:
             # Defence in depth: the adapter's own version check misses an edit that left
             # its version where it was. The write goes only onto exactly the state it was
             # planned against (instance, version and fingerprint).
-            live = observed if observed is not None else self.adapter.observe()
+            live = observed if observed is not None else (yield from effects.observe())
             if not live.same_state(pending.env_before):
-                self._stale_precondition(live)
+                yield from self._stale_precondition(live)
                 return
         approval = pending.approval.digest if pending.approval is not None else None
         try:
-            receipt = self.adapter.execute(
+            receipt = yield from effects.execute(
                 pending.action, pending.intent_digest, self._fence(), approval
             )
         except IdempotencyConflictError as exc:
             conflicting = exc.context.get("receipt")
             if conflicting is None:
-                conflicting = self.adapter.lookup(key)
-            seen = self.adapter.observe()
+                conflicting = yield from effects.lookup(key)
+            seen = yield from effects.observe()
             if conflicting is None:
-                self._commit(
+                yield from self._commit(
                     machine.open_review(
                         state,
                         ReviewReason.RECEIPT_MISSING,
@@ -565,29 +563,25 @@ class RunEngine:
                     )
                 )
             else:
-                self._commit(machine.record_receipt(state, conflicting, now=now, observed=seen))
+                yield from self._commit(
+                    machine.record_receipt(state, conflicting, now=now, observed=seen)
+                )
             return
         except FenceRejectedError:
             raise  # a newer owner exists: stop before anything else
         except AdapterError as exc:
             if exc.context.get("retryable"):
                 raise
-            self._commit(
+            yield from self._commit(
                 machine.record_execution_error(
                     state, exc.message, now=self.clock.now(), fatal=False
                 )
             )
             return
-        self._probe(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
-        self._record_and_complete(receipt, TraceOutcome.EXECUTED)
+        yield from effects.reached(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
+        yield from self._record_and_complete(receipt, TraceOutcome.EXECUTED)
 
-    @property
-    def _adapter_checks_preconditions(self) -> bool:
-        """Whether the adapter declares that its own ``execute`` refuses a write unless
-        the environment is exactly the planned one (see docs/adapters.md)."""
-        return getattr(self.adapter, "enforces_preconditions", False) is True
-
-    def _stale_precondition(self, live: Observation) -> None:
+    def _stale_precondition(self, live: Observation) -> Op[None]:
         """The environment moved under a committed pending write before it was sent.
 
         Timeline: pending committed -> environment observed -> it is not the write's
@@ -607,10 +601,12 @@ class RunEngine:
         pending = self.state.pending
         if pending is None:
             raise InvalidTransitionError("there is no pending write to execute")
-        self.adapter.raise_fence(self._fence())
-        authoritative = self.adapter.lookup(pending.action.idempotency_key or "")
+        yield from effects.raise_fence(self._fence())
+        authoritative = yield from effects.lookup(pending.action.idempotency_key or "")
         if authoritative is not None:
-            self._record_and_complete(authoritative, TraceOutcome.RECONCILED, observed=live)
+            yield from self._record_and_complete(
+                authoritative, TraceOutcome.RECONCILED, observed=live
+            )
             return
         raise EnvironmentMismatchError(
             "the environment changed since the pending write was planned; nothing was sent",
@@ -622,7 +618,7 @@ class RunEngine:
 
     def _record_and_complete(
         self, receipt: Receipt, outcome: TraceOutcome, observed: Observation | None = None
-    ) -> None:
+    ) -> Op[None]:
         """Commit the adapter's receipt together with the state it implies: one commit.
 
         Timeline: adapter wrote -> environment observed -> receipt checked -> ONE commit of
@@ -637,30 +633,30 @@ class RunEngine:
         now = self.clock.now()
         if observed is None:
             try:
-                observed = self.adapter.observe()
+                observed = yield from effects.observe()
             except AdapterError:
                 alone = machine.record_receipt(self.state, receipt, now=now)
                 if alone.review is None:
-                    self._commit(alone)
-                    self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
+                    yield from self._commit(alone)
+                    yield from effects.reached(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
                 raise
         checked = machine.record_receipt(
             self.state, receipt, now=now, traced=False, observed=observed
         )
         if checked.pending is None or checked.pending.receipt is None:
-            self._commit(checked)  # a review case was opened instead
+            yield from self._commit(checked)  # a review case was opened instead
             return
         try:
             completed = machine.complete_write(checked, observed, now=now, outcome=outcome)
         except EnvironmentMismatchError:
-            self._commit(machine.record_receipt(self.state, receipt, now=now))
-            self._probe(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
+            yield from self._commit(machine.record_receipt(self.state, receipt, now=now))
+            yield from effects.reached(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
             raise
-        self._commit(completed, hold=completed.phase is Phase.RUNNING)
+        yield from self._commit(completed, hold=completed.phase is Phase.RUNNING)
 
-    def _complete(self, outcome: TraceOutcome) -> None:
-        observed = self.adapter.observe()
-        self._commit(
+    def _complete(self, outcome: TraceOutcome) -> Op[None]:
+        observed = yield from effects.observe()
+        yield from self._commit(
             machine.complete_write(self.state, observed, now=self.clock.now(), outcome=outcome)
         )
 
@@ -671,6 +667,9 @@ class RunEngine:
 
         Returns the crash window that was found (None when nothing was pending).
         """
+        return self._drive(self._reconcile())
+
+    def _reconcile(self) -> Op[StepResult]:
         state = self.state
         pending = state.pending
         if state.phase in TERMINAL_PHASES or pending is None:
@@ -686,38 +685,37 @@ class RunEngine:
             # -> state not advanced. The receipt is evidence of success: replay the
             # deterministic transition without a second effect, after checking that the
             # adapter's authoritative receipt still reads the same.
-            authoritative = self.adapter.lookup(key)
+            authoritative = yield from effects.lookup(key)
             if authoritative is None or authoritative.fingerprint != pending.receipt.fingerprint:
                 reason = (
                     ReviewReason.RECEIPT_MISSING
                     if authoritative is None
                     else ReviewReason.RECEIPT_DRIFT
                 )
-                self._commit(
-                    machine.open_review(
-                        state, reason, authoritative, now=now, observed=self.adapter.observe()
-                    )
+                observed = yield from effects.observe()
+                yield from self._commit(
+                    machine.open_review(state, reason, authoritative, now=now, observed=observed)
                 )
             else:
-                self._complete(TraceOutcome.RECONCILED)
+                yield from self._complete(TraceOutcome.RECONCILED)
             return self._result(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
         if pending.replay_of is not None:
-            self._execute_pending()
+            yield from self._execute_pending()
             return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
-        authoritative = self.adapter.lookup(key)
+        authoritative = yield from effects.lookup(key)
         if authoritative is not None:
             # Timeline: pending committed -> adapter wrote -> [died] -> receipt never
             # committed. The outcome was unknown to us; the adapter's record by key
             # settles it. Never retry blindly: record that receipt (a different intent
             # opens a review) and advance.
-            self._record_and_complete(authoritative, TraceOutcome.RECONCILED)
+            yield from self._record_and_complete(authoritative, TraceOutcome.RECONCILED)
             return self._result(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
         # Timeline: pending committed -> [died] -> adapter never called (no receipt).
         # The environment must still be the write's "before" state; then execute once
         # with the same key. An effect without a receipt cannot be explained: review.
-        observed = self.adapter.observe()
+        observed = yield from effects.observe()
         if not observed.same_state(pending.env_before):
-            self._commit(
+            yield from self._commit(
                 machine.open_review(
                     state,
                     ReviewReason.RECEIPT_MISSING,
@@ -728,7 +726,7 @@ class RunEngine:
                 )
             )
         else:
-            self._execute_pending(observed)
+            yield from self._execute_pending(observed)
         return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
 
     # -- human evidence and control ------------------------------------------------------------
@@ -753,9 +751,13 @@ class RunEngine:
             generation=self.generation,
             now=self.clock.now(),
         )
-        self._commit(new)
-        if execute:
-            self._execute_pending()
+
+        def refresh() -> Op[None]:
+            yield from self._commit(new)
+            if execute:
+                yield from self._execute_pending()
+
+        self._drive(refresh())
         return self._result()
 
     def apply_review_decision(self, decision: ReviewDecision) -> StepResult:
@@ -766,23 +768,28 @@ class RunEngine:
         """
         if self.reviewers is None:
             raise ConfigurationError("no reviewer trust root configured")
-        case = self.state.review
-        key = case.pending.action.idempotency_key if case is not None else None
-        authoritative = self.adapter.lookup(key) if key else None
-        observed = self.adapter.observe()
-        new = machine.apply_review_decision(
-            self.state,
-            self.scenario,
-            decision,
-            self.reviewers,
-            authoritative=authoritative,
-            observed=observed,
-            now=self.clock.now(),
-        )
-        self._commit(new)
+        reviewers = self.reviewers
+
+        def decide() -> Op[None]:
+            case = self.state.review
+            key = case.pending.action.idempotency_key if case is not None else None
+            authoritative = (yield from effects.lookup(key)) if key else None
+            observed = yield from effects.observe()
+            new = machine.apply_review_decision(
+                self.state,
+                self.scenario,
+                decision,
+                reviewers,
+                authoritative=authoritative,
+                observed=observed,
+                now=self.clock.now(),
+            )
+            yield from self._commit(new)
+
+        self._drive(decide())
         return self._result()
 
-    def _settle_pending(self) -> machine.Settled | None:
+    def _settle_pending(self) -> Op[machine.Settled | None]:
         """Look the pending write's key up at the adapter, behind this lease's fence, for
         a control that ends or rebases the run (None: nothing is pending, or only a write
         waiting for approval, which was never sent).
@@ -794,8 +801,9 @@ class RunEngine:
         pending = self.state.pending
         if pending is None or self.state.phase is not Phase.RUNNING:
             return None
-        self.adapter.raise_fence(self._fence())
-        return machine.Settled(self.adapter.lookup(pending.action.idempotency_key or ""))
+        yield from effects.raise_fence(self._fence())
+        receipt = yield from effects.lookup(pending.action.idempotency_key or "")
+        return machine.Settled(receipt)
 
     def cancel(self, reason: str, *, by: str = "", request_id: str = "") -> StepResult:
         """Cancel the run at a safe point, attributed to ``by`` (and its ``request_id``).
@@ -810,8 +818,11 @@ class RunEngine:
             InvalidTransitionError: the run is terminal or under review.
             FenceRejectedError: a newer owner exists.
         """
-        settled = self._settle_pending()
-        observed = self.observed_at_restore if settled is None else self.adapter.observe()
+        return self._drive(self._cancel(reason, by, request_id))
+
+    def _cancel(self, reason: str, by: str, request_id: str) -> Op[StepResult]:
+        settled = yield from self._settle_pending()
+        observed = self.observed_at_restore if settled is None else (yield from effects.observe())
         now = self.clock.now()
         try:
             new = machine.cancel(
@@ -843,7 +854,7 @@ class RunEngine:
                 observed=observed,
                 detail="found while settling a cancelled run's write",
             )
-        self._commit(new)
+        yield from self._commit(new)
         return self._result()
 
     def apply_rebaseline(self, decision: RebaselineDecision) -> StepResult:
@@ -856,19 +867,25 @@ class RunEngine:
         """
         if self.reviewers is None:
             raise ConfigurationError("no reviewer trust root configured")
+        reviewers = self.reviewers
         machine.check_rebaseline(
-            self.state, self.scenario, decision, self.reviewers, generation=self.generation
+            self.state, self.scenario, decision, reviewers, generation=self.generation
         )
-        settled = self._settle_pending()
-        new = machine.apply_rebaseline(
-            self.state,
-            self.scenario,
-            decision,
-            self.reviewers,
-            generation=self.generation,
-            observed=self.adapter.observe(),
-            settled=settled,
-            now=self.clock.now(),
-        )
-        self._commit(new)
+
+        def rebase() -> Op[None]:
+            settled = yield from self._settle_pending()
+            observed = yield from effects.observe()
+            new = machine.apply_rebaseline(
+                self.state,
+                self.scenario,
+                decision,
+                reviewers,
+                generation=self.generation,
+                observed=observed,
+                settled=settled,
+                now=self.clock.now(),
+            )
+            yield from self._commit(new)
+
+        self._drive(rebase())
         return self._result()

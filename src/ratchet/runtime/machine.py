@@ -21,8 +21,7 @@ Order of the gate in :func:`propose` (first failing check wins):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -88,9 +87,9 @@ __all__ = [
     "record_receipt",
     "record_replay",
     "refresh_pending_approval",
+    "unprojected",
+    "with_projection",
 ]
-
-Projector = Callable[[Action, Observation], Observation | None]
 
 
 class Disposition(StrEnum):
@@ -172,7 +171,6 @@ def propose(
     *,
     now: int,
     generation: int,
-    project: Projector | None = None,
     approval: ApprovalEvidence | None = None,
     approvers: TrustRoots | None = None,
     agent_state: dict[str, Any] | None = None,
@@ -289,10 +287,42 @@ def propose(
         action,
         now=now,
         generation=generation,
-        project=project,
         approval=approval,
         approvers=approvers,
     )
+
+
+def unprojected(proposal: Proposal) -> PendingWrite | None:
+    """The new pending write ``proposal`` plans whose one-commit environment is still to
+    be projected (by the adapter, through the caller), or None: nothing to project (not a
+    new write, or a replay of a cached key, which has no new effect to project).
+
+    The caller asks the adapter once and passes the answer to :func:`with_projection`
+    before committing the proposal's state. An adapter that cannot say leaves it None;
+    recovery then settles the write by its receipt alone.
+    """
+    pending = proposal.state.pending
+    if (
+        proposal.disposition in (Disposition.EXECUTE_WRITE, Disposition.AWAIT_APPROVAL)
+        and pending is not None
+        and pending.replay_of is None
+        and pending.env_after is None
+        and pending.action == proposal.action
+    ):
+        return pending
+    return None
+
+
+def with_projection(proposal: Proposal, env_after: Observation | None) -> Proposal:
+    """``proposal`` with its new pending write's one-commit environment set (see
+    :func:`unprojected`)."""
+    pending = proposal.state.pending
+    if pending is None or env_after is None:
+        return proposal
+    state = proposal.state.model_copy(
+        update={"pending": pending.model_copy(update={"env_after": env_after})}
+    )
+    return replace(proposal, state=state)
 
 
 def _propose_write(
@@ -302,7 +332,6 @@ def _propose_write(
     *,
     now: int,
     generation: int,
-    project: Projector | None,
     approval: ApprovalEvidence | None,
     approvers: TrustRoots | None,
 ) -> Proposal:
@@ -330,7 +359,7 @@ def _propose_write(
         action=action,
         intent_digest=intent,
         env_before=env,
-        env_after=None if cached is not None or project is None else project(action, env),
+        env_after=None,  # projected by the caller: see unprojected()
         replay_of=cached.receipt_fingerprint if cached is not None else None,
     )
     disposition = Disposition.CHECK_REPLAY if cached is not None else Disposition.EXECUTE_WRITE

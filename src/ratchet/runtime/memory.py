@@ -9,7 +9,7 @@ drifted receipt, an edit that bypasses the runtime, a lost commit reply).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +25,8 @@ from ratchet.errors import (
 )
 from ratchet.runtime.actions import Action, ActionKind
 from ratchet.runtime.canonical import Domain, digest
+from ratchet.runtime.effects import Effect, Execute, Hooks, Observe
 from ratchet.runtime.ports import (
-    AdapterProxy,
     Advance,
     Fence,
     Observation,
@@ -275,14 +275,19 @@ class MemoryGenerationStore:
             raise HighWaterUnavailableError("no high-water mark for this run", run_id=key.run_id)
         return stored
 
-    def advance(
+    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+        for commit in batch:
+            self._commit(
+                key, commit.expected_generation, commit.blob, commit.nonces, commit.segment
+            )
+
+    def _commit(
         self,
         key: RunKey,
-        *,
         expected_generation: int,
         blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
+        nonces: Sequence[str],
+        segment: bytes,
     ) -> None:
         if not self.available:
             raise HighWaterUnavailableError("generation store unavailable", run_id=key.run_id)
@@ -311,16 +316,6 @@ class MemoryGenerationStore:
             self.lose_next_reply = False
             raise CommitOutcomeUnknownError(
                 "reply lost after the commit was applied", run_id=key.run_id
-            )
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        for commit in commits:
-            self.advance(
-                key,
-                expected_generation=commit.expected_generation,
-                blob=commit.blob,
-                nonces=commit.nonces,
-                segment=commit.segment,
             )
 
     def roll_back_to(self, key: RunKey, stored: StoredCheckpoint) -> None:
@@ -361,46 +356,29 @@ class LeasedMemoryStore:
             )
         self.store.leases[run_id] = self.lease_version
 
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
+    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
         self.claim(key.run_id)
-        self.store.advance(
-            key, expected_generation=expected_generation, blob=blob, nonces=nonces, segment=segment
-        )
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        self.claim(key.run_id)
-        self.store.advance_many(key, commits)
+        self.store.commit_batch(key, batch)
 
 
-class ObserveFailsAfterWrite(AdapterProxy):
-    """Wraps an adapter so that the first observation after a write fails (tests).
+class ObserveFailsAfterWrite(Hooks):
+    """Executor hooks under which the first observation after a write fails (tests).
 
     Plays an environment that becomes unobservable right after the adapter committed a
     write (the adapter's host went away): the engine then commits the receipt alone and
-    the state advances on recovery (``CrashWindow.AFTER_RECEIPT_BEFORE_STATE``).
+    the state advances on recovery (``CrashWindow.AFTER_RECEIPT_BEFORE_STATE``). Other
+    effects go to ``inner`` (or are performed) as they are.
     """
 
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
+    def __init__(self, inner: Hooks | None = None) -> None:
+        self._inner = inner
         self._armed = False
 
-    def execute(
-        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
-    ) -> Receipt:
-        receipt = super().execute(action, intent_digest, fence, approval_digest)
-        self._armed = True
-        return receipt
-
-    def observe(self) -> Observation:
-        if self._armed:
+    def around(self, effect: Effect, proceed: Callable[[], Any]) -> Any:
+        if isinstance(effect, Observe) and self._armed:
             self._armed = False
             raise AdapterError("environment unreachable right after the write", retryable=True)
-        return super().observe()
+        result = proceed() if self._inner is None else self._inner.around(effect, proceed)
+        if isinstance(effect, Execute):
+            self._armed = True
+        return result

@@ -28,7 +28,6 @@ from ratchet.runtime.types import Digest, Frozen, Identifier, NonNegInt, StrictB
 
 __all__ = [
     "Adapter",
-    "AdapterProxy",
     "Advance",
     "Clock",
     "Fence",
@@ -37,7 +36,6 @@ __all__ = [
     "ReadResult",
     "Receipt",
     "RunKey",
-    "StoreProxy",
     "StoredCheckpoint",
     "VerifierReport",
 ]
@@ -72,7 +70,10 @@ class Fence(Frozen):
     """The fencing token sent with every adapter write: who writes, under which lease.
 
     Adapters that support fencing refuse a fence whose ``(lease_version, state_version)``
-    is lower than the highest they have seen for the run.
+    is lower than the highest they have seen for the run. ``state_version`` is the
+    checkpoint generation the holder stands at: every fence is built from the generation
+    (it moves in lockstep with the store's state version; docs/architecture.md says why
+    both exist).
     """
 
     run_id: Identifier
@@ -223,109 +224,23 @@ class GenerationStore(Protocol):
     def load(self, key: RunKey) -> StoredCheckpoint:
         """The checkpoint at the high-water mark. Raises HighWaterUnavailableError."""
 
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
-        """Store ``blob`` as generation ``expected_generation + 1``, consume ``nonces`` and
-        append ``segment`` (when not empty) to the run's archive, all in one atomic step.
+    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+        """Apply ``batch`` in order, each commit its own fenced, atomic step: store the
+        blob as generation ``expected_generation + 1``, consume its nonces and append its
+        segment (when not empty) to the run's archive. As few round trips as the store
+        allows (one for Redis: one AOF fsync covers the batch).
 
-        ``expected_generation == 0`` creates the run. Raises GenerationMismatchError,
-        NonceReplayError, CommitOutcomeUnknownError (re-read before acting), and lease
-        errors for stores that fence by lease.
-        """
+        Each commit's expected generation is the one before it plus one;
+        ``expected_generation == 0`` creates the run. The first commit refused stops the
+        batch and its error is raised; a later commit never applies without every earlier
+        one (its expected generation would not be the high-water mark). An empty batch is
+        a no-op.
 
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        """Apply ``commits`` in order, each its own fenced, atomic :meth:`advance`, in as
-        few round trips as the store allows (one for Redis: one AOF fsync covers them).
-
-        Each commit's expected generation is the one before it plus one. The first commit
-        refused stops the batch and its error is raised; a later commit never applies
-        without every earlier one (its expected generation would not be the high-water
-        mark). Raises what :meth:`advance` raises.
+        Raises GenerationMismatchError, NonceReplayError, CommitOutcomeUnknownError
+        (re-read before acting), and lease errors for stores that fence by lease.
         """
 
 
 class Clock(Protocol):
     def now(self) -> int:
         """Wall-clock seconds since the epoch."""
-
-
-class AdapterProxy:
-    """An adapter that passes every call to ``inner``; wrappers override what they watch."""
-
-    def __init__(self, inner: Adapter) -> None:
-        self._inner = inner
-
-    @property
-    def namespace(self) -> str:
-        return self._inner.namespace
-
-    @property
-    def enforces_preconditions(self) -> bool:
-        """What the inner adapter declares (see docs/adapters.md); a wrapper changes
-        nothing about it."""
-        return getattr(self._inner, "enforces_preconditions", False) is True
-
-    def observe(self) -> Observation:
-        return self._inner.observe()
-
-    def project(self, action: Action, before: Observation) -> Observation | None:
-        return self._inner.project(action, before)
-
-    def raise_fence(self, fence: Fence) -> None:
-        self._inner.raise_fence(fence)
-
-    def execute(
-        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
-    ) -> Receipt:
-        return self._inner.execute(action, intent_digest, fence, approval_digest)
-
-    def lookup(self, idempotency_key: str) -> Receipt | None:
-        return self._inner.lookup(idempotency_key)
-
-    def read(self, action: Action) -> ReadResult:
-        return self._inner.read(action)
-
-    def verify(self, target: str) -> VerifierReport:
-        return self._inner.verify(target)
-
-    def close(self) -> None:
-        """Close the inner adapter if it holds resources."""
-        close = getattr(self._inner, "close", None)
-        if callable(close):
-            close()
-
-
-class StoreProxy:
-    """A generation store that passes every call to ``inner``."""
-
-    def __init__(self, inner: GenerationStore) -> None:
-        self._inner = inner
-
-    def high_water(self, key: RunKey) -> int:
-        return self._inner.high_water(key)
-
-    def load(self, key: RunKey) -> StoredCheckpoint:
-        return self._inner.load(key)
-
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
-        self._inner.advance(
-            key, expected_generation=expected_generation, blob=blob, nonces=nonces, segment=segment
-        )
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        self._inner.advance_many(key, commits)

@@ -30,10 +30,13 @@ from ratchet.runtime import (
     RunState,
     Scenario,
     derive_idempotency_key,
+    effects,
 )
 from ratchet.runtime.checkpoint import run_key
+from ratchet.runtime.effects import drive
 from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
 from ratchet.worker.examples import RIGHT_GREETING, greeting_scenario
+from ratchet.worker.executor import Executor, WindowProbe
 
 __all__ = ["DEMO_NOTE", "DemoReport", "InjectedCrash", "run_demo"]
 
@@ -158,8 +161,7 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
     ports: dict[str, Any] = {
         "scenario": scenario,
         "keyring": keyring,
-        "adapter": workspace,
-        "store": store,
+        "executor": Executor(workspace, store),
         "clock": clock,
         "archive_trace": True,
     }
@@ -171,9 +173,11 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
             crashed.append(window)
             raise InjectedCrash(window.value)
 
+    crashing = {**ports, "executor": Executor(workspace, store, hooks=WindowProbe(crash_once))}
+
     # Owner 1 (lease version 1): read, then write the fix; it dies after the adapter
     # applied the write and before the receipt was committed.
-    first = RunEngine.start(RUN_ID, lease_version=1, probe=crash_once, **ports)
+    first = RunEngine.start(RUN_ID, lease_version=1, **crashing)
     first.propose(_action(first, clock, "read_file", {"path": "app.py"}))
     clock.advance(2)
     key = derive_idempotency_key(RUN_ID, first.state.plan_cursor)
@@ -185,7 +189,7 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
 
     # Owner 2 (lease version 2): restore the checkpoint at the high-water mark (which
     # raises the fence), then reconcile the pending write from the adapter's receipt.
-    stored = store.load(run_key(first.state))
+    stored = drive(effects.load(run_key(first.state)), ports["executor"])
     second = RunEngine.resume(stored.blob, archive=stored.archive, lease_version=2, **ports)
     reconciled = second.reconcile()
 
@@ -200,7 +204,7 @@ def run_demo(checkpoint_key: bytes | None = None) -> DemoReport:
     clock.advance(1)
     second.propose(_action(second, clock, "finish", {"summary": "greeting fixed"}))
     # The final checkpoint restores under every check, as a third owner would see it.
-    stored = store.load(second.key)
+    stored = drive(effects.load(second.key), ports["executor"])
     final = RunEngine.resume(stored.blob, archive=stored.archive, lease_version=3, **ports)
 
     state = final.state

@@ -2,9 +2,10 @@
 
 Set ``RATCHET_FAILPOINTS`` to a ``;``-separated list of ``point=action[@hit]``:
 
-* ``point`` is a :class:`ratchet.runtime.CrashWindow` value, fired by the engine's probe
-  (``before_proposal``, ``after_pending_before_adapter``, ``after_adapter_before_receipt``,
-  ``after_receipt_before_state``, ``commit_reply_lost``), or a :class:`WorkerPoint`, fired
+* ``point`` is a :class:`ratchet.runtime.CrashWindow` value, fired when the engine
+  reaches that window (the executor's hooks see its ``Reached`` effect):
+  ``before_proposal``, ``after_pending_before_adapter``, ``after_adapter_before_receipt``,
+  ``after_receipt_before_state``, ``commit_reply_lost``; or a :class:`WorkerPoint`, fired
   by the worker itself:
 
   - ``during_renewal``: the heartbeat is about to send a lease renewal;
@@ -36,8 +37,9 @@ checker can tell a fault that fired from one that never did.
 stale commits and stale adapter writes attempted after a pause and how they ended. A drill's
 checker reads it afterwards; see :mod:`ratchet.worker.drill`.
 
-Unset, nothing here runs: the engine's probe is a no-op and the guards take their plain
-path (one ``is None`` test each).
+Both reach a job through the executor's hooks (:class:`TripwireHooks`, with the
+failpoints as its window probe). Unset, nothing here runs: the executor has no hooks and
+takes its plain path (one ``is None`` test per effect).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from ratchet.errors import (
     RatchetError,
 )
 from ratchet.runtime import CrashWindow
+from ratchet.runtime.effects import Commit, Effect, Execute, Hooks, Observe
 
 __all__ = [
     "ACTIONS",
@@ -69,6 +72,7 @@ __all__ = [
     "EventLog",
     "FailpointFired",
     "Failpoints",
+    "TripwireHooks",
     "Tripwires",
     "WorkerPoint",
     "events_from_env",
@@ -361,6 +365,28 @@ class Tripwires:
             self.points.fire(WorkerPoint.OBSERVE_AFTER_WRITE)
         except FailpointFired:
             raise AdapterError("observation failed (failpoint)", retryable=True) from None
+
+
+class TripwireHooks(Hooks):
+    """The executor's hooks for a job's tripwires: commits and adapter writes pass through
+    :meth:`Tripwires.commit` and :meth:`Tripwires.write` (after the lease guard, before
+    the port), and each observation first through :meth:`Tripwires.observe`."""
+
+    def __init__(self, wires: Tripwires) -> None:
+        self._wires = wires
+
+    def around(self, effect: Effect, proceed: Callable[[], Any]) -> Any:
+        wires = self._wires
+        if isinstance(effect, Commit):
+            commits = [(c.expected_generation + 1, c.blob) for c in effect.batch]
+            wires.commit(proceed, commits=commits)
+            return None
+        if isinstance(effect, Execute):
+            action = effect.action
+            return wires.write(proceed, key=action.idempotency_key, kind=action.kind.value)
+        if isinstance(effect, Observe):
+            wires.observe()
+        return proceed()
 
 
 def probe_from_env() -> Failpoints | None:

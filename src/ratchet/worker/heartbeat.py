@@ -9,17 +9,14 @@ A :class:`Heartbeat` thread renews the lease every ``renew_interval_ms`` by comp
 * the executor made no progress for longer than ``stall_timeout_ms``: a wedged worker
   stops renewing so that its run is taken over instead of being held forever.
 
-Once lost, it stays lost. :class:`GuardedStore` and :class:`GuardedAdapter` check it
-before every commit and every adapter write, so a worker that cannot prove its lease makes
-no further commit or adapter call; the fences in Redis and in the adapters refuse it
-anyway if a check races with the loss.
+Once lost, it stays lost. The executor (:mod:`ratchet.worker.executor`) checks it before
+every commit and every adapter write, so a worker that cannot prove its lease makes no
+further commit or adapter call; the fences in Redis and in the adapters refuse it anyway
+if a check races with the loss.
 
 Drills (:mod:`ratchet.worker.failpoints`): the heartbeat fires ``during_renewal`` before
 each renewal (``drop-reply`` there: the renewal is sent, its outcome treated as unknown,
-so the lease is lost); the guards fire ``after_guard_before_commit`` and
-``after_guard_before_adapter`` between their check and the call, so a worker paused there
-and resumed after a takeover really sends a stale commit or write, and the fences, not the
-guard, must refuse it. Without failpoints (``tripwires=None``) none of this runs.
+so the lease is lost).
 """
 
 from __future__ import annotations
@@ -27,26 +24,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ratchet.errors import LeaseLostError, RatchetError
-from ratchet.runtime import (
-    Action,
-    Adapter,
-    AdapterProxy,
-    Advance,
-    Fence,
-    GenerationStore,
-    Observation,
-    Receipt,
-    RunKey,
-    StoreProxy,
-    VerifierReport,
-)
 from ratchet.worker import metrics
-from ratchet.worker.failpoints import Failpoints, Tripwires
+from ratchet.worker.failpoints import Failpoints
 
-__all__ = ["GuardedAdapter", "GuardedStore", "Heartbeat"]
+__all__ = ["Heartbeat"]
 
 log = logging.getLogger("ratchet.worker.heartbeat")
 
@@ -153,86 +137,3 @@ class Heartbeat:
             # The renewal extended the lease by the TTL from a moment no earlier than
             # when we sent it; count from the send time to stay on the safe side.
             self._valid_until = started + self._ttl
-
-
-class GuardedStore(StoreProxy):
-    """A ``GenerationStore`` that refuses to commit once the heartbeat has lost the lease."""
-
-    def __init__(
-        self, inner: GenerationStore, heartbeat: Heartbeat, tripwires: Tripwires | None = None
-    ) -> None:
-        super().__init__(inner)
-        self._heartbeat = heartbeat
-        self._tripwires = tripwires
-
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
-        self.advance_many(key, [Advance(expected_generation, blob, tuple(nonces), segment)])
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        self._heartbeat.check()
-        if self._tripwires is None:
-            self._send(key, commits)
-        else:
-            self._tripwires.commit(
-                lambda: self._send(key, commits),
-                commits=[(c.expected_generation + 1, c.blob) for c in commits],
-            )
-        self._heartbeat.progress()
-
-    def _send(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        # advance() carries neither a commit's deadline nor its phase.
-        if len(commits) == 1 and not commits[0].not_after_ms and not commits[0].phase:
-            c = commits[0]
-            self._inner.advance(
-                key,
-                expected_generation=c.expected_generation,
-                blob=c.blob,
-                nonces=c.nonces,
-                segment=c.segment,
-            )
-        else:
-            self._inner.advance_many(key, commits)
-
-
-class GuardedAdapter(AdapterProxy):
-    """An ``Adapter`` that makes no write once the heartbeat has lost the lease."""
-
-    def __init__(
-        self, inner: Adapter, heartbeat: Heartbeat, tripwires: Tripwires | None = None
-    ) -> None:
-        super().__init__(inner)
-        self._heartbeat = heartbeat
-        self._tripwires = tripwires
-
-    def observe(self) -> Observation:
-        if self._tripwires is not None:
-            self._tripwires.observe()
-        return self._inner.observe()
-
-    def raise_fence(self, fence: Fence) -> None:
-        self._heartbeat.check()
-        self._inner.raise_fence(fence)
-
-    def execute(
-        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
-    ) -> Receipt:
-        self._heartbeat.check()
-        if self._tripwires is None:
-            return self._inner.execute(action, intent_digest, fence, approval_digest)
-        return self._tripwires.write(
-            lambda: self._inner.execute(action, intent_digest, fence, approval_digest),
-            key=action.idempotency_key,
-            kind=action.kind.value,
-        )
-
-    def verify(self, target: str) -> VerifierReport:
-        self._heartbeat.check()
-        return self._inner.verify(target)

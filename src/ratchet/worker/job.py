@@ -79,6 +79,7 @@ from ratchet.runtime import (
     RunState,
 )
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
+from ratchet.runtime.effects import Hooks
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.machine import decision_baseline
 from ratchet.runtime.state import TERMINAL_PHASES
@@ -87,10 +88,17 @@ from ratchet.worker.agents import AgentFactory, AgentView, build_agent, plans_ah
 from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
 from ratchet.worker.control import CancelRequest, find_controls, find_rebaseline
-from ratchet.worker.failpoints import EventLog, FailpointFired, Failpoints, Tripwires
-from ratchet.worker.heartbeat import GuardedAdapter, GuardedStore, Heartbeat
+from ratchet.worker.executor import Executor, WindowProbe
+from ratchet.worker.failpoints import (
+    EventLog,
+    FailpointFired,
+    Failpoints,
+    TripwireHooks,
+    Tripwires,
+)
+from ratchet.worker.heartbeat import Heartbeat
 from ratchet.worker.identity import owner_id
-from ratchet.worker.observe import ObservedAdapter, ObservedStore, RunRecorder, job_ended
+from ratchet.worker.observe import RunRecorder, job_ended
 from ratchet.worker.runs import (
     RunDocument,
     build_adapter,
@@ -314,17 +322,27 @@ def _execute(
             )
             token = settings.http_token.get_secret_value() if settings.http_token else None
             adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock, http_token=token)
+            hooks: Hooks | None = TripwireHooks(wires) if wires is not None else None
+            if probe is not None:
+                hooks = WindowProbe(probe, hooks)
+            executor = Executor(
+                adapter,
+                lease,
+                hooks=hooks,
+                guard=heartbeat,
+                recorder=recorder,
+                measure=True,
+                run_id=run_id,
+            )
             engine = RunEngine.resume(
                 snap.checkpoint,
                 scenario=document.scenario,
                 keyring=fleet.keyring,
-                adapter=GuardedAdapter(ObservedAdapter(adapter, recorder), heartbeat, wires),
-                store=GuardedStore(ObservedStore(lease, run_id), heartbeat, wires),
+                executor=executor,
                 clock=clock,
                 approvers=fleet.approvers,
                 reviewers=fleet.reviewers,
                 lease_version=lease.lease_version,
-                probe=probe,
                 archive=snap.archive,
                 opened=opened,
                 coalesce=settings.coalesce_commits,

@@ -1,12 +1,6 @@
-"""Measuring wrappers a job puts around its store and adapter: metrics, log context and
-the records operators read.
-
-:class:`ObservedStore` sits under the heartbeat's guard and times each fenced commit that
-reaches Redis, counts the ones Redis' fence refused, and moves the log context's
-generation after each commit. :class:`ObservedAdapter` counts the writes and fence raises
-an adapter's fence refused (this process was stale), and hands a failed verification to
-the job's :class:`RunRecorder`. Both pass every call and every exception through
-unchanged: observing never changes what a job does.
+"""What a job records for operators: its end (a metric and a log line) and the run's
+incident records. (Commits and adapter calls are measured where they are performed, in
+:mod:`ratchet.worker.executor`.)
 
 :class:`RunRecorder` leaves two kinds of record in the run's incident list, for ``ratchet
 show`` and the console:
@@ -26,27 +20,15 @@ reason for the job to fail.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
-from ratchet.errors import FenceRejectedError, RatchetError
-from ratchet.runtime import (
-    Action,
-    Adapter,
-    AdapterProxy,
-    Advance,
-    Fence,
-    GenerationStore,
-    Receipt,
-    RunKey,
-    StoreProxy,
-    VerifierReport,
-)
-from ratchet.worker import logs, metrics
+from ratchet.errors import RatchetError
+from ratchet.runtime import VerifierReport
+from ratchet.worker import metrics
 from ratchet.worker.scrub import Scrubber, tail
 from ratchet.worker.settings import Settings
 
-__all__ = ["ObservedAdapter", "ObservedStore", "RunRecorder", "job_ended"]
+__all__ = ["RunRecorder", "job_ended", "last_verifier_run"]
 
 #: Bounds of the verifier output kept with a ``verifier_failed`` record.
 TAIL_BYTES = 4096
@@ -80,45 +62,6 @@ def job_ended(
             "steps": steps,
         },
     )
-
-
-class ObservedStore(StoreProxy):
-    """A ``GenerationStore`` that measures its commits (see the module docstring)."""
-
-    def __init__(self, inner: GenerationStore, run_id: str) -> None:
-        super().__init__(inner)
-        self._run_id = run_id
-
-    def advance(
-        self,
-        key: RunKey,
-        *,
-        expected_generation: int,
-        blob: bytes,
-        nonces: Sequence[str] = (),
-        segment: bytes = b"",
-    ) -> None:
-        """Raises what the inner store raises."""
-        with metrics.observe_commit():
-            self._inner.advance(
-                key,
-                expected_generation=expected_generation,
-                blob=blob,
-                nonces=nonces,
-                segment=segment,
-            )
-        logs.set_generation(self._run_id, expected_generation + 1)
-        log.debug("committed", extra={"run_id": self._run_id})
-
-    def advance_many(self, key: RunKey, commits: Sequence[Advance]) -> None:
-        """Raises what the inner store raises. One timing for the batch (one round
-        trip); every commit in it is counted."""
-        if not commits:
-            return
-        with metrics.observe_commit(len(commits)):
-            self._inner.advance_many(key, commits)
-        logs.set_generation(self._run_id, commits[-1].expected_generation + 1)
-        log.debug("committed", extra={"run_id": self._run_id, "commits": len(commits)})
 
 
 class RunRecorder:
@@ -203,41 +146,7 @@ def _verifier_message(run: Any) -> str:
     return f"the verifier exited with {getattr(run, 'exit_code', None)}"
 
 
-class ObservedAdapter(AdapterProxy):
-    """An ``Adapter`` that counts fence refusals and reports failed verifications to
-    ``recorder`` (see the module docstring)."""
-
-    def __init__(self, inner: Adapter, recorder: RunRecorder | None = None) -> None:
-        super().__init__(inner)
-        self._recorder = recorder
-
-    def verify(self, target: str) -> VerifierReport:
-        """Raises what the inner adapter raises."""
-        report = self._inner.verify(target)
-        if not report.passed and self._recorder is not None:
-            self._recorder.verifier_failed(report, _last_verifier_run(self._inner))
-        return report
-
-    def raise_fence(self, fence: Fence) -> None:
-        """Raises what the inner adapter raises."""
-        try:
-            self._inner.raise_fence(fence)
-        except FenceRejectedError:
-            metrics.STALE_ADAPTER_WRITES.labels(call="raise_fence").inc()
-            raise
-
-    def execute(
-        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
-    ) -> Receipt:
-        """Raises what the inner adapter raises."""
-        try:
-            return self._inner.execute(action, intent_digest, fence, approval_digest)
-        except FenceRejectedError:
-            metrics.STALE_ADAPTER_WRITES.labels(call="execute").inc()
-            raise
-
-
-def _last_verifier_run(adapter: object) -> Any:
+def last_verifier_run(adapter: object) -> Any:
     """The workspace's last verifier run, directly or as a router's files part."""
     for part in (adapter, getattr(adapter, "files", None)):
         run = getattr(part, "last_verifier_run", None)

@@ -54,6 +54,7 @@ from ratchet.runtime import (
     ReviewVerdict,
     RunEngine,
     RunState,
+    effects,
     machine,
     sign_approval,
     sign_rebaseline,
@@ -61,10 +62,12 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.canonical import model_json
 from ratchet.runtime.checkpoint import open_checkpoint
+from ratchet.runtime.effects import drive
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
 from ratchet.worker.control import CancelRequest, new_cancel_request, seal_cancel
+from ratchet.worker.executor import Executor
 from ratchet.worker.runs import (
     RunDocument,
     build_adapter,
@@ -114,8 +117,9 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
             run_id,
             scenario=document.scenario,
             keyring=fleet.keyring,
-            adapter=adapter,
-            store=fleet.store.creator(seal_document(fleet.keyring, run_id, document)),
+            executor=Executor(
+                adapter, fleet.store.creator(seal_document(fleet.keyring, run_id, document))
+            ),
             clock=clock,
             document_digest=document_digest(document),
         )
@@ -445,7 +449,7 @@ def _observe_now(fleet: Fleet, view: RunView) -> Observation:
     token = fleet.settings.http_token.get_secret_value() if fleet.settings.http_token else None
     adapter = build_adapter(view.document, sandbox=fleet.sandbox, http_token=token)
     try:
-        return adapter.observe()
+        return drive(effects.observe(), Executor(adapter))
     finally:
         close = getattr(adapter, "close", None)
         if callable(close):
