@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.adapters import OrdersService, RunningService, serve
+from ratchet.chaos.orders import OrdersService, RunningService, serve
 from ratchet.runtime.memory import ManualClock
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters import HttpAdapter
-from ratchet.adapters.reference_service import DropConnection
+from ratchet.chaos.orders import DropConnection
 from ratchet.errors import AdapterError, FenceRejectedError, IdempotencyConflictError
 from ratchet.runtime import Action, Fence
 from tests.adapters.conftest import ServiceBox
@@ -191,7 +191,7 @@ def test_the_reference_service_runs_as_its_own_process_for_the_drills(tmp_path: 
         [
             sys.executable,
             "-m",
-            "ratchet.adapters.orders_server",
+            "ratchet.chaos.orders_server",
             "--db",
             str(tmp_path / "orders.sqlite3"),
             "--port",

@@ -19,16 +19,13 @@ def test_the_adapters_public_names_are_pinned() -> None:
             "ConformanceCheck",
             "ConformanceSubject",
             "HttpAdapter",
-            "OrdersService",
             "RouterAdapter",
-            "RunningService",
             "SystemClock",
             "VerifierCommand",
             "VerifierRun",
             "WorkspaceAdapter",
             "run_check",
             "run_conformance",
-            "serve",
         ]
     )
     for name in ratchet.adapters.__all__:

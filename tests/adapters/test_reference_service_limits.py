@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.adapters import HttpAdapter, OrdersService, serve
-from ratchet.adapters.reference_service import RunningService
+from ratchet.adapters import HttpAdapter
+from ratchet.chaos.orders import OrdersService, RunningService, serve
 from ratchet.errors import AdapterError
 from ratchet.runtime import Fence
 from tests.adapters.harness import order

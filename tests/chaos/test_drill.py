@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from ratchet.worker.drill.cluster import choose_redis
-from ratchet.worker.drill.schedule import Schedule, parse_faults
-from ratchet.worker.failpoints import POINTS
+from ratchet.chaos.drill.cluster import choose_redis
+from ratchet.chaos.drill.schedule import Schedule, parse_faults
+from ratchet.chaos.failpoints import POINTS
 
 RATCHET = str(Path(sys.executable).with_name("ratchet"))
 

@@ -16,6 +16,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ratchet.adapters.journal import Journal
+from ratchet.chaos.drill.cluster import choose_redis, truncate_aof
 from ratchet.errors import (
     CommitOutcomeUnknownError,
     FenceRejectedError,
@@ -24,7 +25,6 @@ from ratchet.errors import (
 )
 from ratchet.leasing import RedisServer, RedisStore, free_port, run_keys
 from ratchet.runtime.ports import Advance, RunKey
-from ratchet.worker.drill.cluster import choose_redis, truncate_aof
 from tests.integration.conftest import redis_binaries
 
 

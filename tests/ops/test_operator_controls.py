@@ -18,6 +18,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.chaos.failpoints import FailpointFired
+from ratchet.chaos.hooks import DrillHooks
 from ratchet.errors import ContractError, ReviewDecisionError, RunNotFoundError
 from ratchet.leasing import RedisServer
 from ratchet.runtime import CrashWindow, KeyRing, TraceOutcome
@@ -25,7 +27,6 @@ from ratchet.worker.context import Fleet
 from ratchet.worker.control import new_cancel_request, seal_cancel
 from ratchet.worker.diagnosis import diagnose
 from ratchet.worker.examples import RIGHT_GREETING
-from ratchet.worker.failpoints import FailpointFired
 from ratchet.worker.job import JobReport, execute_run
 from ratchet.worker.ops import approve, cancel, inspect_run, rebaseline, review, submit
 from tests.ops.helpers import (
@@ -176,7 +177,7 @@ def test_a_write_of_unknown_outcome_is_settled_by_its_key_before_the_run_ends(
             raise FailpointFired(seen.value)
 
     with pytest.raises(FailpointFired):
-        execute_run(fleet, run_id, owner="w-dead", probe=die)
+        execute_run(fleet, run_id, owner="w-dead", hooks=DrillHooks(probe=die))
     poll(
         lambda: not fleet.store.read_run(run_id).lease_live,
         deadline_s=30,

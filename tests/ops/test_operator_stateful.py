@@ -33,13 +33,14 @@ from hypothesis.stateful import (
 from pydantic import SecretStr
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.chaos.failpoints import FailpointFired
+from ratchet.chaos.hooks import DrillHooks
 from ratchet.errors import ContractError, EvidenceError, RatchetError
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.leasing.keys import EPOCH_KEY
 from ratchet.runtime import CrashWindow, Fence, Phase, derive_idempotency_key, parse_action
 from ratchet.worker.context import Fleet
 from ratchet.worker.examples import greeting_document, make_greeting_workspace
-from ratchet.worker.failpoints import FailpointFired
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import approve, cancel, inspect_run, rebaseline, retry, review, submit
 from ratchet.worker.retention import purge_finished, verify_export
@@ -224,7 +225,8 @@ class Operations(RuleBasedStateMachine):
                 raise FailpointFired(seen.value)
 
         try:
-            execute_run(self.fleet, run.run_id, owner="w", probe=die if window else None)
+            hooks = DrillHooks(probe=die) if window else None
+            execute_run(self.fleet, run.run_id, owner="w", hooks=hooks)
         except FailpointFired:  # the worker died here, holding the lease: it expires
             poll(
                 lambda: not self.fleet.store.read_run(run.run_id).lease_live,

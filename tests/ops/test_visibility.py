@@ -208,12 +208,16 @@ def test_a_poisoned_run_shows_its_job_error_in_show_the_console_and_the_metrics(
         )
 
         def counted() -> bool:
+            # The job error is counted while the job fails, its outcome when it has
+            # ended: a scrape can fall between the two, so wait for both.
             scraped.update(scrape(base) or {})
-            return scraped.get("ratchet_job_errors_total|error=TypeError") == 1.0
+            return (
+                scraped.get("ratchet_job_errors_total|error=TypeError") == 1.0
+                and scraped.get("ratchet_jobs_total|outcome=poisoned|phase=unknown") == 1.0
+            )
 
-        poll(counted, deadline_s=60, what="the job error counted on the worker")
+        poll(counted, deadline_s=60, what="the job error and its outcome counted on the worker")
         assert scraped["ratchet_job_errors_total|error=other"] == 0.0
-        assert scraped["ratchet_jobs_total|outcome=poisoned|phase=unknown"] == 1.0
 
     data = detail(poisoning, run_id)
     error = data["last_job_error"]

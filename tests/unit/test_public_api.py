@@ -115,8 +115,8 @@ PINNED: dict[str, list[str]] = {
     ],
     "ratchet.adapters": [
         "CHECKS", "CommandVerifier", "ConformanceCheck", "ConformanceSubject", "HttpAdapter",
-        "OrdersService", "RouterAdapter", "RunningService", "SystemClock", "VerifierCommand",
-        "VerifierRun", "WorkspaceAdapter", "run_check", "run_conformance", "serve",
+        "RouterAdapter", "SystemClock", "VerifierCommand", "VerifierRun", "WorkspaceAdapter",
+        "run_check", "run_conformance",
     ],
     "ratchet.console": ["CSP", "ConsoleData", "ConsoleServer", "serve_console", "waiting_runs"],
     "ratchet.langgraph": [

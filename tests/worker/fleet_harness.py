@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 
+from ratchet.chaos.hooks import from_env
 from ratchet.worker.context import Fleet
 from ratchet.worker.ops import inspect_run
 from ratchet.worker.pool import _settings_json, worker_main
@@ -45,7 +46,12 @@ class Workers:
         try:
             for _ in range(n):
                 proc = self._ctx.Process(
-                    target=worker_main, args=(self._payload, len(self.procs), False), daemon=True
+                    target=worker_main,
+                    args=(self._payload, len(self.procs), False),
+                    # RATCHET_FAILPOINTS in ``env`` reaches the worker through the drill's
+                    # hooks, as in a drill; a plain ``ratchet worker`` ignores it.
+                    kwargs={"hooks_factory": from_env},
+                    daemon=True,
                 )
                 proc.start()
                 self.procs.append(proc)

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.chaos.failpoints import FailpointFired, Failpoints, parse_failpoints
+from ratchet.chaos.hooks import DrillHooks
 from ratchet.runtime import CrashWindow
 from ratchet.worker.context import Fleet
 from ratchet.worker.examples import RIGHT_GREETING
-from ratchet.worker.failpoints import FailpointFired, Failpoints, parse_failpoints
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import inspect_run, submit
 from ratchet.worker.runs import RunDocument
@@ -82,7 +83,7 @@ def test_a_job_that_dies_in_a_window_is_finished_by_the_next_owner_with_one_writ
         points += ";observe_after_write=raise"
     probe = Failpoints(parse_failpoints(points))
     with pytest.raises(FailpointFired):
-        execute_run(fleet, run_id, owner="w-1", probe=probe)
+        execute_run(fleet, run_id, owner="w-1", hooks=DrillHooks(probe))
     held = execute_run(fleet, run_id, owner="w-2")
     assert held.outcome == "held_elsewhere"  # the dead owner's lease still runs
     wait_for_expiry(fleet, run_id)
@@ -132,7 +133,7 @@ def test_a_file_edited_mid_job_stops_the_write_and_freezes_the_run_with_the_reas
             (root / "app.py").write_text(edit)
             edited.append(window)
 
-    report = execute_run(fleet, run_id, owner="w-1", probe=edit_once)
+    report = execute_run(fleet, run_id, owner="w-1", hooks=DrillHooks(probe=edit_once))
     assert report.outcome == "environment_changed"
     assert report.detail.startswith("stale_observation")
     view = inspect_run(fleet, run_id)

@@ -134,7 +134,8 @@ def test_a_task_resubmitted_on_a_wiped_store_cannot_write_to_its_workspace_again
 
 
 def test_the_orders_service_binds_one_store_epoch(tmp_path: Path) -> None:
-    from ratchet.adapters import HttpAdapter, OrdersService, serve
+    from ratchet.adapters import HttpAdapter
+    from ratchet.chaos.orders import OrdersService, serve
     from ratchet.errors import FenceRejectedError
     from ratchet.runtime import Fence
 

@@ -75,8 +75,8 @@ What is here
   atomic writes, crash recovery, fences and git facts.
 * :class:`CommandVerifier` (:mod:`.verifier`): allow-listed commands, clean environment,
   timeout, output limit, bound reports.
-* :class:`HttpAdapter` (:mod:`.http`) and the reference orders API
-  (:mod:`.reference_service`).
+* :class:`HttpAdapter` (:mod:`.http`); the reference orders API it is tested against is
+  part of the chaos harness (:mod:`ratchet.chaos.orders`).
 * :class:`RouterAdapter` (:mod:`.router`): files to the workspace, external calls to HTTP.
 * :mod:`.conformance`: the checks above, runnable against any adapter.
 
@@ -91,7 +91,6 @@ from ratchet.adapters.conformance import (
     run_conformance,
 )
 from ratchet.adapters.http import HttpAdapter
-from ratchet.adapters.reference_service import OrdersService, RunningService, serve
 from ratchet.adapters.router import RouterAdapter
 from ratchet.adapters.verifier import CommandVerifier, VerifierCommand, VerifierRun
 from ratchet.adapters.workspace import SystemClock, WorkspaceAdapter
@@ -102,14 +101,11 @@ __all__ = [
     "ConformanceCheck",
     "ConformanceSubject",
     "HttpAdapter",
-    "OrdersService",
     "RouterAdapter",
-    "RunningService",
     "SystemClock",
     "VerifierCommand",
     "VerifierRun",
     "WorkspaceAdapter",
     "run_check",
     "run_conformance",
-    "serve",
 ]

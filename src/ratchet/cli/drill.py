@@ -10,10 +10,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ratchet.chaos.drill.report import render, run_drill
+from ratchet.chaos.drill.runner import DrillOptions
+from ratchet.chaos.drill.schedule import FAULTS, parse_faults
 from ratchet.cli.common import EXIT_CHECK_FAILED, JsonFlag, app, print_json, ratchet_errors
-from ratchet.worker.drill.report import render, run_drill
-from ratchet.worker.drill.runner import DrillOptions
-from ratchet.worker.drill.schedule import FAULTS, parse_faults
 
 __all__: list[str] = []
 

@@ -14,9 +14,9 @@ every commit and every adapter write, so a worker that cannot prove its lease ma
 further commit or adapter call; the fences in Redis and in the adapters refuse it anyway
 if a check races with the loss.
 
-Drills (:mod:`ratchet.worker.failpoints`): the heartbeat fires ``during_renewal`` before
-each renewal (``drop-reply`` there: the renewal is sent, its outcome treated as unknown,
-so the lease is lost).
+Drills and tests wrap each renewal through the worker's hooks
+(:meth:`ratchet.worker.hooks.WorkerHooks.renewal`); a renewal whose reply they drop
+raises like any renewal with an unknown outcome, so the lease is lost.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from ratchet.errors import LeaseLostError, RatchetError
 from ratchet.worker import metrics
-from ratchet.worker.failpoints import Failpoints
+from ratchet.worker.hooks import WorkerHooks
 
 __all__ = ["Heartbeat"]
 
@@ -48,11 +48,11 @@ class Heartbeat:
         lease_ttl_ms: int,
         acquired_at: float | None = None,
         monotonic: Callable[[], float] = time.monotonic,
-        failpoints: Failpoints | None = None,
+        hooks: WorkerHooks | None = None,
     ) -> None:
         """``acquired_at`` is the monotonic time just *before* the acquire call was sent:
         the lease cannot have started earlier, so counting the TTL from it is safe."""
-        self._failpoints = failpoints
+        self._hooks = hooks
         self._renew = renew  # returns the new expiry (Redis ms); raises when not renewed
         self.run_id = run_id
         self._interval = interval_ms / 1000
@@ -119,12 +119,10 @@ class Heartbeat:
                 return
             started = self._monotonic()
             try:
-                if self._failpoints is not None and self._failpoints.renewal():
-                    # The renewal is sent and its reply dropped: never assume it landed.
+                if self._hooks is None:
                     self._renew()
-                    self._mark_lost("renewal reply lost")
-                    return
-                self._renew()
+                else:
+                    self._hooks.renewal(self._renew)
             except RatchetError as exc:
                 # Refused or unknown outcome: either way the lease cannot be proven.
                 self._mark_lost(f"renewal failed: {type(exc).__name__}")

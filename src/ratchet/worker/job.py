@@ -35,9 +35,9 @@ version and the high-water mark Redis reported. The run is frozen, never continu
 rewound state. A high-water mark that could not be *read* (Redis unreachable during the
 restore) is not such evidence: the job ends as ``lease_lost`` and the run is retried.
 
-Drills: with failpoints or ``RATCHET_DRILL_EVENTS`` configured (see
-:mod:`ratchet.worker.failpoints`) the job also logs its lease, its accepted restore, every
-acknowledged commit and any stale attempt after a pause; otherwise none of that runs.
+Drills and tests attach to a job only through its hooks (:mod:`ratchet.worker.hooks`):
+the executor hooks they return for the job see every effect, the heartbeat's renewals
+pass through them, and they hear the job's milestones. In production there are none.
 """
 
 from __future__ import annotations
@@ -79,8 +79,6 @@ from ratchet.runtime import (
     RunState,
 )
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
-from ratchet.runtime.effects import Hooks
-from ratchet.runtime.engine import Probe
 from ratchet.runtime.machine import decision_baseline
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker import logs, metrics
@@ -88,15 +86,9 @@ from ratchet.worker.agents import AgentFactory, AgentView, build_agent, plans_ah
 from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
 from ratchet.worker.control import CancelRequest, find_controls, find_rebaseline
-from ratchet.worker.executor import Executor, WindowProbe
-from ratchet.worker.failpoints import (
-    EventLog,
-    FailpointFired,
-    Failpoints,
-    TripwireHooks,
-    Tripwires,
-)
+from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
+from ratchet.worker.hooks import WorkerHooks
 from ratchet.worker.identity import owner_id
 from ratchet.worker.observe import RunRecorder, job_ended
 from ratchet.worker.runs import (
@@ -118,11 +110,10 @@ STOP = threading.Event()
 
 @dataclass
 class _Process:
-    """This worker process's fleet and failpoint probe, set once by the pool."""
+    """This worker process's fleet and hooks, set once by the pool."""
 
     fleet: Fleet | None = None
-    probe: Probe | None = None
-    events: EventLog | None = None
+    hooks: WorkerHooks | None = None
 
 
 _PROCESS = _Process()
@@ -145,64 +136,38 @@ class JobReport:
         return asdict(self)
 
 
-def configure(fleet: Fleet, probe: Probe | None = None, events: EventLog | None = None) -> None:
-    """Set this process's fleet, failpoints and drill event log (the pool calls it once
-    per worker process)."""
+def configure(fleet: Fleet, hooks: WorkerHooks | None = None) -> None:
+    """Set this process's fleet and hooks (the pool calls it once per worker process;
+    hooks only in drills and tests)."""
     _PROCESS.fleet = fleet
-    _PROCESS.probe = probe
-    _PROCESS.events = events
+    _PROCESS.hooks = hooks
 
 
 def run_job(run_id: str) -> dict[str, Any]:
     """The RQ entry point: ``{run_id}`` in, a JSON report out."""
     if _PROCESS.fleet is None:
         _PROCESS.fleet = Fleet.connect()
-    return execute_run(
-        _PROCESS.fleet, run_id, probe=_PROCESS.probe, events=_PROCESS.events
-    ).as_dict()
+    return execute_run(_PROCESS.fleet, run_id, hooks=_PROCESS.hooks).as_dict()
 
 
 def _owner(fleet: Fleet) -> str:
     return owner_id(fleet.settings.worker_name)
 
 
-def _tripwires(
-    fleet: Fleet, lease: LeasedRun, points: Failpoints | None, events: EventLog | None
-) -> Tripwires | None:
-    if points is None and events is None:
-        return None
-    if points is not None:
-        points.enter(lease.run_id, lease.lease_version)
-    owner, version, run_id = lease.owner, lease.lease_version, lease.run_id
-
-    def lease_gone() -> bool:
-        return not fleet.store.read_run(run_id).is_held_by(owner, version)
-
-    wires = Tripwires(run_id, version, points, events, lease_gone)
-    wires.emit(
-        "acquire",
-        owner=owner,
-        took_over=lease.took_over,
-        previous_owner=lease.previous[0],
-        previous_lease_version=lease.previous[1],
-    )
-    return wires
-
-
 def execute_run(
     fleet: Fleet,
     run_id: str,
     *,
-    probe: Probe | None = None,
     owner: str | None = None,
-    events: EventLog | None = None,
+    hooks: WorkerHooks | None = None,
 ) -> JobReport:
     """Run one job for ``run_id``. Never raises for outcomes a fleet expects.
 
-    ``events`` (drills only) receives the lease, restore, acknowledged commits and stale
-    attempts of this job. Raises FailpointFired (drills only) and unexpected errors.
+    ``hooks`` (drills and tests only; see :mod:`ratchet.worker.hooks`) see the job's
+    lease, every effect, every renewal and the job's milestones. Raises what they raise
+    to end the job as if the worker had died, and unexpected errors.
     """
-    report = _execute(fleet, run_id, probe=probe, owner=owner, events=events)
+    report = _execute(fleet, run_id, owner=owner, hooks=hooks)
     job_ended(
         run_id,
         outcome=report.outcome,
@@ -211,8 +176,8 @@ def execute_run(
         generation=report.generation,
         steps=report.steps,
     )
-    if events is not None:
-        events.emit(
+    if hooks is not None:
+        hooks.event(
             "job_end",
             run_id=run_id,
             outcome=report.outcome,
@@ -224,7 +189,7 @@ def execute_run(
 
 
 def _execute(
-    fleet: Fleet, run_id: str, *, probe: Probe | None, owner: str | None, events: EventLog | None
+    fleet: Fleet, run_id: str, *, owner: str | None, hooks: WorkerHooks | None
 ) -> JobReport:
     settings = fleet.settings
     owner = owner or _owner(fleet)
@@ -264,8 +229,14 @@ def _execute(
     recorder = RunRecorder(fleet.store, run_id, lease.lease_version, settings)
     recorder.lease_acquired(took_over=lease.took_over, previous=lease.previous)
     report = JobReport(run_id, "lease_lost", lease_version=lease.lease_version)
-    points = probe if isinstance(probe, Failpoints) else None
-    wires = _tripwires(fleet, lease, points, events)
+    job_hooks = None
+    if hooks is not None:
+        held_by, version = lease.owner, lease.lease_version
+
+        def lease_gone() -> bool:
+            return not fleet.store.read_run(run_id).is_held_by(held_by, version)
+
+        job_hooks = hooks.job(lease, lease_gone)
 
     # Gating judgements (approval expiry, budgets, deadlines) read the store's clock: an
     # upper bound anchored at the acquire's Redis time, tightened by every renewal.
@@ -284,7 +255,7 @@ def _execute(
         stall_timeout_ms=settings.stall_timeout_ms,
         lease_ttl_ms=settings.lease_ttl_ms,
         acquired_at=acquired_at,
-        failpoints=points,
+        hooks=hooks,
     ).start()
     held = _HeldLease(lease, heartbeat)
     adapter = None
@@ -322,13 +293,10 @@ def _execute(
             )
             token = settings.http_token.get_secret_value() if settings.http_token else None
             adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock, http_token=token)
-            hooks: Hooks | None = TripwireHooks(wires) if wires is not None else None
-            if probe is not None:
-                hooks = WindowProbe(probe, hooks)
             executor = Executor(
                 adapter,
                 lease,
-                hooks=hooks,
+                hooks=job_hooks,
                 guard=heartbeat,
                 recorder=recorder,
                 measure=True,
@@ -382,8 +350,8 @@ def _execute(
             report.generation = engine.generation
             return report
         restored_seq = engine.state.trace[-1].seq
-        if wires is not None:
-            wires.emit("restore", generation=engine.generation, phase=engine.state.phase.value)
+        if hooks is not None:
+            hooks.event("restore", generation=engine.generation, phase=engine.state.phase.value)
         if cancel is not None or agent_factory is None:
             _cancel(engine, cancel, report)
         else:
@@ -412,8 +380,6 @@ def _execute(
             _job_error(fleet, held, report, exc)
     except StoreError as exc:
         report.outcome, report.detail = "lease_lost", f"store: {type(exc).__name__}"
-    except FailpointFired:
-        raise  # drills: the job ends as if the worker died here (the lease stays held)
     except Exception as exc:
         _job_error(fleet, held, report, exc)
     finally:

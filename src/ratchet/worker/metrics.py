@@ -248,7 +248,6 @@ JOB_ERROR_TYPES = (*sorted(set(_KNOWN_ERRORS.values())), "other")
 _LOST_REASONS = (
     ("renewal failed: LeaseLostError", "refused"),
     ("renewal failed", "unknown_outcome"),
-    ("renewal reply lost", "unknown_outcome"),
     ("lease not renewed", "not_renewed_in_time"),
     ("executor stalled", "stalled"),
 )

@@ -20,7 +20,7 @@ the others and exits :data:`EXIT_CRASH_LOOP`.
 
 RQ's own ``rq.worker_pool.WorkerPool`` does not fit: it forks (ratchet spawns, so no
 thread, lock or Redis connection of the parent is inherited), each child runs RQ's fixed
-``run_worker`` (no per-process fleet, clock and eviction checks, failpoints, metrics port
+``run_worker`` (no per-process fleet, clock and eviction checks, hooks, metrics port
 or reaper thread), it respawns at once with no backoff, no death log and no crash-loop
 limit, and it checks its children once a second instead of waiting on them. Overriding
 all of that would leave nothing of it but the name.
@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -49,7 +50,7 @@ from ratchet.errors import ConfigurationError
 from ratchet.worker import job, logs, metrics
 from ratchet.worker.clock import check_clock_skew
 from ratchet.worker.context import Fleet
-from ratchet.worker.failpoints import events_from_env, probe_from_env
+from ratchet.worker.hooks import WorkerHooks
 from ratchet.worker.identity import owner_id
 from ratchet.worker.reaper import Reaper
 from ratchet.worker.retention import start_retention
@@ -87,9 +88,17 @@ class RatchetWorker(SimpleWorker):
 
 
 def worker_main(
-    settings_json: str, index: int, burst: bool = False, *, own_process_group: bool = False
+    settings_json: str,
+    index: int,
+    burst: bool = False,
+    *,
+    own_process_group: bool = False,
+    hooks_factory: Callable[[], WorkerHooks | None] | None = None,
 ) -> None:
     """Entry point of one worker process.
+
+    ``hooks_factory`` (drills and tests only; a module-level function, so that it reaches a
+    spawned process) builds the process's hooks (:mod:`ratchet.worker.hooks`).
 
     ``own_process_group`` (the pool's processes): a terminal's Ctrl+C reaches only the
     pool, which forwards it once; in the terminal's group each process would get it twice,
@@ -102,11 +111,10 @@ def worker_main(
     settings = Settings.model_validate_json(settings_json)
     # The embedded server (no RATCHET_REDIS_URL) is started again if it is gone.
     fleet = Fleet.connect(settings, start_embedded=True)
-    points = probe_from_env()
-    if points is not None:
-        # Drills: the store lets the failpoints drop or kill at a commit's reply.
-        fleet.store.reply_hook = points.commit_reply
-    job.configure(fleet, points, events_from_env())
+    hooks = hooks_factory() if hooks_factory is not None else None
+    if hooks is not None:
+        hooks.attach(fleet.store)
+    job.configure(fleet, hooks)
     owner = owner_id(settings.worker_name)
     logs.set_worker_id(owner)  # the lease owner id of this process
     sandbox = fleet.sandbox

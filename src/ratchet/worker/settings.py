@@ -51,7 +51,7 @@ OTHER_NAMES: Final = frozenset(
         "RATCHET_QUEUE_REDIS_URL",
         # ratchet.leasing.server: which redis-server binary to run
         "RATCHET_REDIS_SERVER",
-        # ratchet.worker.failpoints: drills
+        # ratchet.chaos.failpoints: drills
         "RATCHET_FAILPOINTS",
         "RATCHET_FAILPOINTS_LOG",
         "RATCHET_DRILL_EVENTS",

@@ -1,7 +1,7 @@
 """What a drill's runs write to: a workspace each, and the reference orders API.
 
 Each run gets its own workspace folder and its own orders *tenant*: one
-:class:`~ratchet.adapters.reference_service.OrdersService` (its own SQLite database), all
+:class:`~ratchet.chaos.orders.OrdersService` (its own SQLite database), all
 served by one loopback HTTP server under ``/t/<tenant>``. Why not one shared service: the
 orders API's observation is its global revision, so any other run's order would move it,
 and a run recovering after a crash would (correctly) fail closed on the drift. A tenant per
@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
-from ratchet.adapters.reference_service import OrdersService, _Handler
+from ratchet.chaos.orders import OrdersService, _Handler
 from ratchet.errors import ConfigurationError
 from ratchet.runtime import Scenario
 from ratchet.worker.agents import AgentStep, AgentView, ScriptedAgent
@@ -81,7 +81,7 @@ class DrillAgent:
 
 
 def drill_agent(config: dict[str, Any]) -> DrillAgent:
-    """Agent factory (``ratchet.worker.drill.services:drill_agent``).
+    """Agent factory (``ratchet.chaos.drill.services:drill_agent``).
 
     Raises ConfigurationError for a bad ``think_ms`` or plan.
     """

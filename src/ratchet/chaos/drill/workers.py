@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from ratchet.worker.drill.scrape import MetricsWatch
+from ratchet.chaos.drill.scrape import MetricsWatch
+from ratchet.chaos.hooks import from_env
 from ratchet.worker.pool import _settings_json, worker_main
 from ratchet.worker.settings import Settings
 
@@ -42,7 +43,7 @@ def _entry(payload: str, index: int, log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    worker_main(payload, index, False)
+    worker_main(payload, index, False, hooks_factory=from_env)
 
 
 @dataclass

@@ -17,7 +17,7 @@ Timeline of one drill (every wait is a poll with a deadline):
 5. stop every process (``finally``, also on errors), then hand everything to the checker.
 
 Every tick also scrapes each running worker's ``/metrics`` (a loopback port per worker,
-from a block the drill picked; :mod:`ratchet.worker.drill.scrape`), and the workers are
+from a block the drill picked; :mod:`ratchet.chaos.drill.scrape`), and the workers are
 scraped once more before and while they stop, so the checker can hold the fleet's own
 counters against what the drill saw.
 """
@@ -38,16 +38,16 @@ from pydantic import SecretStr
 from redis.exceptions import RedisError
 
 from ratchet.adapters.sandbox import for_own_verifiers
+from ratchet.chaos.drill.cluster import RedisChoice, choose_redis, truncate_aof
+from ratchet.chaos.drill.schedule import FAULTS, Schedule
+from ratchet.chaos.drill.scrape import MetricsWatch, free_port_block
+from ratchet.chaos.drill.services import TenantOrders, drill_document, make_workspace
+from ratchet.chaos.drill.workers import DrillWorker, WorkerPool
 from ratchet.errors import ConfigurationError, RatchetError
 from ratchet.leasing import EXPIRY_INDEX, RedisServer, RedisStore
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.context import Fleet
-from ratchet.worker.drill.cluster import RedisChoice, choose_redis, truncate_aof
-from ratchet.worker.drill.schedule import FAULTS, Schedule
-from ratchet.worker.drill.scrape import MetricsWatch, free_port_block
-from ratchet.worker.drill.services import TenantOrders, drill_document, make_workspace
-from ratchet.worker.drill.workers import DrillWorker, WorkerPool
 from ratchet.worker.ops import cancel, create_run, inspect_run
 from ratchet.worker.settings import Settings
 

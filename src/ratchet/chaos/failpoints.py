@@ -35,7 +35,7 @@ checker can tell a fault that fired from one that never did.
 ``RATCHET_DRILL_EVENTS`` (a folder) turns on a per-process event log
 (``events-<pid>.jsonl``): leases acquired, restores accepted, commits acknowledged,
 stale commits and stale adapter writes attempted after a pause and how they ended. A drill's
-checker reads it afterwards; see :mod:`ratchet.worker.drill`.
+checker reads it afterwards; see :mod:`ratchet.chaos.drill`.
 
 Both reach a job through the executor's hooks (:class:`TripwireHooks`, with the
 failpoints as its window probe). Unset, nothing here runs: the executor has no hooks and
@@ -99,8 +99,12 @@ ACTIONS = ("kill", "pause", "delay", "raise", "drop-reply")
 _DROPPABLE = (WorkerPoint.DURING_RENEWAL.value, WorkerPoint.AFTER_COMMIT_BEFORE_REPLY.value)
 
 
-class FailpointFired(Exception):  # noqa: N818 - it is an event, not an error
-    """Raised by the ``raise`` action: the job ends as if the worker had died there."""
+class FailpointFired(BaseException):
+    """Raised by the ``raise`` action: the job ends as if the worker had died there.
+
+    A ``BaseException``, like ``KeyboardInterrupt``: no handler of the job's meant for
+    real failures (``except Exception``) records it or gives the lease up, so the job
+    ends exactly as a dead worker's would, lease still held."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,10 +39,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ratchet.worker.drill.evidence import Evidence, RunFacts
-from ratchet.worker.drill.runner import DrillRecord
-from ratchet.worker.drill.scrape import MetricsWatch
-from ratchet.worker.drill.services import INTENTS_PER_RUN
+from ratchet.chaos.drill.evidence import Evidence, RunFacts
+from ratchet.chaos.drill.runner import DrillRecord
+from ratchet.chaos.drill.scrape import MetricsWatch
+from ratchet.chaos.drill.services import INTENTS_PER_RUN
 
 __all__ = ["Invariant", "Verdicts", "check"]
 

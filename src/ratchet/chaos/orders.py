@@ -550,7 +550,7 @@ def serve(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve until interrupted; ``python -m ratchet.adapters.orders_server --db PATH``."""
+    """Serve until interrupted; ``python -m ratchet.chaos.orders_server --db PATH``."""
     parser = argparse.ArgumentParser(description="reference orders API (SQLite-backed)")
     parser.add_argument("--db", required=True, type=Path)
     parser.add_argument("--host", default="127.0.0.1")

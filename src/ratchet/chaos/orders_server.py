@@ -1,7 +1,7 @@
-"""Run the reference orders API: ``python -m ratchet.adapters.orders_server --db PATH
+"""Run the reference orders API: ``python -m ratchet.chaos.orders_server --db PATH
 [--host 127.0.0.1] [--port 8080]``. It prints ``listening on <url>`` once it serves."""
 
-from ratchet.adapters.reference_service import main
+from ratchet.chaos.orders import main
 
 __all__: list[str] = []
 

@@ -1,6 +1,6 @@
 """Read what a drill left behind: failpoint hits, worker events, adapter records, Redis.
 
-Everything here reads; nothing decides. The checker (:mod:`ratchet.worker.drill.checker`)
+Everything here reads; nothing decides. The checker (:mod:`ratchet.chaos.drill.checker`)
 turns these facts into invariant verdicts.
 """
 
@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.chaos.drill.runner import DrillRecord
+from ratchet.chaos.drill.services import NOTE
 from ratchet.errors import RatchetError
 from ratchet.leasing import run_keys
 from ratchet.runtime import TraceOutcome
 from ratchet.worker.context import Fleet
-from ratchet.worker.drill.runner import DrillRecord
-from ratchet.worker.drill.services import NOTE
 from ratchet.worker.ops import inspect_run
 
 __all__ = ["AdapterRecords", "Evidence", "RunFacts", "gather"]

@@ -14,9 +14,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ratchet.worker.drill.checker import check
-from ratchet.worker.drill.evidence import gather
-from ratchet.worker.drill.runner import DrillOptions, Progress, run_drill_processes
+from ratchet.chaos.drill.checker import check
+from ratchet.chaos.drill.evidence import gather
+from ratchet.chaos.drill.runner import DrillOptions, Progress, run_drill_processes
 
 __all__ = ["render", "run_drill"]
 

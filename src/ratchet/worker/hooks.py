@@ -1,0 +1,46 @@
+"""What a drill or a test may attach to a worker process. In production nothing is.
+
+A worker process (``worker_main``) or a single job (``execute_run``) takes an optional
+:class:`WorkerHooks`. The worker calls it at four places and knows nothing else about
+faults:
+
+* :meth:`WorkerHooks.attach`, once, when the process has connected to its store;
+* :meth:`WorkerHooks.job`, when a job took a lease: the executor hooks for that job
+  (:class:`ratchet.runtime.Hooks`, which see every effect the engine yields, crash windows
+  included), or None;
+* :meth:`WorkerHooks.renewal`, around every lease renewal of the heartbeat;
+* :meth:`WorkerHooks.event`, at a job's milestones (``acquire``, ``restore``,
+  ``job_end``), with the run and lease they concern.
+
+The chaos harness (:mod:`ratchet.chaos.hooks`) implements it with failpoints and a drill
+event log; tests implement it to crash a job at an exact window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ratchet.leasing import LeasedRun, RedisStore
+from ratchet.runtime.effects import Hooks
+
+__all__ = ["WorkerHooks"]
+
+
+class WorkerHooks:
+    """The default attaches nothing: each method does exactly what the worker would."""
+
+    def attach(self, store: RedisStore) -> None:
+        """The worker process connected to ``store`` (once per process)."""
+
+    def job(self, lease: LeasedRun, lease_gone: Callable[[], bool]) -> Hooks | None:
+        """The executor hooks for the job that just took ``lease`` (None: none).
+        ``lease_gone()`` asks Redis whether that lease is still this job's."""
+        return None
+
+    def renewal(self, renew: Callable[[], int]) -> int:
+        """Perform one lease renewal (``renew()`` returns the new expiry, Redis ms)."""
+        return renew()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """A job's milestone: ``acquire``, ``restore`` or ``job_end``."""
