@@ -33,12 +33,10 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import json
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +45,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from harness import emit, median, median_of_ratios, parse_args, parser, print_table
 
 from ratchet.runtime import (
     Action,
@@ -345,10 +344,6 @@ def measure(
     return out
 
 
-def _ratio(num: list[float], den: list[float]) -> float:
-    return round(statistics.median(n / d for n, d in zip(num, den, strict=True)), 2)
-
-
 def run(quick: bool) -> dict[str, Any]:
     """Build both checkpoints, measure, and return the report (see the module docstring)."""
     budget_s, batches, warmup = (0.9, 5, 20) if quick else (10.0, 11, 200)
@@ -358,7 +353,6 @@ def run(quick: bool) -> dict[str, Any]:
         "mode": "quick" if quick else "full",
         "batches": batches,
     }
-    med = statistics.median
     for label, target in TARGETS.items():
         built = build_checkpoint(label, target)
         t = measure(ops(built), budget_s=budget_s, batches=batches, warmup=warmup)
@@ -368,19 +362,23 @@ def run(quick: bool) -> dict[str, Any]:
             f"plain_size_{label}": len(json.dumps(built.state.model_dump(mode="json"))),
             f"trace_events_{label}": len(built.state.trace),
             f"executed_writes_{label}": len(built.state.executed),
-            f"sign_us_{label}": round(med(t["sign"]), 1),
-            f"restore_us_{label}": round(med(t["restore"]), 1),
-            f"trust_check_us_{label}": round(med(t["trust"]), 1),
-            f"baseline_dumps_hmac_us_{label}": round(med(t["dumps_hmac"]), 1),
-            f"baseline_loads_verify_us_{label}": round(med(t["loads_verify"]), 1),
-            f"sign_ratio_{label}": _ratio(t["sign"], t["dumps_hmac"]),
+            f"sign_us_{label}": round(median(t["sign"]), 1),
+            f"restore_us_{label}": round(median(t["restore"]), 1),
+            f"trust_check_us_{label}": round(median(t["trust"]), 1),
+            f"baseline_dumps_hmac_us_{label}": round(median(t["dumps_hmac"]), 1),
+            f"baseline_loads_verify_us_{label}": round(median(t["loads_verify"]), 1),
+            f"sign_ratio_{label}": median_of_ratios(t["sign"], t["dumps_hmac"], 2),
             # The issue's baseline for every ratio: json.dumps + stdlib HMAC of the same
             # data. The stricter mirror (json.loads + HMAC verify) is reported beside it.
-            f"restore_ratio_{label}": _ratio(t["restore"], t["dumps_hmac"]),
-            f"restore_ratio_vs_loads_verify_{label}": _ratio(t["restore"], t["loads_verify"]),
-            f"restore_ratio_without_trust_{label}": _ratio(without_trust, t["dumps_hmac"]),
-            f"restore_ratio_without_trust_vs_loads_verify_{label}": _ratio(
-                without_trust, t["loads_verify"]
+            f"restore_ratio_{label}": median_of_ratios(t["restore"], t["dumps_hmac"], 2),
+            f"restore_ratio_vs_loads_verify_{label}": median_of_ratios(
+                t["restore"], t["loads_verify"], 2
+            ),
+            f"restore_ratio_without_trust_{label}": median_of_ratios(
+                without_trust, t["dumps_hmac"], 2
+            ),
+            f"restore_ratio_without_trust_vs_loads_verify_{label}": median_of_ratios(
+                without_trust, t["loads_verify"], 2
             ),
         }
     return report
@@ -402,16 +400,7 @@ ROWS = [
 
 
 def _table(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=f"checkpoint cost ({report['mode']} run, medians of {report['batches']} batches)",
-        caption=f"machine: {report['machine']}",
-    )
-    table.add_column("measure")
-    for label in TARGETS:
-        table.add_column(f"~{label.upper()}", justify="right")
+    rows = []
     for title, key, fmt in ROWS:
         if key is None:
             cells = [
@@ -420,20 +409,18 @@ def _table(report: dict[str, Any]) -> None:
             ]
         else:
             cells = [fmt.format(report[key.format(lb)]) for lb in TARGETS]
-        table.add_row(title, *cells)
-    Console().print(table)
+        rows.append([title, *cells])
+    print_table(
+        f"checkpoint cost ({report['mode']} run, medians of {report['batches']} batches)",
+        ["measure", *(f"~{label.upper()}" for label in TARGETS)],
+        rows,
+        caption=f"machine: {report['machine']}",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--quick", action="store_true", help="smoke run of about 3 s")
-    args = parser.parse_args(argv)
-    report = run(args.quick)
-    if args.json:
-        print(json.dumps(report, sort_keys=True))
-    else:
-        _table(report)
+    args = parse_args(parser(__doc__), argv, quick="smoke run of about 3 s")
+    emit(run(args.quick), as_json=args.json, table=_table)
     return 0
 
 

@@ -33,21 +33,27 @@ machine's noise only ever lowers a rate), the same rule for every contender.
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import sqlite3
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from harness import (
+    emit,
+    keyring,
+    parse_args,
+    parser,
+    print_measures,
+    random_bytes,
+    ratio,
+    temp_redis,
+)
+
 PAYLOAD_BYTES = 4096
-SECRET = b"benchmark-only-checkpoint-key-0123456789abcdef"
 TRIVIAL_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]) return 1"
 WARMUP_OPS = 20
 
@@ -56,7 +62,6 @@ def checkpoint_payload() -> bytes:
     """The signed payload of a real ~4 KB checkpoint: a run driven on the in-memory ports
     (writes with receipts, verifications, reads, an approved pending write), exactly what
     a worker commits; see ``benchmarks/checkpoint_cost.py``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from checkpoint_cost import build_checkpoint
 
     from ratchet.runtime.signing import parse_envelope
@@ -65,7 +70,7 @@ def checkpoint_payload() -> bytes:
 
 
 def random_payload() -> bytes:
-    return os.urandom(PAYLOAD_BYTES)
+    return random_bytes(PAYLOAD_BYTES)
 
 
 _PAYLOAD: dict[str, bytes] = {}  # set in each worker process from the parent's bytes
@@ -105,10 +110,10 @@ def _op_evalsha(url: str, worker: int, _db: str) -> Callable[[int], None]:
 
 def _op_commit(url: str, worker: int, _db: str) -> Callable[[int], None]:
     from ratchet.leasing import RedisStore
-    from ratchet.runtime.signing import KeyRing, seal_envelope
+    from ratchet.runtime.signing import seal_envelope
 
     store = RedisStore(_client(url))  # defaults: a ~4 KB checkpoint is stored as it is
-    keyring = KeyRing.from_secrets({"k1": SECRET}, signing_kid="k1")
+    keys = keyring()
     run_id = f"bench-{uuid.uuid4().hex[:12]}-{worker}"
     base = _payload(worker)[:-8]  # + an 8-byte counter: a new checkpoint every commit
     store.create_run(
@@ -116,7 +121,7 @@ def _op_commit(url: str, worker: int, _db: str) -> Callable[[int], None]:
         task_id="bench",
         env_instance_id="bench-env",
         scenario=b"{}",
-        checkpoint=seal_envelope(keyring, base),
+        checkpoint=seal_envelope(keys, base),
     )
     run = store.acquire(run_id, owner=f"bench-worker-{worker}", ttl_ms=600_000)
     if run is None:
@@ -125,7 +130,7 @@ def _op_commit(url: str, worker: int, _db: str) -> Callable[[int], None]:
     def commit(i: int) -> None:
         # A new checkpoint each time: sign it, then one fenced commit (owner, lease
         # version, expected state version, generation = high-water + 1).
-        blob = seal_envelope(keyring, base + i.to_bytes(8, "big"))
+        blob = seal_envelope(keys, base + i.to_bytes(8, "big"))
         run.commit(blob)
 
     return commit
@@ -247,42 +252,37 @@ PHASES: list[tuple[str, str, int]] = [
 
 def run(seconds: float, rounds: int, payload_kind: str = "checkpoint") -> dict[str, Any]:
     """Every phase ``rounds`` times, interleaved; each figure is its best round."""
-    from ratchet.leasing import RedisServer
-
     payload = checkpoint_payload() if payload_kind == "checkpoint" else random_payload()
     langgraph = _have_langgraph()
-    with tempfile.TemporaryDirectory(prefix="ratchet-bench-") as tmp:
-        server = RedisServer(Path(tmp) / "redis", appendonly=True, appendfsync="always")
-        with server:
-            info = server.client().info("server")
-            url = server.url
-            db = str(Path(tmp) / "langgraph.sqlite")
-            if langgraph:
-                from langgraph.checkpoint.sqlite import SqliteSaver
+    with temp_redis(prefix="ratchet-bench-") as (server, folder):
+        info = server.client().info("server")
+        url = server.url
+        db = str(folder / "langgraph.sqlite")
+        if langgraph:
+            from langgraph.checkpoint.sqlite import SqliteSaver
 
-                conn = sqlite3.connect(db)
-                SqliteSaver(conn).setup()
-                conn.close()
-            best: dict[str, Any] = {name: None for name, _, _ in PHASES}
-            for _round in range(rounds):
-                for name, op, processes in PHASES:
-                    if op == "sqlite" and not langgraph:
-                        continue
-                    rate = measure(op, processes, url, db, seconds, payload)
-                    best[name] = rate if best[name] is None else max(best[name], rate)
-            figures: dict[str, Any] = dict(best)
+            conn = sqlite3.connect(db)
+            SqliteSaver(conn).setup()
+            conn.close()
+        best: dict[str, Any] = {name: None for name, _, _ in PHASES}
+        for _round in range(rounds):
+            for name, op, processes in PHASES:
+                if op == "sqlite" and not langgraph:
+                    continue
+                rate = measure(op, processes, url, db, seconds, payload)
+                best[name] = rate if best[name] is None else max(best[name], rate)
+        figures: dict[str, Any] = dict(best)
     figures = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in figures.items()}
-    figures["ratio_vs_evalsha"] = round(
-        figures["commits_per_s_1proc"] / figures["evalsha_per_s"], 3
+    figures["ratio_vs_evalsha"] = ratio(figures["commits_per_s_1proc"], figures["evalsha_per_s"], 3)
+    figures["ratio_vs_langgraph_sqlite_4proc"] = ratio(
+        figures["commits_per_s_4proc"], figures["langgraph_sqlite_put_per_s_4proc"], 3
     )
-    sqlite4 = figures["langgraph_sqlite_put_per_s_4proc"]
-    figures["ratio_vs_langgraph_sqlite_4proc"] = (
-        round(figures["commits_per_s_4proc"] / sqlite4, 3) if sqlite4 else None
+    figures["ratio_4proc_vs_evalsha_4proc"] = ratio(
+        figures["commits_per_s_4proc"], figures["evalsha_per_s_4proc"], 3
     )
-    figures["ratio_4proc_vs_evalsha_4proc"] = round(
-        figures["commits_per_s_4proc"] / figures["evalsha_per_s_4proc"], 3
+    figures["goal_1proc_vs_evalsha_met"] = (
+        figures["ratio_vs_evalsha"] is not None and figures["ratio_vs_evalsha"] >= 0.7
     )
-    figures["goal_1proc_vs_evalsha_met"] = figures["ratio_vs_evalsha"] >= 0.7
     figures["goal_4proc_vs_langgraph_met"] = (
         figures["ratio_vs_langgraph_sqlite_4proc"] is not None
         and figures["ratio_vs_langgraph_sqlite_4proc"] >= 1.5
@@ -303,47 +303,35 @@ def run(seconds: float, rounds: int, payload_kind: str = "checkpoint") -> dict[s
 
 
 def _print_table(figures: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=f"Commit throughput (Redis {figures['redis_version']}, appendfsync "
-        f"always, {figures['payload_bytes']} B payload)"
+    print_measures(
+        figures,
+        f"Commit throughput (Redis {figures['redis_version']}, appendfsync "
+        f"always, {figures['payload_bytes']} B payload)",
     )
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in figures.items():
-        table.add_row(key, "-" if value is None else str(value))
-    Console().print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=1.5, help="duration of each phase")
-    parser.add_argument(
+    cli = parser(__doc__)
+    cli.add_argument("--seconds", type=float, default=1.5, help="duration of each phase")
+    cli.add_argument(
         "--rounds",
         type=int,
         default=3,
         help="repeat every phase, interleaved; report each one's best round",
     )
-    parser.add_argument(
+    cli.add_argument(
         "--payload",
         choices=("checkpoint", "random"),
         default="checkpoint",
         help="what every contender stores: a real ~4 KB checkpoint "
         "(default) or 4 KB of random bytes (incompressible)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+    args = parse_args(cli, argv)
     if not 0.2 <= args.seconds <= 60:
-        parser.error("--seconds must be between 0.2 and 60")
+        cli.error("--seconds must be between 0.2 and 60")
     if not 1 <= args.rounds <= 10:
-        parser.error("--rounds must be between 1 and 10")
-    figures = run(args.seconds, args.rounds, args.payload)
-    if args.json:
-        print(json.dumps(figures, sort_keys=True))
-    else:
-        _print_table(figures)
+        cli.error("--rounds must be between 1 and 10")
+    emit(run(args.seconds, args.rounds, args.payload), as_json=args.json, table=_print_table)
     return 0
 
 

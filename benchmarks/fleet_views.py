@@ -33,9 +33,6 @@ nothing. ``--json`` prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -43,11 +40,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness import emit, median, parse_args, parser, ratio, redis_server
 from pydantic import SecretStr
 
 from ratchet.cli.console import fleet_console_data
 from ratchet.console.server import ConsoleServer
-from ratchet.leasing import RUNS_INDEX, RedisServer, RedisStore, run_keys
+from ratchet.leasing import RUNS_INDEX, RedisStore, run_keys
 from ratchet.leasing.keys import phase_index
 from ratchet.worker.context import Fleet
 from ratchet.worker.settings import Settings
@@ -109,7 +107,7 @@ def median_call_s(fn: Callable[[], object], samples: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median(times)
 
 
 def views(fleet: Fleet, server: ConsoleServer) -> dict[str, Callable[[], object]]:
@@ -145,8 +143,8 @@ def views(fleet: Fleet, server: ConsoleServer) -> dict[str, Callable[[], object]
 
 def run(sizes: list[int], *, rounds: int, samples: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ratchet-fleet-views-") as tmp:
-        redis = RedisServer(
-            Path(tmp) / "redis", appendonly=False, extra_args=["--databases", str(len(sizes))]
+        redis = redis_server(
+            Path(tmp), aof=False, extra_args=["--databases", str(len(sizes))]
         ).start()
         servers: list[ConsoleServer] = []
         try:
@@ -182,12 +180,12 @@ def run(sizes: list[int], *, rounds: int, samples: int) -> dict[str, Any]:
         str(size): {
             "bare_ms": round(figures["bare"] * 1000, 4),
             **{f"{view}_ms": round(figures[view] * 1000, 4) for view in VIEWS},
-            **{f"{view}_ratio": round(figures[view] / figures["bare"], 2) for view in VIEWS},
+            **{f"{view}_ratio": ratio(figures[view], figures["bare"], 2) for view in VIEWS},
         }
         for size, figures in zip(sizes, best, strict=True)
     }
     small, large = per_size[str(sizes[0])], per_size[str(sizes[-1])]
-    growth = {view: round(large[f"{view}_ratio"] / small[f"{view}_ratio"], 3) for view in VIEWS}
+    growth = {view: ratio(large[f"{view}_ratio"], small[f"{view}_ratio"], 3) for view in VIEWS}
     return {
         "sizes": sizes,
         "page": PAGE,
@@ -196,34 +194,44 @@ def run(sizes: list[int], *, rounds: int, samples: int) -> dict[str, Any]:
         "results": per_size,
         "growth": growth,
         "goal": GOAL,
-        "goal_met": all(g < GOAL for g in growth.values()),
+        "goal_met": all(g is not None and g < GOAL for g in growth.values()),
         "redis_version": version,
         "fill_s": round(filled_s, 1),
         "elapsed_s": round(elapsed, 1),
     }
 
 
+def _print_report(report: dict[str, Any]) -> None:
+    sizes = report["sizes"]
+    head = f"{'runs':>8}  {'bare ms':>8}" + "".join(f"  {v:>16}" for v in VIEWS)
+    print(head)
+    for size in sizes:
+        row = report["results"][str(size)]
+        cells = "".join(f"  {row[f'{v}_ms']:>7.3f} ({row[f'{v}_ratio']:>5.1f}x)" for v in VIEWS)
+        print(f"{size:>8}  {row['bare_ms']:>8.3f}{cells}")
+    growth = ", ".join(f"{v} {g}" for v, g in report["growth"].items())
+    print(f"growth {sizes[-1]} / {sizes[0]} (goal < {GOAL}): {growth}")
+    print(
+        f"redis {report['redis_version']}; filled in {report['fill_s']} s, "
+        f"measured in {report['elapsed_s']} s"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument(
+    cli = parser(__doc__)
+    cli.add_argument(
         "--sizes", default="1000,10000,100000", help="Comma-separated run counts, ascending."
     )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--samples", type=int, default=30)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="Small sizes, few samples; a smoke run that checks nothing.",
-    )
-    parser.add_argument("--json", action="store_true", dest="as_json")
-    args = parser.parse_args(argv)
+    cli.add_argument("--rounds", type=int, default=5)
+    cli.add_argument("--samples", type=int, default=30)
+    args = parse_args(cli, argv, quick="Small sizes, few samples; a smoke run that checks nothing.")
     if args.quick:
         sizes, rounds, samples = [200, 2000], 1, 5
     else:
         try:
             sizes = [int(s) for s in args.sizes.split(",")]
         except ValueError:
-            parser.error("--sizes takes comma-separated integers")
+            cli.error("--sizes takes comma-separated integers")
         rounds, samples = args.rounds, args.samples
     if (
         len(sizes) < 2
@@ -231,26 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         or sizes[0] < PAGE * 10 // 5
         or (rounds < 1 or samples < 1)
     ):
-        parser.error(
+        cli.error(
             "--sizes needs two or more ascending counts of at least 100; "
             "--rounds and --samples at least 1"
         )
     report = run(sizes, rounds=rounds, samples=samples)
-    if args.as_json:
-        print(json.dumps(report, sort_keys=True))
-    else:
-        head = f"{'runs':>8}  {'bare ms':>8}" + "".join(f"  {v:>16}" for v in VIEWS)
-        print(head)
-        for size in sizes:
-            row = report["results"][str(size)]
-            cells = "".join(f"  {row[f'{v}_ms']:>7.3f} ({row[f'{v}_ratio']:>5.1f}x)" for v in VIEWS)
-            print(f"{size:>8}  {row['bare_ms']:>8.3f}{cells}")
-        growth = ", ".join(f"{v} {g}" for v, g in report["growth"].items())
-        print(f"growth {sizes[-1]} / {sizes[0]} (goal < {GOAL}): {growth}")
-        print(
-            f"redis {report['redis_version']}; filled in {report['fill_s']} s, "
-            f"measured in {report['elapsed_s']} s"
-        )
+    emit(report, as_json=args.json, table=_print_report)
     if args.quick:
         return 0
     return 0 if report["goal_met"] else 1

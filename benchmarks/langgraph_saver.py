@@ -21,13 +21,9 @@ in-memory saver stores nothing durably (the ceiling). Needs the ``langgraph`` an
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import operator
-import os
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,6 +32,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import redis.asyncio
+from harness import emit, keyring, parse_args, parser, random_bytes, temp_redis
 from langgraph.checkpoint.base import BaseCheckpointSaver, Checkpoint
 from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.memory import InMemorySaver
@@ -44,9 +41,7 @@ from langgraph.graph import END, START, StateGraph
 
 from ratchet.langgraph import RatchetSaver
 from ratchet.leasing import RedisServer
-from ratchet.runtime.signing import KeyRing
 
-SECRET = b"benchmark-only-checkpoint-key-0123456789abcdef"
 VALUE_BYTES = 4096
 STEP_BYTES = 1024
 
@@ -99,7 +94,7 @@ async def _timed(seconds: float, op: Callable[[int], Awaitable[None]]) -> float:
 async def _phases(
     saver: BaseCheckpointSaver[Any], config: dict[str, Any], seconds: float
 ) -> dict[str, float]:
-    value = os.urandom(VALUE_BYTES // 2).hex()
+    value = random_bytes(VALUE_BYTES // 2).hex()
     thread = f"bench-{uuid.uuid4().hex[:8]}"
     base = {
         "configurable": {**config.get("configurable", {}), "thread_id": thread, "checkpoint_ns": ""}
@@ -152,8 +147,7 @@ async def _phases(
 @asynccontextmanager
 async def _ratchet(server: RedisServer) -> AsyncIterator[_Made]:
     aclient = redis.asyncio.Redis.from_url(server.url, decode_responses=False)
-    keyring = KeyRing.from_secrets({"bench": SECRET}, signing_kid="bench")
-    saver = RatchetSaver(server.client(), aclient=aclient, keyring=keyring, owner="bench")
+    saver = RatchetSaver(server.client(), aclient=aclient, keyring=keyring("bench"), owner="bench")
     try:
         yield saver, {}
     finally:
@@ -177,7 +171,7 @@ async def _memory() -> AsyncIterator[_Made]:
 async def _bare_set(server: RedisServer, seconds: float) -> float:
     """The floor on this server: a plain async SET of the same size (one fsync each)."""
     client = redis.asyncio.Redis.from_url(server.url, decode_responses=False)
-    value = os.urandom(VALUE_BYTES)
+    value = random_bytes(VALUE_BYTES)
     try:
 
         async def op(_: int) -> None:
@@ -190,10 +184,10 @@ async def _bare_set(server: RedisServer, seconds: float) -> float:
 
 async def run(seconds: float, rounds: int) -> dict[str, Any]:
     results: dict[str, dict[str, list[float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
+    with temp_redis() as (server, folder):
         makers: dict[str, Callable[[], Any]] = {
             "RatchetSaver (Redis, AOF always)": lambda: _ratchet(server),
-            "AsyncSqliteSaver (file, WAL, FULL)": lambda: _sqlite(Path(tmp)),
+            "AsyncSqliteSaver (file, WAL, FULL)": lambda: _sqlite(folder),
             "InMemorySaver": _memory,
         }
         floor: list[float] = []
@@ -215,16 +209,7 @@ async def run(seconds: float, rounds: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=1.0, help="per phase and round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    report = asyncio.run(run(args.seconds, args.rounds))
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
+def _print_report(report: dict[str, Any]) -> None:
     print(
         f"bare Redis SET of {VALUE_BYTES} B on the same server: "
         f"{report['bare_redis_set_per_s']:,.0f}/s"
@@ -235,6 +220,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:38} {f['aput_per_s']:>9,.0f} {f['aget_tuple_per_s']:>13,.0f} "
             f"{f['graph_steps_per_s']:>14,.0f}"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = parser(__doc__)
+    cli.add_argument("--seconds", type=float, default=1.0, help="per phase and round")
+    cli.add_argument("--rounds", type=int, default=3)
+    args = parse_args(cli, argv)
+    report = asyncio.run(run(args.seconds, args.rounds))
+    # Indented, in the order measured (not sorted like the other scripts' JSON).
+    emit(report, as_json=args.json, table=_print_report, indent=2, sort_keys=False)
     return 0
 
 

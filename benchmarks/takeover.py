@@ -36,9 +36,7 @@ At the end every run is given time to complete and every workspace's journal is 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
 import multiprocessing as mp
 import os
@@ -48,12 +46,13 @@ import secrets
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+
+from harness import emit, parse_args, parser, print_measures, temp_redis
 
 POLL_S = 0.003
 WORKER_NAME = "tk"
@@ -226,7 +225,7 @@ def run(
 ) -> dict[str, Any]:
     from pydantic import SecretStr
 
-    from ratchet.leasing import RedisServer, RedisStore
+    from ratchet.leasing import RedisStore
     from ratchet.worker.context import Fleet
     from ratchet.worker.pool import _settings_json
     from ratchet.worker.settings import Settings
@@ -239,57 +238,55 @@ def run(
     from ratchet.adapters.sandbox import for_own_verifiers
 
     roots: dict[str, Path] = {}
-    with tempfile.TemporaryDirectory(prefix="ratchet-takeover-") as tmp:
-        base = Path(tmp)
-        with RedisServer(base / "redis", appendonly=True, appendfsync="always") as server:
-            RedisStore(server.client()).init_epoch()
-            settings = Settings(
-                redis_url=SecretStr(server.url),
-                state_dir=base / "state",
-                queue=f"takeover-{secrets.token_hex(3)}",
-                lease_ttl_ms=ttl_ms,
-                renew_interval_ms=renew_ms,
-                reaper_interval_ms=reaper_ms,
-                stall_timeout_ms=max(30_000, 10 * ttl_ms),
-                job_timeout_s=600,
-                checkpoint_key=SecretStr(secrets.token_hex(32)),
-                worker_name=WORKER_NAME,
-                verifier_sandbox=for_own_verifiers(),
-            )
-            fleet = Fleet.connect(settings)
-            pool = Pool(_settings_json(settings))
-            end = started + budget_s
-            try:
-                pool.start(workers)
-                index = 0
-                while len(samples) < kills:
-                    remaining = end - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(
-                            f"only {len(samples)} of {kills} takeovers within {budget_s:.0f} s"
-                        )
-                    run_id = f"tk-{index}-{secrets.token_hex(3)}"
-                    roots[run_id] = base / "workspaces" / f"ws-{index}"
-                    index += 1
-                    sample = _one_kill(
-                        fleet,
-                        pool,
-                        roots[run_id],
-                        run_id,
-                        think_ms=think_ms,
-                        renew_ms=renew_ms,
-                        deadline_s=min(remaining, 30 + 10 * ttl_ms / 1000),
+    with temp_redis(prefix="ratchet-takeover-") as (server, base):
+        RedisStore(server.client()).init_epoch()
+        settings = Settings(
+            redis_url=SecretStr(server.url),
+            state_dir=base / "state",
+            queue=f"takeover-{secrets.token_hex(3)}",
+            lease_ttl_ms=ttl_ms,
+            renew_interval_ms=renew_ms,
+            reaper_interval_ms=reaper_ms,
+            stall_timeout_ms=max(30_000, 10 * ttl_ms),
+            job_timeout_s=600,
+            checkpoint_key=SecretStr(secrets.token_hex(32)),
+            worker_name=WORKER_NAME,
+            verifier_sandbox=for_own_verifiers(),
+        )
+        fleet = Fleet.connect(settings)
+        pool = Pool(_settings_json(settings))
+        end = started + budget_s
+        try:
+            pool.start(workers)
+            index = 0
+            while len(samples) < kills:
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"only {len(samples)} of {kills} takeovers within {budget_s:.0f} s"
                     )
-                    if sample is None:
-                        discarded += 1
-                        continue
-                    samples.append(sample)
-                completed, duplicates = _wait_and_count(
-                    fleet, roots, time.monotonic() + max(10.0, 10 * ttl_ms / 1000)
+                run_id = f"tk-{index}-{secrets.token_hex(3)}"
+                roots[run_id] = base / "workspaces" / f"ws-{index}"
+                index += 1
+                sample = _one_kill(
+                    fleet,
+                    pool,
+                    roots[run_id],
+                    run_id,
+                    think_ms=think_ms,
+                    renew_ms=renew_ms,
+                    deadline_s=min(remaining, 30 + 10 * ttl_ms / 1000),
                 )
-            finally:
-                pool.stop_all()
-            workers_started = pool.started
+                if sample is None:
+                    discarded += 1
+                    continue
+                samples.append(sample)
+            completed, duplicates = _wait_and_count(
+                fleet, roots, time.monotonic() + max(10.0, 10 * ttl_ms / 1000)
+            )
+        finally:
+            pool.stop_all()
+        workers_started = pool.started
     takeovers = [s.takeover_ms for s in samples]
     leases = [s.lease_ms for s in samples if s.lease_ms is not None]
     after_expiry = [s.takeover_ms - s.expiry_ms for s in samples]
@@ -332,48 +329,39 @@ def run(
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(
-        title=f"Takeover after SIGKILL ({report['kills']} kills, lease TTL "
-        f"{report['lease_ttl_ms']} ms, reaper {report['reaper_interval_ms']} ms)"
+    print_measures(
+        report,
+        f"Takeover after SIGKILL ({report['kills']} kills, lease TTL "
+        f"{report['lease_ttl_ms']} ms, reaper {report['reaper_interval_ms']} ms)",
     )
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for key, value in report.items():
-        table.add_row(key, "-" if value is None else str(value))
-    Console().print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--kills", type=int, default=20, help="takeovers to measure (>= 1)")
-    parser.add_argument("--workers", type=int, default=3, help="worker processes kept alive")
-    parser.add_argument("--lease-ttl-ms", type=int, default=1000)
-    parser.add_argument("--reaper-interval-ms", type=int, default=100)
-    parser.add_argument(
+    cli = parser(__doc__)
+    cli.add_argument("--kills", type=int, default=20, help="takeovers to measure (>= 1)")
+    cli.add_argument("--workers", type=int, default=3, help="worker processes kept alive")
+    cli.add_argument("--lease-ttl-ms", type=int, default=1000)
+    cli.add_argument("--reaper-interval-ms", type=int, default=100)
+    cli.add_argument(
         "--think-ms", type=int, default=50, help="the example agent's delay before each proposal"
     )
-    parser.add_argument(
+    cli.add_argument(
         "--budget-s",
         type=float,
         default=None,
         help="give up after this long (default: 5 s + 4 s per kill)",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: 3 kills")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+    args = parse_args(cli, argv, quick="smoke run: 3 kills")
     if args.quick:
         args.kills = 3
     if not 1 <= args.kills <= 500:
-        parser.error("--kills must be between 1 and 500")
+        cli.error("--kills must be between 1 and 500")
     if not 2 <= args.workers <= 16:
-        parser.error("--workers must be between 2 and 16")
+        cli.error("--workers must be between 2 and 16")
     if not 200 <= args.lease_ttl_ms <= 60_000:
-        parser.error("--lease-ttl-ms must be between 200 and 60000")
+        cli.error("--lease-ttl-ms must be between 200 and 60000")
     if not 50 <= args.reaper_interval_ms <= args.lease_ttl_ms:
-        parser.error("--reaper-interval-ms must be between 50 and the lease TTL")
+        cli.error("--reaper-interval-ms must be between 50 and the lease TTL")
     budget = args.budget_s or 5 + args.kills * (4 + 2 * args.lease_ttl_ms / 1000)
     report = run(
         kills=args.kills,
@@ -383,10 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         think_ms=args.think_ms,
         budget_s=budget,
     )
-    if args.json:
-        print(json.dumps(report, sort_keys=True))
-    else:
-        _print_table(report)
+    emit(report, as_json=args.json, table=_print_table)
     return 0
 
 
