@@ -61,7 +61,7 @@ from ratchet.runtime import (
     seal_checkpoint,
     sign_approval,
 )
-from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
+from ratchet.testing.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
 from ratchet.worker.executor import Executor
 
 BENCH_KEY = bytes(range(32)) + b"bench-checkpoint-key"

@@ -146,7 +146,7 @@ def _one_kill(
     renew_ms: int,
     deadline_s: float,
 ) -> Sample | None:
-    from ratchet.worker.examples import greeting_document, make_greeting_workspace
+    from ratchet.demo.examples import greeting_document, make_greeting_workspace
     from ratchet.worker.ops import submit
 
     make_greeting_workspace(root)

@@ -1,7 +1,7 @@
 """An agent that fixes a typo in one file, written against ratchet's public agent API.
 
 Its plan has four steps, each at a fixed position (the position is what makes a write's
-idempotency key stable, see :func:`ratchet.worker.agents.step_key`):
+idempotency key stable, see :func:`ratchet.agents.step_key`):
 
 0. read the file;
 1. write it back with the typo replaced (the only write, so the only idempotency key);
@@ -32,8 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ratchet.agents import AgentStep, AgentView, make_action, step_key
 from ratchet.errors import ConfigurationError
-from ratchet.worker.agents import AgentStep, AgentView, make_action, step_key
 
 __all__ = ["FINISH", "READ", "VERIFY", "WRITE", "FixTypoAgent", "FixTypoConfig", "make_agent"]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.chaos.orders import OrdersService, RunningService, serve
-from ratchet.runtime.memory import ManualClock
+from ratchet.testing.memory import ManualClock
 
 
 class ServiceBox:

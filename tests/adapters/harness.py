@@ -29,7 +29,7 @@ from ratchet.runtime import (
     sign_approval,
 )
 from ratchet.runtime.engine import Probe
-from ratchet.runtime.memory import ManualClock, MemoryGenerationStore
+from ratchet.testing.memory import ManualClock, MemoryGenerationStore
 from ratchet.worker.executor import Executor, WindowProbe
 from tests.adapters.conftest import ServiceBox
 

@@ -8,19 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from ratchet.adapters import (
+from ratchet.adapters import HttpAdapter, RouterAdapter, WorkspaceAdapter
+from ratchet.errors import ConformanceError
+from ratchet.runtime import Action, Fence
+from ratchet.testing.conformance import (
     CHECKS,
     ConformanceCheck,
     ConformanceSubject,
-    HttpAdapter,
-    RouterAdapter,
-    WorkspaceAdapter,
     run_check,
     run_conformance,
 )
-from ratchet.errors import ConformanceError
-from ratchet.runtime import Action, Fence
-from ratchet.runtime.memory import ManualClock, MemoryWorkspace
+from ratchet.testing.memory import ManualClock, MemoryWorkspace
 from tests.adapters.conftest import ServiceBox
 from tests.adapters.harness import make_workspace
 

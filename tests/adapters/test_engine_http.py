@@ -14,7 +14,7 @@ from ratchet.adapters import CommandVerifier, HttpAdapter, RouterAdapter, Worksp
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.errors import AdapterError, CheckpointError, FenceRejectedError
 from ratchet.runtime import Action, CrashWindow, Fence, Phase, ReviewReason, RunEngine, TraceOutcome
-from ratchet.runtime.memory import ObserveFailsAfterWrite
+from ratchet.testing.memory import ObserveFailsAfterWrite
 from tests.adapters.conftest import ServiceBox
 from tests.adapters.harness import (
     QUICK_CHECK,

@@ -13,7 +13,7 @@ from ratchet.adapters import CommandVerifier, WorkspaceAdapter
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.errors import CheckpointError, FenceRejectedError
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
-from ratchet.runtime.memory import ObserveFailsAfterWrite
+from ratchet.testing.memory import ObserveFailsAfterWrite
 from tests.adapters.harness import (
     PYTEST_CHECK,
     QUICK_CHECK,

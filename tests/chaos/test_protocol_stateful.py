@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from ratchet.adapters import CommandVerifier, WorkspaceAdapter
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.adapters.workspace import SystemClock
+from ratchet.agents import ScriptedAgent
 from ratchet.chaos.drill.services import NOTE, _scenario, make_workspace, plan
 from ratchet.errors import (
     AdapterError,
@@ -38,7 +39,6 @@ from ratchet.leasing import LeasedRun, RedisServer, RedisStore, run_keys
 from ratchet.runtime import CrashWindow, Effect, Hooks, KeyRing, Phase, RunEngine
 from ratchet.runtime.effects import Commit
 from ratchet.runtime.state import TERMINAL_PHASES
-from ratchet.worker.agents import ScriptedAgent
 from ratchet.worker.executor import Executor, WindowProbe
 from ratchet.worker.job import _view
 from tests.conftest import test_sandbox_mode

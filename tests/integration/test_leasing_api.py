@@ -40,7 +40,6 @@ def test_the_public_names_of_ratchet_leasing_are_pinned() -> None:
             "Lease",
             "LeaseHolder",
             "LeasedRun",
-            "LocalCluster",
             "PreparedCommit",
             "ReapClaim",
             "RedisServer",

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from ratchet.errors import LeaseLostError
 from ratchet.leasing import RedisStore, run_keys
 from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario
-from ratchet.runtime.memory import MemoryWorkspace
 from ratchet.runtime.ports import Advance, RunKey
+from ratchet.testing.memory import MemoryWorkspace
 from ratchet.worker.executor import Executor
 from tests.integration.conftest import lose_first_reply
 from tests.unit.world import RIGHT_GREETING, scenario_data

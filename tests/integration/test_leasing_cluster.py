@@ -10,9 +10,10 @@ import pytest
 from redis.crc import key_slot
 
 from ratchet.errors import GenerationMismatchError, LeaseLostError, NonceReplayError
-from ratchet.leasing import EXPIRY_INDEX, LocalCluster, RedisStore, run_keys
+from ratchet.leasing import EXPIRY_INDEX, RedisStore, run_keys
 from ratchet.leasing.keys import phase_index
 from ratchet.runtime.ports import Advance, RunKey
+from ratchet.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

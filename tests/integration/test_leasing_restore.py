@@ -10,8 +10,8 @@ from ratchet.errors import CheckpointError, LeaseLostError
 from ratchet.leasing import RedisStore
 from ratchet.runtime import Action, KeyRing, RunEngine, Scenario
 from ratchet.runtime.canonical import canonical_json
-from ratchet.runtime.memory import ManualClock, MemoryWorkspace
 from ratchet.runtime.ports import RunKey
+from ratchet.testing.memory import ManualClock, MemoryWorkspace
 from ratchet.worker.executor import Executor
 
 SECRET = b"integration-checkpoint-key-0123456789abcdef"

@@ -25,7 +25,7 @@ from ratchet.runtime import (
     sign_approval,
 )
 from ratchet.runtime.canonical import canonical_json
-from ratchet.runtime.memory import ManualClock, MemoryWorkspace
+from ratchet.testing.memory import ManualClock, MemoryWorkspace
 from ratchet.worker.executor import Executor
 
 SECRET = b"integration-checkpoint-key-0123456789abcdef"

@@ -16,9 +16,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.demo.examples import RIGHT_GREETING
 from ratchet.runtime import Fence, derive_idempotency_key, parse_action
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import RIGHT_GREETING
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import submit
 from ratchet.worker.runs import RunDocument

@@ -21,9 +21,9 @@ from cryptography.hazmat.primitives.serialization import (
 )
 from prometheus_client import REGISTRY, generate_latest
 
+from ratchet.demo.examples import make_greeting_workspace
 from ratchet.leasing import RedisServer
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint
-from ratchet.worker.examples import make_greeting_workspace
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
+from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.leasing import run_keys
 from ratchet.worker import metrics
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import submit
 from ratchet.worker.settings import Settings

@@ -35,12 +35,12 @@ from pydantic import SecretStr
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.chaos.failpoints import FailpointFired
 from ratchet.chaos.hooks import DrillHooks
+from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.errors import ContractError, EvidenceError, RatchetError
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.leasing.keys import EPOCH_KEY
 from ratchet.runtime import CrashWindow, Fence, Phase, derive_idempotency_key, parse_action
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import approve, cancel, inspect_run, rebaseline, retry, review, submit
 from ratchet.worker.retention import purge_finished, verify_export

@@ -24,11 +24,11 @@ from ratchet.cli.console import fleet_console_data
 from ratchet.cli.render import run_to_json
 from ratchet.console import serve_console
 from ratchet.console.pages import run_page, workers_page
+from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.leasing import RedisServer
 from ratchet.worker import metrics
 from ratchet.worker.changes import DIFF_SHOW_BYTES, SHOW_BYTES
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import inspect_run, submit
 from ratchet.worker.queueview import list_workers, owner_of_worker

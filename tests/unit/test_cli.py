@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from ratchet.cli import app
 from ratchet.cli import local as cli_local
 from ratchet.cli.common import CHECKPOINT_KEY_ENV
-from ratchet.worker.demo import DemoReport
+from ratchet.demo.local import DemoReport
 from tests.unit.world import CHECKPOINT_SECRET, scenario_data
 
 runner = CliRunner()

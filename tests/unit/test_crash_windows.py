@@ -13,7 +13,7 @@ from ratchet.errors import (
     LeaseLostError,
 )
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
-from ratchet.runtime.memory import ObserveFailsAfterWrite
+from ratchet.testing.memory import ObserveFailsAfterWrite
 from tests.unit.world import RIGHT_GREETING, SimulatedCrash, World, crash_at
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ratchet.errors import AdapterError, InvalidTransitionError
 from ratchet.runtime import CrashWindow, Phase, ReviewReason, RunEngine, TraceOutcome
-from ratchet.runtime.memory import ObserveFailsAfterWrite
+from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.worker.executor import WindowProbe
 from tests.unit.world import RIGHT_GREETING, World, plant_foreign_receipt
 

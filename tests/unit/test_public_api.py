@@ -108,16 +108,31 @@ PINNED: dict[str, list[str]] = {
     "ratchet": ["__version__"],
     "ratchet.leasing": [
         "Acquired", "CommitResult", "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "Lease",
-        "LeaseHolder", "LeasedRun", "LocalCluster", "PreparedCommit", "RUNS_INDEX",
+        "LeaseHolder", "LeasedRun", "PreparedCommit", "RUNS_INDEX",
         "ReapClaim", "RedisServer", "RedisStore", "Released", "RunCreated", "RunCreator",
         "RunKeys", "RunSnapshot", "find_redis_cli", "find_redis_server", "free_port",
         "new_commit_id", "nonce_key", "run_keys",
     ],
     "ratchet.adapters": [
-        "CHECKS", "CommandVerifier", "ConformanceCheck", "ConformanceSubject", "HttpAdapter",
-        "RouterAdapter", "SystemClock", "VerifierCommand", "VerifierRun", "WorkspaceAdapter",
+        "CommandVerifier", "HttpAdapter", "RouterAdapter", "SystemClock", "VerifierCommand",
+        "VerifierRun", "WorkspaceAdapter",
+    ],
+    "ratchet.testing.conformance": [
+        "CHECKS", "ConformanceCheck", "ConformanceSubject", "SubjectFactory", "check_names",
         "run_check", "run_conformance",
     ],
+    "ratchet.testing.memory": [
+        "LeasedMemoryStore", "ManualClock", "MemoryGenerationStore", "MemoryWorkspace",
+        "ObserveFailsAfterWrite", "files_fingerprint",
+    ],
+    "ratchet.testing.cluster": ["LocalCluster"],
+    "ratchet.agents": [
+        "ENTRY_POINT_GROUP", "Agent", "AgentFactory", "AgentPolicy", "AgentStep", "AgentView",
+        "GreetingAgent", "ScriptedAgent", "build_agent", "load_agent",
+    ],
+    "ratchet.chaos": [],
+    "ratchet.testing": [],
+    "ratchet.demo": [],
     "ratchet.console": ["CSP", "ConsoleData", "ConsoleServer", "serve_console", "waiting_runs"],
     "ratchet.langgraph": [
         "DEFAULT_LEASE_TTL_MS", "LEASE_KEY", "LeaseInfo", "RatchetSaver", "ThreadKeys",

@@ -34,8 +34,8 @@ from ratchet.runtime import (
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.effects import Hooks
 from ratchet.runtime.engine import Probe
-from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
 from ratchet.runtime.signing import parse_envelope, seal_envelope
+from ratchet.testing.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
 from ratchet.worker.executor import Executor, WindowProbe
 
 CHECKPOINT_SECRET = b"checkpoint-key-0123456789abcdef!!CANARY"

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ratchet.worker.agents import GreetingAgent
+from ratchet.agents import GreetingAgent
 
 _MARKER = os.environ.get("RATCHET_PROBE_AGENT_MARKER")
 if _MARKER:
@@ -38,7 +38,7 @@ class _Reader:
     plans_ahead = False
 
     def next_step(self, view: Any) -> Any:
-        from ratchet.worker.agents import AgentStep, make_action
+        from ratchet.agents import AgentStep, make_action
 
         time.sleep(0.02)  # stands in for a model's latency
         return AgentStep(make_action(view, 0, "read_file", {"path": "app.py"}), {})

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.runs import RunDocument
 from ratchet.worker.settings import Settings
 from tests.conftest import test_sandbox_mode

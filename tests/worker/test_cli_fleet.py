@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ratchet.demo.examples import make_greeting_workspace
 from ratchet.leasing import RedisServer
-from ratchet.worker.examples import make_greeting_workspace
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
 pytestmark = pytest.mark.slow

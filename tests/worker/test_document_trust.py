@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.errors import ConfigurationError, IntegrityError, RunNotFoundError
 from ratchet.leasing import RedisServer, run_keys
 from ratchet.runtime.signing import parse_envelope, seal_envelope
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import greeting_document, make_greeting_workspace
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import inspect_run, submit
 from ratchet.worker.runs import RunDocument, VerifierSpec, seal_document

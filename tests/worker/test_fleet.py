@@ -17,9 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.leasing import run_keys
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.worker.ops import approve, inspect_run, submit
 from ratchet.worker.settings import Settings
 from tests.worker.fleet_harness import (

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.demo.examples import RIGHT_GREETING, WRONG_GREETING
 from ratchet.leasing import EXPIRY_INDEX, RUNS_INDEX, run_keys
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import RIGHT_GREETING, WRONG_GREETING
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import submit
 from ratchet.worker.runs import RunDocument

@@ -60,8 +60,8 @@ def test_a_forked_child_draws_its_own_incarnation() -> None:
 def test_another_process_with_the_same_name_cannot_take_a_live_lease(
     redis_server: RedisServer, settings: Settings, tmp_path: Path
 ) -> None:
+    from ratchet.demo.examples import greeting_document, make_greeting_workspace
     from ratchet.worker.context import Fleet
-    from ratchet.worker.examples import greeting_document, make_greeting_workspace
     from ratchet.worker.ops import submit
 
     fleet = Fleet.connect(settings.model_copy(update={"worker_name": "same"}))
@@ -132,8 +132,8 @@ def test_two_workers_with_one_name_and_one_pid_are_two_owners(
 ) -> None:
     """``hostname-pid`` repeats across containers: both workers here run as pid 1 with
     the same configured name. The second must find the first's live lease held."""
+    from ratchet.demo.examples import greeting_document, make_greeting_workspace
     from ratchet.worker.context import Fleet
-    from ratchet.worker.examples import greeting_document, make_greeting_workspace
     from ratchet.worker.ops import submit
 
     fleet = Fleet.connect(settings)

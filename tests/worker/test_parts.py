@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from ratchet.errors import ConfigurationError, LeaseLostError, StoreUnavailableError
-from ratchet.runtime import Action, Advance, Fence, Observation, Phase, RunKey, TraceOutcome
-from ratchet.runtime.effects import Commit, Execute, Lookup, Observe, RaiseFence, Verify
-from ratchet.runtime.state import Usage
-from ratchet.worker.agents import (
+from ratchet.agents import (
     AgentPolicy,
     AgentView,
     GreetingAgent,
     ScriptedAgent,
     load_agent,
 )
+from ratchet.errors import ConfigurationError, LeaseLostError, StoreUnavailableError
+from ratchet.runtime import Action, Advance, Fence, Observation, Phase, RunKey, TraceOutcome
+from ratchet.runtime.effects import Commit, Execute, Lookup, Observe, RaiseFence, Verify
+from ratchet.runtime.state import Usage
 from ratchet.worker.context import Fleet
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
@@ -136,12 +136,12 @@ def test_the_greeting_agent_proposes_the_same_fix_after_a_crash() -> None:
 
 
 def test_agents_load_by_name_and_dotted_path_and_refuse_anything_else() -> None:
-    allowed = AgentPolicy(prefixes=("ratchet.worker",))
+    allowed = AgentPolicy(prefixes=("ratchet.agents",))
     assert isinstance(load_agent("greeting"), GreetingAgent)
     assert isinstance(
-        load_agent("ratchet.worker.agents:GreetingAgent.from_config", policy=allowed), GreetingAgent
+        load_agent("ratchet.agents:GreetingAgent.from_config", policy=allowed), GreetingAgent
     )
-    for bad in ("nope", "no.such.module:factory", "ratchet.worker.agents:missing"):
+    for bad in ("nope", "no.such.module:factory", "ratchet.agents:missing"):
         with pytest.raises(ConfigurationError):
             load_agent(bad, policy=allowed)
     with pytest.raises(ConfigurationError):

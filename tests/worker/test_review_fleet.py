@@ -26,10 +26,10 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.leasing import RedisServer
 from ratchet.runtime import Fence, derive_idempotency_key, parse_action
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.worker.ops import inspect_run, submit
 from ratchet.worker.settings import Settings
 from tests.worker.conftest import CHECKPOINT_KEY_HEX

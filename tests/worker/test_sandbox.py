@@ -18,10 +18,10 @@ from pydantic import SecretStr
 from ratchet.adapters.sandbox import Sandbox, SandboxMode
 from ratchet.adapters.verifier import CommandVerifier
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.demo.examples import make_greeting_workspace
 from ratchet.errors import ConfigurationError
 from ratchet.runtime import Scenario
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import make_greeting_workspace
 from ratchet.worker.job import execute_run
 from ratchet.worker.ops import submit
 from ratchet.worker.runs import EnvironmentSpec, RunDocument, VerifierSpec

@@ -115,7 +115,7 @@ def test_a_task_resubmitted_on_a_wiped_store_cannot_write_to_its_workspace_again
     sees, so a store wiped and initialised again (a new epoch) cannot have a resubmitted
     task write there a second time."""
     from ratchet.adapters.workspace import WorkspaceAdapter
-    from ratchet.worker.examples import greeting_document, make_greeting_workspace
+    from ratchet.demo.examples import greeting_document, make_greeting_workspace
 
     root = make_greeting_workspace(tmp_path / "ws")
     document = greeting_document(root, runner="python")

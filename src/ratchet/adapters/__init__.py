@@ -4,7 +4,7 @@ The adapter contract
 ====================
 
 The protocol is :class:`ratchet.runtime.ports.Adapter`; this is what each method promises.
-The conformance suite (:mod:`ratchet.adapters.conformance`) checks it, for ours and yours.
+The conformance suite (:mod:`ratchet.testing.conformance`) checks it, for ours and yours.
 
 ``namespace``
     Names the adapter's receipts. Receipts from another namespace are never accepted as
@@ -78,34 +78,22 @@ What is here
 * :class:`HttpAdapter` (:mod:`.http`); the reference orders API it is tested against is
   part of the chaos harness (:mod:`ratchet.chaos.orders`).
 * :class:`RouterAdapter` (:mod:`.router`): files to the workspace, external calls to HTTP.
-* :mod:`.conformance`: the checks above, runnable against any adapter.
-
-The in-memory workspace used by the core's tests lives in :mod:`ratchet.runtime.memory`.
+The checks above, runnable against any adapter, are the conformance kit in
+:mod:`ratchet.testing.conformance`; the in-memory workspace used by the core's tests lives
+in :mod:`ratchet.testing.memory`.
 """
 
-from ratchet.adapters.conformance import (
-    CHECKS,
-    ConformanceCheck,
-    ConformanceSubject,
-    run_check,
-    run_conformance,
-)
 from ratchet.adapters.http import HttpAdapter
 from ratchet.adapters.router import RouterAdapter
 from ratchet.adapters.verifier import CommandVerifier, VerifierCommand, VerifierRun
 from ratchet.adapters.workspace import SystemClock, WorkspaceAdapter
 
 __all__ = [
-    "CHECKS",
     "CommandVerifier",
-    "ConformanceCheck",
-    "ConformanceSubject",
     "HttpAdapter",
     "RouterAdapter",
     "SystemClock",
     "VerifierCommand",
     "VerifierRun",
     "WorkspaceAdapter",
-    "run_check",
-    "run_conformance",
 ]

@@ -35,6 +35,8 @@ from ratchet.cli.console import page_runs
 from ratchet.cli.local import local_demo
 from ratchet.cli.render import render_run, run_to_json
 from ratchet.console.data import RunQuery
+from ratchet.demo.examples import greeting_document, make_greeting_workspace
+from ratchet.demo.fleet import run_fleet_demo
 from ratchet.errors import ConfigurationError, ContractError
 from ratchet.leasing.listing import MAX_PAGE
 from ratchet.runtime import (
@@ -44,8 +46,6 @@ from ratchet.runtime import (
     ReviewDecisionClaims,
 )
 from ratchet.worker.context import Fleet
-from ratchet.worker.examples import greeting_document, make_greeting_workspace
-from ratchet.worker.fleet_demo import run_fleet_demo
 from ratchet.worker.ops import approve as sign_approval_for
 from ratchet.worker.ops import cancel as cancel_run
 from ratchet.worker.ops import inspect_run, load_private_key, submit

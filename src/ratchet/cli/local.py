@@ -34,9 +34,9 @@ from ratchet.cli.common import (
     scenario_app,
     write_private,
 )
+from ratchet.demo.local import DemoReport, run_demo
 from ratchet.errors import ConfigurationError, ScenarioError
 from ratchet.runtime import load_scenario
-from ratchet.worker.demo import DemoReport, run_demo
 
 __all__ = ["local_demo"]
 

@@ -2,8 +2,8 @@
 
 The protocol is in :mod:`ratchet.leasing.store` and the script headers under
 ``ratchet/leasing/lua/``; key names are in :mod:`ratchet.leasing.keys`; every reply is
-decoded in :mod:`ratchet.leasing.replies`. :class:`RedisServer` and :class:`LocalCluster`
-start real servers for embedded use, tests and drills.
+decoded in :mod:`ratchet.leasing.replies`. :class:`RedisServer` starts a real server
+for embedded use, tests and drills.
 
 Typical use by a worker::
 
@@ -31,7 +31,6 @@ from ratchet.leasing.results import (
     RunSnapshot,
 )
 from ratchet.leasing.server import (
-    LocalCluster,
     RedisServer,
     find_redis_cli,
     find_redis_server,
@@ -48,7 +47,6 @@ __all__ = [
     "Lease",
     "LeaseHolder",
     "LeasedRun",
-    "LocalCluster",
     "PreparedCommit",
     "ReapClaim",
     "RedisServer",

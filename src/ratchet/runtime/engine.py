@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ratchet.errors import (
     AdapterError,
@@ -62,7 +62,23 @@ from ratchet.runtime.checkpoint import (
     seal_checkpoint,
     seal_split,
 )
-from ratchet.runtime.effects import CrashWindow, Op, Performer, drive
+from ratchet.runtime.effects import (
+    Commit,
+    CrashWindow,
+    Execute,
+    HighWater,
+    Load,
+    Lookup,
+    Observe,
+    Op,
+    Performer,
+    Project,
+    RaiseFence,
+    Reached,
+    Read,
+    Verify,
+    drive,
+)
 from ratchet.runtime.evidence import (
     ApprovalEvidence,
     RebaselineDecision,
@@ -78,6 +94,8 @@ from ratchet.runtime.ports import (
     ReadResult,
     Receipt,
     RunKey,
+    StoredCheckpoint,
+    VerifierReport,
 )
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.signing import KeyRing
@@ -259,11 +277,11 @@ class RunEngine:
             # Authentic and bound to this scenario; now fresh (the high-water mark), then
             # the fence, then the environment as it is behind the fence.
             try:
-                high_water = yield from effects.high_water(run_key(state))
+                high_water = cast(int, (yield HighWater(run_key(state))))
             except HighWaterUnavailableError as exc:
                 raise high_water_missing(exc) from None
             check_fresh(payload, high_water)
-            yield from effects.raise_fence(
+            yield RaiseFence(
                 Fence(
                     run_id=state.run_id,
                     lease_version=lease_version,
@@ -271,7 +289,7 @@ class RunEngine:
                     store_epoch=options.get("store_epoch"),
                 )
             )
-            return (yield from effects.observe())
+            return cast(Observation, (yield Observe()))
 
         observed = drive(restore(), executor)
         restored = finish_restore(
@@ -404,10 +422,10 @@ class RunEngine:
         self._held = []
         try:
             try:
-                yield from effects.commit(self.key, tuple(batch))
+                yield Commit(self.key, tuple(batch))
             except CommitOutcomeUnknownError:
-                yield from effects.reached(CrashWindow.COMMIT_REPLY_LOST)
-                stored = yield from effects.load(self.key)
+                yield Reached(CrashWindow.COMMIT_REPLY_LOST)
+                stored = cast(StoredCheckpoint, (yield Load(self.key)))
                 if stored.generation != target or stored.blob != blob:
                     raise
         except BaseException:
@@ -451,7 +469,7 @@ class RunEngine:
         approval: ApprovalEvidence | None,
         agent_state: dict[str, Any] | None,
     ) -> Op[StepResult]:
-        yield from effects.reached(CrashWindow.BEFORE_PROPOSAL)
+        yield Reached(CrashWindow.BEFORE_PROPOSAL)
         proposal = machine.propose(
             self.state,
             self.scenario,
@@ -465,23 +483,23 @@ class RunEngine:
         planned = machine.unprojected(proposal)
         if planned is not None:
             # A new write: ask the adapter what one commit of it leaves behind.
-            after = yield from effects.project(planned.action, planned.env_before)
+            after = cast("Observation | None", (yield Project(planned.action, planned.env_before)))
             proposal = machine.with_projection(proposal, after)
         disposition, action = proposal.disposition, proposal.action
         if disposition is Disposition.READ and action is not None:
-            result = yield from effects.read(action)
+            result = cast(ReadResult, (yield Read(action)))
             yield from self._commit(
                 machine.apply_read(proposal.state, action, result, now=self.clock.now())
             )
             return self._result(read=result)
         elif disposition is Disposition.VERIFY and action is not None:
-            report = yield from effects.verify(action.args["target"])
+            report = cast(VerifierReport, (yield Verify(action.args["target"])))
             yield from self._commit(
                 machine.apply_verification(proposal.state, action, report, now=self.clock.now())
             )
         elif disposition in (Disposition.EXECUTE_WRITE, Disposition.CHECK_REPLAY):
             yield from self._commit(proposal.state)
-            yield from effects.reached(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
+            yield Reached(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
             yield from self._execute_pending()
         else:  # rejected, awaiting approval, finished: record it (budget was spent)
             yield from self._commit(proposal.state)
@@ -502,7 +520,7 @@ class RunEngine:
         (see :func:`machine.open_review`). Only the uncommon path pays the observation."""
         new = decide(None)
         if new.review is not None and self.state.review is None:
-            new = decide((yield from effects.observe()))
+            new = decide(cast(Observation, (yield Observe())))
         return new
 
     def _execute_pending(self, observed: Observation | None = None) -> Op[None]:
@@ -522,7 +540,7 @@ class RunEngine:
             raise InvalidTransitionError("there is no pending write to execute")
         key = pending.action.idempotency_key or ""
         if pending.replay_of is not None:
-            authoritative = yield from effects.lookup(key)
+            authoritative = cast("Receipt | None", (yield Lookup(key)))
             yield from self._commit(
                 (
                     yield from self._reviewed(
@@ -537,20 +555,21 @@ class RunEngine:
             # Defence in depth: the adapter's own version check misses an edit that left
             # its version where it was. The write goes only onto exactly the state it was
             # planned against (instance, version and fingerprint).
-            live = observed if observed is not None else (yield from effects.observe())
+            live = observed if observed is not None else (cast(Observation, (yield Observe())))
             if not live.same_state(pending.env_before):
                 yield from self._stale_precondition(live)
                 return
         approval = pending.approval.digest if pending.approval is not None else None
         try:
-            receipt = yield from effects.execute(
-                pending.action, pending.intent_digest, self._fence(), approval
+            receipt = cast(
+                Receipt,
+                (yield Execute(pending.action, pending.intent_digest, self._fence(), approval)),
             )
         except IdempotencyConflictError as exc:
             conflicting = exc.context.get("receipt")
             if conflicting is None:
-                conflicting = yield from effects.lookup(key)
-            seen = yield from effects.observe()
+                conflicting = cast("Receipt | None", (yield Lookup(key)))
+            seen = cast(Observation, (yield Observe()))
             if conflicting is None:
                 yield from self._commit(
                     machine.open_review(
@@ -578,7 +597,7 @@ class RunEngine:
                 )
             )
             return
-        yield from effects.reached(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
+        yield Reached(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
         yield from self._record_and_complete(receipt, TraceOutcome.EXECUTED)
 
     def _stale_precondition(self, live: Observation) -> Op[None]:
@@ -601,8 +620,8 @@ class RunEngine:
         pending = self.state.pending
         if pending is None:
             raise InvalidTransitionError("there is no pending write to execute")
-        yield from effects.raise_fence(self._fence())
-        authoritative = yield from effects.lookup(pending.action.idempotency_key or "")
+        yield RaiseFence(self._fence())
+        authoritative = cast("Receipt | None", (yield Lookup(pending.action.idempotency_key or "")))
         if authoritative is not None:
             yield from self._record_and_complete(
                 authoritative, TraceOutcome.RECONCILED, observed=live
@@ -633,12 +652,12 @@ class RunEngine:
         now = self.clock.now()
         if observed is None:
             try:
-                observed = yield from effects.observe()
+                observed = cast(Observation, (yield Observe()))
             except AdapterError:
                 alone = machine.record_receipt(self.state, receipt, now=now)
                 if alone.review is None:
                     yield from self._commit(alone)
-                    yield from effects.reached(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
+                    yield Reached(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
                 raise
         checked = machine.record_receipt(
             self.state, receipt, now=now, traced=False, observed=observed
@@ -650,12 +669,12 @@ class RunEngine:
             completed = machine.complete_write(checked, observed, now=now, outcome=outcome)
         except EnvironmentMismatchError:
             yield from self._commit(machine.record_receipt(self.state, receipt, now=now))
-            yield from effects.reached(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
+            yield Reached(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
             raise
         yield from self._commit(completed, hold=completed.phase is Phase.RUNNING)
 
     def _complete(self, outcome: TraceOutcome) -> Op[None]:
-        observed = yield from effects.observe()
+        observed = cast(Observation, (yield Observe()))
         yield from self._commit(
             machine.complete_write(self.state, observed, now=self.clock.now(), outcome=outcome)
         )
@@ -685,14 +704,14 @@ class RunEngine:
             # -> state not advanced. The receipt is evidence of success: replay the
             # deterministic transition without a second effect, after checking that the
             # adapter's authoritative receipt still reads the same.
-            authoritative = yield from effects.lookup(key)
+            authoritative = cast("Receipt | None", (yield Lookup(key)))
             if authoritative is None or authoritative.fingerprint != pending.receipt.fingerprint:
                 reason = (
                     ReviewReason.RECEIPT_MISSING
                     if authoritative is None
                     else ReviewReason.RECEIPT_DRIFT
                 )
-                observed = yield from effects.observe()
+                observed = cast(Observation, (yield Observe()))
                 yield from self._commit(
                     machine.open_review(state, reason, authoritative, now=now, observed=observed)
                 )
@@ -702,7 +721,7 @@ class RunEngine:
         if pending.replay_of is not None:
             yield from self._execute_pending()
             return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
-        authoritative = yield from effects.lookup(key)
+        authoritative = cast("Receipt | None", (yield Lookup(key)))
         if authoritative is not None:
             # Timeline: pending committed -> adapter wrote -> [died] -> receipt never
             # committed. The outcome was unknown to us; the adapter's record by key
@@ -713,7 +732,7 @@ class RunEngine:
         # Timeline: pending committed -> [died] -> adapter never called (no receipt).
         # The environment must still be the write's "before" state; then execute once
         # with the same key. An effect without a receipt cannot be explained: review.
-        observed = yield from effects.observe()
+        observed = cast(Observation, (yield Observe()))
         if not observed.same_state(pending.env_before):
             yield from self._commit(
                 machine.open_review(
@@ -773,8 +792,8 @@ class RunEngine:
         def decide() -> Op[None]:
             case = self.state.review
             key = case.pending.action.idempotency_key if case is not None else None
-            authoritative = (yield from effects.lookup(key)) if key else None
-            observed = yield from effects.observe()
+            authoritative = (cast("Receipt | None", (yield Lookup(key)))) if key else None
+            observed = cast(Observation, (yield Observe()))
             new = machine.apply_review_decision(
                 self.state,
                 self.scenario,
@@ -801,8 +820,8 @@ class RunEngine:
         pending = self.state.pending
         if pending is None or self.state.phase is not Phase.RUNNING:
             return None
-        yield from effects.raise_fence(self._fence())
-        receipt = yield from effects.lookup(pending.action.idempotency_key or "")
+        yield RaiseFence(self._fence())
+        receipt = cast("Receipt | None", (yield Lookup(pending.action.idempotency_key or "")))
         return machine.Settled(receipt)
 
     def cancel(self, reason: str, *, by: str = "", request_id: str = "") -> StepResult:
@@ -822,7 +841,9 @@ class RunEngine:
 
     def _cancel(self, reason: str, by: str, request_id: str) -> Op[StepResult]:
         settled = yield from self._settle_pending()
-        observed = self.observed_at_restore if settled is None else (yield from effects.observe())
+        observed = (
+            self.observed_at_restore if settled is None else (cast(Observation, (yield Observe())))
+        )
         now = self.clock.now()
         try:
             new = machine.cancel(
@@ -874,7 +895,7 @@ class RunEngine:
 
         def rebase() -> Op[None]:
             settled = yield from self._settle_pending()
-            observed = yield from effects.observe()
+            observed = cast(Observation, (yield Observe()))
             new = machine.apply_rebaseline(
                 self.state,
                 self.scenario,

@@ -9,7 +9,7 @@ three interfaces passed in by the caller:
   generations, persisted atomically with the checkpoint itself.
 * :class:`Clock`: wall-clock seconds, used only for budgets and approval expiry.
 
-The in-memory implementations in :mod:`ratchet.runtime.memory` are trusted stand-ins for
+The in-memory implementations in :mod:`ratchet.testing.memory` are trusted stand-ins for
 unit tests; the Redis store and the real adapters live in other layers.
 """
 

@@ -40,10 +40,10 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from ratchet.adapters.sandbox import Sandbox
+from ratchet.agents import AgentPolicy
 from ratchet.errors import ConfigurationError
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.runtime import KeyRing, TrustRoots
-from ratchet.worker.agents import AgentPolicy
 from ratchet.worker.settings import Settings
 
 __all__ = [

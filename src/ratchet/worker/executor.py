@@ -129,13 +129,16 @@ class Executor:
         Raises what the guard, the hooks or the port raised; InvalidTransitionError for
         something that is not an effect.
         """
-        handler = _HANDLERS.get(type(effect))
+        hooks = self.hooks
+        kind = type(effect)
+        if kind is Reached and hooks is None:
+            return None  # a crash window, and nothing attached that acts on it
+        handler = _HANDLERS.get(kind)
         if handler is None:
-            raise InvalidTransitionError(f"not an effect: {type(effect).__name__}")
+            raise InvalidTransitionError(f"not an effect: {kind.__name__}")
         guard = self._guard
         if guard is not None and isinstance(effect, _GUARDED):
             guard.check()
-        hooks = self.hooks
         if hooks is None:
             result = handler(self, effect)
         else:

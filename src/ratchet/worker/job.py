@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ratchet.agents import AgentFactory, AgentView, build_agent, plans_ahead
 from ratchet.errors import (
     AdapterError,
     ConfigurationError,
@@ -82,7 +83,6 @@ from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
 from ratchet.runtime.machine import decision_baseline
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker import logs, metrics
-from ratchet.worker.agents import AgentFactory, AgentView, build_agent, plans_ahead
 from ratchet.worker.clock import StoreClock
 from ratchet.worker.context import Fleet
 from ratchet.worker.control import CancelRequest, find_controls, find_rebaseline

@@ -100,7 +100,7 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     binds the document's digest) in one script call. Returns its id.
 
     The agent is resolved and built first, under the same rule a worker applies
-    (:class:`ratchet.worker.agents.AgentPolicy`), so a run whose agent no worker here
+    (:class:`ratchet.agents.AgentPolicy`), so a run whose agent no worker here
     could load is refused now rather than crash-looping later.
 
     Raises RunExistsError, ConfigurationError (agent not allowed or unloadable, bad

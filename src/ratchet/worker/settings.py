@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     retention_s: Annotated[int, Field(ge=60)] | None = None
     retention_export_dir: Path | None = None
     # A write's receipt commit travels with the next proposal's commit when the agent
-    # plans ahead (see ratchet.worker.agents.Agent); off: every commit goes on its own.
+    # plans ahead (see ratchet.agents.Agent); off: every commit goes on its own.
     coalesce_commits: bool = True
     # Checkpoints are stored as zstd frames (the signature covers the envelope inside);
     # reads accept both forms, so this can change at any time.

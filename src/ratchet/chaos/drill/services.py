@@ -22,10 +22,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
+from ratchet.agents import AgentStep, AgentView, ScriptedAgent
 from ratchet.chaos.orders import OrdersService, _Handler
 from ratchet.errors import ConfigurationError
 from ratchet.runtime import Scenario
-from ratchet.worker.agents import AgentStep, AgentView, ScriptedAgent
 from ratchet.worker.runs import EnvironmentSpec, RunDocument, VerifierSpec
 
 __all__ = [

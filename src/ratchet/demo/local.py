@@ -8,10 +8,10 @@ the adapter's fence, reconciles the write from the adapter's receipt, and comple
 run. The old owner's late retry is refused by the fence. The workspace records exactly one
 write.
 
-Everything runs in one process on the in-memory stand-ins of :mod:`ratchet.runtime.memory`
+Everything runs in one process on the in-memory stand-ins of :mod:`ratchet.testing.memory`
 (a dict workspace, a dict generation store, a hand-moved clock): it shows the contract,
 not the distributed system. The multi-worker demo on embedded Redis is
-:mod:`ratchet.worker.fleet_demo`.
+:mod:`ratchet.demo.fleet`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from ratchet.demo.examples import RIGHT_GREETING, greeting_scenario
 from ratchet.errors import FenceRejectedError
 from ratchet.runtime import (
     Action,
@@ -34,8 +35,7 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.checkpoint import run_key
 from ratchet.runtime.effects import drive
-from ratchet.runtime.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
-from ratchet.worker.examples import RIGHT_GREETING, greeting_scenario
+from ratchet.testing.memory import ManualClock, MemoryGenerationStore, MemoryWorkspace
 from ratchet.worker.executor import Executor, WindowProbe
 
 __all__ = ["DEMO_NOTE", "DemoReport", "InjectedCrash", "run_demo"]

@@ -6,7 +6,7 @@ named checks in :data:`CHECKS`. Each check gets a fresh subject from your factor
 checks never see each other's writes. With pytest::
 
     import pytest
-    from ratchet.adapters.conformance import CHECKS, ConformanceCheck, run_check
+    from ratchet.testing.conformance import CHECKS, ConformanceCheck, run_check
 
     @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
     def test_my_adapter_conforms(check: ConformanceCheck, tmp_path) -> None:

@@ -30,12 +30,12 @@ from pydantic import SecretStr
 
 from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.errors import ConfigurationError
 from ratchet.leasing import run_keys
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.context import Fleet, ensure_embedded_redis, stop_embedded_redis
-from ratchet.worker.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.worker.ops import inspect_run, submit
 from ratchet.worker.pool import _settings_json, worker_main
 from ratchet.worker.settings import Settings
