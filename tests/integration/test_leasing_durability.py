@@ -21,6 +21,7 @@ from ratchet.errors import (
     CommitOutcomeUnknownError,
     FenceRejectedError,
     GenerationMismatchError,
+    LeaseLostError,
     StoreError,
 )
 from ratchet.leasing import RedisServer, RedisStore, free_port, run_keys
@@ -284,6 +285,10 @@ def test_a_lease_granted_after_an_aof_rollback_outranks_every_lease_granted_befo
     store = RedisStore(server.client())
     rewound = store.read_run(run_id, with_checkpoint=False)
     assert rewound.owner is None  # the rollback took the zombie's lease away
+    with pytest.raises(LeaseLostError) as lost:  # the zombie tries to renew its lease
+        store.renew(zombie.lease, ttl_ms=600_000)
+    # The store now names a lower lease version than the zombie holds: it went back.
+    assert lost.value.reason == "store_rolled_back"
     successor = store.acquire(run_id, owner="successor", ttl_ms=600_000)
     assert successor is not None
     assert successor.lease_version > zombie.lease_version

@@ -121,7 +121,7 @@ def test_expired_lease_is_taken_over_with_a_higher_version_and_the_late_owner_is
     expire(store, key.run_id)
     with pytest.raises(LeaseLostError) as renew_err:
         first.renew()
-    assert renew_err.value.reason == "expired"
+    assert renew_err.value.reason == "lease_expired"
     second = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
     assert second is not None and second.lease_version > first.lease_version
     assert not first.took_over and second.took_over  # free at first, then expired

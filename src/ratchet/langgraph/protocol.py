@@ -55,6 +55,7 @@ from ratchet.langgraph.replies import (
 )
 from ratchet.langgraph.scripts import LgScript
 from ratchet.leasing.keys import check_id
+from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["LEASE_KEY", "Command", "Emit", "Loaded", "Protocol", "Script", "View"]
 
@@ -65,7 +66,7 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True, slots=True)
 class Script:
-    name: LgScript
+    name: LgScript | ScriptName  # ScriptName: the lease scripts shared with runs
     keys: tuple[str, ...]
     args: tuple[str | bytes | int, ...]
 

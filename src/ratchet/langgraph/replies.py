@@ -7,6 +7,7 @@ length, a wrong type, text that is not UTF-8) raises
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -17,11 +18,16 @@ from ratchet.errors import (
 )
 from ratchet.leasing.replies import (
     check_arity,
+    decode_acquire,
+    decode_release_of,
+    decode_renewal,
     int_field,
+    lease_refused,
     protocol_error,
     split_reply,
     text_field,
 )
+from ratchet.leasing.results import LeaseHolder
 
 __all__ = [
     "LEASE_KEY",
@@ -192,21 +198,13 @@ def _lease_refused(
             expires_at_ms=expires,
             now_ms=now,
         )
-    reason = status
-    if status == "lease_lost" and current_version < lease_version:
-        # The store hands out an older lease version than the caller already holds: it
-        # went backwards (a restored snapshot, a failover that lost writes).
-        reason = "store_rolled_back"
-    raise LeaseLostError(
-        f"the thread's lease is no longer held ({reason})",
-        thread_id=thread_id,
+    lease_refused(
+        status,
+        f,
+        script,
         owner=owner,
         lease_version=lease_version,
-        reason=reason,
-        current_owner=current_owner or None,
-        current_lease_version=current_version,
-        expires_at_ms=expires,
-        now_ms=now,
+        subject={"thread_id": thread_id},
     )
 
 
@@ -325,53 +323,58 @@ def decode_rewrite(reply: object) -> Rewritten | GenerationMoved | None:
 
 
 def decode_claim(reply: object, thread_id: str, owner: str) -> ThreadLease:
-    """Decode claim. Raises LeaseHeldElsewhereError, StoreProtocolError."""
-    script = "claim"
-    status, f = _split(reply, script)
-    if status == "acquired":
-        _arity(f, 4, script, status)
-        return ThreadLease(
-            thread_id,
-            owner,
-            _int(f[0], script, "lease_version"),
-            _int(f[1], script, "expires_at_ms"),
-            _int(f[2], script, "now_ms"),
+    """Decode acquire_lease on a thread (the runs' script and decoder). Raises
+    LeaseHeldElsewhereError, StoreProtocolError."""
+    got = decode_acquire(reply, thread_id, owner)
+    if isinstance(got, LeaseHolder):
+        raise LeaseHeldElsewhereError(
+            "another live worker holds the thread's lease",
+            thread_id=thread_id,
+            owner=got.owner,
+            lease_version=got.lease_version,
+            expires_at_ms=got.expires_at_ms,
+            now_ms=got.now_ms,
         )
-    if status == "held":
-        _lease_refused(status, f, script, thread_id, owner, 0)
-    _unknown(status, script)
+    lease = got.lease
+    return ThreadLease(thread_id, owner, lease.lease_version, lease.expires_at_ms, lease.now_ms)
+
+
+def _no_thread(lease: ThreadLease) -> Callable[[], NoReturn]:
+    def missing() -> NoReturn:
+        raise LeaseLostError(
+            "the thread's lease is no longer held (the thread has no lease record)",
+            thread_id=lease.thread_id,
+            owner=lease.owner,
+            lease_version=lease.lease_version,
+            reason="lease_lost",
+        )
+
+    return missing
 
 
 def decode_renew(reply: object, lease: ThreadLease) -> ThreadLease:
-    """Decode renew. Raises LeaseLostError, StoreProtocolError."""
-    script = "renew"
-    status, f = _split(reply, script)
-    if status == "renewed":
-        _arity(f, 3, script, status)
-        if _int(f[0], script, "lease_version") != lease.lease_version:
-            _fail("renewed another lease version", script)
-        return ThreadLease(
-            lease.thread_id,
-            lease.owner,
-            lease.lease_version,
-            _int(f[1], script, "expires_at_ms"),
-            _int(f[2], script, "now_ms"),
-        )
-    if status in ("lease_lost", "lease_expired"):
-        _lease_refused(status, f, script, lease.thread_id, lease.owner, lease.lease_version)
-    _unknown(status, script)
+    """Decode renew_lease on a thread (the runs' script and decoder). Raises
+    LeaseLostError, StoreProtocolError."""
+    expires, now = decode_renewal(
+        reply,
+        owner=lease.owner,
+        lease_version=lease.lease_version,
+        subject={"thread_id": lease.thread_id},
+        missing=_no_thread(lease),
+    )
+    return ThreadLease(lease.thread_id, lease.owner, lease.lease_version, expires, now)
 
 
 def decode_release(reply: object, lease: ThreadLease) -> None:
-    """Decode release. Raises LeaseLostError, StoreProtocolError."""
-    script = "release"
-    status, f = _split(reply, script)
-    if status == "released":
-        _arity(f, 2, script, status)
-        return
-    if status == "lease_lost":
-        _lease_refused(status, f, script, lease.thread_id, lease.owner, lease.lease_version)
-    _unknown(status, script)
+    """Decode release_lease on a thread (the runs' script and decoder). Raises
+    LeaseLostError, StoreProtocolError."""
+    decode_release_of(
+        reply,
+        owner=lease.owner,
+        lease_version=lease.lease_version,
+        subject={"thread_id": lease.thread_id},
+        missing=_no_thread(lease),
+    )
 
 
 def decode_lease_info(reply: object, thread_id: str) -> LeaseInfo:

@@ -48,6 +48,7 @@ from ratchet.langgraph.replies import (
 )
 from ratchet.langgraph.scripts import AsyncScriptRunner, LgScript, sync_runner
 from ratchet.leasing.keys import check_id
+from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.signing import KeyRing
 
 __all__ = ["DEFAULT_LEASE_TTL_MS", "RatchetSaver", "default_serde"]
@@ -379,13 +380,15 @@ class RatchetSaver(BaseCheckpointSaver[str]):
     def _claim(self, thread_id: str, ttl_ms: int | None) -> Op[ThreadLease]:
         keys = thread_keys(thread_id)
         reply = yield Script(
-            LgScript.CLAIM, (keys.meta,), (thread_id, self.owner, ttl_ms or self.lease_ttl_ms)
+            ScriptName.ACQUIRE_LEASE,
+            (keys.meta, keys.meta),
+            (self.owner, ttl_ms or self.lease_ttl_ms, "", thread_id),
         )
         return decode_claim(reply, thread_id, self.owner)
 
     def _renew(self, lease: ThreadLease, ttl_ms: int | None) -> Op[ThreadLease]:
         reply = yield Script(
-            LgScript.RENEW,
+            ScriptName.RENEW_LEASE,
             (thread_keys(lease.thread_id).meta,),
             (lease.owner, lease.lease_version, ttl_ms or self.lease_ttl_ms),
         )
@@ -393,7 +396,7 @@ class RatchetSaver(BaseCheckpointSaver[str]):
 
     def _release(self, lease: ThreadLease) -> Op[None]:
         reply = yield Script(
-            LgScript.RELEASE,
+            ScriptName.RELEASE_LEASE,
             (thread_keys(lease.thread_id).meta,),
             (lease.owner, lease.lease_version),
         )

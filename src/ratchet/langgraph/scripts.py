@@ -16,7 +16,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from ratchet.errors import StoreProtocolError
-from ratchet.leasing.scripts import LuaScript, ScriptRunner, load_script
+from ratchet.leasing.scripts import LuaScript, ScriptName, ScriptRunner, load_script
 
 __all__ = ["SCRIPTS", "AsyncScriptRunner", "LgScript", "sync_runner"]
 
@@ -29,14 +29,16 @@ class LgScript(StrEnum):
     READ = "read"
     LIST = "list"
     REWRITE = "rewrite"
-    CLAIM = "claim"
-    RENEW = "renew"
-    RELEASE = "release"
     LEASE_INFO = "lease_info"
 
 
+# Claiming, renewing and releasing a thread's lease are the runs' own scripts (one lease
+# core: ratchet/leasing/lua/acquire_lease.lua, renew_lease.lua and release_lease.lua, on
+# the thread's meta hash).
+LEASE_SCRIPTS = (ScriptName.ACQUIRE_LEASE, ScriptName.RENEW_LEASE, ScriptName.RELEASE_LEASE)
 SCRIPTS: Mapping[StrEnum, LuaScript] = {
-    name: load_script(name, "ratchet.langgraph") for name in LgScript
+    **{name: load_script(name, "ratchet.langgraph") for name in LgScript},
+    **{name: load_script(name) for name in LEASE_SCRIPTS},
 }
 
 

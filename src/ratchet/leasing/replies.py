@@ -11,6 +11,7 @@ Integers must arrive as Redis integers; bytes and text as bulk strings. Clients 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from ratchet.errors import (
@@ -48,8 +49,11 @@ __all__ = [
     "decode_phase_move",
     "decode_read",
     "decode_release",
+    "decode_release_of",
     "decode_renew",
+    "decode_renewal",
     "int_field",
+    "lease_refused",
     "protocol_error",
     "split_reply",
     "text_field",
@@ -202,61 +206,142 @@ def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHo
     _unknown(status, script)
 
 
-def _lease_lost(f: list[object], script: str, lease: Lease, why: str) -> NoReturn:
-    _arity(f, 4, script, why)
+def lease_refused(
+    status: str,
+    f: list[object],
+    script: str,
+    *,
+    owner: str,
+    lease_version: int,
+    subject: Mapping[str, str],
+) -> NoReturn:
+    """Raise LeaseLostError for a ``lease_lost`` / ``lease_expired`` reply (``owner,
+    lease_version, expires_at_ms, now_ms`` of the lease as it is now), naming the caller's
+    lease and ``subject`` (``{"run_id": ...}`` or ``{"thread_id": ...}``). A current
+    version below the caller's means the store went backwards (a restored snapshot, a
+    failover that lost writes): the reason is then ``store_rolled_back``.
+
+    One decoder for every lease ratchet keeps (runs and LangGraph threads).
+    """
+    _arity(f, 4, script, status)
     current_owner = _text(f[0], script, "owner")
+    current_version = _int(f[1], script, "lease_version")
+    reason = status
+    if status == "lease_lost" and current_version < lease_version:
+        reason = "store_rolled_back"
     raise LeaseLostError(
-        f"the lease is no longer held ({why})",
-        run_id=lease.run_id,
-        owner=lease.owner,
-        lease_version=lease.lease_version,
-        reason=why,
+        f"the lease is no longer held ({reason})",
+        **subject,
+        owner=owner,
+        lease_version=lease_version,
+        reason=reason,
         current_owner=current_owner or None,
-        current_lease_version=_int(f[1], script, "lease_version"),
+        current_lease_version=current_version,
         expires_at_ms=_int(f[2], script, "expires_at_ms"),
         now_ms=_int(f[3], script, "now_ms"),
     )
 
 
-def decode_renew(reply: object, lease: Lease) -> Lease:
-    """Decode renew_lease. Raises LeaseLostError, RunNotFoundError, StoreProtocolError."""
+def _lease_lost(f: list[object], script: str, lease: Lease, why: str) -> NoReturn:
+    lease_refused(
+        why,
+        f,
+        script,
+        owner=lease.owner,
+        lease_version=lease.lease_version,
+        subject={"run_id": lease.run_id},
+    )
+
+
+def decode_renewal(
+    reply: object,
+    *,
+    owner: str,
+    lease_version: int,
+    subject: Mapping[str, str],
+    missing: Callable[[], NoReturn],
+) -> tuple[int, int]:
+    """Decode renew_lease for any lease: ``(expires_at_ms, now_ms)`` of the renewed lease.
+
+    Raises LeaseLostError, what ``missing()`` raises for ``no_run`` (no such lease record),
+    StoreProtocolError.
+    """
     script = "renew_lease"
     status, f = _split(reply, script)
     if status == "renewed":
         _arity(f, 3, script, status)
-        version = _int(f[0], script, "lease_version")
-        if version != lease.lease_version:
+        if _int(f[0], script, "lease_version") != lease_version:
             _fail("renewed a different lease version", script, status=status)
-        return Lease(
-            run_id=lease.run_id,
-            owner=lease.owner,
-            lease_version=version,
-            expires_at_ms=_int(f[1], script, "expires_at_ms"),
-            now_ms=_int(f[2], script, "now_ms"),
-        )
-    if status in ("lost", "expired"):
-        _lease_lost(f, script, lease, status)
+        return _int(f[1], script, "expires_at_ms"), _int(f[2], script, "now_ms")
+    if status in ("lease_lost", "lease_expired"):
+        lease_refused(status, f, script, owner=owner, lease_version=lease_version, subject=subject)
     if status == "no_run":
         _arity(f, 0, script, status)
-        raise RunNotFoundError("no run with this id", run_id=lease.run_id)
+        missing()
     _unknown(status, script)
+
+
+def decode_release_of(
+    reply: object,
+    *,
+    owner: str,
+    lease_version: int,
+    subject: Mapping[str, str],
+    missing: Callable[[], NoReturn],
+    script: str = "release_lease",
+) -> tuple[int, int]:
+    """Decode release_lease (or a commit's trailing release) for any lease:
+    ``(lease_version, now_ms)``.
+
+    Raises LeaseLostError, what ``missing()`` raises for ``no_run``, StoreProtocolError.
+    """
+    status, f = _split(reply, script)
+    if status == "released":
+        _arity(f, 2, script, status)
+        return _int(f[0], script, "lease_version"), _int(f[1], script, "now_ms")
+    if status == "lease_lost":
+        lease_refused(status, f, script, owner=owner, lease_version=lease_version, subject=subject)
+    if status == "no_run":
+        _arity(f, 0, script, status)
+        missing()
+    _unknown(status, script)
+
+
+def _no_run(run_id: str) -> Callable[[], NoReturn]:
+    def missing() -> NoReturn:
+        raise RunNotFoundError("no run with this id", run_id=run_id)
+
+    return missing
+
+
+def decode_renew(reply: object, lease: Lease) -> Lease:
+    """Decode renew_lease. Raises LeaseLostError, RunNotFoundError, StoreProtocolError."""
+    expires, now = decode_renewal(
+        reply,
+        owner=lease.owner,
+        lease_version=lease.lease_version,
+        subject={"run_id": lease.run_id},
+        missing=_no_run(lease.run_id),
+    )
+    return Lease(
+        run_id=lease.run_id,
+        owner=lease.owner,
+        lease_version=lease.lease_version,
+        expires_at_ms=expires,
+        now_ms=now,
+    )
 
 
 def decode_release(reply: object, lease: Lease) -> Released:
     """Decode release_lease. Raises LeaseLostError, RunNotFoundError, StoreProtocolError."""
-    script = "release_lease"
-    status, f = _split(reply, script)
-    if status == "released":
-        _arity(f, 2, script, status)
-        return Released(
-            lease.run_id, _int(f[0], script, "lease_version"), _int(f[1], script, "now_ms")
-        )
-    if status == "lost":
-        _lease_lost(f, script, lease, status)
-    if status == "no_run":
-        _arity(f, 0, script, status)
-        raise RunNotFoundError("no run with this id", run_id=lease.run_id)
-    _unknown(status, script)
+    version, now = decode_release_of(
+        reply,
+        owner=lease.owner,
+        lease_version=lease.lease_version,
+        subject={"run_id": lease.run_id},
+        missing=_no_run(lease.run_id),
+    )
+    return Released(lease.run_id, version, now)
 
 
 def batch_entries(reply: object, sent: int) -> list[object]:

@@ -1,4 +1,6 @@
--- acquire_lease: take a run's lease if it is free, expired, or already the caller's.
+-- acquire_lease: take a lease if it is free, expired, or already the caller's. One
+-- script for every lease ratchet keeps: a run's, and a LangGraph thread's (whose lease
+-- fields live in its meta hash, which the first claim creates).
 --
 -- Free or expired (or held by the same owner id) means: owner = caller,
 -- lease_version = max(lease_version + 1, now_ms), expires_at = now + ttl. The version only
@@ -12,8 +14,9 @@
 -- (This holds while the store's clock does not step back further than the rewind.)
 -- Expiry is judged by Redis server time (TIME) only; no worker clock is involved.
 --
--- KEYS[1]  lease hash      ratchet:{<run>}:lease
--- KEYS[2]  run state hash  ratchet:{<run>}:state
+-- KEYS[1]  lease hash      ratchet:{<run>}:lease, or a thread's ratchet:lg:{<T>}:meta
+-- KEYS[2]  record hash     the run's ratchet:{<run>}:state (it must exist), or the
+--                          thread's meta hash again
 -- KEYS[3]  optional: the expiry index ratchet:index:expiry (zset). Given only on a single
 --          Redis: in Redis Cluster it lives in another slot and the caller updates it in
 --          a call of its own.
@@ -21,6 +24,8 @@
 -- ARGV[1]  owner id (text, non-empty, no '|')
 -- ARGV[2]  ttl (integer milliseconds, > 0)
 -- ARGV[3]  with KEYS[3]: the run id (text), scored by the new expiry once acquired
+-- ARGV[4]  optional: a thread id (text). Given, the record need not exist (a thread's
+--          first claim creates its meta hash) and the id is kept in it for operators.
 --
 -- Replies:
 --   {"acquired", lease_version, expires_at_ms, now_ms, generation, state_version,
@@ -29,11 +34,14 @@
 --      else 0; previous_owner ('' when free) and previous_lease_version (0 when the run
 --      was never leased): the lease this one replaced, so a takeover names what it ended
 --   {"held", owner, lease_version, expires_at_ms, now_ms}  another live owner holds it
---   {"no_run"}
+--   {"no_run"}                                      (runs only: no such run)
+--   Fields the record does not hold read as 0 or "" (a thread keeps no state version,
+--   task id or environment instance).
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
 
-if redis.call('EXISTS', KEYS[2]) == 0 then
+local thread_id = ARGV[4] or ''
+if thread_id == '' and redis.call('EXISTS', KEYS[2]) == 0 then
   return {'no_run'}
 end
 
@@ -57,10 +65,13 @@ version = math.max(version + 1, now_ms)
 expires = now_ms + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_version', version,
   'expires_at_ms', expires, 'acquired_at_ms', now_ms)
+if thread_id ~= '' then
+  redis.call('HSET', KEYS[1], 'thread_id', thread_id)
+end
 if #KEYS >= 3 then
   redis.call('ZADD', KEYS[3], expires, ARGV[3])
 end
 local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version', 'task_id',
   'env_instance_id')
-return {'acquired', version, expires, now_ms, tonumber(st[1]), tonumber(st[2]), st[3], st[4],
-  took_over, owner, previous}
+return {'acquired', version, expires, now_ms, tonumber(st[1] or '0'), tonumber(st[2] or '0'),
+  st[3] or '', st[4] or '', took_over, owner, previous}

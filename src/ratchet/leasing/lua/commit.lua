@@ -58,7 +58,7 @@
 -- and, after the last commit's entry when ARGV[6] asks for a release and every commit
 -- applied:
 --   {"released", lease_version, now_ms}
---   {"lost", owner, lease_version, expires_at_ms, now_ms}  (only when every commit was
+--   {"lease_lost", owner, lease_version, expires_at_ms, now_ms}  (only when every commit was
 --                                                          already applied: the lease
 --                                                          moved on since)
 -- and last, when the applied commits changed the run's phase:
@@ -216,7 +216,7 @@ local function finish(refused)
       return replies
     end
     if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
-      replies[#replies + 1] = {'lost', owner, version, expires, now_ms}
+      replies[#replies + 1] = {'lease_lost', owner, version, expires, now_ms}
       return replies  -- nothing applied (no phase moved): every commit was a retry
     end
     redis.call('HSET', KEYS[1], 'owner', '', 'expires_at_ms', now_ms)

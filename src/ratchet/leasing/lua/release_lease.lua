@@ -4,7 +4,9 @@
 -- holder still gets a higher version than every earlier one. Releasing after expiry is
 -- allowed while nobody has taken the lease over (it changes nothing but the owner field).
 --
--- KEYS[1]  lease hash  ratchet:{<run>}:lease
+-- One script for every lease ratchet keeps (see renew_lease).
+--
+-- KEYS[1]  lease hash  ratchet:{<run>}:lease, or a thread's ratchet:lg:{<T>}:meta
 -- KEYS[2]  optional: the expiry index ratchet:index:expiry (zset), on a single Redis only
 --          (see acquire_lease)
 --
@@ -16,8 +18,8 @@
 --
 -- Replies:
 --   {"released", lease_version, now_ms}
---   {"lost", owner, lease_version, expires_at_ms, now_ms}  another owner or version now
---   {"no_run"}
+--   {"lease_lost", owner, lease_version, expires_at_ms, now_ms}  another owner or version
+--   {"no_run"}                                                  no such lease record
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
 
@@ -33,7 +35,7 @@ local version = tonumber(cur[2] or '0')
 local expires = tonumber(cur[3] or '0')
 
 if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
-  return {'lost', owner, version, expires, now_ms}
+  return {'lease_lost', owner, version, expires, now_ms}
 end
 
 redis.call('HSET', KEYS[1], 'owner', '', 'expires_at_ms', now_ms)

@@ -1,7 +1,9 @@
 -- renew_lease: extend the caller's lease; only the current owner with the current lease
 -- version may renew, and only before the lease has expired (Redis server time).
+-- One script for every lease ratchet keeps: a run's and a LangGraph thread's (whose lease
+-- fields live in its meta hash).
 --
--- KEYS[1]  lease hash  ratchet:{<run>}:lease
+-- KEYS[1]  lease hash  ratchet:{<run>}:lease, or a thread's ratchet:lg:{<T>}:meta
 -- KEYS[2]  optional: the expiry index ratchet:index:expiry (zset), on a single Redis only
 --          (see acquire_lease)
 --
@@ -12,9 +14,9 @@
 --
 -- Replies:
 --   {"renewed", lease_version, expires_at_ms, now_ms}
---   {"lost", owner, lease_version, expires_at_ms, now_ms}     another owner or version now
---   {"expired", owner, lease_version, expires_at_ms, now_ms}  still named, but past expiry
---   {"no_run"}
+--   {"lease_lost", owner, lease_version, expires_at_ms, now_ms}     another owner or version
+--   {"lease_expired", owner, lease_version, expires_at_ms, now_ms}  still named, past expiry
+--   {"no_run"}                                                      no such lease record
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
 
@@ -30,10 +32,10 @@ local version = tonumber(cur[2] or '0')
 local expires = tonumber(cur[3] or '0')
 
 if owner ~= ARGV[1] or version ~= tonumber(ARGV[2]) then
-  return {'lost', owner, version, expires, now_ms}
+  return {'lease_lost', owner, version, expires, now_ms}
 end
 if now_ms >= expires then
-  return {'expired', owner, version, expires, now_ms}
+  return {'lease_expired', owner, version, expires, now_ms}
 end
 
 expires = now_ms + tonumber(ARGV[3])
