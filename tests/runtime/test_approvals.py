@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ratchet.errors import ApprovalError, InvalidTransitionError
 from ratchet.runtime import Phase, RunEngine, TraceOutcome
-from tests.unit.world import World
+from tests.runtime.world import World
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ def test_a_revoked_approvers_executed_approval_does_not_strand_the_checkpoint(
     """Sealed evidence was verified when it was used; a later revocation does not unmake
     it (the run restores, with the evidence visible)."""
     from ratchet.runtime import TrustRoots
-    from tests.unit.world import public_bytes
+    from tests.runtime.world import public_bytes
 
     waiting.refresh_pending_approval(world.approve(waiting))
     assert world.adapter.write_count == 1
@@ -235,7 +235,7 @@ def test_a_pending_write_approved_by_a_since_revoked_approver_never_executes(
     world: World, waiting: RunEngine
 ) -> None:
     from ratchet.runtime import TrustRoots
-    from tests.unit.world import public_bytes
+    from tests.runtime.world import public_bytes
 
     waiting.refresh_pending_approval(world.approve(waiting), execute=False)
     revoked = TrustRoots.from_public_bytes(

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ratchet.errors import CheckpointError, ReviewDecisionError
 from ratchet.runtime import Phase, Receipt, RunEngine, TraceOutcome
-from tests.unit.world import World, plant_foreign_receipt
+from tests.runtime.world import World, plant_foreign_receipt
 
 
 @pytest.fixture

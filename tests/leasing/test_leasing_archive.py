@@ -13,8 +13,8 @@ from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario
 from ratchet.runtime.ports import Advance, RunKey
 from ratchet.testing.memory import MemoryWorkspace
 from ratchet.worker.executor import Executor
-from tests.integration.conftest import lose_first_reply
-from tests.unit.world import RIGHT_GREETING, scenario_data
+from tests.leasing.conftest import lose_first_reply
+from tests.runtime.world import RIGHT_GREETING, scenario_data
 
 MakeRun = Callable[..., RunKey]
 Expire = Callable[[RedisStore, str], None]

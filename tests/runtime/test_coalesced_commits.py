@@ -12,7 +12,7 @@ from ratchet.errors import CommitOutcomeUnknownError, LeaseLostError
 from ratchet.runtime import CrashWindow, Effect, Hooks, Phase, RunEngine, TraceOutcome
 from ratchet.runtime.effects import Commit
 from ratchet.runtime.engine import Probe
-from tests.unit.world import RIGHT_GREETING, World
+from tests.runtime.world import RIGHT_GREETING, World
 
 
 class Recorder(Hooks):

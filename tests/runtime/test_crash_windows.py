@@ -14,7 +14,7 @@ from ratchet.errors import (
 )
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
 from ratchet.testing.memory import ObserveFailsAfterWrite
-from tests.unit.world import RIGHT_GREETING, SimulatedCrash, World, crash_at
+from tests.runtime.world import RIGHT_GREETING, SimulatedCrash, World, crash_at
 
 
 def finish(world: World, engine: RunEngine) -> None:

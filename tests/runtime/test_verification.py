@@ -7,7 +7,7 @@ import pytest
 
 from ratchet.errors import CheckpointError
 from ratchet.runtime import Phase, RunEngine, TraceOutcome, VerifierReport, restore_checkpoint
-from tests.unit.world import WRONG_GREETING, World, resign
+from tests.runtime.world import WRONG_GREETING, World, resign
 
 
 def test_finishing_without_a_verifier_event_is_rejected(world: World) -> None:

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.serialization import (
 
 from ratchet.errors import CheckpointError, ConfigurationError
 from ratchet.runtime import KeyRing, SecretKey
-from tests.unit.world import CHECKPOINT_SECRET, OTHER_SECRET, World
+from tests.runtime.world import CHECKPOINT_SECRET, OTHER_SECRET, World
 
 
 def forms(secret: bytes) -> list[bytes]:

@@ -33,5 +33,17 @@ def test_no_test_module_imports_another_test_module() -> None:
 
 def test_the_check_sees_such_an_import(tmp_path: Path) -> None:
     sample = tmp_path / "test_sample.py"
-    sample.write_text("from tests.unit.test_review import frozen\n")
-    assert _imported_modules(sample) == ["tests.unit.test_review"]
+    sample.write_text("from tests.runtime.test_review import frozen\n")
+    assert _imported_modules(sample) == ["tests.runtime.test_review"]
+
+
+SRC = TESTS.parent / "src" / "ratchet"
+
+
+def test_the_test_tree_mirrors_the_packages() -> None:
+    """Each test folder is named after the package it tests; ``project`` holds the checks
+    of the repository as a whole, and ``ops`` the operator tools (``ratchet.worker.ops``,
+    the console's and the command line's views) until they are a package of their own."""
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in TESTS.iterdir() if (p / "__init__.py").exists()}
+    assert folders - {"project", "ops"} <= packages, sorted(folders - packages)

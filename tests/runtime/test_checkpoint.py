@@ -17,7 +17,7 @@ from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.checkpoint import run_key, seal_checkpoint
 from ratchet.runtime.signing import parse_envelope, seal_envelope
 from ratchet.runtime.state import TraceEvent, TraceOutcome, check_invariants
-from tests.unit.world import CHECKPOINT_SECRET, OTHER_SECRET, World, resign, scenario_data
+from tests.runtime.world import CHECKPOINT_SECRET, OTHER_SECRET, World, resign, scenario_data
 
 
 def restore(

@@ -17,7 +17,7 @@ from ratchet.cli import app
 from ratchet.cli import local as cli_local
 from ratchet.cli.common import CHECKPOINT_KEY_ENV
 from ratchet.demo.local import DemoReport
-from tests.unit.world import CHECKPOINT_SECRET, scenario_data
+from tests.runtime.world import CHECKPOINT_SECRET, scenario_data
 
 runner = CliRunner()
 CANARY_ENV = {CHECKPOINT_KEY_ENV: CHECKPOINT_SECRET.hex()}

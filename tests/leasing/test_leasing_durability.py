@@ -26,7 +26,7 @@ from ratchet.errors import (
 )
 from ratchet.leasing import RedisServer, RedisStore, free_port, run_keys
 from ratchet.runtime.ports import Advance, RunKey
-from tests.integration.conftest import redis_binaries
+from tests.leasing.conftest import redis_binaries
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from ratchet.runtime.checkpoint import (
 )
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.ports import StoredCheckpoint
-from tests.unit.world import RIGHT_GREETING, World
+from tests.runtime.world import RIGHT_GREETING, World
 
 
 class Crash(Exception):

@@ -11,7 +11,7 @@ from ratchet.errors import AdapterError, InvalidTransitionError
 from ratchet.runtime import CrashWindow, Phase, ReviewReason, RunEngine, TraceOutcome
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.worker.executor import WindowProbe
-from tests.unit.world import RIGHT_GREETING, World, plant_foreign_receipt
+from tests.runtime.world import RIGHT_GREETING, World, plant_foreign_receipt
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from ratchet.errors import ScenarioError
 from ratchet.runtime import Scenario, load_scenario
-from tests.unit.world import scenario_data
+from tests.runtime.world import scenario_data
 
 
 def dump(data: dict[str, Any]) -> str:

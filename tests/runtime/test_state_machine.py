@@ -21,7 +21,7 @@ from ratchet.runtime import (
     transition,
 )
 from ratchet.runtime.state import TERMINAL_PHASES
-from tests.unit.world import World, scenario_data
+from tests.runtime.world import World, scenario_data
 
 
 @pytest.mark.parametrize(("phase", "event"), list(itertools.product(Phase, Event)))

@@ -22,7 +22,7 @@ from ratchet.leasing import EXPIRY_INDEX, LeasedRun, RedisStore, run_keys
 from ratchet.leasing.replies import batch_entries, decode_commit
 from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.ports import Advance, RunKey
-from tests.integration.conftest import lose_first_reply
+from tests.leasing.conftest import lose_first_reply
 
 MakeRun = Callable[..., RunKey]
 Expire = Callable[[RedisStore, str], None]

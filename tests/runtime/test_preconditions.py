@@ -11,7 +11,7 @@ import pytest
 from ratchet.errors import CheckpointError, EnvironmentMismatchError, FenceRejectedError
 from ratchet.runtime import CrashWindow, Hooks, Observation, Phase, TraceOutcome
 from ratchet.worker.executor import Executor
-from tests.unit.world import RIGHT_GREETING, World
+from tests.runtime.world import RIGHT_GREETING, World
 
 SILENT_EDIT = "print('edited without moving the version')\n"
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.world import World
+from tests.runtime.world import World
 
 
 @pytest.fixture

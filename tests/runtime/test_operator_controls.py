@@ -15,7 +15,7 @@ from ratchet.errors import (
 )
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
 from ratchet.runtime.machine import check_rebaseline, decision_baseline
-from tests.unit.world import (
+from tests.runtime.world import (
     RIGHT_GREETING,
     SimulatedCrash,
     World,
