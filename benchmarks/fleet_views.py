@@ -45,10 +45,10 @@ from pydantic import SecretStr
 
 from ratchet.cli.console import fleet_console_data
 from ratchet.console.server import ConsoleServer
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RUNS_INDEX, RedisStore, run_keys
 from ratchet.leasing.keys import phase_index
-from ratchet.worker.context import Fleet
-from ratchet.worker.settings import Settings
 
 PAGE = 50
 GOAL = 1.5

@@ -130,8 +130,8 @@ def _find_holder(fleet: Any, run_id: str, pool: Pool, deadline: float) -> tuple[
 
 
 def _terminal(fleet: Any, run_id: str) -> bool:
+    from ratchet.ops import inspect_run
     from ratchet.runtime.state import TERMINAL_PHASES
-    from ratchet.worker.ops import inspect_run
 
     return inspect_run(fleet, run_id).state.phase in TERMINAL_PHASES
 
@@ -147,7 +147,7 @@ def _one_kill(
     deadline_s: float,
 ) -> Sample | None:
     from ratchet.demo.examples import greeting_document, make_greeting_workspace
-    from ratchet.worker.ops import submit
+    from ratchet.ops import submit
 
     make_greeting_workspace(root)
     submit(
@@ -203,8 +203,8 @@ def _nearest_rank(values: list[int], q: float) -> int:
 def _wait_and_count(fleet: Any, roots: dict[str, Path], deadline: float) -> tuple[int, int]:
     """Completed runs and duplicate effects, once every run ended or the deadline passed."""
     from ratchet.adapters.workspace import WorkspaceAdapter
+    from ratchet.ops import inspect_run
     from ratchet.runtime import Phase
-    from ratchet.worker.ops import inspect_run
 
     phases: dict[str, Phase] = {}
     while time.monotonic() < deadline:
@@ -225,10 +225,10 @@ def run(
 ) -> dict[str, Any]:
     from pydantic import SecretStr
 
+    from ratchet.fleet.context import Fleet
+    from ratchet.fleet.settings import Settings
     from ratchet.leasing import RedisStore
-    from ratchet.worker.context import Fleet
     from ratchet.worker.pool import _settings_json
-    from ratchet.worker.settings import Settings
 
     started = time.monotonic()
     renew_ms = max(ttl_ms // 4, 50)

@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.demo.examples import RIGHT_GREETING
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
+from ratchet.ops import submit
 from ratchet.runtime import Fence, derive_idempotency_key, parse_action
-from ratchet.worker.context import Fleet
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import submit
-from ratchet.worker.runs import RunDocument
 
 MakeWorkspace = Callable[..., tuple[Path, RunDocument]]
 

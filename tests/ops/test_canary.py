@@ -164,8 +164,8 @@ def test_planted_keys_appear_in_no_log_metric_trace_store_value_output_or_error(
     assert "run_id=" + run_id in second.stderr  # text lines carry the same fields
 
     # In-process: metrics exposition of a process that ran jobs with these keys.
-    from ratchet.worker.context import Fleet
-    from ratchet.worker.settings import Settings
+    from ratchet.fleet.context import Fleet
+    from ratchet.fleet.settings import Settings
 
     fleet = Fleet.connect(
         Settings(

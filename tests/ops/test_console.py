@@ -12,8 +12,8 @@ import pytest
 from ratchet.cli.console import fleet_console_data
 from ratchet.console import CSP, ConsoleData, ConsoleServer, serve_console
 from ratchet.console.pages import run_page
+from ratchet.fleet.context import Fleet
 from ratchet.runtime import ApprovalClaims, sign_approval
-from ratchet.worker.context import Fleet
 from tests.ops.browser import browser, fetch, screenshot
 from tests.ops.helpers import MakeWorkspace, run_awaiting_approval, run_in_review
 

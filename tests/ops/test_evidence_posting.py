@@ -15,11 +15,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from ratchet.errors import ApprovalError, ReviewDecisionError
+from ratchet.fleet.context import Fleet
 from ratchet.leasing import RedisServer
+from ratchet.ops import approve, inspect_run, post_approval, review
 from ratchet.runtime import ApprovalClaims, sign_approval
-from ratchet.worker.context import Fleet
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import approve, inspect_run, post_approval, review
 from tests.ops.helpers import (
     MakeWorkspace,
     run_awaiting_approval,

@@ -18,7 +18,7 @@ import pytest
 from ratchet.agents import AgentPolicy
 from ratchet.errors import ConfigurationError
 from ratchet.leasing import RedisServer
-from ratchet.worker.taskfile import load_task_file
+from ratchet.ops.taskfile import load_task_file
 from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 

@@ -15,11 +15,11 @@ import pytest
 
 from ratchet.console import ConsoleData, serve_console
 from ratchet.errors import ContractError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
 from ratchet.leasing import RedisServer, run_keys
+from ratchet.ops import inspect_run, submit
 from ratchet.runtime.canonical import strict_json_loads
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import inspect_run, submit
-from ratchet.worker.runs import RunDocument
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
 MakeWorkspace = Callable[..., tuple[Path, RunDocument]]

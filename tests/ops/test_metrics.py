@@ -11,12 +11,12 @@ import pytest
 from prometheus_client import REGISTRY
 
 from ratchet.demo.examples import greeting_document, make_greeting_workspace
+from ratchet.fleet import metrics
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import run_keys
-from ratchet.worker import metrics
-from ratchet.worker.context import Fleet
+from ratchet.ops import submit
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import submit
-from ratchet.worker.settings import Settings
 from tests.ops.helpers import (
     MakeWorkspace,
     free_block,

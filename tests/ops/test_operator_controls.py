@@ -22,13 +22,13 @@ from ratchet.chaos.failpoints import FailpointFired
 from ratchet.chaos.hooks import DrillHooks
 from ratchet.demo.examples import RIGHT_GREETING
 from ratchet.errors import ContractError, ReviewDecisionError, RunNotFoundError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.control import new_cancel_request, seal_cancel
 from ratchet.leasing import RedisServer
+from ratchet.ops import approve, cancel, inspect_run, rebaseline, review, submit
+from ratchet.ops.diagnosis import diagnose
 from ratchet.runtime import CrashWindow, KeyRing, TraceOutcome
-from ratchet.worker.context import Fleet
-from ratchet.worker.control import new_cancel_request, seal_cancel
-from ratchet.worker.diagnosis import diagnose
 from ratchet.worker.job import JobReport, execute_run
-from ratchet.worker.ops import approve, cancel, inspect_run, rebaseline, review, submit
 from tests.ops.helpers import (
     MakeWorkspace,
     poll,

@@ -37,14 +37,14 @@ from ratchet.chaos.failpoints import FailpointFired
 from ratchet.chaos.hooks import DrillHooks
 from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.errors import ContractError, EvidenceError, RatchetError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.leasing.keys import EPOCH_KEY
+from ratchet.ops import approve, cancel, inspect_run, rebaseline, retry, review, submit
+from ratchet.ops.retention import purge_finished, verify_export
 from ratchet.runtime import CrashWindow, Fence, Phase, derive_idempotency_key, parse_action
-from ratchet.worker.context import Fleet
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import approve, cancel, inspect_run, rebaseline, retry, review, submit
-from ratchet.worker.retention import purge_finished, verify_export
-from ratchet.worker.settings import Settings
 from tests.conftest import test_sandbox_mode
 from tests.ops.helpers import PLAN, poll, trust_file
 from tests.worker.conftest import CHECKPOINT_KEY_HEX

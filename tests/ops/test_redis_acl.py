@@ -13,13 +13,13 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.errors import StoreProtocolError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore, run_keys
 from ratchet.leasing.acl import AclUser, Role, acl_file, role_commands, script_commands
 from ratchet.leasing.scripts import ScriptName, load_script
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import inspect_run, submit
+from ratchet.ops import inspect_run, submit
 from ratchet.worker.reaper import reap_once
-from ratchet.worker.settings import Settings
 from tests.conftest import test_sandbox_mode
 from tests.ops.helpers import poll
 from tests.worker.conftest import CHECKPOINT_KEY_HEX

@@ -15,13 +15,11 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ratchet.errors import ApprovalError, IntegrityError, RunExistsError, RunNotFoundError
+from ratchet.fleet.context import Fleet
 from ratchet.leasing import RedisServer, run_keys
 from ratchet.leasing.keys import INDEX_KEYS
-from ratchet.runtime import KeyRing
-from ratchet.worker.context import Fleet
-from ratchet.worker.job import execute_run
-from ratchet.worker.ops import approve, inspect_run, post_approval, submit
-from ratchet.worker.retention import (
+from ratchet.ops import approve, inspect_run, post_approval, submit
+from ratchet.ops.retention import (
     RetentionLoop,
     export_run,
     purge_finished,
@@ -29,6 +27,8 @@ from ratchet.worker.retention import (
     verify_export,
     write_export,
 )
+from ratchet.runtime import KeyRing
+from ratchet.worker.job import execute_run
 from tests.ops.helpers import (
     MakeWorkspace,
     poll,

@@ -24,8 +24,8 @@ from ratchet.cli import app
 from ratchet.demo.examples import greeting_scenario, make_greeting_workspace
 from ratchet.errors import ConfigurationError, ContractError, RatchetError
 from ratchet.leasing import RedisServer
+from ratchet.ops.taskfile import MAX_FILE_BYTES, load_task_file, task_file_schema
 from ratchet.runtime.canonical import strict_yaml_loads
-from ratchet.worker.taskfile import MAX_FILE_BYTES, load_task_file, task_file_schema
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
 ROOT = Path(__file__).resolve().parents[2]

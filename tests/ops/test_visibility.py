@@ -25,16 +25,16 @@ from ratchet.cli.render import run_to_json
 from ratchet.console import serve_console
 from ratchet.console.pages import run_page, workers_page
 from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
+from ratchet.fleet import metrics
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import VerifierSpec
+from ratchet.fleet.scrub import REDACTED, Scrubber, tail
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer
-from ratchet.worker import metrics
-from ratchet.worker.changes import DIFF_SHOW_BYTES, SHOW_BYTES
-from ratchet.worker.context import Fleet
+from ratchet.ops import inspect_run, submit
+from ratchet.ops.changes import DIFF_SHOW_BYTES, SHOW_BYTES
+from ratchet.ops.queueview import list_workers, owner_of_worker
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import inspect_run, submit
-from ratchet.worker.queueview import list_workers, owner_of_worker
-from ratchet.worker.runs import VerifierSpec
-from ratchet.worker.scrub import REDACTED, Scrubber, tail
-from ratchet.worker.settings import Settings
 from tests.ops.browser import browser, fetch, screenshot
 from tests.ops.helpers import MakeWorkspace, free_block, poll, run_awaiting_approval, scrape
 from tests.worker.conftest import CHECKPOINT_KEY_HEX

@@ -8,11 +8,12 @@ import ast
 import re
 from pathlib import Path
 
-from ratchet.worker.diagnosis import FREEZING_KINDS
+from ratchet.ops.diagnosis import FREEZING_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "operator-guide.md"
-WORKER = ROOT / "src" / "ratchet" / "worker"
+# Where incidents are recorded: the worker's job, operator operations, the fleet's parts.
+WORKER = tuple(ROOT / "src" / "ratchet" / name for name in ("worker", "ops", "fleet"))
 RUNTIME = ROOT / "src" / "ratchet" / "runtime"
 #: Kinds the scan must find, so a scan that finds nothing cannot pass.
 KNOWN = {
@@ -34,11 +35,11 @@ def _text(node: ast.AST | None) -> str | None:
 
 
 def recorded_kinds() -> set[str]:
-    """Every incident kind written in ``src/ratchet/worker/*.py``: a ``{"kind": "..."}``
+    """Every incident kind written in ``src/ratchet/{worker,ops,fleet}/*.py``: a ``{"kind": "..."}``
     record, a ``kind="..."`` argument or default, a ``("...", reason)`` pair that is
     recorded as ``{"kind": kind, ...}``."""
     kinds: set[str] = set()
-    for path in sorted(WORKER.glob("*.py")):
+    for path in sorted(p for folder in WORKER for p in folder.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Dict):
                 kinds |= {

@@ -130,6 +130,12 @@ PINNED: dict[str, list[str]] = {
         "ENTRY_POINT_GROUP", "Agent", "AgentFactory", "AgentPolicy", "AgentStep", "AgentView",
         "GreetingAgent", "ScriptedAgent", "build_agent", "load_agent",
     ],
+    "ratchet.ops": [
+        "CancelPosted", "Posted", "RunView", "approve", "cancel", "create_run", "inspect_run",
+        "load_private_key", "post_approval", "post_review_decision", "rebaseline", "retry",
+        "review", "submit",
+    ],
+    "ratchet.fleet": [],
     "ratchet.chaos": [],
     "ratchet.testing": [],
     "ratchet.demo": [],

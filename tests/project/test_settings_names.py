@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.errors import ConfigurationError
-from ratchet.worker.settings import (
+from ratchet.fleet.settings import (
     OTHER_NAMES,
     Settings,
     check_environment_names,

@@ -42,8 +42,7 @@ SRC = TESTS.parent / "src" / "ratchet"
 
 def test_the_test_tree_mirrors_the_packages() -> None:
     """Each test folder is named after the package it tests; ``project`` holds the checks
-    of the repository as a whole, and ``ops`` the operator tools (``ratchet.worker.ops``,
-    the console's and the command line's views) until they are a package of their own."""
+    of the repository as a whole."""
     packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
     folders = {p.name for p in TESTS.iterdir() if (p / "__init__.py").exists()}
-    assert folders - {"project", "ops"} <= packages, sorted(folders - packages)
+    assert folders - {"project"} <= packages, sorted(folders - packages)

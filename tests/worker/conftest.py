@@ -11,10 +11,10 @@ import pytest
 from pydantic import SecretStr
 
 from ratchet.demo.examples import greeting_document, make_greeting_workspace
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
-from ratchet.worker.context import Fleet
-from ratchet.worker.runs import RunDocument
-from ratchet.worker.settings import Settings
 from tests.conftest import test_sandbox_mode
 
 CANARY_KEY = "c0ffee" * 8  # 48 hex chars = 24 bytes... padded below to 32 bytes

@@ -11,10 +11,10 @@ from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 
 from ratchet.chaos.hooks import from_env
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import inspect_run
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.settings import Settings
+from ratchet.ops import inspect_run
 from ratchet.worker.pool import _settings_json, worker_main
-from ratchet.worker.settings import Settings
 
 
 def poll(predicate: Callable[[], bool], *, deadline_s: float, what: str) -> None:

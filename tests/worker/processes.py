@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ratchet.worker.settings import Settings
+from ratchet.fleet.settings import Settings
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 from tests.worker.fleet_harness import poll
 

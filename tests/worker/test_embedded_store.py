@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from ratchet.errors import ConfigurationError
-from ratchet.worker.context import (
+from ratchet.fleet.context import (
     Fleet,
     ensure_embedded_redis,
     running_embedded_redis,
     stop_embedded_redis,
 )
-from ratchet.worker.settings import Settings
+from ratchet.fleet.settings import Settings
 from tests.worker.processes import redis_servers_under
 
 pytestmark = pytest.mark.slow

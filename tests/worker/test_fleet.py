@@ -18,10 +18,10 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import run_keys
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import approve, inspect_run, submit
-from ratchet.worker.settings import Settings
+from ratchet.ops import approve, inspect_run, submit
 from tests.worker.fleet_harness import (
     holder_pid,
     job_outcomes,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ratchet.worker.settings import Settings
+from ratchet.fleet.settings import Settings
 from tests.worker.fleet_harness import poll
 from tests.worker.processes import pool_env, running_pool
 

@@ -15,11 +15,11 @@ import pytest
 
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.demo.examples import RIGHT_GREETING, WRONG_GREETING
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
 from ratchet.leasing import EXPIRY_INDEX, RUNS_INDEX, run_keys
-from ratchet.worker.context import Fleet
+from ratchet.ops import submit
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import submit
-from ratchet.worker.runs import RunDocument
 
 MakeWorkspace = Callable[..., tuple[Path, RunDocument]]
 Mutation = Callable[[Any, str, str], None]  # (client, key, other run's same key)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ratchet.fleet.identity import owner_id
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import LeaseHolder, RedisServer, RedisStore
-from ratchet.worker.identity import owner_id
-from ratchet.worker.settings import Settings
 
 
 def _child_owner(name: str, out: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -61,8 +61,8 @@ def test_another_process_with_the_same_name_cannot_take_a_live_lease(
     redis_server: RedisServer, settings: Settings, tmp_path: Path
 ) -> None:
     from ratchet.demo.examples import greeting_document, make_greeting_workspace
-    from ratchet.worker.context import Fleet
-    from ratchet.worker.ops import submit
+    from ratchet.fleet.context import Fleet
+    from ratchet.ops import submit
 
     fleet = Fleet.connect(settings.model_copy(update={"worker_name": "same"}))
     run_id = submit(
@@ -81,8 +81,8 @@ import json, sys
 from pydantic import SecretStr
 from ratchet.leasing import LeaseHolder
 from ratchet.worker import job
-from ratchet.worker.context import Fleet
-from ratchet.worker.settings import Settings
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.settings import Settings
 url, state, run_id = sys.argv[1:4]
 fleet = Fleet.connect(Settings(redis_url=SecretStr(url), state_dir=state, worker_name="same",
                                checkpoint_key=SecretStr("ab" * 32)))
@@ -133,8 +133,8 @@ def test_two_workers_with_one_name_and_one_pid_are_two_owners(
     """``hostname-pid`` repeats across containers: both workers here run as pid 1 with
     the same configured name. The second must find the first's live lease held."""
     from ratchet.demo.examples import greeting_document, make_greeting_workspace
-    from ratchet.worker.context import Fleet
-    from ratchet.worker.ops import submit
+    from ratchet.fleet.context import Fleet
+    from ratchet.ops import submit
 
     fleet = Fleet.connect(settings)
     run_id = submit(

@@ -12,11 +12,11 @@ from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.chaos.failpoints import FailpointFired, Failpoints, parse_failpoints
 from ratchet.chaos.hooks import DrillHooks
 from ratchet.demo.examples import RIGHT_GREETING
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
+from ratchet.ops import inspect_run, submit
 from ratchet.runtime import CrashWindow
-from ratchet.worker.context import Fleet
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import inspect_run, submit
-from ratchet.worker.runs import RunDocument
 
 
 def effects(root: Path) -> int:
@@ -172,9 +172,9 @@ def test_a_key_conflict_waits_for_review_and_a_signed_replan_completes_the_run(
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
     from ratchet.demo.examples import RIGHT_GREETING as FIX
+    from ratchet.fleet.context import Fleet as FleetClass
+    from ratchet.ops import review
     from ratchet.runtime import Fence, derive_idempotency_key, parse_action
-    from ratchet.worker.context import Fleet as FleetClass
-    from ratchet.worker.ops import review
 
     reviewer = Ed25519PrivateKey.generate()
     trust = tmp_path / "reviewers.json"

@@ -14,11 +14,11 @@ import pytest
 
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.errors import ContractError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
 from ratchet.leasing import RedisServer
-from ratchet.worker.context import Fleet
+from ratchet.ops import retry, submit
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import retry, submit
-from ratchet.worker.runs import RunDocument
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
 MakeWorkspace = Callable[..., tuple[Path, RunDocument]]

@@ -19,16 +19,16 @@ from ratchet.agents import (
     load_agent,
 )
 from ratchet.errors import ConfigurationError, LeaseLostError, StoreUnavailableError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
+from ratchet.fleet.settings import Settings
+from ratchet.ops import submit
 from ratchet.runtime import Action, Advance, Fence, Observation, Phase, RunKey, TraceOutcome
 from ratchet.runtime.effects import Commit, Execute, Lookup, Observe, RaiseFence, Verify
 from ratchet.runtime.state import Usage
-from ratchet.worker.context import Fleet
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
-from ratchet.worker.ops import submit
 from ratchet.worker.reaper import reap_once
-from ratchet.worker.runs import RunDocument
-from ratchet.worker.settings import Settings
 
 
 def _action() -> Action:

@@ -8,11 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
 from ratchet.leasing import EXPIRY_INDEX
-from ratchet.worker.context import Fleet
+from ratchet.ops import submit
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import submit
-from ratchet.worker.runs import RunDocument
 
 MakeWorkspace = Callable[..., tuple[Path, RunDocument]]
 

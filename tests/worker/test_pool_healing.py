@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, run_keys
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import submit
+from ratchet.ops import submit
 from ratchet.worker.pool import CRASH_LOOP_DEATHS, EXIT_CRASH_LOOP, RestartPolicy
-from ratchet.worker.runs import RunDocument
-from ratchet.worker.settings import Settings
 from tests.worker.fleet_harness import phase, poll
 from tests.worker.processes import gone, running_pool
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ratchet.fleet import metrics
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
 from ratchet.leasing import EXPIRY_INDEX, run_keys
-from ratchet.worker import metrics
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import submit
+from ratchet.ops import submit
 from ratchet.worker.reaper import reap_once
-from ratchet.worker.runs import RunDocument
 from tests.worker.fleet_harness import poll
 
 MakeWorkspace = Callable[..., tuple[Path, RunDocument]]

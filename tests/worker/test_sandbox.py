@@ -20,12 +20,12 @@ from ratchet.adapters.verifier import CommandVerifier
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.demo.examples import make_greeting_workspace
 from ratchet.errors import ConfigurationError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import EnvironmentSpec, RunDocument, VerifierSpec
+from ratchet.fleet.settings import Settings
+from ratchet.ops import submit
 from ratchet.runtime import Scenario
-from ratchet.worker.context import Fleet
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import submit
-from ratchet.worker.runs import EnvironmentSpec, RunDocument, VerifierSpec
-from ratchet.worker.settings import Settings
 from tests.conftest import require_sandbox
 from tests.worker.fleet_harness import poll, workers
 

@@ -13,12 +13,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.errors import ConfigurationError
-from ratchet.worker.clock import StoreClock, check_clock_skew
-from ratchet.worker.context import Fleet
+from ratchet.fleet.clock import StoreClock, check_clock_skew
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
+from ratchet.ops import Posted, approve, inspect_run
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import Posted, approve, inspect_run
 from ratchet.worker.pool import measure_clock_skew
-from ratchet.worker.runs import RunDocument
 from tests.ops.helpers import run_awaiting_approval, trust_file, with_trust
 from tests.worker.fleet_harness import poll
 

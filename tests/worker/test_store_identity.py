@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from ratchet.errors import ConfigurationError, StoreEpochError, StoreFullError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
-from ratchet.worker.context import Fleet
+from ratchet.ops import submit
 from ratchet.worker.job import execute_run
-from ratchet.worker.ops import submit
-from ratchet.worker.runs import RunDocument
-from ratchet.worker.settings import Settings
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
 MakeWorkspace = Callable[..., tuple[Path, RunDocument]]

@@ -13,11 +13,11 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument, VerifierSpec
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore, run_keys
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import approve, inspect_run, submit
-from ratchet.worker.runs import RunDocument, VerifierSpec
-from ratchet.worker.settings import Settings
+from ratchet.ops import approve, inspect_run, submit
 from tests.ops.helpers import run_awaiting_approval, trust_file, with_trust
 from tests.worker.fleet_harness import job_outcomes, poll, workers
 

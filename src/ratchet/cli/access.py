@@ -11,11 +11,11 @@ import typer
 
 from ratchet.cli.common import JsonFlag, app, print_json, ratchet_errors, write_private
 from ratchet.errors import ConfigurationError
+from ratchet.fleet.context import ensure_embedded_redis
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisStore
 from ratchet.leasing.acl import AclUser, Role, acl_file, acl_setuser_lines
 from ratchet.leasing.scripts import ScriptName
-from ratchet.worker.context import ensure_embedded_redis
-from ratchet.worker.settings import Settings
 
 __all__: list[str] = []
 

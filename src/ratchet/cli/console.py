@@ -13,11 +13,11 @@ from ratchet.cli.render import run_summary, run_to_json
 from ratchet.console import ConsoleData, serve_console
 from ratchet.console.data import RunQuery
 from ratchet.errors import ContractError, RunNotFoundError, StoreUnavailableError
+from ratchet.fleet.context import Fleet
 from ratchet.leasing.keys import check_id
 from ratchet.leasing.listing import MAX_PAGE
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import inspect_run
-from ratchet.worker.queueview import list_workers
+from ratchet.ops import inspect_run
+from ratchet.ops.queueview import list_workers
 
 __all__ = ["fleet_console_data", "page_runs", "queue_depth", "run_exists"]
 

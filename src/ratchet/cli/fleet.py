@@ -38,25 +38,26 @@ from ratchet.console.data import RunQuery
 from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.demo.fleet import run_fleet_demo
 from ratchet.errors import ConfigurationError, ContractError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import RunDocument
+from ratchet.fleet.settings import Settings
 from ratchet.leasing.listing import MAX_PAGE
+from ratchet.ops import approve as sign_approval_for
+from ratchet.ops import cancel as cancel_run
+from ratchet.ops import inspect_run, load_private_key, submit
+from ratchet.ops import rebaseline as rebaseline_run
+from ratchet.ops import retry as retry_run
+from ratchet.ops import review as sign_review_for
+from ratchet.ops.reindex import index_phases
+from ratchet.ops.retention import start_retention
+from ratchet.ops.taskfile import load_task_file
 from ratchet.runtime import (
     ApprovalEvidence,
     Phase,
     RebaselineClaims,
     ReviewDecisionClaims,
 )
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import approve as sign_approval_for
-from ratchet.worker.ops import cancel as cancel_run
-from ratchet.worker.ops import inspect_run, load_private_key, submit
-from ratchet.worker.ops import rebaseline as rebaseline_run
-from ratchet.worker.ops import retry as retry_run
-from ratchet.worker.ops import review as sign_review_for
 from ratchet.worker.pool import run_pool
-from ratchet.worker.reindex import index_phases
-from ratchet.worker.runs import RunDocument
-from ratchet.worker.settings import Settings
-from ratchet.worker.taskfile import load_task_file
 
 __all__: list[str] = []
 
@@ -128,7 +129,14 @@ def worker(
     The first SIGTERM finishes each current step, commits, releases the lease and exits;
     a second one stops at once (leases then expire and other workers take over).
     """
-    raise typer.Exit(run_pool(Settings(), concurrency=concurrency, burst=burst))
+    raise typer.Exit(
+        run_pool(
+            Settings(),
+            concurrency=concurrency,
+            burst=burst,
+            background=start_retention,  # RATCHET_RETENTION_S, if set
+        )
+    )
 
 
 # --- store -------------------------------------------------------------------------------------
@@ -169,7 +177,7 @@ def store_init_command(as_json: JsonFlag = False) -> None:
 
 def _document_from_task(task_file: Path, agent: str) -> RunDocument:
     """The run document of a task file; every bad file is one typed error (see
-    :func:`ratchet.worker.taskfile.load_task_file`)."""
+    :func:`ratchet.ops.taskfile.load_task_file`)."""
     return load_task_file(task_file, agent)
 
 

@@ -24,7 +24,7 @@ from rq.serializers import JSONSerializer
 
 from ratchet.cli.common import EXIT_CHECK_FAILED, JsonFlag, app, print_json, ratchet_errors
 from ratchet.errors import StoreUnavailableError
-from ratchet.worker.context import Fleet
+from ratchet.fleet.context import Fleet
 
 __all__ = ["local_workers"]
 

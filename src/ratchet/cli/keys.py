@@ -22,7 +22,6 @@ Key material is never printed: only key ids, paths and counts.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from enum import StrEnum
 from pathlib import Path
@@ -31,146 +30,29 @@ from typing import Annotated, Any
 import typer
 
 from ratchet.cli.common import JsonFlag, keys_app, print_json, ratchet_errors
-from ratchet.errors import ConfigurationError, RatchetError
-from ratchet.runtime import KeyRing
-from ratchet.runtime.signing import parse_envelope
-from ratchet.worker.context import Fleet, load_trust_roots
-from ratchet.worker.runs import open_document, seal_document
-from ratchet.worker.settings import Settings
+from ratchet.errors import ConfigurationError
+from ratchet.fleet.context import Fleet, load_trust_roots
+from ratchet.fleet.settings import Settings
+from ratchet.ops.keys import (
+    checkpoint_keys_path,
+    key_file_summary,
+    read_checkpoint_keys,
+    replace_file,
+    resign_documents,
+    runs_signed_with,
+    write_checkpoint_keys,
+)
 
-__all__ = ["checkpoint_keys_path", "read_checkpoint_keys", "replace_file", "runs_signed_with"]
+__all__: list[str] = []
 
 FileOption = Annotated[
     Path | None, typer.Option("--file", help="The key file (default: from RATCHET_* settings).")
 ]
 
 
-def checkpoint_keys_path(settings: Settings) -> Path:
-    """The checkpoint key file in use. Raises ConfigurationError if keys come from the
-    environment (rotate by moving to a key file) or none is configured."""
-    if settings.checkpoint_key is not None:
-        raise ConfigurationError(
-            "the checkpoint key comes from RATCHET_CHECKPOINT_KEY; "
-            "move to RATCHET_CHECKPOINT_KEYS_FILE to rotate",
-            field="checkpoint_key",
-        )
-    if settings.checkpoint_keys_file is not None:
-        return settings.checkpoint_keys_file
-    if settings.embedded:
-        return settings.state_dir / "keys" / "checkpoint.json"
-    raise ConfigurationError("no checkpoint key file configured", field="checkpoint_keys_file")
-
-
-def read_checkpoint_keys(path: Path) -> dict[str, Any]:
-    """A checkpoint key file, checked by building its key ring. Raises ConfigurationError
-    (never with key material in the message)."""
-    try:
-        doc = json.loads(path.read_text())
-        keys = {str(k): bytes.fromhex(str(v)) for k, v in doc["keys"].items()}
-        KeyRing.from_secrets(
-            keys, signing_kid=str(doc["signing"]), retired=[str(k) for k in doc.get("retired", [])]
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigurationError(
-            f"{path} is not a readable checkpoint key file", field="checkpoint_keys_file"
-        ) from None
-    doc.setdefault("retired", [])
-    return dict(doc)
-
-
-def replace_file(path: Path, data: bytes, *, mode: int) -> None:
-    """Replace ``path`` atomically (temporary file, fsync, rename, fsync of the folder)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            os.fchmod(out.fileno(), mode)
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
-
-
-def runs_signed_with(fleet: Fleet, kid: str, *, limit: int = 100_000) -> list[str]:
-    """Runs whose current checkpoint (at the high-water mark) names key id ``kid``.
-
-    Reads only the envelope header. Raises StoreError when Redis cannot be read.
-    """
-    found = []
-    for run_id in fleet.store.run_ids(limit=limit):
-        snap = fleet.store.read_run(run_id, with_checkpoint=True)
-        if snap.checkpoint is None:
-            continue
-        try:
-            header, _ = parse_envelope(snap.checkpoint)
-        except RatchetError:
-            continue
-        if header.kid == kid:
-            found.append(run_id)
-    return found
-
-
-def resign_documents(
-    fleet: Fleet, kid: str, *, limit: int = 100_000
-) -> tuple[list[str], list[str]]:
-    """Sign again, with the ring's signing key, every run document signed with ``kid``.
-
-    A document is written once, at submit, so retiring the key that signed it would make
-    the run unreadable. Each one is verified under ``kid`` first (a document that does
-    not verify is left alone and reported), re-sealed from the very same document, and
-    swapped in by compare-and-set. Returns (re-signed, left alone). Raises StoreError.
-    """
-    resigned, refused = [], []
-    for run_id in fleet.store.run_ids(limit=limit):
-        snap = fleet.store.read_run(run_id, with_checkpoint=False, with_scenario=True)
-        blob = snap.scenario
-        if blob is None:
-            continue
-        try:
-            header, _ = parse_envelope(blob)
-        except RatchetError:
-            refused.append(run_id)
-            continue
-        if header.kid != kid:
-            continue
-        try:
-            document = open_document(fleet.keyring, run_id, blob)
-        except RatchetError:
-            refused.append(run_id)
-            continue
-        if fleet.store.replace_document(
-            run_id, blob, seal_document(fleet.keyring, run_id, document)
-        ):
-            resigned.append(run_id)
-        else:
-            refused.append(run_id)
-    return resigned, refused
-
-
 def _some(run_ids: list[str]) -> str:
     """The first few run ids, for a one-line error."""
     return ", ".join(run_ids[:5]) + (" ..." if len(run_ids) > 5 else "")
-
-
-def _write_checkpoint_keys(path: Path, doc: dict[str, Any]) -> None:
-    replace_file(path, json.dumps(doc).encode(), mode=0o600)
-
-
-def _summary(path: Path, doc: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "path": str(path),
-        "signing": doc["signing"],
-        "kids": sorted(doc["keys"]),
-        "retired": sorted(doc["retired"]),
-    }
 
 
 @keys_app.command("rotate")
@@ -186,8 +68,8 @@ def keys_rotate(file: FileOption = None, as_json: JsonFlag = False) -> None:
     kid = f"k-{secrets.token_hex(4)}"
     doc["keys"][kid] = secrets.token_hex(32)
     doc["signing"] = kid
-    _write_checkpoint_keys(path, doc)
-    info = {**_summary(path, doc), "previous": previous}
+    write_checkpoint_keys(path, doc)
+    info = {**key_file_summary(path, doc), "previous": previous}
     if as_json:
         print_json(info)
     else:
@@ -240,8 +122,8 @@ def keys_retire(
             )
     if kid not in doc["retired"]:
         doc["retired"].append(kid)
-    _write_checkpoint_keys(path, doc)
-    info = {**_summary(path, doc), "documents_resigned": len(resigned)}
+    write_checkpoint_keys(path, doc)
+    info = {**key_file_summary(path, doc), "documents_resigned": len(resigned)}
     if as_json:
         print_json(info)
     else:
@@ -307,7 +189,7 @@ def keys_list(as_json: JsonFlag = False) -> None:
     info: dict[str, Any] = {}
     try:
         path = checkpoint_keys_path(settings)
-        info["checkpoint"] = _summary(path, read_checkpoint_keys(path))
+        info["checkpoint"] = key_file_summary(path, read_checkpoint_keys(path))
     except ConfigurationError as exc:
         info["checkpoint"] = {"note": exc.message}
     for role, trust in (

@@ -9,11 +9,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ratchet.fleet.context import Fleet
 from ratchet.leasing.listing import ListedRun
+from ratchet.ops import RunView
+from ratchet.ops.diagnosis import diagnose
 from ratchet.runtime import ApprovalEvidence
-from ratchet.worker.context import Fleet
-from ratchet.worker.diagnosis import diagnose
-from ratchet.worker.ops import RunView
 
 __all__ = ["approval_status", "render_diagnosis", "render_run", "run_summary", "run_to_json"]
 
@@ -58,7 +58,7 @@ def run_summary(row: ListedRun, now_ms: int) -> dict[str, Any]:
 
 def run_to_json(view: RunView, now: int, *, fleet: Fleet | None = None) -> dict[str, Any]:
     """The full JSON view of ``ratchet show --json`` and the console. With ``fleet`` it
-    also carries what :func:`ratchet.worker.diagnosis.diagnose` reads (status, current
+    also carries what :func:`ratchet.ops.diagnosis.diagnose` reads (status, current
     incident, last job error, verifier output, timeline, pending change)."""
     state = view.state
     snap = view.snapshot

@@ -10,9 +10,9 @@ import typer
 
 from ratchet.cli.common import JsonFlag, app, print_json, ratchet_errors
 from ratchet.errors import ConfigurationError, ContractError
-from ratchet.worker.context import Fleet, load_keyring
-from ratchet.worker.retention import MAX_EXPORT_BYTES, purge_finished, verify_export, write_export
-from ratchet.worker.settings import Settings
+from ratchet.fleet.context import Fleet, load_keyring
+from ratchet.fleet.settings import Settings
+from ratchet.ops.retention import MAX_EXPORT_BYTES, purge_finished, verify_export, write_export
 
 __all__ = ["parse_duration"]
 

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from ratchet.cli.common import app, ratchet_errors
-from ratchet.worker.taskfile import plan_file_schema, task_file_schema
+from ratchet.ops.taskfile import plan_file_schema, task_file_schema
 
 __all__: list[str] = []
 

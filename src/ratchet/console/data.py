@@ -75,7 +75,7 @@ class ConsoleData:
     ``owner``, ``lease``, ``generation``, ``note``); ``run_detail(run_id, now)`` returns a
     run's verified JSON view, raising RatchetError (RunNotFoundError for an unknown id,
     CheckpointError or IntegrityError for one that does not verify). ``list_workers()``
-    returns the queue and its workers as ``ratchet.worker.queueview.list_workers`` reads
+    returns the queue and its workers as ``ratchet.ops.queueview.list_workers`` reads
     them (None: the console has no view of the workers), raising StoreError.
     """
 

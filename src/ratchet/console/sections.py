@@ -1,8 +1,8 @@
 """HTML sections of the run page that say what went wrong, and the workers table.
 
-They render the parts of a run's JSON view that :func:`ratchet.worker.diagnosis.diagnose`
+They render the parts of a run's JSON view that :func:`ratchet.ops.diagnosis.diagnose`
 adds (status, current incident, last job error, verifier output, pending change,
-timeline) and the worker list of :func:`ratchet.worker.queueview.list_workers`. A view
+timeline) and the worker list of :func:`ratchet.ops.queueview.list_workers`. A view
 without those parts renders nothing here. Every value is escaped; no script, no inline
 style (diff lines are coloured by class from the console's style sheet).
 """

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ratchet.fleet.runs import EnvironmentSpec, RunDocument, VerifierSpec
 from ratchet.runtime import Scenario
-from ratchet.worker.runs import EnvironmentSpec, RunDocument, VerifierSpec
 
 __all__ = [
     "RIGHT_GREETING",

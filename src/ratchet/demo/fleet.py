@@ -32,13 +32,13 @@ from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.errors import ConfigurationError
+from ratchet.fleet.context import Fleet, ensure_embedded_redis, stop_embedded_redis
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import run_keys
+from ratchet.ops import inspect_run, submit
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
-from ratchet.worker.context import Fleet, ensure_embedded_redis, stop_embedded_redis
-from ratchet.worker.ops import inspect_run, submit
 from ratchet.worker.pool import _settings_json, worker_main
-from ratchet.worker.settings import Settings
 
 __all__ = ["FleetDemoReport", "run_fleet_demo"]
 

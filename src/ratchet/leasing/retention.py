@@ -8,7 +8,7 @@ the run's idempotency keys (which derive from its id) are never issued again, an
 global nonce records are never deleted, so its nonces are never consumed again. What a
 purge removes is meant to have been exported first (``ratchet export``, or ``ratchet
 purge --export-dir``); deciding that a run may go is the caller's job
-(:mod:`ratchet.worker.retention`).
+(:mod:`ratchet.ops.retention`).
 
 On a single Redis the script also takes the run off every cross-run index; on Redis
 Cluster those live in other slots and are cleared by separate calls after it.

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ratchet.errors import FenceRejectedError, InvalidTransitionError
+from ratchet.fleet import logs, metrics
 from ratchet.runtime.effects import (
     Commit,
     CrashWindow,
@@ -52,7 +53,6 @@ from ratchet.runtime.ports import (
     StoredCheckpoint,
     VerifierReport,
 )
-from ratchet.worker import logs, metrics
 from ratchet.worker.observe import RunRecorder, last_verifier_run
 
 __all__ = ["Executor", "Guard", "WindowProbe"]

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from ratchet.errors import LeaseLostError, RatchetError
-from ratchet.worker import metrics
+from ratchet.fleet import metrics
 from ratchet.worker.hooks import WorkerHooks
 
 __all__ = ["Heartbeat"]

@@ -70,6 +70,18 @@ from ratchet.errors import (
     StoreError,
     StoreProtocolError,
 )
+from ratchet.fleet import logs, metrics
+from ratchet.fleet.clock import StoreClock
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.control import CancelRequest, find_controls, find_rebaseline
+from ratchet.fleet.identity import owner_id
+from ratchet.fleet.runs import (
+    RunDocument,
+    build_adapter,
+    check_document_binding,
+    open_document,
+    parse_evidence,
+)
 from ratchet.leasing import LeasedRun, LeaseHolder
 from ratchet.runtime import (
     ApprovalEvidence,
@@ -82,22 +94,10 @@ from ratchet.runtime import (
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
 from ratchet.runtime.machine import decision_baseline
 from ratchet.runtime.state import TERMINAL_PHASES
-from ratchet.worker import logs, metrics
-from ratchet.worker.clock import StoreClock
-from ratchet.worker.context import Fleet
-from ratchet.worker.control import CancelRequest, find_controls, find_rebaseline
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
 from ratchet.worker.hooks import WorkerHooks
-from ratchet.worker.identity import owner_id
 from ratchet.worker.observe import RunRecorder, job_ended
-from ratchet.worker.runs import (
-    RunDocument,
-    build_adapter,
-    check_document_binding,
-    open_document,
-    parse_evidence,
-)
 
 __all__ = ["STOP", "JobReport", "execute_run", "run_job"]
 
@@ -280,7 +280,7 @@ def _execute(
                 report.generation = opened.generation
                 return report
             # Operator controls come before the agent is loaded: a run whose agent cannot
-            # be imported can still be cancelled (see ratchet.worker.control).
+            # be imported can still be cancelled (see ratchet.fleet.control).
             inbox = fleet.store.inbox(run_id)
             cancel, rebaseline = _controls(fleet, run_id, inbox, opened, document)
             agent_factory = fleet.agent_policy.resolve(document.agent) if cancel is None else None
@@ -431,7 +431,7 @@ def _decision_waiting(inbox: list[bytes], state: RunState) -> bool:
 
 
 def _cancel(engine: RunEngine, request: CancelRequest | None, report: JobReport) -> None:
-    """Carry out an operator's verified cancel request (see ratchet.worker.control)."""
+    """Carry out an operator's verified cancel request (see ratchet.fleet.control)."""
     if request is None:
         raise InvalidTransitionError("a cancel needs a request")
     engine.cancel(request.reason, by=request.by, request_id=request.request_id)

@@ -10,7 +10,7 @@ show`` and the console:
 * ``verifier_failed``: a verification did not pass. The signed state keeps only the
   report's ``output_digest``; the record keeps the target, exit code, timeout and
   truncation flags, that digest, and the last 40 lines / 4 KiB of the output with secrets
-  scrubbed (:mod:`ratchet.worker.scrub`). That tail is not covered by any signature: it is
+  scrubbed (:mod:`ratchet.fleet.scrub`). That tail is not covered by any signature: it is
   for diagnosis only, and is shown as such.
 
 Recording is best effort: a record that cannot be written is skipped (logged), never a
@@ -23,10 +23,10 @@ import logging
 from typing import Any
 
 from ratchet.errors import RatchetError
+from ratchet.fleet import metrics
+from ratchet.fleet.scrub import Scrubber, tail
+from ratchet.fleet.settings import Settings
 from ratchet.runtime import VerifierReport
-from ratchet.worker import metrics
-from ratchet.worker.scrub import Scrubber, tail
-from ratchet.worker.settings import Settings
 
 __all__ = ["RunRecorder", "job_ended", "last_verifier_run"]
 

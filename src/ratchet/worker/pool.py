@@ -41,20 +41,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from types import FrameType
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
 from ratchet.errors import ConfigurationError
-from ratchet.worker import job, logs, metrics
-from ratchet.worker.clock import check_clock_skew
-from ratchet.worker.context import Fleet
+from ratchet.fleet import logs, metrics
+from ratchet.fleet.clock import check_clock_skew
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.identity import owner_id
+from ratchet.fleet.settings import Settings
+from ratchet.worker import job
 from ratchet.worker.hooks import WorkerHooks
-from ratchet.worker.identity import owner_id
 from ratchet.worker.reaper import Reaper
-from ratchet.worker.retention import start_retention
-from ratchet.worker.settings import Settings
 
 __all__ = [
     "CRASH_LOOP_DEATHS",
@@ -87,6 +87,13 @@ class RatchetWorker(SimpleWorker):
         super().handle_warm_shutdown_request()  # type: ignore[no-untyped-call]
 
 
+class Stoppable(Protocol):
+    """A background service a worker process runs beside its RQ worker."""
+
+    def stop(self) -> None:
+        """Stop the service (called once, when the worker stops)."""
+
+
 def worker_main(
     settings_json: str,
     index: int,
@@ -94,8 +101,15 @@ def worker_main(
     *,
     own_process_group: bool = False,
     hooks_factory: Callable[[], WorkerHooks | None] | None = None,
+    background: Callable[[Fleet], Stoppable | None] | None = None,
 ) -> None:
     """Entry point of one worker process.
+
+    ``background`` (a module-level function, so that it reaches a spawned process) starts
+    a service beside the worker once the fleet is connected, stopped when the worker
+    stops; ``ratchet worker`` passes the retention loop
+    (:func:`ratchet.ops.retention.start_retention`), which the worker's RQ shell does not
+    import itself.
 
     ``hooks_factory`` (drills and tests only; a module-level function, so that it reaches a
     spawned process) builds the process's hooks (:mod:`ratchet.worker.hooks`).
@@ -135,7 +149,7 @@ def worker_main(
         interval_ms=settings.reaper_interval_ms,
         reclaim_after_ms=settings.pickup_timeout_ms,
     ).start()
-    retention = start_retention(fleet)  # RATCHET_RETENTION_S, if set
+    service = background(fleet) if background is not None else None
     worker = RatchetWorker(
         [fleet.queue],
         connection=fleet.rq_connection,
@@ -146,8 +160,8 @@ def worker_main(
         worker.work(burst=burst, with_scheduler=False, logging_level="WARNING")
     finally:
         reaper.stop()
-        if retention is not None:
-            retention.stop()
+        if service is not None:
+            service.stop()
 
 
 def _settings_json(settings: Settings) -> str:
@@ -255,11 +269,18 @@ class _Supervisor:
     """Starts the worker processes, replaces those that die, stops them on SIGTERM."""
 
     def __init__(
-        self, payload: str, *, concurrency: int, burst: bool, policy: RestartPolicy
+        self,
+        payload: str,
+        *,
+        concurrency: int,
+        burst: bool,
+        policy: RestartPolicy,
+        background: Callable[[Fleet], Stoppable | None] | None = None,
     ) -> None:
         self._ctx = mp.get_context("spawn")
         self._payload = payload
         self._burst = burst
+        self._background = background
         self._policy = policy
         self._slots = [_Slot(i) for i in range(concurrency)]
         self._signals: list[int] = []
@@ -331,7 +352,7 @@ class _Supervisor:
         proc = self._ctx.Process(
             target=worker_main,
             args=(self._payload, slot.index, self._burst),
-            kwargs={"own_process_group": True},
+            kwargs={"own_process_group": True, "background": self._background},
             daemon=False,
         )
         proc.start()
@@ -422,11 +443,18 @@ class _Supervisor:
         self._send(signal.SIGTERM)
 
 
-def run_pool(settings: Settings, *, concurrency: int, burst: bool = False) -> int:
+def run_pool(
+    settings: Settings,
+    *,
+    concurrency: int,
+    burst: bool = False,
+    background: Callable[[Fleet], Stoppable | None] | None = None,
+) -> int:
     """Run ``concurrency`` worker processes until SIGTERM (or, with ``burst``, until the
     queue is empty). Returns the exit code: 0 after a clean stop, a stopped process's
     non-zero code otherwise (128 + N for signal N), :data:`EXIT_CRASH_LOOP` after giving
-    up on a crash loop.
+    up on a crash loop. ``background`` is started in each process (see
+    :func:`worker_main`).
 
     A worker process that dies while the pool is not stopping is logged and replaced after
     a backoff (:class:`RestartPolicy`), keeping its index. The first SIGTERM (or SIGINT)
@@ -434,7 +462,7 @@ def run_pool(settings: Settings, *, concurrency: int, burst: bool = False) -> in
     a second one is forwarded too (RQ's cold shutdown).
 
     Raises ConfigurationError before anything starts when this host's clock is too far
-    from Redis' (see :mod:`ratchet.worker.clock`) or the verifier sandbox asked for
+    from Redis' (see :mod:`ratchet.fleet.clock`) or the verifier sandbox asked for
     cannot work here.
     """
     logs.configure_logging(stream=sys.stderr)
@@ -448,5 +476,6 @@ def run_pool(settings: Settings, *, concurrency: int, burst: bool = False) -> in
         concurrency=concurrency,
         burst=burst,
         policy=RestartPolicy.from_settings(settings),
+        background=background,
     )
     return supervisor.run()

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ratchet.errors import ContractError, RatchetError, StoreUnavailableError
+from ratchet.fleet import metrics
 from ratchet.leasing import RedisStore
-from ratchet.worker import metrics
 
 __all__ = ["ReapResult", "Reaper", "reap_once"]
 

@@ -17,10 +17,10 @@ from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.chaos.drill.runner import DrillRecord
 from ratchet.chaos.drill.services import NOTE
 from ratchet.errors import RatchetError
+from ratchet.fleet.context import Fleet
 from ratchet.leasing import run_keys
+from ratchet.ops import inspect_run
 from ratchet.runtime import TraceOutcome
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import inspect_run
 
 __all__ = ["AdapterRecords", "Evidence", "RunFacts", "gather"]
 

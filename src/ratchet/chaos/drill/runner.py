@@ -44,12 +44,12 @@ from ratchet.chaos.drill.scrape import MetricsWatch, free_port_block
 from ratchet.chaos.drill.services import TenantOrders, drill_document, make_workspace
 from ratchet.chaos.drill.workers import DrillWorker, WorkerPool
 from ratchet.errors import ConfigurationError, RatchetError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import EXPIRY_INDEX, RedisServer, RedisStore
+from ratchet.ops import cancel, create_run, inspect_run
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import cancel, create_run, inspect_run
-from ratchet.worker.settings import Settings
 
 __all__ = ["DrillOptions", "DrillRecord", "classify_run", "run_drill_processes"]
 

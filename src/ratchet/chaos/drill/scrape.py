@@ -2,7 +2,7 @@
 
 Each worker process the drill starts serves its own ``/metrics`` on a loopback port from a
 block the drill chose (``RATCHET_METRICS_PORT`` + the worker's index, see
-:mod:`ratchet.worker.metrics`). The drill scrapes every live, running worker on every tick
+:mod:`ratchet.fleet.metrics`). The drill scrapes every live, running worker on every tick
 of its main loop (each request bounded by a short timeout) and keeps each worker's last
 successful scrape: counters only grow, so the last scrape of a worker that was later killed
 still counts everything it did up to then. What it did after its last scrape is lost; the

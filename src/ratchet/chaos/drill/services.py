@@ -25,8 +25,8 @@ from typing import Any, cast
 from ratchet.agents import AgentStep, AgentView, ScriptedAgent
 from ratchet.chaos.orders import OrdersService, _Handler
 from ratchet.errors import ConfigurationError
+from ratchet.fleet.runs import EnvironmentSpec, RunDocument, VerifierSpec
 from ratchet.runtime import Scenario
-from ratchet.worker.runs import EnvironmentSpec, RunDocument, VerifierSpec
 
 __all__ = [
     "DrillAgent",

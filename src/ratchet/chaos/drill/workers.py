@@ -22,8 +22,8 @@ from pathlib import Path
 
 from ratchet.chaos.drill.scrape import MetricsWatch
 from ratchet.chaos.hooks import from_env
+from ratchet.fleet.settings import Settings
 from ratchet.worker.pool import _settings_json, worker_main
-from ratchet.worker.settings import Settings
 
 __all__ = ["DrillWorker", "WorkerPool", "process_state"]
 

@@ -50,15 +50,15 @@ from ratchet.errors import (
     RatchetError,
     StoreProtocolError,
 )
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import check_document_binding, open_document
 from ratchet.leasing.keys import phase_index, run_keys
+from ratchet.ops.actions import RunView, inspect_run
 from ratchet.runtime import ApprovalEvidence, KeyRing, RebaselineDecision, ReviewDecision
 from ratchet.runtime.canonical import Domain, canonical_json, strict_json_loads
 from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.state import TERMINAL_PHASES, RunState, check_invariants
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import RunView, inspect_run
-from ratchet.worker.runs import check_document_binding, open_document
 
 __all__ = [
     "ExportSummary",
@@ -71,7 +71,7 @@ __all__ = [
     "write_export",
 ]
 
-log = logging.getLogger("ratchet.worker.retention")
+log = logging.getLogger("ratchet.ops.retention")
 
 EXPORT_FORMAT = 1
 MAX_EXPORT_BYTES = 64 << 20
@@ -112,7 +112,7 @@ def _text(value: Any) -> str:
 
 def export_run(fleet: Fleet, run_id: str, *, view: RunView | None = None) -> bytes:
     """The export file's bytes for ``run_id`` (verified first: a run that does not verify
-    is not exported). Raises what :func:`~ratchet.worker.ops.inspect_run` raises."""
+    is not exported). Raises what :func:`~ratchet.ops.inspect_run` raises."""
     view = view or inspect_run(fleet, run_id)
     snap = view.snapshot
     if snap.checkpoint is None or snap.scenario is None:

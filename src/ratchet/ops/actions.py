@@ -10,7 +10,7 @@
   in the run's inbox and re-enqueue the run. Private keys stay with the signer; workers
   verify with public keys only.
 * :func:`cancel` leaves a sealed cancel request for the workers and :func:`rebaseline` a
-  reviewer's signed rebaseline decision (see :mod:`ratchet.worker.control`); :func:`retry`
+  reviewer's signed rebaseline decision (see :mod:`ratchet.fleet.control`); :func:`retry`
   hands a run frozen by an outside cause back.
 * :func:`post_approval` and :func:`post_review_decision` check signed evidence before it
   is posted, with the checks the worker makes (trust root, signature, signer, every
@@ -40,6 +40,17 @@ from ratchet.errors import (
     ReviewDecisionError,
     RunNotFoundError,
 )
+from ratchet.fleet.clock import StoreClock
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.control import CancelRequest, new_cancel_request, seal_cancel
+from ratchet.fleet.runs import (
+    RunDocument,
+    build_adapter,
+    check_document_binding,
+    document_digest,
+    open_document,
+    seal_document,
+)
 from ratchet.leasing import RunSnapshot
 from ratchet.leasing.keys import check_id
 from ratchet.runtime import (
@@ -64,18 +75,7 @@ from ratchet.runtime.canonical import model_json
 from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.effects import drive
 from ratchet.runtime.state import TERMINAL_PHASES
-from ratchet.worker.clock import StoreClock
-from ratchet.worker.context import Fleet
-from ratchet.worker.control import CancelRequest, new_cancel_request, seal_cancel
 from ratchet.worker.executor import Executor
-from ratchet.worker.runs import (
-    RunDocument,
-    build_adapter,
-    check_document_binding,
-    document_digest,
-    open_document,
-    seal_document,
-)
 
 __all__ = [
     "CancelPosted",
@@ -392,7 +392,7 @@ class CancelPosted:
 
 def cancel(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> CancelPosted:
     """Ask the workers to end a run at its next safe point (see
-    :mod:`ratchet.worker.control` for the whole protocol): verify the run, leave a cancel
+    :mod:`ratchet.fleet.control` for the whole protocol): verify the run, leave a cancel
     request sealed under the fleet's key ring in its inbox, and re-enqueue it. A worker
     stepping it stops at its next guard; a waiting, queued or frozen run is cancelled by
     the next worker to take it. The worker commits ``cancelled`` through the fenced path,

@@ -7,7 +7,7 @@ commit path. Nothing an operator's command does writes a checkpoint itself; the 
 
 Cancel, end to end:
 
-1. ``ratchet cancel RUN --reason R`` (:func:`ratchet.worker.ops.cancel`) verifies the run,
+1. ``ratchet cancel RUN --reason R`` (:func:`ratchet.ops.cancel`) verifies the run,
    refuses one that is terminal or under review (a reviewer decides those: ``ratchet
    review RUN --decision abort``), and leaves a :class:`CancelRequest` in the inbox: an
    HMAC envelope under the fleet's key ring in its own domain (``ratchet/control/v1``),

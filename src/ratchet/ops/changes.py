@@ -1,6 +1,6 @@
 """The pending write as a change: its content and a unified diff against the current file.
 
-Read only from a run that :func:`ratchet.worker.ops.inspect_run` verified: the path comes
+Read only from a run that :func:`ratchet.ops.inspect_run` verified: the path comes
 from the signed pending intent, the workspace root from the signed run document, and the
 path must be one of the document's allowed paths, reached through no symbolic link (the
 checks the workspace adapter makes before a write). Nothing is written: the adapter's
@@ -25,8 +25,8 @@ from typing import Any
 
 from ratchet.adapters.files import AllowedPaths
 from ratchet.errors import ConfigurationError
+from ratchet.ops.actions import RunView
 from ratchet.runtime import ActionKind
-from ratchet.worker.ops import RunView
 
 __all__ = ["DIFF_BYTES", "DIFF_LINES", "DIFF_SHOW_BYTES", "SHOW_BYTES", "pending_change"]
 

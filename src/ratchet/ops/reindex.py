@@ -3,7 +3,7 @@ a Redis Cluster crash window left out of one.
 
 A run created before phase indexes records no phase in its state hash, so no phase list
 shows it (the list of all runs does). :func:`index_phases` reads such a run's phase from
-its verified checkpoint (:func:`ratchet.worker.ops.inspect_run`) and records it
+its verified checkpoint (:func:`ratchet.ops.inspect_run`) and records it
 (:meth:`ratchet.leasing.RedisStore.record_phase`); a run whose phase is recorded but
 missing from its index is added back without reading the checkpoint. A run that does not
 verify is left out and counted: it stays in the list of all runs, where its own page says
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ratchet.errors import RatchetError
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import inspect_run
+from ratchet.fleet.context import Fleet
+from ratchet.ops.actions import inspect_run
 
 __all__ = ["IndexReport", "index_phases"]
 

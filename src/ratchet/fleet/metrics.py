@@ -109,7 +109,7 @@ __all__ = [
     "serve_metrics",
 ]
 
-log = logging.getLogger("ratchet.worker.metrics")
+log = logging.getLogger("ratchet.fleet.metrics")
 
 JOBS = Counter(
     "ratchet_jobs_total", "Jobs ended, by outcome and the phase of their run.", ["outcome", "phase"]

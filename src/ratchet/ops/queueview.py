@@ -2,7 +2,7 @@
 
 RQ keeps, in Redis, the queue (a list of job ids), the jobs being executed (its started
 job registry) and a registry of workers with their state, current job and last heartbeat.
-A ratchet job's description is ``ratchet run <run_id>`` (:meth:`ratchet.worker.context.
+A ratchet job's description is ``ratchet run <run_id>`` (:meth:`ratchet.fleet.context.
 Fleet.enqueue`), which is how a job is tied back to its run without loading its payload;
 a worker's name is ``<owner id>-<index>`` (:func:`ratchet.worker.pool.worker_main`), which
 is how it is tied to the lease owner ids the runs show.
@@ -26,13 +26,13 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from ratchet.errors import StoreUnavailableError
-from ratchet.worker.context import Fleet
+from ratchet.fleet.context import Fleet
 
 __all__ = ["SCAN_JOBS", "QueueFacts", "list_workers", "owner_of_worker", "queue_facts"]
 
 SCAN_JOBS = 1000
 _DESCRIPTION = re.compile(r"ratchet run (\S+)")
-# ``<name>-<12 hex incarnation>-<pid>-<index>``: see ratchet.worker.identity.
+# ``<name>-<12 hex incarnation>-<pid>-<index>``: see ratchet.fleet.identity.
 _WORKER_NAME = re.compile(r"(.+-[0-9a-f]{12}-[0-9]+)-[0-9]+")
 
 

@@ -41,13 +41,13 @@ PREFIX: Final = "RATCHET_"
 #: ``RATCHET_*`` names that are not settings of :class:`Settings`, and who reads them.
 OTHER_NAMES: Final = frozenset(
     {
-        # ratchet.worker.logs
+        # ratchet.fleet.logs
         "RATCHET_LOG_FORMAT",
         "RATCHET_LOG_LEVEL",
-        # ratchet.worker.metrics
+        # ratchet.fleet.metrics
         "RATCHET_METRICS_PORT",
         "RATCHET_METRICS_ADDR",
-        # ratchet.worker.context: RQ's own connection (an ACL user of its own)
+        # ratchet.fleet.context: RQ's own connection (an ACL user of its own)
         "RATCHET_QUEUE_REDIS_URL",
         # ratchet.leasing.server: which redis-server binary to run
         "RATCHET_REDIS_SERVER",
@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     # failures of the run; then the run is frozen with the reason visible.
     max_job_errors: Annotated[int, Field(ge=1)] = 3
     job_error_backoff_ms: _Ms = 1000
-    # Retention (ratchet.worker.retention): the workers purge runs that finished more than
+    # Retention (ratchet.ops.retention): the workers purge runs that finished more than
     # retention_s seconds ago (None: never), exporting each into retention_export_dir first
     # when it is set. ratchet purge does the same on demand.
     retention_s: Annotated[int, Field(ge=60)] | None = None

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ratchet.worker.settings import PREFIX, Settings
+from ratchet.fleet.settings import PREFIX, Settings
 
 __all__ = ["REDACTED", "Scrubber", "tail"]
 

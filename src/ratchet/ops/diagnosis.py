@@ -1,6 +1,6 @@
 """What went wrong with a run and where it is now, for ``ratchet show`` and the console.
 
-:func:`diagnose` adds to a verified :class:`~ratchet.worker.ops.RunView`:
+:func:`diagnose` adds to a verified :class:`~ratchet.ops.RunView`:
 
 * ``status``: ``running`` (a live lease, and RQ says a worker executes its job),
   ``leased`` (a live lease no worker reports running: its holder may have died; the lease
@@ -15,7 +15,7 @@
   unsigned, and whether its digest names the run's latest signed report;
 * ``timeline``: trace events merged with lease changes from the commit history and the
   incidents (takeovers, job errors, refusals), newest :data:`TIMELINE_LIMIT` kept;
-* ``pending_change``: see :mod:`ratchet.worker.changes`.
+* ``pending_change``: see :mod:`ratchet.ops.changes`.
 
 Every stored record is read by shape (junk is shown as such, never trusted), every text
 is bounded and scrubbed of the secrets this process knows, and nothing is written.
@@ -33,14 +33,14 @@ from typing import Any
 import redis
 
 from ratchet.errors import RatchetError, StoreUnavailableError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.scrub import Scrubber
 from ratchet.leasing import EXPIRY_INDEX, run_keys
+from ratchet.ops.actions import RunView
+from ratchet.ops.changes import pending_change
+from ratchet.ops.queueview import QueueFacts, owner_of_worker, queue_facts
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
-from ratchet.worker.changes import pending_change
-from ratchet.worker.context import Fleet
-from ratchet.worker.ops import RunView
-from ratchet.worker.queueview import QueueFacts, owner_of_worker, queue_facts
-from ratchet.worker.scrub import Scrubber
 
 __all__ = [
     "FREEZING_KINDS",

@@ -1,5 +1,5 @@
 """The task file ``ratchet submit`` reads: one strict model and the loader that turns a file
-into a :class:`~ratchet.worker.runs.RunDocument`.
+into a :class:`~ratchet.fleet.runs.RunDocument`.
 
 A task file is one JSON or YAML object (YAML when the name ends in ``.yaml`` or ``.yml``,
 JSON otherwise) with these keys and no others (``docs/task-file.md`` is the reference;
@@ -47,10 +47,10 @@ from pydantic import (
 )
 
 from ratchet.errors import ConfigurationError, ContractError
+from ratchet.fleet.runs import EnvironmentSpec, RunDocument
 from ratchet.runtime import KIND_SPECS, ActionKind, Scenario
 from ratchet.runtime.canonical import json_path, strict_json_loads, strict_yaml_loads
 from ratchet.runtime.types import Frozen, JsonObject, StrictStr, check_rel_path
-from ratchet.worker.runs import EnvironmentSpec, RunDocument
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -323,7 +323,7 @@ def load_task_file(path: Path, agent: str) -> RunDocument:
     ``--agent`` value: an agent name, or a plan file (see :func:`is_plan_file`).
 
     Nothing is stored or started here: the document still goes through
-    :func:`ratchet.worker.ops.submit`, which loads the agent and checks the environment.
+    :func:`ratchet.ops.submit`, which loads the agent and checks the environment.
 
     Raises:
         ConfigurationError: a file cannot be read, is a folder or not a regular file; a

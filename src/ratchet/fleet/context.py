@@ -42,9 +42,9 @@ from rq.serializers import JSONSerializer
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.agents import AgentPolicy
 from ratchet.errors import ConfigurationError
+from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.runtime import KeyRing, TrustRoots
-from ratchet.worker.settings import Settings
 
 __all__ = [
     "Fleet",

@@ -1,0 +1,48 @@
+"""Operator operations: what a person does to runs, and what they read.
+
+* :mod:`.actions`: submit, inspect (verified), approve, review, cancel, rebaseline, retry;
+* :mod:`.retention`: export, offline verification, purge, and the retention loop a
+  worker may run;
+* :mod:`.diagnosis`, :mod:`.changes`, :mod:`.queueview`: why a run is where it is, the
+  pending write's change, the queue and its workers;
+* :mod:`.taskfile`: the task file an operator submits; :mod:`.reindex`: the phase
+  indexes of runs made before them;
+* :mod:`.keys`: key management (the checkpoint key file, re-signing run documents).
+
+The worker's RQ shell (:mod:`ratchet.worker`) does not import this package; the command
+line and the console do.
+"""
+
+from ratchet.ops.actions import (
+    CancelPosted,
+    Posted,
+    RunView,
+    approve,
+    cancel,
+    create_run,
+    inspect_run,
+    load_private_key,
+    post_approval,
+    post_review_decision,
+    rebaseline,
+    retry,
+    review,
+    submit,
+)
+
+__all__ = [
+    "CancelPosted",
+    "Posted",
+    "RunView",
+    "approve",
+    "cancel",
+    "create_run",
+    "inspect_run",
+    "load_private_key",
+    "post_approval",
+    "post_review_decision",
+    "rebaseline",
+    "retry",
+    "review",
+    "submit",
+]
