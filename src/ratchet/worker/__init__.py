@@ -1,3 +1,4 @@
-"""Workers: the RQ job, the executor loop, heartbeats, the reaper, failpoints and drills."""
-
-__all__: list[str] = []
+"""The worker's RQ shell: the executor (the one place an effect happens), the RQ job, the
+pool of worker processes, the lease heartbeat, the reaper and the hooks a drill or a test
+may attach. What it shares with operator commands is :mod:`ratchet.fleet`; operator
+operations are :mod:`ratchet.ops`, which this package does not import."""
