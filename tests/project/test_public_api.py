@@ -136,6 +136,7 @@ PINNED: dict[str, list[str]] = {
         "review", "submit",
     ],
     "ratchet.fleet": [],
+    "ratchet.worker": [],
     "ratchet.chaos": [],
     "ratchet.testing": [],
     "ratchet.demo": [],
