@@ -257,7 +257,6 @@ def _execute(
         acquired_at=acquired_at,
         hooks=hooks,
     ).start()
-    held = _HeldLease(lease, heartbeat)
     adapter = None
     log_context = logs.enter_run(
         run_id, lease_version=lease.lease_version, generation=lease.generation
@@ -275,7 +274,7 @@ def _execute(
             opened = open_checkpoint(snap.checkpoint, keyring=fleet.keyring, archive=snap.archive)
             check_document_binding(opened.state, document)
             if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
-                held.release()  # nothing more to do, nothing of it is built
+                _release(lease, heartbeat)  # nothing more to do, nothing of it is built
                 report.outcome, report.phase = "terminal", opened.state.phase.value
                 report.generation = opened.generation
                 return report
@@ -332,20 +331,20 @@ def _execute(
                 # Redis could not be read mid-restore: no evidence of anything; retry.
                 report.outcome, report.detail = "lease_lost", "store: high water unreadable"
                 return report
-            _refuse(fleet, held, report, exc)
+            _refuse(fleet, lease, heartbeat, report, exc)
             return report
         except (FenceRejectedError, ConfigurationError, ContractError, ReviewDecisionError) as exc:
             # Failing closed: nothing about this run can be trusted or built as it is.
             # Retrying would fail the same way, so it leaves the reaper's index.
-            _refuse(fleet, held, report, exc)
+            _refuse(fleet, lease, heartbeat, report, exc)
             return report
         except AdapterError as exc:
             if exc.context.get("retryable"):
                 raise
-            _refuse(fleet, held, report, exc)
+            _refuse(fleet, lease, heartbeat, report, exc)
             return report
         if engine.state.phase in TERMINAL_PHASES:
-            held.release()
+            _release(lease, heartbeat)
             report.outcome, report.phase = "terminal", engine.state.phase.value
             report.generation = engine.generation
             return report
@@ -363,7 +362,7 @@ def _execute(
             _step(fleet, engine, document, agent_factory, heartbeat, report)
         report.phase, report.generation = engine.state.phase.value, engine.generation
         metrics.observe_trace(engine.state, since_seq=restored_seq)
-        _finish(held, engine, report)
+        _finish(lease, heartbeat, engine, report)
     except (LeaseLostError, FenceRejectedError) as exc:
         # No further commit or adapter call: the lease expires, the reaper hands it on.
         report.outcome, report.detail = "lease_lost", type(exc).__name__
@@ -372,16 +371,16 @@ def _execute(
         # the run, or a write's result that cannot be explained). Nothing more is sent;
         # a restore would refuse it the same way, so the run leaves the index with the
         # reason recorded, for an operator.
-        _refuse(fleet, held, report, exc, kind="environment_changed")
+        _refuse(fleet, lease, heartbeat, report, exc, kind="environment_changed")
     except AdapterError as exc:
         if exc.context.get("retryable"):
             report.outcome, report.detail = "retry_later", exc.message
         else:
-            _job_error(fleet, held, report, exc)
+            _job_error(fleet, lease, heartbeat, report, exc)
     except StoreError as exc:
         report.outcome, report.detail = "lease_lost", f"store: {type(exc).__name__}"
     except Exception as exc:
-        _job_error(fleet, held, report, exc)
+        _job_error(fleet, lease, heartbeat, report, exc)
     finally:
         heartbeat.stop()
         logs.leave_run(log_context)
@@ -553,40 +552,23 @@ class _CancelWatch:
         return find_controls(self._fleet.keyring, self._run_id, inbox).cancel
 
 
-class _HeldLease:
-    """The job's lease, released only once its heartbeat has stopped.
+def _release(
+    lease: LeasedRun, heartbeat: Heartbeat, *, reap: bool = False, flush: RunEngine | None = None
+) -> None:
+    """Stop the heartbeat, then give the lease up; with ``flush``, the engine's held commit
+    goes first and carries the release in the same round trip.
 
     A renewal still in flight when the lease is released would be refused and reported as
     a lost lease; stopping (and joining) the heartbeat first rules that out.
     """
-
-    def __init__(self, lease: LeasedRun, heartbeat: Heartbeat) -> None:
-        self._lease = lease
-        self._heartbeat = heartbeat
-
-    @property
-    def run_id(self) -> str:
-        return self._lease.run_id
-
-    @property
-    def lease_version(self) -> int:
-        return self._lease.lease_version
-
-    @property
-    def generation(self) -> int:
-        return self._lease.generation
-
-    def release(self, *, reap: bool = False, flush: RunEngine | None = None) -> None:
-        """Stop the heartbeat, then give the lease up; with ``flush``, the engine's held
-        commit goes first and carries the release in the same round trip."""
-        self._heartbeat.stop()
-        if flush is not None and flush.held_commits:
-            self._lease.release_with_next_commit(reap=reap)
-            flush.flush()
-        self._lease.release(reap=reap)
+    heartbeat.stop()
+    if flush is not None and flush.held_commits:
+        lease.release_with_next_commit(reap=reap)
+        flush.flush()
+    lease.release(reap=reap)
 
 
-def _finish(lease: _HeldLease, engine: RunEngine, report: JobReport) -> None:
+def _finish(lease: LeasedRun, heartbeat: Heartbeat, engine: RunEngine, report: JobReport) -> None:
     # The engine's state already includes any held commit: decide, then send that commit
     # with the release (a held receipt commit goes out before the lease does).
     phase = engine.state.phase
@@ -599,7 +581,7 @@ def _finish(lease: _HeldLease, engine: RunEngine, report: JobReport) -> None:
         reap = False  # the agent is done proposing but the run is not: an operator looks
     else:
         report.outcome, reap = "yielded", True  # another worker continues at once
-    lease.release(reap=reap, flush=engine)
+    _release(lease, heartbeat, reap=reap, flush=engine)
     report.generation = engine.generation
 
 
@@ -608,7 +590,9 @@ def _where(exc: BaseException) -> str:
     return f"{Path(frame[0].filename).name}:{frame[0].lineno} {frame[0].name}" if frame else ""
 
 
-def _job_error(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: Exception) -> None:
+def _job_error(
+    fleet: Fleet, lease: LeasedRun, heartbeat: Heartbeat, report: JobReport, exc: Exception
+) -> None:
     """A failure that is not a lease or fence loss (an agent that raised, a factory that
     failed, an adapter refusing for good, a document too deep to parse): record it, give
     the lease up, and let the reaper hand the run on after a backoff, up to
@@ -645,7 +629,7 @@ def _job_error(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: Exceptio
     with contextlib.suppress(RatchetError):
         fleet.store.record_incident(run_id, record)
     with contextlib.suppress(RatchetError):
-        lease.release()  # off the reaper's index
+        _release(lease, heartbeat)  # off the reaper's index
     if frozen:
         report.outcome, report.detail = "poisoned", f"{type(exc).__name__}: {message}"
         return
@@ -657,7 +641,8 @@ def _job_error(fleet: Fleet, lease: _HeldLease, report: JobReport, exc: Exceptio
 
 def _refuse(
     fleet: Fleet,
-    lease: _HeldLease,
+    lease: LeasedRun,
+    heartbeat: Heartbeat,
     report: JobReport,
     exc: RatchetError,
     *,
@@ -697,4 +682,4 @@ def _refuse(
     try:
         fleet.store.record_incident(lease.run_id, record)
     finally:
-        lease.release()
+        _release(lease, heartbeat)
