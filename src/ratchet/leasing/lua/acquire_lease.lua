@@ -1,18 +1,8 @@
 -- acquire_lease: take a lease if it is free, expired, or already the caller's. One
 -- script for every lease ratchet keeps: a run's, and a LangGraph thread's (whose lease
--- fields live in its meta hash, which the first claim creates).
---
--- Free or expired (or held by the same owner id) means: owner = caller,
--- lease_version = max(lease_version + 1, now_ms), expires_at = now + ttl. The version only
--- ever grows, so every new holder fences out every earlier one, including an earlier
--- incarnation of the caller. Taking the store's time as a floor keeps that true across a
--- rewound store (an AOF cut back, a failover to a replica that missed writes): the lease
--- hash comes back with an old version, but a lease granted after the rewind still
--- outranks every lease granted before it, so an adapter that has seen the old holder's
--- fence refuses the old holder once the new one raises its own. Without the floor the
--- new holder would get the old holder's number again and the two fences would be equal.
--- (This holds while the store's clock does not step back further than the rewind.)
--- Expiry is judged by Redis server time (TIME) only; no worker clock is involved.
+-- fields live in its meta hash, which the first claim creates). Free or expired (or held
+-- by the same owner id): owner = caller, lease_version = max(lease_version + 1, now_ms),
+-- expires_at = now + ttl (why the store's time is the floor: see the end of this header).
 --
 -- KEYS[1]  lease hash      ratchet:{<run>}:lease, or a thread's ratchet:lg:{<T>}:meta
 -- KEYS[2]  record hash     the run's ratchet:{<run>}:state (it must exist), or the
@@ -39,6 +29,17 @@
 --   task id or environment instance).
 --
 -- Time: *_ms values are Redis server time, milliseconds since the epoch.
+--
+-- The version only ever grows, so every new holder fences out every earlier one,
+-- including an earlier incarnation of the caller. Taking the store's time as a floor
+-- keeps that true across a rewound store (an AOF cut back, a failover to a replica that
+-- missed writes): the lease hash comes back with an old version, but a lease granted
+-- after the rewind still outranks every lease granted before it, so an adapter that has
+-- seen the old holder's fence refuses the old holder once the new one raises its own.
+-- Without the floor the new holder would get the old holder's number again and the two
+-- fences would be equal. (This holds while the store's clock does not step back further
+-- than the rewind.) Expiry is judged by Redis server time (TIME) only; no worker clock is
+-- involved.
 
 local thread_id = ARGV[4] or ''
 if thread_id == '' and redis.call('EXISTS', KEYS[2]) == 0 then
