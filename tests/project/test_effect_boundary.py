@@ -73,7 +73,7 @@ def step(self, adapter, lease, executor, thing):
     lease.commit_batch(key, batch)
     self.store.high_water(key)
     thing.raise_fence(fence)
-    yield from effects.raise_fence(fence)   # an effect yielded, not performed: allowed
+    yield from effects.commit(key, batch)   # an effect yielded, not performed: allowed
     lease.read(with_checkpoint=True)   # a lease read, not a port call: allowed
     json.load(handle)                  # not a store: allowed
 """

@@ -42,11 +42,8 @@ from ratchet.runtime.ports import (
     Advance,
     Fence,
     Observation,
-    ReadResult,
-    Receipt,
     RunKey,
     StoredCheckpoint,
-    VerifierReport,
 )
 
 __all__ = [
@@ -223,47 +220,13 @@ def drive(op: Op[_T], performer: Performer) -> _T:
         return value
 
 
-# Typed steps: ``x = yield from observe()`` gives ``x`` its type.
+# Typed one-effect operations, for a caller that drives a single effect
+# (``drive(observe(), executor)``). Inside an operation the engine yields the effect
+# itself: ``observed = cast(Observation, (yield Observe()))``.
 
 
 def observe() -> Op[Observation]:
     result: Observation = yield Observe()
-    return result
-
-
-def project(action: Action, before: Observation) -> Op[Observation | None]:
-    result: Observation | None = yield Project(action, before)
-    return result
-
-
-def raise_fence(fence: Fence) -> Op[None]:
-    yield RaiseFence(fence)
-
-
-def execute(
-    action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
-) -> Op[Receipt]:
-    result: Receipt = yield Execute(action, intent_digest, fence, approval_digest)
-    return result
-
-
-def lookup(idempotency_key: str) -> Op[Receipt | None]:
-    result: Receipt | None = yield Lookup(idempotency_key)
-    return result
-
-
-def read(action: Action) -> Op[ReadResult]:
-    result: ReadResult = yield Read(action)
-    return result
-
-
-def verify(target: str) -> Op[VerifierReport]:
-    result: VerifierReport = yield Verify(target)
-    return result
-
-
-def high_water(key: RunKey) -> Op[int]:
-    result: int = yield HighWater(key)
     return result
 
 
@@ -274,7 +237,3 @@ def load(key: RunKey) -> Op[StoredCheckpoint]:
 
 def commit(key: RunKey, batch: tuple[Advance, ...]) -> Op[None]:
     yield Commit(key, batch)
-
-
-def reached(window: CrashWindow) -> Op[None]:
-    yield Reached(window)
