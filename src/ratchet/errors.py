@@ -37,6 +37,7 @@ versions a caller acts on as attributes; their messages never contain key materi
     └── AdapterError                       an adapter refused or failed (``retryable``)
         ├── FenceRejectedError             the adapter has seen a newer fence
         └── IdempotencyConflictError       same key, different intent (carries the receipt)
+    OutcomeUnknownError (under RatchetError) a cut-off tool call may or may not have happened
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ __all__ = [
     "LeaseHeldElsewhereError",
     "LeaseLostError",
     "NonceReplayError",
+    "OutcomeUnknownError",
     "RatchetError",
     "ReviewDecisionError",
     "RunExistsError",
@@ -174,6 +176,10 @@ class LeaseHeldElsewhereError(StoreError):
 class LeaseLostError(StoreError):
     """The caller's lease expired or was taken over; stop before any further effect."""
 
+    # LangGraph's write-ownership convention recognises a refused stale writer by this
+    # class attribute (duck-typed, so no LangGraph import is needed here).
+    is_stale_write_owner_error = True
+
 
 class StaleStateError(StoreError):
     """The expected state version is no longer current."""
@@ -237,3 +243,9 @@ class IdempotencyConflictError(AdapterError):
 
 class ConformanceError(ContractError):
     """An adapter broke the adapter contract: ``check`` names the conformance check."""
+
+
+class OutcomeUnknownError(RatchetError):
+    """An environment cannot say whether an interrupted write happened: a tool with no
+    lookup that is not idempotent was cut off mid-call. Never retried on its own: the run
+    waits in ``needs_review`` (reason ``outcome_unknown``) for a reviewer."""

@@ -57,3 +57,15 @@ def config(
 def ids(saver: Any, thread_id: str) -> list[str]:
     """Checkpoint ids of a thread's root namespace, newest first."""
     return [t.checkpoint["id"] for t in saver.list(config(thread_id))]
+
+
+def wait_store_ms(saver: Any, thread_id: str, until_ms: int, *, deadline_s: float = 30.0) -> int:
+    """Poll the store's clock (``TIME`` inside lease_info) until it reads ``until_ms`` or
+    later; return that reading, or fail after ``deadline_s`` of this process's time."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        now = int(saver.lease_info(thread_id).now_ms)
+        if now >= until_ms:
+            return now
+        time.sleep(0.005)
+    raise AssertionError(f"the store's clock did not reach {until_ms} within {deadline_s}s")

@@ -28,6 +28,7 @@ STOREISH = re.compile(r"(store|lease|creator)\b", re.IGNORECASE)
 ALLOWED = (
     "worker/executor.py",
     "adapters/",
+    "tools/",  # the declared tools' environment: adapters over tools and their ledger
     "leasing/",
     "testing/",  # the doubles and the conformance kit, which calls adapters to test them
     "chaos/orders.py",  # the reference orders service: the server side of an adapter

@@ -105,7 +105,12 @@ def test_the_version_is_the_newest_release_of_the_changelog() -> None:
 
 
 PINNED: dict[str, list[str]] = {
-    "ratchet": ["__version__"],
+    "ratchet": ["Tool", "ToolCall", "Toolbox", "__version__", "tool"],
+    "ratchet.tools": [
+        "ENTRY_POINT_GROUP", "FunctionTool", "Recovery", "Tool", "ToolCall", "ToolCatalog",
+        "ToolLedger", "ToolSpec", "Toolbox", "ToolsAdapter", "load_entry_point_tool",
+        "output_result", "tool",
+    ],
     "ratchet.leasing": [
         "Acquired", "CommitResult", "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "Lease",
         "LeaseHolder", "LeasedRun", "PreparedCommit", "RUNS_INDEX",
@@ -128,7 +133,7 @@ PINNED: dict[str, list[str]] = {
     "ratchet.testing.cluster": ["LocalCluster"],
     "ratchet.agents": [
         "ENTRY_POINT_GROUP", "Agent", "AgentFactory", "AgentPolicy", "AgentStep", "AgentView",
-        "GreetingAgent", "ScriptedAgent", "build_agent", "load_agent",
+        "GreetingAgent", "ScriptedAgent", "ToolCallingAgent", "build_agent", "load_agent",
     ],
     "ratchet.ops": [
         "CancelPosted", "Posted", "RunView", "approve", "cancel", "create_run", "inspect_run",
@@ -142,8 +147,8 @@ PINNED: dict[str, list[str]] = {
     "ratchet.demo": [],
     "ratchet.console": ["CSP", "ConsoleData", "ConsoleServer", "serve_console", "waiting_runs"],
     "ratchet.langgraph": [
-        "DEFAULT_LEASE_TTL_MS", "LEASE_KEY", "LeaseInfo", "RatchetSaver", "ThreadKeys",
-        "ThreadLease", "default_serde", "thread_keys", "thread_tag",
+        "DEFAULT_LEASE_TTL_MS", "LEASE_KEY", "LeaseInfo", "RatchetSaver", "Takeover",
+        "ThreadKeys", "ThreadLease", "ThreadWriter", "default_serde", "thread_keys", "thread_tag",
     ],
     "ratchet.cli": ["app", "main"],
 }  # fmt: skip

@@ -202,7 +202,7 @@ class HttpAdapter:
         current or the action is not an allow-listed external call."""
         if action.kind is not ActionKind.EXTERNAL_CALL:
             return None
-        if action.args["operation"] not in self._operations:
+        if action.text("operation") not in self._operations:
             return None
         current = self.observe()
         if current != before:
@@ -251,12 +251,12 @@ class HttpAdapter:
             raise AdapterError(
                 "the HTTP adapter performs external_call only",
                 retryable=False,
-                kind=action.kind.value,
+                kind=str(action.kind),
             )
-        path = self._operations.get(action.args["operation"])
+        path = self._operations.get(action.text("operation"))
         if path is None:
             raise AdapterError(
-                "operation is not configured", retryable=False, operation=action.args["operation"]
+                "operation is not configured", retryable=False, operation=action.text("operation")
             )
         key = action.idempotency_key
         if key is None:
@@ -275,7 +275,7 @@ class HttpAdapter:
             headers["Ratchet-Approval-Digest"] = approval_digest
         receipt: Receipt | None = None
         try:
-            status, payload = self._send("POST", path, action.args["body"].encode(), headers)
+            status, payload = self._send("POST", path, action.text("body").encode(), headers)
             if status >= 500:
                 raise _OutcomeUnknown(f"status {status}")
             if status in (200, 201):
@@ -354,7 +354,7 @@ class HttpAdapter:
     def read(self, action: Action) -> ReadResult:
         """Raises AdapterError: the HTTP adapter performs no reads."""
         raise AdapterError(
-            "the HTTP adapter performs no reads", retryable=False, kind=action.kind.value
+            "the HTTP adapter performs no reads", retryable=False, kind=str(action.kind)
         )
 
     def verify(self, target: str) -> VerifierReport:

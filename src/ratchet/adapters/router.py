@@ -1,18 +1,21 @@
-"""One adapter over two: a workspace for files, reads and the verifier, and another
-adapter (an HTTP API) for ``external_call``. A run gets one adapter object; this is it.
+"""One adapter over several parts: a workspace for files, reads and the verifier
+(``files``), an HTTP API for ``external_call`` (``calls``, optional), and the declared
+tools (``tools``, optional: :class:`ratchet.tools.ToolsAdapter`). A run gets one adapter
+object; this is it.
 
-The combined observation:
+The combined observation (over the parts present, in that order):
 
-* ``instance_id``: ``router-`` and a digest of both parts' instance ids (either part
-  being replaced is a new environment);
-* ``version``: the sum of both parts' versions (each is monotonic, and one write moves
+* ``instance_id``: ``router-`` and a digest of the parts' instance ids (any part being
+  replaced is a new environment);
+* ``version``: the sum of the parts' versions (each is monotonic, and one write moves
   exactly one part on by one, so the sum moves on by one);
-* ``fingerprint``: a digest over both parts' instance, version and fingerprint;
+* ``fingerprint``: a digest over every part's instance, version and fingerprint;
 * ``details``: each part's instance, version, fingerprint and details, prefixed with
-  ``files.`` or ``calls.``, so an operator sees which part drifted.
+  the part's name (``files.``, ``calls.``, ``tools.``), so an operator sees which part
+  drifted.
 
 An action's ``expected_env_version`` is a combined version; before a part sees it, the
-router subtracts the other part's current version, so the part's own precondition check
+router subtracts the other parts' current versions, so the part's own precondition check
 still refuses a write planned against a state that has moved on. Receipts come from the
 part that wrote, in that part's namespace, unchanged.
 """
@@ -35,42 +38,63 @@ from ratchet.runtime.ports import (
 
 __all__ = ["RouterAdapter"]
 
-_PARTS = ("files", "calls")
 _VERIFIER_DOMAIN = b"ratchet/router-verifier/v1"
+_BUILTIN_KINDS = frozenset(kind.value for kind in ActionKind)
 
 
 class RouterAdapter:
-    """Route file kinds and verification to ``files``, ``external_call`` to ``calls``."""
+    """Route file kinds and verification to ``files``, ``external_call`` to ``calls``,
+    declared tools to ``tools``."""
 
-    def __init__(self, files: Adapter, calls: Adapter, *, namespace: str = "router") -> None:
+    def __init__(
+        self,
+        files: Adapter,
+        calls: Adapter | None = None,
+        *,
+        tools: Adapter | None = None,
+        namespace: str = "router",
+    ) -> None:
         self.files = files
         self.calls = calls
+        self.tools = tools
         self._namespace = namespace
+        named: dict[str, Adapter | None] = {"files": files, "calls": calls, "tools": tools}
+        self._named: dict[str, Adapter] = {k: v for k, v in named.items() if v is not None}
 
     def __repr__(self) -> str:
-        return f"RouterAdapter(files={self.files!r}, calls={self.calls!r})"
+        parts = ", ".join(f"{name}={part!r}" for name, part in self._named.items())
+        return f"RouterAdapter({parts})"
 
     @property
     def namespace(self) -> str:
         return self._namespace
 
-    def _part(self, action: Action) -> tuple[str, Adapter, Adapter]:
-        if action.kind is ActionKind.EXTERNAL_CALL:
-            return "calls", self.calls, self.files
-        return "files", self.files, self.calls
+    def _route(self, action: Action) -> str:
+        if not action.is_builtin:
+            name = "tools"
+        elif action.kind is ActionKind.EXTERNAL_CALL:
+            name = "calls"
+        else:
+            name = "files"
+        if name not in self._named:
+            raise AdapterError(
+                f"this environment has no {name} part for {action.kind!s}",
+                retryable=False,
+                kind=str(action.kind),
+            )
+        return name
 
     # -- observation -----------------------------------------------------------------------------
 
     def _parts(self) -> dict[str, Observation]:
-        return {"files": self.files.observe(), "calls": self.calls.observe()}
+        return {name: part.observe() for name, part in self._named.items()}
 
     @staticmethod
     def combine(parts: dict[str, Observation]) -> Observation:
-        """The combined observation of both parts (see the module docstring)."""
-        instance = hashlib.sha256("\x00".join(parts[p].instance_id for p in _PARTS).encode())
+        """The combined observation of the parts (see the module docstring)."""
+        instance = hashlib.sha256("\x00".join(obs.instance_id for obs in parts.values()).encode())
         details: dict[str, str] = {}
-        for name in _PARTS:
-            obs = parts[name]
+        for name, obs in parts.items():
             details |= {
                 f"{name}.instance_id": obs.instance_id,
                 f"{name}.version": str(obs.version),
@@ -81,35 +105,40 @@ class RouterAdapter:
             Domain.ENVIRONMENT,
             {
                 name: {
-                    "instance_id": parts[name].instance_id,
-                    "version": parts[name].version,
-                    "fingerprint": parts[name].fingerprint,
+                    "instance_id": obs.instance_id,
+                    "version": obs.version,
+                    "fingerprint": obs.fingerprint,
                 }
-                for name in _PARTS
+                for name, obs in parts.items()
             },
         )
         return Observation(
             instance_id="router-" + instance.hexdigest()[:40],
-            version=sum(parts[p].version for p in _PARTS),
+            version=sum(obs.version for obs in parts.values()),
             fingerprint=fingerprint,
             details=details,
         )
 
     @property
     def enforces_preconditions(self) -> bool:
-        """Only when both parts declare it (see docs/adapters.md)."""
+        """Only when every part declares it (see docs/adapters.md)."""
         return all(
-            getattr(part, "enforces_preconditions", False) is True
-            for part in (self.files, self.calls)
+            getattr(part, "enforces_preconditions", False) is True for part in self._named.values()
         )
 
     def observe(self) -> Observation:
-        """Both parts observed and combined. Raises AdapterError from either part."""
+        """Every part observed and combined. Raises AdapterError from any part."""
         return self.combine(self._parts())
 
-    def _translated(self, action: Action, other: Observation) -> Action:
+    def _others(self, name: str, parts: dict[str, Observation] | None = None) -> int:
+        """The sum of the versions of every part but ``name`` (observed now if not given)."""
+        if parts is None:
+            return sum(p.observe().version for n, p in self._named.items() if n != name)
+        return sum(obs.version for n, obs in parts.items() if n != name)
+
+    def _translated(self, action: Action, others: int) -> Action:
         return action.model_copy(
-            update={"expected_env_version": action.expected_env_version - other.version}
+            update={"expected_env_version": action.expected_env_version - others}
         )
 
     def project(self, action: Action, before: Observation) -> Observation | None:
@@ -117,11 +146,11 @@ class RouterAdapter:
         parts = self._parts()
         if self.combine(parts) != before:
             return None
-        name, part, _ = self._part(action)
-        other = parts["files" if name == "calls" else "calls"]
-        if action.expected_env_version < other.version:
+        name = self._route(action)
+        others = self._others(name, parts)
+        if action.expected_env_version < others:
             return None
-        predicted = part.project(self._translated(action, other), parts[name])
+        predicted = self._named[name].project(self._translated(action, others), parts[name])
         if predicted is None:
             return None
         return self.combine({**parts, name: predicted})
@@ -129,13 +158,13 @@ class RouterAdapter:
     # -- fences and writes --------------------------------------------------------------------
 
     def raise_fence(self, fence: Fence) -> None:
-        """Raise the fence on both parts.
+        """Raise the fence on every part.
 
         Raises:
-            FenceRejectedError: either part has seen a newer fence.
+            FenceRejectedError: a part has seen a newer fence.
         """
-        self.files.raise_fence(fence)
-        self.calls.raise_fence(fence)
+        for part in self._named.values():
+            part.raise_fence(fence)
 
     def execute(
         self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
@@ -148,10 +177,11 @@ class RouterAdapter:
             IdempotencyConflictError, AdapterError (from the part, or a precondition that
             cannot hold: retryable=False).
         """
-        _, part, other_part = self._part(action)
-        other = other_part.observe()
-        if action.expected_env_version < other.version:
-            # The other part moved on since the plan. A stale owner is the likeliest cause
+        name = self._route(action)
+        part = self._named[name]
+        others = self._others(name)
+        if action.expected_env_version < others:
+            # Another part moved on since the plan. A stale owner is the likeliest cause
             # (its successor wrote there): let the target part judge the fence first, so a
             # late write is refused for what it is, not only for the drift it caused.
             part.raise_fence(fence)
@@ -160,33 +190,55 @@ class RouterAdapter:
                 retryable=False,
                 expected=action.expected_env_version,
             )
-        return part.execute(self._translated(action, other), intent_digest, fence, approval_digest)
+        return part.execute(self._translated(action, others), intent_digest, fence, approval_digest)
 
     def lookup(self, idempotency_key: str) -> Receipt | None:
-        """The receipt from whichever part holds the key (files first), or None.
+        """The receipt from whichever part holds the key (in part order), or None.
 
         Raises:
             AdapterError: a part could not be asked.
         """
-        found = self.files.lookup(idempotency_key)
-        return found if found is not None else self.calls.lookup(idempotency_key)
+        for part in self._named.values():
+            found = part.lookup(idempotency_key)
+            if found is not None:
+                return found
+        return None
+
+    def lookup_for(self, kind: str, idempotency_key: str) -> Receipt | None:
+        """The receipt from the part that ``kind``'s writes go to, or None.
+
+        Raises:
+            AdapterError: that part could not be asked; OutcomeUnknownError (tools).
+        """
+        if kind in _BUILTIN_KINDS:
+            return self.lookup(idempotency_key)
+        tools = self._named.get("tools")
+        if tools is None:
+            return None
+        routed = getattr(tools, "lookup_for", None)
+        found: Receipt | None = (
+            routed(kind, idempotency_key) if routed is not None else tools.lookup(idempotency_key)
+        )
+        return found
 
     # -- reads and verification ------------------------------------------------------------------
 
     def read(self, action: Action) -> ReadResult:
-        """Read through the files part; the version is the combined one.
+        """Read through the action's part; the version is the combined one.
 
         Raises:
-            AdapterError: from the files part.
+            AdapterError: from the part.
         """
-        result = self.files.read(action)
-        calls = self.calls.observe()
-        return ReadResult(content=result.content, env_version=result.env_version + calls.version)
+        name = self._route(action)
+        result = self._named[name].read(action)
+        return ReadResult(
+            content=result.content, env_version=result.env_version + self._others(name)
+        )
 
     def verify(self, target: str) -> VerifierReport:
         """Run the files part's verifier, bound to the combined observation.
 
-        If either part changed while it ran, the report fails closed (``passed=False``).
+        If any part changed while it ran, the report fails closed (``passed=False``).
 
         Raises:
             AdapterError: from the files part.

@@ -249,7 +249,7 @@ class WorkspaceAdapter:
         ``before`` is not the current state or the action changes no file."""
         if action.kind not in (ActionKind.WRITE_FILE, ActionKind.DELETE_FILE):
             return None
-        path = action.args["path"]
+        path = action.text("path")
         if path not in self.allowed:
             return None
         with self._locked():
@@ -263,7 +263,7 @@ class WorkspaceAdapter:
                 return None
             data: bytes | None = None
             if action.kind is ActionKind.WRITE_FILE:
-                data = action.args["content"].encode()
+                data = action.text("content").encode()
                 files[path] = content_sha(data)
             elif path in files:
                 del files[path]
@@ -317,14 +317,14 @@ class WorkspaceAdapter:
             raise AdapterError(
                 "the workspace performs write_file and delete_file only",
                 retryable=False,
-                kind=action.kind.value,
+                kind=str(action.kind),
             )
         key = action.idempotency_key
         if key is None:
             raise AdapterError("writes need an idempotency key", retryable=False)
-        path = action.args["path"]
+        path = action.text("path")
         target = self._target(path)
-        data = action.args["content"].encode() if action.kind is ActionKind.WRITE_FILE else None
+        data = action.text("content").encode() if action.kind is ActionKind.WRITE_FILE else None
         temp = self._tmp / hashlib.sha256(key.encode()).hexdigest()[:40]
         with self._locked():
             fp, _, _ = self._scan()
@@ -387,9 +387,9 @@ class WorkspaceAdapter:
             raise AdapterError(
                 "the workspace reads read_file actions only",
                 retryable=False,
-                kind=action.kind.value,
+                kind=str(action.kind),
             )
-        path = action.args["path"]
+        path = action.text("path")
         target = self._target(path)
         with self._locked():
             try:

@@ -46,6 +46,7 @@ from ratchet.runtime import (
     derive_idempotency_key,
 )
 from ratchet.runtime.state import Usage
+from ratchet.runtime.tools import ToolSpec
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -56,6 +57,7 @@ __all__ = [
     "AgentView",
     "GreetingAgent",
     "ScriptedAgent",
+    "ToolCallingAgent",
     "build_agent",
     "load_agent",
 ]
@@ -80,6 +82,9 @@ class AgentView:
     executed_keys: frozenset[str] = frozenset()
     verified: bool = False  # a passing verifier report at the current environment version
     last_read: str | None = None
+    # The tools the run may call (the scenario's permitted ones, built-in kinds included),
+    # with their contracts: what a model-driven agent offers its model.
+    tools: tuple[ToolSpec, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,9 +233,14 @@ class GreetingAgent:
         return AgentStep(make_action(view, 0, "read_file", {"path": self.path}), {"step": "read"})
 
 
+def _tool_calling(config: dict[str, Any]) -> Any:
+    return ToolCallingAgent.from_config(config)  # imported at the end of this module
+
+
 _BUILTIN: dict[str, Callable[[dict[str, Any]], Any]] = {
     "scripted": ScriptedAgent.from_config,
     "greeting": GreetingAgent.from_config,
+    "tool_calling": _tool_calling,
 }
 
 
@@ -349,3 +359,7 @@ def load_agent(
             returns something without ``next_step``.
     """
     return (policy or AgentPolicy()).build(spec, config)
+
+
+# Last: the model-driven agent builds on the names above (AgentView, make_action, step_key).
+from ratchet.agents.tool_calling import ToolCallingAgent  # noqa: E402

@@ -387,7 +387,7 @@ class TripwireHooks(Hooks):
             return None
         if isinstance(effect, Execute):
             action = effect.action
-            return wires.write(proceed, key=action.idempotency_key, kind=action.kind.value)
+            return wires.write(proceed, key=action.idempotency_key, kind=str(action.kind))
         if isinstance(effect, Observe):
             wires.observe()
         return proceed()

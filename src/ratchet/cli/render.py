@@ -139,7 +139,7 @@ def render_run(console: Console, view: RunView, now: int, *, fleet: Fleet | None
     if state.pending is not None:
         pending = state.pending
         table = Table(title="pending write", show_header=False)
-        table.add_row("action", f"{pending.action.action_id} ({pending.action.kind.value})")
+        table.add_row("action", f"{pending.action.action_id} ({pending.action.kind!s})")
         table.add_row("idempotency key", pending.action.idempotency_key or "-")
         table.add_row("intent digest", pending.intent_digest)
         if pending.approval is not None:

@@ -45,7 +45,9 @@ from ratchet.runtime.canonical import (
     strict_json_loads,
 )
 from ratchet.runtime.signing import open_envelope, seal_envelope
+from ratchet.runtime.tools import BUILTIN_TOOLS
 from ratchet.runtime.types import Frozen, JsonObject, StrictBool, exact_version
+from ratchet.tools import Toolbox
 
 __all__ = [
     "EnvironmentSpec",
@@ -56,6 +58,7 @@ __all__ = [
     "document_digest",
     "open_document",
     "parse_evidence",
+    "run_toolbox",
     "seal_document",
 ]
 
@@ -161,21 +164,40 @@ def check_document_binding(state: RunState, document: RunDocument) -> None:
         )
 
 
+def run_toolbox(document: RunDocument) -> Toolbox:
+    """The declared tools a run's scenario permits, loaded from the installed
+    ``ratchet.tools`` entry points (installing a package is the operator's decision;
+    permitting one of its tools, the task's). Only the permitted names are loaded.
+
+    Raises:
+        ConfigurationError: a permitted tool is not installed or fails to load, or the
+            scenario does not ask for an approval a tool requires.
+    """
+    names = [str(n) for n in document.scenario.permissions if str(n) not in BUILTIN_TOOLS]
+    box = Toolbox().with_entry_points(names)
+    box.catalog.check_scenario(document.scenario)
+    return box
+
+
 def build_adapter(
     document: RunDocument,
     *,
     sandbox: Sandbox | None = None,
     clock: Clock | None = None,
     http_token: str | None = None,
+    toolbox: Toolbox | None = None,
 ) -> Adapter:
     """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
     commands; a worker passes its own, checked usable here before anything is built.
     ``clock`` stamps the workspace's receipts (a worker passes the store's clock: the
     receipt's commit time is compared with approval expiry). ``http_token`` is the bearer
     token of the environment's HTTP API (the worker's setting, never the document's).
+    ``toolbox`` holds the declared tools the scenario permits (default:
+    :func:`run_toolbox`); with any, they join the environment as its ``tools`` part, over
+    a ledger in the workspace's state folder.
 
     Raises ConfigurationError (missing workspace, bad verifier, bad URL, no usable
-    sandbox), AdapterError.
+    sandbox, a permitted tool missing), AdapterError.
     """
     if sandbox is not None:
         sandbox.check_usable()
@@ -196,11 +218,20 @@ def build_adapter(
         },
         sandbox=sandbox,
     )
+    box = toolbox if toolbox is not None else run_toolbox(document)
     files = WorkspaceAdapter(env.root, scenario.allowed_paths, verifier=verifier, clock=clock)
-    if env.http_base_url is None:
-        return files
-    calls: Any = HttpAdapter(env.http_base_url, token=http_token)
-    return RouterAdapter(files, calls)
+    calls: Any = (
+        HttpAdapter(env.http_base_url, token=http_token) if env.http_base_url is not None else None
+    )
+    if len(box.for_scenario(scenario)) > 0:
+        return box.environment(
+            scenario,
+            ledger=files.state_dir / "tools.sqlite3",
+            files=files,
+            calls=calls,
+            clock=clock,
+        )
+    return files if calls is None else RouterAdapter(files, calls)
 
 
 def parse_evidence(raw: bytes) -> ApprovalEvidence | ReviewDecision | None:

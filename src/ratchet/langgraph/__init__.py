@@ -14,21 +14,30 @@ Typical use by a worker::
     graph = builder.compile(checkpointer=saver)
     lease = saver.claim(thread_id)                    # LeaseHeldElsewhereError if taken
     graph.invoke(inputs, lease.config(), durability="sync")
+
+or, with LangGraph's write-ownership convention (a writer bound to one claim, whose lease
+a background heartbeat renews; see :mod:`ratchet.langgraph.writer`)::
+
+    with saver.claim_write_ownership(thread_id, heartbeat=True) as writer:
+        builder.compile(checkpointer=writer).invoke(inputs, writer.config(), durability="sync")
 """
 
 from __future__ import annotations
 
 from ratchet.langgraph.keys import ThreadKeys, thread_keys, thread_tag
-from ratchet.langgraph.replies import LEASE_KEY, LeaseInfo, ThreadLease
+from ratchet.langgraph.replies import LEASE_KEY, LeaseInfo, Takeover, ThreadLease
 from ratchet.langgraph.saver import DEFAULT_LEASE_TTL_MS, RatchetSaver, default_serde
+from ratchet.langgraph.writer import ThreadWriter
 
 __all__ = [
     "DEFAULT_LEASE_TTL_MS",
     "LEASE_KEY",
     "LeaseInfo",
     "RatchetSaver",
+    "Takeover",
     "ThreadKeys",
     "ThreadLease",
+    "ThreadWriter",
     "default_serde",
     "thread_keys",
     "thread_tag",

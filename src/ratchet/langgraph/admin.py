@@ -6,6 +6,11 @@ older head or checkpoint is refused as stale afterwards. ``delete_thread`` and
 ``prune(strategy="delete")`` also end the current lease, so a worker still running on the
 thread cannot resurrect it with its next write; ``keep_latest`` and ``delete_for_runs``
 leave the lease alone.
+
+Given a ``lease`` (the (owner, lease version) of a claimed writer, see
+:mod:`ratchet.langgraph.writer`), ``delete_thread`` and ``prune`` are fenced like a put:
+the rewrite script checks that lease in the same step and a superseded writer gets
+LeaseLostError with nothing changed.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ def _rewrite(
     fence: bool,
     drop: Sequence[str],
     updates: Sequence[str],
+    lease: tuple[str, int] | None = None,
 ) -> Op[View | GenerationMoved | None]:
     k = thread_keys(thread_id)
+    owner, held = lease if lease is not None else ("", 0)
     head = p.codec.seal(
         {"kind": "head", "thread_id": thread_id, "generation": view.generation + 1},
         {"heads": heads},
@@ -44,9 +51,19 @@ def _rewrite(
     reply = yield Script(
         LgScript.REWRITE,
         (k.meta, k.heads, k.ckpts, k.refs, k.gens, k.index, k.blobs, k.writes, k.windex),
-        (view.generation, head, mode, "1" if fence else "0", len(drop), *drop, *updates),
+        (
+            view.generation,
+            head,
+            mode,
+            "1" if fence else "0",
+            owner,
+            held,
+            len(drop),
+            *drop,
+            *updates,
+        ),
     )
-    result = decode_rewrite(reply)
+    result = decode_rewrite(reply, thread_id, lease)
     if result is None or isinstance(result, GenerationMoved):
         return result
     new = View(result.generation, heads)
@@ -54,27 +71,34 @@ def _rewrite(
     return new
 
 
-def delete_thread(p: Protocol, thread_id: str) -> Op[None]:
+def delete_thread(p: Protocol, thread_id: str, lease: tuple[str, int] | None = None) -> Op[None]:
     """Drop every checkpoint, value and write of a thread; keep its generation and lease
     version moving forward, and end its lease. Raises GenerationMismatchError when the
-    thread kept changing, CheckpointError for a head that does not verify."""
+    thread kept changing, CheckpointError for a head that does not verify, LeaseLostError
+    when ``lease`` is given and is not the thread's current one."""
     view = p.cached(thread_id) or View(0, {})
     for _ in range(MAX_ATTEMPTS):
-        result = yield from _rewrite(p, thread_id, view, {}, "wipe", True, (), ())
+        result = yield from _rewrite(p, thread_id, view, {}, "wipe", True, (), (), lease)
         if not isinstance(result, GenerationMoved):
             return
         view = p.verify_head(thread_id, result.generation, result.head)
     raise GenerationMismatchError("the thread kept moving; it was not deleted", thread_id=thread_id)
 
 
-def prune(p: Protocol, thread_ids: Sequence[str], strategy: str) -> Op[None]:
+def prune(
+    p: Protocol,
+    thread_ids: Sequence[str],
+    strategy: str,
+    lease: tuple[str, int] | None = None,
+) -> Op[None]:
     """``keep_latest``: keep each namespace's head (with its writes and values) and drop the
-    rest; ``delete``: :func:`delete_thread`. Raises ContractError for another strategy."""
+    rest; ``delete``: :func:`delete_thread`. Raises ContractError for another strategy,
+    LeaseLostError when ``lease`` is given and a rewrite finds it is not current."""
     if strategy not in ("keep_latest", "delete"):
         raise ContractError(f"unknown prune strategy {strategy!r}", field="strategy")
     for thread_id in thread_ids:
         if strategy == "delete":
-            yield from delete_thread(p, thread_id)
+            yield from delete_thread(p, thread_id, lease)
             continue
         for _ in range(MAX_ATTEMPTS):
             view, members = yield from p.members(thread_id, None, None, "", 0)
@@ -83,7 +107,7 @@ def prune(p: Protocol, thread_ids: Sequence[str], strategy: str) -> Op[None]:
             if not drop:
                 break
             result = yield from _rewrite(
-                p, thread_id, view, dict(view.heads), "drop", False, drop, ()
+                p, thread_id, view, dict(view.heads), "drop", False, drop, (), lease
             )
             if not isinstance(result, GenerationMoved):
                 break

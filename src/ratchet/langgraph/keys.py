@@ -31,6 +31,8 @@ key (``<T>`` is the tag)            type    holds
 ``ratchet:lg:{<T>}:blobs``          hash    blob field -> signed channel value
 ``ratchet:lg:{<T>}:writes``         hash    ``<ckpt digest>|<write digest>`` -> signed write
 ``ratchet:lg:{<T>}:windex``         zset    ``<ckpt digest>|<write digest>`` (score 0)
+``ratchet:lg:{<T>}:takeovers``      list    the operator takeovers of the thread's lease,
+                                            newest first (capped; kept through deletes)
 ``ratchet:lg:run:<R>``              set     thread ids that stored a checkpoint of run
                                             ``<R>`` (R: digest of the run id); cross-slot,
                                             touched by separate calls only
@@ -54,11 +56,13 @@ from ratchet.errors import ContractError
 from ratchet.leasing.keys import check_id
 
 __all__ = [
+    "META_PATTERN",
     "PREFIX",
     "ThreadKeys",
     "blob_field",
     "checkpoint_digest",
     "index_member",
+    "meta_tag",
     "namespace_digest",
     "nonce_key",
     "run_index_key",
@@ -69,6 +73,10 @@ __all__ = [
 
 PREFIX = "ratchet:lg"
 _VERBATIM = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+# SCAN MATCH pattern of every thread's meta hash (a glob: ``{`` and ``}`` are literal), and
+# the exact shape a matched key must have to be one (the glob alone also matches more).
+META_PATTERN = "ratchet:lg:{*}:meta"
+_META_KEY = re.compile(r"ratchet:lg:\{(t=[A-Za-z0-9._:@/+=-]{1,128}|h=[0-9a-f]{32})\}:meta")
 _GEN_WIDTH = 20
 
 
@@ -101,6 +109,7 @@ class ThreadKeys:
     blobs: str
     writes: str
     windex: str
+    takeovers: str
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,7 +129,15 @@ def thread_keys(thread_id: str) -> ThreadKeys:
         blobs=f"{base}:blobs",
         writes=f"{base}:writes",
         windex=f"{base}:windex",
+        takeovers=f"{base}:takeovers",
     )
+
+
+def meta_tag(key: str) -> str | None:
+    """The tag of a thread's meta hash key (``t=<id>`` or ``h=<32 hex>``), or None when
+    ``key`` is not one (a key :data:`META_PATTERN` matched that the saver did not make)."""
+    found = _META_KEY.fullmatch(key)
+    return found.group(1) if found else None
 
 
 def namespace_digest(checkpoint_ns: str) -> str:

@@ -13,10 +13,19 @@ Freshness, in the order it is checked on every read:
    (a whole thread rolled back under a running process is refused: ``rolled_back``);
 4. the checkpoint Redis resolved as a namespace's head is the one the signed head names
    (``head_mismatch``), and every record is signed for exactly its place (``binding``).
+
+Listing across threads (a config without a thread id) finds the threads with one
+:class:`Scan` of the saver's key layout (``ratchet:lg:{*}:meta``) rather than an index the
+saver would keep: every thread has a meta hash from its first claim or write on (kept
+through deletes), so the scan is complete by construction, costs the hot path nothing (no
+extra cross-slot write per thread, no cache of what was indexed), and also finds threads
+written before it existed. Its price is a pass over the keyspace per listing, which suits
+an operator's or a dashboard's listing, not a per-step call.
 """
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections import OrderedDict
 from collections.abc import Generator, Mapping, Sequence
@@ -33,11 +42,18 @@ from langgraph.checkpoint.base import (
     get_serializable_checkpoint_metadata,
 )
 
-from ratchet.errors import CheckpointError, ContractError, GenerationMismatchError
+from ratchet.errors import (
+    CheckpointError,
+    ContractError,
+    GenerationMismatchError,
+    StoreProtocolError,
+)
 from ratchet.langgraph.keys import (
+    META_PATTERN,
     ThreadKeys,
     blob_field,
     checkpoint_digest,
+    meta_tag,
     namespace_digest,
     run_index_key,
     thread_keys,
@@ -57,10 +73,11 @@ from ratchet.langgraph.scripts import LgScript
 from ratchet.leasing.keys import check_id
 from ratchet.leasing.scripts import ScriptName
 
-__all__ = ["LEASE_KEY", "Command", "Emit", "Loaded", "Protocol", "Script", "View"]
+__all__ = ["LEASE_KEY", "Command", "Emit", "Loaded", "Protocol", "Scan", "Script", "View"]
 
 MAX_ATTEMPTS = 16
 PAGE = 32
+SCAN_COUNT = 1000
 _T = TypeVar("_T")
 
 
@@ -77,11 +94,20 @@ class Command:
 
 
 @dataclass(frozen=True, slots=True)
+class Scan:
+    """Every key matching the glob ``match``: SCAN with MATCH and COUNT, on every primary
+    of a cluster. The reply is the list of keys (bytes or str), duplicates possible."""
+
+    match: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class Emit:
     item: CheckpointTuple
 
 
-Step = Script | Command | Emit
+Step = Script | Command | Scan | Emit
 Op = Generator[Step, Any, _T]
 
 
@@ -561,7 +587,13 @@ class Protocol:
         before: RunnableConfig | None,
         limit: int | None,
     ) -> Op[None]:
-        """Emit matching checkpoints newest first (by generation)."""
+        """Emit matching checkpoints newest first (by generation); with no thread id in
+        ``config`` (or no config), those of every thread (see :meth:`list_threads`)."""
+        want = limit if limit is not None and limit > 0 else None
+        given = (config or {}).get("configurable") or {}
+        if given.get("thread_id") is None or given.get("thread_id") == "":
+            yield from self.list_threads(given, filter=filter, before=before, want=want)
+            return
         thread_id, ns, conf = thread_of(config)
         checkpoint_id = conf.get("checkpoint_id")
         if checkpoint_id:
@@ -571,11 +603,23 @@ class Protocol:
             return
         before_id = get_checkpoint_id(before) if before else None
         before_ns = ((before or {}).get("configurable") or {}).get("checkpoint_ns", ns or "")
-        want = limit if limit is not None and limit > 0 else None
+        yield from self._emit_thread(thread_id, ns, filter, before_id, before_ns or "", want)
+
+    def _emit_thread(
+        self,
+        thread_id: str,
+        ns: str | None,
+        filter: Mapping[str, Any] | None,
+        before_id: str | None,
+        before_ns: str,
+        want: int | None,
+    ) -> Op[int]:
+        """Emit one thread's matching checkpoints newest first, at most ``want``; return
+        how many were emitted."""
         ask = want if (want is not None and not filter and ns is not None) else 0
-        _, members = yield from self.members(thread_id, ns, before_id, before_ns or "", ask)
+        _, members = yield from self.members(thread_id, ns, before_id, before_ns, ask)
         if not members:
-            return
+            return 0
         emitted = 0
         for i in range(0, len(members), PAGE):
             for item in (yield from self.load_members(thread_id, members[i : i + PAGE])):
@@ -584,7 +628,89 @@ class Protocol:
                 yield Emit(item.as_tuple(thread_id))
                 emitted += 1
                 if want is not None and emitted >= want:
-                    return
+                    return emitted
+        return emitted
+
+    def thread_ids(self) -> Op[builtins.list[str]]:
+        """Every thread the store has a meta hash for, sorted by thread id (one SCAN, see
+        the module doc). A ``t=`` tag is the thread id itself; an ``h=`` tag's id is read
+        from its meta hash and must map back to exactly that key. Raises CheckpointError
+        (``malformed``, ``binding``) for a meta hash whose thread id does not."""
+        keys = yield Scan(META_PATTERN, SCAN_COUNT)
+        if not isinstance(keys, list):
+            raise StoreProtocolError("SCAN did not reply with a list of keys", script="scan")
+        found: set[str] = set()
+        for raw in keys:
+            key = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+            tag = meta_tag(key)
+            if tag is None:
+                continue  # matched the glob, but not a key this saver makes
+            if tag.startswith("t="):
+                found.add(tag[2:])
+                continue
+            reply = yield Command(("HGET", key, "thread_id"))
+            if isinstance(reply, bytes):
+                reply = reply.decode("utf-8", errors="replace")
+            if not isinstance(reply, str) or not reply:
+                raise CheckpointError(
+                    "a thread's meta hash names no thread id", reason="malformed", key=key
+                )
+            if thread_keys(reply).meta != key:
+                raise CheckpointError(
+                    "a thread's meta hash names another thread", reason="binding", key=key
+                )
+            found.add(reply)
+        return sorted(found)
+
+    def list_threads(
+        self,
+        conf: Mapping[str, Any],
+        *,
+        filter: Mapping[str, Any] | None,
+        before: RunnableConfig | None,
+        want: int | None,
+    ) -> Op[None]:
+        """Emit the matching checkpoints of every thread: threads in thread id order, each
+        thread's newest first (by its generation; threads share no store order, and
+        checkpoint ids come from worker clocks, so they are never compared across threads).
+        ``checkpoint_ns`` in ``conf`` limits each thread to that namespace; ``want`` counts
+        across threads. ``before`` is a position in that order: it names a thread and a
+        checkpoint, and the listing goes on after it (that thread's older checkpoints, then
+        the threads after it), so an emitted tuple's config pages on.
+
+        Raises ContractError for a ``checkpoint_id`` without a thread id, or a ``before``
+        that does not name both a thread id and a checkpoint id.
+        """
+        if conf.get("checkpoint_id"):
+            raise ContractError(
+                "a checkpoint_id needs its thread_id (listing across threads)", field="thread_id"
+            )
+        ns = conf.get("checkpoint_ns")
+        if ns is not None and not isinstance(ns, str):
+            raise ContractError("checkpoint_ns must be a string", field="checkpoint_ns")
+        after: str | None = None
+        before_id: str | None = None
+        before_ns = ""
+        if before is not None:
+            bconf = before.get("configurable") or {}
+            before_id = get_checkpoint_id(before)
+            if bconf.get("thread_id") in (None, "") or not before_id:
+                raise ContractError(
+                    "listing across threads, before must name a thread_id and a checkpoint_id",
+                    field="before",
+                )
+            after = str(bconf["thread_id"])
+            before_ns = bconf.get("checkpoint_ns", ns or "") or ""
+        threads = yield from self.thread_ids()
+        emitted = 0
+        for thread_id in threads:
+            if after is not None and thread_id < after:
+                continue
+            cursor = before_id if thread_id == after else None
+            left = None if want is None else want - emitted
+            emitted += yield from self._emit_thread(thread_id, ns, filter, cursor, before_ns, left)
+            if want is not None and emitted >= want:
+                return
 
 
 def _matches(metadata: Mapping[str, Any], filter: Mapping[str, Any] | None) -> bool:

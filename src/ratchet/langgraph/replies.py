@@ -38,6 +38,7 @@ __all__ = [
     "ReadReply",
     "Rewritten",
     "Stored",
+    "Takeover",
     "ThreadLease",
     "WritesStored",
     "decode_claim",
@@ -49,6 +50,8 @@ __all__ = [
     "decode_release",
     "decode_renew",
     "decode_rewrite",
+    "decode_takeover",
+    "decode_takeover_log",
 ]
 
 
@@ -99,6 +102,24 @@ class LeaseInfo:
     def live(self) -> bool:
         """True while an owner holds an unexpired lease (by Redis time)."""
         return self.owner is not None and self.now_ms < self.expires_at_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """One operator takeover of a thread's lease, as the store recorded it.
+
+    ``at_ms`` is Redis server time; ``previous_owner`` is None when the lease was free and
+    ``previous_live`` says whether its lease was still unexpired when it was taken.
+    """
+
+    thread_id: str
+    at_ms: int
+    owner: str
+    lease_version: int
+    previous_owner: str | None
+    previous_lease_version: int
+    previous_live: bool
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,10 +327,16 @@ def decode_list(reply: object) -> ListReply:
     )
 
 
-def decode_rewrite(reply: object) -> Rewritten | GenerationMoved | None:
-    """Decode rewrite (None: the thread was never written). Raises StoreProtocolError."""
+def decode_rewrite(
+    reply: object, thread_id: str = "", lease: tuple[str, int] | None = None
+) -> Rewritten | GenerationMoved | None:
+    """Decode rewrite (None: the thread was never written); ``lease`` is the fenced
+    caller's (owner, lease version), None for an unfenced rewrite. Raises LeaseLostError
+    (fenced only), StoreProtocolError."""
     script = "rewrite"
     status, f = _split(reply, script)
+    if lease is not None and status in ("lease_lost", "lease_expired"):
+        _lease_refused(status, f, script, thread_id, lease[0], lease[1])
     if status == "rewritten":
         _arity(f, 2, script, status)
         return Rewritten(_int(f[0], script, "generation"), _int(f[1], script, "lease_version"))
@@ -337,6 +364,66 @@ def decode_claim(reply: object, thread_id: str, owner: str) -> ThreadLease:
         )
     lease = got.lease
     return ThreadLease(thread_id, owner, lease.lease_version, lease.expires_at_ms, lease.now_ms)
+
+
+def _flag(value: object, script: str, name: str) -> bool:
+    number = _int(value, script, name)
+    if number not in (0, 1):
+        _fail(f"field {name} is not 0 or 1", script, field=name)
+    return number == 1
+
+
+def decode_takeover(
+    reply: object, thread_id: str, owner: str, reason: str
+) -> tuple[ThreadLease, Takeover]:
+    """Decode takeover: the new lease and what it replaced. Raises StoreProtocolError."""
+    script = "takeover"
+    status, f = _split(reply, script)
+    if status != "taken":
+        _unknown(status, script)
+    _arity(f, 6, script, status)
+    version = _int(f[0], script, "lease_version")
+    now = _int(f[2], script, "now_ms")
+    lease = ThreadLease(thread_id, owner, version, _int(f[1], script, "expires_at_ms"), now)
+    previous = _text(f[3], script, "previous_owner")
+    return lease, Takeover(
+        thread_id,
+        now,
+        owner,
+        version,
+        previous or None,
+        _int(f[4], script, "previous_lease_version"),
+        _flag(f[5], script, "previous_live"),
+        reason,
+    )
+
+
+def decode_takeover_log(reply: object, thread_id: str) -> list[Takeover]:
+    """Decode the entries of a thread's takeover log (LRANGE, newest first). Raises
+    StoreProtocolError."""
+    script = "takeovers"
+    if not isinstance(reply, list):
+        _fail("the takeover log is not a list", script)
+    out: list[Takeover] = []
+    for raw in reply:
+        parts = _text(raw, script, "entry").split("|", 6)
+        if len(parts) != 7 or not all(p.isdigit() for p in (parts[0], parts[2], parts[4])):
+            _fail("a takeover log entry is malformed", script)
+        if parts[5] not in ("0", "1"):
+            _fail("a takeover log entry is malformed", script)
+        out.append(
+            Takeover(
+                thread_id,
+                int(parts[0]),
+                parts[1],
+                int(parts[2]),
+                parts[3] or None,
+                int(parts[4]),
+                parts[5] == "1",
+                parts[6],
+            )
+        )
+    return out
 
 
 def _no_thread(lease: ThreadLease) -> Callable[[], NoReturn]:

@@ -10,7 +10,9 @@ check and store exactly the same things.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import copy
+import logging
 import os
 import secrets
 import socket
@@ -33,20 +35,31 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ratchet.errors import ConfigurationError, StoreProtocolError, StoreUnavailableError
+from ratchet.errors import (
+    ConfigurationError,
+    ContractError,
+    LeaseLostError,
+    StoreProtocolError,
+    StoreUnavailableError,
+)
 from ratchet.langgraph import admin
+from ratchet.langgraph.heartbeat import LeaseHeartbeat
 from ratchet.langgraph.keys import thread_keys
-from ratchet.langgraph.protocol import Command, Emit, Op, Protocol, Script, Step
+from ratchet.langgraph.protocol import Command, Emit, Op, Protocol, Scan, Script, Step
 from ratchet.langgraph.records import RecordCodec
 from ratchet.langgraph.replies import (
     LeaseInfo,
+    Takeover,
     ThreadLease,
     decode_claim,
     decode_lease_info,
     decode_release,
     decode_renew,
+    decode_takeover,
+    decode_takeover_log,
 )
 from ratchet.langgraph.scripts import AsyncScriptRunner, LgScript, sync_runner
+from ratchet.langgraph.writer import ThreadWriter, _Claim
 from ratchet.leasing.keys import check_id
 from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.signing import KeyRing
@@ -54,7 +67,10 @@ from ratchet.runtime.signing import KeyRing
 __all__ = ["DEFAULT_LEASE_TTL_MS", "RatchetSaver", "default_serde"]
 
 DEFAULT_LEASE_TTL_MS = 30_000
+TAKEOVER_LOG_SIZE = 64  # takeover records kept per thread, newest first
+MAX_REASON_CHARS = 500
 _T = TypeVar("_T")
+log = logging.getLogger("ratchet.langgraph")
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
@@ -88,6 +104,8 @@ class RatchetSaver(BaseCheckpointSaver[str]):
     ``decode_responses=False``. ``keyring`` signs and verifies every record. ``owner``
     names this worker in leases (default: host, pid and a random suffix);
     ``lease_ttl_ms`` is how long a claim or a fenced write keeps the thread's lease.
+    :meth:`claim_write_ownership` hands out writers bound to one claim (LangGraph's
+    write-ownership convention; see :mod:`ratchet.langgraph.writer`).
 
     Raises ConfigurationError for a client that decodes responses, no client at all, a
     serializer that falls back to pickle, or a bad owner or ttl.
@@ -169,24 +187,31 @@ class RatchetSaver(BaseCheckpointSaver[str]):
 
     # -- drivers --------------------------------------------------------------------------
 
-    def _call(self, step: Script | Command) -> Any:
+    def _call(self, step: Script | Command | Scan) -> Any:
         if self._runner is None:
             raise ConfigurationError("this saver has no sync Redis client")
         try:
             if isinstance(step, Script):
                 return self._runner.run(step.name, step.keys, step.args)
+            if isinstance(step, Scan):
+                # scan_iter walks every primary of a RedisCluster, and one server otherwise.
+                return [*self._client.scan_iter(match=step.match, count=step.count)]
             return self._client.execute_command(*step.args)
         except _UNAVAILABLE as exc:
             raise StoreUnavailableError(f"Redis unavailable: {type(exc).__name__}") from None
         except ResponseError as exc:
             raise StoreProtocolError(f"Redis refused a call: {exc}") from None
 
-    async def _acall(self, step: Script | Command) -> Any:
+    async def _acall(self, step: Script | Command | Scan) -> Any:
         if self._arunner is None:
             raise ConfigurationError("this saver has no async Redis client")
         try:
             if isinstance(step, Script):
                 return await self._arunner.run(step.name, step.keys, step.args)
+            if isinstance(step, Scan):
+                return [
+                    k async for k in self._aclient.scan_iter(match=step.match, count=step.count)
+                ]
             return await self._aclient.execute_command(*step.args)
         except _UNAVAILABLE as exc:
             raise StoreUnavailableError(f"Redis unavailable: {type(exc).__name__}") from None
@@ -263,8 +288,14 @@ class RatchetSaver(BaseCheckpointSaver[str]):
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
         """Checkpoints of a thread, newest first by the store's generation (not by id).
-        ``checkpoint_ns`` absent lists every namespace. Raises ContractError without a
-        thread id, CheckpointError, StoreUnavailableError."""
+        ``checkpoint_ns`` absent lists every namespace.
+
+        With ``config`` None (or no thread id in it), the checkpoints of every thread:
+        threads in thread id order (found with one SCAN of the saver's keys), each newest
+        first; ``filter`` and ``limit`` apply across them, and ``before`` (a listed
+        tuple's config: thread id and checkpoint id) resumes after that checkpoint.
+        Raises ContractError (a checkpoint id without a thread id, such a ``before``
+        without both), CheckpointError, StoreUnavailableError."""
         return self._iterate(self._protocol.list(config, filter=filter, before=before, limit=limit))
 
     def put(
@@ -440,4 +471,138 @@ class RatchetSaver(BaseCheckpointSaver[str]):
     async def alease_info(self, thread_id: str) -> LeaseInfo:
         """Async :meth:`lease_info`."""
         result: LeaseInfo = await self._arun(lambda: self._lease_info(str(thread_id)))
+        return result
+
+    # -- write ownership (LangGraph's write_ownership convention) ---------------------------
+
+    def _takeover(self, thread_id: str, reason: str) -> Op[tuple[ThreadLease, Takeover]]:
+        keys = thread_keys(thread_id)
+        reply = yield Script(
+            LgScript.TAKEOVER,
+            (keys.meta, keys.takeovers),
+            (self.owner, self.lease_ttl_ms, thread_id, reason, TAKEOVER_LOG_SIZE),
+        )
+        return decode_takeover(reply, thread_id, self.owner, reason)
+
+    def _claim_op(self, thread_id: str, reason: str | None) -> Op[_Claim]:
+        if reason is not None:
+            lease, record = yield from self._takeover(thread_id, reason)
+            return _Claim(lease, record)
+        return _Claim((yield from self._claim(thread_id, None)), None)
+
+    def _claim_args(
+        self, thread_id: str, takeover: bool, reason: str | None, heartbeat: bool
+    ) -> tuple[str, str | None]:
+        tid = str(thread_id)
+        thread_keys(tid)  # ContractError for an empty id, before anything is sent
+        if heartbeat and self._runner is None:
+            raise ConfigurationError(
+                "the heartbeat renews from a background thread and needs a sync Redis client",
+                field="heartbeat",
+            )
+        if not takeover:
+            if reason is not None:
+                raise ContractError("a reason is recorded for a takeover only", field="reason")
+            return tid, None
+        if (
+            not isinstance(reason, str)
+            or not reason.strip()
+            or len(reason) > MAX_REASON_CHARS
+            or not reason.isprintable()
+        ):
+            raise ContractError(
+                f"a takeover needs a reason: one printable line of 1..{MAX_REASON_CHARS} "
+                "characters",
+                field="reason",
+            )
+        return tid, reason
+
+    def _writer(self, claim: _Claim, heartbeat: bool) -> ThreadWriter:
+        writer = ThreadWriter(self, claim)
+        record = claim.takeover
+        if record is not None:
+            log.warning(
+                "thread lease taken over by the operator",
+                extra={
+                    "thread_id": record.thread_id,
+                    "owner": record.owner,
+                    "lease_version": record.lease_version,
+                    "previous_owner": record.previous_owner,
+                    "previous_lease_version": record.previous_lease_version,
+                    "previous_live": record.previous_live,
+                    "takeover_reason": record.reason,
+                },
+            )
+        if heartbeat:
+            lease = claim.lease
+
+            def unknown(error_type: str) -> LeaseLostError:
+                return LeaseLostError(
+                    "the lease could not be renewed (outcome unknown); treated as lost",
+                    thread_id=lease.thread_id,
+                    owner=lease.owner,
+                    lease_version=lease.lease_version,
+                    reason="renewal_unknown",
+                    error=error_type,
+                )
+
+            claim.heartbeat = LeaseHeartbeat(
+                writer.renew,
+                interval_s=self.lease_ttl_ms / 3000,
+                on_lost=claim.mark_lost,
+                lost_error=unknown,
+                name=f"ratchet-lg-heartbeat-{thread_keys(lease.thread_id).tag[:48]}",
+            ).start()
+        return writer
+
+    def claim_write_ownership(
+        self,
+        thread_id: str,
+        *,
+        takeover: bool = False,
+        reason: str | None = None,
+        heartbeat: bool = False,
+    ) -> ThreadWriter:
+        """Claim write ownership of a thread: a lease acquire that returns a
+        :class:`~ratchet.langgraph.writer.ThreadWriter` bound to the new lease version.
+
+        Free, expired (by Redis time) or already this saver's owner id: granted, and every
+        earlier holder, an earlier writer of this owner id too, is superseded. Another
+        owner's live lease: LeaseHeldElsewhereError, unless ``takeover=True`` with a
+        ``reason`` (the operator's path: it supersedes a live owner and is recorded in the
+        thread's takeover log, see :meth:`takeovers`). ``heartbeat=True`` renews the lease
+        every TTL/3 from a background thread until the writer is released (needs a sync
+        client).
+
+        Raises LeaseHeldElsewhereError, ContractError (a bad thread id or reason),
+        ConfigurationError (a heartbeat without a sync client), StoreUnavailableError.
+        """
+        tid, why = self._claim_args(thread_id, takeover, reason, heartbeat)
+        return self._writer(self._drive(self._claim_op(tid, why)), heartbeat)
+
+    async def aclaim_write_ownership(
+        self,
+        thread_id: str,
+        *,
+        takeover: bool = False,
+        reason: str | None = None,
+        heartbeat: bool = False,
+    ) -> ThreadWriter:
+        """Async :meth:`claim_write_ownership` (the heartbeat still renews from a thread)."""
+        tid, why = self._claim_args(thread_id, takeover, reason, heartbeat)
+        claim: _Claim = await self._arun(lambda: self._claim_op(tid, why))
+        return self._writer(claim, heartbeat)
+
+    def _takeovers(self, thread_id: str) -> Op[builtins.list[Takeover]]:
+        reply = yield Command(("LRANGE", thread_keys(thread_id).takeovers, "0", "-1"))
+        return decode_takeover_log(reply, thread_id)
+
+    def takeovers(self, thread_id: str) -> builtins.list[Takeover]:
+        """The operator takeovers of the thread's lease, newest first (the last
+        :data:`TAKEOVER_LOG_SIZE`; kept through deletes). Raises StoreProtocolError."""
+        return self._drive(self._takeovers(str(thread_id)))
+
+    async def atakeovers(self, thread_id: str) -> builtins.list[Takeover]:
+        """Async :meth:`takeovers`."""
+        result: builtins.list[Takeover] = await self._arun(lambda: self._takeovers(str(thread_id)))
         return result

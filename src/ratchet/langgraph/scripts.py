@@ -30,11 +30,13 @@ class LgScript(StrEnum):
     LIST = "list"
     REWRITE = "rewrite"
     LEASE_INFO = "lease_info"
+    TAKEOVER = "takeover"
 
 
 # Claiming, renewing and releasing a thread's lease are the runs' own scripts (one lease
 # core: ratchet/leasing/lua/acquire_lease.lua, renew_lease.lua and release_lease.lua, on
-# the thread's meta hash).
+# the thread's meta hash). Only the operator's takeover of a live lease, which runs never
+# do, is the saver's own (lua/takeover.lua).
 LEASE_SCRIPTS = (ScriptName.ACQUIRE_LEASE, ScriptName.RENEW_LEASE, ScriptName.RELEASE_LEASE)
 SCRIPTS: Mapping[StrEnum, LuaScript] = {
     **{name: load_script(name, "ratchet.langgraph") for name in LgScript},

@@ -49,6 +49,7 @@ from ratchet.fleet.runs import (
     check_document_binding,
     document_digest,
     open_document,
+    run_toolbox,
     seal_document,
 )
 from ratchet.leasing import RunSnapshot
@@ -111,7 +112,8 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     fleet.agent_policy.build(document.agent, dict(document.agent_config))
     sent_at = time.monotonic()
     clock = StoreClock(fleet.store.server_time_ms(), sent_at=sent_at)  # the run's start
-    adapter = build_adapter(document)
+    toolbox = run_toolbox(document)
+    adapter = build_adapter(document, toolbox=toolbox)
     try:
         RunEngine.start(
             run_id,
@@ -122,6 +124,7 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
             ),
             clock=clock,
             document_digest=document_digest(document),
+            tools=toolbox.catalog,
         )
     finally:
         close = getattr(adapter, "close", None)

@@ -138,13 +138,13 @@ def pending_change(view: RunView) -> dict[str, Any] | None:
         }
     if action.kind not in (ActionKind.WRITE_FILE, ActionKind.DELETE_FILE):
         return None
-    path = str(action.args["path"])
+    path = str(action.text("path"))
     new = (
-        str(action.args["content"]).encode("utf-8") if action.kind is ActionKind.WRITE_FILE else b""
+        str(action.text("content")).encode("utf-8") if action.kind is ActionKind.WRITE_FILE else b""
     )
     out: dict[str, Any] = {
         "path": path,
-        "operation": action.kind.value,
+        "operation": str(action.kind),
         "content": _describe(new) if action.kind is ActionKind.WRITE_FILE else None,
     }
     if pending.receipt is not None:

@@ -19,8 +19,8 @@ from typing import Annotated, Any
 from pydantic import Field, Strict, ValidationError, model_validator
 
 from ratchet.errors import ActionError
-from ratchet.runtime.canonical import Domain, digest
-from ratchet.runtime.types import Frozen, Identifier, NonNegInt, check_rel_path
+from ratchet.runtime.canonical import Domain, canonical_json, digest
+from ratchet.runtime.types import Frozen, Identifier, JsonValue, NonNegInt, check_rel_path
 
 __all__ = [
     "KIND_SPECS",
@@ -28,6 +28,7 @@ __all__ = [
     "ActionKind",
     "KindSpec",
     "Risk",
+    "ToolName",
     "derive_idempotency_key",
     "intent_digest",
     "parse_action",
@@ -86,6 +87,13 @@ KIND_SPECS: dict[ActionKind, KindSpec] = {
 
 _ArgText = Annotated[str, Strict(), Field(max_length=1 << 20)]
 
+#: A declared tool's name (see :mod:`ratchet.runtime.tools`); the built-in names parse
+#: as :class:`ActionKind` first, so a tool can never pass for one.
+ToolName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")]
+
+#: The largest canonical JSON a tool call's arguments may take.
+MAX_TOOL_ARGS_BYTES = 1 << 20
+
 
 class Action(Frozen):
     """One proposed action.
@@ -96,9 +104,11 @@ class Action(Frozen):
     """
 
     action_id: Identifier
-    kind: ActionKind
+    kind: Annotated[ActionKind | ToolName, Field(union_mode="left_to_right")]
     risk: Risk
-    args: dict[Annotated[str, Strict()], _ArgText]
+    # A built-in kind's arguments are text (checked below); a declared tool's are JSON,
+    # checked against the tool's model when the proposal is gated (machine.propose).
+    args: dict[Annotated[str, Strict()], JsonValue]
     idempotency_key: Identifier | None = None
     expected_env_version: NonNegInt
     deadline_at: NonNegInt
@@ -106,7 +116,12 @@ class Action(Frozen):
 
     @model_validator(mode="after")
     def _check_kind_contract(self) -> Action:
+        if not isinstance(self.kind, ActionKind):
+            return self._check_tool_contract()
         spec = KIND_SPECS[self.kind]
+        for name, value in self.args.items():
+            if not isinstance(value, str) or len(value) > 1 << 20:
+                raise ValueError(f"kind {self.kind} argument {name!r} must be text up to 1 MiB")
         if self.risk is not spec.risk:
             raise ValueError(f"kind {self.kind} requires risk {spec.risk}, got {self.risk}")
         names = set(self.args)
@@ -118,16 +133,45 @@ class Action(Frozen):
                 f"missing {missing}, unexpected {extra}"
             )
         for name in spec.path_args:
-            check_rel_path(self.args[name])
+            check_rel_path(self.text(name))
         if spec.risk.is_write and self.idempotency_key is None:
             raise ValueError(f"a {self.kind} write requires an idempotency_key")
         if not spec.risk.is_write and self.idempotency_key is not None:
             raise ValueError(f"{self.kind} is not a write and must not carry an idempotency_key")
         return self
 
+    def _check_tool_contract(self) -> Action:
+        """A declared tool's call: a tool's risk, and a key exactly when it writes (its
+        arguments are checked against the tool's model later, where the tool is known)."""
+        if self.risk in (Risk.CONTROL, Risk.VERIFICATION):
+            raise ValueError(f"tool {self.kind} cannot have risk {self.risk}")
+        if len(canonical_json(self.args)) > MAX_TOOL_ARGS_BYTES:
+            raise ValueError(f"tool {self.kind} arguments exceed {MAX_TOOL_ARGS_BYTES} bytes")
+        if self.risk.is_write and self.idempotency_key is None:
+            raise ValueError(f"a {self.kind} write requires an idempotency_key")
+        if not self.risk.is_write and self.idempotency_key is not None:
+            raise ValueError(f"{self.kind} is not a write and must not carry an idempotency_key")
+        return self
+
     @property
     def is_write(self) -> bool:
         return self.risk.is_write
+
+    @property
+    def is_builtin(self) -> bool:
+        """True for the built-in kinds, False for a declared tool's call."""
+        return isinstance(self.kind, ActionKind)
+
+    def text(self, name: str) -> str:
+        """A built-in kind's text argument ``name`` (validated as text at parse time).
+
+        Raises:
+            ActionError: the action has no text argument of that name.
+        """
+        value = self.args.get(name)
+        if not isinstance(value, str):
+            raise ActionError(f"{self.kind} has no text argument {name!r}", field=f"args.{name}")
+        return value
 
     @cached_property
     def intent_digest(self) -> str:
@@ -146,7 +190,7 @@ def intent_digest(action: Action) -> str:
     """Digest of what the action does: kind, arguments and risk, under the intent domain."""
     return digest(
         Domain.INTENT,
-        {"kind": action.kind.value, "args": action.args, "risk": action.risk.value},
+        {"kind": str(action.kind), "args": action.args, "risk": action.risk.value},
     )
 
 

@@ -112,9 +112,15 @@ class Execute:
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """The adapter's authoritative receipt for an idempotency key."""
+    """The adapter's authoritative receipt for an idempotency key, or None: it holds none.
+
+    ``kind`` names the action kind (tool) the key was issued for ("": not known), so an
+    adapter over several tools asks the right one. An adapter that cannot tell whether an
+    interrupted call happened raises :class:`ratchet.errors.OutcomeUnknownError`.
+    """
 
     idempotency_key: str
+    kind: str = ""
 
 
 @dataclass(frozen=True, slots=True)

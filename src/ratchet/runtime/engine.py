@@ -33,7 +33,7 @@ checkpoint lags one commit behind while a commit is held: a caller that is about
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -46,6 +46,7 @@ from ratchet.errors import (
     HighWaterUnavailableError,
     IdempotencyConflictError,
     InvalidTransitionError,
+    OutcomeUnknownError,
 )
 from ratchet.runtime import effects, machine
 from ratchet.runtime.actions import Action
@@ -106,6 +107,7 @@ from ratchet.runtime.state import (
     RunState,
     TraceOutcome,
 )
+from ratchet.runtime.tools import ToolSpec
 
 __all__ = ["CrashWindow", "Probe", "RunEngine", "StepResult"]
 
@@ -147,8 +149,11 @@ class RunEngine:
         archive_trace: bool = False,
         archive: ArchiveRef | None = None,
         store_epoch: str | None = None,
+        tools: Mapping[str, ToolSpec] | None = None,
     ) -> None:
         self.scenario = scenario
+        # The declared tools' contracts (None: the built-in kinds only).
+        self.tools = tools
         self.executor = executor
         self.clock = clock
         self.approvers = approvers
@@ -479,6 +484,7 @@ class RunEngine:
             approval=approval,
             approvers=self.approvers,
             agent_state=agent_state,
+            tools=self.tools,
         )
         planned = machine.unprojected(proposal)
         if planned is not None:
@@ -493,7 +499,7 @@ class RunEngine:
             )
             return self._result(read=result)
         elif disposition is Disposition.VERIFY and action is not None:
-            report = cast(VerifierReport, (yield Verify(action.args["target"])))
+            report = cast(VerifierReport, (yield Verify(action.text("target"))))
             yield from self._commit(
                 machine.apply_verification(proposal.state, action, report, now=self.clock.now())
             )
@@ -538,9 +544,8 @@ class RunEngine:
         pending = state.pending
         if pending is None:  # for the type checker: check_executable refused already
             raise InvalidTransitionError("there is no pending write to execute")
-        key = pending.action.idempotency_key or ""
         if pending.replay_of is not None:
-            authoritative = cast("Receipt | None", (yield Lookup(key)))
+            authoritative = yield from self._lookup(pending.action)
             yield from self._commit(
                 (
                     yield from self._reviewed(
@@ -568,7 +573,7 @@ class RunEngine:
         except IdempotencyConflictError as exc:
             conflicting = exc.context.get("receipt")
             if conflicting is None:
-                conflicting = cast("Receipt | None", (yield Lookup(key)))
+                conflicting = yield from self._lookup(pending.action)
             seen = cast(Observation, (yield Observe()))
             if conflicting is None:
                 yield from self._commit(
@@ -586,6 +591,9 @@ class RunEngine:
                     machine.record_receipt(state, conflicting, now=now, observed=seen)
                 )
             return
+        except OutcomeUnknownError as exc:
+            yield from self._outcome_unknown(exc)
+            return
         except FenceRejectedError:
             raise  # a newer owner exists: stop before anything else
         except AdapterError as exc:
@@ -599,6 +607,30 @@ class RunEngine:
             return
         yield Reached(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
         yield from self._record_and_complete(receipt, TraceOutcome.EXECUTED)
+
+    def _lookup(self, action: Action) -> Op[Receipt | None]:
+        """The adapter's authoritative receipt for ``action``'s key (routed by its kind).
+
+        Raises:
+            OutcomeUnknownError: the tool cannot say whether a cut-off call happened.
+        """
+        found = yield Lookup(action.idempotency_key or "", str(action.kind))
+        return cast("Receipt | None", found)
+
+    def _outcome_unknown(self, exc: OutcomeUnknownError) -> Op[None]:
+        """Freeze the run in ``needs_review``: the pending write may or may not have
+        happened and nothing may call it again; the pending intent stays as evidence."""
+        observed = cast(Observation, (yield Observe()))
+        yield from self._commit(
+            machine.open_review(
+                self.state,
+                ReviewReason.OUTCOME_UNKNOWN,
+                None,
+                now=self.clock.now(),
+                observed=observed,
+                detail=exc.message[:1024],
+            )
+        )
 
     def _stale_precondition(self, live: Observation) -> Op[None]:
         """The environment moved under a committed pending write before it was sent.
@@ -621,7 +653,7 @@ class RunEngine:
         if pending is None:
             raise InvalidTransitionError("there is no pending write to execute")
         yield RaiseFence(self._fence())
-        authoritative = cast("Receipt | None", (yield Lookup(pending.action.idempotency_key or "")))
+        authoritative = yield from self._lookup(pending.action)
         if authoritative is not None:
             yield from self._record_and_complete(
                 authoritative, TraceOutcome.RECONCILED, observed=live
@@ -697,14 +729,13 @@ class RunEngine:
         if state.phase is not Phase.RUNNING:
             # Frozen (awaiting approval, needs review): nothing may run until a human acts.
             return self._result(None)
-        key = pending.action.idempotency_key or ""
         now = self.clock.now()
         if pending.receipt is not None:
             # Timeline: pending committed -> adapter wrote -> receipt committed -> [died]
             # -> state not advanced. The receipt is evidence of success: replay the
             # deterministic transition without a second effect, after checking that the
             # adapter's authoritative receipt still reads the same.
-            authoritative = cast("Receipt | None", (yield Lookup(key)))
+            authoritative = yield from self._lookup(pending.action)
             if authoritative is None or authoritative.fingerprint != pending.receipt.fingerprint:
                 reason = (
                     ReviewReason.RECEIPT_MISSING
@@ -721,7 +752,13 @@ class RunEngine:
         if pending.replay_of is not None:
             yield from self._execute_pending()
             return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
-        authoritative = cast("Receipt | None", (yield Lookup(key)))
+        try:
+            authoritative = yield from self._lookup(pending.action)
+        except OutcomeUnknownError as exc:
+            # Timeline: pending committed -> tool called -> [died] -> no result recorded,
+            # and the tool can neither look the key up nor be called again safely.
+            yield from self._outcome_unknown(exc)
+            return self._result(CrashWindow.AFTER_ADAPTER_BEFORE_RECEIPT)
         if authoritative is not None:
             # Timeline: pending committed -> adapter wrote -> [died] -> receipt never
             # committed. The outcome was unknown to us; the adapter's record by key
@@ -791,8 +828,12 @@ class RunEngine:
 
         def decide() -> Op[None]:
             case = self.state.review
-            key = case.pending.action.idempotency_key if case is not None else None
-            authoritative = (cast("Receipt | None", (yield Lookup(key)))) if key else None
+            authoritative = None
+            if case is not None and case.pending.action.idempotency_key:
+                try:
+                    authoritative = yield from self._lookup(case.pending.action)
+                except OutcomeUnknownError:
+                    authoritative = None  # the reviewer decides what happened
             observed = cast(Observation, (yield Observe()))
             new = machine.apply_review_decision(
                 self.state,
@@ -821,7 +862,7 @@ class RunEngine:
         if pending is None or self.state.phase is not Phase.RUNNING:
             return None
         yield RaiseFence(self._fence())
-        receipt = cast("Receipt | None", (yield Lookup(pending.action.idempotency_key or "")))
+        receipt = yield from self._lookup(pending.action)
         return machine.Settled(receipt)
 
     def cancel(self, reason: str, *, by: str = "", request_id: str = "") -> StepResult:
@@ -840,7 +881,12 @@ class RunEngine:
         return self._drive(self._cancel(reason, by, request_id))
 
     def _cancel(self, reason: str, by: str, request_id: str) -> Op[StepResult]:
-        settled = yield from self._settle_pending()
+        try:
+            settled = yield from self._settle_pending()
+        except OutcomeUnknownError as exc:
+            # The write may have happened: a cancel cannot drop it; a reviewer decides.
+            yield from self._outcome_unknown(exc)
+            return self._result()
         observed = (
             self.observed_at_restore if settled is None else (cast(Observation, (yield Observe())))
         )

@@ -21,6 +21,7 @@ Order of the gate in :func:`propose` (first failing check wins):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -30,7 +31,7 @@ from ratchet.errors import (
     ApprovalError,
     InvalidTransitionError,
 )
-from ratchet.runtime.actions import Action, ActionKind, parse_action
+from ratchet.runtime.actions import KIND_SPECS, Action, ActionKind, parse_action
 from ratchet.runtime.evidence import ApprovalEvidence, TrustRoots
 from ratchet.runtime.outcomes import (  # re-exported: one place to import from
     Settled,
@@ -61,6 +62,7 @@ from ratchet.runtime.state import (
     Usage,
     transition,
 )
+from ratchet.runtime.tools import ToolSpec
 from ratchet.runtime.tracing import append_event as _with
 from ratchet.runtime.tracing import make_event as _event
 
@@ -174,11 +176,15 @@ def propose(
     approval: ApprovalEvidence | None = None,
     approvers: TrustRoots | None = None,
     agent_state: dict[str, Any] | None = None,
+    tools: Mapping[str, ToolSpec] | None = None,
 ) -> Proposal:
     """Gate one proposal. See the module docstring for the order of checks.
 
     ``agent_state``, when given, replaces the agent's own JSON state in whatever this
-    proposal commits (it is validated with the state before the commit).
+    proposal commits (it is validated with the state before the commit). ``tools`` are the
+    declared tools' contracts by name (:class:`ratchet.runtime.tools.ToolCatalog`): a
+    permitted tool's call is checked against its contract (risk, then arguments, which
+    are normalised to what its model dumps) and rejected as ``rejected_schema`` otherwise.
 
     Raises:
         InvalidTransitionError: the run is terminal (nothing is recorded).
@@ -229,16 +235,21 @@ def propose(
             state,
             now,
             TraceOutcome.REJECTED_PERMISSION,
-            f"{action.kind.value} is not permitted",
+            f"{action.kind!s} is not permitted",
             action,
         )
-    for name in ("path",):
-        if name in action.args and not scenario.path_allowed(action.args[name]):
+    if not action.is_builtin:
+        checked = _check_tool_call(action, tools)
+        if isinstance(checked, str):
+            return _reject(state, now, TraceOutcome.REJECTED_SCHEMA, checked, action)
+        action = checked
+    for name in KIND_SPECS[action.kind].path_args if isinstance(action.kind, ActionKind) else ():
+        if not scenario.path_allowed(action.text(name)):
             return _reject(
                 state,
                 now,
                 TraceOutcome.REJECTED_SCOPE,
-                f"path {action.args[name]!r} is outside allowed_paths",
+                f"path {action.text(name)!r} is outside allowed_paths",
                 action,
             )
     target = kind_spec_target(action.kind, action.args)
@@ -277,7 +288,7 @@ def propose(
     )
     if not action.is_write:
         disposition = (
-            Disposition.READ if action.kind is ActionKind.READ_FILE else (Disposition.VERIFY)
+            Disposition.VERIFY if action.kind is ActionKind.RUN_VERIFIER else Disposition.READ
         )
         # Reads and verifications leave no trace until their result is applied.
         return Proposal(state, disposition, TraceOutcome.READ, action)
@@ -290,6 +301,21 @@ def propose(
         approval=approval,
         approvers=approvers,
     )
+
+
+def _check_tool_call(action: Action, tools: Mapping[str, ToolSpec] | None) -> Action | str:
+    """A declared tool's call checked against the tool's contract: the action with its
+    arguments normalised, or why it is refused."""
+    spec = (tools or {}).get(str(action.kind))
+    if spec is None or spec.builtin:
+        return f"no tool named {action.kind!s} is installed"
+    if action.risk is not spec.risk:
+        return f"tool {spec.name} has risk {spec.risk.value}, not {action.risk.value}"
+    try:
+        args = spec.validate_args(action.args)
+    except ActionError as exc:
+        return exc.message
+    return action if args == action.args else action.model_copy(update={"args": args})
 
 
 def unprojected(proposal: Proposal) -> PendingWrite | None:
@@ -430,7 +456,7 @@ def _finish(state: RunState, now: int, action: Action) -> Proposal:
         now,
         TraceOutcome.COMPLETED,
         action=action,
-        detail={"summary": action.args["summary"][:1024]},
+        detail={"summary": action.text("summary")[:1024]},
     )
     new = _with(
         state,

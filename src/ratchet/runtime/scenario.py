@@ -8,14 +8,15 @@ expectation makes every older checkpoint fail closed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ratchet.errors import ScenarioError
-from ratchet.runtime.actions import KIND_SPECS, ActionKind
+from ratchet.runtime.actions import KIND_SPECS, ActionKind, ToolName
 from ratchet.runtime.canonical import (
     Domain,
     model_digest,
@@ -35,6 +36,8 @@ from ratchet.runtime.types import (
 __all__ = ["SCENARIO_SCHEMA_VERSION", "Budgets", "Scenario", "VerifierSpec", "load_scenario"]
 
 SCENARIO_SCHEMA_VERSION = 1
+
+_Permission = Annotated[ActionKind | ToolName, Field(union_mode="left_to_right")]
 
 
 class Budgets(Frozen):
@@ -67,11 +70,13 @@ class Scenario(Frozen):
     task_version: Identifier
     policy_id: Identifier
     policy_version: Identifier
-    permissions: tuple[ActionKind, ...]
+    # Built-in kinds and declared tools by name (a worker without a permitted tool
+    # refuses the run: ToolCatalog.check_scenario).
+    permissions: tuple[_Permission, ...]
     allowed_paths: tuple[RelPath, ...]
     allowed_verifier_targets: tuple[Identifier, ...]
     allowed_operations: tuple[Identifier, ...] = ()
-    approval_required: tuple[ActionKind, ...]
+    approval_required: tuple[_Permission, ...]
     budgets: Budgets
     initial_files: dict[RelPath, Text]
     verifier: VerifierSpec
@@ -81,8 +86,8 @@ class Scenario(Frozen):
     @field_validator("approval_required")
     @classmethod
     def _approvable(
-        cls, kinds: tuple[ActionKind, ...], info: ValidationInfo
-    ) -> tuple[ActionKind, ...]:
+        cls, kinds: tuple[ActionKind | str, ...], info: ValidationInfo
+    ) -> tuple[ActionKind | str, ...]:
         permitted = info.data.get("permissions", ())
         for kind in kinds:
             if kind not in permitted:
@@ -91,7 +96,9 @@ class Scenario(Frozen):
             # intent, and the gate checks it only before a write goes to the adapter. A
             # read, a verifier run or a finish has neither, so listing one would promise a
             # check that never happens: refuse the contract instead.
-            if not KIND_SPECS[kind].risk.is_write:
+            # A declared tool's risk is known where the tool is: the worker checks it
+            # (ToolCatalog.check_scenario) before it runs the scenario.
+            if isinstance(kind, ActionKind) and not KIND_SPECS[kind].risk.is_write:
                 raise ValueError(f"names {kind}, which is not a write; approvals gate writes only")
         return kinds
 
@@ -119,14 +126,14 @@ class Scenario(Frozen):
     def path_allowed(self, path: str) -> bool:
         return _path_allowed(path, self.allowed_paths)
 
-    def target_allowed(self, kind: ActionKind, target: str) -> bool:
+    def target_allowed(self, kind: ActionKind | str, target: str) -> bool:
         if kind is ActionKind.RUN_VERIFIER:
             return target in self.allowed_verifier_targets
         if kind is ActionKind.EXTERNAL_CALL:
             return target in self.allowed_operations
         return True
 
-    def needs_approval(self, kind: ActionKind) -> bool:
+    def needs_approval(self, kind: ActionKind | str) -> bool:
         return kind in self.approval_required
 
     @cached_property
@@ -163,7 +170,10 @@ def load_scenario(text: str | bytes, *, fmt: Literal["json", "yaml"] = "json") -
         raise _validation_to_error(exc) from None
 
 
-def kind_spec_target(kind: ActionKind, args: dict[str, str]) -> str | None:
-    """The allow-listed target an action names (verifier target or operation), if any."""
+def kind_spec_target(kind: ActionKind | str, args: Mapping[str, object]) -> str | None:
+    """The allow-listed target a built-in action names (verifier target or operation), if
+    any; a declared tool is allow-listed by its name alone."""
+    if not isinstance(kind, ActionKind):
+        return None
     arg = KIND_SPECS[kind].target_arg
-    return args[arg] if arg else None
+    return str(args[arg]) if arg else None

@@ -195,6 +195,9 @@ class ReviewReason(StrEnum):
     RECEIPT_DRIFT = "receipt_drift"
     APPROVAL_UNBOUND = "approval_unbound"
     FENCE_REGRESSION = "fence_regression"
+    # A write was sent to a tool that can neither look its key up nor be called again
+    # safely, and the call was cut off: whether it happened is for a person to find out.
+    OUTCOME_UNKNOWN = "outcome_unknown"
 
 
 class ReviewCase(Frozen):

@@ -62,7 +62,8 @@ class ConformanceSubject:
     optional: checks that need them are skipped without them. ``checks_precondition``
     says whether the adapter refuses an ``expected_env_version`` that is not current.
     ``receipt_namespace`` is the namespace receipts carry when it is not the adapter's
-    own (a router passes on its parts' receipts).
+    own (a router passes on its parts' receipts); ``receipt_version`` likewise returns the
+    version a receipt's ``env_version_after`` names (a router's part's, not the combined).
     """
 
     adapter: Adapter
@@ -73,6 +74,7 @@ class ConformanceSubject:
     drift: Callable[[], None] | None = None
     checks_precondition: bool = True
     receipt_namespace: str | None = None
+    receipt_version: Callable[[], int] | None = None
     close: Callable[[], None] = field(default=_nothing)
 
     def fence(self, lease_version: int, state_version: int, run_id: str | None = None) -> Fence:
@@ -208,7 +210,8 @@ def receipts_carry_their_identity(s: ConformanceSubject) -> None:
     _same(name, "idempotency_key", receipt.idempotency_key, "conf-identity")
     _same(name, "intent_digest", receipt.intent_digest, action.intent_digest)
     _same(name, "approval_digest", receipt.approval_digest, _APPROVAL)
-    _same(name, "env_version_after", receipt.env_version_after, s.adapter.observe().version)
+    produced = s.receipt_version() if s.receipt_version else s.adapter.observe().version
+    _same(name, "env_version_after", receipt.env_version_after, produced)
     if receipt.receipt_version < 1 or receipt.committed_at <= 0 or not receipt.result:
         raise _fail(name, "receipt_version, committed_at and result must be set")
     plain = s.execute(s.write("conf-identity-2", 1), s.fence(1, 2))

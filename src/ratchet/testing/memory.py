@@ -68,11 +68,11 @@ def _apply(files: Mapping[str, str], action: Action) -> dict[str, str] | None:
     """The files after ``action``, or None if it does not change files."""
     out = dict(files)
     if action.kind is ActionKind.WRITE_FILE:
-        out[action.args["path"]] = action.args["content"]
+        out[action.text("path")] = action.text("content")
     elif action.kind is ActionKind.DELETE_FILE:
-        if action.args["path"] not in out:
+        if action.text("path") not in out:
             return None
-        del out[action.args["path"]]
+        del out[action.text("path")]
     else:
         return None
     return out
@@ -182,8 +182,8 @@ class MemoryWorkspace:
             )
         result: dict[str, Any]
         if action.kind is ActionKind.EXTERNAL_CALL:
-            self.external_calls.append(dict(action.args))
-            result = {"operation": action.args["operation"], "status": "ok"}
+            self.external_calls.append({k: str(v) for k, v in action.args.items()})
+            result = {"operation": action.text("operation"), "status": "ok"}
         else:
             after = _apply(self.files, action)
             if after is None:
@@ -191,7 +191,7 @@ class MemoryWorkspace:
                     "nothing to delete", retryable=False, path=action.args.get("path", "")
                 )
             self.files = after
-            result = {"path": action.args["path"]}
+            result = {"path": action.text("path")}
         self.version += 1
         receipt = Receipt(
             namespace=self._namespace,
@@ -212,7 +212,7 @@ class MemoryWorkspace:
         return self.receipts.get(idempotency_key)
 
     def read(self, action: Action) -> ReadResult:
-        path = action.args["path"]
+        path = action.text("path")
         if path not in self.files:
             raise AdapterError(f"no such file {path!r}", retryable=False, path=path)
         return ReadResult(content=self.files[path], env_version=self.version)

@@ -183,6 +183,11 @@ class Executor:
         return self.adapter.project(effect.action, effect.before)
 
     def _lookup(self, effect: Lookup) -> Receipt | None:
+        # An adapter over several tools (ratchet.tools) routes the lookup by kind.
+        routed = getattr(self.adapter, "lookup_for", None) if effect.kind else None
+        if routed is not None:
+            found: Receipt | None = routed(effect.kind, effect.idempotency_key)
+            return found
         return self.adapter.lookup(effect.idempotency_key)
 
     def _read(self, effect: Read) -> ReadResult:

@@ -81,6 +81,7 @@ from ratchet.fleet.runs import (
     check_document_binding,
     open_document,
     parse_evidence,
+    run_toolbox,
 )
 from ratchet.leasing import LeasedRun, LeaseHolder
 from ratchet.runtime import (
@@ -94,6 +95,7 @@ from ratchet.runtime import (
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
 from ratchet.runtime.machine import decision_baseline
 from ratchet.runtime.state import TERMINAL_PHASES
+from ratchet.runtime.tools import ToolCatalog
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
 from ratchet.worker.hooks import WorkerHooks
@@ -291,7 +293,10 @@ def _execute(
                 inbox, opened.state
             )
             token = settings.http_token.get_secret_value() if settings.http_token else None
-            adapter = build_adapter(document, sandbox=fleet.sandbox, clock=clock, http_token=token)
+            toolbox = run_toolbox(document)
+            adapter = build_adapter(
+                document, sandbox=fleet.sandbox, clock=clock, http_token=token, toolbox=toolbox
+            )
             executor = Executor(
                 adapter,
                 lease,
@@ -315,6 +320,7 @@ def _execute(
                 coalesce=settings.coalesce_commits,
                 archive_trace=settings.archive_trace,
                 store_epoch=fleet.epoch,
+                tools=toolbox.catalog,
                 accept_environment=(
                     decision_baseline(rebaseline) if rebaseline is not None else None
                 ),
@@ -470,6 +476,10 @@ def _consume_inbox(fleet: Fleet, engine: RunEngine, inbox: list[bytes]) -> None:
             )
 
 
+def _catalog(engine: RunEngine) -> ToolCatalog:
+    return engine.tools if isinstance(engine.tools, ToolCatalog) else ToolCatalog()
+
+
 def _view(engine: RunEngine, last_read: str | None) -> AgentView:
     state = engine.state
     report = state.verification
@@ -493,6 +503,7 @@ def _view(engine: RunEngine, last_read: str | None) -> AgentView:
         executed_keys=frozenset(e.idempotency_key for e in state.executed),
         verified=verified,
         last_read=last_read,
+        tools=tuple(_catalog(engine).permitted(engine.scenario)),
     )
 
 

@@ -1,0 +1,361 @@
+"""The environment of a run's declared tools: an :class:`Adapter` over a tool ledger.
+
+Observation: the ledger's instance id and version, and a fingerprint over them and the
+digest of the permitted tools' contracts (``details["contract"]``), so a run restored
+with a tool whose contract changed (risk, recovery, arguments) fails closed like any
+other drift. Every committed call moves the version on by one.
+
+A write, end to end (the engine committed the intent already)::
+
+    ledger: fence check + key check + precondition + row 'started'   (one transaction)
+    [hook "before_call"] -> tool.run(args, call) -> [hook "after_call"]
+    ledger: receipt committed, version + 1                           (one transaction)
+
+Recovery of a key (``lookup_for``; the engine asks it after a crash, and the same rules
+apply when ``execute`` finds a ``started`` row):
+
+============================  ===========  ==============  =========================
+ledger row for the key        ``lookup``   ``idempotent``  ``review``
+============================  ===========  ==============  =========================
+none (never sent)             None: send   None: send      None: send
+``committed``                 its receipt  its receipt     its receipt
+``aborted`` (no effect)       None: send   None: send      None: send
+``started`` (outcome hidden)  tool.lookup  None: send      OutcomeUnknownError
+                              (found: its  again, same     (needs_review, never
+                              receipt;     key             sent again)
+                              none: send)
+============================  ===========  ==============  =========================
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ratchet.errors import (
+    AdapterError,
+    ConfigurationError,
+    FenceRejectedError,
+    IdempotencyConflictError,
+    OutcomeUnknownError,
+)
+from ratchet.runtime.actions import Action
+from ratchet.runtime.canonical import Domain, canonical_json, digest
+from ratchet.runtime.ports import (
+    Clock,
+    Fence,
+    Observation,
+    ReadResult,
+    Receipt,
+    VerifierReport,
+)
+from ratchet.runtime.tools import Recovery, ToolCatalog
+from ratchet.tools.declare import Tool, ToolCall
+from ratchet.tools.ledger import ToolLedger
+
+__all__ = ["MAX_OUTPUT_CHARS", "ToolsAdapter", "output_result"]
+
+log = logging.getLogger(__name__)
+
+#: The longest output text a receipt keeps (the digest always covers the whole output).
+MAX_OUTPUT_CHARS = 1 << 16
+
+
+def _no_hook(stage: str) -> None:
+    """Tests and drills inject crashes at ``before_call`` and ``after_call``."""
+
+
+class _WallClock:
+    def now(self) -> int:
+        return int(time.time())
+
+
+def _plain(output: Any) -> Any:
+    return output.model_dump(mode="json") if isinstance(output, BaseModel) else output
+
+
+def output_result(tool: str, output: Any) -> dict[str, str | int]:
+    """A tool's output as a receipt's ``result``: the tool's name, the output as canonical
+    JSON (cut at :data:`MAX_OUTPUT_CHARS`, ``output_truncated`` then 1) and its digest.
+
+    Raises:
+        AdapterError: the output is not JSON (floats, non-string keys, other objects);
+            retryable=True: the call happened, so its outcome must be settled by recovery.
+    """
+    try:
+        text = canonical_json(_plain(output)).decode()
+    except Exception as exc:  # ContractError, TypeError: not JSON we can sign
+        raise AdapterError(
+            f"tool {tool} returned an output that is not canonical JSON ({type(exc).__name__})",
+            retryable=True,
+            tool=tool,
+        ) from None
+    result: dict[str, str | int] = {
+        "tool": tool,
+        "output": text[:MAX_OUTPUT_CHARS],
+        "output_sha256": digest(Domain.TOOL_OUTPUT, text),
+    }
+    if len(text) > MAX_OUTPUT_CHARS:
+        result["output_truncated"] = 1
+    return result
+
+
+class ToolsAdapter:
+    """The declared tools a run may call, as one fenced, receipted environment.
+
+    ``tools`` are the tools the run's scenario permits (others are not reachable);
+    ``ledger`` is the environment's ledger file (created on first use); ``clock`` stamps
+    receipts (a worker passes the store's clock); ``hook`` is called at the crash points
+    of a call (tests and drills).
+
+    Raises (constructor):
+        ConfigurationError: two tools with one name, or a bad declaration.
+        AdapterError: the ledger cannot be opened (retryable=True).
+    """
+
+    enforces_preconditions = True
+
+    def __init__(
+        self,
+        tools: Iterable[Tool],
+        ledger: Path | str,
+        *,
+        clock: Clock | None = None,
+        hook: Callable[[str], None] = _no_hook,
+        namespace: str = "tools",
+    ) -> None:
+        self._tools: dict[str, Tool] = {}
+        for t in tools:
+            if t.spec.name in self._tools:
+                raise ConfigurationError(f"two tools are named {t.spec.name!r}", field="tools")
+            self._tools[t.spec.name] = t
+        self.catalog = ToolCatalog(t.spec for t in self._tools.values())
+        self._contract = self.catalog.digest_for(self._tools)
+        path = Path(ledger)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.ledger = ToolLedger(path)
+        self._clock: Clock = clock if clock is not None else _WallClock()
+        self._hook = hook
+        self._namespace = namespace
+
+    def __repr__(self) -> str:
+        return f"ToolsAdapter(tools={sorted(self._tools)}, ledger={str(self.ledger.path)!r})"
+
+    def close(self) -> None:
+        for t in self._tools.values():
+            t.close()
+        self.ledger.close()
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def effects(self) -> int:
+        """Calls committed in this environment."""
+        return self.ledger.counters()[0]
+
+    def tool(self, name: str) -> Tool:
+        """The tool named ``name``.
+
+        Raises:
+            AdapterError: no such tool here (retryable=False).
+        """
+        found = self._tools.get(name)
+        if found is None:
+            raise AdapterError(f"this environment has no tool {name!r}", retryable=False, tool=name)
+        return found
+
+    # -- observation ------------------------------------------------------------------
+
+    def _observation(self, version: int) -> Observation:
+        instance = self.ledger.instance_id
+        return Observation(
+            instance_id=instance,
+            version=version,
+            fingerprint=digest(
+                Domain.ENVIRONMENT,
+                {"instance_id": instance, "version": version, "contract": self._contract},
+            ),
+            details={"contract": self._contract},
+        )
+
+    def observe(self) -> Observation:
+        return self._observation(self.ledger.version)
+
+    def project(self, action: Action, before: Observation) -> Observation | None:
+        """One committed call moves the version on by one and changes nothing else."""
+        current = self.observe()
+        if not current.same_state(before) or action.expected_env_version != current.version:
+            return None
+        return self._observation(current.version + 1)
+
+    # -- fences -----------------------------------------------------------------------
+
+    def raise_fence(self, fence: Fence) -> None:
+        """Raise ``fence`` at the ledger, then at every tool that checks fences itself.
+
+        Raises:
+            FenceRejectedError: the ledger or a tool has seen a newer fence.
+        """
+        self.ledger.raise_fence(fence)
+        for t in self._tools.values():
+            if t.checks_fences:
+                t.raise_fence(fence)
+
+    # -- writes -----------------------------------------------------------------------
+
+    def _call(self, action: Action, fence: Fence, intent: str | None, approval: str | None) -> Any:
+        t = self.tool(str(action.kind))
+        call = ToolCall(
+            run_id=fence.run_id,
+            tool=t.spec.name,
+            idempotency_key=action.idempotency_key,
+            fence=fence,
+            intent_digest=intent,
+            approval_digest=approval,
+        )
+        return t.run(t.parse_args(dict(action.args)), call)
+
+    def execute(
+        self, action: Action, intent_digest: str, fence: Fence, approval_digest: str | None
+    ) -> Receipt:
+        """Call the tool once under the action's key, or return the key's receipt.
+
+        Raises:
+            FenceRejectedError: the ledger (or the tool) has seen a newer fence.
+            IdempotencyConflictError: the key belongs to another intent.
+            OutcomeUnknownError: an earlier call of the key was cut off and the tool can
+                neither look it up nor be called again (its recovery is ``review``).
+            AdapterError: a refusal with no effect (retryable=False), or a failure whose
+                outcome recovery settles (retryable=True).
+        """
+        t = self.tool(str(action.kind))
+        key = action.idempotency_key or ""
+        again = False
+        row = self.ledger.row(key)
+        if row is not None and row.status == "started":
+            settled = self._settle_started(t, key)
+            if settled is not None:
+                return settled
+            again = True
+        existing = self.ledger.begin_call(
+            key=key,
+            tool=t.spec.name,
+            intent_digest=intent_digest,
+            approval_digest=approval_digest,
+            fence=fence,
+            expected_version=action.expected_env_version,
+            again=again,
+            # Only a review tool's started row is the sole proof of "never sent".
+            durable=t.spec.recovery is Recovery.REVIEW,
+        )
+        if existing is not None:
+            return existing
+        self._hook("before_call")
+        try:
+            output = self._call(action, fence, intent_digest, approval_digest)
+        except (FenceRejectedError, IdempotencyConflictError):
+            self.ledger.abort_call(key)  # the tool refused it: no effect
+            raise
+        except AdapterError as exc:
+            if not exc.context.get("retryable"):
+                self.ledger.abort_call(key)
+            raise
+        except Exception as exc:
+            # The call may or may not have reached the service: leave the row started,
+            # for recovery. Only the type is reported (a message may carry a secret).
+            log.warning("tool %s failed: %s", t.spec.name, type(exc).__name__)
+            raise AdapterError(
+                f"tool {t.spec.name} failed ({type(exc).__name__}); its outcome is settled "
+                "by recovery",
+                retryable=True,
+                tool=t.spec.name,
+            ) from None
+        self._hook("after_call")
+        return self.ledger.commit_call(
+            key,
+            namespace=self._namespace,
+            result=output_result(t.spec.name, output),
+            committed_at=self._clock.now(),
+        )
+
+    def _settle_started(self, t: Tool, key: str) -> Receipt | None:
+        """A ``started`` row: the receipt recovery finds, or None (the tool may be called
+        again with the same key). Raises OutcomeUnknownError (recovery ``review``)."""
+        recovery = t.spec.recovery
+        if recovery is Recovery.LOOKUP:
+            found = t.lookup(key)
+            if found is None:
+                self.ledger.abort_call(key)
+                return None
+            return self.ledger.commit_call(
+                key,
+                namespace=self._namespace,
+                result=output_result(t.spec.name, found),
+                committed_at=self._clock.now(),
+            )
+        if recovery is Recovery.IDEMPOTENT:
+            return None
+        raise OutcomeUnknownError(
+            f"a call of tool {t.spec.name} was cut off and the tool can neither look its "
+            "key up nor be called again: whether it happened is for a reviewer to find out",
+            tool=t.spec.name,
+            idempotency_key=key,
+        )
+
+    def lookup_for(self, kind: str, idempotency_key: str) -> Receipt | None:
+        """The key's receipt, settled by the tool's recovery (the module's table).
+
+        Raises:
+            OutcomeUnknownError: a cut-off call of a ``review`` tool.
+            AdapterError: the tool's lookup failed.
+        """
+        row = self.ledger.row(idempotency_key)
+        if row is None or row.status == "aborted":
+            return None
+        if row.status == "committed":
+            return row.receipt
+        t = self._tools.get(row.tool) or self.tool(kind)
+        return self._settle_started(t, idempotency_key)
+
+    def lookup(self, idempotency_key: str) -> Receipt | None:
+        """As :meth:`lookup_for`, for the tool the ledger recorded the key under."""
+        row = self.ledger.row(idempotency_key)
+        return None if row is None else self.lookup_for(row.tool, idempotency_key)
+
+    # -- reads ------------------------------------------------------------------------
+
+    def read(self, action: Action) -> ReadResult:
+        """Call a read-only tool; its output (canonical JSON) is the read's content.
+
+        Raises:
+            AdapterError: the tool failed, or it is not read-only (retryable=False).
+        """
+        t = self.tool(str(action.kind))
+        if t.spec.is_write:
+            raise AdapterError(
+                f"tool {t.spec.name} writes; it is not read", retryable=False, tool=t.spec.name
+            )
+        version = self.ledger.version
+        call = ToolCall(run_id="", tool=t.spec.name, idempotency_key=None, fence=None)
+        try:
+            output = t.run(t.parse_args(dict(action.args)), call)
+        except AdapterError:
+            raise
+        except Exception as exc:
+            raise AdapterError(
+                f"tool {t.spec.name} failed ({type(exc).__name__})",
+                retryable=True,
+                tool=t.spec.name,
+            ) from None
+        text = canonical_json(_plain(output)).decode()
+        return ReadResult(content=text[: 1 << 20], env_version=version)
+
+    def verify(self, target: str) -> VerifierReport:
+        raise AdapterError("declared tools run no verifier", retryable=False, target=target)

@@ -1,0 +1,143 @@
+"""Tools installed as packages: the ``ratchet.tools`` entry-point group, loaded by name
+only when a run's scenario permits the tool, into the run's environment."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ratchet.adapters import RouterAdapter
+from ratchet.errors import ConfigurationError
+from ratchet.fleet.runs import (
+    EnvironmentSpec,
+    RunDocument,
+    VerifierSpec,
+    build_adapter,
+    run_toolbox,
+)
+from ratchet.tools import Toolbox, load_entry_point_tool
+from tests.adapters.harness import make_workspace, scenario
+
+PLUGIN = '''
+import ratchet
+
+LOADED = []
+
+@ratchet.tool(risk="irreversible_external_write", idempotent=True)
+def create_refund(order_id: str, amount_cents: int) -> dict:
+    """Refund part of an order."""
+    return {"order_id": order_id}
+
+@ratchet.tool(risk="read_only")
+def order_status(order_id: str) -> dict:
+    return {"order_id": order_id}
+
+def misnamed():
+    return order_status
+
+def broken():
+    raise RuntimeError("secret-token-in-a-message")
+'''
+
+ENTRY_POINTS = """[ratchet.tools]
+create_refund = refund_plugin:create_refund
+order_status = refund_plugin:order_status
+misnamed = refund_plugin:misnamed
+broken = refund_plugin:broken
+"""
+
+
+@pytest.fixture
+def installed(tmp_path: Path) -> Iterator[Path]:
+    """A package installed the way pip leaves one: a module and its dist-info."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "refund_plugin.py").write_text(PLUGIN)
+    info = site / "refund_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: refund-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    try:
+        yield site
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("refund_plugin", None)
+        importlib.invalidate_caches()
+
+
+def document(root: Path, permissions: list[str]) -> RunDocument:
+    return RunDocument(
+        scenario=scenario(permissions=permissions),
+        agent="greeting",
+        environment=EnvironmentSpec(
+            root=str(root), verifiers={"unit": VerifierSpec(argv=("true",))}
+        ),
+    )
+
+
+def test_an_installed_tool_loads_by_its_entry_point_name(installed: Path) -> None:
+    made = load_entry_point_tool("create_refund")
+    assert made.spec.name == "create_refund" and made.spec.recovery.value == "idempotent"
+
+
+def test_a_worker_loads_only_the_tools_the_scenario_permits(
+    installed: Path, tmp_path: Path
+) -> None:
+    root = make_workspace(tmp_path / "ws")
+    box = run_toolbox(document(root, ["read_file", "write_file", "finish", "create_refund"]))
+    assert [t.spec.name for t in box] == ["create_refund"]
+    adapter = build_adapter(document(root, ["finish", "create_refund"]), toolbox=box)
+    assert isinstance(adapter, RouterAdapter) and adapter.tools is not None
+    assert (root / ".ratchet" / "tools.sqlite3").exists()
+    assert "tools.contract" in adapter.observe().details
+
+
+def test_a_run_without_declared_tools_keeps_the_plain_workspace(tmp_path: Path) -> None:
+    root = make_workspace(tmp_path / "ws")
+    adapter = build_adapter(document(root, ["read_file", "write_file", "finish"]))
+    assert type(adapter).__name__ == "WorkspaceAdapter"
+    assert not (root / ".ratchet" / "tools.sqlite3").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("not_installed", "no tool 'not_installed' is installed"),
+        ("misnamed", "provides a tool named 'order_status'"),
+        ("broken", "failed to load (RuntimeError)"),
+    ],
+)
+def test_a_tool_that_cannot_be_loaded_is_refused_in_one_line(
+    installed: Path, name: str, message: str
+) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        load_entry_point_tool(name)
+    assert message in str(caught.value)
+    assert "secret-token" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_scenario_naming_a_missing_tool_is_refused_before_anything_is_built(
+    installed: Path, tmp_path: Path
+) -> None:
+    root = make_workspace(tmp_path / "ws")
+    with pytest.raises(ConfigurationError, match="not_installed"):
+        build_adapter(document(root, ["finish", "not_installed"]))
+    assert not (root / ".ratchet" / "tools.sqlite3").exists()
+
+
+def test_a_toolbox_refuses_two_tools_with_one_name_and_builtin_names(installed: Path) -> None:
+    made = load_entry_point_tool("create_refund")
+    with pytest.raises(ConfigurationError, match="registered already"):
+        Toolbox([made, load_entry_point_tool("create_refund")])
+    from ratchet import tool
+
+    with pytest.raises(ConfigurationError, match="built-in"):
+
+        @tool(name="write_file")
+        def write_file(path: str) -> None: ...
