@@ -74,6 +74,14 @@ def demo(
             "--local", help="One process, in-memory stand-ins, a crash injected in one window."
         ),
     ] = False,
+    tools: Annotated[
+        bool,
+        typer.Option(
+            "--tools",
+            help="A tool-calling agent (a stub chat model) fixes the repository and files a "
+            "ticket through a real MCP server, on 3 workers, one killed mid-run.",
+        ),
+    ] = False,
     runs: Annotated[int, typer.Option(min=1, max=50, help="Runs to submit.")] = 6,
     workers: Annotated[int, typer.Option(min=2, max=8, help="Worker processes.")] = 2,
     as_json: JsonFlag = False,
@@ -85,6 +93,9 @@ def demo(
         local_demo(as_json)
         return
     os.environ.setdefault("RATCHET_LOG_LEVEL", "WARNING")
+    if tools:
+        _tools_demo(runs=min(runs, 4), workers=max(workers, 3), as_json=as_json)
+        return
     report = run_fleet_demo(runs=runs, workers=workers)
     data = report.as_dict()
     if as_json:
@@ -108,6 +119,45 @@ def demo(
             table.add_row(name, str(data[name]))
         table.add_row("killed while holding", ", ".join(report.killed_holding) or "-")
         table.add_row("verifier", report.sandbox)
+        table.add_row("result", "ok" if report.ok else "FAILED")
+        console.print(table)
+    if not report.ok:
+        typer.echo("ratchet: demo check failed", err=True)
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _tools_demo(*, runs: int, workers: int, as_json: bool) -> None:
+    try:
+        from ratchet.demo.tools import run_tools_demo  # noqa: PLC0415 - needs the mcp extra
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the tools demo needs the mcp and openai extras ({exc.name}): "
+            "pip install -e '.[mcp,openai]'"
+        ) from None
+    report = run_tools_demo(runs=runs, workers=workers)
+    data = report.as_dict()
+    if as_json:
+        print_json(data)
+    else:
+        console = Console(highlight=False)
+        table = Table(
+            title="ratchet tools demo (tool-calling agent, MCP tickets server, real workers)",
+            show_header=False,
+        )
+        for name in (
+            "runs",
+            "completed",
+            "tickets_created",
+            "duplicate_effects",
+            "greeting_fixed",
+            "takeovers",
+            "workers_killed",
+            "workers",
+            "model_requests",
+            "elapsed_s",
+        ):
+            table.add_row(name, str(data[name]))
+        table.add_row("killed while holding", ", ".join(report.killed_holding) or "-")
         table.add_row("result", "ok" if report.ok else "FAILED")
         console.print(table)
     if not report.ok:
@@ -193,7 +243,8 @@ def submit_command(
     agent: Annotated[
         str,
         typer.Option(
-            help="Built-in agent (greeting, scripted), package.module:factory, or a plan file."
+            help="Built-in agent (greeting, scripted, tool_calling), package.module:factory, "
+            "or a plan file."
         ),
     ] = "greeting",
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run id to use.")] = None,

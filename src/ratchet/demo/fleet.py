@@ -40,7 +40,7 @@ from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.pool import _settings_json, worker_main
 
-__all__ = ["FleetDemoReport", "run_fleet_demo"]
+__all__ = ["FleetDemoReport", "owners_in_history", "run_fleet_demo", "run_workers_and_kill_one"]
 
 
 @dataclass
@@ -74,7 +74,8 @@ class FleetDemoReport:
         return data
 
 
-def _owners_in_history(fleet: Fleet, run_id: str) -> set[str]:
+def owners_in_history(fleet: Fleet, run_id: str) -> set[str]:
+    """The worker owners that held run ``run_id``'s lease, from its lease history."""
     entries = fleet.store.client.lrange(run_keys(run_id).history, 0, -1)
     owners = set()
     for raw in entries:
@@ -172,6 +173,41 @@ def _run(
             run_id=f"demo-{index}-{os.getpid()}",
         )
         roots[run_id] = root
+    run_ids = list(roots)
+    phases, killed, started_workers = run_workers_and_kill_one(
+        fleet, child, run_ids, workers=workers, deadline_s=deadline_s
+    )
+    effects, refused = {}, 0
+    fixed = 0
+    for run_id, root in roots.items():
+        with WorkspaceAdapter(root, ["app.py"]) as adapter:
+            effects[run_id] = adapter.effects
+            refused += adapter.refused_stale
+        fixed += (root / "app.py").read_text() == RIGHT_GREETING
+    takeovers = sum(1 for r in run_ids if len(owners_in_history(fleet, r)) > 1)
+    return FleetDemoReport(
+        runs=len(run_ids),
+        completed=sum(1 for p in phases.values() if p == Phase.COMPLETED.value),
+        duplicate_effects=sum(max(0, n - 1) for n in effects.values()),
+        stale_writes_rejected=refused,
+        takeovers=takeovers,
+        workers_killed=len(killed),
+        elapsed_s=round(time.monotonic() - started, 2),
+        workers=started_workers,
+        lease_ttl_ms=child.lease_ttl_ms,
+        phases=phases,
+        effects=effects,
+        killed_holding=killed,
+        greeting_fixed=fixed,
+    )
+
+
+def run_workers_and_kill_one(
+    fleet: Fleet, child: Settings, run_ids: list[str], *, workers: int, deadline_s: float
+) -> tuple[dict[str, str], list[str], int]:
+    """Start ``workers`` worker processes on ``child``'s settings, SIGKILL the first one
+    seen holding a lease in the middle of a run, and wait (until ``deadline_s``) for every
+    run to end; then stop the workers. Returns ``(phases, killed_holding, workers)``."""
     ctx = mp.get_context("spawn")
     payload = _settings_json(child)
     procs: dict[int, BaseProcess] = {}
@@ -181,7 +217,6 @@ def _run(
         if spawned.pid is not None:
             procs[spawned.pid] = spawned
     killed: list[str] = []
-    run_ids = list(roots)
     deadline = time.monotonic() + deadline_s
     try:
         while not killed and time.monotonic() < deadline:
@@ -204,29 +239,7 @@ def _run(
             worker.join(timeout=15)
             if worker.is_alive():
                 worker.kill()
-    effects, refused = {}, 0
-    fixed = 0
-    for run_id, root in roots.items():
-        with WorkspaceAdapter(root, ["app.py"]) as adapter:
-            effects[run_id] = adapter.effects
-            refused += adapter.refused_stale
-        fixed += (root / "app.py").read_text() == RIGHT_GREETING
-    takeovers = sum(1 for r in run_ids if len(_owners_in_history(fleet, r)) > 1)
-    return FleetDemoReport(
-        runs=len(run_ids),
-        completed=sum(1 for p in phases.values() if p == Phase.COMPLETED.value),
-        duplicate_effects=sum(max(0, n - 1) for n in effects.values()),
-        stale_writes_rejected=refused,
-        takeovers=takeovers,
-        workers_killed=len(killed),
-        elapsed_s=round(time.monotonic() - started, 2),
-        workers=len(procs),
-        lease_ttl_ms=child.lease_ttl_ms,
-        phases=phases,
-        effects=effects,
-        killed_holding=killed,
-        greeting_fixed=fixed,
-    )
+    return phases, killed, len(procs)
 
 
 def _wait_terminal(fleet: Fleet, run_ids: list[str], deadline: float) -> dict[str, str]:

@@ -18,6 +18,7 @@ resolves a verifier command: a rewritten, swapped or forged document is refused 
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, Strict, ValidationError, field_validator
@@ -47,10 +48,11 @@ from ratchet.runtime.canonical import (
 from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.tools import BUILTIN_TOOLS
 from ratchet.runtime.types import Frozen, JsonObject, StrictBool, exact_version
-from ratchet.tools import Toolbox
+from ratchet.tools import Tool, Toolbox
 
 __all__ = [
     "EnvironmentSpec",
+    "McpServerSpec",
     "RunDocument",
     "VerifierSpec",
     "build_adapter",
@@ -75,14 +77,33 @@ class VerifierSpec(Frozen):
     network: StrictBool = False
 
 
+class McpServerSpec(Frozen):
+    """An MCP server (streamable HTTP) whose tools a run may call, named ``prefix`` +
+    the MCP tool name. The document names the server only by address: a worker never
+    starts a process a document names (a stdio server is a tool package's business, see
+    docs/mcp.md). ``token_env`` names the worker's environment variable holding a bearer
+    token for it (the worker's secret, never the document's)."""
+
+    url: Annotated[str, Strict(), Field(min_length=1, max_length=2048, pattern=r"^https?://")]
+    prefix: Annotated[
+        str, Strict(), Field(max_length=32, pattern=r"^([A-Za-z][A-Za-z0-9_-]*)?$")
+    ] = ""
+    token_env: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")] | None = (
+        None
+    )
+
+
 class EnvironmentSpec(Frozen):
     """Where a run's side effects happen: a workspace directory, and optionally an HTTP
-    API for ``external_call`` actions."""
+    API for ``external_call`` actions and MCP servers whose tools the scenario permits."""
 
     kind: Literal["workspace"] = "workspace"
     root: _Text
     verifiers: dict[Annotated[str, Strict()], VerifierSpec] = Field(default_factory=dict)
     http_base_url: _Text | None = None
+    mcp: dict[
+        Annotated[str, Strict(), Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")], McpServerSpec
+    ] = Field(default_factory=dict)
 
 
 class RunDocument(Frozen):
@@ -174,9 +195,52 @@ def run_toolbox(document: RunDocument) -> Toolbox:
             scenario does not ask for an approval a tool requires.
     """
     names = [str(n) for n in document.scenario.permissions if str(n) not in BUILTIN_TOOLS]
-    box = Toolbox().with_entry_points(names)
+    servers = document.environment.mcp
+    box = Toolbox()
+    for server, spec in servers.items():
+        for made in _mcp_tools(server, spec, names):
+            box.add(made)
+    box = box.with_entry_points(n for n in names if n not in box)
     box.catalog.check_scenario(document.scenario)
     return box
+
+
+def _mcp_tools(server: str, spec: McpServerSpec, permitted: list[str]) -> list[Tool]:
+    """The tools of MCP server ``server`` that the scenario permits (none: not contacted).
+
+    Raises:
+        ConfigurationError: the ``mcp`` extra is missing, the token variable is unset.
+        AdapterError: the server could not be reached (retryable=True).
+    """
+    wanted = [n for n in permitted if n.startswith(spec.prefix)]
+    if not wanted:
+        return []
+    try:
+        from ratchet.tools.mcp import MCPConnection, mcp_tools  # noqa: PLC0415 - optional extra
+    except ImportError:
+        raise ConfigurationError(
+            f"the run names MCP server {server!r}: install ratchet[mcp]",
+            field=f"environment.mcp.{server}",
+        ) from None
+    headers: dict[str, str] = {}
+    if spec.token_env is not None:
+        token = os.environ.get(spec.token_env)
+        if not token:
+            raise ConfigurationError(
+                f"MCP server {server!r} needs a token in ${spec.token_env}, which is unset",
+                field=f"environment.mcp.{server}.token_env",
+            )
+        headers["Authorization"] = f"Bearer {token}"
+    connection = MCPConnection.http(spec.url, headers=headers)
+    try:
+        listed = mcp_tools(connection, prefix=spec.prefix)
+    except BaseException:
+        connection.close()
+        raise
+    kept = [t for t in listed if t.spec.name in wanted]
+    if not kept:
+        connection.close()
+    return kept
 
 
 def build_adapter(

@@ -1,0 +1,932 @@
+"""MCP servers as fenced environments: a server's tools as ratchet tools (``ratchet[mcp]``).
+
+:class:`MCPConnection` is a synchronous handle on one MCP server, over stdio (a command
+ratchet starts) or streamable HTTP (a URL). It runs the ``mcp`` package's async client on
+an event loop of its own, in a background thread; every call has a deadline, and a dead
+server or a broken transport is :class:`~ratchet.errors.AdapterError` with
+``retryable=True``. :func:`mcp_tools` turns the server's tools into ratchet tools
+(:class:`MCPTool`), which a :class:`~ratchet.tools.Toolbox` makes a run's environment.
+
+A call, on the wire (docs/mcp.md has the whole walkthrough)::
+
+    tools/call {name, arguments,
+                idempotencyKey: KEY                  (a server that advertises SEP-3182)
+                _meta: {"ratchet/idempotencyKey": KEY   (any other server)
+                        "ratchet/fence": {run_id, lease_version, state_version, store_epoch}}}
+
+A tool error result (``isError``) is a refusal with no effect, unless it is marked (in its
+``_meta`` or its ``structuredContent``) ``"ratchet/error": "fence_rejected"``
+(:class:`~ratchet.errors.FenceRejectedError`) or ``"idempotency_conflict"``
+(:class:`~ratchet.errors.IdempotencyConflictError`); a JSON-RPC error carrying the same
+marker in its ``data`` means the same. Any other JSON-RPC error but a malformed or
+unknown request, a timeout and a lost connection leave the call's outcome unknown, for
+recovery.
+
+Server capabilities read (experimental, since the SDK's capability models drop unknown
+fields): ``{"idempotencyKey": {}}`` (SEP-3182: the key goes beside ``arguments`` and the
+server dedupes by it, so its write tools are idempotent) and
+``{"ratchet": {"fences": true, "lookup": true}}``: the hidden tools ``ratchet_raise_fence``
+(its write tools then check fences) and ``ratchet_lookup`` (its write tools then recover by
+lookup).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import json
+import logging
+import re
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+from pathlib import Path
+from typing import Any, ClassVar, TextIO, TypeVar, cast
+from urllib.parse import urlsplit
+
+import anyio
+import httpx2
+import mcp_types
+from jsonschema.exceptions import SchemaError, best_match  # type: ignore[import-untyped]
+from jsonschema.validators import validator_for  # type: ignore[import-untyped]
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from pydantic import BaseModel, ConfigDict, model_validator
+from referencing import Registry
+
+from ratchet.errors import (
+    AdapterError,
+    ConfigurationError,
+    FenceRejectedError,
+    IdempotencyConflictError,
+)
+from ratchet.runtime.actions import Risk
+from ratchet.runtime.canonical import canonical_json
+from ratchet.runtime.ports import Fence
+from ratchet.runtime.tools import TOOL_NAME_PATTERN
+from ratchet.tools.adapter import MAX_OUTPUT_CHARS
+from ratchet.tools.declare import Tool, ToolCall
+
+__all__ = [
+    "EXTENSION_CAPABILITY",
+    "FENCE_REJECTED",
+    "IDEMPOTENCY_CONFLICT",
+    "LOOKUP_TOOL",
+    "META_ERROR",
+    "META_FENCE",
+    "META_IDEMPOTENCY_KEY",
+    "RAISE_FENCE_TOOL",
+    "SEP3182_CAPABILITY",
+    "MCPConnection",
+    "MCPTool",
+    "RatchetExtensions",
+    "SchemaArgs",
+    "fence_payload",
+    "mcp_risk",
+    "mcp_tools",
+    "schema_model",
+    "tool_name",
+    "tool_output",
+]
+
+log = logging.getLogger(__name__)
+
+#: Request ``_meta`` keys ratchet sends, and the result marker a server answers with.
+META_FENCE = "ratchet/fence"
+META_IDEMPOTENCY_KEY = "ratchet/idempotencyKey"
+META_ERROR = "ratchet/error"
+#: The marker's values: a stale fence refused, a key reused for other arguments.
+FENCE_REJECTED = "fence_rejected"
+IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+#: Experimental capabilities: SEP-3182's ``idempotencyKey``, and ratchet's extensions.
+SEP3182_CAPABILITY = "idempotencyKey"
+EXTENSION_CAPABILITY = "ratchet"
+#: The extension tools, never offered as tools of their own.
+RAISE_FENCE_TOOL = "ratchet_raise_fence"
+LOOKUP_TOOL = "ratchet_lookup"
+_HIDDEN = frozenset({RAISE_FENCE_TOOL, LOOKUP_TOOL})
+
+# JSON-RPC errors that say the request was refused as such (nothing ran).
+_REFUSED_CODES = frozenset(
+    {
+        mcp_types.PARSE_ERROR,
+        mcp_types.INVALID_REQUEST,
+        mcp_types.METHOD_NOT_FOUND,
+        mcp_types.INVALID_PARAMS,
+        mcp_types.HEADER_MISMATCH,
+    }
+)
+
+
+def _client_info() -> mcp_types.Implementation:
+    try:
+        found = _version("ratchet")
+    except PackageNotFoundError:  # a source tree that is not installed
+        found = "unknown"
+    return mcp_types.Implementation(name="ratchet", version=found)
+
+
+_CLIENT_INFO = _client_info()
+_GRACE_S = 2.0  # the caller's wait beyond a call's own deadline
+_CLOSE_S = 10.0  # how long close() waits for the transport to wind down
+_MAX_PAGES = 100  # tools/list pages before a listing that never ends is refused
+_EXCERPT = 200  # characters of a server's error text kept in an error message
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class RatchetExtensions:
+    """The ratchet extensions a server advertised (``experimental.ratchet``)."""
+
+    fences: bool = False
+    lookup: bool = False
+
+
+def fence_payload(fence: Fence) -> dict[str, Any]:
+    """``fence`` as ratchet sends it (``_meta["ratchet/fence"]``, ``ratchet_raise_fence``)."""
+    return {
+        "run_id": fence.run_id,
+        "lease_version": fence.lease_version,
+        "state_version": fence.state_version,
+        "store_epoch": fence.store_epoch,
+    }
+
+
+# -- transports ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Stdio:
+    argv: tuple[str, ...]
+    env: Mapping[str, str] | None = field(default=None, repr=False)
+    cwd: str | None = None
+    errlog: TextIO | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"stdio {Path(self.argv[0]).name}"
+
+    def secrets(self) -> list[str]:
+        return list((self.env or {}).values())
+
+    async def open(self, stack: AsyncExitStack) -> AbstractAsyncContextManager[Any]:
+        params = StdioServerParameters(
+            command=self.argv[0],
+            args=list(self.argv[1:]),
+            env=dict(self.env) if self.env else None,
+            cwd=self.cwd,
+        )
+        return stdio_client(params, errlog=self.errlog or sys.stderr)
+
+
+@dataclass(frozen=True)
+class _Http:
+    url: str = field(repr=False)
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+    connect_timeout_s: float = 30.0
+
+    @property
+    def label(self) -> str:
+        # No userinfo, query or fragment: any of them may carry a credential.
+        parts = urlsplit(self.url)
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
+
+    def secrets(self) -> list[str]:
+        parts = urlsplit(self.url)
+        found = [v for v in self.headers.values()]
+        return found + [s for s in (parts.password, parts.query) if s]
+
+    async def open(self, stack: AsyncExitStack) -> AbstractAsyncContextManager[Any]:
+        client = httpx2.AsyncClient(
+            headers=dict(self.headers),
+            timeout=httpx2.Timeout(self.connect_timeout_s, read=300.0),
+        )
+        await stack.enter_async_context(client)
+        return streamable_http_client(self.url, http_client=client)
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=_CLOSE_S))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+class _CallToolParams(mcp_types.CallToolRequestParams):
+    """``tools/call`` params with SEP-3182's ``idempotencyKey`` beside ``arguments``."""
+
+    idempotency_key: str | None = None
+
+
+class _CallToolRequest(mcp_types.CallToolRequest):
+    params: _CallToolParams
+
+
+class MCPConnection:
+    """One MCP server, used synchronously. Make it with :meth:`stdio` or :meth:`http`;
+    :meth:`start` connects (``mcp_tools`` does it when needed), :meth:`close` ends it.
+
+    ``timeout_s`` bounds every call, ``connect_timeout_s`` the connection and the
+    handshake. Header and environment values are secrets: they appear in no repr, log
+    line or error (a server's error text is scrubbed of them too).
+    """
+
+    def __init__(
+        self,
+        transport: _Stdio | _Http,
+        *,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
+        if not (timeout_s > 0 and connect_timeout_s > 0):
+            raise ConfigurationError("MCP timeouts must be positive", field="timeout_s")
+        self._transport = transport
+        self._timeout = float(timeout_s)
+        self._connect_timeout = float(connect_timeout_s)
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._serving: concurrent.futures.Future[None] | None = None
+        self._stop = asyncio.Event()
+        self._client: Client | None = None
+        self._capabilities: mcp_types.ServerCapabilities | None = None
+        self._closed = False
+        self._raised: set[tuple[Any, ...]] = set()
+
+    @classmethod
+    def stdio(
+        cls,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        errlog: TextIO | None = None,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 30.0,
+    ) -> MCPConnection:
+        """A server ratchet starts: ``argv`` (program first), extra ``env`` (over a
+        minimal default environment), ``cwd``; its stderr goes to ``errlog``.
+
+        Raises:
+            ConfigurationError: an empty ``argv`` or a bad timeout.
+        """
+        if not argv or not argv[0]:
+            raise ConfigurationError("an MCP stdio server needs a program to run", field="argv")
+        transport = _Stdio(
+            argv=tuple(argv),
+            env=dict(env) if env is not None else None,
+            cwd=str(cwd) if cwd is not None else None,
+            errlog=errlog,
+        )
+        return cls(transport, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+
+    @classmethod
+    def http(
+        cls,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 30.0,
+    ) -> MCPConnection:
+        """A server at ``url`` (streamable HTTP), sent ``headers`` on every request.
+
+        Raises:
+            ConfigurationError: not an http(s) URL, or a bad timeout.
+        """
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigurationError("an MCP server URL must be http(s)://host/...", field="url")
+        transport = _Http(url=url, headers=dict(headers or {}), connect_timeout_s=connect_timeout_s)
+        return cls(transport, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self._client else "idle")
+        return f"MCPConnection({self._transport.label!r}, {state})"
+
+    def __enter__(self) -> MCPConnection:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every secret of this connection replaced by ``***``."""
+        for secret in self._transport.secrets():
+            if len(secret) >= 4:
+                text = text.replace(secret, "***")
+        return text
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> MCPConnection:
+        """Connect and negotiate (once; later calls return at once).
+
+        Raises:
+            AdapterError: the server could not be started or reached, or did not finish
+                the handshake in time (retryable=True); the connection was closed
+                (retryable=False).
+        """
+        with self._lock:
+            if self._closed:
+                raise AdapterError("this MCP connection is closed", retryable=False)
+            if self._loop is not None:
+                return self
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(
+                target=_run_loop, args=(loop,), name="ratchet-mcp", daemon=True
+            )
+            thread.start()
+            ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._loop, self._thread = loop, thread
+            self._serving = asyncio.run_coroutine_threadsafe(self._serve(ready), loop)
+        try:
+            ready.result(self._connect_timeout + _GRACE_S)
+            client = self.client
+        except (Exception, asyncio.CancelledError) as exc:
+            self.close()
+            raise AdapterError(
+                f"MCP server ({self._transport.label}) could not be connected "
+                f"({_what_failed(exc)})",
+                retryable=True,
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        # Fixed for the connection's life, and readable after the server died.
+        self._capabilities = client.server_capabilities
+        log.info(
+            "connected to MCP server %s (protocol %s)",
+            self._transport.label,
+            client.protocol_version,
+        )
+        return self
+
+    async def _serve(self, ready: concurrent.futures.Future[None]) -> None:
+        """The connection's life, in one task (the SDK's contexts must be entered and
+        left in the same task): connect, handshake, wait for close(), wind down."""
+        try:
+            async with AsyncExitStack() as stack:
+                transport = await self._transport.open(stack)
+                client = Client(
+                    transport,
+                    mode="auto",
+                    cache=None,
+                    read_timeout_seconds=self._timeout,
+                    client_info=_CLIENT_INFO,
+                )
+                await stack.enter_async_context(client)
+                self._client = client
+                ready.set_result(None)
+                await self._stop.wait()
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+            elif isinstance(exc, Exception):
+                log.warning(
+                    "MCP server %s: the connection ended (%s)",
+                    self._transport.label,
+                    type(exc).__name__,
+                )
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._client = None
+
+    def close(self) -> None:
+        """Disconnect (a stdio server is stopped). Idempotent; waits a bounded time."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread, serving = self._loop, self._thread, self._serving
+        if loop is None or thread is None:
+            return
+        if serving is not None and self._client is not None:
+            # Connected: let the serving task leave the SDK's contexts (a stdio server
+            # is asked to exit, then killed) within a bound.
+            loop.call_soon_threadsafe(self._stop.set)
+            try:
+                serving.result(_CLOSE_S)
+            except BaseException as exc:
+                log.debug("MCP server %s: close: %s", self._transport.label, type(exc).__name__)
+        if serving is not None:
+            serving.cancel()  # still connecting, or would not wind down
+        # The loop cancels what is left and gives it a bounded time to unwind.
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(2 * _CLOSE_S)
+
+    @property
+    def client(self) -> Client:
+        """The connected SDK client (for what this class does not wrap).
+
+        Raises:
+            AdapterError: not connected (retryable=True).
+        """
+        client = self._client
+        if client is None or self._closed:
+            raise AdapterError(
+                f"MCP server ({self._transport.label}) is not connected", retryable=True
+            )
+        return client
+
+    # -- what the server offers -------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> mcp_types.ServerCapabilities:
+        """What the server advertised when the connection started.
+
+        Raises:
+            AdapterError: never started (retryable=True).
+        """
+        if self._capabilities is None:
+            raise AdapterError(
+                f"MCP server ({self._transport.label}) is not connected", retryable=True
+            )
+        return self._capabilities
+
+    @property
+    def supports_idempotency_key(self) -> bool:
+        """The server advertised SEP-3182 (experimental ``idempotencyKey``)."""
+        return SEP3182_CAPABILITY in (self.capabilities.experimental or {})
+
+    @property
+    def extensions(self) -> RatchetExtensions:
+        """The ratchet extensions the server advertised."""
+        found = (self.capabilities.experimental or {}).get(EXTENSION_CAPABILITY) or {}
+        return RatchetExtensions(
+            fences=found.get("fences") is True, lookup=found.get("lookup") is True
+        )
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def _run(self, make: Callable[[Client], Awaitable[_T]], timeout: float, what: str) -> _T:
+        """Run ``make(client)`` on the connection's loop, within ``timeout`` seconds.
+
+        Raises:
+            MCPError: the server answered with a JSON-RPC error.
+            AdapterError: no answer in time, or the transport failed (retryable=True).
+        """
+        client = self.client
+        loop = self._loop
+        if loop is None:
+            raise AdapterError(
+                f"MCP server ({self._transport.label}) is not connected", retryable=True
+            )
+
+        async def bounded() -> _T:
+            with anyio.fail_after(timeout):
+                return await make(client)
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), loop)
+        try:
+            return future.result(timeout + _GRACE_S)
+        except TimeoutError:
+            future.cancel()
+            raise AdapterError(
+                f"MCP server ({self._transport.label}): {what} had no answer within {timeout:g}s",
+                retryable=True,
+            ) from None
+        except (MCPError, AdapterError):
+            raise
+        except Exception as exc:
+            raise AdapterError(
+                f"MCP server ({self._transport.label}): {what} failed ({type(exc).__name__})",
+                retryable=True,
+            ) from None
+
+    def list_tools(self) -> list[mcp_types.Tool]:
+        """Every tool the server lists (all pages).
+
+        Raises:
+            AdapterError: the listing failed or never ended (retryable=True).
+        """
+
+        async def walk(client: Client) -> list[mcp_types.Tool]:
+            tools: list[mcp_types.Tool] = []
+            cursor: str | None = None
+            for _ in range(_MAX_PAGES):
+                page = await client.list_tools(cursor=cursor)
+                tools.extend(page.tools)
+                cursor = page.next_cursor
+                if cursor is None:
+                    return tools
+            raise AdapterError("tools/list did not end", retryable=True)
+
+        try:
+            return self._run(walk, self._timeout, "tools/list")
+        except MCPError as exc:
+            raise AdapterError(
+                f"MCP server ({self._transport.label}): tools/list refused (code {exc.code})",
+                retryable=True,
+            ) from None
+
+    def call_tool(
+        self,
+        name: str,
+        arguments: Mapping[str, Any],
+        *,
+        meta: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> mcp_types.CallToolResult:
+        """One ``tools/call``: ``idempotency_key`` goes beside ``arguments`` (SEP-3182),
+        ``meta`` into the request's ``_meta``. The result is returned as the server sent
+        it, ``isError`` included (the caller judges it).
+
+        Raises:
+            FenceRejectedError, IdempotencyConflictError: a JSON-RPC error so marked.
+            AdapterError: a refused request (retryable=False), or an outcome unknown: a
+                timeout, a lost connection, another server error (retryable=True).
+        """
+        request = _CallToolRequest.model_validate(
+            {
+                "method": "tools/call",
+                "params": {
+                    "name": name,
+                    "arguments": dict(arguments),
+                    "idempotencyKey": idempotency_key,
+                    "_meta": dict(meta) if meta else None,
+                },
+            }
+        )
+        timeout = self._timeout if timeout_s is None else float(timeout_s)
+
+        async def send(client: Client) -> mcp_types.CallToolResult:
+            return await client.session.send_request(
+                request, mcp_types.CallToolResult, request_read_timeout_seconds=timeout
+            )
+
+        try:
+            return self._run(send, timeout, f"tools/call {name}")
+        except MCPError as exc:
+            raise self._rpc_error(name, exc) from None
+
+    def _rpc_error(self, tool: str, exc: MCPError) -> AdapterError:
+        data = exc.data
+        marked = _marked(data.get(META_ERROR) if isinstance(data, dict) else None)
+        text = self._excerpt(exc.message)
+        if marked is not None:
+            return _marked_error(marked, tool, text)
+        if exc.code in _REFUSED_CODES:
+            return AdapterError(
+                f"tool {tool}: the MCP server refused the call (code {exc.code}): {text}",
+                retryable=False,
+                tool=tool,
+            )
+        return AdapterError(
+            f"tool {tool}: the MCP server failed the call (code {exc.code}); its outcome is "
+            "settled by recovery",
+            retryable=True,
+            tool=tool,
+        )
+
+    def _excerpt(self, text: str) -> str:
+        return self.scrub(" ".join(text.split()))[:_EXCERPT]
+
+    def tool_error(self, tool: str, result: mcp_types.CallToolResult) -> AdapterError:
+        """What an ``isError`` result of ``tool`` means (see the module docstring)."""
+        marked = _marked((result.meta or {}).get(META_ERROR))
+        if marked is None and isinstance(result.structured_content, dict):
+            marked = _marked(result.structured_content.get(META_ERROR))
+        text = self._excerpt(_joined_text(result))
+        if marked is not None:
+            return _marked_error(marked, tool, text)
+        return AdapterError(
+            f"tool {tool}: the MCP server reported an error: {text}", retryable=False, tool=tool
+        )
+
+    # -- the ratchet extensions -------------------------------------------------------------
+
+    def raise_fence(self, fence: Fence) -> None:
+        """Raise ``fence`` at the server (``ratchet_raise_fence``); once per fence.
+
+        Raises:
+            FenceRejectedError: the server has seen a newer fence for the run.
+            AdapterError: the server does not offer fences, or the call failed
+                (retryable=True).
+        """
+        if not self.extensions.fences:
+            raise AdapterError("this MCP server does not check fences", retryable=False)
+        seen = (fence.run_id, fence.lease_version, fence.state_version, fence.store_epoch)
+        with self._lock:
+            if seen in self._raised:
+                return
+        result = self.call_tool(RAISE_FENCE_TOOL, fence_payload(fence))
+        if result.is_error:
+            refused = self.tool_error(RAISE_FENCE_TOOL, result)
+            if isinstance(refused, FenceRejectedError):
+                raise refused
+            raise AdapterError(refused.message, retryable=True, tool=RAISE_FENCE_TOOL)
+        with self._lock:
+            self._raised.add(seen)
+
+    def lookup(self, tool: str, key: str) -> Any | None:
+        """The output stored for ``key`` (a call of ``tool``), or None: no such call.
+
+        Raises:
+            AdapterError: the server does not offer lookups, the lookup failed or its
+                answer is malformed (retryable=True).
+        """
+        if not self.extensions.lookup:
+            raise AdapterError("this MCP server offers no lookup", retryable=False)
+        result = self.call_tool(LOOKUP_TOOL, {"key": key, "tool": tool})
+        answer = result.structured_content
+        if result.is_error or not isinstance(answer, dict):
+            raise AdapterError(f"tool {tool}: the server's lookup failed", retryable=True)
+        found = answer.get("found")
+        if found is False:
+            return None
+        output = answer.get("output")
+        if found is not True or output is None:
+            # A found call always has an output (the client never keeps null): anything
+            # else cannot be told from "not found", and guessing could send twice.
+            raise AdapterError(f"tool {tool}: the server's lookup is malformed", retryable=True)
+        return _kept(output)
+
+
+def _what_failed(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, MCPError):
+        return f"code {exc.code}"
+    return type(exc).__name__
+
+
+def _marked(value: Any) -> str | None:
+    return value if value in (FENCE_REJECTED, IDEMPOTENCY_CONFLICT) else None
+
+
+def _marked_error(marker: str, tool: str, text: str) -> AdapterError:
+    if marker == FENCE_REJECTED:
+        return FenceRejectedError(
+            f"tool {tool}: the MCP server has seen a newer fence and refused the call",
+            tool=tool,
+        )
+    return IdempotencyConflictError(
+        f"tool {tool}: the MCP server holds this key for other arguments: {text}", tool=tool
+    )
+
+
+def _joined_text(result: mcp_types.CallToolResult) -> str:
+    texts = [b.text for b in result.content if isinstance(b, mcp_types.TextContent)]
+    return "\n".join(texts)[:MAX_OUTPUT_CHARS]
+
+
+def _kept(output: Any) -> Any:
+    """An output as a receipt can keep it: canonical JSON has no floats, so a value with
+    one is kept as its JSON text."""
+    try:
+        canonical_json(output)
+    except Exception:
+        return json.dumps(output, sort_keys=True, separators=(",", ":"))[:MAX_OUTPUT_CHARS]
+    return output
+
+
+def tool_output(result: mcp_types.CallToolResult) -> Any:
+    """The output a receipt keeps: ``structuredContent`` when present, else the text
+    contents joined by newlines (cut at :data:`~ratchet.tools.adapter.MAX_OUTPUT_CHARS`)."""
+    if result.structured_content is not None:
+        return _kept(result.structured_content)
+    return _joined_text(result)
+
+
+# -- tools ---------------------------------------------------------------------------------
+
+
+class SchemaArgs(BaseModel):
+    """Arguments checked by a server's JSON Schema (with ``jsonschema``) and kept exactly
+    as given. Each tool gets a subclass whose ``model_json_schema()`` is that schema."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    input_schema: ClassVar[dict[str, Any]] = {"type": "object"}
+    schema_validator: ClassVar[Any] = None
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return copy.deepcopy(cls.input_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _by_schema(cls, data: Any) -> Any:
+        if cls.schema_validator is None:
+            raise ValueError("arguments have no schema to be checked by")
+        error = best_match(cls.schema_validator.iter_errors(data))
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+            raise ValueError(f"at {where}: {error.message}")
+        return data
+
+
+def _has_float(value: Any) -> bool:
+    if isinstance(value, float):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_float(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_float(v) for v in value)
+    return False
+
+
+def _admits_number(schema: Any) -> bool:
+    if isinstance(schema, Mapping):
+        kinds = schema.get("type")
+        if kinds == "number" or (isinstance(kinds, list) and "number" in kinds):
+            return True
+        return any(_admits_number(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_admits_number(v) for v in schema)
+    return False
+
+
+def schema_model(tool: str, schema: Mapping[str, Any]) -> type[SchemaArgs]:
+    """The arguments model of ``tool`` (a ratchet name) from its MCP ``inputSchema``.
+
+    Raises:
+        ConfigurationError: not an object schema, not a valid JSON Schema, or one that
+            admits (or holds) non-integer numbers, which canonical JSON refuses.
+    """
+    if not isinstance(schema, Mapping) or schema.get("type") != "object":
+        raise ConfigurationError(
+            f"MCP tool {tool!r}: its inputSchema is not an object schema", field="args"
+        )
+    if _admits_number(schema) or _has_float(schema):
+        raise ConfigurationError(
+            f"MCP tool {tool!r}: its inputSchema admits non-integer numbers, which canonical "
+            "JSON refuses (leave it out with include=)",
+            field="args",
+        )
+    kept = copy.deepcopy(dict(schema))
+    checker = validator_for(kept)
+    try:
+        checker.check_schema(kept)
+    except SchemaError as exc:
+        raise ConfigurationError(
+            f"MCP tool {tool!r}: its inputSchema is not valid JSON Schema ({exc.message})",
+            field="args",
+        ) from None
+    # An empty registry: a $ref resolves inside the schema only, never over the network.
+    namespace = {
+        "__module__": __name__,
+        "input_schema": kept,
+        "schema_validator": checker(kept, registry=Registry()),
+    }
+    return cast(type[SchemaArgs], type(f"{tool}_args", (SchemaArgs,), namespace))
+
+
+def mcp_risk(annotations: mcp_types.ToolAnnotations | None) -> Risk:
+    """The risk of a tool with these annotations: ``readOnlyHint`` is a read; otherwise
+    ``destructiveHint: false`` is a reversible write (``readOnlyHint`` defaults to false),
+    and ``destructiveHint`` (or no hint at all) an irreversible external write."""
+    hints = annotations or mcp_types.ToolAnnotations()
+    if hints.read_only_hint is True:
+        return Risk.READ_ONLY
+    if hints.destructive_hint is False:
+        return Risk.REVERSIBLE_WRITE
+    return Risk.IRREVERSIBLE_EXTERNAL_WRITE
+
+
+def tool_name(prefix: str, mcp_name: str) -> str:
+    """``prefix + mcp_name`` with every character a tool name may not hold made ``_``.
+
+    Raises:
+        ConfigurationError: the result still does not match the tool name pattern (it
+            does not start with a letter, or is longer than 64 characters).
+    """
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", prefix + mcp_name)
+    if not re.match(TOOL_NAME_PATTERN, name):  # no newline is left for "$" to allow
+        raise ConfigurationError(
+            f"MCP tool {mcp_name!r} cannot be named {name!r} here (a tool name must match "
+            f"{TOOL_NAME_PATTERN})",
+            field="tools",
+            tool=mcp_name,
+        )
+    return name
+
+
+class MCPTool(Tool):
+    """One MCP server tool as a ratchet tool (made by :func:`mcp_tools`).
+
+    Its risk comes from the tool's annotations (:func:`mcp_risk`); it is idempotent when it
+    says so (``idempotentHint``) or the server dedupes by key (SEP-3182); a write checks
+    fences and recovers by lookup when the server offers the ratchet extensions.
+    """
+
+    def __init__(self, connection: MCPConnection, remote: mcp_types.Tool, *, name: str) -> None:
+        risk = mcp_risk(remote.annotations)
+        hinted = remote.annotations is not None and remote.annotations.idempotent_hint is True
+        extensions = connection.extensions
+        self.connection = connection
+        self.remote_name = remote.name
+        self.name = name  # type: ignore[misc]  # instance values of the class form's fields
+        self.risk = risk  # type: ignore[misc]
+        self.description = (remote.description or f"MCP tool {remote.name}").strip()  # type: ignore[misc]
+        self.idempotent = risk.is_write and (hinted or connection.supports_idempotency_key)  # type: ignore[misc]
+        self.Args = schema_model(name, remote.input_schema)  # type: ignore[misc]
+        self._fences = risk.is_write and extensions.fences
+        self._lookup = risk.is_write and extensions.lookup
+
+    def __repr__(self) -> str:
+        return f"MCPTool(name={self.name!r}, mcp={self.remote_name!r})"
+
+    @property
+    def has_lookup(self) -> bool:
+        return self._lookup
+
+    @property
+    def checks_fences(self) -> bool:
+        return self._fences
+
+    def run(self, args: Any, call: ToolCall) -> Any:
+        """Call the server's tool; its output (see :func:`tool_output`).
+
+        Raises:
+            FenceRejectedError: the server has seen a newer fence for the run.
+            IdempotencyConflictError: the server holds the key for other arguments.
+            AdapterError: a refusal with no effect (retryable=False), or an outcome
+                unknown (retryable=True).
+        """
+        arguments = args.model_dump(mode="json") if isinstance(args, BaseModel) else dict(args)
+        meta: dict[str, Any] = {}
+        if call.fence is not None:
+            meta[META_FENCE] = fence_payload(call.fence)
+        sent_key: str | None = None
+        if call.idempotency_key is not None:
+            if self.connection.supports_idempotency_key:
+                sent_key = call.idempotency_key
+            else:
+                meta[META_IDEMPOTENCY_KEY] = call.idempotency_key
+        result = self.connection.call_tool(
+            self.remote_name, arguments, meta=meta, idempotency_key=sent_key
+        )
+        if result.is_error:
+            raise self.connection.tool_error(self.name, result)
+        return tool_output(result)
+
+    def lookup(self, key: str) -> Any | None:
+        if not self._lookup:
+            raise NotImplementedError
+        return self.connection.lookup(self.remote_name, key)
+
+    def raise_fence(self, fence: Fence) -> None:
+        if not self._fences:
+            raise NotImplementedError
+        self.connection.raise_fence(fence)
+
+    def close(self) -> None:
+        """The connection is the caller's: :func:`mcp_tools` does not close it."""
+
+
+def mcp_tools(
+    connection: MCPConnection, *, prefix: str = "", include: Collection[str] | None = None
+) -> list[Tool]:
+    """The server's tools (but the hidden extension tools) as ratchet tools, named
+    ``prefix`` + the MCP name (sanitised); ``include`` (MCP names) keeps only those.
+    Starts the connection if needed.
+
+    Raises:
+        ConfigurationError: an included name the server does not list, a name that cannot
+            be made a tool name or that two tools share, or a schema ratchet cannot take
+            (floats, not an object schema).
+        AdapterError: the server could not be reached (retryable=True).
+    """
+    connection.start()
+    listed = [t for t in connection.list_tools() if t.name not in _HIDDEN]
+    if include is not None:
+        wanted = set(include)
+        missing = sorted(wanted - {t.name for t in listed})
+        if missing:
+            raise ConfigurationError(
+                f"the MCP server lists no tool {missing[0]!r}", field="include", tool=missing[0]
+            )
+        listed = [t for t in listed if t.name in wanted]
+    made: list[Tool] = []
+    named: dict[str, str] = {}
+    for remote in listed:
+        name = tool_name(prefix, remote.name)
+        if name in named:
+            raise ConfigurationError(
+                f"MCP tools {named[name]!r} and {remote.name!r} would both be named {name!r}",
+                field="tools",
+                tool=name,
+            )
+        named[name] = remote.name
+        made_tool = MCPTool(connection, remote, name=name)
+        made_tool.spec  # noqa: B018 - declaration errors surface here, not at first call
+        made.append(made_tool)
+    return made
