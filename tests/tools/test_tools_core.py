@@ -381,3 +381,53 @@ def test_tools_beside_a_workspace_fix_a_file_refund_and_finish(tmp_path: Path) -
     assert (root / "app.py").read_text() == RIGHT_GREETING
     details = resumed.state.environment.details
     assert "tools.contract" in details and "files.instance_id" in details
+
+
+def test_a_tools_own_failure_reaches_no_error_or_log_with_its_message(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tool's exception message may quote a secret (a token in a URL): only its type is
+    reported, and the call's outcome is left to recovery (the ledger row stays started)."""
+    from ratchet import tool
+    from ratchet.errors import AdapterError
+
+    @tool(risk="irreversible_external_write", name="create_refund")
+    def leaky(order_id: str, amount_cents: int) -> dict[str, str]:
+        raise RuntimeError("POST https://user:sk-live-SECRET@pay.example/refunds failed")
+
+    box = Toolbox([leaky])
+    sc = scenario(permissions=["finish", "create_refund"])
+    adapter = box.environment(sc, ledger=tmp_path / "ledger.sqlite")
+    run = ToolRun(open_adapter=lambda: adapter, effects=lambda: 0, scenario=sc, catalog=box.catalog)
+    engine = run.start()
+    caplog.set_level("DEBUG")
+    with pytest.raises(AdapterError) as caught:
+        engine.propose(run.refund(engine))
+    assert caught.value.context["retryable"] is True
+    assert "RuntimeError" in str(caught.value)
+    assert "SECRET" not in str(caught.value) and "SECRET" not in repr(caught.value)
+    assert "SECRET" not in caplog.text
+    assert isinstance(adapter, ToolsAdapter)
+    row = adapter.ledger.row(engine.state.pending.action.idempotency_key or "")  # type: ignore[union-attr]
+    assert row is not None and row.status == "started"
+
+
+def test_a_refund_committed_after_its_approval_expired_sends_the_run_to_review(
+    tmp_path: Path,
+) -> None:
+    """The receipt's commit time (the ledger's clock: the store's, in a worker) is checked
+    against the approval's expiry, exactly as for the built-in kinds."""
+    s = _setup(tmp_path, "lookup", approval_required=["create_refund"])
+    engine = s.run.start()
+    action = s.run.refund(engine)
+
+    def slow_call(stage: str) -> None:
+        if stage == "before_call":
+            s.run.clock.advance(120)  # the call outlives the approval
+
+    s.adapters[-1]._hook = slow_call
+    engine.propose(action, approval=s.run.approve(engine, action, ttl=60))
+    assert engine.state.phase is Phase.NEEDS_REVIEW
+    assert engine.state.review is not None
+    assert engine.state.review.reason is ReviewReason.APPROVAL_UNBOUND
+    assert s.service.effects == 1

@@ -1,127 +1,52 @@
-"""MCP servers as fenced environments: a server's tools as ratchet tools (``ratchet[mcp]``).
-
-:class:`MCPConnection` is a synchronous handle on one MCP server, over stdio (a command
-ratchet starts) or streamable HTTP (a URL). It runs the ``mcp`` package's async client on
-an event loop of its own, in a background thread; every call has a deadline, and a dead
-server or a broken transport is :class:`~ratchet.errors.AdapterError` with
-``retryable=True``. :func:`mcp_tools` turns the server's tools into ratchet tools
-(:class:`MCPTool`), which a :class:`~ratchet.tools.Toolbox` makes a run's environment.
-
-A call, on the wire (docs/mcp.md has the whole walkthrough)::
-
-    tools/call {name, arguments,
-                idempotencyKey: KEY                  (a server that advertises SEP-3182)
-                _meta: {"ratchet/idempotencyKey": KEY   (any other server)
-                        "ratchet/fence": {run_id, lease_version, state_version, store_epoch}}}
-
-A tool error result (``isError``) is a refusal with no effect, unless it is marked (in its
-``_meta`` or its ``structuredContent``) ``"ratchet/error": "fence_rejected"``
-(:class:`~ratchet.errors.FenceRejectedError`) or ``"idempotency_conflict"``
-(:class:`~ratchet.errors.IdempotencyConflictError`); a JSON-RPC error carrying the same
-marker in its ``data`` means the same. Any other JSON-RPC error but a malformed or
-unknown request, a timeout and a lost connection leave the call's outcome unknown, for
-recovery.
-
-Server capabilities read (experimental, since the SDK's capability models drop unknown
-fields): ``{"idempotencyKey": {}}`` (SEP-3182: the key goes beside ``arguments`` and the
-server dedupes by it, so its write tools are idempotent) and
-``{"ratchet": {"fences": true, "lookup": true}}``: the hidden tools ``ratchet_raise_fence``
-(its write tools then check fences) and ``ratchet_lookup`` (its write tools then recover by
-lookup).
-"""
+"""A synchronous connection to one MCP server (stdio or streamable HTTP), running the
+``mcp`` package's async client on an event loop of its own in a background thread; every
+call has a deadline (see the package docstring)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
-import json
 import logging
-import re
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 from pathlib import Path
-from typing import Any, ClassVar, TextIO, TypeVar, cast
+from typing import Any, TextIO, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
 import httpx2
 import mcp_types
-from jsonschema.exceptions import SchemaError, best_match  # type: ignore[import-untyped]
-from jsonschema.validators import validator_for  # type: ignore[import-untyped]
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
-from pydantic import BaseModel, ConfigDict, model_validator
-from referencing import Registry
 
 from ratchet.errors import (
     AdapterError,
     ConfigurationError,
     FenceRejectedError,
-    IdempotencyConflictError,
 )
-from ratchet.runtime.actions import Risk
-from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.ports import Fence
-from ratchet.runtime.tools import TOOL_NAME_PATTERN
-from ratchet.tools.adapter import MAX_OUTPUT_CHARS
-from ratchet.tools.declare import Tool, ToolCall
-
-__all__ = [
-    "EXTENSION_CAPABILITY",
-    "FENCE_REJECTED",
-    "IDEMPOTENCY_CONFLICT",
-    "LOOKUP_TOOL",
-    "META_ERROR",
-    "META_FENCE",
-    "META_IDEMPOTENCY_KEY",
-    "RAISE_FENCE_TOOL",
-    "SEP3182_CAPABILITY",
-    "MCPConnection",
-    "MCPTool",
-    "RatchetExtensions",
-    "SchemaArgs",
-    "fence_payload",
-    "mcp_risk",
-    "mcp_tools",
-    "schema_model",
-    "tool_name",
-    "tool_output",
-]
+from ratchet.tools.mcp.wire import (
+    _REFUSED_CODES,
+    EXTENSION_CAPABILITY,
+    LOOKUP_TOOL,
+    META_ERROR,
+    RAISE_FENCE_TOOL,
+    SEP3182_CAPABILITY,
+    _joined_text,
+    _kept,
+    _marked,
+    _marked_error,
+    _what_failed,
+    fence_payload,
+)
 
 log = logging.getLogger(__name__)
-
-#: Request ``_meta`` keys ratchet sends, and the result marker a server answers with.
-META_FENCE = "ratchet/fence"
-META_IDEMPOTENCY_KEY = "ratchet/idempotencyKey"
-META_ERROR = "ratchet/error"
-#: The marker's values: a stale fence refused, a key reused for other arguments.
-FENCE_REJECTED = "fence_rejected"
-IDEMPOTENCY_CONFLICT = "idempotency_conflict"
-#: Experimental capabilities: SEP-3182's ``idempotencyKey``, and ratchet's extensions.
-SEP3182_CAPABILITY = "idempotencyKey"
-EXTENSION_CAPABILITY = "ratchet"
-#: The extension tools, never offered as tools of their own.
-RAISE_FENCE_TOOL = "ratchet_raise_fence"
-LOOKUP_TOOL = "ratchet_lookup"
-_HIDDEN = frozenset({RAISE_FENCE_TOOL, LOOKUP_TOOL})
-
-# JSON-RPC errors that say the request was refused as such (nothing ran).
-_REFUSED_CODES = frozenset(
-    {
-        mcp_types.PARSE_ERROR,
-        mcp_types.INVALID_REQUEST,
-        mcp_types.METHOD_NOT_FOUND,
-        mcp_types.INVALID_PARAMS,
-        mcp_types.HEADER_MISMATCH,
-    }
-)
 
 
 def _client_info() -> mcp_types.Implementation:
@@ -146,16 +71,6 @@ class RatchetExtensions:
 
     fences: bool = False
     lookup: bool = False
-
-
-def fence_payload(fence: Fence) -> dict[str, Any]:
-    """``fence`` as ratchet sends it (``_meta["ratchet/fence"]``, ``ratchet_raise_fence``)."""
-    return {
-        "run_id": fence.run_id,
-        "lease_version": fence.lease_version,
-        "state_version": fence.state_version,
-        "store_epoch": fence.store_epoch,
-    }
 
 
 # -- transports ----------------------------------------------------------------------------
@@ -657,276 +572,3 @@ class MCPConnection:
             # else cannot be told from "not found", and guessing could send twice.
             raise AdapterError(f"tool {tool}: the server's lookup is malformed", retryable=True)
         return _kept(output)
-
-
-def _what_failed(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "no answer in time"
-    if isinstance(exc, MCPError):
-        return f"code {exc.code}"
-    return type(exc).__name__
-
-
-def _marked(value: Any) -> str | None:
-    return value if value in (FENCE_REJECTED, IDEMPOTENCY_CONFLICT) else None
-
-
-def _marked_error(marker: str, tool: str, text: str) -> AdapterError:
-    if marker == FENCE_REJECTED:
-        return FenceRejectedError(
-            f"tool {tool}: the MCP server has seen a newer fence and refused the call",
-            tool=tool,
-        )
-    return IdempotencyConflictError(
-        f"tool {tool}: the MCP server holds this key for other arguments: {text}", tool=tool
-    )
-
-
-def _joined_text(result: mcp_types.CallToolResult) -> str:
-    texts = [b.text for b in result.content if isinstance(b, mcp_types.TextContent)]
-    return "\n".join(texts)[:MAX_OUTPUT_CHARS]
-
-
-def _kept(output: Any) -> Any:
-    """An output as a receipt can keep it: canonical JSON has no floats, so a value with
-    one is kept as its JSON text."""
-    try:
-        canonical_json(output)
-    except Exception:
-        return json.dumps(output, sort_keys=True, separators=(",", ":"))[:MAX_OUTPUT_CHARS]
-    return output
-
-
-def tool_output(result: mcp_types.CallToolResult) -> Any:
-    """The output a receipt keeps: ``structuredContent`` when present, else the text
-    contents joined by newlines (cut at :data:`~ratchet.tools.adapter.MAX_OUTPUT_CHARS`)."""
-    if result.structured_content is not None:
-        return _kept(result.structured_content)
-    return _joined_text(result)
-
-
-# -- tools ---------------------------------------------------------------------------------
-
-
-class SchemaArgs(BaseModel):
-    """Arguments checked by a server's JSON Schema (with ``jsonschema``) and kept exactly
-    as given. Each tool gets a subclass whose ``model_json_schema()`` is that schema."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    input_schema: ClassVar[dict[str, Any]] = {"type": "object"}
-    schema_validator: ClassVar[Any] = None
-
-    @classmethod
-    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return copy.deepcopy(cls.input_schema)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _by_schema(cls, data: Any) -> Any:
-        if cls.schema_validator is None:
-            raise ValueError("arguments have no schema to be checked by")
-        error = best_match(cls.schema_validator.iter_errors(data))
-        if error is not None:
-            where = "/".join(str(p) for p in error.absolute_path) or "(root)"
-            raise ValueError(f"at {where}: {error.message}")
-        return data
-
-
-def _has_float(value: Any) -> bool:
-    if isinstance(value, float):
-        return True
-    if isinstance(value, Mapping):
-        return any(_has_float(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_has_float(v) for v in value)
-    return False
-
-
-def _admits_number(schema: Any) -> bool:
-    if isinstance(schema, Mapping):
-        kinds = schema.get("type")
-        if kinds == "number" or (isinstance(kinds, list) and "number" in kinds):
-            return True
-        return any(_admits_number(v) for v in schema.values())
-    if isinstance(schema, list):
-        return any(_admits_number(v) for v in schema)
-    return False
-
-
-def schema_model(tool: str, schema: Mapping[str, Any]) -> type[SchemaArgs]:
-    """The arguments model of ``tool`` (a ratchet name) from its MCP ``inputSchema``.
-
-    Raises:
-        ConfigurationError: not an object schema, not a valid JSON Schema, or one that
-            admits (or holds) non-integer numbers, which canonical JSON refuses.
-    """
-    if not isinstance(schema, Mapping) or schema.get("type") != "object":
-        raise ConfigurationError(
-            f"MCP tool {tool!r}: its inputSchema is not an object schema", field="args"
-        )
-    if _admits_number(schema) or _has_float(schema):
-        raise ConfigurationError(
-            f"MCP tool {tool!r}: its inputSchema admits non-integer numbers, which canonical "
-            "JSON refuses (leave it out with include=)",
-            field="args",
-        )
-    kept = copy.deepcopy(dict(schema))
-    checker = validator_for(kept)
-    try:
-        checker.check_schema(kept)
-    except SchemaError as exc:
-        raise ConfigurationError(
-            f"MCP tool {tool!r}: its inputSchema is not valid JSON Schema ({exc.message})",
-            field="args",
-        ) from None
-    # An empty registry: a $ref resolves inside the schema only, never over the network.
-    namespace = {
-        "__module__": __name__,
-        "input_schema": kept,
-        "schema_validator": checker(kept, registry=Registry()),
-    }
-    return cast(type[SchemaArgs], type(f"{tool}_args", (SchemaArgs,), namespace))
-
-
-def mcp_risk(annotations: mcp_types.ToolAnnotations | None) -> Risk:
-    """The risk of a tool with these annotations: ``readOnlyHint`` is a read; otherwise
-    ``destructiveHint: false`` is a reversible write (``readOnlyHint`` defaults to false),
-    and ``destructiveHint`` (or no hint at all) an irreversible external write."""
-    hints = annotations or mcp_types.ToolAnnotations()
-    if hints.read_only_hint is True:
-        return Risk.READ_ONLY
-    if hints.destructive_hint is False:
-        return Risk.REVERSIBLE_WRITE
-    return Risk.IRREVERSIBLE_EXTERNAL_WRITE
-
-
-def tool_name(prefix: str, mcp_name: str) -> str:
-    """``prefix + mcp_name`` with every character a tool name may not hold made ``_``.
-
-    Raises:
-        ConfigurationError: the result still does not match the tool name pattern (it
-            does not start with a letter, or is longer than 64 characters).
-    """
-    name = re.sub(r"[^A-Za-z0-9_-]", "_", prefix + mcp_name)
-    if not re.match(TOOL_NAME_PATTERN, name):  # no newline is left for "$" to allow
-        raise ConfigurationError(
-            f"MCP tool {mcp_name!r} cannot be named {name!r} here (a tool name must match "
-            f"{TOOL_NAME_PATTERN})",
-            field="tools",
-            tool=mcp_name,
-        )
-    return name
-
-
-class MCPTool(Tool):
-    """One MCP server tool as a ratchet tool (made by :func:`mcp_tools`).
-
-    Its risk comes from the tool's annotations (:func:`mcp_risk`); it is idempotent when it
-    says so (``idempotentHint``) or the server dedupes by key (SEP-3182); a write checks
-    fences and recovers by lookup when the server offers the ratchet extensions.
-    """
-
-    def __init__(self, connection: MCPConnection, remote: mcp_types.Tool, *, name: str) -> None:
-        risk = mcp_risk(remote.annotations)
-        hinted = remote.annotations is not None and remote.annotations.idempotent_hint is True
-        extensions = connection.extensions
-        self.connection = connection
-        self.remote_name = remote.name
-        self.name = name  # type: ignore[misc]  # instance values of the class form's fields
-        self.risk = risk  # type: ignore[misc]
-        self.description = (remote.description or f"MCP tool {remote.name}").strip()  # type: ignore[misc]
-        self.idempotent = risk.is_write and (hinted or connection.supports_idempotency_key)  # type: ignore[misc]
-        self.Args = schema_model(name, remote.input_schema)  # type: ignore[misc]
-        self._fences = risk.is_write and extensions.fences
-        self._lookup = risk.is_write and extensions.lookup
-
-    def __repr__(self) -> str:
-        return f"MCPTool(name={self.name!r}, mcp={self.remote_name!r})"
-
-    @property
-    def has_lookup(self) -> bool:
-        return self._lookup
-
-    @property
-    def checks_fences(self) -> bool:
-        return self._fences
-
-    def run(self, args: Any, call: ToolCall) -> Any:
-        """Call the server's tool; its output (see :func:`tool_output`).
-
-        Raises:
-            FenceRejectedError: the server has seen a newer fence for the run.
-            IdempotencyConflictError: the server holds the key for other arguments.
-            AdapterError: a refusal with no effect (retryable=False), or an outcome
-                unknown (retryable=True).
-        """
-        arguments = args.model_dump(mode="json") if isinstance(args, BaseModel) else dict(args)
-        meta: dict[str, Any] = {}
-        if call.fence is not None:
-            meta[META_FENCE] = fence_payload(call.fence)
-        sent_key: str | None = None
-        if call.idempotency_key is not None:
-            if self.connection.supports_idempotency_key:
-                sent_key = call.idempotency_key
-            else:
-                meta[META_IDEMPOTENCY_KEY] = call.idempotency_key
-        result = self.connection.call_tool(
-            self.remote_name, arguments, meta=meta, idempotency_key=sent_key
-        )
-        if result.is_error:
-            raise self.connection.tool_error(self.name, result)
-        return tool_output(result)
-
-    def lookup(self, key: str) -> Any | None:
-        if not self._lookup:
-            raise NotImplementedError
-        return self.connection.lookup(self.remote_name, key)
-
-    def raise_fence(self, fence: Fence) -> None:
-        if not self._fences:
-            raise NotImplementedError
-        self.connection.raise_fence(fence)
-
-    def close(self) -> None:
-        """The connection is the caller's: :func:`mcp_tools` does not close it."""
-
-
-def mcp_tools(
-    connection: MCPConnection, *, prefix: str = "", include: Collection[str] | None = None
-) -> list[Tool]:
-    """The server's tools (but the hidden extension tools) as ratchet tools, named
-    ``prefix`` + the MCP name (sanitised); ``include`` (MCP names) keeps only those.
-    Starts the connection if needed.
-
-    Raises:
-        ConfigurationError: an included name the server does not list, a name that cannot
-            be made a tool name or that two tools share, or a schema ratchet cannot take
-            (floats, not an object schema).
-        AdapterError: the server could not be reached (retryable=True).
-    """
-    connection.start()
-    listed = [t for t in connection.list_tools() if t.name not in _HIDDEN]
-    if include is not None:
-        wanted = set(include)
-        missing = sorted(wanted - {t.name for t in listed})
-        if missing:
-            raise ConfigurationError(
-                f"the MCP server lists no tool {missing[0]!r}", field="include", tool=missing[0]
-            )
-        listed = [t for t in listed if t.name in wanted]
-    made: list[Tool] = []
-    named: dict[str, str] = {}
-    for remote in listed:
-        name = tool_name(prefix, remote.name)
-        if name in named:
-            raise ConfigurationError(
-                f"MCP tools {named[name]!r} and {remote.name!r} would both be named {name!r}",
-                field="tools",
-                tool=name,
-            )
-        named[name] = remote.name
-        made_tool = MCPTool(connection, remote, name=name)
-        made_tool.spec  # noqa: B018 - declaration errors surface here, not at first call
-        made.append(made_tool)
-    return made
