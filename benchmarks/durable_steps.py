@@ -26,10 +26,11 @@ process:
   write. ``ratio_checked_vs_declared`` is that check's cost, measured in the same rounds.
 * **ratchet_tool**: the same run, the same fsync'd append, but the write is a
   user-declared tool (``@ratchet.tool``, ``idempotent=True``) in a ``ToolsAdapter``: the
-  arguments validated against the tool's model, a tool-ledger row before and after the
-  call (SQLite, written through, not fsync'd: see ``ratchet.tools.ledger``), the output
-  turned into a receipt. ``ratio_tool_vs_builtin`` is its rate against **ratchet**'s
-  (the built-in ``external_call`` path), measured in the same rounds.
+  arguments validated against the tool's model, the call recorded in the tool ledger once
+  it returned (one line appended, written through, not fsync'd: see
+  ``ratchet.tools.ledger``), the output turned into a receipt. ``ratio_tool_vs_builtin``
+  is its rate against **ratchet**'s (the built-in ``external_call`` path), measured in the
+  same rounds.
 * **ratchet_separate**: the same as ratchet with ``coalesce=False``: every commit is its own round
   trip and fsync (what the worker does for an agent that thinks between steps).
 * **DBOS**: a ``@DBOS.workflow()`` calling a ``@DBOS.step()`` that performs the write, on
@@ -433,7 +434,7 @@ def _ratchet(
     adapter: Any
     catalog = None
     if as_tool:
-        adapter = _tool_adapter(ledger, work / f"{name}-tools.sqlite3", clock)
+        adapter = _tool_adapter(ledger, work / f"{name}-tools.ledger", clock)
         catalog = adapter.catalog
     elif effect == "ledger":
         adapter = LedgerAdapter(ledger, f"ledger-{name}")

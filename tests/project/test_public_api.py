@@ -107,7 +107,7 @@ def test_the_version_is_the_newest_release_of_the_changelog() -> None:
 PINNED: dict[str, list[str]] = {
     "ratchet": ["Tool", "ToolCall", "Toolbox", "__version__", "tool"],
     "ratchet.tools": [
-        "ENTRY_POINT_GROUP", "FunctionTool", "Recovery", "Tool", "ToolCall", "ToolCatalog",
+        "ENTRY_POINT_GROUP", "Found", "FunctionTool", "Recovery", "Tool", "ToolCall", "ToolCatalog",
         "ToolLedger", "ToolSpec", "Toolbox", "ToolsAdapter", "load_entry_point_tool",
         "output_result", "tool",
     ],

@@ -94,7 +94,7 @@ def test_a_worker_loads_only_the_tools_the_scenario_permits(
     assert [t.spec.name for t in box] == ["create_refund"]
     adapter = build_adapter(document(root, ["finish", "create_refund"]), toolbox=box)
     assert isinstance(adapter, RouterAdapter) and adapter.tools is not None
-    assert (root / ".ratchet" / "tools.sqlite3").exists()
+    assert (root / ".ratchet" / "tools.ledger").exists()
     assert "tools.contract" in adapter.observe().details
 
 
@@ -102,7 +102,7 @@ def test_a_run_without_declared_tools_keeps_the_plain_workspace(tmp_path: Path) 
     root = make_workspace(tmp_path / "ws")
     adapter = build_adapter(document(root, ["read_file", "write_file", "finish"]))
     assert type(adapter).__name__ == "WorkspaceAdapter"
-    assert not (root / ".ratchet" / "tools.sqlite3").exists()
+    assert not (root / ".ratchet" / "tools.ledger").exists()
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def test_a_scenario_naming_a_missing_tool_is_refused_before_anything_is_built(
     root = make_workspace(tmp_path / "ws")
     with pytest.raises(ConfigurationError, match="not_installed"):
         build_adapter(document(root, ["finish", "not_installed"]))
-    assert not (root / ".ratchet" / "tools.sqlite3").exists()
+    assert not (root / ".ratchet" / "tools.ledger").exists()
 
 
 def test_a_toolbox_refuses_two_tools_with_one_name_and_builtin_names(installed: Path) -> None:

@@ -43,6 +43,7 @@ from ratchet.runtime import (
 from ratchet.runtime.tools import Recovery, ToolCatalog
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import Toolbox, ToolCall, ToolsAdapter
+from ratchet.tools.declare import Found
 from ratchet.tools.postgres import PostgresTool
 from tests.adapters.harness import WRITE_WINDOWS, Harness, SimulatedCrash, crash_at, scenario
 from tests.tools.pg import Db, fresh_database, fresh_schema
@@ -144,7 +145,9 @@ def test_one_call_commits_the_effect_its_key_and_the_fence_together(
         "refused_stale": 0,
         "refused_epoch": 0,
     }
-    assert tool.lookup("refund-1") == output
+    found = tool.lookup("refund-1")
+    assert isinstance(found, Found) and found.output == output
+    assert found.intent_digest == INTENT_A  # the intent the call was made for
     assert tool.lookup("refund-2") is None
 
 
@@ -451,7 +454,7 @@ def test_a_new_owners_fence_waits_for_a_call_inside_its_transaction_then_finds_i
     z.join(timeout=60)
     o.join(timeout=60)
     assert results == {"zombie": {"order_id": "o-1"}, "raised": True}
-    assert owner.lookup("refund-1") == {"order_id": "o-1"}
+    assert owner.lookup("refund-1").output == {"order_id": "o-1"}
     assert db.fences("run-1")["lease_version"] == 2
     with pytest.raises(FenceRejectedError):
         zombie.run(RefundArgs(order_id="o-2", amount_cents=1), call(key="refund-2", lease=1))

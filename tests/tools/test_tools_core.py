@@ -431,3 +431,35 @@ def test_a_refund_committed_after_its_approval_expired_sends_the_run_to_review(
     assert engine.state.review is not None
     assert engine.state.review.reason is ReviewReason.APPROVAL_UNBOUND
     assert s.service.effects == 1
+
+
+def test_a_lookup_that_finds_the_key_under_another_intent_opens_a_review(
+    tmp_path: Path,
+) -> None:
+    """A tool that knows which intent its earlier call had says so (``Found``): a key
+    found under another intent is a conflict for a reviewer, never this call's receipt."""
+    from ratchet.tools import Found
+
+    s = _setup(tmp_path, "fenced")
+    tool = s.run.catalog["create_refund"]
+    assert tool.recovery.value == "lookup"
+    other_intent = "0" * 64
+    service = s.service
+
+    def found_elsewhere(key: str) -> Found | None:
+        hit = service.find(key)
+        return None if hit is None else Found(hit, intent_digest=other_intent)
+
+    engine = s.run.start()
+    s.hook.stage = "after_call"
+    with pytest.raises(CrashInTool):
+        engine.propose(s.run.refund(engine))
+    resumed = s.run.resume(lease_version=2)
+    adapter = s.adapters[-1]
+    adapter.tool("create_refund").lookup = found_elsewhere  # type: ignore[method-assign]
+    resumed.reconcile()
+    assert resumed.state.phase is Phase.NEEDS_REVIEW
+    case = resumed.state.review
+    assert case is not None and case.reason is ReviewReason.INTENT_CONFLICT
+    assert case.receipt is not None and case.receipt.intent_digest == other_intent
+    assert s.service.effects == 1

@@ -114,7 +114,6 @@ class FencedJournal:
     _SCHEMA = ""  # the subclass's own tables
     _PREFIX = "env-"  # of the instance id minted on first use
     _WHAT = "journal"  # how errors name it
-    _SYNCHRONOUS = "FULL"  # every COMMIT durable (fsync'd) before it returns
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -122,11 +121,10 @@ class FencedJournal:
             self._db = sqlite3.connect(
                 path, timeout=_BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False
             )
-            # WAL with synchronous=FULL: every COMMIT is durable before it returns (a
-            # subclass may relax it and make single transactions durable: _durable_txn).
+            # WAL with synchronous=FULL: every COMMIT is durable before it returns.
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={self._SYNCHRONOUS}")
-            with self._durable_txn():
+            self._db.execute("PRAGMA synchronous=FULL")
+            with self._txn():
                 for statement in (_FENCE_SCHEMA + self._SCHEMA).split(";"):
                     if statement.strip():
                         self._db.execute(statement)
@@ -156,19 +154,6 @@ class FencedJournal:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
-
-    @contextmanager
-    def _durable_txn(self) -> Iterator[None]:
-        """A transaction that is fsync'd before it returns, whatever ``_SYNCHRONOUS`` is."""
-        relaxed = self._SYNCHRONOUS != "FULL"
-        if relaxed:
-            self._db.execute("PRAGMA synchronous=FULL")
-        try:
-            with self._txn():
-                yield
-        finally:
-            if relaxed:
-                self._db.execute(f"PRAGMA synchronous={self._SYNCHRONOUS}")
 
     def _meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -245,7 +230,7 @@ class FencedJournal:
             FenceRejectedError: a higher fence was seen (the refusal is counted).
         """
         try:
-            with self._durable_txn():
+            with self._txn():
                 accepted = self._check_fence(fence)
                 refusal = None if accepted else self._stale(fence)
         except _EpochRefused as refused:

@@ -39,7 +39,6 @@ from ratchet.runtime.ports import (
 __all__ = ["RouterAdapter"]
 
 _VERIFIER_DOMAIN = b"ratchet/router-verifier/v1"
-_BUILTIN_KINDS = frozenset(kind.value for kind in ActionKind)
 
 
 class RouterAdapter:
@@ -204,21 +203,20 @@ class RouterAdapter:
                 return found
         return None
 
-    def lookup_for(self, kind: str, idempotency_key: str) -> Receipt | None:
-        """The receipt from the part that ``kind``'s writes go to, or None.
+    def lookup_for(self, action: Action) -> Receipt | None:
+        """The receipt for ``action``'s key from the part its writes go to, or None.
 
         Raises:
             AdapterError: that part could not be asked; OutcomeUnknownError (tools).
         """
-        if kind in _BUILTIN_KINDS:
-            return self.lookup(idempotency_key)
+        key = action.idempotency_key or ""
+        if action.is_builtin:
+            return self.lookup(key)
         tools = self._named.get("tools")
         if tools is None:
             return None
         routed = getattr(tools, "lookup_for", None)
-        found: Receipt | None = (
-            routed(kind, idempotency_key) if routed is not None else tools.lookup(idempotency_key)
-        )
+        found: Receipt | None = routed(action) if routed is not None else tools.lookup(key)
         return found
 
     # -- reads and verification ------------------------------------------------------------------

@@ -290,7 +290,7 @@ def build_adapter(
     if len(box.for_scenario(scenario)) > 0:
         return box.environment(
             scenario,
-            ledger=files.state_dir / "tools.sqlite3",
+            ledger=files.state_dir / "tools.ledger",
             files=files,
             calls=calls,
             clock=clock,

@@ -10,13 +10,14 @@ different intent" is detectable).
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
 from typing import Annotated, Any
 
-from pydantic import Field, Strict, ValidationError, model_validator
+from pydantic import Field, PlainValidator, Strict, ValidationError, model_validator
 
 from ratchet.errors import ActionError
 from ratchet.runtime.canonical import Domain, canonical_json, digest
@@ -91,6 +92,31 @@ _ArgText = Annotated[str, Strict(), Field(max_length=1 << 20)]
 #: as :class:`ActionKind` first, so a tool can never pass for one.
 ToolName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")]
 
+_BUILTIN_KINDS = {kind.value: kind for kind in ActionKind}
+_TOOL_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+
+
+def _parse_kind(value: object) -> ActionKind | str:
+    """A built-in kind (as :class:`ActionKind`) or a declared tool's name (as ``str``): one
+    dictionary lookup, no failed enum conversion for a tool's name."""
+    if isinstance(value, ActionKind):
+        return value
+    if type(value) is not str:
+        raise ValueError("kind must be a string")
+    builtin = _BUILTIN_KINDS.get(value)
+    if builtin is not None:
+        return builtin
+    if not _TOOL_NAME.match(value):
+        raise ValueError(f"kind {value[:80]!r} is neither a built-in kind nor a tool name")
+    return value
+
+
+#: An action's kind: a built-in kind or a declared tool's name (never one for the other).
+Kind = Annotated[
+    ActionKind | ToolName,
+    PlainValidator(_parse_kind, json_schema_input_type=ActionKind | ToolName),
+]
+
 #: The largest canonical JSON a tool call's arguments may take.
 MAX_TOOL_ARGS_BYTES = 1 << 20
 
@@ -104,7 +130,7 @@ class Action(Frozen):
     """
 
     action_id: Identifier
-    kind: Annotated[ActionKind | ToolName, Field(union_mode="left_to_right")]
+    kind: Kind
     risk: Risk
     # A built-in kind's arguments are text (checked below); a declared tool's are JSON,
     # checked against the tool's model when the proposal is gated (machine.propose).

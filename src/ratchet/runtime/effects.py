@@ -114,13 +114,13 @@ class Execute:
 class Lookup:
     """The adapter's authoritative receipt for an idempotency key, or None: it holds none.
 
-    ``kind`` names the action kind (tool) the key was issued for ("": not known), so an
-    adapter over several tools asks the right one. An adapter that cannot tell whether an
-    interrupted call happened raises :class:`ratchet.errors.OutcomeUnknownError`.
+    ``action`` is the write the key was issued for (None: not known), so an adapter over
+    several tools asks the right one about the right intent. An adapter that cannot tell
+    whether an interrupted call happened raises :class:`ratchet.errors.OutcomeUnknownError`.
     """
 
     idempotency_key: str
-    kind: str = ""
+    action: Action | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -614,7 +614,7 @@ class RunEngine:
         Raises:
             OutcomeUnknownError: the tool cannot say whether a cut-off call happened.
         """
-        found = yield Lookup(action.idempotency_key or "", str(action.kind))
+        found = yield Lookup(action.idempotency_key or "", action)
         return cast("Receipt | None", found)
 
     def _outcome_unknown(self, exc: OutcomeUnknownError) -> Op[None]:

@@ -31,11 +31,12 @@ from ratchet.errors import ConfigurationError
 from ratchet.runtime.ports import Adapter, Clock
 from ratchet.runtime.tools import BUILTIN_TOOLS, Recovery, ToolCatalog, ToolSpec
 from ratchet.tools.adapter import ToolsAdapter, output_result
-from ratchet.tools.declare import FunctionTool, Tool, ToolCall, tool
+from ratchet.tools.declare import Found, FunctionTool, Tool, ToolCall, tool
 from ratchet.tools.ledger import ToolLedger
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Found",
     "FunctionTool",
     "Recovery",
     "Tool",

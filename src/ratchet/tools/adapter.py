@@ -29,6 +29,7 @@ none (never sent)             None: send   None: send      None: send
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -55,8 +56,8 @@ from ratchet.runtime.ports import (
     VerifierReport,
 )
 from ratchet.runtime.tools import Recovery, ToolCatalog
-from ratchet.tools.declare import Tool, ToolCall
-from ratchet.tools.ledger import ToolLedger
+from ratchet.tools.declare import Found, Tool, ToolCall
+from ratchet.tools.ledger import CallIntent, ToolLedger
 
 __all__ = ["MAX_OUTPUT_CHARS", "ToolsAdapter", "output_result"]
 
@@ -98,7 +99,8 @@ def output_result(tool: str, output: Any) -> dict[str, str | int]:
     result: dict[str, str | int] = {
         "tool": tool,
         "output": text[:MAX_OUTPUT_CHARS],
-        "output_sha256": digest(Domain.TOOL_OUTPUT, text),
+        # Over the output's canonical JSON bytes, under the tool-output domain.
+        "output_sha256": hashlib.sha256(Domain.TOOL_OUTPUT + b"\x00" + text.encode()).hexdigest(),
     }
     if len(text) > MAX_OUTPUT_CHARS:
         result["output_truncated"] = 1
@@ -140,6 +142,8 @@ class ToolsAdapter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.ledger = ToolLedger(path)
         self._clock: Clock = clock if clock is not None else _WallClock()
+        # Observations by version: instance and contract are fixed for the adapter's life.
+        self._observed: dict[int, Observation] = {}
         self._hook = hook
         self._namespace = namespace
 
@@ -174,6 +178,16 @@ class ToolsAdapter:
     # -- observation ------------------------------------------------------------------
 
     def _observation(self, version: int) -> Observation:
+        cached = self._observed.get(version)
+        if cached is not None:
+            return cached
+        made = self._observe_at(version)
+        if len(self._observed) > 64:
+            self._observed.clear()
+        self._observed[version] = made
+        return made
+
+    def _observe_at(self, version: int) -> Observation:
         instance = self.ledger.instance_id
         return Observation(
             instance_id=instance,
@@ -237,10 +251,12 @@ class ToolsAdapter:
         """
         t = self.tool(str(action.kind))
         key = action.idempotency_key or ""
+        # Only a review tool's started row is the sole proof of "never sent"; the others
+        # are recovered by the tool itself, so their call is recorded once it returned.
+        durable = t.spec.recovery is Recovery.REVIEW
         again = False
-        row = self.ledger.row(key)
-        if row is not None and row.status == "started":
-            settled = self._settle_started(t, key)
+        if self.ledger.status(key) == "started":
+            settled = self._settle(t, key, intent_digest)
             if settled is not None:
                 return settled
             again = True
@@ -252,24 +268,25 @@ class ToolsAdapter:
             fence=fence,
             expected_version=action.expected_env_version,
             again=again,
-            # Only a review tool's started row is the sole proof of "never sent".
-            durable=t.spec.recovery is Recovery.REVIEW,
+            durable=durable,
         )
         if existing is not None:
             return existing
         self._hook("before_call")
+        intent = CallIntent(t.spec.name, intent_digest, approval_digest, fence)
+        recorded = None if durable else intent  # the row to write on a refusal
         try:
             output = self._call(action, fence, intent_digest, approval_digest)
         except (FenceRejectedError, IdempotencyConflictError):
-            self.ledger.abort_call(key)  # the tool refused it: no effect
+            self.ledger.abort_call(key, recorded)  # the tool refused it: no effect
             raise
         except AdapterError as exc:
             if not exc.context.get("retryable"):
-                self.ledger.abort_call(key)
+                self.ledger.abort_call(key, recorded)
             raise
         except Exception as exc:
-            # The call may or may not have reached the service: leave the row started,
-            # for recovery. Only the type is reported (a message may carry a secret).
+            # The call may or may not have reached the service: leave it to recovery.
+            # Only the type is reported (a message may carry a secret).
             log.warning("tool %s failed: %s", t.spec.name, type(exc).__name__)
             raise AdapterError(
                 f"tool {t.spec.name} failed ({type(exc).__name__}); its outcome is settled "
@@ -283,22 +300,37 @@ class ToolsAdapter:
             namespace=self._namespace,
             result=output_result(t.spec.name, output),
             committed_at=self._clock.now(),
+            call=recorded,
         )
 
-    def _settle_started(self, t: Tool, key: str) -> Receipt | None:
-        """A ``started`` row: the receipt recovery finds, or None (the tool may be called
-        again with the same key). Raises OutcomeUnknownError (recovery ``review``)."""
+    def _settle(self, t: Tool, key: str, intent_digest: str) -> Receipt | None:
+        """A call of ``key`` whose outcome is not recorded (a ``started`` row, or no row
+        for a tool that records calls only once they returned): the receipt the tool's
+        recovery finds, or None (the tool may be called with the same key).
+
+        Raises:
+            OutcomeUnknownError: a ``review`` tool's cut-off call.
+        """
         recovery = t.spec.recovery
         if recovery is Recovery.LOOKUP:
             found = t.lookup(key)
             if found is None:
                 self.ledger.abort_call(key)
                 return None
+            # The key is bound to this intent (the checkpoint committed the pair before
+            # the tool was called), unless the tool says which intent it found: then
+            # the receipt names that one, and another intent opens a review.
+            if isinstance(found, Found):
+                intent_digest = found.intent_digest or intent_digest
+                found = found.output
             return self.ledger.commit_call(
                 key,
                 namespace=self._namespace,
                 result=output_result(t.spec.name, found),
                 committed_at=self._clock.now(),
+                call=CallIntent(t.spec.name, intent_digest, None, None)
+                if self.ledger.row(key) is None
+                else None,
             )
         if recovery is Recovery.IDEMPOTENT:
             return None
@@ -309,25 +341,32 @@ class ToolsAdapter:
             idempotency_key=key,
         )
 
-    def lookup_for(self, kind: str, idempotency_key: str) -> Receipt | None:
-        """The key's receipt, settled by the tool's recovery (the module's table).
+    def lookup_for(self, action: Action) -> Receipt | None:
+        """The receipt of ``action``'s key, settled by the tool's recovery (the module's
+        table).
 
         Raises:
             OutcomeUnknownError: a cut-off call of a ``review`` tool.
             AdapterError: the tool's lookup failed.
         """
-        row = self.ledger.row(idempotency_key)
-        if row is None or row.status == "aborted":
-            return None
-        if row.status == "committed":
+        row = self.ledger.row(action.idempotency_key or "")
+        if row is not None and row.status == "committed":
             return row.receipt
-        t = self._tools.get(row.tool) or self.tool(kind)
-        return self._settle_started(t, idempotency_key)
+        if row is not None and row.status == "aborted":
+            return None
+        t = self._tools.get(row.tool) if row is not None else None
+        t = t or self.tool(str(action.kind))
+        if row is None and t.spec.recovery is Recovery.REVIEW:
+            return None  # its started row is written before any call: never sent
+        return self._settle(t, action.idempotency_key or "", action.intent_digest)
 
     def lookup(self, idempotency_key: str) -> Receipt | None:
-        """As :meth:`lookup_for`, for the tool the ledger recorded the key under."""
+        """The ledger's receipt for the key (what an adapter's lookup promises), settled by
+        the tool's recovery when the key's call is cut off (see :meth:`lookup_for`)."""
         row = self.ledger.row(idempotency_key)
-        return None if row is None else self.lookup_for(row.tool, idempotency_key)
+        if row is None or row.status != "started":
+            return row.receipt if row is not None else None
+        return self._settle(self.tool(row.tool), idempotency_key, row.intent_digest)
 
     # -- reads ------------------------------------------------------------------------
 

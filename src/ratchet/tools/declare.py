@@ -57,7 +57,7 @@ from ratchet.runtime.actions import Risk
 from ratchet.runtime.ports import Fence
 from ratchet.runtime.tools import Recovery, ToolSpec
 
-__all__ = ["FunctionTool", "Tool", "ToolCall", "tool"]
+__all__ = ["Found", "FunctionTool", "Tool", "ToolCall", "tool"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +77,17 @@ class ToolCall:
     approval_digest: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What a lookup found, when the tool also knows which intent the earlier call had
+    (the ``intent_digest`` its ``ToolCall`` carried): a lookup may return this instead of
+    the bare output, and a key found under another intent then opens a review instead of
+    passing for this call."""
+
+    output: Any
+    intent_digest: str | None = None
+
+
 class Tool:
     """The class form of a tool. Subclass it, set ``name``, ``risk`` and ``Args`` (a
     pydantic model), and define :meth:`run`; optionally :meth:`lookup`,
@@ -94,8 +105,9 @@ class Tool:
         raise NotImplementedError
 
     def lookup(self, key: str) -> Any | None:
-        """The output of an earlier call made with ``key``, or None: none was made.
-        Defining it makes the tool's recovery ``lookup``."""
+        """The output of an earlier call made with ``key`` (or a :class:`Found` naming
+        its intent too), or None: none was made. Defining it makes the tool's recovery
+        ``lookup``."""
         raise NotImplementedError
 
     def raise_fence(self, fence: Fence) -> None:

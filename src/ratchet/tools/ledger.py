@@ -1,29 +1,36 @@
-"""The tool ledger: the SQLite record that makes a set of declared tools an environment.
+"""The tool ledger: the record that makes a set of declared tools an environment.
 
 A declared tool (a payments API, a ticket service) usually has no state ratchet can
 observe, yet a run needs an environment with an instance, a version that one write moves
 on by exactly one, fences and receipts. The ledger is that environment's record, kept
 next to the tools (one file per environment; a fleet shares it the way it shares the
-workspace). Its rows, one per idempotency key:
+workspace). Per idempotency key it records:
 
-* ``started``: recorded (durably) *before* the tool is called, with the fence and the
-  intent. A key with no row was provably never sent to the tool;
+* ``started``: written *before* the tool is called, with the fence and the intent, for a
+  tool whose recovery is ``review``: a key with no row was provably never sent to it;
 * ``committed``: the tool returned; the row holds the receipt, the version moved on;
 * ``aborted``: the tool refused with no effect (or a lookup showed it never happened).
 
-A ``started`` row found later is a call whose outcome a crash hid: the tool's recovery
-(:class:`ratchet.runtime.tools.Recovery`) settles it, in :class:`ToolsAdapter`.
+A tool with a lookup, or one whose service dedupes by key, needs no ``started`` row: its
+recovery asks the tool, so its call is recorded once, when it returned.
+
+The file. An append-only log of JSON lines (``meta``, ``fence``, ``refused``, ``start``,
+``commit``, ``abort``), folded into the state above; every process that opens it reads
+what the others appended before it acts, under an exclusive ``flock`` for anything that
+writes. A line only counts once it ends in a newline: a line torn by an operating-system
+crash is cut off when the file is next opened. Why a log and not SQLite: a call costs one
+``write`` here (measured in BENCHMARKS.md, ``durable_steps.py``'s ``ratchet_tool``); the
+ledger's queries are all by key, and the state is small.
 
 Durability. A ``started`` row matters after an operating-system crash only for a tool
-whose recovery is ``review``: there it is the one proof that a key was never sent, so
-it is fsync'd before the call (``durable=True``). For a tool with a lookup or a key the
-service dedupes, recovery asks the tool, and a lost row only means asking it; so the
-ledger's other transactions are written through (they survive the process: SQLite WAL
-with ``synchronous=NORMAL``) but not fsync'd. A committed row lost to a power cut makes
-the ledger's version fall behind the checkpoint's: the restore then fails closed on the
-drift, never runs on a version used twice. Raised fences are fsync'd.
+whose recovery is ``review`` (it is the one proof that a key was never sent), and a raised
+fence is what refuses a stale owner later: both are ``fdatasync``'d before they count.
+``commit`` and ``abort`` lines are written through (they survive the process) but not
+synced: a committed line lost to a power cut makes the ledger's version fall behind the
+checkpoint's, and the restore then fails closed on the drift; it never runs on a version
+used twice.
 
-Fences are checked and raised here like the workspace journal's (the highest
+Fences are checked and raised like the workspace journal's (the highest
 ``(lease_version, state_version)`` per run, and the store epoch bound on first use), so
 the ledger refuses a stale owner's call before the tool sees it; a tool that checks
 fences itself refuses it at its own storage as well (docs/tools.md says the difference).
@@ -31,30 +38,31 @@ fences itself refuses it at its own storage as well (docs/tools.md says the diff
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fcntl
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from ratchet.adapters.journal import FencedJournal, _EpochRefused
-from ratchet.errors import AdapterError, IdempotencyConflictError
-from ratchet.runtime.canonical import model_json
+import orjson
+
+from ratchet.errors import AdapterError, FenceRejectedError, IdempotencyConflictError
 from ratchet.runtime.ports import Fence, Receipt
 
-__all__ = ["CallRow", "ToolLedger"]
+__all__ = ["CallIntent", "CallRow", "ToolLedger"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS calls (
-    idempotency_key TEXT PRIMARY KEY,
-    tool TEXT NOT NULL,
-    intent_digest TEXT NOT NULL,
-    status TEXT NOT NULL CHECK (status IN ('started', 'committed', 'aborted')),
-    approval_digest TEXT,
-    run_id TEXT NOT NULL,
-    lease_version INTEGER NOT NULL,
-    state_version INTEGER NOT NULL,
-    attempts INTEGER NOT NULL,
-    receipt TEXT,
-    seq INTEGER
-);
-"""
+
+@dataclass(frozen=True, slots=True)
+class CallIntent:
+    """A call recorded only once it returned: which tool, intent, approval and fence."""
+
+    tool: str
+    intent_digest: str
+    approval_digest: str | None
+    fence: Fence | None  # None: found by the tool's lookup, not sent under a fence now
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,38 +77,236 @@ class CallRow:
     receipt: Receipt | None
 
 
-class ToolLedger(FencedJournal):
-    """The ledger of one tool environment (see the module docstring).
+@dataclass(slots=True)
+class _Row:
+    tool: str
+    intent: str
+    approval: str | None
+    status: str
+    attempts: int = 0
+    # The receipt's JSON: one object per row, parsed on demand (a long-lived ledger holds
+    # a row per call; nested dicts would make every garbage collection walk them).
+    receipt: bytes | None = None
+
+
+@dataclass
+class _State:
+    instance_id: str = ""
+    version: int = 1
+    store_epoch: str | None = None
+    refused_stale: int = 0
+    refused_epoch: int = 0
+    fences: dict[str, tuple[int, int]] = field(default_factory=dict)
+    rows: dict[str, _Row] = field(default_factory=dict)
+
+    def raise_to(self, run_id: str, seen: tuple[int, int]) -> None:
+        if seen > self.fences.get(run_id, (-1, -1)):
+            self.fences[run_id] = seen
+
+    def apply(self, record: dict[str, Any]) -> None:
+        kind = record["t"]
+        if kind == "meta":
+            self.instance_id = str(record["instance"])
+        elif kind == "fence":
+            self.raise_to(str(record["run"]), (int(record["lv"]), int(record["sv"])))
+            if record.get("epoch") is not None and self.store_epoch is None:
+                self.store_epoch = str(record["epoch"])
+        elif kind == "refused":
+            if record.get("why") == "epoch":
+                self.refused_epoch += 1
+            else:
+                self.refused_stale += 1
+        elif kind in ("start", "commit", "abort"):
+            self._apply_call(kind, record)
+
+    def _apply_call(self, kind: str, record: dict[str, Any]) -> None:
+        key = str(record["k"])
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = _Row(
+                str(record.get("tool", "")),
+                str(record.get("intent", "")),
+                record.get("approval"),
+                "aborted",
+            )
+        if record.get("run") is not None:
+            self.raise_to(str(record["run"]), (int(record["lv"]), int(record["sv"])))
+        if kind == "start":
+            row.status, row.attempts = "started", row.attempts + 1
+        elif kind == "commit":
+            receipt = record["receipt"]
+            row.status = "committed"
+            row.receipt = receipt if isinstance(receipt, bytes) else orjson.dumps(receipt)
+            row.attempts = max(row.attempts, 1)
+            self.version += 1
+        elif row.status != "committed":
+            row.status = "aborted"
+
+
+def _fence_fields(fence: Fence | None) -> dict[str, Any]:
+    if fence is None:
+        return {}
+    return {"run": fence.run_id, "lv": fence.lease_version, "sv": fence.state_version}
+
+
+class ToolLedger:
+    """The ledger of one tool environment (see the module docstring). Not thread-safe:
+    the adapter serialises its own calls; other processes are kept out by ``flock``.
 
     Raises (constructor):
-        AdapterError: the database cannot be opened or initialised (retryable=True).
+        AdapterError: the file cannot be opened or read (retryable=True).
     """
 
-    _SCHEMA = _SCHEMA
-    _PREFIX = "tools-"
-    _WHAT = "tool ledger"
-    _SYNCHRONOUS = "NORMAL"  # see the module docstring: durable where recovery needs it
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._state = _State()
+        self._offset = 0
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            raise AdapterError(
+                "tool ledger cannot be opened", retryable=True, error=type(exc).__name__
+            ) from None
+        try:
+            with self._locked(repair=True):
+                if not self._state.instance_id:
+                    self._append({"t": "meta", "instance": "tools-" + uuid.uuid4().hex}, True)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    # -- the log ------------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        """Fold in what was appended since the last read (complete lines only)."""
+        size = os.fstat(self._fd).st_size
+        if size <= self._offset:
+            return
+        data = os.pread(self._fd, size - self._offset, self._offset)
+        end = data.rfind(b"\n")
+        if end < 0:
+            return
+        for line in data[: end + 1].splitlines():
+            if line:
+                self._state.apply(orjson.loads(line))
+        self._offset += end + 1
+
+    @contextmanager
+    def _locked(self, *, repair: bool = False) -> Iterator[None]:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            raise AdapterError(
+                "tool ledger cannot be locked", retryable=True, error=type(exc).__name__
+            ) from None
+        try:
+            try:
+                self._refresh()
+                if repair and os.fstat(self._fd).st_size > self._offset:
+                    # A line torn by a crash (no newline): it never counted; cut it off.
+                    os.ftruncate(self._fd, self._offset)
+            except (OSError, ValueError, KeyError, orjson.JSONDecodeError) as exc:
+                raise AdapterError(
+                    "tool ledger cannot be read", retryable=True, error=type(exc).__name__
+                ) from None
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _append(self, record: dict[str, Any], durable: bool) -> None:
+        line = orjson.dumps(record, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE)
+        written = os.write(self._fd, line)
+        if written != len(line):
+            raise AdapterError("tool ledger write was cut short", retryable=True)
+        if durable:
+            os.fdatasync(self._fd)
+        self._offset += written
+        self._state.apply(record)
+
+    def _read(self) -> _State:
+        self._refresh()
+        return self._state
+
+    # -- facts --------------------------------------------------------------------------
+
+    @property
+    def instance_id(self) -> str:
+        return self._state.instance_id
 
     @property
     def version(self) -> int:
-        return self._int("version")
+        return self._read().version
+
+    @property
+    def store_epoch(self) -> str | None:
+        """The store epoch this environment is bound to (the first one a fence carried)."""
+        return self._read().store_epoch
 
     def counters(self) -> tuple[int, int]:
         """``(effects, refused_stale)``: committed calls and refused stale fences."""
-        row = self._db.execute("SELECT count(*) FROM calls WHERE status = 'committed'")
-        return int(row.fetchone()[0]), self._int("refused_stale")
+        state = self._read()
+        return sum(r.status == "committed" for r in state.rows.values()), state.refused_stale
+
+    def status(self, key: str) -> str | None:
+        """The key's status (``started``, ``committed``, ``aborted``), or None."""
+        found = self._read().rows.get(key)
+        return None if found is None else found.status
 
     def row(self, key: str) -> CallRow | None:
-        """The key's row, or None: the key was never sent to a tool."""
-        found = self._db.execute(
-            "SELECT idempotency_key, tool, intent_digest, status, attempts, receipt "
-            "FROM calls WHERE idempotency_key = ?",
-            (key,),
-        ).fetchone()
+        """The key's row, or None: the key was never recorded."""
+        found = self._read().rows.get(key)
         if found is None:
             return None
-        receipt = Receipt.model_validate_json(found[5]) if found[5] else None
-        return CallRow(found[0], found[1], found[2], found[3], int(found[4]), receipt)
+        receipt = Receipt.model_validate_json(found.receipt) if found.receipt is not None else None
+        return CallRow(key, found.tool, found.intent, found.status, found.attempts, receipt)
+
+    # -- fences -------------------------------------------------------------------------
+
+    def _fence_refusal(self, fence: Fence) -> FenceRejectedError | None:
+        """Under the lock: the refusal ``fence`` earns (counted), or None."""
+        state = self._state
+        bound = state.store_epoch
+        if fence.store_epoch is not None and bound is not None and bound != fence.store_epoch:
+            self._append({"t": "refused", "why": "epoch"}, False)
+            return FenceRejectedError(
+                "this environment serves another store (its epoch differs): a run of a "
+                "wiped or re-initialised store may not write here; reset the environment "
+                "to use it with this store",
+                run_id=fence.run_id,
+                reason="store_epoch",
+                bound_epoch=bound,
+                fence_epoch=fence.store_epoch,
+            )
+        seen = state.fences.get(fence.run_id)
+        if seen is not None and fence.key() < seen:
+            self._append({"t": "refused", "why": "stale"}, False)
+            return FenceRejectedError(
+                "fence is older than one already seen",
+                run_id=fence.run_id,
+                fence=fence.key(),
+                seen=seen,
+            )
+        return None
+
+    def raise_fence(self, fence: Fence) -> None:
+        """Record ``fence`` as the run's highest (durably), or refuse it.
+
+        Raises:
+            FenceRejectedError: a higher fence (or another store's epoch) was seen; the
+                refusal is counted.
+        """
+        with self._locked():
+            refusal = self._fence_refusal(fence)
+            if refusal is None:
+                record = {"t": "fence", "epoch": fence.store_epoch, **_fence_fields(fence)}
+                self._append(record, True)
+        if refusal is not None:
+            raise refusal
+
+    # -- calls --------------------------------------------------------------------------
 
     def begin_call(
         self,
@@ -114,8 +320,9 @@ class ToolLedger(FencedJournal):
         again: bool,
         durable: bool = True,
     ) -> Receipt | None:
-        """One transaction: fence, idempotency, precondition, then the ``started`` row
-        (fsync'd before this returns when ``durable``; see the module docstring).
+        """Fence, idempotency and precondition, then (``durable``) the ``started`` row,
+        fsync'd before this returns. Without ``durable`` nothing is written unless a
+        fence is refused: :meth:`commit_call` records the call once it returned.
 
         Returns the committed receipt when the key already has one for this intent
         (nothing is recorded, the tool is not called); None when the call may go now.
@@ -129,41 +336,43 @@ class ToolLedger(FencedJournal):
                 (retryable=False), or a ``started`` row exists and ``again`` is false
                 (retryable=True: recovery settles it first).
         """
-        refusal: AdapterError | None = None
-        try:
-            with self._durable_txn() if durable else self._txn():
-                if not self._check_fence(fence):
-                    refusal = self._stale(fence)
-                else:
-                    refusal, existing = self._begin_locked(
-                        key, tool, intent_digest, approval_digest, fence, expected_version, again
+        with self._locked():
+            refusal: AdapterError | None = self._fence_refusal(fence)
+            existing: Receipt | None = None
+            if refusal is None:
+                refusal, existing = self._judge(key, tool, intent_digest, again=again)
+            if refusal is None and existing is None:
+                if self._state.version != expected_version:
+                    refusal = AdapterError(
+                        "environment precondition failed",
+                        retryable=False,
+                        expected=expected_version,
+                        actual=self._state.version,
                     )
-                    if existing is not None:
-                        return existing
-        except _EpochRefused as refused:
-            self._count_epoch_refusal()
-            raise refused.error(fence) from None
+                elif durable:
+                    record = {
+                        "t": "start",
+                        "k": key,
+                        "tool": tool,
+                        "intent": intent_digest,
+                        "approval": approval_digest,
+                        **_fence_fields(fence),
+                    }
+                    self._append(record, True)
         if refusal is not None:
             raise refusal
-        return None
+        return existing
 
-    def _begin_locked(
-        self,
-        key: str,
-        tool: str,
-        intent_digest: str,
-        approval_digest: str | None,
-        fence: Fence,
-        expected_version: int,
-        again: bool,
+    def _judge(
+        self, key: str, tool: str, intent_digest: str, *, again: bool
     ) -> tuple[AdapterError | None, Receipt | None]:
+        """What an existing row says about a new call of ``key``: a refusal, the receipt
+        to return, or (None, None): the call may go."""
         row = self.row(key)
         if row is not None and (row.intent_digest != intent_digest or row.tool != tool):
             return (
                 IdempotencyConflictError(
-                    "key was used for another intent",
-                    idempotency_key=key,
-                    receipt=row.receipt,
+                    "key was used for another intent", idempotency_key=key, receipt=row.receipt
                 ),
                 None,
             )
@@ -178,87 +387,85 @@ class ToolLedger(FencedJournal):
                 ),
                 None,
             )
-        version = self._int("version")
-        if version != expected_version:
-            return (
-                AdapterError(
-                    "environment precondition failed",
-                    retryable=False,
-                    expected=expected_version,
-                    actual=version,
-                ),
-                None,
-            )
-        attempts = 1 if row is None else row.attempts + 1
-        self._db.execute(
-            "INSERT INTO calls (idempotency_key, tool, intent_digest, status, approval_digest, "
-            "run_id, lease_version, state_version, attempts) "
-            "VALUES (?, ?, ?, 'started', ?, ?, ?, ?, ?) ON CONFLICT (idempotency_key) DO UPDATE "
-            "SET status = 'started', run_id = excluded.run_id, "
-            "lease_version = excluded.lease_version, state_version = excluded.state_version, "
-            "attempts = excluded.attempts",
-            (
-                key,
-                tool,
-                intent_digest,
-                approval_digest,
-                fence.run_id,
-                fence.lease_version,
-                fence.state_version,
-                attempts,
-            ),
-        )
         return None, None
 
     def commit_call(
-        self, key: str, *, namespace: str, result: dict[str, str | int], committed_at: int
+        self,
+        key: str,
+        *,
+        namespace: str,
+        result: dict[str, str | int],
+        committed_at: int,
+        call: CallIntent | None = None,
     ) -> Receipt:
-        """One transaction: the tool returned ``result`` for ``key``; write the receipt and
-        move the version on by one. A key already committed returns its receipt.
+        """The tool returned ``result`` for ``key``: write the receipt, move the version on
+        by one and record the call's fence (never lowering one seen). A key already
+        committed returns its receipt. ``call`` describes a call that has no ``started``
+        row (a tool whose recovery does not need one).
 
         Raises:
-            AdapterError: no call is recorded for the key (retryable=False).
+            AdapterError: no call is recorded for the key and none is described
+                (retryable=False).
         """
-        with self._txn():
-            row = self.row(key)
+        with self._locked():
+            row = self._state.rows.get(key)
             if row is not None and row.status == "committed" and row.receipt is not None:
-                return row.receipt
-            found = self._db.execute(
-                "SELECT intent_digest, approval_digest FROM calls WHERE idempotency_key = ?",
-                (key,),
-            ).fetchone()
-            if found is None:
+                return Receipt.model_validate_json(row.receipt)
+            if row is None and call is None:
                 raise AdapterError(
                     "no recorded call to commit", retryable=False, idempotency_key=key
                 )
-            version = self._int("version") + 1
-            seq = self._int("seq") + 1
-            receipt = Receipt(
-                namespace=namespace,
-                receipt_version=1,
-                receipt_id=f"{self.instance_id}/{seq}",
-                idempotency_key=key,
-                intent_digest=found[0],
-                result=result,
-                committed_at=committed_at,
-                env_version_after=version,
-                approval_digest=found[1],
+            tool, intent, approval = (
+                (call.tool, call.intent_digest, call.approval_digest)
+                if call is not None
+                else (row.tool, row.intent, row.approval)  # type: ignore[union-attr]
             )
-            self._set("version", str(version))
-            self._set("seq", str(seq))
-            self._db.execute(
-                "UPDATE calls SET status = 'committed', receipt = ?, seq = ? "
-                "WHERE idempotency_key = ?",
-                (model_json(receipt).decode(), seq, key),
-            )
+            version = self._state.version + 1
+            fields: dict[str, Any] = {
+                "namespace": namespace,
+                "receipt_version": 1,
+                "receipt_id": f"{self._state.instance_id}/{version - 1}",
+                "idempotency_key": key,
+                "intent_digest": intent,
+                "result": result,
+                "committed_at": committed_at,
+                "env_version_after": version,
+                "approval_digest": approval,
+            }
+            receipt = Receipt.model_validate(fields)
+            fence = call.fence if call is not None else None
+            record = {
+                "t": "commit",
+                "k": key,
+                "tool": tool,
+                "intent": intent,
+                "approval": approval,
+                "receipt": fields,
+                **_fence_fields(fence),
+            }
+            if fence is not None and fence.store_epoch is not None and not self._state.store_epoch:
+                self._append(
+                    {"t": "fence", "epoch": fence.store_epoch, **_fence_fields(fence)}, False
+                )
+            self._append(record, False)
         return receipt
 
-    def abort_call(self, key: str) -> None:
+    def abort_call(self, key: str, call: CallIntent | None = None) -> None:
         """The tool refused the call with no effect, or a lookup showed it never
-        happened: the key may be sent again."""
-        with self._txn():
-            self._db.execute(
-                "UPDATE calls SET status = 'aborted' WHERE idempotency_key = ? "
-                "AND status = 'started'",
-                (key,),
-            )
+        happened: the key may be sent again (with its intent). ``call`` records the
+        refusal of a call that has no ``started`` row."""
+        with self._locked():
+            row = self._state.rows.get(key)
+            if row is not None and row.status != "started":
+                return
+            if row is None and call is None:
+                return
+            record: dict[str, Any] = {"t": "abort", "k": key}
+            if row is None and call is not None:
+                record |= {
+                    "tool": call.tool,
+                    "intent": call.intent_digest,
+                    "approval": call.approval_digest,
+                    **_fence_fields(call.fence),
+                }
+            self._append(record, False)

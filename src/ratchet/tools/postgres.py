@@ -70,7 +70,7 @@ from ratchet.errors import (
 from ratchet.runtime.actions import Risk
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.ports import Fence
-from ratchet.tools.declare import Tool, ToolCall
+from ratchet.tools.declare import Found, Tool, ToolCall
 
 __all__ = ["Effect", "FenceRow", "PostgresTool"]
 
@@ -334,17 +334,18 @@ class PostgresTool(Tool):
         return self._attempts(lambda conn: self._write(conn, args, call, fence, key, intent))
 
     def lookup(self, key: str) -> Any | None:
-        """The stored output of this tool's committed call with ``key``, or None: no call
-        with that key committed (and none will: a later one is a new call).
+        """The stored output of this tool's committed call with ``key``, with the intent it
+        was made for, or None: no call with that key committed (and none will: a later one
+        is a new call).
 
         Raises:
             AdapterError: the database cannot be read (retryable=True).
         """
-        query = sql.SQL("SELECT output FROM {} WHERE idempotency_key = %s AND tool = %s").format(
-            self._table("idempotency")
-        )
+        query = sql.SQL(
+            "SELECT output, intent_digest FROM {} WHERE idempotency_key = %s AND tool = %s"
+        ).format(self._table("idempotency"))
         row = self._attempts(lambda conn: conn.execute(query, (key, self.name)).fetchone())
-        return None if row is None else json.loads(row[0])
+        return None if row is None else Found(json.loads(row[0]), intent_digest=row[1])
 
     def raise_fence(self, fence: Fence) -> None:
         """Record ``fence`` as the run's highest at the database (nothing else written).

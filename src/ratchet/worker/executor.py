@@ -184,9 +184,9 @@ class Executor:
 
     def _lookup(self, effect: Lookup) -> Receipt | None:
         # An adapter over several tools (ratchet.tools) routes the lookup by kind.
-        routed = getattr(self.adapter, "lookup_for", None) if effect.kind else None
+        routed = getattr(self.adapter, "lookup_for", None) if effect.action else None
         if routed is not None:
-            found: Receipt | None = routed(effect.kind, effect.idempotency_key)
+            found: Receipt | None = routed(effect.action)
             return found
         return self.adapter.lookup(effect.idempotency_key)
 
