@@ -7,23 +7,26 @@ other drift. Every committed call moves the version on by one.
 
 A write, end to end (the engine committed the intent already)::
 
-    ledger: fence check + key check + precondition + row 'started'   (one transaction)
+    ledger: fence check + key check + precondition (+ a fsync'd 'started' row for a
+            tool whose recovery is review)
     [hook "before_call"] -> tool.run(args, call) -> [hook "after_call"]
-    ledger: receipt committed, version + 1                           (one transaction)
+    ledger: 'committed' line with the receipt, version + 1
 
-Recovery of a key (``lookup_for``; the engine asks it after a crash, and the same rules
-apply when ``execute`` finds a ``started`` row):
+Recovery of a key (``lookup_for``; the engine asks it after a crash, and ``execute``
+applies the same rules when it finds a ``started`` row):
 
 ============================  ===========  ==============  =========================
 ledger row for the key        ``lookup``   ``idempotent``  ``review``
 ============================  ===========  ==============  =========================
-none (never sent)             None: send   None: send      None: send
+none                          tool.lookup  None: send      None: never sent, send
+                              (found: its  again, same
+                              receipt;     key
+                              none: send)
 ``committed``                 its receipt  its receipt     its receipt
 ``aborted`` (no effect)       None: send   None: send      None: send
-``started`` (outcome hidden)  tool.lookup  None: send      OutcomeUnknownError
-                              (found: its  again, same     (needs_review, never
-                              receipt;     key             sent again)
-                              none: send)
+``started`` (outcome hidden)  (not kept)   (not kept)      OutcomeUnknownError
+                                                           (needs_review, never
+                                                           sent again)
 ============================  ===========  ==============  =========================
 """
 
