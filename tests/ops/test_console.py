@@ -229,10 +229,18 @@ def test_the_run_page_and_the_review_queue_show_the_evidence_in_chromium(
         assert response.read() == b"ok\n"
 
 
+def loaded(driver: Any, url_part: str) -> bool:
+    """The page navigated to (its URL has ``url_part``) has finished loading."""
+    return url_part in driver.current_url and (
+        driver.execute_script("return document.readyState") == "complete"
+    )
+
+
 def test_the_runs_list_pages_and_searches_in_chromium(
     console: tuple[ConsoleServer, str, str], fleet: Fleet, tmp_path: Path, record_property: Any
 ) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     server, review_id, approval_id = console
     listed = [f"r-list-{i:02d}" for i in range(7)]
@@ -249,6 +257,7 @@ def test_the_runs_list_pages_and_searches_in_chromium(
         rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
         assert [r.text.split()[0] for r in rows[1:]] == listed[:-4:-1]
         driver.find_element(By.LINK_TEXT, "next page →").click()
+        WebDriverWait(driver, 20).until(lambda d: loaded(d, "after="))
         rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
         assert [r.text.split()[0] for r in rows[1:]] == listed[3::-1][:3]
         assert "after=" in driver.current_url
@@ -257,6 +266,8 @@ def test_the_runs_list_pages_and_searches_in_chromium(
         box = driver.find_element(By.NAME, "q")
         box.send_keys("r-list-0")
         box.submit()
+        # submit() returns before the new page has loaded: wait for it (bounded).
+        WebDriverWait(driver, 20).until(lambda d: loaded(d, "q=r-list-0"))
         rows = driver.find_elements(By.CSS_SELECTOR, "table tr")
         assert [r.text.split()[0] for r in rows[1:]] == ["r-list-06", "r-list-05"]
         text = driver.find_element(By.TAG_NAME, "body").text
