@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ratchet.agents import Agent, AgentView
 from ratchet.agents.models import ModelReply, ToolCallRequest
 from ratchet.runtime import Phase, RunEngine, StepResult
 from ratchet.runtime.tools import BUILTIN_TOOLS, ToolCatalog, ToolSpec
+from ratchet.worker.job import agent_view
 
 SYSTEM_PROMPT = "You fix the greeting in app.py, run the unit tests, then finish."
 
@@ -23,31 +25,10 @@ def permitted_tools(engine: RunEngine, catalog: ToolCatalog | None = None) -> tu
 def view_of(
     engine: RunEngine, *, last_read: str | None = None, catalog: ToolCatalog | None = None
 ) -> AgentView:
-    """The view a worker builds before asking the agent (ratchet.worker.job), tools too."""
-    state = engine.state
-    report = state.verification
-    env = state.environment
-    verified = bool(
-        report is not None
-        and report.passed
-        and report.env_version == env.version
-        and report.env_fingerprint == env.fingerprint
-    )
-    return AgentView(
-        run_id=state.run_id,
-        phase=state.phase,
-        observation=env,
-        plan_cursor=state.plan_cursor,
-        usage=state.usage,
-        last_outcome=state.trace[-1].outcome,
-        quarantined_keys=state.quarantined_keys,
-        agent_state=dict(state.agent_state),
-        now=engine.clock.now(),
-        executed_keys=frozenset(e.idempotency_key for e in state.executed),
-        verified=verified,
-        last_read=last_read,
-        tools=permitted_tools(engine, catalog),
-    )
+    """The view a worker builds before asking the agent (ratchet.worker.job), with the
+    tools of ``catalog`` when the engine was given none."""
+    view = agent_view(engine, last_read)
+    return view if catalog is None else replace(view, tools=permitted_tools(engine, catalog))
 
 
 def drive(

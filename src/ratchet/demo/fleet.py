@@ -40,7 +40,14 @@ from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.pool import _settings_json, worker_main
 
-__all__ = ["FleetDemoReport", "owners_in_history", "run_fleet_demo", "run_workers_and_kill_one"]
+__all__ = [
+    "FleetDemoReport",
+    "demo_settings",
+    "owners_in_history",
+    "run_fleet_demo",
+    "run_workers_and_kill_one",
+    "worker_settings",
+]
 
 
 @dataclass
@@ -72,6 +79,36 @@ class FleetDemoReport:
         data = asdict(self)
         data["ok"] = self.ok
         return data
+
+
+def demo_settings(base: Path, *, name: str, lease_ttl_ms: int) -> Settings:
+    """A demo fleet's settings: the embedded Redis in ``base / "state"``, a queue and
+    worker name of its own, lease timings scaled from ``lease_ttl_ms``."""
+    return Settings(
+        redis_url=None,
+        state_dir=base / "state",
+        queue=f"ratchet-{name}",
+        lease_ttl_ms=lease_ttl_ms,
+        renew_interval_ms=max(lease_ttl_ms // 4, 50),
+        stall_timeout_ms=max(lease_ttl_ms * 10, 30_000),
+        reaper_interval_ms=max(lease_ttl_ms // 8, 50),
+        job_timeout_s=600,
+        worker_name=name,
+        # The demo's verifier runs the example's own test, not agent-written code: on a
+        # machine without bubblewrap it opts out of confinement, and says so.
+        verifier_sandbox=for_own_verifiers(),
+    )
+
+
+def worker_settings(settings: Settings, url: str) -> Settings:
+    """What the demo's worker processes get: the URL of the one embedded server and the
+    key ring file, explicitly, so that they share both."""
+    return settings.model_copy(
+        update={
+            "redis_url": SecretStr(url),
+            "checkpoint_keys_file": settings.state_dir / "keys" / "checkpoint.json",
+        }
+    )
 
 
 def owners_in_history(fleet: Fleet, run_id: str) -> set[str]:
@@ -116,26 +153,10 @@ def run_fleet_demo(
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ratchet-demo-") as tmp:
         base = Path(state_dir) if state_dir is not None else Path(tmp)
-        settings = Settings(
-            redis_url=None,
-            state_dir=base / "state",
-            queue="ratchet-demo",
-            lease_ttl_ms=lease_ttl_ms,
-            renew_interval_ms=max(lease_ttl_ms // 4, 50),
-            stall_timeout_ms=max(lease_ttl_ms * 10, 30_000),
-            reaper_interval_ms=max(lease_ttl_ms // 8, 50),
-            job_timeout_s=600,
-            worker_name="demo",
-            # The demo's verifier runs the example's own test, not agent-written code: on
-            # a machine without bubblewrap it opts out of confinement, and says so.
-            verifier_sandbox=for_own_verifiers(),
-        )
+        settings = demo_settings(base, name="demo", lease_ttl_ms=lease_ttl_ms)
         url = ensure_embedded_redis(settings.state_dir)
-        # Children get the URL explicitly: they share this one server and key ring.
         fleet = Fleet.connect(settings)
-        child = settings.model_copy(update={"redis_url": SecretStr(url)})
-        key_file = settings.state_dir / "keys" / "checkpoint.json"
-        child = child.model_copy(update={"checkpoint_keys_file": key_file})
+        child = worker_settings(settings, url)
         try:
             report = _run(
                 fleet,

@@ -31,16 +31,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr
-
-from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
-from ratchet.demo.fleet import owners_in_history, run_workers_and_kill_one
+from ratchet.demo.fleet import (
+    demo_settings,
+    owners_in_history,
+    run_workers_and_kill_one,
+    worker_settings,
+)
 from ratchet.errors import ConfigurationError
 from ratchet.fleet.context import Fleet, ensure_embedded_redis, stop_embedded_redis
 from ratchet.fleet.runs import EnvironmentSpec, McpServerSpec, RunDocument
-from ratchet.fleet.settings import Settings
 from ratchet.leasing import free_port
 from ratchet.ops import submit
 from ratchet.runtime import Phase, Scenario
@@ -175,18 +176,7 @@ def run_tools_demo(
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ratchet-tools-demo-") as tmp:
         base = Path(state_dir) if state_dir is not None else Path(tmp)
-        settings = Settings(
-            redis_url=None,
-            state_dir=base / "state",
-            queue="ratchet-tools-demo",
-            lease_ttl_ms=lease_ttl_ms,
-            renew_interval_ms=max(lease_ttl_ms // 4, 50),
-            stall_timeout_ms=max(lease_ttl_ms * 10, 30_000),
-            reaper_interval_ms=max(lease_ttl_ms // 8, 50),
-            job_timeout_s=600,
-            worker_name="tools-demo",
-            verifier_sandbox=for_own_verifiers(),
-        )
+        settings = demo_settings(base, name="tools-demo", lease_ttl_ms=lease_ttl_ms)
         tickets = base / "tickets"
         tickets.mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -218,12 +208,7 @@ def run_tools_demo(
             stub.start()
             url = ensure_embedded_redis(settings.state_dir)
             fleet = Fleet.connect(settings)
-            child = settings.model_copy(
-                update={
-                    "redis_url": SecretStr(url),
-                    "checkpoint_keys_file": settings.state_dir / "keys" / "checkpoint.json",
-                }
-            )
+            child = worker_settings(settings, url)
             roots: dict[str, Path] = {}
             for index in range(runs):
                 root = make_greeting_workspace(base / "workspaces" / f"ws-{index}")

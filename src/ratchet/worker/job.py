@@ -101,7 +101,7 @@ from ratchet.worker.heartbeat import Heartbeat
 from ratchet.worker.hooks import WorkerHooks
 from ratchet.worker.observe import RunRecorder, job_ended
 
-__all__ = ["STOP", "JobReport", "execute_run", "run_job"]
+__all__ = ["STOP", "JobReport", "agent_view", "execute_run", "run_job"]
 
 log = logging.getLogger("ratchet.worker.job")
 
@@ -480,7 +480,9 @@ def _catalog(engine: RunEngine) -> ToolCatalog:
     return engine.tools if isinstance(engine.tools, ToolCatalog) else ToolCatalog()
 
 
-def _view(engine: RunEngine, last_read: str | None) -> AgentView:
+def agent_view(engine: RunEngine, last_read: str | None = None) -> AgentView:
+    """What a worker shows the agent before each proposal (the tools are the scenario's
+    permitted ones, with the contracts the engine checks calls by)."""
     state = engine.state
     report = state.verification
     env = state.environment
@@ -530,7 +532,7 @@ def _step(
         if request is not None:  # an operator asked: stop at this safe point
             _cancel(engine, request, report)
             return
-        step = agent.next_step(_view(engine, last_read))
+        step = agent.next_step(agent_view(engine, last_read))
         if step is None:
             report.outcome = "no_proposal"
             return
