@@ -40,7 +40,7 @@ from ratchet.runtime import CrashWindow, Effect, Hooks, KeyRing, Phase, RunEngin
 from ratchet.runtime.effects import Commit
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.executor import Executor, WindowProbe
-from ratchet.worker.job import _view
+from ratchet.worker.job import agent_view
 from tests.conftest import test_sandbox_mode
 
 TTL_MS = 400
@@ -187,7 +187,7 @@ class Protocol(RuleBasedStateMachine):
             return
         stale = not self.store.read_run(self.run_id).is_held_by(worker.name, lease.lease_version)
         worker.crash = crash
-        step = self.agent.next_step(_view(engine, None))
+        step = self.agent.next_step(agent_view(engine, None))
         if step is None:
             return
         before = len(self.acks)

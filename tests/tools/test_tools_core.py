@@ -10,6 +10,7 @@ generation store with lease fencing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +295,9 @@ def test_a_read_only_tool_reads_without_a_ledger_row(setup: Setup) -> None:
             "extra",
         ),
         ({"order_id": "o-1", "amount_cents": 5}, "reversible_write", "risk"),
+        ({"order_id": "o-1", "amount_cents": True}, "irreversible_external_write", "amount_cents"),
+        ({"order_id": "o-1", "amount_cents": 0}, "irreversible_external_write", "amount_cents"),
+        ({"order_id": "", "amount_cents": 5}, "irreversible_external_write", "order_id"),
     ],
 )
 def test_a_call_that_breaks_the_tools_contract_is_rejected_before_anything_is_sent(
@@ -463,3 +467,45 @@ def test_a_lookup_that_finds_the_key_under_another_intent_opens_a_review(
     assert case is not None and case.reason is ReviewReason.INTENT_CONFLICT
     assert case.receipt is not None and case.receipt.intent_digest == other_intent
     assert s.service.effects == 1
+
+
+def test_arguments_that_are_not_plain_reach_the_tool_as_their_types(tmp_path: Path) -> None:
+    """A list argument goes through the model (not the plain path) and reaches the tool
+    as the model parsed it; its JSON Schema is what a model is shown."""
+    from ratchet import tool
+
+    seen: list[object] = []
+
+    @tool(risk="irreversible_external_write", name="create_refund", idempotent=True)
+    def tagged(order_id: str, tags: list[str]) -> dict[str, str]:
+        seen.append(tags)
+        return {"order_id": order_id}
+
+    assert not tagged.spec.plain_args
+    assert tagged.spec.json_schema["properties"]["tags"]["type"] == "array"
+    box = Toolbox([tagged])
+    sc = scenario(permissions=["finish", "create_refund"])
+    adapter = box.environment(sc, ledger=tmp_path / "ledger")
+    run = ToolRun(open_adapter=lambda: adapter, effects=lambda: 0, scenario=sc, catalog=box.catalog)
+    engine = run.start()
+    data = {**run.refund(engine).model_dump(mode="json"), "args": {"order_id": "o", "tags": ["a"]}}
+    assert engine.propose(Action.model_validate(data)).outcome is TraceOutcome.EXECUTED
+    assert seen == [["a"]]
+    bad = {
+        **data,
+        "action_id": "a-bad",
+        "idempotency_key": "k-bad",
+        "args": {"order_id": "o", "tags": [1]},
+    }
+    bad["expected_env_version"] = engine.state.environment.version
+    assert engine.propose(Action.model_validate(bad)).outcome is TraceOutcome.REJECTED_SCHEMA
+
+
+def test_a_tool_whose_arguments_admit_floats_is_refused_at_declaration() -> None:
+    from ratchet import tool
+
+    with pytest.raises(ConfigurationError, match="admit floats"):
+
+        @tool(risk="irreversible_external_write")
+        def priced(order_id: str, amount: Decimal) -> None:  # JSON Schema: number or string
+            """A Decimal is shown to a model as a number: use int cents or a string."""

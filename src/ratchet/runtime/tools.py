@@ -84,8 +84,8 @@ class ToolSpec:
     Raises (constructor):
         ConfigurationError: a bad name, a risk a tool cannot have (``control``,
             ``verification`` are the built-ins' own), a recovery on a read, or an argument
-            model that admits floats (canonical JSON has none: use ``int`` or
-            ``Decimal``, which travels as a string).
+            model that admits floats (canonical JSON has none: use ``int``, such as cents,
+            or a string; a ``Decimal`` field admits JSON numbers too).
     """
 
     name: str
@@ -124,7 +124,7 @@ class ToolSpec:
             if _schema_has_number(self.json_schema):
                 raise ConfigurationError(
                     f"tool {self.name!r}: its arguments admit floats, which canonical JSON "
-                    "refuses (use int, or Decimal, which travels as a string)",
+                    "refuses (use int, such as cents, or a string)",
                     field="args",
                 )
 
@@ -156,6 +156,14 @@ class ToolSpec:
     def digest(self) -> str:
         return digest(Domain.TOOL, self.contract)
 
+    @cached_property
+    def plain_args(self) -> bool:
+        """True when every argument is a plain ``str``, ``int`` or ``bool``: their values
+        as JSON and in Python are the same, so a call is validated without the JSON round
+        trip and handed to the tool as it was validated."""
+        fields = self.args_model.model_fields
+        return bool(fields) and all(f.annotation in (str, int, bool) for f in fields.values())
+
     def validate_args(self, args: Mapping[str, Any]) -> dict[str, JsonValue]:
         """``args`` checked against the model (strictly, as JSON) and normalised to what
         the model dumps (defaults filled in): the arguments the intent digest covers.
@@ -164,7 +172,11 @@ class ToolSpec:
             ActionError: naming the first offending argument (``field="args.<name>"``).
         """
         try:
-            parsed = self.args_model.model_validate_json(canonical_json(dict(args)), strict=True)
+            parsed = (
+                self.args_model.model_validate(dict(args), strict=True)
+                if self.plain_args
+                else self.args_model.model_validate_json(canonical_json(dict(args)), strict=True)
+            )
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])

@@ -245,12 +245,18 @@ class FunctionTool(Tool):
         return fn
 
     def parse_args(self, args: dict[str, Any]) -> Any:
+        # Plain arguments (str, int, bool) go to the function as the runtime validated
+        # them against this very model (the contract the run's environment binds).
+        if self._model_param is None and self.spec.plain_args:
+            return args
         return self.args_model.model_validate(args)
 
     def run(self, args: Any, call: ToolCall) -> Any:
         extra = {"call": call} if self._wants_call else {}
         if self._model_param is not None:
             return self.fn(**{self._model_param: args}, **extra)
+        if isinstance(args, dict):
+            return self.fn(**args, **extra)
         return self.fn(**args.model_dump(), **extra)
 
 
