@@ -509,3 +509,19 @@ def test_a_tool_whose_arguments_admit_floats_is_refused_at_declaration() -> None
         @tool(risk="irreversible_external_write")
         def priced(order_id: str, amount: Decimal) -> None:  # JSON Schema: number or string
             """A Decimal is shown to a model as a number: use int cents or a string."""
+
+
+def test_an_output_past_the_receipt_bound_is_kept_as_a_prefix_and_its_digest() -> None:
+    import hashlib
+
+    from ratchet.runtime.canonical import Domain
+    from ratchet.tools import output_result
+    from ratchet.tools.adapter import MAX_OUTPUT_CHARS
+
+    small = output_result("t", {"ok": 1})
+    assert small == {"tool": "t", "output": '{"ok":1}'}
+    big = output_result("t", {"blob": "x" * MAX_OUTPUT_CHARS})
+    whole = '{"blob":"' + "x" * MAX_OUTPUT_CHARS + '"}'
+    assert big["output"] == whole[:MAX_OUTPUT_CHARS] and big["output_truncated"] == 1
+    expected = hashlib.sha256(Domain.TOOL_OUTPUT + b"\x00" + whole.encode()).hexdigest()
+    assert big["output_sha256"] == expected

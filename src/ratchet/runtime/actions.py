@@ -17,10 +17,11 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Annotated, Any
 
+import orjson
 from pydantic import Field, PlainValidator, Strict, ValidationError, model_validator
 
 from ratchet.errors import ActionError
-from ratchet.runtime.canonical import Domain, canonical_json, digest
+from ratchet.runtime.canonical import Domain, digest
 from ratchet.runtime.types import Frozen, Identifier, JsonValue, NonNegInt, check_rel_path
 
 __all__ = [
@@ -171,7 +172,9 @@ class Action(Frozen):
         arguments are checked against the tool's model later, where the tool is known)."""
         if self.risk in (Risk.CONTROL, Risk.VERIFICATION):
             raise ValueError(f"tool {self.kind} cannot have risk {self.risk}")
-        if len(canonical_json(self.args)) > MAX_TOOL_ARGS_BYTES:
+        # The size bound only (floats are refused by the type already): orjson's compact
+        # form is canonical JSON's length but for key order.
+        if len(orjson.dumps(self.args)) > MAX_TOOL_ARGS_BYTES:
             raise ValueError(f"tool {self.kind} arguments exceed {MAX_TOOL_ARGS_BYTES} bytes")
         if self.risk.is_write and self.idempotency_key is None:
             raise ValueError(f"a {self.kind} write requires an idempotency_key")

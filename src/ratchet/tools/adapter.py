@@ -85,7 +85,8 @@ def _plain(output: Any) -> Any:
 
 def output_result(tool: str, output: Any) -> dict[str, str | int]:
     """A tool's output as a receipt's ``result``: the tool's name, the output as canonical
-    JSON (cut at :data:`MAX_OUTPUT_CHARS`, ``output_truncated`` then 1) and its digest.
+    JSON, whole; or cut at :data:`MAX_OUTPUT_CHARS`, with ``output_truncated`` 1 and the
+    whole output's digest (``output_sha256``).
 
     Raises:
         AdapterError: the output is not JSON (floats, non-string keys, other objects);
@@ -99,14 +100,14 @@ def output_result(tool: str, output: Any) -> dict[str, str | int]:
             retryable=True,
             tool=tool,
         ) from None
-    result: dict[str, str | int] = {
-        "tool": tool,
-        "output": text[:MAX_OUTPUT_CHARS],
-        # Over the output's canonical JSON bytes, under the tool-output domain.
-        "output_sha256": hashlib.sha256(Domain.TOOL_OUTPUT + b"\x00" + text.encode()).hexdigest(),
-    }
+    result: dict[str, str | int] = {"tool": tool, "output": text[:MAX_OUTPUT_CHARS]}
     if len(text) > MAX_OUTPUT_CHARS:
+        # The receipt keeps a prefix: the digest (over the whole output's canonical JSON,
+        # under the tool-output domain) stands for the rest.
         result["output_truncated"] = 1
+        result["output_sha256"] = hashlib.sha256(
+            Domain.TOOL_OUTPUT + b"\x00" + text.encode()
+        ).hexdigest()
     return result
 
 
@@ -199,7 +200,7 @@ class ToolsAdapter:
                 Domain.ENVIRONMENT,
                 {"instance_id": instance, "version": version, "contract": self._contract},
             ),
-            details={"contract": self._contract},
+            details={"contract": self._contract[:16]},
         )
 
     def observe(self) -> Observation:

@@ -37,7 +37,8 @@ A tool's recovery follows from what it declares: a ``lookup`` makes it ``lookup`
 it has seen, raising :class:`ratchet.errors.FenceRejectedError`).
 
 What ``run`` returns is the call's output: any JSON value (no floats) or a pydantic model.
-It becomes the receipt's ``output`` (canonical JSON) and ``output_sha256``. ``run``
+It becomes the receipt's ``output`` (canonical JSON; past 64 KiB a prefix, with the
+whole output's ``output_sha256``). ``run``
 raises :class:`ratchet.errors.AdapterError` with ``retryable=False`` for a refusal that had
 no effect; anything else it raises leaves the call's outcome unknown, for recovery.
 """

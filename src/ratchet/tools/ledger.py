@@ -134,9 +134,9 @@ class _State:
         if kind == "start":
             row.status, row.attempts = "started", row.attempts + 1
         elif kind == "commit":
-            receipt = record["receipt"]
             row.status = "committed"
-            row.receipt = receipt if isinstance(receipt, bytes) else orjson.dumps(receipt)
+            # Our own line carries its receipt serialised already (never written as such).
+            row.receipt = record.get("_receipt_json") or orjson.dumps(record["receipt"])
             row.attempts = max(row.attempts, 1)
             self.version += 1
         elif row.status != "committed":
@@ -216,7 +216,9 @@ class ToolLedger:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def _append(self, record: dict[str, Any], durable: bool) -> None:
+    def _append(
+        self, record: dict[str, Any], durable: bool, *, receipt_json: bytes | None = None
+    ) -> None:
         line = orjson.dumps(record, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE)
         written = os.write(self._fd, line)
         if written != len(line):
@@ -224,7 +226,9 @@ class ToolLedger:
         if durable:
             os.fdatasync(self._fd)
         self._offset += written
-        self._state.apply(record)
+        self._state.apply(
+            record if receipt_json is None else {**record, "_receipt_json": receipt_json}
+        )
 
     def _read(self) -> _State:
         self._refresh()
@@ -257,7 +261,11 @@ class ToolLedger:
 
     def row(self, key: str) -> CallRow | None:
         """The key's row, or None: the key was never recorded."""
-        found = self._read().rows.get(key)
+        self._refresh()
+        return self._row_of(key)
+
+    def _row_of(self, key: str) -> CallRow | None:
+        found = self._state.rows.get(key)
         if found is None:
             return None
         receipt = Receipt.model_validate_json(found.receipt) if found.receipt is not None else None
@@ -290,6 +298,15 @@ class ToolLedger:
                 seen=seen,
             )
         return None
+
+    def _refused_now(self, fence: Fence) -> bool:
+        """Whether ``fence`` would be refused by the state as read (no lock, no count)."""
+        state = self._state
+        bound = state.store_epoch
+        if fence.store_epoch is not None and bound is not None and bound != fence.store_epoch:
+            return True
+        seen = state.fences.get(fence.run_id)
+        return seen is not None and fence.key() < seen
 
     def raise_fence(self, fence: Fence) -> None:
         """Record ``fence`` as the run's highest (durably), or refuse it.
@@ -336,6 +353,8 @@ class ToolLedger:
                 (retryable=False), or a ``started`` row exists and ``again`` is false
                 (retryable=True: recovery settles it first).
         """
+        if not durable:
+            return self._check_only(key, tool, intent_digest, fence, expected_version, again)
         with self._locked():
             refusal: AdapterError | None = self._fence_refusal(fence)
             existing: Receipt | None = None
@@ -363,12 +382,42 @@ class ToolLedger:
             raise refusal
         return existing
 
+    def _check_only(
+        self,
+        key: str,
+        tool: str,
+        intent_digest: str,
+        fence: Fence,
+        expected_version: int,
+        again: bool,
+    ) -> Receipt | None:
+        """:meth:`begin_call`'s checks without a row: nothing is written unless a fence is
+        refused, so they read the state as it is now (a refusal takes the lock, to be
+        judged again and counted)."""
+        self._refresh()
+        if self._refused_now(fence):
+            with self._locked():
+                stale = self._fence_refusal(fence)
+            if stale is not None:
+                raise stale
+        refusal, existing = self._judge(key, tool, intent_digest, again=again)
+        if refusal is None and existing is None and self._state.version != expected_version:
+            refusal = AdapterError(
+                "environment precondition failed",
+                retryable=False,
+                expected=expected_version,
+                actual=self._state.version,
+            )
+        if refusal is not None:
+            raise refusal
+        return existing
+
     def _judge(
         self, key: str, tool: str, intent_digest: str, *, again: bool
     ) -> tuple[AdapterError | None, Receipt | None]:
         """What an existing row says about a new call of ``key``: a refusal, the receipt
-        to return, or (None, None): the call may go."""
-        row = self.row(key)
+        to return, or (None, None): the call may go (reads the state as last refreshed)."""
+        row = self._row_of(key)
         if row is not None and (row.intent_digest != intent_digest or row.tool != tool):
             return (
                 IdempotencyConflictError(
@@ -447,7 +496,7 @@ class ToolLedger:
                 self._append(
                     {"t": "fence", "epoch": fence.store_epoch, **_fence_fields(fence)}, False
                 )
-            self._append(record, False)
+            self._append(record, False, receipt_json=orjson.dumps(fields))
         return receipt
 
     def abort_call(self, key: str, call: CallIntent | None = None) -> None:
