@@ -19,8 +19,10 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ratchet.errors import AdapterError, FenceRejectedError
-from ratchet.runtime import Fence, Risk
+from ratchet.runtime import Action, Fence, Risk, RunEngine, derive_idempotency_key
+from ratchet.runtime.tools import ToolCatalog
 from ratchet.tools import Tool, ToolCall, tool
+from tests.adapters.harness import Harness
 
 
 class RefundService:
@@ -207,3 +209,29 @@ def each(values: list[str]) -> Iterator[str]:
 
 
 HookFactory = Callable[[], Callable[[str], None]]
+
+
+@dataclass
+class ToolRun(Harness):
+    """The adapter harness with declared tools: the engine gets their contracts."""
+
+    catalog: ToolCatalog = field(default_factory=ToolCatalog)
+
+    def ports(self, adapter: Any, store: Any, probe: Any = None) -> dict[str, Any]:
+        return {**super().ports(adapter, store, probe), "tools": self.catalog}
+
+    def refund(
+        self, engine: RunEngine, *, order_id: str = "o-1", amount: int = 500, key: str | None = None
+    ) -> Action:
+        return Action.model_validate(
+            {
+                "action_id": f"a-{engine.state.next_seq}",
+                "kind": "create_refund",
+                "risk": "irreversible_external_write",
+                "args": {"order_id": order_id, "amount_cents": amount},
+                "idempotency_key": key
+                or derive_idempotency_key(engine.state.run_id, engine.state.plan_cursor),
+                "expected_env_version": engine.state.environment.version,
+                "deadline_at": self.clock.now() + 600,
+            }
+        )

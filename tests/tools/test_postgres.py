@@ -16,7 +16,7 @@ require_driver()
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +31,21 @@ from ratchet.errors import (
     IdempotencyConflictError,
 )
 from ratchet.runtime import (
-    Action,
     CrashWindow,
     Fence,
     Phase,
     ReviewReason,
     RunEngine,
     TraceOutcome,
-    derive_idempotency_key,
 )
-from ratchet.runtime.tools import Recovery, ToolCatalog
+from ratchet.runtime.tools import Recovery
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import Toolbox, ToolCall, ToolsAdapter
 from ratchet.tools.declare import Found
 from ratchet.tools.postgres import PostgresTool
-from tests.adapters.harness import WRITE_WINDOWS, Harness, SimulatedCrash, crash_at, scenario
+from tests.adapters.harness import WRITE_WINDOWS, SimulatedCrash, crash_at, scenario
 from tests.tools.pg import Db, fresh_database, fresh_schema
+from tests.tools.refunds import ToolRun
 
 PERMITTED = ["read_file", "write_file", "run_verifier", "finish", "create_refund"]
 INTENT_A = "a" * 64
@@ -480,32 +479,6 @@ def wait_for_lock_waiter(db: Db, deadline_s: float = 30.0) -> None:
 
 
 # -- through the engine ------------------------------------------------------------------------
-
-
-@dataclass
-class ToolRun(Harness):
-    """The adapter harness with declared tools: the engine gets their contracts."""
-
-    catalog: ToolCatalog = field(default_factory=ToolCatalog)
-
-    def ports(self, adapter: Any, store: Any, probe: Any = None) -> dict[str, Any]:
-        return {**super().ports(adapter, store, probe), "tools": self.catalog}
-
-    def refund(
-        self, engine: RunEngine, *, order_id: str = "o-1", amount: int = 500, key: str | None = None
-    ) -> Action:
-        return Action.model_validate(
-            {
-                "action_id": f"a-{engine.state.next_seq}",
-                "kind": "create_refund",
-                "risk": "irreversible_external_write",
-                "args": {"order_id": order_id, "amount_cents": amount},
-                "idempotency_key": key
-                or derive_idempotency_key(engine.state.run_id, engine.state.plan_cursor),
-                "expected_env_version": engine.state.environment.version,
-                "deadline_at": self.clock.now() + 600,
-            }
-        )
 
 
 @dataclass

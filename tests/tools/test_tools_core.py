@@ -9,7 +9,7 @@ generation store with lease fencing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -25,50 +25,28 @@ from ratchet.runtime import (
     ReviewReason,
     RunEngine,
     TraceOutcome,
-    derive_idempotency_key,
 )
-from ratchet.runtime.tools import ToolCatalog
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import Toolbox, ToolsAdapter
 from tests.adapters.harness import (
     RIGHT_GREETING,
     WRITE_WINDOWS,
-    Harness,
     SimulatedCrash,
     crash_at,
     make_workspace,
     scenario,
 )
-from tests.tools.refunds import Crashes, CrashInTool, RefundService, make_tool, order_status
+from tests.tools.refunds import (
+    Crashes,
+    CrashInTool,
+    RefundService,
+    ToolRun,
+    make_tool,
+    order_status,
+)
 
 RECOVERIES = ["lookup", "idempotent", "review", "fenced"]
 PERMITTED = ["read_file", "write_file", "run_verifier", "finish", "create_refund", "order_status"]
-
-
-@dataclass
-class ToolRun(Harness):
-    """The adapter harness with declared tools: the engine gets their contracts."""
-
-    catalog: ToolCatalog = field(default_factory=ToolCatalog)
-
-    def ports(self, adapter: Any, store: Any, probe: Any = None) -> dict[str, Any]:
-        return {**super().ports(adapter, store, probe), "tools": self.catalog}
-
-    def refund(
-        self, engine: RunEngine, *, order_id: str = "o-1", amount: int = 500, key: str | None = None
-    ) -> Action:
-        return Action.model_validate(
-            {
-                "action_id": f"a-{engine.state.next_seq}",
-                "kind": "create_refund",
-                "risk": "irreversible_external_write",
-                "args": {"order_id": order_id, "amount_cents": amount},
-                "idempotency_key": key
-                or derive_idempotency_key(engine.state.run_id, engine.state.plan_cursor),
-                "expected_env_version": engine.state.environment.version,
-                "deadline_at": self.clock.now() + 600,
-            }
-        )
 
 
 @dataclass

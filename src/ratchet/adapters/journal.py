@@ -24,9 +24,15 @@ from ratchet.errors import AdapterError, FenceRejectedError, IdempotencyConflict
 from ratchet.runtime.canonical import model_json
 from ratchet.runtime.ports import Fence, Receipt
 
-__all__ = ["FencedJournal", "IntentRow", "Journal", "WriteIntent"]
+__all__ = ["IntentRow", "Journal", "WriteIntent", "epoch_refusal"]
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS fences (
+    run_id TEXT PRIMARY KEY,
+    lease_version INTEGER NOT NULL,
+    state_version INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS writes (
     idempotency_key TEXT PRIMARY KEY,
     intent_digest TEXT NOT NULL,
@@ -80,40 +86,29 @@ class _EpochRefused(Exception):  # noqa: N818 - an internal signal, turned into 
         self.bound = bound
 
     def error(self, fence: Fence) -> FenceRejectedError:
-        return FenceRejectedError(
-            "this environment serves another store (its epoch differs): a run of a wiped "
-            "or re-initialised store may not write here; reset the environment to use it "
-            "with this store",
-            run_id=fence.run_id,
-            reason="store_epoch",
-            bound_epoch=self.bound,
-            fence_epoch=fence.store_epoch,
-        )
+        return epoch_refusal(fence, self.bound)
 
 
-_FENCE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS fences (
-    run_id TEXT PRIMARY KEY,
-    lease_version INTEGER NOT NULL,
-    state_version INTEGER NOT NULL
-);
-"""
+def epoch_refusal(fence: Fence, bound: str) -> FenceRejectedError:
+    """The refusal of a fence from another store than the one an environment is bound to
+    (the workspace journal's and the tool ledger's)."""
+    return FenceRejectedError(
+        "this environment serves another store (its epoch differs): a run of a wiped "
+        "or re-initialised store may not write here; reset the environment to use it "
+        "with this store",
+        run_id=fence.run_id,
+        reason="store_epoch",
+        bound_epoch=bound,
+        fence_epoch=fence.store_epoch,
+    )
 
 
-class FencedJournal:
-    """A SQLite journal that is an environment's fencing resource: its instance id, meta
-    counters, the highest fence per run and the store epoch it serves. Subclasses add the
-    tables of what they record (:class:`Journal` for the workspace, the tool ledger).
-    Not thread-safe: the owner serialises.
+class Journal:
+    """The SQLite journal of one workspace. Not thread-safe: the adapter serialises.
 
     Raises (constructor):
         AdapterError: the database cannot be opened or initialised (retryable=True).
     """
-
-    _SCHEMA = ""  # the subclass's own tables
-    _PREFIX = "env-"  # of the instance id minted on first use
-    _WHAT = "journal"  # how errors name it
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -125,22 +120,19 @@ class FencedJournal:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             with self._txn():
-                for statement in (_FENCE_SCHEMA + self._SCHEMA).split(";"):
+                for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         self._db.execute(statement)
                 if self._meta("instance_id") is None:
-                    self._set("instance_id", self._PREFIX + uuid.uuid4().hex)
-                    self._initialise()
+                    self._set("instance_id", "ws-" + uuid.uuid4().hex)
+                    self._set("version", "1")
+                    self._set("fingerprint", "")
+                    self._set("refused_stale", "0")
+                    self._set("seq", "0")
         except sqlite3.Error as exc:
             raise AdapterError(
-                f"{self._WHAT} cannot be opened", retryable=True, error=type(exc).__name__
+                "workspace journal cannot be opened", retryable=True, error=type(exc).__name__
             ) from None
-
-    def _initialise(self) -> None:
-        """Set the subclass's meta counters on first use (inside the creating txn)."""
-        self._set("version", "1")
-        self._set("refused_stale", "0")
-        self._set("seq", "0")
 
     def close(self) -> None:
         self._db.close()
@@ -169,93 +161,11 @@ class FencedJournal:
     def _int(self, key: str) -> int:
         return int(self._meta(key) or "0")
 
+    # -- facts ------------------------------------------------------------------------------
+
     @property
     def instance_id(self) -> str:
         return self._meta("instance_id") or ""
-
-    def _check_fence(self, fence: Fence) -> bool:
-        epoch = fence.store_epoch
-        if epoch is not None:
-            bound = self._meta("store_epoch")
-            if bound is None:
-                self._set("store_epoch", epoch)
-            elif bound != epoch:
-                # Another store than the one this environment serves (wiped,
-                # re-initialised, or another fleet's): nothing of it is accepted (the
-                # refusal is counted by the caller, once this transaction rolled back).
-                raise _EpochRefused(bound)
-        row = self._db.execute(
-            "SELECT lease_version, state_version FROM fences WHERE run_id = ?", (fence.run_id,)
-        ).fetchone()
-        if row is not None and fence.key() < (int(row[0]), int(row[1])):
-            self._set("refused_stale", str(self._int("refused_stale") + 1))
-            return False
-        self._db.execute(
-            "INSERT INTO fences (run_id, lease_version, state_version) "
-            "VALUES (?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
-            "lease_version = excluded.lease_version, "
-            "state_version = excluded.state_version",
-            (fence.run_id, fence.lease_version, fence.state_version),
-        )
-        return True
-
-    def _count_epoch_refusal(self) -> None:
-        # The refusing transaction rolled back: count it in one of its own.
-        with self._txn():
-            self._set("refused_epoch", str(self._int("refused_epoch") + 1))
-
-    @property
-    def store_epoch(self) -> str | None:
-        """The store epoch this environment is bound to (the first one a fence carried)."""
-        return self._meta("store_epoch")
-
-    def _seen(self, run_id: str) -> tuple[int, int] | None:
-        row = self._db.execute(
-            "SELECT lease_version, state_version FROM fences WHERE run_id = ?", (run_id,)
-        ).fetchone()
-        return None if row is None else (int(row[0]), int(row[1]))
-
-    def _stale(self, fence: Fence) -> FenceRejectedError:
-        return FenceRejectedError(
-            "fence is older than one already seen",
-            run_id=fence.run_id,
-            fence=fence.key(),
-            seen=self._seen(fence.run_id),
-        )
-
-    def raise_fence(self, fence: Fence) -> None:
-        """Record ``fence`` as the run's highest, or refuse it.
-
-        Raises:
-            FenceRejectedError: a higher fence was seen (the refusal is counted).
-        """
-        try:
-            with self._txn():
-                accepted = self._check_fence(fence)
-                refusal = None if accepted else self._stale(fence)
-        except _EpochRefused as refused:
-            self._count_epoch_refusal()
-            raise refused.error(fence) from None
-        if refusal is not None:
-            raise refusal
-
-
-class Journal(FencedJournal):
-    """The SQLite journal of one workspace. Not thread-safe: the adapter serialises.
-
-    Raises (constructor):
-        AdapterError: the database cannot be opened or initialised (retryable=True).
-    """
-
-    _SCHEMA = _SCHEMA
-    _PREFIX = "ws-"
-    _WHAT = "workspace journal"
-
-    def _initialise(self) -> None:
-        super()._initialise()
-        self._set("fingerprint", "")
-
-    # -- facts ------------------------------------------------------------------------------
 
     def counters(self) -> tuple[int, int]:
         """``(effects, refused_stale)``: committed writes and refused stale fences."""
@@ -282,6 +192,69 @@ class Journal(FencedJournal):
             self._set("version", str(version))
             self._set("fingerprint", fingerprint)
         return version
+
+    def _check_fence(self, fence: Fence) -> bool:
+        epoch = fence.store_epoch
+        if epoch is not None:
+            bound = self._meta("store_epoch")
+            if bound is None:
+                self._set("store_epoch", epoch)
+            elif bound != epoch:
+                # Another store than the one this workspace serves (wiped, re-initialised,
+                # or another fleet's): nothing of it is accepted (the refusal is counted
+                # by the caller, once this transaction rolled back).
+                raise _EpochRefused(bound)
+        row = self._db.execute(
+            "SELECT lease_version, state_version FROM fences WHERE run_id = ?", (fence.run_id,)
+        ).fetchone()
+        if row is not None and fence.key() < (int(row[0]), int(row[1])):
+            self._set("refused_stale", str(self._int("refused_stale") + 1))
+            return False
+        self._db.execute(
+            "INSERT INTO fences (run_id, lease_version, state_version) "
+            "VALUES (?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
+            "lease_version = excluded.lease_version, "
+            "state_version = excluded.state_version",
+            (fence.run_id, fence.lease_version, fence.state_version),
+        )
+        return True
+
+    def _count_epoch_refusal(self) -> None:
+        # The refusing transaction rolled back: count it in one of its own.
+        with self._txn():
+            self._set("refused_epoch", str(self._int("refused_epoch") + 1))
+
+    @property
+    def store_epoch(self) -> str | None:
+        """The store epoch this workspace is bound to (the first one a fence carried)."""
+        return self._meta("store_epoch")
+
+    def _seen(self, run_id: str) -> tuple[int, int] | None:
+        row = self._db.execute(
+            "SELECT lease_version, state_version FROM fences WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        return None if row is None else (int(row[0]), int(row[1]))
+
+    def raise_fence(self, fence: Fence) -> None:
+        """Record ``fence`` as the run's highest, or refuse it.
+
+        Raises:
+            FenceRejectedError: a higher fence was seen (the refusal is counted).
+        """
+        try:
+            with self._txn():
+                accepted = self._check_fence(fence)
+                seen = self._seen(fence.run_id)
+        except _EpochRefused as refused:
+            self._count_epoch_refusal()
+            raise refused.error(fence) from None
+        if not accepted:
+            raise FenceRejectedError(
+                "fence is older than one already seen",
+                run_id=fence.run_id,
+                fence=fence.key(),
+                seen=seen,
+            )
 
     def receipt(self, key: str) -> Receipt | None:
         """The committed receipt for ``key``, or None."""
@@ -313,7 +286,12 @@ class Journal(FencedJournal):
         try:
             with self._txn():
                 if not self._check_fence(fence):
-                    refusal = self._stale(fence)
+                    refusal = FenceRejectedError(
+                        "fence is older than one already seen",
+                        run_id=fence.run_id,
+                        fence=fence.key(),
+                        seen=self._seen(fence.run_id),
+                    )
                 else:
                     row = self._db.execute(
                         "SELECT status, intent_digest, receipt FROM writes "

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from ratchet.adapters.workspace import SystemClock
 from ratchet.errors import (
     AdapterError,
     ConfigurationError,
@@ -72,11 +72,6 @@ MAX_OUTPUT_CHARS = 1 << 16
 
 def _no_hook(stage: str) -> None:
     """Tests and drills inject crashes at ``before_call`` and ``after_call``."""
-
-
-class _WallClock:
-    def now(self) -> int:
-        return int(time.time())
 
 
 def _plain(output: Any) -> Any:
@@ -145,7 +140,7 @@ class ToolsAdapter:
         path = Path(ledger)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.ledger = ToolLedger(path)
-        self._clock: Clock = clock if clock is not None else _WallClock()
+        self._clock: Clock = clock if clock is not None else SystemClock()
         # Observations by version: instance and contract are fixed for the adapter's life.
         self._observed: dict[int, Observation] = {}
         self._hook = hook

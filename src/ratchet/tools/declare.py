@@ -119,6 +119,14 @@ class Tool:
     def close(self) -> None:
         """Release what the tool holds (connections, processes)."""
 
+    def declare(self, **fields: Any) -> None:
+        """Set class-form fields (``name``, ``risk``, ``Args``, ...) on this instance, the
+        ones given and not None: a tool built from arguments rather than subclassed."""
+        for name, value in fields.items():
+            if value is not None:
+                setattr(self, name, value)
+        self.__dict__.pop("_spec", None)
+
     # -- what the runtime reads ---------------------------------------------------------
 
     def _defines(self, method: str) -> bool:

@@ -49,6 +49,7 @@ from typing import Any
 
 import orjson
 
+from ratchet.adapters.journal import epoch_refusal
 from ratchet.errors import AdapterError, FenceRejectedError, IdempotencyConflictError
 from ratchet.runtime.ports import Fence, Receipt
 
@@ -279,15 +280,7 @@ class ToolLedger:
         bound = state.store_epoch
         if fence.store_epoch is not None and bound is not None and bound != fence.store_epoch:
             self._append({"t": "refused", "why": "epoch"}, False)
-            return FenceRejectedError(
-                "this environment serves another store (its epoch differs): a run of a "
-                "wiped or re-initialised store may not write here; reset the environment "
-                "to use it with this store",
-                run_id=fence.run_id,
-                reason="store_epoch",
-                bound_epoch=bound,
-                fence_epoch=fence.store_epoch,
-            )
+            return epoch_refusal(fence, bound)
         seen = state.fences.get(fence.run_id)
         if seen is not None and fence.key() < seen:
             self._append({"t": "refused", "why": "stale"}, False)

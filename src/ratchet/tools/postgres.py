@@ -232,17 +232,13 @@ class PostgresTool(Tool):
         connect_timeout: int = 10,
         max_idle: int = 4,
     ) -> None:
-        # Instance values of the class form's fields, as FunctionTool sets them.
-        if name is not None:
-            self.name = name  # type: ignore[misc]
-        if args is not None:
-            self.Args = args  # type: ignore[misc]
-        if risk is not None:
-            self.risk = risk  # type: ignore[misc]
-        if description is not None:
-            self.description = description  # type: ignore[misc]
-        if requires_approval is not None:
-            self.requires_approval = requires_approval  # type: ignore[misc]
+        self.declare(
+            name=name,
+            Args=args,
+            risk=risk,
+            description=description,
+            requires_approval=requires_approval,
+        )
         if effect is not None:
             self._effect_fn: Effect | None = effect
         elif type(self).effect is not PostgresTool.effect:

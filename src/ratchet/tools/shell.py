@@ -154,15 +154,9 @@ class ShellTool(Tool):
         scrub: Callable[[str], str] | None = None,
         tail_bytes: int = 2048,
     ) -> None:
-        # Instance values of the class form's fields, as FunctionTool sets them.
-        if name is not None:
-            self.name = name  # type: ignore[misc]
-        if risk is not None:
-            self.risk = risk  # type: ignore[misc]
-        if description is not None:
-            self.description = description  # type: ignore[misc]
-        if requires_approval is not None:
-            self.requires_approval = requires_approval  # type: ignore[misc]
+        self.declare(
+            name=name, risk=risk, description=description, requires_approval=requires_approval
+        )
         root = Path(workspace).resolve()
         if not root.is_dir():
             raise ConfigurationError(
