@@ -287,7 +287,7 @@ def build_adapter(
     calls: Any = (
         HttpAdapter(env.http_base_url, token=http_token) if env.http_base_url is not None else None
     )
-    if len(box.for_scenario(scenario)) > 0:
+    if any(str(name) in box for name in scenario.permissions):
         return box.environment(
             scenario,
             ledger=files.state_dir / "tools.ledger",
