@@ -221,11 +221,19 @@ class ToolLedger:
         self, record: dict[str, Any], durable: bool, *, receipt_json: bytes | None = None
     ) -> None:
         line = orjson.dumps(record, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE)
-        written = os.write(self._fd, line)
+        try:
+            written = os.write(self._fd, line)
+            if durable and written == len(line):
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            # A full disk, an I/O error: the call fails. A line that reached the page cache
+            # before its sync failed counts when it is read back: a started row then makes
+            # the key's outcome unknown (review), a fence only refuses more; never less.
+            raise AdapterError(
+                "tool ledger cannot be written", retryable=True, error=type(exc).__name__
+            ) from None
         if written != len(line):
             raise AdapterError("tool ledger write was cut short", retryable=True)
-        if durable:
-            os.fdatasync(self._fd)
         self._offset += written
         self._state.apply(
             record if receipt_json is None else {**record, "_receipt_json": receipt_json}
