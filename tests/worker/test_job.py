@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,8 +15,11 @@ from ratchet.chaos.hooks import DrillHooks
 from ratchet.demo.examples import RIGHT_GREETING
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument
+from ratchet.fleet.settings import Settings
 from ratchet.ops import inspect_run, submit
 from ratchet.runtime import CrashWindow
+from ratchet.runtime.effects import Effect, Hooks, RaiseFence
+from ratchet.worker.hooks import WorkerHooks
 from ratchet.worker.job import execute_run
 
 
@@ -274,3 +278,48 @@ def test_a_reset_workspace_is_another_instance_and_fails_closed(
     incident = inspect_run(fleet, run_id).incidents[0]
     assert incident["reason"] == "environment"
     assert "instance" in incident["message"]
+
+
+class _TakeoverBeforeTheRestoresFence(WorkerHooks):
+    """After the guard let the restore's fence go and before it reaches the workspace, the
+    job stalls past its lease (the heartbeat stops renewing a job that makes no progress);
+    another owner takes the run over and raises its own fence at the workspace."""
+
+    def __init__(self, fleet: Fleet, root: Path) -> None:
+        self.fleet, self.root = fleet, root
+        self.successor: Any = None
+
+    def job(self, lease: Any, lease_gone: Callable[[], bool]) -> Hooks | None:
+        outer = self
+
+        class Around(Hooks):
+            def around(self, effect: Effect, proceed: Callable[[], Any]) -> Any:
+                if isinstance(effect, RaiseFence) and outer.successor is None:
+                    wait_for_expiry(outer.fleet, lease.run_id)
+                    outer.successor = outer.fleet.store.acquire(
+                        lease.run_id, owner="w-2", ttl_ms=30_000
+                    )
+                    with WorkspaceAdapter(outer.root, ["app.py"]) as ws:
+                        ws.raise_fence(outer.successor.fence)
+                return proceed()
+
+        return Around()
+
+
+def test_a_restore_whose_fence_a_new_owner_outranked_ends_lease_lost_without_an_incident(
+    settings: Settings, workspace: Callable[..., tuple[Path, RunDocument]]
+) -> None:
+    """The workspace refuses the stalled job's fence because a newer owner holds the run:
+    that is a lost lease, not a run to freeze; the run has no incident and stays on the
+    new owner's lease."""
+    fleet = Fleet.connect(settings.model_copy(update={"stall_timeout_ms": 400}))
+    root, document = workspace()
+    run_id = submit(fleet, document)
+    hooks = _TakeoverBeforeTheRestoresFence(fleet, root)
+    report = execute_run(fleet, run_id, owner="w-1", hooks=hooks)
+    assert hooks.successor is not None
+    view = inspect_run(fleet, run_id)
+    assert view.incidents == []
+    assert (report.outcome, report.detail) == ("lease_lost", "FenceRejectedError")
+    assert fleet.store.read_run(run_id).is_held_by("w-2", hooks.successor.lease_version)
+    assert effects(root) == 0

@@ -652,6 +652,17 @@ def _job_error(
     report.outcome, report.detail = "job_error", f"{type(exc).__name__}: {message}"
 
 
+def _lease_gone(fleet: Fleet, lease: LeasedRun) -> bool:
+    """Whether the store (on its own clock) says this job's lease is no longer the live
+    one: expired, or taken over. A store that cannot be read says nothing either way;
+    the job then ends as if its lease were lost and the run is tried again."""
+    try:
+        snap = fleet.store.read_run(lease.run_id)
+    except StoreError:
+        return True
+    return not snap.is_held_by(lease.owner, lease.lease_version)
+
+
 def _refuse(
     fleet: Fleet,
     lease: LeasedRun,
@@ -662,7 +673,16 @@ def _refuse(
     kind: str = "restore_refused",
 ) -> None:
     """A restore (or a step) failed closed: record why, take the run off the index, run
-    nothing more."""
+    nothing more.
+
+    Unless the lease is no longer this job's: a job paused or stalled past its lease
+    judges a run its new owner has moved on (a newer fence at the adapters, an
+    environment one step ahead of the checkpoint it read). That is a lost lease, not a
+    run to freeze: no incident. Nothing is lost by it: a run really broken refuses its
+    next restore the same way, under a live lease, and is frozen then."""
+    if _lease_gone(fleet, lease):
+        report.outcome, report.detail = "lease_lost", type(exc).__name__
+        return
     reason = str(getattr(exc, "reason", "") or type(exc).__name__)
     report.outcome, report.detail = kind, f"{reason}: {exc.message}"
     log.error(kind.replace("_", " "), extra={"run_id": lease.run_id, "reason": reason})
