@@ -23,6 +23,8 @@ Commands::
     ratchet console [--host H] [--port P]     the read-only web console
     ratchet store init                         give a new store its epoch
     ratchet redis acl --out DIR | load-scripts least-privilege Redis users
+    ratchet drill [--faults F] [--seed S]      a chaos drill on real processes
+    ratchet sim [--schedules N] [--seed S]     the deterministic simulator (ratchet[sim])
     ratchet version
 
 Every command that prints a report takes ``--json`` and then prints exactly one JSON
