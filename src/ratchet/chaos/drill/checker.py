@@ -40,9 +40,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchet.chaos.drill.evidence import Evidence, RunFacts
+from ratchet.chaos.drill.invariant import Invariant
 from ratchet.chaos.drill.runner import DrillRecord
 from ratchet.chaos.drill.scrape import MetricsWatch
 from ratchet.chaos.drill.services import INTENTS_PER_RUN
+from ratchet.chaos.drill.storechecks import (
+    corrupted_runs_frozen,
+    owner_collision_fenced,
+    redis_pause_fenced,
+    slow_store_acks_kept,
+    store_full_acks_kept,
+    wiped_store_ran_nothing,
+)
 
 __all__ = ["Invariant", "Verdicts", "check"]
 
@@ -52,17 +61,6 @@ _WRITE_WINDOWS = (
     "after_receipt_before_state",
     "after_guard_before_adapter",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Invariant:
-    name: str
-    status: str  # pass | fail | unknown
-    detail: str
-    injections: int  # faults behind this verdict
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "detail": self.detail, "injections": self.injections}
 
 
 @dataclass
@@ -271,7 +269,12 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     )
 
     # 5. Every run ends terminal or visibly waiting; none stuck past the bound.
-    stuck = sorted(r for r, f in runs.items() if f.status in ("active", "unreadable"))
+    # A corrupted run is never to settle by itself: corrupted_runs_frozen judges it.
+    stuck = sorted(
+        r
+        for r, f in runs.items()
+        if f.status in ("active", "unreadable") and r not in record.corrupted
+    )
     deaths = len(record.deaths) + len(record.pauses)
     invariants.append(
         Invariant(
@@ -284,7 +287,11 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     )
 
     # 6. Conflicts frozen with evidence; rewound runs never continue silently.
-    frozen = {r: f for r, f in runs.items() if f.status in ("frozen", "waiting")}
+    frozen = {
+        r: f
+        for r, f in runs.items()
+        if f.status in ("frozen", "waiting") and r not in record.corrupted
+    }
     no_evidence = [
         r
         for r, f in frozen.items()
@@ -381,16 +388,40 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         "duplicate-enqueue": len(record.duplicate_enqueues),
         "rollback": 1 if record.rollback else 0,
         "cancel": len(record.cancels),
+        "redis-pause": len(record.faults_of("redis-pause")),
+        "redis-slow": sum(int(f.get("sleeps", 0)) for f in record.faults_of("redis-slow")),
+        "maxmemory": sum(1 for f in record.faults_of("maxmemory") if f.get("refused")),
+        "disk-full": sum(1 for f in record.faults_of("disk-full") if f.get("refused")),
+        "corrupt-record": len(record.corrupted),
+        "owner-collision": len(record.twins) // 2,
+        "store-wipe": 1 if record.wipe else 0,
     }
     missing = sorted(k for k in record.options.faults if not fired_kinds.get(k))
+    skipped = {k: v for k, v in record.store_skipped.items() if k in missing}
     invariants.append(
         Invariant(
             "every_fault_fired",
             "unknown" if missing else "pass",
-            f"never fired: {missing}" if missing else "every requested fault fired",
+            (f"never fired: {missing}" if missing else "every requested fault fired")
+            + "".join(f"; {k} skipped: {v}" for k, v in sorted(skipped.items())),
             sum(fired_kinds.values()),
         )
     )
+
+    # 10. The store faults, each with its own invariant (ratchet.chaos.drill.storechecks).
+    wanted = record.options.faults
+    for fault, judge in (
+        ("redis-pause", redis_pause_fenced),
+        ("redis-slow", slow_store_acks_kept),
+        ("corrupt-record", corrupted_runs_frozen),
+        ("owner-collision", owner_collision_fenced),
+        ("store-wipe", wiped_store_ran_nothing),
+    ):
+        if fault in wanted:
+            invariants.append(judge(record, evidence))
+    for fault in ("maxmemory", "disk-full"):
+        if fault in wanted:
+            invariants.append(store_full_acks_kept(record, evidence, fault))
 
     latency = _takeovers(evidence)
     metrics_invariant, metrics_figures = _metrics(record, evidence, runs, len(latency))
@@ -427,6 +458,19 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         },
         "failpoint_hits": dict(sorted(hits.items())),
         "fault_injections": fired_kinds,
+        "corrupted_runs": sorted(record.corrupted),
+        "store_faults": [
+            {
+                **{
+                    k: v
+                    for k, v in f.items()
+                    if k in ("kind", "at", "ended_at", "refused", "sleeps")
+                },
+                **({"leases_live": len(f["leases"])} if "leases" in f else {}),
+            }
+            for f in record.store_faults
+        ],
+        "store_faults_skipped": dict(sorted(record.store_skipped.items())),
         "worker_exits": len(record.deaths),
         "zombies_resumed": len(record.pauses),
         "metrics": metrics_figures,
@@ -446,38 +490,124 @@ def _covered(event: dict[str, Any], watch: MetricsWatch) -> bool:
     return last is not None and float(event["at"]) <= last
 
 
-def _lower_takeovers(record: DrillRecord, evidence: Evidence, watch: MetricsWatch) -> int:
-    """Leases that must have been taken over, each counted by a scraped worker.
+_REASONS = {
+    "LeaseLostError": "lease_lost",
+    "GenerationMismatchError": "generation_mismatch",
+    "StaleStateError": "stale_state",
+}
 
-    A lease (run, v) whose holder was SIGKILLed by a ``kill`` failpoint, or stopped by a
-    ``pause`` one, was neither finished nor released: the next acquire of that run (the
-    one whose event names lease v as the lease it replaced) found it expired and still
-    naming its owner, which is what the metric counts. For a pause, that acquire must come
-    before the zombie was resumed. Runs the rollback rewound are left out (the lease the
-    rewound store names is not the last one granted).
+
+@dataclass
+class _WorkerFigures:
+    """One worker's events as the drill logged them, by identity: the jobs (run, lease
+    version) that could hold a refused commit or adapter call, and the refusals the
+    worker itself logged (a zombie's stale attempts), each also as covered by its last
+    scrape."""
+
+    acquires: int = 0
+    acquires_covered: int = 0
+    took_over: int = 0
+    took_over_covered: int = 0
+    refusable: set[tuple[str, int]] = field(default_factory=set)
+    ended_covered: set[tuple[str, int]] = field(default_factory=set)  # job_end scraped
+    commits_covered: Counter[str] = field(default_factory=Counter)  # by reason
+    commits_logged: int = 0
+    writes_covered: int = 0
+    writes_logged: int = 0
+
+
+def _per_worker(evidence: Evidence, watch: MetricsWatch) -> dict[int, _WorkerFigures]:
+    """Each scraped worker's figures (see :class:`_WorkerFigures`).
+
+    A job can refuse at most one commit and one adapter call: either ends it at once, as
+    ``lease_lost`` (a commit, or an adapter's fence, refused under a lease really lost:
+    a zombie's, a loaded worker whose renewal came too late, a rollback's) or
+    ``restore_refused``. So the refusable jobs are those that ended so, plus jobs whose
+    end was never logged (the process died first) and the zombies' logged attempts.
     """
-    rewound = _rewound(record)
-    resumed = {int(str(p["pid"])): float(p["resumed_at"] or 0) for p in record.pauses}
-    acquires: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for event in evidence.events.get("acquire", []):
-        replaced = (str(event["run_id"]), int(event.get("previous_lease_version") or 0))
-        acquires.setdefault(replaced, []).append(event)
-    counted: set[tuple[str, int]] = set()
-    for hit in evidence.fired:
-        run_id, version = hit.get("run_id"), hit.get("lease_version")
-        if (
-            hit.get("action") not in ("kill", "pause")
-            or not isinstance(run_id, str)
-            or not isinstance(version, int)
-            or run_id in rewound
-        ):
+    figures = {pid: _WorkerFigures() for pid in watch.workers}
+    ended: set[tuple[int, str, int]] = set()
+    for e in evidence.events.get("job_end", []):
+        pid = int(e.get("pid", 0))
+        if pid not in figures or not isinstance(e.get("lease_version"), int):
             continue
-        until = resumed.get(int(hit["pid"]), 0.0) if hit["action"] == "pause" else None
-        for event in acquires.get((run_id, version), []):
-            at = float(event["at"])
-            if at >= float(hit["at"]) and (until is None or at < until) and _covered(event, watch):
-                counted.add((run_id, version))
-    return len(counted)
+        job = (str(e["run_id"]), int(e["lease_version"]))
+        ended.add((pid, *job))
+        if _covered(e, watch):
+            figures[pid].ended_covered.add(job)
+        if e.get("outcome") in _REFUSED_JOBS:
+            figures[pid].refusable.add(job)
+    for e in evidence.events.get("acquire", []):
+        pid = int(e.get("pid", 0))
+        if pid not in figures:
+            continue
+        f, covered = figures[pid], _covered(e, watch)
+        f.acquires += 1
+        f.acquires_covered += covered
+        if e.get("took_over"):
+            f.took_over += 1
+            f.took_over_covered += covered
+        job = (str(e["run_id"]), int(e["lease_version"]))
+        if (pid, *job) not in ended:
+            f.refusable.add(job)
+    for e in evidence.events.get("stale_commit", []):
+        pid = int(e.get("pid", 0))
+        if pid not in figures or e.get("outcome") != "rejected":
+            continue
+        reason = _REASONS.get(str(e.get("error")))
+        if reason is None:
+            continue
+        figures[pid].refusable.add((str(e["run_id"]), int(e["lease_version"])))
+        figures[pid].commits_logged += 1
+        if _covered(e, watch):
+            figures[pid].commits_covered[reason] += 1
+    for e in evidence.events.get("stale_write", []):
+        pid = int(e.get("pid", 0))
+        if pid not in figures or e.get("outcome") != "refused":
+            continue
+        figures[pid].refusable.add((str(e["run_id"]), int(e["lease_version"])))
+        figures[pid].writes_logged += 1
+        figures[pid].writes_covered += _covered(e, watch)
+    return figures
+
+
+def _worker_problems(watch: MetricsWatch, figures: dict[int, _WorkerFigures]) -> list[str]:
+    """Every worker's counters against its own logged events (see ``_metrics``)."""
+    problems: list[str] = []
+    for pid, f in sorted(figures.items()):
+        scrape = watch.workers[pid]
+        if scrape.values is None:
+            continue  # never scraped: it has no counts to compare
+        by_reason = {
+            r: round(scrape.total("ratchet_stale_commits_refused_total", reason=r))
+            for r in _REASONS.values()
+        }
+        commits = sum(by_reason.values())
+        writes = round(scrape.total("ratchet_stale_adapter_writes_refused_total"))
+        took = round(scrape.total("ratchet_leases_taken_over_total"))
+        acquired = round(scrape.total("ratchet_leases_acquired_total"))
+        short = [r for r, n in f.commits_covered.items() if by_reason.get(r, 0) < n]
+        if short or commits > len(f.refusable):
+            problems.append(
+                f"worker {pid}: stale commits {by_reason} against {dict(f.commits_covered)} "
+                f"refusals it logged and scraped, at most {len(f.refusable)} refusable jobs"
+            )
+        if not f.writes_covered <= writes <= len(f.refusable):
+            problems.append(
+                f"worker {pid}: stale adapter writes {writes} not within "
+                f"[{f.writes_covered}, {len(f.refusable)}]"
+            )
+        if not f.took_over_covered <= took <= f.took_over:
+            problems.append(
+                f"worker {pid}: takeovers {took} not within [{f.took_over_covered}, "
+                f"{f.took_over}] acquires of an expired lease"
+            )
+        if not f.acquires_covered <= acquired <= f.acquires:
+            problems.append(
+                f"worker {pid}: leases acquired {acquired} not within "
+                f"[{f.acquires_covered}, {f.acquires}]"
+            )
+    return problems
 
 
 def _jobs_across_rollback(record: DrillRecord, evidence: Evidence) -> int:
@@ -510,29 +640,25 @@ def _jobs_across_rollback(record: DrillRecord, evidence: Evidence) -> int:
 def _metrics(
     record: DrillRecord, evidence: Evidence, runs: dict[str, RunFacts], report_takeovers: int
 ) -> tuple[Invariant, dict[str, Any]]:
-    """``metrics_match_report``: the workers' scraped counters against the drill's records.
+    """``metrics_match_report``: each worker's scraped counters against what that worker
+    logged, by identity (which worker, which job, which kind of refusal), never against
+    totals whose split depends on timing.
 
-    * stale adapter writes: every fence refusal an adapter counts in its own records (the
-      workspace journal's and the orders service's ``refused_stale``) reaches the worker as
-      one ``FenceRejectedError``, which the metric counts (``execute`` or ``raise_fence``).
-      So adapter records - refused jobs no scrape covered <= metric <= adapter records
-      (equal when every job that can hold a refusal, one ending ``lease_lost`` or
-      ``restore_refused``, was scraped after it ended), and metric >= the zombies'
-      refused writes that a scrape covered;
-    * stale commits: the metric counts every commit Redis' fence refused (lease lost,
-      generation mismatch, stale state); the drill logs the zombies' ones. Without a
-      rollback every such refusal is a zombie's: the zombies' covered refusals <= metric
-      <= the zombies' refusals (equal when all were scraped); a rollback can make a live
-      worker's commit stale too (its
-      lease went back with Redis), so then the zombies' covered refusals <= metric <= the
-      zombies' refusals + the jobs that held a lease across the rollback and ended
-      ``lease_lost`` (a refused commit ends its job so);
-    * takeovers: the metric counts acquires of an expired lease that still names an owner.
-      Every such acquire logs ``acquire`` at lease version >= 2, so metric <= those; and
-      every lease whose holder a ``kill`` or ``pause`` fault stopped, taken by the next
-      lease version (before a zombie was resumed), is one, so metric >= those;
-    * leases acquired: metric between the ``acquire`` events covered by a scrape and all
-      ``acquire`` events of the scraped workers.
+    For every scraped worker (a counter moves before its event is logged, so an event
+    logged before the worker's last scrape began is in that scrape: *covered*):
+
+    * stale commits, by reason: at least the zombie refusals it logged and that were
+      covered, of each reason (``LeaseLostError`` -> ``lease_lost``, ...); in all at most
+      its refusable jobs (a refused commit ends its job ``lease_lost``: a zombie's, or a
+      real lease loss on a loaded machine, or one a rollback made stale; or a job whose
+      end was never logged);
+    * stale adapter writes: at least its covered zombie refusals, at most its refusable
+      jobs; and over the fleet, every refusal the adapters recorded (``refused_stale``)
+      reached some worker: adapter refusals - refused jobs no scrape covered <= sum <=
+      adapter refusals;
+    * takeovers: between its covered and all its ``acquire`` events that took over an
+      expired lease (each event says so: ``took_over``);
+    * leases acquired: between its covered and all its ``acquire`` events.
 
     ``unknown`` when no worker could be scraped.
     """
@@ -545,16 +671,16 @@ def _metrics(
     scraped = {w.pid for w in watch.scraped}
     events = [e for kind in evidence.events.values() for e in kind if "pid" in e]
     tail: set[int] = set()  # could have counted after their last scrape
-    refusal_tail: set[int] = set()  # ... a refusal (its job then ends lease_lost or refused)
-    unscraped_jobs = 0  # jobs that may hold a refusal no scrape saw (one at most each)
     for event in events:
         pid = int(event["pid"])
-        if pid not in watch.workers or _covered(event, watch):
-            continue
-        tail.add(pid)
-        if event.get("kind") == "job_end" and event.get("outcome") in _REFUSED_JOBS:
-            refusal_tail.add(pid)
-            unscraped_jobs += 1
+        if pid in watch.workers and not _covered(event, watch):
+            tail.add(pid)
+    per_worker = _per_worker(evidence, watch)
+    # Refusable jobs whose end no scrape covered (ended later, or never logged its end):
+    # each may hold one refusal the counters do not show.
+    unsettled = {pid: f.refusable - f.ended_covered for pid, f in per_worker.items()}
+    refusal_tail = {pid for pid, jobs in unsettled.items() if jobs}
+    unscraped_jobs = sum(len(jobs) for jobs in unsettled.values())
 
     takeovers = watch.total("ratchet_leases_taken_over_total")
     acquired = watch.total("ratchet_leases_acquired_total")
@@ -571,15 +697,9 @@ def _metrics(
     adapter_refusals = sum(
         f.adapters.refused_workspace + f.adapters.refused_orders for f in runs.values()
     )
-    acquires = [e for e in evidence.events.get("acquire", []) if int(e["pid"]) in scraped]
-    upper_takeovers = sum(1 for e in acquires if int(e.get("previous_lease_version") or 0) > 0)
-    lower_takeovers = _lower_takeovers(record, evidence, watch)
-    covered_acquires = sum(1 for e in acquires if _covered(e, watch))
-    covered_commits = sum(1 for c in zombie_commits if _covered(c, watch))
-    covered_writes = sum(1 for w in zombie_writes if _covered(w, watch))
+    problems = _worker_problems(watch, per_worker)
+    covered_writes = sum(f.writes_covered for f in per_worker.values())
     exact = unscraped_jobs == 0
-
-    problems: list[str] = []
     low_writes = max(covered_writes, adapter_refusals - unscraped_jobs)
     if not low_writes <= writes <= adapter_refusals:
         problems.append(
@@ -588,23 +708,10 @@ def _metrics(
             f"{unscraped_jobs} refused jobs unscraped, {covered_writes} zombie "
             "refusals scraped"
         )
+    lower_takeovers = sum(f.took_over_covered for f in per_worker.values())
+    upper_takeovers = sum(f.took_over for f in per_worker.values())
+    refusable = sum(len(f.refusable) for f in per_worker.values())
     spanning = _jobs_across_rollback(record, evidence)
-    if not covered_commits <= commits <= len(zombie_commits) + spanning:
-        problems.append(
-            f"stale commits {commits} not within [{covered_commits} zombie "
-            f"refusals scraped, {len(zombie_commits)} zombie refusals + "
-            f"{spanning} jobs cut off by the rollback]"
-        )
-    if not lower_takeovers <= takeovers <= upper_takeovers:
-        problems.append(
-            f"takeovers {takeovers} not within [{lower_takeovers} leases lost "
-            f"to kill/pause, {upper_takeovers} acquires at lease version >= 2]"
-        )
-    if not covered_acquires <= acquired <= len(acquires):
-        problems.append(
-            f"leases acquired {acquired} not within [{covered_acquires}, "
-            f"{len(acquires)}] acquire events"
-        )
 
     figures: dict[str, Any] = {
         "workers_spawned": len(watch.workers),
@@ -631,6 +738,7 @@ def _metrics(
         "stale_refusals": commits + writes,
         "report_stale_commits_refused": len(zombie_commits),
         "jobs_across_rollback": spanning,
+        "refusable_jobs": refusable,
         "report_stale_writes_refused": len(zombie_writes),
         "report_adapter_refusals": adapter_refusals,
         "reaper_requeues": requeues,

@@ -39,9 +39,12 @@ class RedisChoice:
 
     @property
     def extra_args(self) -> tuple[str, ...]:
+        # Redis 7 refuses DEBUG unless told otherwise; the redis-slow fault needs
+        # DEBUG SLEEP, from loopback only.
+        debug = ("--enable-debug-command", "local") if self.version >= (7, 0, 0) else ()
         if self.check_aof is None:
-            return ()
-        return ("--aof-timestamp-enabled", "yes", "--auto-aof-rewrite-percentage", "0")
+            return debug
+        return (*debug, "--aof-timestamp-enabled", "yes", "--auto-aof-rewrite-percentage", "0")
 
     def server(self, folder: Path) -> RedisServer:
         return RedisServer(

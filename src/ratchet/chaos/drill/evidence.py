@@ -139,6 +139,19 @@ def _history(fleet: Fleet, run_id: str) -> list[tuple[int, int, str]]:
     return out
 
 
+def _raw_generation(fleet: Fleet, run_id: str) -> int | None:
+    raw = fleet.store.client.hget(run_keys(run_id).state, "generation")
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw or "")
+    return int(text) if text.isdigit() else None
+
+
+def _raw_incidents(fleet: Fleet, run_id: str) -> list[dict[str, Any]]:
+    try:
+        return fleet.store.incidents(run_id)
+    except RatchetError:
+        return []
+
+
 def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
     """Read every record the drill left. Raises StoreUnavailableError if Redis is down."""
     events: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -171,7 +184,9 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
                 cancel_request = str(cancelled.detail.get("request_id"))
                 unreconciled = "env_version_now" in cancelled.detail
         except RatchetError:
-            pass
+            # A run whose record was corrupted cannot be inspected: read what its state
+            # hash and incident list hold directly (the checker needs both).
+            generation, incidents = _raw_generation(fleet, run_id), _raw_incidents(fleet, run_id)
         runs[run_id] = RunFacts(
             run_id,
             index,

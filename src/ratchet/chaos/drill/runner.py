@@ -29,6 +29,7 @@ import random
 import secrets
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +43,23 @@ from ratchet.chaos.drill.cluster import RedisChoice, choose_redis, truncate_aof
 from ratchet.chaos.drill.schedule import FAULTS, Schedule
 from ratchet.chaos.drill.scrape import MetricsWatch, free_port_block
 from ratchet.chaos.drill.services import TenantOrders, drill_document, make_workspace
+from ratchet.chaos.drill.storefaults import (
+    CORRUPTIONS,
+    Tmpfs,
+    aof_write_ok,
+    corrupt_run,
+    effect_counts,
+    lease_snapshot,
+    lift_maxmemory,
+    pause_redis,
+    slow_redis,
+    start_disk_full,
+    start_maxmemory,
+    store_refusal,
+)
 from ratchet.chaos.drill.workers import DrillWorker, WorkerPool
 from ratchet.errors import ConfigurationError, RatchetError
-from ratchet.fleet.context import Fleet
+from ratchet.fleet.context import JOB_FUNCTION, Fleet
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import EXPIRY_INDEX, RedisServer, RedisStore
 from ratchet.ops import cancel, create_run, inspect_run
@@ -68,6 +83,12 @@ class _Cut:
 
 
 _LETHAL = ("kill",)
+#: The configured name both workers of an owner-collision fault are started with.
+TWIN_NAME = "drill-twin"
+#: Incidents that show a worker (or its reaper) refused a corrupted run's record.
+REFUSAL_INCIDENTS = frozenset(
+    {"restore_refused", "store_record_unreadable", "reaper_entry_refused"}
+)
 
 
 @dataclass
@@ -117,6 +138,15 @@ class DrillRecord:
     final: dict[str, tuple[str, str]] = field(default_factory=dict)  # run -> (status, phase)
     errors: list[str] = field(default_factory=list)
     metrics: MetricsWatch | None = None
+    # Store faults: each one injected (kind, times, what it saw), and those skipped (why).
+    store_faults: list[dict[str, Any]] = field(default_factory=list)
+    store_skipped: dict[str, str] = field(default_factory=dict)
+    corrupted: dict[str, dict[str, Any]] = field(default_factory=dict)  # run -> corruption
+    twins: list[int] = field(default_factory=list)  # pids started with one worker name
+    wipe: dict[str, Any] | None = None
+
+    def faults_of(self, kind: str) -> list[dict[str, Any]]:
+        return [f for f in self.store_faults if f.get("kind") == kind]
 
     @property
     def fired_log(self) -> Path:
@@ -165,6 +195,7 @@ class _Drill:
         self.rng = random.Random(options.seed + 7)  # noqa: S311 - reproducible, not secret
         self.settled: dict[str, tuple[str, str]] = {}
         self.fired_offset = 0
+        self.hits: Counter[str] = Counter()  # failpoint -> hits, from the fired log
         self.pending: list[str] = []
         self.index: dict[str, int] = {}
         self.last_observe = 0.0
@@ -172,6 +203,9 @@ class _Drill:
         self.last_redis_fault = time.time()
         self.injecting = True
         self.cut: _Cut | None = None  # an armed AOF rollback
+        self.disk: Tmpfs | None = None  # Redis' own tmpfs, for the disk-full fault
+        self.holding: dict[str, Any] | None = None  # an OOM or disk-full fault in force
+        self.pause_tries_until: float | None = None
 
     # -- one tick -----------------------------------------------------------------------
 
@@ -207,6 +241,7 @@ class _Drill:
         self.fired_offset += cut
         for line in data[:cut].splitlines():
             entry = json.loads(line)
+            self.hits[str(entry.get("window"))] += 1
             worker = self.pool.everyone.get(int(entry["pid"]))
             if worker is not None:
                 worker.fired_at, worker.fired_action = float(entry["at"]), entry["action"]
@@ -281,7 +316,7 @@ class _Drill:
 
     def _staff(self) -> None:
         while self.pool.active < self.o.workers and len(self.pool.workers) < self.o.workers + 4:
-            spec = self.schedule.next_spec() if self.injecting else ""
+            spec = self.schedule.next_spec(self.hits) if self.injecting else ""
             self.rec.specs_used += bool(spec)
             self.pool.spawn(spec)
 
@@ -306,7 +341,7 @@ class _Drill:
             run_id = self.pending[0]
             try:
                 self.fleet.enqueue(run_id)
-            except RedisError as exc:
+            except (RedisError, RatchetError) as exc:
                 self.rec.errors.append(f"enqueue {run_id}: {type(exc).__name__}")
                 return
             self.pending.pop(0)
@@ -318,6 +353,11 @@ class _Drill:
             return
         self.last_observe = now
         for run_id in [r for r in self.rec.runs if r not in self.settled]:
+            if run_id in self.rec.corrupted:
+                refused = self._corruption_refused(run_id)
+                if refused is not None:
+                    self.settled[run_id] = ("corrupted", refused)
+                    continue
             try:
                 status = classify_run(self.fleet, run_id)
             except RatchetError:
@@ -373,13 +413,176 @@ class _Drill:
                 self._duplicate(self.rng.choice(done))
         if self.schedule.cancels_at and fraction >= self.schedule.cancels_at[0]:
             self._cancel_one()
+        if self.schedule.owner_collision_at is not None and fraction >= (
+            self.schedule.owner_collision_at
+        ):
+            self.schedule.owner_collision_at = None
+            self._owner_collision()
+        self._store_faults(now, fraction)
+
+    # -- store faults ---------------------------------------------------------------------
+
+    @property
+    def store_faults_pending(self) -> bool:
+        return bool(self.schedule.store_faults_at) or self.holding is not None
+
+    def _store_faults(self, now: float, fraction: float) -> None:
+        """The next store fault once its fraction of runs settled is reached, spaced from
+        every other Redis fault and never while a rollback cut is armed (the AOF it cuts
+        must not hold a fault's own writes)."""
+        if self.holding is not None:
+            if now >= float(self.holding["lift_at"]):
+                self._lift()
+            return
+        due = self.schedule.store_faults_at
+        if not due or fraction < due[0][1] or self.cut is not None:
+            return
+        if now - self.last_redis_fault <= 2.5:
+            return
+        kind = due[0][0]
+        ttl = self.o.lease_ttl_s
+        client = self.fleet.store.client
+        if kind == "redis-pause":
+            live = lease_snapshot(client, sorted(self.unsettled()))
+            if self.pause_tries_until is None:
+                self.pause_tries_until = now + 60.0
+            if not live and self.unsettled() and now < self.pause_tries_until:
+                # Wait for a run that holds a lease, so the pause expires one (on a loaded
+                # machine runs spend long stretches between jobs).
+                return
+            fault = pause_redis(
+                self.server, client, sorted(self.unsettled()), hold_s=max(2 * ttl, ttl + 1.0)
+            )
+            fault["unsettled"] = sorted(self.unsettled())
+            self.rec.store_faults.append(fault)
+        elif kind == "redis-slow":
+            fault = slow_redis(client, sleeps=6, sleep_s=min(0.25, ttl / 4), gap_s=0.3)
+            if fault["refused"] and not fault["sleeps"]:
+                self.rec.store_skipped[kind] = f"DEBUG SLEEP refused: {fault['refused']}"
+            self.rec.store_faults.append(fault)
+        elif kind == "maxmemory":
+            fault = start_maxmemory(client)
+            self._hold(fault, hold_s=max(2.0, 2 * ttl))
+        elif kind == "disk-full":
+            if self.disk is None or not self.disk.mounted:
+                self.rec.store_skipped[kind] = self.rec.store_skipped.get(
+                    kind, "Redis' folder is not on a tmpfs of its own"
+                )
+            else:
+                fault = start_disk_full(client, self.disk)
+                self._hold(fault, hold_s=max(2.0, 2 * ttl))
+        elif kind == "corrupt-record" and not self._corrupt_some(now):
+            return  # no run with a free lease yet: try again next tick
+        due.pop(0)
+        self.last_redis_fault = time.time()
+
+    def unsettled(self) -> set[str]:
+        return {r for r in self.rec.runs if r not in self.settled}
+
+    def _hold(self, fault: dict[str, Any], hold_s: float) -> None:
+        """Probe until Redis refuses a write of the drill's own (bounded), then keep the
+        fault in force for ``hold_s`` while the drill goes on ticking."""
+        client = self.fleet.store.client
+        deadline = time.time() + 3.0
+        refused = store_refusal(client)
+        while refused is None and time.time() < deadline:
+            time.sleep(_TICK_S)  # the write that fails the AOF is buffered; the next is refused
+            refused = store_refusal(client)
+        fault["refused"] = refused
+        fault["unsettled"] = sorted(self.unsettled())
+        fault["lift_at"] = time.time() + hold_s
+        self.holding = fault
+        self.rec.store_faults.append(fault)
+
+    def _lift(self) -> None:
+        """End the OOM or disk-full fault in force; Redis must accept writes again."""
+        fault, self.holding = self.holding, None
+        if fault is None:
+            return
+        client = self.fleet.store.client
+        if fault["kind"] == "maxmemory":
+            lift_maxmemory(client, fault)
+        else:
+            disk = self.disk
+            if disk is not None:
+                disk.free()
+            deadline = time.time() + 15.0
+            while time.time() < deadline:
+                if not self.server.running:
+                    fault["redis_exited"] = True
+                    self.server.start()
+                    break
+                try:
+                    if aof_write_ok(client):
+                        break
+                except RedisError:
+                    pass
+                time.sleep(_TICK_S)
+            client.config_set("appendfsync", "always")
+            fault["aof_ok"] = aof_write_ok(client)
+            fault["ended_at"] = time.time()
+        self.last_redis_fault = time.time()
+
+    def _corrupt_some(self, now: float) -> bool:
+        """Corrupt one run per kind of :data:`CORRUPTIONS`, each a run nobody holds: first
+        runs in flight, else runs not yet enqueued. False when none could be had."""
+        zombies = {
+            w.pause.get("run_id")
+            for w in self.pool.everyone.values()
+            if w.paused_at is not None and w.resumed_at is None
+        }
+        asked = {c["run_id"] for c in self.rec.cancels}
+        in_flight = sorted(self.unsettled() - zombies - asked)
+        self.rng.shuffle(in_flight)
+        waiting = [r for r in self.pending if r not in zombies][: len(CORRUPTIONS)]
+        done: list[dict[str, Any]] = []
+        for how in CORRUPTIONS:
+            for run_id in [*in_flight, *reversed(waiting)]:
+                if run_id in self.rec.corrupted:
+                    continue
+                got = corrupt_run(self.fleet.store.client, run_id, how)
+                if got is None:
+                    continue
+                got["index"] = self.index[run_id]
+                got["enqueued"] = run_id in self.rec.runs
+                got["effects"] = effect_counts(self.rec.folder, self.index[run_id])
+                self.rec.corrupted[run_id] = got
+                done.append(got)
+                break
+        if not done:
+            return False
+        self.rec.store_faults.append({"kind": "corrupt-record", "at": now, "runs": done})
+        return True
+
+    def _corruption_refused(self, run_id: str) -> str | None:
+        """The kind of the first incident recorded for ``run_id`` since its corruption
+        that shows a worker refused it; None while there is none."""
+        since = int(self.rec.corrupted[run_id]["at_ms"])
+        try:
+            incidents = self.fleet.store.incidents(run_id)
+        except RatchetError:
+            return None
+        for incident in incidents:
+            kind = str(incident.get("kind"))
+            if kind in REFUSAL_INCIDENTS and int(incident.get("at_ms") or 0) >= since:
+                self.rec.corrupted[run_id].setdefault("refusal", incident)
+                return kind
+        return None
+
+    def _owner_collision(self) -> None:
+        """Two more workers, started at once with one configured worker name."""
+        for _ in range(2):
+            self.rec.twins.append(self.pool.spawn("", name=TWIN_NAME).pid)
+        self.rec.store_faults.append(
+            {"kind": "owner-collision", "at": time.time(), "pids": list(self.rec.twins)}
+        )
 
     def _cancel_one(self) -> None:
         """An operator cancels a run still in flight, as ``ratchet cancel`` does: the
         request goes to the run's inbox and a worker ends the run at its next safe
         point. A run that cannot be cancelled right now (it just ended, or is under
         review) is passed over; the next tick tries another."""
-        asked = {c["run_id"] for c in self.rec.cancels}
+        asked = {c["run_id"] for c in self.rec.cancels} | set(self.rec.corrupted)
         candidates = sorted(r for r in self.rec.runs if r not in self.settled and r not in asked)
         if not candidates:
             return
@@ -402,7 +605,14 @@ class _Drill:
         )
 
     def _generations(self, runs: Iterable[str]) -> dict[str, int]:
-        return {r: self.fleet.store.read_run(r).generation for r in runs}
+        """Every readable run's generation. A run whose record the drill corrupted may not
+        be readable at all; it is left out (nothing the rollback does can move it)."""
+        out: dict[str, int] = {}
+        for run_id in runs:
+            if run_id in self.rec.corrupted:
+                continue
+            out[run_id] = self.fleet.store.read_run(run_id).generation
+        return out
 
     def _rollback_when_a_commit_follows_the_cut(self, check_aof: str) -> None:
         """Roll back once a run has committed after the armed cut (whole seconds, as AOF
@@ -431,7 +641,7 @@ class _Drill:
         output = truncate_aof(check_aof, self.server.data_dir, cut)
         self.server.start()
         after = self._generations(self.rec.runs)
-        rewound = {r: [before[r], after[r]] for r in before if after[r] < before[r]}
+        rewound = {r: [before[r], after[r]] for r in before if after.get(r, 0) < before[r]}
         self.rec.rollback = {
             "at": time.time(),
             "killed_at": killed_at,
@@ -480,10 +690,17 @@ class _Drill:
                     or self.schedule.rollback_at is None
                     or self.rec.rollback_skipped is not None
                 )
+                and not self.store_faults_pending
+                and self.schedule.owner_collision_at is None
             ):
                 break
             time.sleep(_TICK_S)
         self.injecting = False
+        if self.holding is not None:
+            try:
+                self._lift()
+            except (RatchetError, RedisError, OSError) as exc:
+                self.rec.errors.append(f"lift {self.holding and self.holding['kind']}: {exc!r}")
         self.rec.injection_ended_at = time.time()
         for worker in list(self.pool.workers.values()):
             if worker.paused_at is not None and worker.resumed_at is None:
@@ -505,10 +722,105 @@ class _Drill:
                 break
             time.sleep(_TICK_S)
 
+    # -- the store wipe, after everything else ---------------------------------------------
+
+    def _quiet(self) -> bool:
+        """Nothing can start on the old store: the queue is empty, no lease is live and
+        the reaper's index has no entry due (so every event after the wipe is the wipe's)."""
+        client = self.fleet.store.client
+        indexed = {m.decode("utf-8", "replace") for m in client.zrange(EXPIRY_INDEX, 0, -1)}
+        return (
+            self.fleet.queue.count == 0
+            and not lease_snapshot(client, sorted(self.rec.runs))
+            and not indexed - set(self.rec.corrupted)  # a corrupted run may stay parked
+        )
+
+    def wipe_store(self) -> None:
+        """Restart Redis on an empty folder (its old folder kept aside), put every old run
+        on the queue again (RQ only: the fresh store knows no run), and watch the workers
+        refuse the store: no epoch. The old folder comes back in :meth:`unwipe`."""
+        deadline = time.time() + max(10.0, 5 * self.o.lease_ttl_s)
+        quiet = False
+        while time.time() < deadline:
+            self._guarded_tick()
+            try:
+                quiet = self._quiet()
+            except (RatchetError, RedisError):
+                quiet = False
+            if quiet:
+                break
+            time.sleep(_TICK_S)
+        self.rec.final = self.final_classification()
+        effects = {r: effect_counts(self.rec.folder, i) for r, i in self.rec.runs.items()}
+        old_dir = self.server.data_dir
+        fresh = old_dir.parent / f"redis-wiped-{secrets.token_hex(4)}"
+        at = time.time()
+        self.server.kill()
+        self.server.data_dir = fresh
+        self.server.start()
+        wipe: dict[str, Any] = {
+            "at": at,
+            "quiet": quiet,
+            "old_dir": str(old_dir),
+            "fresh_dir": str(fresh),
+            "effects_before": effects,
+            "enqueued": 0,
+        }
+        self.rec.wipe = wipe
+        queue = self.fleet.queue
+        for run_id in sorted(self.rec.runs):
+            try:
+                queue.enqueue(JOB_FUNCTION, run_id, job_timeout=self.fleet.settings.job_timeout_s)
+                wipe["enqueued"] += 1
+            except RedisError as exc:
+                self.rec.errors.append(f"enqueue after wipe {run_id}: {type(exc).__name__}")
+        end = time.time() + max(10.0, 5 * self.o.lease_ttl_s)
+        while time.time() < end:
+            self.pool.reap_dead()  # a worker refusing to start on this store is expected
+            if self.pool.active == 0 and not self.pool.workers:
+                self.pool.spawn("")  # a new worker must refuse the store too
+            self.scrape()
+            try:
+                if queue.count == 0 and time.time() - at > 2.0:
+                    break
+            except RedisError:
+                pass
+            time.sleep(_TICK_S)
+        client = self.fleet.store.client
+        keys = [
+            k.decode("utf-8", "replace") for k in client.scan_iter(match="ratchet:*", count=500)
+        ]
+        wipe["store_keys"] = sorted(keys)[:50]
+        wipe["run_keys"] = sorted(k for k in keys if k.startswith("ratchet:{"))[:50]
+        wipe["ended_at"] = time.time()
+
+    def unwipe(self) -> None:
+        """Bring the old store back (its folder as it was at the wipe) for the checker."""
+        if self.rec.wipe is None:
+            return
+        self.rec.wipe["effects_after"] = {
+            r: effect_counts(self.rec.folder, i) for r, i in self.rec.runs.items()
+        }
+        self.server.kill()
+        self.server.data_dir = Path(self.rec.wipe["old_dir"])
+        self.server.start()
+
+    def final_classification(self) -> dict[str, tuple[str, str]]:
+        final: dict[str, tuple[str, str]] = {}
+        for run_id in self.rec.runs:
+            if run_id in self.rec.corrupted and run_id in self.settled:
+                final[run_id] = self.settled[run_id]
+                continue
+            try:
+                final[run_id] = classify_run(self.fleet, run_id)
+            except RatchetError as exc:
+                final[run_id] = ("unreadable", type(exc).__name__)
+        return final
+
     def _guarded_tick(self) -> None:
         try:
             self.tick()
-        except (RatchetError, RedisError) as exc:
+        except (RatchetError, RedisError, OSError) as exc:
             self.rec.errors.append(f"tick: {type(exc).__name__}")
         if self.quick_deaths >= 3 * self.o.workers + 10:
             raise ConfigurationError(
@@ -531,8 +843,22 @@ def run_drill_processes(
     folder.mkdir(parents=True, exist_ok=True)
     choice = choose_redis(options.redis_server, want_rollback="rollback" in options.faults)
     record = DrillRecord(folder=folder, options=options, redis=choice)
-    server = choice.server(folder / "redis").start()
-    RedisStore(server.client()).init_epoch()
+    disk: Tmpfs | None = None
+    redis_dir = folder / "redis"
+    if "disk-full" in options.faults:
+        disk = Tmpfs(folder / f"redis-tmpfs-{secrets.token_hex(4)}")
+        skipped = disk.mount()
+        if skipped is None:
+            redis_dir = disk.point
+        else:
+            record.store_skipped["disk-full"] = skipped
+    try:
+        server = choice.server(redis_dir).start()
+        RedisStore(server.client()).init_epoch()
+    except BaseException:
+        if disk is not None:
+            disk.unmount()
+        raise
     orders: TenantOrders | None = None
     pool: WorkerPool | None = None
     try:
@@ -565,23 +891,23 @@ def run_drill_processes(
         )
         record.started_at = time.time()
         drill = _Drill(options, record, server, orders, fleet, pool, progress)
+        drill.disk = disk
         drill.create_runs()
         created = int(time.time())
         while int(time.time()) <= created + 1:  # creations sit before any later AOF cut
             time.sleep(_TICK_S)
         drill.run()
+        if drill.schedule.store_wipe:
+            drill.wipe_store()  # last: it ends the old runs' store
         record.workers = [
             {"pid": w.pid, "spec": w.spec, "fired": w.fired_action} for w in pool.everyone.values()
         ]
         drill.scrape()  # the last counts of every worker still running
         pool.stop_all(while_waiting=drill.scrape)
         record.deaths = pool.deaths
-        record.final = {}
-        for run_id in record.runs:
-            try:
-                record.final[run_id] = classify_run(fleet, run_id)
-            except RatchetError as exc:
-                record.final[run_id] = ("unreadable", type(exc).__name__)
+        drill.unwipe()
+        if record.wipe is None:
+            record.final = drill.final_classification()
         record.finished_at = time.time()
     except BaseException:
         if pool is not None:
@@ -589,11 +915,17 @@ def run_drill_processes(
         if orders is not None:
             orders.stop()
         server.kill()
+        if disk is not None:
+            disk.unmount()
         raise
     final_orders, final_server = orders, server
 
     def close() -> None:
-        final_orders.stop()
-        final_server.stop()
+        try:
+            final_orders.stop()
+            final_server.stop()
+        finally:
+            if disk is not None:
+                disk.unmount()
 
     return record, fleet, close

@@ -11,7 +11,12 @@ Two kinds of fault:
 * **cluster faults**, at fixed fractions of the runs settled: Redis ``kill -9`` and
   restart on the same folder, a rollback of Redis to an earlier point of its AOF,
   duplicate enqueues of runs that already ended, and operator cancels (``ratchet cancel``)
-  of runs still in flight.
+  of runs still in flight;
+* **store faults** (:mod:`ratchet.chaos.drill.storefaults`), also at fractions of the runs
+  settled: Redis paused past the lease TTL, slowed (``DEBUG SLEEP``), out of memory
+  (``maxmemory``), its AOF's disk full, corrupted records of a few runs, two workers with
+  one configured name, and, once every run settled, Redis restarted on an empty folder
+  (``store-wipe``, always last: it ends the old runs' store).
 
 The same seed gives the same schedule (the order in which processes reach their points
 still depends on timing; the report says what actually fired).
@@ -20,12 +25,12 @@ still depends on timing; the report says what actually fired).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ratchet.errors import ConfigurationError
 
-__all__ = ["FAULTS", "Schedule", "parse_faults"]
+__all__ = ["FAULTS", "STORE_FAULTS_AT", "Schedule", "parse_faults"]
 
 #: Every fault kind ``--faults`` accepts (``all`` means every one).
 FAULTS = (
@@ -38,6 +43,24 @@ FAULTS = (
     "duplicate-enqueue",
     "rollback",
     "cancel",
+    "redis-pause",
+    "redis-slow",
+    "disk-full",
+    "maxmemory",
+    "store-wipe",
+    "corrupt-record",
+    "owner-collision",
+)
+
+#: Store faults injected at a fraction of the runs settled, in this order. Corruption
+#: comes first (before any rollback cut, so the rollback never undoes it) and while runs
+#: are still waiting to start; the others are spaced between the Redis kills.
+STORE_FAULTS_AT = (
+    ("corrupt-record", 0.1),
+    ("redis-pause", 0.35),
+    ("redis-slow", 0.4),
+    ("maxmemory", 0.52),
+    ("disk-full", 0.7),
 )
 
 _Maker = Callable[[random.Random], str]  # draws one worker's failpoint spec
@@ -77,12 +100,21 @@ class Schedule:
     rollback_at: float | None = None
     duplicate_enqueues: int = 0
     cancels_at: list[float] = field(default_factory=list)
+    store_faults_at: list[tuple[str, float]] = field(default_factory=list)
+    owner_collision_at: float | None = None
+    store_wipe: bool = False
     _next: int = 0
     _returns: dict[str, int] = field(default_factory=dict)
+    _rng: random.Random = field(default_factory=random.Random, repr=False)
+    _topups: int = 0
+
+    #: Hits every covered failpoint should reach (the short profile's test checks it).
+    WANT_HITS = 2
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)  # noqa: S311 - a reproducible schedule, not a secret
-        coverage = self._coverage()
+        self._rng = rng
+        coverage = [make for _, make in self._targets()]
         specs: list[str] = []
         repeats = max(self.repeats, self.runs // max(4 * len(coverage), 1))
         for _ in range(repeats):
@@ -102,48 +134,71 @@ class Schedule:
             self.duplicate_enqueues = max(3, self.runs // 8)
         if "cancel" in self.faults:
             self.cancels_at = [0.2, 0.5] if self.runs < 100 else [0.1, 0.25, 0.4, 0.55, 0.7]
+        self.store_faults_at = [(k, at) for k, at in STORE_FAULTS_AT if k in self.faults]
+        if "owner-collision" in self.faults:
+            self.owner_collision_at = 0.3
+        self.store_wipe = "store-wipe" in self.faults
 
     def __repr__(self) -> str:
         return f"Schedule(seed={self.seed}, specs={len(self.specs)}, faults={sorted(self.faults)})"
 
-    def _coverage(self) -> list[_Maker]:
-        makers: list[_Maker] = []
+    def _targets(self) -> list[tuple[str, _Maker]]:
+        """The coverage specs, each with the failpoint it is there to reach."""
+        makers: list[tuple[str, _Maker]] = []
         want = self.faults
         if "kill" in want:
             for window in _WINDOWS[:3]:
-                makers.append(_one(window, "kill", 1, 2))
+                makers.append((window, _one(window, "kill", 1, 2)))
             # The receipt is committed alone only when the observation after the write
             # fails: make it fail, then die in the window that opens.
             makers.append(
-                lambda r: (
-                    f"observe_after_write=raise@{r.randint(1, 2)};after_receipt_before_state=kill@1"
+                (
+                    "after_receipt_before_state",
+                    lambda r: (
+                        f"observe_after_write=raise@{r.randint(1, 2)};"
+                        "after_receipt_before_state=kill@1"
+                    ),
                 )
             )
-            makers.append(_one("after_commit_before_reply", "kill", 2, 8))
-            makers.append(_one("during_renewal", "kill", 1, 2))
+            makers.append(
+                ("after_commit_before_reply", _one("after_commit_before_reply", "kill", 2, 8))
+            )
+            makers.append(("during_renewal", _one("during_renewal", "kill", 1, 2)))
         if "drop-reply" in want:
             # Drop both the reply and its retry's: the engine sees an unknown outcome and
             # fires commit_reply_lost, where the worker then dies (or, without kill, waits).
             then = "kill" if "kill" in want else "delay:50"
             makers.append(
-                lambda r: (
-                    f"after_commit_before_reply=drop-reply@{r.randint(2, 8)};"
-                    f"commit_reply_lost={then}@1"
+                (
+                    "commit_reply_lost",
+                    lambda r: (
+                        f"after_commit_before_reply=drop-reply@{r.randint(2, 8)};"
+                        f"commit_reply_lost={then}@1"
+                    ),
                 )
             )
-            makers.append(_one("during_renewal", "drop-reply", 1, 2))
+            makers.append(("during_renewal", _one("during_renewal", "drop-reply", 1, 2)))
         if "pause" in want:
             # Zombies past the guard: their write / commit must be refused by the fences.
-            makers.append(_one("after_guard_before_adapter", "pause", 1, 2))
-            makers.append(_one("after_guard_before_commit", "pause", 2, 6))
+            makers.append(
+                ("after_guard_before_adapter", _one("after_guard_before_adapter", "pause", 1, 2))
+            )
+            makers.append(
+                ("after_guard_before_commit", _one("after_guard_before_commit", "pause", 2, 6))
+            )
         if "delay" in want:
-            makers.append(lambda r: f"after_adapter_before_receipt=delay:{r.randint(50, 300)}@*")
+            makers.append(
+                (
+                    "after_adapter_before_receipt",
+                    lambda r: f"after_adapter_before_receipt=delay:{r.randint(50, 300)}@*",
+                )
+            )
         if "raise" in want:
-            makers.append(lambda r: f"{r.choice(_WINDOWS[:3])}=raise@{r.randint(1, 2)}")
+            makers.append(("", lambda r: f"{r.choice(_WINDOWS[:3])}=raise@{r.randint(1, 2)}"))
         return makers
 
     def _extras(self) -> list[_Maker]:
-        extras = self._coverage()
+        extras = [make for _, make in self._targets()]
         if "pause" in self.faults:
             extras.append(lambda r: f"{r.choice(_WINDOWS[:3])}=pause@{r.randint(1, 3)}")
             extras.append(lambda r: f"during_renewal=pause@{r.randint(1, 2)}")
@@ -156,13 +211,27 @@ class Schedule:
         if spec and self._returns[spec] <= 3 * self.repeats:
             self.specs.insert(self._next, spec)
 
-    def next_spec(self) -> str:
-        """The next worker's failpoints ("" once the schedule is used up)."""
-        if self._next >= len(self.specs):
+    def next_spec(self, hits: Mapping[str, int] | None = None) -> str:
+        """The next worker's failpoints ("" once the schedule is used up).
+
+        ``hits`` (failpoint -> hits so far, from the drill's fired log): once the planned
+        specs are used up, a failpoint still short of :data:`WANT_HITS` gets another spec
+        aimed at it (at most four per covered failpoint in all), so a spec that a worker
+        took and never reached (its run ended first, the store refused it) does not
+        leave a failpoint uncovered for timing's sake. Drawn from the schedule's own
+        seeded generator."""
+        if self._next < len(self.specs):
+            spec = self.specs[self._next]
+            self._next += 1
+            return spec
+        if hits is None:
             return ""
-        spec = self.specs[self._next]
-        self._next += 1
-        return spec
+        targets = [(p, make) for p, make in self._targets() if p]
+        short = [make for p, make in targets if hits.get(p, 0) < self.WANT_HITS]
+        if not short or self._topups >= 4 * len(targets):
+            return ""
+        self._topups += 1
+        return short[self._topups % len(short)](self._rng)
 
     @property
     def remaining(self) -> int:

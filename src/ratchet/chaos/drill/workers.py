@@ -11,6 +11,7 @@ to its port minus its index. Every wait here is a deadline.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -59,11 +60,13 @@ class DrillWorker:
     terminating_at: float | None = None
     pause: dict[str, object] = field(default_factory=dict)  # run, lease version, generation
     metrics_port: int | None = None
+    name: str | None = None  # a configured worker name of its own (owner-collision twins)
 
     @property
     def active(self) -> bool:
-        """Counts towards the wanted number of workers (not stopped, not leaving)."""
-        return self.paused_at is None and self.terminating_at is None
+        """Counts towards the wanted number of workers (not stopped, not leaving, not one
+        of the extra twins an owner-collision fault started)."""
+        return self.paused_at is None and self.terminating_at is None and self.name is None
 
 
 class WorkerPool:
@@ -95,8 +98,12 @@ class WorkerPool:
     def __repr__(self) -> str:
         return f"WorkerPool(live={len(self.workers)}, started={self.started})"
 
-    def spawn(self, spec: str) -> DrillWorker:
-        """Start one worker with ``spec`` as its ``RATCHET_FAILPOINTS``."""
+    def spawn(self, spec: str, *, name: str | None = None) -> DrillWorker:
+        """Start one worker with ``spec`` as its ``RATCHET_FAILPOINTS`` (and ``name`` as its
+        configured worker name, instead of the drill's)."""
+        payload = self._payload
+        if name is not None:
+            payload = json.dumps({**json.loads(payload), "worker_name": name})
         env = dict(self._env, RATCHET_FAILPOINTS=spec)
         port: int | None = None
         if self.metrics is not None:
@@ -110,7 +117,7 @@ class WorkerPool:
             log = self._folder / "logs" / f"worker-{self.started}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             proc = self._ctx.Process(
-                target=_entry, args=(self._payload, self.started, os.fspath(log)), daemon=True
+                target=_entry, args=(payload, self.started, os.fspath(log)), daemon=True
             )
             proc.start()
         finally:
@@ -122,7 +129,7 @@ class WorkerPool:
         self.started += 1
         if proc.pid is None:  # pragma: no cover - start() always sets it
             raise RuntimeError("worker process has no pid")
-        worker = DrillWorker(proc, proc.pid, spec, time.time(), metrics_port=port)
+        worker = DrillWorker(proc, proc.pid, spec, time.time(), metrics_port=port, name=name)
         if self.metrics is not None and port is not None:
             self.metrics.add(proc.pid, port)
         self.workers[proc.pid] = worker
