@@ -202,3 +202,16 @@ def test_a_failpoint_still_short_of_its_hits_gets_more_specs_once_the_plan_is_us
     for _ in range(again.remaining):
         again.next_spec({})
     assert again.next_spec(short) == topup  # seeded: the same drill, the same top-ups
+
+
+def test_past_forty_percent_of_the_runs_every_other_worker_aims_at_a_short_failpoint() -> None:
+    schedule = Schedule(seed=7, faults=parse_faults("all"), runs=24)
+    short = {point: Schedule.WANT_HITS for point in POINTS} | {"after_receipt_before_state": 0}
+    early = [schedule.next_spec(short, progress=0.1) for _ in range(6)]
+    assert not any(
+        "after_receipt_before_state=kill" in s and s not in schedule.specs for s in early
+    )
+    late = [schedule.next_spec(short, progress=0.5) for _ in range(6)]
+    aimed = [s for s in late if "after_receipt_before_state=kill" in s]
+    assert len(aimed) >= 3  # every other spawn (and any planned one aiming there too)
+    assert all(late)

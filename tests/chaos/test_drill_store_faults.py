@@ -504,3 +504,26 @@ def test_a_short_drill_of_every_store_fault_passes(tmp_path: Path) -> None:
             assert injected[fault] >= 1, (fault, injected)
     assert report["corrupted_runs"]
     assert not list((tmp_path / "drill").glob("redis-tmpfs-*")), "the tmpfs was not cleaned up"
+
+
+# -- conflicts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("phase", "review", "expected"),
+    [
+        ("awaiting_approval", None, "unknown"),  # waiting for its approver: no conflict
+        ("needs_review", None, "fail"),  # frozen without a rollback or any evidence
+    ],
+)
+def test_a_run_waiting_for_its_approver_is_not_an_unexpected_conflict(
+    tmp_path: Path, phase: str, review: str | None, expected: str
+) -> None:
+    import dataclasses
+
+    from ratchet.chaos.drill.checker import check
+
+    waiting = dataclasses.replace(facts("r2", status="waiting"), phase=phase, review_reason=review)
+    verdicts = check(record(tmp_path), evidence([facts("r1"), waiting]))
+    (conflicts,) = [i for i in verdicts.invariants if i.name == "conflicts_frozen_with_evidence"]
+    assert conflicts.status == expected, conflicts.detail

@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchet.chaos.drill.evidence import Evidence, RunFacts
+from ratchet.chaos.drill.humanchecks import approvals_fired, human_invariants
 from ratchet.chaos.drill.invariant import Invariant
+from ratchet.chaos.drill.netchecks import net_fired, net_invariants, net_summary
 from ratchet.chaos.drill.runner import DrillRecord
 from ratchet.chaos.drill.scrape import MetricsWatch
 from ratchet.chaos.drill.services import INTENTS_PER_RUN
@@ -287,10 +289,14 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     )
 
     # 6. Conflicts frozen with evidence; rewound runs never continue silently.
+    # A run still waiting for its approver (the approvals actor gave up on it) is not a
+    # conflict: it waits with its lease released, as it should.
     frozen = {
         r: f
         for r, f in runs.items()
-        if f.status in ("frozen", "waiting") and r not in record.corrupted
+        if f.status in ("frozen", "waiting")
+        and r not in record.corrupted
+        and f.phase != "awaiting_approval"
     }
     no_evidence = [
         r
@@ -395,9 +401,12 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         "corrupt-record": len(record.corrupted),
         "owner-collision": len(record.twins) // 2,
         "store-wipe": 1 if record.wipe else 0,
+        **approvals_fired(record.humans),
+        **net_fired(record),
     }
     missing = sorted(k for k in record.options.faults if not fired_kinds.get(k))
-    skipped = {k: v for k, v in record.store_skipped.items() if k in missing}
+    why = {**record.store_skipped, **record.net_skipped}
+    skipped = {k: v for k, v in why.items() if k in missing}
     invariants.append(
         Invariant(
             "every_fault_fired",
@@ -422,6 +431,8 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     for fault in ("maxmemory", "disk-full"):
         if fault in wanted:
             invariants.append(store_full_acks_kept(record, evidence, fault))
+    invariants.extend(human_invariants(record, evidence))  # ratchet.chaos.drill.humanchecks
+    invariants.extend(net_invariants(record, evidence))  # ratchet.chaos.drill.netchecks
 
     latency = _takeovers(evidence)
     metrics_invariant, metrics_figures = _metrics(record, evidence, runs, len(latency))
@@ -471,6 +482,8 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
             for f in record.store_faults
         ],
         "store_faults_skipped": dict(sorted(record.store_skipped.items())),
+        "net_faults": net_summary(record),
+        "net_faults_skipped": dict(sorted(record.net_skipped.items())),
         "worker_exits": len(record.deaths),
         "zombies_resumed": len(record.pauses),
         "metrics": metrics_figures,

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.chaos.drill.humanchecks import HumanFacts, gather_humans
 from ratchet.chaos.drill.runner import DrillRecord
 from ratchet.chaos.drill.services import NOTE
+from ratchet.chaos.drill.skew import unskew
 from ratchet.errors import RatchetError
 from ratchet.fleet.context import Fleet
 from ratchet.leasing import run_keys
@@ -70,6 +72,7 @@ class Evidence:
     fired: list[dict[str, Any]]
     events: dict[str, list[dict[str, Any]]]
     runs: dict[str, RunFacts]
+    humans: HumanFacts = field(default_factory=HumanFacts)  # approvals, nonces, commit times
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -155,8 +158,12 @@ def _raw_incidents(fleet: Fleet, run_id: str) -> list[dict[str, Any]]:
 def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
     """Read every record the drill left. Raises StoreUnavailableError if Redis is down."""
     events: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    # A worker the drill started with a skewed clock logged skewed times: put them back on
+    # the drill's clock, so every check that reads a time reads one clock.
+    skews = {int(p): float(s) for p, s in (record.humans or {}).get("skews", {}).items()}
     for path in sorted(record.events_dir.glob("events-*.jsonl")):
         for event in _jsonl(path):
+            _unskew(event, skews)
             events[str(event.get("kind"))].append(event)
     runs: dict[str, RunFacts] = {}
     for run_id, index in record.runs.items():
@@ -201,4 +208,13 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
             cancel_request,
             unreconciled,
         )
-    return Evidence(_jsonl(record.fired_log), dict(events), runs)
+    fired = _jsonl(record.fired_log)
+    for entry in fired:
+        _unskew(entry, skews)
+    return Evidence(fired, dict(events), runs, gather_humans(record, fleet))
+
+
+def _unskew(entry: dict[str, Any], skews: dict[int, float]) -> None:
+    pid, at = entry.get("pid"), entry.get("at")
+    if isinstance(pid, int) and pid in skews and isinstance(at, int | float):
+        entry["at"] = unskew(float(at), skews[pid])

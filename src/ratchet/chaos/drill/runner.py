@@ -40,6 +40,8 @@ from redis.exceptions import RedisError
 
 from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.chaos.drill.cluster import RedisChoice, choose_redis, truncate_aof
+from ratchet.chaos.drill.humans import Humans
+from ratchet.chaos.drill.netfaults import NetFaults
 from ratchet.chaos.drill.schedule import FAULTS, Schedule
 from ratchet.chaos.drill.scrape import MetricsWatch, free_port_block
 from ratchet.chaos.drill.services import TenantOrders, drill_document, make_workspace
@@ -144,6 +146,11 @@ class DrillRecord:
     corrupted: dict[str, dict[str, Any]] = field(default_factory=dict)  # run -> corruption
     twins: list[int] = field(default_factory=list)  # pids started with one worker name
     wipe: dict[str, Any] | None = None
+    # Network faults (ratchet.chaos.drill.netfaults): each injected, and those skipped.
+    net_faults: list[dict[str, Any]] = field(default_factory=list)
+    net_skipped: dict[str, str] = field(default_factory=dict)
+    # Approvers and skewed clocks (ratchet.chaos.drill.humans): what was signed and posted.
+    humans: dict[str, Any] = field(default_factory=dict)
 
     def faults_of(self, kind: str) -> list[dict[str, Any]]:
         return [f for f in self.store_faults if f.get("kind") == kind]
@@ -206,6 +213,8 @@ class _Drill:
         self.disk: Tmpfs | None = None  # Redis' own tmpfs, for the disk-full fault
         self.holding: dict[str, Any] | None = None  # an OOM or disk-full fault in force
         self.pause_tries_until: float | None = None
+        self.net: NetFaults | None = None  # proxies and network faults
+        self.humans = Humans(options.seed, options.runs, frozenset(), record.folder)
 
     # -- one tick -----------------------------------------------------------------------
 
@@ -221,6 +230,10 @@ class _Drill:
         self._staff()
         self._submit()
         self._observe()
+        skip = set(self.rec.corrupted)
+        self.humans.tick(
+            self.fleet, self.pool, self.rec.runs, self.settled, skip, self.o.lease_ttl_s
+        )
         if self.injecting:
             self._cluster_faults()
         self.scrape()
@@ -316,9 +329,9 @@ class _Drill:
 
     def _staff(self) -> None:
         while self.pool.active < self.o.workers and len(self.pool.workers) < self.o.workers + 4:
-            spec = self.schedule.next_spec(self.hits) if self.injecting else ""
+            spec = self.schedule.next_spec(self.hits, self._fraction()) if self.injecting else ""
             self.rec.specs_used += bool(spec)
-            self.pool.spawn(spec)
+            self.humans.spawn(self.pool, spec)
 
     def create_runs(self) -> None:
         """Create every run up front (not enqueued yet): a later AOF rollback then never
@@ -326,17 +339,20 @@ class _Drill:
         for index in range(self.o.runs):
             root = make_workspace(self.rec.folder / "workspaces" / f"ws-{index}")
             url = self.orders.add(f"t{index}")
-            doc = drill_document(root, url, index, think_ms=self.o.think_ms)
+            if self.net is not None:
+                url = self.net.orders_url(index, url)
+            approval = index in self.humans.need_approval
+            doc = drill_document(root, url, index, think_ms=self.o.think_ms, approval=approval)
             run_id = create_run(self.fleet, doc, run_id=f"drill-{self.o.seed}-{index}")
             self.pending.append(run_id)
             self.index[run_id] = index
 
     def _submit(self) -> None:
-        # While worker faults are still to come, keep few runs in flight so the runs last
-        # as long as the schedule does (a fault needs a run in progress to land in).
-        limit = self.o.max_in_flight or (
-            self.o.workers + 1 if self.schedule.remaining else 2 * self.o.workers
-        )
+        # While worker or network faults are still to come, keep few runs in flight so the
+        # runs last as long as the schedule does (a fault needs a run in progress to land
+        # in).
+        due = self.schedule.remaining or (self.net is not None and self.net.pending)
+        limit = self.o.max_in_flight or (self.o.workers + 1 if due else 2 * self.o.workers)
         while self.pending and len(self.rec.runs) - len(self.settled) < limit:
             run_id = self.pending[0]
             try:
@@ -419,6 +435,8 @@ class _Drill:
             self.schedule.owner_collision_at = None
             self._owner_collision()
         self._store_faults(now, fraction)
+        if self.net is not None:
+            self.net.tick(self, now, fraction)
 
     # -- store faults ---------------------------------------------------------------------
 
@@ -692,10 +710,13 @@ class _Drill:
                 )
                 and not self.store_faults_pending
                 and self.schedule.owner_collision_at is None
+                and (self.net is None or not self.net.pending)
             ):
                 break
             time.sleep(_TICK_S)
         self.injecting = False
+        if self.net is not None:
+            self.net.end()
         if self.holding is not None:
             try:
                 self._lift()
@@ -861,9 +882,12 @@ def run_drill_processes(
         raise
     orders: TenantOrders | None = None
     pool: WorkerPool | None = None
+    net: NetFaults | None = None
     try:
-        orders = TenantOrders(folder / "orders")
+        orders = TenantOrders(folder / "orders", process=True)
         ttl = options.ttl_ms
+        humans = Humans(options.seed, options.runs, options.faults, folder)
+        record.humans = humans.log
         settings = Settings(
             redis_url=SecretStr(server.url),
             state_dir=folder / "state",
@@ -877,6 +901,7 @@ def run_drill_processes(
             checkpoint_key=SecretStr(secrets.token_hex(32)),
             worker_name="drill",
             verifier_sandbox=for_own_verifiers(),
+            approvers_file=humans.approvers_file,
         )  # the drill's verifier is its own grep
         fleet = Fleet.connect(settings)
         record.events_dir.mkdir(parents=True, exist_ok=True)
@@ -892,6 +917,15 @@ def run_drill_processes(
         record.started_at = time.time()
         drill = _Drill(options, record, server, orders, fleet, pool, progress)
         drill.disk = disk
+        net = NetFaults(
+            options.faults, server, orders, events_dir=record.events_dir, ttl_s=options.lease_ttl_s
+        )
+        record.net_faults, record.net_skipped = net.faults, net.skipped
+        if net.wanted:
+            drill.net = net
+            if net.link_redis:
+                pool.redis_link = net.redis_link
+        drill.humans = humans
         drill.create_runs()
         created = int(time.time())
         while int(time.time()) <= created + 1:  # creations sit before any later AOF cut
@@ -912,16 +946,20 @@ def run_drill_processes(
     except BaseException:
         if pool is not None:
             pool.stop_all(grace_s=2.0)
+        if net is not None:
+            net.stop()
         if orders is not None:
             orders.stop()
         server.kill()
         if disk is not None:
             disk.unmount()
         raise
-    final_orders, final_server = orders, server
+    final_orders, final_server, final_net = orders, server, net
 
     def close() -> None:
         try:
+            if final_net is not None:
+                final_net.stop()
             final_orders.stop()
             final_server.stop()
         finally:

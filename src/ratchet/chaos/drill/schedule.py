@@ -50,6 +50,12 @@ FAULTS = (
     "store-wipe",
     "corrupt-record",
     "owner-collision",
+    "partition-store",
+    "partition-adapter",
+    "orders-kill",
+    "partition-reply",
+    "approvals",
+    "clock-skew",
 )
 
 #: Store faults injected at a fraction of the runs settled, in this order. Corruption
@@ -107,6 +113,7 @@ class Schedule:
     _returns: dict[str, int] = field(default_factory=dict)
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _topups: int = 0
+    _calls: int = 0
 
     #: Hits every covered failpoint should reach (the short profile's test checks it).
     WANT_HITS = 2
@@ -154,10 +161,9 @@ class Schedule:
             makers.append(
                 (
                     "after_receipt_before_state",
-                    lambda r: (
-                        f"observe_after_write=raise@{r.randint(1, 2)};"
-                        "after_receipt_before_state=kill@1"
-                    ),
+                    # The first write's observation: a later one may never come (the
+                    # job's run ends, another fault takes the worker first).
+                    lambda r: "observe_after_write=raise@1;after_receipt_before_state=kill@1",
                 )
             )
             makers.append(
@@ -211,19 +217,29 @@ class Schedule:
         if spec and self._returns[spec] <= 3 * self.repeats:
             self.specs.insert(self._next, spec)
 
-    def next_spec(self, hits: Mapping[str, int] | None = None) -> str:
+    def next_spec(self, hits: Mapping[str, int] | None = None, progress: float = 0.0) -> str:
         """The next worker's failpoints ("" once the schedule is used up).
 
-        ``hits`` (failpoint -> hits so far, from the drill's fired log): once the planned
-        specs are used up, a failpoint still short of :data:`WANT_HITS` gets another spec
-        aimed at it (at most four per covered failpoint in all), so a spec that a worker
-        took and never reached (its run ended first, the store refused it) does not
+        ``hits`` (failpoint -> hits so far, from the drill's fired log) and ``progress``
+        (the fraction of runs settled): from 40 % of the runs on, or once the planned
+        specs are used up, every other worker gets a spec aimed at a failpoint still short
+        of :data:`WANT_HITS` (at most four per covered failpoint in all), so a spec that a
+        worker took and never reached (its run ended first, the store refused it) does not
         leave a failpoint uncovered for timing's sake. Drawn from the schedule's own
         seeded generator."""
-        if self._next < len(self.specs):
-            spec = self.specs[self._next]
-            self._next += 1
-            return spec
+        self._calls += 1
+        planned = self._next < len(self.specs)
+        if hits is not None and (not planned or (progress >= 0.4 and self._calls % 2 == 0)):
+            topup = self._topup(hits)
+            if topup:
+                return topup
+        if not planned:
+            return ""
+        spec = self.specs[self._next]
+        self._next += 1
+        return spec
+
+    def _topup(self, hits: Mapping[str, int] | None) -> str:
         if hits is None:
             return ""
         targets = [(p, make) for p, make in self._targets() if p]

@@ -9,15 +9,22 @@ run keeps each run's environment its own, exactly as the workspace is.
 
 The drill agent plays a fixed plan (read, write, place an order, write again, verify,
 finish) and "thinks" a little before each step, as a model would, so faults land mid-run.
-No step needs an approval: drills exercise crash windows, fences and leases, not humans.
+With the ``approvals`` fault a seeded quarter of the runs need an approval for their
+order (:mod:`ratchet.chaos.drill.humans` plays the approver); the others need none.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
+import os
 import shutil
+import signal
+import socket
 import threading
 import time
 from http.server import ThreadingHTTPServer
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
@@ -94,7 +101,7 @@ def drill_agent(config: dict[str, Any]) -> DrillAgent:
     return DrillAgent(steps, think)
 
 
-def _scenario(index: int) -> Scenario:
+def _scenario(index: int, *, approval: bool = False) -> Scenario:
     return Scenario.model_validate(
         {
             "schema_version": 1,
@@ -106,7 +113,8 @@ def _scenario(index: int) -> Scenario:
             "allowed_paths": [NOTE],
             "allowed_verifier_targets": ["check"],
             "allowed_operations": ["place-order"],
-            "approval_required": [],
+            # The approvals fault's runs wait for a signed approval of their order.
+            "approval_required": ["external_call"] if approval else [],
             # Generous: every crash re-proposes the step it died in.
             "budgets": {
                 "proposals": 400,
@@ -126,8 +134,11 @@ def make_workspace(root: Path) -> Path:
     return root
 
 
-def drill_document(root: Path, base_url: str, index: int, *, think_ms: int) -> RunDocument:
-    """The run document of drill run ``index``. Raises ConfigurationError without grep."""
+def drill_document(
+    root: Path, base_url: str, index: int, *, think_ms: int, approval: bool = False
+) -> RunDocument:
+    """The run document of drill run ``index`` (its order needs an approval when
+    ``approval``). Raises ConfigurationError without grep."""
     grep = shutil.which("grep", path="/usr/bin:/bin")
     if grep is None:
         raise ConfigurationError("the drill's verifier needs grep in /usr/bin or /bin")
@@ -135,7 +146,7 @@ def drill_document(root: Path, base_url: str, index: int, *, think_ms: int) -> R
         argv=(grep, "-qx", expected_note(index).rstrip("\n"), NOTE), timeout_seconds=60
     )
     return RunDocument(
-        scenario=_scenario(index),
+        scenario=_scenario(index, approval=approval),
         agent="drill",
         agent_config=cast(Any, {"think_ms": think_ms, "steps": plan(index)}),
         environment=EnvironmentSpec(
@@ -187,13 +198,80 @@ class _TenantHandler(_Handler):
             super().do_POST()
 
 
-class TenantOrders:
-    """One loopback HTTP server for many orders tenants (one SQLite database each)."""
+class _FolderTenants(dict[str, OrdersService]):
+    """The tenants of a folder, opened on first use: a service process started (or
+    restarted) on the folder serves every tenant whose database the drill created."""
 
     def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+        # One service object per tenant: opening one forgets the requests in flight.
+        self._lock = threading.Lock()
+
+    def _path(self, name: str) -> Path | None:
+        if not name or not name.isalnum():
+            return None
+        path = self.folder / f"{name}.sqlite3"
+        return path if path.exists() else None
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (
+            dict.__contains__(self, name) or self._path(name) is not None
+        )
+
+    def __missing__(self, name: str) -> OrdersService:
+        path = self._path(name)
+        if path is None:
+            raise KeyError(name)
+        with self._lock:
+            if dict.__contains__(self, name):
+                return dict.__getitem__(self, name)
+            service = self[name] = OrdersService(path)
+        return service
+
+
+def _serve_folder(folder: str, port: int) -> None:
+    """The orders service process: every tenant of ``folder`` on ``port`` (loopback).
+
+    A restart after SIGKILL binds the same port (``SO_REUSEADDR``), retried for a few
+    seconds while the old socket is released."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            server = _TenantServer(("127.0.0.1", port), _FolderTenants(Path(folder)))
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    server.serve_forever(poll_interval=0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class TenantOrders:
+    """One loopback HTTP server for many orders tenants (one SQLite database each).
+
+    ``process=True`` serves them from a process of its own (so a drill can SIGKILL it
+    mid-write and start it again on the same port and databases: :meth:`kill`,
+    :meth:`restart`); otherwise from a thread of this process.
+    """
+
+    def __init__(self, folder: Path, *, process: bool = False) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.tenants: dict[str, OrdersService] = {}
+        self._proc: BaseProcess | None = None
+        self.restarts = 0
+        if process:
+            self._server = None
+            self.port = _free_port()
+            self._spawn()
+            return
         self._server = _TenantServer(("127.0.0.1", 0), self.tenants)
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(
@@ -204,18 +282,69 @@ class TenantOrders:
         )
         self._thread.start()
 
+    def _spawn(self) -> None:
+        """Start the service process and wait (bounded) until it accepts connections.
+
+        Raises ConfigurationError when it does not."""
+        ctx = mp.get_context("spawn")
+        proc = ctx.Process(
+            target=_serve_folder, args=(os.fspath(self.folder), self.port), daemon=True
+        )
+        proc.start()
+        self._proc = proc
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            if proc.exitcode is not None:
+                break
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5),
+            ):
+                return
+            time.sleep(0.02)
+        raise ConfigurationError("the orders service process did not start", port=self.port)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def kill(self) -> None:
+        """SIGKILL the service process (process mode only) and wait for it to exit."""
+        proc = self._proc
+        if proc is None or proc.pid is None:
+            raise ConfigurationError("the orders service runs in this process", field="process")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=10)
+
+    def restart(self) -> None:
+        """Start the service process again, on the same port and databases."""
+        self.restarts += 1
+        self._spawn()
+
     def __repr__(self) -> str:
         return f"TenantOrders(port={self.port}, tenants={len(self.tenants)})"
 
     def add(self, name: str) -> str:
-        """Create tenant ``name``; returns its base URL."""
-        self.tenants[name] = OrdersService(self.db_path(name))
+        """Create tenant ``name`` (its database); returns its base URL."""
+        service = OrdersService(self.db_path(name))
+        if self._proc is None:
+            self.tenants[name] = service
         return f"http://127.0.0.1:{self.port}/t/{name}"
 
     def db_path(self, name: str) -> Path:
         return self.folder / f"{name}.sqlite3"
 
     def stop(self) -> None:
+        if self._server is None:
+            proc = self._proc
+            if proc is not None and proc.exitcode is None and proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+                proc.join(timeout=5)
+                if proc.exitcode is None:
+                    self.kill()
+            return
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)

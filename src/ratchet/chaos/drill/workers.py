@@ -61,6 +61,7 @@ class DrillWorker:
     pause: dict[str, object] = field(default_factory=dict)  # run, lease version, generation
     metrics_port: int | None = None
     name: str | None = None  # a configured worker name of its own (owner-collision twins)
+    link: object | None = None  # its own link to Redis (a fault proxy), when it has one
 
     @property
     def active(self) -> bool:
@@ -94,17 +95,27 @@ class WorkerPool:
         self.deaths: list[dict[str, object]] = []
         self.started = 0
         self.metrics = metrics
+        #: Gives each new worker its own Redis URL and the link behind it (the network
+        #: faults put a proxy between every worker and Redis); None: the drill's URL.
+        self.redis_link: Callable[[], tuple[str, object]] | None = None
 
     def __repr__(self) -> str:
         return f"WorkerPool(live={len(self.workers)}, started={self.started})"
 
-    def spawn(self, spec: str, *, name: str | None = None) -> DrillWorker:
+    def spawn(
+        self, spec: str, *, name: str | None = None, env: dict[str, str] | None = None
+    ) -> DrillWorker:
         """Start one worker with ``spec`` as its ``RATCHET_FAILPOINTS`` (and ``name`` as its
-        configured worker name, instead of the drill's)."""
+        configured worker name, instead of the drill's; ``env`` added to its environment:
+        a skewed clock's ``PYTHONPATH``)."""
         payload = self._payload
         if name is not None:
             payload = json.dumps({**json.loads(payload), "worker_name": name})
-        env = dict(self._env, RATCHET_FAILPOINTS=spec)
+        link: object | None = None
+        if self.redis_link is not None:
+            url, link = self.redis_link()
+            payload = json.dumps({**json.loads(payload), "redis_url": url})
+        env = dict(self._env, RATCHET_FAILPOINTS=spec, **(env or {}))
         port: int | None = None
         if self.metrics is not None:
             busy = {w.metrics_port for w in self.workers.values() if w.metrics_port}
@@ -129,7 +140,9 @@ class WorkerPool:
         self.started += 1
         if proc.pid is None:  # pragma: no cover - start() always sets it
             raise RuntimeError("worker process has no pid")
-        worker = DrillWorker(proc, proc.pid, spec, time.time(), metrics_port=port, name=name)
+        worker = DrillWorker(
+            proc, proc.pid, spec, time.time(), metrics_port=port, name=name, link=link
+        )
         if self.metrics is not None and port is not None:
             self.metrics.add(proc.pid, port)
         self.workers[proc.pid] = worker
