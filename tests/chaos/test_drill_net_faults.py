@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from ratchet.chaos.drill.cluster import RedisChoice
 from ratchet.chaos.drill.evidence import AdapterRecords, Evidence, RunFacts
 from ratchet.chaos.drill.netchecks import (
     cut_orders_settled_once,
@@ -24,23 +23,11 @@ from ratchet.chaos.drill.netchecks import (
     partition_fenced,
 )
 from ratchet.chaos.drill.netfaults import NET_FAULTS, http_timeout_s
-from ratchet.chaos.drill.runner import DrillOptions, DrillRecord
 from ratchet.chaos.drill.schedule import FAULTS, parse_faults
 from ratchet.chaos.drill.services import TenantOrders, order_body
+from tests.chaos.drill_support import drill_record as record
 
 RATCHET = str(Path(sys.executable).with_name("ratchet"))
-
-
-def record(tmp_path: Path, **fields: Any) -> DrillRecord:
-    rec = DrillRecord(
-        folder=tmp_path,
-        options=DrillOptions(faults=frozenset(FAULTS)),
-        redis=RedisChoice("redis-server", (7, 0, 0), None, None),
-    )
-    for name, value in fields.items():
-        setattr(rec, name, value)
-    rec.runs = rec.runs or {"r1": 0, "r2": 1}
-    return rec
 
 
 def facts(

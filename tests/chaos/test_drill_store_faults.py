@@ -14,9 +14,7 @@ from typing import Any
 import pytest
 
 from ratchet.chaos.drill.checker import _metrics
-from ratchet.chaos.drill.cluster import RedisChoice
 from ratchet.chaos.drill.evidence import AdapterRecords, Evidence, RunFacts
-from ratchet.chaos.drill.runner import DrillOptions, DrillRecord
 from ratchet.chaos.drill.schedule import FAULTS, Schedule, parse_faults
 from ratchet.chaos.drill.scrape import COUNTERS, MetricsWatch, Scrape
 from ratchet.chaos.drill.storechecks import (
@@ -27,6 +25,7 @@ from ratchet.chaos.drill.storechecks import (
     store_full_acks_kept,
     wiped_store_ran_nothing,
 )
+from tests.chaos.drill_support import drill_record as record
 
 RATCHET = str(Path(sys.executable).with_name("ratchet"))
 STORE_FAULTS = (
@@ -38,18 +37,6 @@ STORE_FAULTS = (
     "corrupt-record",
     "owner-collision",
 )
-
-
-def record(tmp_path: Path, **fields: Any) -> DrillRecord:
-    rec = DrillRecord(
-        folder=tmp_path,
-        options=DrillOptions(faults=frozenset(FAULTS)),
-        redis=RedisChoice("redis-server", (7, 0, 0), None, None),
-    )
-    for name, value in fields.items():
-        setattr(rec, name, value)
-    rec.runs = rec.runs or {"r1": 0, "r2": 1}
-    return rec
 
 
 def facts(
