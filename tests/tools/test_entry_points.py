@@ -95,7 +95,9 @@ def test_a_worker_loads_only_the_tools_the_scenario_permits(
     adapter = build_adapter(document(root, ["finish", "create_refund"]), toolbox=box)
     assert isinstance(adapter, RouterAdapter) and adapter.tools is not None
     assert (root / ".ratchet" / "tools.ledger").exists()
-    assert "tools.contract" in adapter.observe().details
+    observed = adapter.observe().details
+    assert observed["tools.fingerprint"] == adapter.tools.observe().fingerprint
+    assert adapter.tools.contract_digest == box.catalog.digest_for(t.spec.name for t in box)
 
 
 def test_a_run_without_declared_tools_keeps_the_plain_workspace(tmp_path: Path) -> None:

@@ -362,7 +362,7 @@ def test_tools_beside_a_workspace_fix_a_file_refund_and_finish(tmp_path: Path) -
     assert service.effects == 1
     assert (root / "app.py").read_text() == RIGHT_GREETING
     details = resumed.state.environment.details
-    assert "tools.contract" in details and "files.instance_id" in details
+    assert "tools.fingerprint" in details and "files.instance_id" in details
 
 
 def test_a_tools_own_failure_reaches_no_error_or_log_with_its_message(

@@ -1,9 +1,12 @@
 """The environment of a run's declared tools: an :class:`Adapter` over a tool ledger.
 
 Observation: the ledger's instance id and version, and a fingerprint over them and the
-digest of the permitted tools' contracts (``details["contract"]``), so a run restored
-with a tool whose contract changed (risk, recovery, arguments) fails closed like any
-other drift. Every committed call moves the version on by one.
+digest of the permitted tools' contracts (:attr:`ToolsAdapter.contract_digest`), so a run
+restored with a tool whose contract changed (risk, recovery, arguments) fails closed like
+any other drift. Every committed call moves the version on by one. The observation
+carries no details: every field of it is copied into each checkpoint several times
+(the environment, the pending write's before and after), and the contract is bound by
+the fingerprint already.
 
 A write, end to end (the engine committed the intent already)::
 
@@ -159,6 +162,12 @@ class ToolsAdapter:
         return self._namespace
 
     @property
+    def contract_digest(self) -> str:
+        """The digest of the permitted tools' contracts the observation's fingerprint
+        binds (a changed contract is a changed environment)."""
+        return self._contract
+
+    @property
     def effects(self) -> int:
         """Calls committed in this environment."""
         return self.ledger.counters()[0]
@@ -195,7 +204,6 @@ class ToolsAdapter:
                 Domain.ENVIRONMENT,
                 {"instance_id": instance, "version": version, "contract": self._contract},
             ),
-            details={"contract": self._contract[:16]},
         )
 
     def observe(self) -> Observation:
@@ -223,8 +231,9 @@ class ToolsAdapter:
 
     # -- writes -----------------------------------------------------------------------
 
-    def _call(self, action: Action, fence: Fence, intent: str | None, approval: str | None) -> Any:
-        t = self.tool(str(action.kind))
+    def _call(
+        self, t: Tool, action: Action, fence: Fence, intent: str | None, approval: str | None
+    ) -> Any:
         call = ToolCall(
             run_id=fence.run_id,
             tool=t.spec.name,
@@ -249,10 +258,11 @@ class ToolsAdapter:
                 outcome recovery settles (retryable=True).
         """
         t = self.tool(str(action.kind))
+        spec = t.spec
         key = action.idempotency_key or ""
         # Only a review tool's started row is the sole proof of "never sent"; the others
         # are recovered by the tool itself, so their call is recorded once it returned.
-        durable = t.spec.recovery is Recovery.REVIEW
+        durable = spec.recovery is Recovery.REVIEW
         again = False
         if self.ledger.status(key) == "started":
             settled = self._settle(t, key, intent_digest)
@@ -261,21 +271,22 @@ class ToolsAdapter:
             again = True
         existing = self.ledger.begin_call(
             key=key,
-            tool=t.spec.name,
+            tool=spec.name,
             intent_digest=intent_digest,
             approval_digest=approval_digest,
             fence=fence,
             expected_version=action.expected_env_version,
             again=again,
             durable=durable,
+            fresh=True,  # status() just read the ledger
         )
         if existing is not None:
             return existing
         self._hook("before_call")
-        intent = CallIntent(t.spec.name, intent_digest, approval_digest, fence)
+        intent = CallIntent(spec.name, intent_digest, approval_digest, fence)
         recorded = None if durable else intent  # the row to write on a refusal
         try:
-            output = self._call(action, fence, intent_digest, approval_digest)
+            output = self._call(t, action, fence, intent_digest, approval_digest)
         except (FenceRejectedError, IdempotencyConflictError):
             self.ledger.abort_call(key, recorded)  # the tool refused it: no effect
             raise
@@ -286,18 +297,18 @@ class ToolsAdapter:
         except Exception as exc:
             # The call may or may not have reached the service: leave it to recovery.
             # Only the type is reported (a message may carry a secret).
-            log.warning("tool %s failed: %s", t.spec.name, type(exc).__name__)
+            log.warning("tool %s failed: %s", spec.name, type(exc).__name__)
             raise AdapterError(
-                f"tool {t.spec.name} failed ({type(exc).__name__}); its outcome is settled "
+                f"tool {spec.name} failed ({type(exc).__name__}); its outcome is settled "
                 "by recovery",
                 retryable=True,
-                tool=t.spec.name,
+                tool=spec.name,
             ) from None
         self._hook("after_call")
         return self.ledger.commit_call(
             key,
             namespace=self._namespace,
-            result=output_result(t.spec.name, output),
+            result=output_result(spec.name, output),
             committed_at=self._clock.now(),
             call=recorded,
         )

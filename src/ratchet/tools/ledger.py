@@ -136,12 +136,31 @@ class _State:
             row.status, row.attempts = "started", row.attempts + 1
         elif kind == "commit":
             row.status = "committed"
-            # Our own line carries its receipt serialised already (never written as such).
-            row.receipt = record.get("_receipt_json") or orjson.dumps(record["receipt"])
+            row.receipt = orjson.dumps(record["receipt"], option=orjson.OPT_SORT_KEYS)
             row.attempts = max(row.attempts, 1)
             self.version += 1
         elif row.status != "committed":
             row.status = "aborted"
+
+    def committed(
+        self,
+        key: str,
+        tool: str,
+        intent: str,
+        approval: str | None,
+        fence: Fence | None,
+        receipt_json: bytes,
+    ) -> None:
+        """Our own ``commit`` line, folded in without parsing it back (what
+        :meth:`apply` makes of the same line read from the file)."""
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = _Row(tool, intent, approval, "aborted")
+        if fence is not None:
+            self.raise_to(fence.run_id, (fence.lease_version, fence.state_version))
+        row.status, row.receipt = "committed", receipt_json
+        row.attempts = max(row.attempts, 1)
+        self.version += 1
 
 
 def _fence_fields(fence: Fence | None) -> dict[str, Any]:
@@ -195,8 +214,10 @@ class ToolLedger:
                 self._state.apply(orjson.loads(line))
         self._offset += end + 1
 
-    @contextmanager
-    def _locked(self, *, repair: bool = False) -> Iterator[None]:
+    def _lock(self, *, repair: bool = False) -> None:
+        """Take the exclusive lock and fold in what others appended; the caller unlocks
+        (``fcntl.flock(fd, LOCK_UN)``) in a ``finally``. Raises AdapterError (retryable),
+        unlocked, when the file cannot be locked or read."""
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
         except OSError as exc:
@@ -204,22 +225,32 @@ class ToolLedger:
                 "tool ledger cannot be locked", retryable=True, error=type(exc).__name__
             ) from None
         try:
-            try:
-                self._refresh()
-                if repair and os.fstat(self._fd).st_size > self._offset:
-                    # A line torn by a crash (no newline): it never counted; cut it off.
-                    os.ftruncate(self._fd, self._offset)
-            except (OSError, ValueError, KeyError, orjson.JSONDecodeError) as exc:
-                raise AdapterError(
-                    "tool ledger cannot be read", retryable=True, error=type(exc).__name__
-                ) from None
+            self._refresh()
+            if repair and os.fstat(self._fd).st_size > self._offset:
+                # A line torn by a crash (no newline): it never counted; cut it off.
+                os.ftruncate(self._fd, self._offset)
+        except (OSError, ValueError, KeyError, orjson.JSONDecodeError) as exc:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            raise AdapterError(
+                "tool ledger cannot be read", retryable=True, error=type(exc).__name__
+            ) from None
+
+    @contextmanager
+    def _locked(self, *, repair: bool = False) -> Iterator[None]:
+        self._lock(repair=repair)
+        try:
             yield
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def _append(
-        self, record: dict[str, Any], durable: bool, *, receipt_json: bytes | None = None
-    ) -> None:
+    def _append(self, record: dict[str, Any], durable: bool) -> None:
+        """Write ``record`` as the log's next line (see :meth:`_write`), then fold it in."""
+        self._write(record, durable)
+        self._state.apply(record)
+
+    def _write(self, record: dict[str, Any], durable: bool) -> None:
+        """Write ``record`` as the log's next line (``fdatasync``'d when ``durable``); the
+        caller holds the lock and folds the record into the state."""
         line = orjson.dumps(record, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE)
         try:
             written = os.write(self._fd, line)
@@ -235,9 +266,6 @@ class ToolLedger:
         if written != len(line):
             raise AdapterError("tool ledger write was cut short", retryable=True)
         self._offset += written
-        self._state.apply(
-            record if receipt_json is None else {**record, "_receipt_json": receipt_json}
-        )
 
     def _read(self) -> _State:
         self._refresh()
@@ -337,10 +365,13 @@ class ToolLedger:
         expected_version: int,
         again: bool,
         durable: bool = True,
+        fresh: bool = False,
     ) -> Receipt | None:
         """Fence, idempotency and precondition, then (``durable``) the ``started`` row,
         fsync'd before this returns. Without ``durable`` nothing is written unless a
-        fence is refused: :meth:`commit_call` records the call once it returned.
+        fence is refused: :meth:`commit_call` records the call once it returned; with
+        ``fresh`` (the caller read the ledger just before, e.g. :meth:`status`) those
+        checks read the state as that read left it.
 
         Returns the committed receipt when the key already has one for this intent
         (nothing is recorded, the tool is not called); None when the call may go now.
@@ -355,6 +386,8 @@ class ToolLedger:
                 (retryable=True: recovery settles it first).
         """
         if not durable:
+            if not fresh:
+                self._refresh()
             return self._check_only(key, tool, intent_digest, fence, expected_version, again)
         with self._locked():
             refusal: AdapterError | None = self._fence_refusal(fence)
@@ -393,9 +426,8 @@ class ToolLedger:
         again: bool,
     ) -> Receipt | None:
         """:meth:`begin_call`'s checks without a row: nothing is written unless a fence is
-        refused, so they read the state as it is now (a refusal takes the lock, to be
+        refused, so they read the state as last refreshed (a refusal takes the lock, to be
         judged again and counted)."""
-        self._refresh()
         if self._refused_now(fence):
             with self._locked():
                 stale = self._fence_refusal(fence)
@@ -457,8 +489,11 @@ class ToolLedger:
             AdapterError: no call is recorded for the key and none is described
                 (retryable=False).
         """
-        with self._locked():
-            row = self._state.rows.get(key)
+        # The lock by hand, not through _locked(): this runs once per call.
+        self._lock()
+        try:
+            state = self._state
+            row = state.rows.get(key)
             if row is not None and row.status == "committed" and row.receipt is not None:
                 return Receipt.model_validate_json(row.receipt)
             if row is None and call is None:
@@ -470,11 +505,11 @@ class ToolLedger:
                 if call is not None
                 else (row.tool, row.intent, row.approval)  # type: ignore[union-attr]
             )
-            version = self._state.version + 1
+            version = state.version + 1
             fields: dict[str, Any] = {
                 "namespace": namespace,
                 "receipt_version": 1,
-                "receipt_id": f"{self._state.instance_id}/{version - 1}",
+                "receipt_id": f"{state.instance_id}/{version - 1}",
                 "idempotency_key": key,
                 "intent_digest": intent,
                 "result": result,
@@ -484,20 +519,26 @@ class ToolLedger:
             }
             receipt = Receipt.model_validate(fields)
             fence = call.fence if call is not None else None
+            if fence is not None and fence.store_epoch is not None and not state.store_epoch:
+                self._append(
+                    {"t": "fence", "epoch": fence.store_epoch, **_fence_fields(fence)}, False
+                )
+            # The receipt is serialised once: its bytes go into the line as they are and
+            # into the row the state keeps.
+            receipt_json = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)
             record = {
                 "t": "commit",
                 "k": key,
                 "tool": tool,
                 "intent": intent,
                 "approval": approval,
-                "receipt": fields,
+                "receipt": orjson.Fragment(receipt_json),
                 **_fence_fields(fence),
             }
-            if fence is not None and fence.store_epoch is not None and not self._state.store_epoch:
-                self._append(
-                    {"t": "fence", "epoch": fence.store_epoch, **_fence_fields(fence)}, False
-                )
-            self._append(record, False, receipt_json=orjson.dumps(fields))
+            self._write(record, False)
+            state.committed(key, tool, intent, approval, fence, receipt_json)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
         return receipt
 
     def abort_call(self, key: str, call: CallIntent | None = None) -> None:
