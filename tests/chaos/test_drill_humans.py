@@ -12,6 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from ratchet.chaos.drill.humanchecks import (
     ApprovalRun,
     HumanFacts,
@@ -239,6 +241,9 @@ def test_the_human_faults_are_in_all_and_a_quarter_of_runs_need_an_approval() ->
     assert len(approval_runs(3, 4)) == 2
 
 
+# The CI profile (tests/chaos/test_drill.py) runs the approvers and the skewed clocks and
+# requires a pass; this drill of them alone is opt-in.
+@pytest.mark.chaos
 def test_a_short_drill_of_approvers_and_skewed_clocks_passes(tmp_path: Path) -> None:
     options = DrillOptions(
         workers=3,

@@ -454,7 +454,9 @@ def drill(tmp_path: Path, *args: str, timeout_s: float = 300) -> tuple[int, dict
     return done.returncode, json.loads(done.stdout)
 
 
-@pytest.mark.slow
+# The CI profile (tests/chaos/test_drill.py) fires every store fault and requires a pass;
+# this drill of the store faults alone is opt-in.
+@pytest.mark.chaos
 @pytest.mark.timeout(360)
 def test_a_short_drill_of_every_store_fault_passes(tmp_path: Path) -> None:
     """Every store fault fires and its invariant passes (disk-full needs root for its

@@ -65,6 +65,7 @@ OTHER_NAMES: Final = frozenset(
         "RATCHET_CHROMEDRIVER",
         "RATCHET_TEST_API_TOKEN",
         "RATCHET_PROBE_AGENT_MARKER",
+        "RATCHET_DRILL_SEEDS",  # tests/chaos/test_drill.py: the seeds of the opt-in run
     }
 )
 
