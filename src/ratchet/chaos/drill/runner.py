@@ -351,9 +351,15 @@ class _Drill:
         # While worker or network faults are still to come, keep few runs in flight so the
         # runs last as long as the schedule does (a fault needs a run in progress to land
         # in).
-        due = self.schedule.remaining or (self.net is not None and self.net.pending)
+        net_due = self.net is not None and self.net.pending
+        due = self.schedule.remaining or net_due
         limit = self.o.max_in_flight or (self.o.workers + 1 if due else 2 * self.o.workers)
-        while self.pending and len(self.rec.runs) - len(self.settled) < limit:
+        # A network fault needs a run in flight to land in: while one is still to come, the
+        # last runs go one at a time, so the drill never runs out of live leases first.
+        while self.pending:
+            last = net_due and len(self.pending) <= self.o.workers
+            if len(self.rec.runs) - len(self.settled) >= (1 if last else limit):
+                break
             run_id = self.pending[0]
             try:
                 self.fleet.enqueue(run_id)
