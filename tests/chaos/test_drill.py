@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from ratchet.chaos.drill.cluster import choose_redis
+from ratchet.chaos.drill.runner import DrillOptions, _Drill
 from ratchet.chaos.drill.schedule import FAULTS, Schedule, parse_faults
 from ratchet.chaos.failpoints import POINTS
+from tests.chaos.drill_support import drill_record
 
 RATCHET = str(Path(sys.executable).with_name("ratchet"))
 
@@ -44,7 +46,7 @@ def ci_faults() -> str:
 
 
 def ci_profile(seed: int | None = None) -> list[str]:
-    args = ["--workers", "3", "--runs", "24", "--lease-ttl", "1", "--faults", ci_faults()]
+    args = ["--workers", "3", "--runs", "32", "--lease-ttl", "1", "--faults", ci_faults()]
     return [*args, "--seed", str(seed)] if seed is not None else args
 
 
@@ -215,3 +217,70 @@ def test_past_forty_percent_of_the_runs_every_other_worker_aims_at_a_short_failp
     aimed = [s for s in late if "after_receipt_before_state=kill" in s]
     assert len(aimed) >= 3  # every other spawn (and any planned one aiming there too)
     assert all(late)
+
+
+class _Queue:
+    """Stands in for the fleet's enqueue: what the drill's pacing puts on the queue."""
+
+    def __init__(self) -> None:
+        self.enqueued: list[str] = []
+
+    def enqueue(self, run_id: str) -> None:
+        self.enqueued.append(run_id)
+
+
+def _paced_drill(tmp_path: Path, queue: _Queue, runs: int = 24) -> _Drill:
+    rec = drill_record(tmp_path, runs={})
+    options = DrillOptions(faults=frozenset(FAULTS), runs=runs, workers=3)
+    drill = _Drill(options, rec, None, None, queue, None, None)  # type: ignore[arg-type]
+    drill.pending = [f"r{i}" for i in range(runs)]
+    drill.index = {r: i for i, r in enumerate(drill.pending)}
+    return drill
+
+
+def _settle_all(drill: _Drill, queue: _Queue) -> None:
+    drill.settled = {r: ("terminal", "completed") for r in queue.enqueued}
+
+
+def test_down_to_its_reserve_the_drill_makes_every_fault_due_and_slows_its_last_runs(
+    tmp_path: Path,
+) -> None:
+    queue = _Queue()
+    drill = _paced_drill(tmp_path, queue)
+    drill.schedule.store_faults_at = [(k, 0.9) for k, _ in drill.schedule.store_faults_at]
+    drill.schedule.rollback_at = 0.9  # nothing falls due early: no backlog
+    to_come = drill.faults_to_come()
+    assert to_come == len(drill.schedule.store_faults_at) + 1  # and the rollback
+    assert drill._fault_clock() == 0.0  # read at the fraction of runs settled
+    drill._submit()
+    assert len(queue.enqueued) == 3 + 1  # a worker fault is still to come: workers + 1
+    _settle_all(drill, queue)
+    drill.pending = drill.pending[: to_come + 1]
+    drill._submit()  # one above the reserve, then down to it: two in flight at most
+    assert len(drill.pending) == to_come - 1
+    assert len(queue.enqueued) == 4 + 2
+    assert drill._fault_clock() == 1.0  # down to the reserve: every fault left is due
+    drill._submit()
+    assert len(queue.enqueued) == 4 + 2  # still two in flight
+    drill.schedule.store_faults_at.clear()
+    drill.schedule.rollback_at = None
+    assert drill.faults_to_come() == 0
+    assert drill._fault_clock() < 1.0  # nothing left to wait for
+
+
+def test_while_a_redis_fault_waits_for_the_lane_two_runs_at_most_are_in_flight(
+    tmp_path: Path,
+) -> None:
+    queue = _Queue()
+    drill = _paced_drill(tmp_path, queue, runs=40)
+    drill._submit()
+    assert len(queue.enqueued) == 4  # nothing due yet: workers + 1
+    _settle_all(drill, queue)  # 4 of 40 settled: corrupt-record (10 %) is due, not fired
+    drill._submit()
+    assert len(queue.enqueued) == 4 + 2
+    drill.schedule.store_faults_at.pop(0)  # it fired; the next is not due yet
+    drill._submit()
+    assert len(queue.enqueued) == 4 + 4
+    drill.rec.corrupted = {r: {} for r in queue.enqueued[-2:]}
+    drill._submit()  # a corrupted run holds no place (a worker may refuse it late)
+    assert len(queue.enqueued) == 4 + 4 + 2

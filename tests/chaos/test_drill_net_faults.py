@@ -11,9 +11,11 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from redis.exceptions import RedisError
 
 from ratchet.chaos.drill.evidence import AdapterRecords, Evidence, RunFacts
 from ratchet.chaos.drill.netchecks import (
@@ -22,7 +24,7 @@ from ratchet.chaos.drill.netchecks import (
     orders_restart_one_order,
     partition_fenced,
 )
-from ratchet.chaos.drill.netfaults import NET_FAULTS, http_timeout_s
+from ratchet.chaos.drill.netfaults import NET_FAULTS, NetFaults, http_timeout_s
 from ratchet.chaos.drill.schedule import FAULTS, parse_faults
 from ratchet.chaos.drill.services import TenantOrders, order_body
 from tests.chaos.drill_support import drill_record as record
@@ -97,6 +99,73 @@ def test_every_network_fault_is_a_drill_fault_and_all_includes_it() -> None:
     assert set(NET_FAULTS) <= set(FAULTS)
     assert set(NET_FAULTS) <= parse_faults("all")
     assert http_timeout_s() > 0
+
+
+# -- taking turns on the Redis lane ---------------------------------------------------------
+
+
+class _DownClient:
+    """A Redis client that cannot reach Redis: every call fails as a RedisError would."""
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise RedisError("unreachable")
+
+        return fail
+
+
+class _Drill:
+    """What NetFaults reads of the runner's drill, with nothing to hit (Redis unreachable)."""
+
+    def __init__(self, unsettled: set[str]) -> None:
+        self.holding: dict[str, Any] | None = None
+        self.cut: object | None = None
+        self.last_redis_fault = 0.0
+        self._unsettled = unsettled
+        self.pending: list[str] = []
+        self.settled: dict[str, Any] = {}
+        self.rec = SimpleNamespace(corrupted={})
+        self.fleet = SimpleNamespace(store=SimpleNamespace(client=_DownClient()))
+        self.pool = SimpleNamespace(workers={})
+
+    def unsettled(self) -> set[str]:
+        return set(self._unsettled)
+
+
+def _net(tmp_path: Path, *faults: str) -> NetFaults:
+    return NetFaults(frozenset(faults), None, None, events_dir=tmp_path, ttl_s=1.0)  # type: ignore[arg-type]
+
+
+def test_a_partition_kept_off_the_lane_by_a_store_fault_keeps_its_patience(
+    tmp_path: Path,
+) -> None:
+    net, drill = _net(tmp_path, "partition-store"), _Drill({"r1"})
+    drill.holding = {"kind": "maxmemory"}  # the Redis lane is taken
+    net.tick(drill, 100.0, 0.5)
+    drill.holding = None
+    net.tick(drill, 200.0, 0.5)  # its first look finds nothing: it waits, not skipped
+    assert net.skipped == {}
+    assert [k for k, _ in net.wanted] == ["partition-store"]
+    net.tick(drill, 261.0, 0.5)  # 61 s of looking: skipped, with why
+    assert net.wanted == []
+    assert net.skipped["partition-store"].startswith("nothing to hit within 60 s")
+
+
+def test_a_partition_that_never_found_a_run_in_flight_says_so(tmp_path: Path) -> None:
+    net, drill = _net(tmp_path, "partition-reply"), _Drill(set())
+    net.tick(drill, 100.0, 0.5)
+    assert net.skipped == {"partition-reply": "every run settled before it found something to hit"}
+
+
+def test_a_store_fault_due_after_a_waiting_partition_gives_it_the_lane(tmp_path: Path) -> None:
+    net = _net(tmp_path, "partition-store", "orders-kill")  # partition-store at 0.12
+    assert not net.redis_turn(0.10, 0.35)  # the partition is not due yet
+    assert net.redis_turn(0.20, 0.35)  # due, and before the store fault: its turn
+    assert not net.redis_turn(0.20, 0.10)  # the store fault fell due first
+    net.wanted = [w for w in net.wanted if w[0] != "partition-store"]
+    assert not net.redis_turn(0.90, 0.35)  # orders faults never take the Redis lane
+    net.lanes["redis"] = {"kind": "partition-store"}
+    assert net.redis_turn(0.90, 0.0)  # a partition in force keeps the lane
 
 
 # -- partition-store and partition-reply ---------------------------------------------------

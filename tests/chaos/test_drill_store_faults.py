@@ -25,6 +25,8 @@ from ratchet.chaos.drill.storechecks import (
     store_full_acks_kept,
     wiped_store_ran_nothing,
 )
+from ratchet.chaos.drill.storefaults import corrupt_run
+from ratchet.leasing import RedisServer, run_keys
 from tests.chaos.drill_support import drill_record as record
 
 RATCHET = str(Path(sys.executable).with_name("ratchet"))
@@ -128,6 +130,25 @@ def test_redis_pause_is_unknown_without_a_pause_or_an_expired_lease(tmp_path: Pa
     assert redis_pause_fenced(rec, evidence([facts("r1")])).status == "unknown"
 
 
+def _rollback(at: float, cut_s: int, *rewound: str) -> dict[str, Any]:
+    return {"at": at, "cut_s": cut_s, "rewound": list(rewound)}
+
+
+def test_a_pause_before_the_rollback_leaves_its_rewound_runs_out(tmp_path: Path) -> None:
+    rec = record(tmp_path, store_faults=[PAUSE], rollback=_rollback(110.0, 105, "r1"))
+    verdict = redis_pause_fenced(rec, evidence([facts("r1", status="active")]))
+    assert verdict.status == "unknown"  # what followed the pause was cut away
+
+
+def test_a_pause_after_the_rollback_is_judged_on_its_rewound_runs(tmp_path: Path) -> None:
+    rec = record(tmp_path, store_faults=[PAUSE], rollback=_rollback(90.0, 85, "r1"))
+    verdict = redis_pause_fenced(rec, evidence([facts("r1", status="active")]))
+    assert verdict.status == "fail"  # its expired lease's run never settled
+    restores = [ev("restore", "r1", 20, 103.0, generation=2)]
+    verdict = redis_pause_fenced(rec, evidence([facts("r1")], restore=restores))
+    assert verdict.status == "pass", verdict.detail
+
+
 # -- redis-slow -----------------------------------------------------------------------------
 
 SLOW = {"kind": "redis-slow", "at": 100.0, "ended_at": 103.0, "sleeps": 6, "refused": None}
@@ -153,6 +174,18 @@ def test_redis_slow_is_unknown_when_debug_was_refused(tmp_path: Path) -> None:
     verdict = slow_store_acks_kept(rec, evidence([facts("r1")]))
     assert verdict.status == "unknown"
     assert "refused" in verdict.detail
+
+
+def test_a_slow_ack_the_rollback_cut_away_is_excused_one_before_its_cut_is_not(
+    tmp_path: Path,
+) -> None:
+    acks = [ev("ack", "r1", 20, 101.0, generation=4, digest="d4")]  # not in the history
+    across = record(tmp_path, store_faults=[SLOW], rollback=_rollback(108.0, 101, "r1"))
+    assert slow_store_acks_kept(across, evidence([facts("r1")], ack=acks)).status == "pass"
+    later = record(tmp_path, store_faults=[SLOW], rollback=_rollback(120.0, 115, "r1"))
+    assert slow_store_acks_kept(later, evidence([facts("r1")], ack=acks)).status == "fail"
+    earlier = record(tmp_path, store_faults=[SLOW], rollback=_rollback(95.0, 90, "r1"))
+    assert slow_store_acks_kept(earlier, evidence([facts("r1")], ack=acks)).status == "fail"
 
 
 # -- maxmemory and disk-full ----------------------------------------------------------------
@@ -218,6 +251,31 @@ CORRUPTED = {
     }
 }
 REFUSED = [{"kind": "restore_refused", "at_ms": 100_500, "reason": "checkpoint"}]
+
+
+@pytest.mark.timeout(60)
+def test_only_a_free_run_that_has_not_ended_is_corrupted(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        client = server.client()
+        for run_id, phase, owner in (
+            ("done", "completed", ""),
+            ("held", "running", "w-1"),
+            ("free", "running", ""),
+        ):
+            keys = run_keys(run_id)
+            client.hset(keys.state, mapping={"phase": phase, "generation": 3})
+            client.hset(keys.lease, mapping={"owner": owner, "lease_version": 7})
+            client.set(keys.ckpt, b"0123456789")
+        assert corrupt_run(client, "done", "checkpoint") is None  # ended: left alone
+        assert corrupt_run(client, "held", "checkpoint") is None  # someone holds it
+        assert client.get(run_keys("done").ckpt) == b"0123456789"
+        assert client.get(run_keys("held").ckpt) == b"0123456789"
+        got = corrupt_run(client, "free", "checkpoint")
+        assert got is not None and got["lease_version"] == 7
+        assert client.get(run_keys("free").ckpt) != b"0123456789"
+    finally:
+        server.kill()
 
 
 def test_corrupted_runs_frozen_passes_with_a_refusal_and_nothing_run(tmp_path: Path) -> None:

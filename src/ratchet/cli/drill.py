@@ -22,7 +22,7 @@ __all__: list[str] = []
 @ratchet_errors
 def drill(
     workers: Annotated[int, typer.Option(min=2, max=32, help="Worker processes.")] = 3,
-    runs: Annotated[int, typer.Option(min=1, max=5000, help="Runs to submit.")] = 24,
+    runs: Annotated[int, typer.Option(min=1, max=5000, help="Runs to submit.")] = 32,
     lease_ttl: Annotated[
         float, typer.Option("--lease-ttl", min=0.2, max=60.0, help="Lease TTL in seconds.")
     ] = 1.0,

@@ -28,7 +28,10 @@ partitions, and the orders faults, which never touch Redis; each recorded in
 * ``orders-kill``: at a moment some leased run has not placed its order, the orders service
   process is SIGKILLed and started again on the same port and databases.
 
-A fault that finds nothing to hit (no live lease, no run at its order step) waits for at
+The Redis lane is shared with the store faults and the rollback's cut: a partition waits
+for them to end and for the Redis faults' spacing, and a store fault that falls due after
+a partition waits for that partition (:meth:`NetFaults.redis_turn`). A fault that finds
+nothing to hit (no live lease, no run at its order step) once it may look waits for at
 most :data:`_PATIENCE_S` while runs are unsettled, then is recorded as skipped with the
 reason (its invariant is then ``unknown``).
 """
@@ -204,15 +207,26 @@ class NetFaults:
             if self.lanes[lane] is None and due and fraction >= due[0][1]:
                 self._start(drill, due[0][0], now)
 
+    def redis_turn(self, fraction: float, store_at: float) -> bool:
+        """Whether a Redis partition goes before a store fault due at ``store_at`` (a
+        fraction of the runs settled): one is in force, or the next one fell due no later
+        than that and waits for the lane. The Redis faults take the lane in the order they
+        fall due; the store faults, ticked first, would otherwise take it one after another
+        while a partition waited, until every run had settled."""
+        if self.lanes["redis"] is not None:
+            return True
+        due = [at for kind, at in self.wanted if kind in _REDIS_LINKED]
+        return bool(due) and due[0] <= min(fraction, store_at)
+
     def _start(self, drill: Any, kind: str, now: float) -> None:
         lane = self._lane(kind)
-        since = self.waiting_since.setdefault(lane, now)
         if lane == "redis" and (
             drill.holding is not None
             or drill.cut is not None
             or now - drill.last_redis_fault <= _REDIS_QUIET_S
         ):
-            return
+            return  # not its turn yet: its patience starts once it may look
+        since = self.waiting_since.setdefault(lane, now)
         started = {
             "partition-store": self._cut_worker,
             "partition-reply": self._cut_worker,
@@ -224,6 +238,8 @@ class NetFaults:
                 self.skipped[kind] = (
                     f"nothing to hit within {_PATIENCE_S:.0f} s (no live lease held by a "
                     "linked worker, or no run before its order)"
+                    if now - since > _PATIENCE_S
+                    else "every run settled before it found something to hit"
                 )
             self.wanted.remove(next(w for w in self.wanted if w[0] == kind))
             self.waiting_since.pop(lane, None)

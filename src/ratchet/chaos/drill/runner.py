@@ -212,7 +212,8 @@ class _Drill:
         self.cut: _Cut | None = None  # an armed AOF rollback
         self.disk: Tmpfs | None = None  # Redis' own tmpfs, for the disk-full fault
         self.holding: dict[str, Any] | None = None  # an OOM or disk-full fault in force
-        self.pause_tries_until: float | None = None
+        self.twin_restarts = 0
+        self.live_tries_until: dict[str, float] = {}  # a store fault waits for a live lease
         self.net: NetFaults | None = None  # proxies and network faults
         self.humans = Humans(options.seed, options.runs, frozenset(), record.folder)
 
@@ -225,6 +226,11 @@ class _Drill:
                 self.schedule.put_back(dead.spec)
             early = dead.fired_at is None and time.time() - dead.started_at < 5.0
             self.quick_deaths = self.quick_deaths + 1 if early else 0
+            if dead.name is not None and early and self.injecting and self.twin_restarts < 4:
+                # A twin that could not start (Redis was down at its epoch check) is started
+                # again under the same name: the fault needs both twins taking leases.
+                self.twin_restarts += 1
+                self.rec.twins.append(self.pool.spawn("", name=dead.name).pid)
         self._watch_pauses()
         self._recycle()
         self._staff()
@@ -354,11 +360,14 @@ class _Drill:
         net_due = self.net is not None and self.net.pending
         due = self.schedule.remaining or net_due
         limit = self.o.max_in_flight or (self.o.workers + 1 if due else 2 * self.o.workers)
-        # A network fault needs a run in flight to land in: while one is still to come, the
-        # last runs go one at a time, so the drill never runs out of live leases first.
         while self.pending:
-            last = net_due and len(self.pending) <= self.o.workers
-            if len(self.rec.runs) - len(self.settled) >= (1 if last else limit):
+            # Down to its reserve, or while a Redis fault that fell due waits for the lane,
+            # the drill keeps at most two runs in flight: the fraction of runs settled does
+            # not run ahead of the lane, and the fault still has a run in flight to hit.
+            cap = min(limit, 2) if self._down_to_reserve() or self._redis_backlog() else limit
+            # A corrupted run holds no place: it may wait long for a worker to refuse it.
+            flying = [r for r in self.rec.runs if r not in self.settled]
+            if len([r for r in flying if r not in self.rec.corrupted]) >= cap:
                 break
             run_id = self.pending[0]
             try:
@@ -368,6 +377,57 @@ class _Drill:
                 return
             self.pending.pop(0)
             self.rec.runs[run_id] = self.index[run_id]
+
+    def faults_to_come(self) -> int:
+        """Faults still to fire (or in force) that need a run in flight to land in: the
+        store faults, the rollback, and the network faults."""
+        count = len(self.schedule.store_faults_at) + (self.holding is not None)
+        if (
+            self.schedule.rollback_at is not None
+            and self.rec.rollback is None
+            and self.rec.rollback_skipped is None
+        ):
+            count += 1
+        if self.net is not None:
+            count += len(self.net.wanted) + sum(f is not None for f in self.net.lanes.values())
+        return count
+
+    def _down_to_reserve(self) -> bool:
+        """Whether the runs not yet enqueued are no more than the faults still to come.
+        Then each fault is due at once (in its order, one at a time on the Redis lane) and
+        the last runs go one at a time: the faults queue behind each other on the Redis
+        lane (one at a time, spaced), and without a reserve, on a fast machine, every run
+        had settled before the last of them found anything to hit."""
+        if not self.injecting:
+            return False
+        to_come = self.faults_to_come()
+        return to_come > 0 and len(self.pending) <= to_come
+
+    def _redis_backlog(self) -> bool:
+        """Whether a Redis fault (store fault, partition, rollback) is in force, or fell
+        due and has not fired yet."""
+        if not self.injecting:
+            return False
+        fraction = self._fraction()
+        store = self.schedule.store_faults_at
+        rollback = self.schedule.rollback_at
+        return (
+            self.holding is not None
+            or self.cut is not None
+            or bool(store and fraction >= store[0][1])
+            or (self.net is not None and self.net.redis_turn(fraction, 1.0))
+            or (
+                rollback is not None
+                and fraction >= rollback
+                and self.rec.rollback is None
+                and self.rec.rollback_skipped is None
+            )
+        )
+
+    def _fault_clock(self) -> float:
+        """The fraction the faults' schedule is read at: the fraction of runs settled, or
+        1.0 (everything due) once the drill is down to its reserve of runs."""
+        return 1.0 if self._down_to_reserve() else self._fraction()
 
     def _observe(self) -> None:
         now = time.time()
@@ -396,11 +456,16 @@ class _Drill:
     # -- cluster faults -------------------------------------------------------------------
 
     def _cluster_faults(self) -> None:
-        now, fraction = time.time(), self._fraction()
+        now, fraction = time.time(), self._fault_clock()
         if (
             self.schedule.redis_kills_at
             and fraction >= self.schedule.redis_kills_at[0]
             and now - self.last_redis_fault > 2
+            and self.holding is None  # a restart would drop an OOM or disk-full fault's setup
+            and not (
+                self.net is not None
+                and self.net.redis_turn(fraction, self.schedule.redis_kills_at[0])
+            )
         ):
             self.schedule.redis_kills_at.pop(0)
             self.server.kill()
@@ -420,7 +485,9 @@ class _Drill:
                 self.rec.rollback_skipped = self.rec.redis.rollback_skip_reason
             elif self.cut is not None:
                 self._rollback_when_a_commit_follows_the_cut(self.rec.redis.check_aof)
-            elif now - self.last_redis_fault > 2.5:
+            elif now - self.last_redis_fault > 2.5 and not (
+                self.net is not None and self.net.redis_turn(fraction, self.schedule.rollback_at)
+            ):
                 self.cut = _Cut(second=int(now), deadline=now + _CUT_PATIENCE_S)
         if (
             len(self.rec.duplicate_enqueues) < self.schedule.duplicate_enqueues
@@ -435,8 +502,11 @@ class _Drill:
                 self._duplicate(self.rng.choice(done))
         if self.schedule.cancels_at and fraction >= self.schedule.cancels_at[0]:
             self._cancel_one()
-        if self.schedule.owner_collision_at is not None and fraction >= (
-            self.schedule.owner_collision_at
+        if (
+            self.schedule.owner_collision_at is not None
+            and fraction >= self.schedule.owner_collision_at
+            and self.holding is None
+            and now - self.last_redis_fault > 2.5  # twins check the store epoch at start
         ):
             self.schedule.owner_collision_at = None
             self._owner_collision()
@@ -461,19 +531,22 @@ class _Drill:
         due = self.schedule.store_faults_at
         if not due or fraction < due[0][1] or self.cut is not None:
             return
+        if self.net is not None and self.net.redis_turn(fraction, due[0][1]):
+            return  # a partition in force, or one due first
         if now - self.last_redis_fault <= 2.5:
             return
         kind = due[0][0]
         ttl = self.o.lease_ttl_s
         client = self.fleet.store.client
-        if kind == "redis-pause":
+        if kind in ("redis-pause", "redis-slow"):
             live = lease_snapshot(client, sorted(self.unsettled()))
-            if self.pause_tries_until is None:
-                self.pause_tries_until = now + 60.0
-            if not live and self.unsettled() and now < self.pause_tries_until:
-                # Wait for a run that holds a lease, so the pause expires one (on a loaded
-                # machine runs spend long stretches between jobs).
+            until = self.live_tries_until.setdefault(kind, now + 60.0)
+            if not live and (self.unsettled() or self.pending) and now < until:
+                # Wait for a run that holds a lease, so the pause expires one and the slowed
+                # store has commits to acknowledge (runs spend stretches between jobs, and
+                # the next run may not be enqueued yet).
                 return
+        if kind == "redis-pause":
             fault = pause_redis(
                 self.server, client, sorted(self.unsettled()), hold_s=max(2 * ttl, ttl + 1.0)
             )

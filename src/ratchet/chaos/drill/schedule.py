@@ -60,12 +60,14 @@ FAULTS = (
 
 #: Store faults injected at a fraction of the runs settled, in this order. Corruption
 #: comes first (before any rollback cut, so the rollback never undoes it) and while runs
-#: are still waiting to start; the others are spaced between the Redis kills.
+#: are still waiting to start; the others are spaced between the Redis kills, after the
+#: rollback (at 45 %): a rollback after a pause or a slowed store could cut away the
+#: evidence their invariants judge (the runs in flight then are the runs it rewinds).
 STORE_FAULTS_AT = (
     ("corrupt-record", 0.1),
-    ("redis-pause", 0.35),
-    ("redis-slow", 0.4),
-    ("maxmemory", 0.52),
+    ("redis-pause", 0.47),
+    ("redis-slow", 0.5),
+    ("maxmemory", 0.54),
     ("disk-full", 0.7),
 )
 

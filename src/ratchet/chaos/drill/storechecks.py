@@ -51,6 +51,20 @@ def _rewound(record: DrillRecord) -> set[str]:
     return set(record.rollback["rewound"]) if record.rollback else set()
 
 
+def _rewound_across(record: DrillRecord, start: float, end: float) -> set[str]:
+    """The runs the rollback rewound, when the stretch it threw away (from its cut second
+    to the rollback itself) overlaps ``start``..``end``: what they acknowledged then was
+    lost by design. A fault wholly before the cut or after the rollback is judged on
+    every run."""
+    rollback = record.rollback
+    if not rollback:
+        return set()
+    done_at = float(rollback.get("at", float("inf")))
+    if done_at < start or float(rollback["cut_s"]) - 1.0 > end:
+        return set()
+    return set(rollback["rewound"])
+
+
 def ack_lost(ack: dict[str, Any], facts: RunFacts | None) -> bool:
     """The acknowledged commit is not in Redis' final state: the high-water mark is below
     it, or the history holds another checkpoint at its generation."""
@@ -126,12 +140,14 @@ def redis_pause_fenced(record: DrillRecord, evidence: Evidence) -> Invariant:
     pauses = record.faults_of("redis-pause")
     if not pauses:
         return _invariant(name, "unknown", "Redis was never paused", 0)
-    rewound = _rewound(record)
+    # A rollback after a pause may cut away what followed it: its runs are judged only
+    # when the rollback came first.
     expired = [
         lease
         for p in pauses
         for lease in p.get("leases", [])
-        if int(lease["expires_at_ms"]) <= int(p["resumed_ms"]) and lease["run_id"] not in rewound
+        if int(lease["expires_at_ms"]) <= int(p["resumed_ms"])
+        and lease["run_id"] not in _rewound_across(record, p["at"], float("inf"))
     ]
     stale: list[str] = []
     lost: list[str] = []
@@ -166,7 +182,8 @@ def slow_store_acks_kept(record: DrillRecord, evidence: Evidence) -> Invariant:
         why = record.store_skipped.get("redis-slow", "Redis was never slowed")
         return _invariant(name, "unknown", why, 0)
     acks = [a for f in slows for a in _acks_between(evidence, f["at"], f["ended_at"] + 2.0)]
-    lost = _lost_acks(acks, evidence, _rewound(record))
+    rewound = {r for f in slows for r in _rewound_across(record, f["at"], f["ended_at"] + 2.0)}
+    lost = _lost_acks(acks, evidence, rewound)
     sleeps = sum(int(f["sleeps"]) for f in slows)
     return _invariant(
         name,
@@ -192,7 +209,8 @@ def store_full_acks_kept(record: DrillRecord, evidence: Evidence, kind: str) -> 
             name, "unknown", f"{len(faults)} injections, Redis never refused a write", 0
         )
     acks = [a for f in refused for a in _acks_between(evidence, f["at"], f["ended_at"] + 1.0)]
-    lost = _lost_acks(acks, evidence, _rewound(record))
+    rewound = {r for f in refused for r in _rewound_across(record, f["at"], f["ended_at"] + 1.0)}
+    lost = _lost_acks(acks, evidence, rewound)
     unrecovered = [f["kind"] for f in refused if f.get("aof_ok") is False]
     unsettled = _unsettled(
         sorted({r for f in refused for r in f.get("unsettled", [])}), evidence, record

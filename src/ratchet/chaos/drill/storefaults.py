@@ -73,10 +73,16 @@ _PROBE_KEY = "drill:store-probe"
 
 # Atomic: only a run whose lease nobody holds is corrupted (a live holder would commit
 # over a checkpoint, and a paused one would send its stale write to an adapter that has
-# seen nothing newer). Replies {lease_version (raw), now_ms} or {} when the lease is held.
+# seen nothing newer), and only one that has not ended (the drill may not have seen it end
+# yet; an ended run's record is what the terminal-phase invariant judges). Replies
+# {lease_version (raw), now_ms}, or {} when the lease is held or the run has ended.
 _CORRUPT = """
 local owner = redis.call('HGET', KEYS[2], 'owner') or ''
 if owner ~= '' or redis.call('EXISTS', KEYS[1]) == 0 then
+  return {}
+end
+local phase = redis.call('HGET', KEYS[1], 'phase') or ''
+if phase == 'completed' or phase == 'failed' or phase == 'cancelled' then
   return {}
 end
 local version = redis.call('HGET', KEYS[2], 'lease_version') or '0'
@@ -356,9 +362,10 @@ def effect_counts(folder: Path, index: int) -> dict[str, int]:
 
 
 def corrupt_run(client: Any, run_id: str, how: str) -> dict[str, Any] | None:
-    """Corrupt ``run_id``'s record ``how`` (:data:`CORRUPTIONS`) if nobody holds its lease.
-    Returns the lease version and Redis' time of the corruption, or None when the lease
-    was held (nothing written). Raises RedisError."""
+    """Corrupt ``run_id``'s record ``how`` (:data:`CORRUPTIONS`) if nobody holds its lease
+    and it has not ended. Returns the lease version and Redis' time of the corruption, or
+    None when the lease was held or the run had ended (nothing written). Raises
+    RedisError."""
     keys = run_keys(run_id)
     began = time.time()
     reply = client.eval(_CORRUPT, 4, keys.state, keys.lease, keys.ckpt, keys.scenario, how)
