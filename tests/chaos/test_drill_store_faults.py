@@ -574,3 +574,42 @@ def test_a_run_waiting_for_its_approver_is_not_an_unexpected_conflict(
     verdicts = check(record(tmp_path), evidence([facts("r1"), waiting]))
     (conflicts,) = [i for i in verdicts.invariants if i.name == "conflicts_frozen_with_evidence"]
     assert conflicts.status == expected, conflicts.detail
+
+
+@pytest.mark.parametrize(("refused", "expected"), [(True, "pass"), (False, "fail")])
+def test_a_rewound_run_put_back_at_its_approval_is_frozen_once_its_restore_was_refused(
+    tmp_path: Path, refused: bool, expected: str
+) -> None:
+    import dataclasses
+
+    from ratchet.chaos.drill.checker import check
+
+    incidents = [{"kind": "restore_refused", "reason": "environment_mismatch"}] if refused else []
+    back = facts("r2", status="waiting", incidents=incidents)
+    # Its adapters hold an effect its rewound checkpoint does not record.
+    back = dataclasses.replace(
+        back,
+        phase="awaiting_approval",
+        adapters=dataclasses.replace(back.adapters, receipt_keys={"k-order"}),
+    )
+    rollback = {"at": 50.0, "cut_s": 45, "rewound": {"r2": [10, 5]}}
+    verdicts = check(record(tmp_path, rollback=rollback), evidence([facts("r1"), back]))
+    (conflicts,) = [i for i in verdicts.invariants if i.name == "conflicts_frozen_with_evidence"]
+    assert conflicts.status == expected, conflicts.detail
+
+
+@pytest.mark.parametrize(("restored_at", "expected"), [(104.0, "fail"), (107.0, "pass")])
+def test_a_stale_write_fails_only_when_accepted_past_a_newer_leases_fence(
+    tmp_path: Path, restored_at: float, expected: str
+) -> None:
+    from ratchet.chaos.drill.checker import check
+
+    # A zombie (pid 7, lease 10) resumed at 105 and wrote at 106: accepted. A newer lease
+    # restored (its fence raised at every adapter) before it was sent, or only after.
+    pauses = [{"pid": 7, "paused_at": 100.0, "resumed_at": 105.0, "run_id": "r1"}]
+    write = {**ev("stale_write", "r1", 10, 106.0, outcome="accepted"), "pid": 7}
+    restore = ev("restore", "r1", 20, restored_at, generation=3)
+    rec = record(tmp_path, pauses=pauses)
+    verdicts = check(rec, evidence([facts("r1")], stale_write=[write], restore=[restore]))
+    (stale,) = [i for i in verdicts.invariants if i.name == "stale_writes_refused"]
+    assert stale.status == expected, stale.detail

@@ -48,6 +48,7 @@ from ratchet.chaos.drill.scrape import MetricsWatch
 from ratchet.chaos.drill.services import INTENTS_PER_RUN
 from ratchet.chaos.drill.storechecks import (
     corrupted_runs_frozen,
+    fenced_stale_writes,
     owner_collision_fenced,
     redis_pause_fenced,
     slow_store_acks_kept,
@@ -256,16 +257,22 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         )
     )
     writes = evidence.events.get("stale_write", [])
-    writes_accepted = sum(1 for w in writes if w["outcome"] == "accepted") + sum(
+    # Accepted past a newer lease's fence, or a lower lease committed after a higher one
+    # in an adapter's own records.
+    writes_accepted = len(fenced_stale_writes(record, evidence)) + sum(
         f.adapters.lease_inversions for f in runs.values()
     )
     by_fence = sum(1 for w in writes if w["outcome"] == "refused")
+    unfenced = sum(1 for w in writes if w["outcome"] == "accepted") - len(
+        fenced_stale_writes(record, evidence)
+    )
     invariants.append(
         Invariant(
             "stale_writes_refused",
             _status(writes_accepted, len(writes)),
             f"{len(writes)} stale writes attempted, {by_fence} refused by a fence, "
-            f"{writes_accepted} accepted",
+            f"{writes_accepted} accepted past a newer fence; {unfenced} sent before any newer "
+            "lease had restored (no newer fence to meet; their effects judged once each)",
             hits["after_guard_before_adapter"],
         )
     )
@@ -290,22 +297,19 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
 
     # 6. Conflicts frozen with evidence; rewound runs never continue silently.
     # A run still waiting for its approver (the approvals actor gave up on it) is not a
-    # conflict: it waits with its lease released, as it should.
+    # conflict: it waits with its lease released, as it should. One the rollback put back
+    # at its approval whose restore was refused is frozen all the same: no worker runs it.
+    def refused(f: RunFacts) -> bool:
+        return any(i.get("kind") == "restore_refused" and i.get("reason") for i in f.incidents)
+
     frozen = {
         r: f
         for r, f in runs.items()
         if f.status in ("frozen", "waiting")
         and r not in record.corrupted
-        and f.phase != "awaiting_approval"
+        and (f.phase != "awaiting_approval" or (r in rewound and refused(f)))
     }
-    no_evidence = [
-        r
-        for r, f in frozen.items()
-        if not (
-            f.review_reason
-            or any(i.get("kind") == "restore_refused" and i.get("reason") for i in f.incidents)
-        )
-    ]
+    no_evidence = [r for r, f in frozen.items() if not (f.review_reason or refused(f))]
     unexpected = [r for r in frozen if r not in rewound]
     # An operator may end a rewound run: its signed cancelled event must then say that the
     # environment was not the checkpoint's (the adapters keep their records).

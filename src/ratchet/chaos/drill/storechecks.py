@@ -347,6 +347,34 @@ def wiped_store_ran_nothing(record: DrillRecord, evidence: Evidence) -> Invarian
     )
 
 
+def fenced_stale_writes(record: DrillRecord, evidence: Evidence) -> list[dict[str, Any]]:
+    """The stale writes an adapter accepted although a newer lease of their run had
+    restored before they were sent (a restore raises the new lease's fence at every
+    adapter before anything else). A zombie's write is sent when it resumes; one sent
+    while no newer lease had restored yet (its takeovers gave up before reaching the
+    adapters) meets no newer fence, and its effect is judged by one_effect_per_intent."""
+    restores = evidence.events.get("restore", [])
+    out = []
+    for write in evidence.events.get("stale_write", []):
+        if write.get("outcome") != "accepted":
+            continue
+        run_id, version, at = write["run_id"], int(write["lease_version"]), float(write["at"])
+        resumed = [
+            float(p["resumed_at"])
+            for p in record.pauses
+            if int(p["pid"]) == int(write["pid"])
+            and p.get("resumed_at") is not None
+            and float(p["resumed_at"]) <= at
+        ]
+        sent = max(resumed, default=at)
+        if any(
+            r["run_id"] == run_id and int(r["lease_version"]) > version and float(r["at"]) < sent
+            for r in restores
+        ):
+            out.append(write)
+    return out
+
+
 def owner_collision_fenced(record: DrillRecord, evidence: Evidence) -> Invariant:
     """``owner_collision_fenced``: two workers started with one configured name still
     hold leases as distinct owners: no owner id is shared by two processes, no acquire
@@ -373,10 +401,10 @@ def owner_collision_fenced(record: DrillRecord, evidence: Evidence) -> Invariant
     stale = [
         r
         for r in sorted(touched)
-        for kind in ("stale_commit", "stale_write")
-        for e in evidence.events.get(kind, [])
+        for e in evidence.events.get("stale_commit", [])
         if e.get("run_id") == r and e.get("outcome") == "accepted"
     ]
+    stale += [w["run_id"] for w in fenced_stale_writes(record, evidence) if w["run_id"] in touched]
     stale += [
         r
         for r in sorted(touched)
