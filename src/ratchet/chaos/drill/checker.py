@@ -259,13 +259,10 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     writes = evidence.events.get("stale_write", [])
     # Accepted past a newer lease's fence, or a lower lease committed after a higher one
     # in an adapter's own records.
-    writes_accepted = len(fenced_stale_writes(record, evidence)) + sum(
-        f.adapters.lease_inversions for f in runs.values()
-    )
+    past_fence = len(fenced_stale_writes(record, evidence))
+    writes_accepted = past_fence + sum(f.adapters.lease_inversions for f in runs.values())
     by_fence = sum(1 for w in writes if w["outcome"] == "refused")
-    unfenced = sum(1 for w in writes if w["outcome"] == "accepted") - len(
-        fenced_stale_writes(record, evidence)
-    )
+    unfenced = sum(1 for w in writes if w["outcome"] == "accepted") - past_fence
     invariants.append(
         Invariant(
             "stale_writes_refused",

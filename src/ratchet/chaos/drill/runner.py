@@ -382,12 +382,7 @@ class _Drill:
         """Faults still to fire (or in force) that need a run in flight to land in: the
         store faults, the rollback, and the network faults."""
         count = len(self.schedule.store_faults_at) + (self.holding is not None)
-        if (
-            self.schedule.rollback_at is not None
-            and self.rec.rollback is None
-            and self.rec.rollback_skipped is None
-        ):
-            count += 1
+        count += self._rollback_pending()
         if self.net is not None:
             count += len(self.net.wanted) + sum(f is not None for f in self.net.lanes.values())
         return count
@@ -395,7 +390,7 @@ class _Drill:
     def _down_to_reserve(self) -> bool:
         """Whether the runs not yet enqueued are no more than the faults still to come.
         Then each fault is due at once (in its order, one at a time on the Redis lane) and
-        the last runs go one at a time: the faults queue behind each other on the Redis
+        at most two runs are in flight: the faults queue behind each other on the Redis
         lane (one at a time, spaced), and without a reserve, on a fast machine, every run
         had settled before the last of them found anything to hit."""
         if not self.injecting:
@@ -416,12 +411,15 @@ class _Drill:
             or self.cut is not None
             or bool(store and fraction >= store[0][1])
             or (self.net is not None and self.net.redis_turn(fraction, 1.0))
-            or (
-                rollback is not None
-                and fraction >= rollback
-                and self.rec.rollback is None
-                and self.rec.rollback_skipped is None
-            )
+            or (self._rollback_pending() and rollback is not None and fraction >= rollback)
+        )
+
+    def _rollback_pending(self) -> bool:
+        """The schedule has a rollback that has neither happened nor been skipped."""
+        return (
+            self.schedule.rollback_at is not None
+            and self.rec.rollback is None
+            and self.rec.rollback_skipped is None
         )
 
     def _fault_clock(self) -> float:
