@@ -121,3 +121,43 @@ def test_slow_clients_are_dropped_by_the_read_timeout_and_the_pool_stays_bounded
         if time.monotonic() > deadline:
             raise AssertionError("the service did not recover after the slow clients")
     conn.close()
+
+
+def test_a_locked_database_is_a_503_and_the_order_lands_once_when_it_is_free(
+    tmp_path: Path,
+) -> None:
+    """The service's SQLite file held by another process past the busy timeout: the
+    request rolls back and answers 503, the adapter reports a retryable failure (the
+    outcome looked up, never guessed), and the next try places the order once."""
+    import sqlite3
+
+    db_path = tmp_path / "orders.sqlite3"
+    running = serve(OrdersService(db_path, busy_timeout_s=0.2), read_timeout_s=3.0)
+    try:
+        fence = Fence(run_id="r", lease_version=1, state_version=1)
+        adapter = HttpAdapter(running.url)
+        action = order("k-1")
+        other = sqlite3.connect(db_path, isolation_level=None)
+        other.execute("BEGIN EXCLUSIVE")
+        try:
+            assert (
+                post(
+                    running,
+                    "/v1/fences",
+                    b'{"lease_version":1,"run_id":"r","state_version":1}',
+                    {"Content-Type": "application/json"},
+                )
+                == 503
+            )
+            with pytest.raises(AdapterError) as failed:
+                adapter.execute(action, action.intent_digest, fence, None)
+            assert failed.value.context["retryable"] is True
+        finally:
+            other.rollback()
+            other.close()
+        assert running.service.stats()[1]["effects"] == 0
+        receipt = adapter.execute(action, action.intent_digest, fence, None)
+        assert adapter.execute(action, action.intent_digest, fence, None) == receipt
+        assert running.service.stats()[1]["effects"] == 1
+    finally:
+        running.stop()

@@ -323,3 +323,40 @@ def test_a_restore_whose_fence_a_new_owner_outranked_ends_lease_lost_without_an_
     assert (report.outcome, report.detail) == ("lease_lost", "FenceRejectedError")
     assert fleet.store.read_run(run_id).is_held_by("w-2", hooks.successor.lease_version)
     assert effects(root) == 0
+
+
+def test_a_journal_locked_past_the_busy_timeout_ends_the_job_retry_later_not_poisoned(
+    settings: Settings, workspace: Callable[..., tuple[Path, RunDocument]]
+) -> None:
+    """Another process holds the workspace journal's lock while the job writes: the job
+    ends ``retry_later`` (its lease left to expire, no incident, nothing written), and the
+    next job, once the lock is gone, writes once. Without the typed error SQLite's own
+    ``OperationalError`` ended the job as a ``job_error`` and, repeated, froze the run."""
+    import sqlite3
+
+    fleet = Fleet.connect(settings.model_copy(update={"workspace_busy_timeout_ms": 100}))
+    root, document = workspace()
+    run_id = submit(fleet, document)
+    held: list[sqlite3.Connection] = []
+
+    def lock_once(window: CrashWindow) -> None:
+        if window is CrashWindow.BEFORE_PROPOSAL and not held:
+            other = sqlite3.connect(root / ".ratchet" / "journal.sqlite3", isolation_level=None)
+            other.execute("BEGIN EXCLUSIVE")
+            held.append(other)
+
+    try:
+        report = execute_run(fleet, run_id, owner="w-1", hooks=DrillHooks(probe=lock_once))
+    finally:
+        for other in held:
+            other.rollback()
+            other.close()
+    assert held, "the probe never reached the first proposal"
+    assert (report.outcome, report.detail) == ("retry_later", "workspace journal failed")
+    assert inspect_run(fleet, run_id).incidents == []
+    assert effects(root) == 0
+    wait_for_expiry(fleet, run_id)
+    again = execute_run(fleet, run_id, owner="w-2")
+    assert (again.outcome, again.phase) == ("finished", "completed")
+    assert effects(root) == 1
+    assert (root / "app.py").read_text() == RIGHT_GREETING

@@ -9,6 +9,13 @@ receipt, or ``aborted`` when recovery found the file was never replaced.
 Every method runs its own ``BEGIN IMMEDIATE`` transaction, so two processes never
 interleave a fence check with another's intent. The caller additionally holds the
 workspace's writer lock (see :mod:`ratchet.adapters.workspace`) across a whole write.
+
+SQLite failing under a call (the file locked by another process past the busy timeout,
+the disk full, an I/O error) is an :class:`~ratchet.errors.AdapterError` with
+``retryable=True`` and the SQLite error's name (``SQLITE_BUSY``, ``SQLITE_FULL``, ...):
+the transaction rolled back, so nothing it was about to record is recorded, and a retry
+later can succeed. A write whose file was replaced but whose receipt could not be
+written stays an ``intent``, which the next call's recovery settles.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import sqlite3
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +58,24 @@ CREATE TABLE IF NOT EXISTS writes (
 );
 """
 
-_BUSY_TIMEOUT_SECONDS = 30.0
+#: How long a call waits for a lock another process holds before it gives up (retryable).
+BUSY_TIMEOUT_SECONDS = 30.0
+
+
+def _failure(exc: sqlite3.Error) -> AdapterError:
+    name = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
+    return AdapterError(
+        "workspace journal failed", retryable=True, error=name, detail=str(exc)[:200]
+    )
+
+
+@contextmanager
+def _sqlite_errors() -> Iterator[None]:
+    """SQLite's own errors as the adapter's retryable error (see the module docstring)."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        raise _failure(exc) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +134,11 @@ class Journal:
         AdapterError: the database cannot be opened or initialised (retryable=True).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_SECONDS) -> None:
         self.path = path
         try:
             self._db = sqlite3.connect(
-                path, timeout=_BUSY_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False
+                path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
             )
             # WAL with synchronous=FULL: every COMMIT is durable before it returns.
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -129,23 +153,48 @@ class Journal:
                     self._set("fingerprint", "")
                     self._set("refused_stale", "0")
                     self._set("seq", "0")
+                self._instance_id = self._meta("instance_id") or ""
         except sqlite3.Error as exc:
+            self._close_quietly()
             raise AdapterError(
-                "workspace journal cannot be opened", retryable=True, error=type(exc).__name__
+                "workspace journal cannot be opened",
+                retryable=True,
+                error=getattr(exc, "sqlite_errorname", None) or type(exc).__name__,
             ) from None
+        except AdapterError as exc:
+            self._close_quietly()
+            raise AdapterError(
+                "workspace journal cannot be opened",
+                retryable=True,
+                error=exc.context.get("error"),
+            ) from None
+
+    def _close_quietly(self) -> None:
+        db = getattr(self, "_db", None)
+        if db is not None:
+            with suppress(sqlite3.Error):
+                db.close()
 
     def close(self) -> None:
         self._db.close()
 
     @contextmanager
     def _txn(self) -> Iterator[None]:
-        self._db.execute("BEGIN IMMEDIATE")
+        """One ``BEGIN IMMEDIATE`` transaction; rolled back on any exception, SQLite's
+        own turned into the retryable :class:`AdapterError`."""
+        with _sqlite_errors():
+            self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
+            with _sqlite_errors():
+                self._db.execute("COMMIT")
+        except BaseException as exc:
+            if self._db.in_transaction:
+                with suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise _failure(exc) from None
             raise
-        self._db.execute("COMMIT")
 
     def _meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -165,12 +214,13 @@ class Journal:
 
     @property
     def instance_id(self) -> str:
-        return self._meta("instance_id") or ""
+        return self._instance_id
 
     def counters(self) -> tuple[int, int]:
         """``(effects, refused_stale)``: committed writes and refused stale fences."""
-        row = self._db.execute("SELECT count(*) FROM writes WHERE status = 'committed'")
-        return int(row.fetchone()[0]), self._int("refused_stale")
+        with _sqlite_errors():
+            row = self._db.execute("SELECT count(*) FROM writes WHERE status = 'committed'")
+            return int(row.fetchone()[0]), self._int("refused_stale")
 
     def note_fingerprint(self, fingerprint: str) -> int:
         """Record the fingerprint seen now and return the environment version.
@@ -227,7 +277,8 @@ class Journal:
     @property
     def store_epoch(self) -> str | None:
         """The store epoch this workspace is bound to (the first one a fence carried)."""
-        return self._meta("store_epoch")
+        with _sqlite_errors():
+            return self._meta("store_epoch")
 
     def _seen(self, run_id: str) -> tuple[int, int] | None:
         row = self._db.execute(
@@ -258,9 +309,11 @@ class Journal:
 
     def receipt(self, key: str) -> Receipt | None:
         """The committed receipt for ``key``, or None."""
-        row = self._db.execute(
-            "SELECT receipt FROM writes WHERE idempotency_key = ? AND status = 'committed'", (key,)
-        ).fetchone()
+        with _sqlite_errors():
+            row = self._db.execute(
+                "SELECT receipt FROM writes WHERE idempotency_key = ? AND status = 'committed'",
+                (key,),
+            ).fetchone()
         return None if row is None else Receipt.model_validate_json(row[0])
 
     # -- the write protocol ---------------------------------------------------------------------
@@ -411,8 +464,9 @@ class Journal:
 
     def unresolved(self) -> list[IntentRow]:
         """Writes recorded as ``intent`` whose writer died before the receipt."""
-        rows = self._db.execute(
-            "SELECT idempotency_key, op, path, new_sha, prior_sha, "
-            "temp_name FROM writes WHERE status = 'intent'"
-        ).fetchall()
+        with _sqlite_errors():
+            rows = self._db.execute(
+                "SELECT idempotency_key, op, path, new_sha, prior_sha, "
+                "temp_name FROM writes WHERE status = 'intent'"
+            ).fetchall()
         return [IntentRow(*row) for row in rows]

@@ -50,7 +50,7 @@ from ratchet.adapters.files import (
     predict_git_dirty,
     write_temp,
 )
-from ratchet.adapters.journal import Journal, WriteIntent
+from ratchet.adapters.journal import BUSY_TIMEOUT_SECONDS, Journal, WriteIntent
 from ratchet.errors import AdapterError, ConfigurationError
 from ratchet.runtime.actions import Action, ActionKind
 from ratchet.runtime.ports import Clock, Fence, Observation, ReadResult, Receipt, VerifierReport
@@ -89,6 +89,8 @@ class WorkspaceAdapter:
         verifier: runs allow-listed commands for :meth:`verify`.
         clock: commit times for receipts (default: the system clock).
         hook: crash-drill hook, called at each stage of a write.
+        busy_timeout_s: how long a call waits for the journal's lock while another
+            process holds it; then the call fails with a retryable AdapterError.
 
     Raises (constructor):
         ConfigurationError: ``root`` is not a directory, or an allowed path is invalid.
@@ -104,6 +106,7 @@ class WorkspaceAdapter:
         verifier: CommandVerifier | None = None,
         clock: Clock | None = None,
         hook: WriteHook | None = None,
+        busy_timeout_s: float = BUSY_TIMEOUT_SECONDS,
     ) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
@@ -120,7 +123,9 @@ class WorkspaceAdapter:
         self._thread_lock = threading.Lock()
         self._lock_fd = os.open(self.state_dir / "write.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            self._journal = Journal(self.state_dir / "journal.sqlite3")
+            self._journal = Journal(
+                self.state_dir / "journal.sqlite3", busy_timeout_s=busy_timeout_s
+            )
         except BaseException:
             os.close(self._lock_fd)
             raise

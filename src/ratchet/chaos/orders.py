@@ -104,8 +104,10 @@ class OrdersService:
         namespace: str = "orders-api",
         clock: Callable[[], int] | None = None,
         hook: ServiceHook | None = None,
+        busy_timeout_s: float = 30.0,
     ) -> None:
         self.db_path = Path(db_path)
+        self.busy_timeout_s = busy_timeout_s
         self.namespace = namespace
         self.clock = clock or (lambda: int(time.time()))
         self.hook = hook or _no_hook
@@ -123,7 +125,7 @@ class OrdersService:
 
     @contextmanager
     def _txn(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
+        db = sqlite3.connect(self.db_path, timeout=self.busy_timeout_s, isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
@@ -345,7 +347,23 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return self.rfile.read(length)
 
+    def _guarded(self, serve: Callable[[], None]) -> None:
+        """Serve one request; the service's database failing under it (locked past its
+        busy timeout, its disk full) is a 503, the transaction rolled back, so a client
+        retries or looks the order up, never guesses."""
+        try:
+            serve()
+        except sqlite3.Error:
+            self.close_connection = True
+            self._reply(503, {"error": "store_unavailable"})
+
     def do_GET(self) -> None:
+        self._guarded(self._get)
+
+    def do_POST(self) -> None:
+        self._guarded(self._post)
+
+    def _get(self) -> None:
         service = self.server.service
         if self.path == "/v1/identity":
             self._reply(*service.identity())
@@ -373,7 +391,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValidationError, ValueError):
             return None
 
-    def do_POST(self) -> None:
+    def _post(self) -> None:
         if not self._authorised():
             return
         service = self.server.service

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, Strict, ValidationError, field_validator
 
 from ratchet.adapters.http import HttpAdapter
+from ratchet.adapters.journal import BUSY_TIMEOUT_SECONDS
 from ratchet.adapters.router import RouterAdapter
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.adapters.verifier import CommandVerifier, VerifierCommand
@@ -250,6 +251,7 @@ def build_adapter(
     clock: Clock | None = None,
     http_token: str | None = None,
     toolbox: Toolbox | None = None,
+    busy_timeout_s: float = BUSY_TIMEOUT_SECONDS,
 ) -> Adapter:
     """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
     commands; a worker passes its own, checked usable here before anything is built.
@@ -258,7 +260,9 @@ def build_adapter(
     token of the environment's HTTP API (the worker's setting, never the document's).
     ``toolbox`` holds the declared tools the scenario permits (default:
     :func:`run_toolbox`); with any, they join the environment as its ``tools`` part, over
-    a ledger in the workspace's state folder.
+    a ledger in the workspace's state folder. ``busy_timeout_s`` bounds the workspace
+    journal's wait for a lock another process holds (the worker's
+    ``workspace_busy_timeout_ms``).
 
     Raises ConfigurationError (missing workspace, bad verifier, bad URL, no usable
     sandbox, a permitted tool missing), AdapterError.
@@ -283,7 +287,13 @@ def build_adapter(
         sandbox=sandbox,
     )
     box = toolbox if toolbox is not None else run_toolbox(document)
-    files = WorkspaceAdapter(env.root, scenario.allowed_paths, verifier=verifier, clock=clock)
+    files = WorkspaceAdapter(
+        env.root,
+        scenario.allowed_paths,
+        verifier=verifier,
+        clock=clock,
+        busy_timeout_s=busy_timeout_s,
+    )
     calls: Any = (
         HttpAdapter(env.http_base_url, token=http_token) if env.http_base_url is not None else None
     )

@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     # failures of the run; then the run is frozen with the reason visible.
     max_job_errors: Annotated[int, Field(ge=1)] = 3
     job_error_backoff_ms: _Ms = 1000
+    # How long a workspace call waits for its journal while another process holds the
+    # journal's lock; then the call fails retryable and the job ends retry_later.
+    workspace_busy_timeout_ms: _Ms = 30_000
     # Retention (ratchet.ops.retention): the workers purge runs that finished more than
     # retention_s seconds ago (None: never), exporting each into retention_export_dir first
     # when it is set. ratchet purge does the same on demand.

@@ -295,7 +295,12 @@ def _execute(
             token = settings.http_token.get_secret_value() if settings.http_token else None
             toolbox = run_toolbox(document)
             adapter = build_adapter(
-                document, sandbox=fleet.sandbox, clock=clock, http_token=token, toolbox=toolbox
+                document,
+                sandbox=fleet.sandbox,
+                clock=clock,
+                http_token=token,
+                toolbox=toolbox,
+                busy_timeout_s=settings.workspace_busy_timeout_ms / 1000,
             )
             executor = Executor(
                 adapter,
