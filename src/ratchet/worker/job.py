@@ -183,6 +183,7 @@ def execute_run(
             "job_end",
             run_id=run_id,
             outcome=report.outcome,
+            detail=report.detail,
             phase=report.phase,
             lease_version=report.lease_version,
             generation=report.generation,

@@ -55,6 +55,11 @@ from ratchet.chaos.drill.storechecks import (
     store_full_acks_kept,
     wiped_store_ran_nothing,
 )
+from ratchet.chaos.drill.workspacechecks import (
+    workspace_fired,
+    workspace_invariants,
+    workspace_summary,
+)
 
 __all__ = ["Invariant", "Verdicts", "check"]
 
@@ -404,9 +409,10 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         "store-wipe": 1 if record.wipe else 0,
         **approvals_fired(record.humans),
         **net_fired(record),
+        **workspace_fired(record, evidence),
     }
     missing = sorted(k for k in record.options.faults if not fired_kinds.get(k))
-    why = {**record.store_skipped, **record.net_skipped}
+    why = {**record.store_skipped, **record.net_skipped, **record.workspace_skipped}
     skipped = {k: v for k, v in why.items() if k in missing}
     invariants.append(
         Invariant(
@@ -434,6 +440,7 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
             invariants.append(store_full_acks_kept(record, evidence, fault))
     invariants.extend(human_invariants(record, evidence))  # ratchet.chaos.drill.humanchecks
     invariants.extend(net_invariants(record, evidence))  # ratchet.chaos.drill.netchecks
+    invariants.extend(workspace_invariants(record, evidence))  # ...drill.workspacechecks
 
     latency = _takeovers(evidence)
     metrics_invariant, metrics_figures = _metrics(record, evidence, runs, len(latency))
@@ -485,6 +492,8 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         "store_faults_skipped": dict(sorted(record.store_skipped.items())),
         "net_faults": net_summary(record),
         "net_faults_skipped": dict(sorted(record.net_skipped.items())),
+        "workspace_faults": workspace_summary(record, evidence),
+        "workspace_faults_skipped": dict(sorted(record.workspace_skipped.items())),
         "worker_exits": len(record.deaths),
         "zombies_resumed": len(record.pauses),
         "metrics": metrics_figures,

@@ -38,6 +38,8 @@ class AdapterRecords:
     refused_workspace: int = 0
     refused_orders: int = 0
     unresolved: int = 0  # requests or intents still in flight
+    journal_check: str = ""  # the workspace journal's PRAGMA quick_check ("ok")
+    note: str | None = None  # the workspace's note file as the drill left it
 
     @property
     def effects(self) -> int:
@@ -101,8 +103,13 @@ def _workspace(root: Path, records: AdapterRecords) -> None:
         rows = db.execute(
             "SELECT idempotency_key, intent_digest, lease_version, status FROM writes ORDER BY seq"
         ).fetchall()
+        records.journal_check = "; ".join(str(r[0]) for r in db.execute("PRAGMA quick_check"))
     finally:
         db.close()
+    try:
+        records.note = (root / NOTE).read_text()
+    except (OSError, UnicodeDecodeError):
+        records.note = None
     highest = 0
     for key, intent, lease_version, status in rows:
         if status == "intent":

@@ -55,7 +55,7 @@ from ratchet.chaos.netfault import Direction, FaultProxy, LinkCounters
 from ratchet.errors import RatchetError
 from ratchet.leasing import RedisServer, run_keys
 
-__all__ = ["NET_FAULTS", "NET_FAULTS_AT", "NetFaults", "http_timeout_s"]
+__all__ = ["NET_FAULTS", "NET_FAULTS_AT", "Acquires", "NetFaults", "http_timeout_s"]
 
 #: The network and adapter-side faults, in the order they fire, each at a fraction of
 #: the runs settled (between the Redis kills at 25 % and 60 %, away from the rollback).
@@ -96,7 +96,7 @@ def _redis_int(client: Any, key: str, name: str) -> int | None:
 
 
 @dataclass
-class _Acquires:
+class Acquires:
     """(run, lease version) -> the pid whose event log says it acquired that lease, read
     incrementally from the drill's event logs."""
 
@@ -144,7 +144,7 @@ class NetFaults:
         self.orders_links: dict[int, FaultProxy] = {}
         self.link_redis = bool(_REDIS_LINKED & faults)
         self.link_orders = "partition-adapter" in faults
-        self.acquires = _Acquires(events_dir)
+        self.acquires = Acquires(events_dir)
         # Two lanes, each one fault at a time: Redis partitions, and the orders faults
         # (which never touch Redis, so they need not wait for its spacing).
         self.lanes: dict[str, dict[str, Any] | None] = {"redis": None, "orders": None}

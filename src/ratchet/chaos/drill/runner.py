@@ -60,6 +60,7 @@ from ratchet.chaos.drill.storefaults import (
     store_refusal,
 )
 from ratchet.chaos.drill.workers import DrillWorker, WorkerPool
+from ratchet.chaos.drill.workspacefaults import BUSY_TIMEOUT_MS, WorkspaceFaults
 from ratchet.errors import ConfigurationError, RatchetError
 from ratchet.fleet.context import JOB_FUNCTION, Fleet
 from ratchet.fleet.settings import Settings
@@ -149,6 +150,9 @@ class DrillRecord:
     # Network faults (ratchet.chaos.drill.netfaults): each injected, and those skipped.
     net_faults: list[dict[str, Any]] = field(default_factory=list)
     net_skipped: dict[str, str] = field(default_factory=dict)
+    # Workspace faults (ratchet.chaos.drill.workspacefaults): each injected, and skipped.
+    workspace_faults: list[dict[str, Any]] = field(default_factory=list)
+    workspace_skipped: dict[str, str] = field(default_factory=dict)
     # Approvers and skewed clocks (ratchet.chaos.drill.humans): what was signed and posted.
     humans: dict[str, Any] = field(default_factory=dict)
 
@@ -215,6 +219,7 @@ class _Drill:
         self.twin_restarts = 0
         self.live_tries_until: dict[str, float] = {}  # a store fault waits for a live lease
         self.net: NetFaults | None = None  # proxies and network faults
+        self.ws: WorkspaceFaults | None = None  # a locked journal, a full workspace disk
         self.humans = Humans(options.seed, options.runs, frozenset(), record.folder)
 
     # -- one tick -----------------------------------------------------------------------
@@ -357,7 +362,9 @@ class _Drill:
         # While worker or network faults are still to come, keep few runs in flight so the
         # runs last as long as the schedule does (a fault needs a run in progress to land
         # in).
-        net_due = self.net is not None and self.net.pending
+        net_due = (self.net is not None and self.net.pending) or (
+            self.ws is not None and self.ws.pending
+        )
         due = self.schedule.remaining or net_due
         limit = self.o.max_in_flight or (self.o.workers + 1 if due else 2 * self.o.workers)
         while self.pending:
@@ -380,11 +387,13 @@ class _Drill:
 
     def faults_to_come(self) -> int:
         """Faults still to fire (or in force) that need a run in flight to land in: the
-        store faults, the rollback, and the network faults."""
+        store faults, the rollback, the network and the workspace faults."""
         count = len(self.schedule.store_faults_at) + (self.holding is not None)
         count += self._rollback_pending()
         if self.net is not None:
             count += len(self.net.wanted) + sum(f is not None for f in self.net.lanes.values())
+        if self.ws is not None:
+            count += len(self.ws.wanted) + (self.ws.active is not None) + len(self.ws.grading)
         return count
 
     def _down_to_reserve(self) -> bool:
@@ -511,6 +520,8 @@ class _Drill:
         self._store_faults(now, fraction)
         if self.net is not None:
             self.net.tick(self, now, fraction)
+        if self.ws is not None:
+            self.ws.tick(self, now, fraction)
 
     # -- store faults ---------------------------------------------------------------------
 
@@ -788,12 +799,15 @@ class _Drill:
                 and not self.store_faults_pending
                 and self.schedule.owner_collision_at is None
                 and (self.net is None or not self.net.pending)
+                and (self.ws is None or not self.ws.pending)
             ):
                 break
             time.sleep(_TICK_S)
         self.injecting = False
         if self.net is not None:
             self.net.end()
+        if self.ws is not None:
+            self.ws.end()
         if self.holding is not None:
             try:
                 self._lift()
@@ -960,7 +974,10 @@ def run_drill_processes(
     orders: TenantOrders | None = None
     pool: WorkerPool | None = None
     net: NetFaults | None = None
+    ws = WorkspaceFaults(options.faults, folder, ttl_s=options.lease_ttl_s)
+    record.workspace_faults, record.workspace_skipped = ws.faults, ws.skipped
     try:
+        ws.mount()
         orders = TenantOrders(folder / "orders", process=True)
         ttl = options.ttl_ms
         humans = Humans(options.seed, options.runs, options.faults, folder)
@@ -979,6 +996,7 @@ def run_drill_processes(
             worker_name="drill",
             verifier_sandbox=for_own_verifiers(),
             approvers_file=humans.approvers_file,
+            workspace_busy_timeout_ms=BUSY_TIMEOUT_MS,
         )  # the drill's verifier is its own grep
         fleet = Fleet.connect(settings)
         record.events_dir.mkdir(parents=True, exist_ok=True)
@@ -1003,6 +1021,8 @@ def run_drill_processes(
             if net.link_redis:
                 pool.redis_link = net.redis_link
         drill.humans = humans
+        if ws.wanted:
+            drill.ws = ws
         drill.create_runs()
         created = int(time.time())
         while int(time.time()) <= created + 1:  # creations sit before any later AOF cut
@@ -1030,6 +1050,7 @@ def run_drill_processes(
         server.kill()
         if disk is not None:
             disk.unmount()
+        ws.close()
         raise
     final_orders, final_server, final_net = orders, server, net
 
@@ -1042,5 +1063,6 @@ def run_drill_processes(
         finally:
             if disk is not None:
                 disk.unmount()
+            ws.close()
 
     return record, fleet, close

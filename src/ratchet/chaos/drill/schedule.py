@@ -56,6 +56,8 @@ FAULTS = (
     "partition-reply",
     "approvals",
     "clock-skew",
+    "sqlite-busy",
+    "workspace-full",
 )
 
 #: Store faults injected at a fraction of the runs settled, in this order. Corruption

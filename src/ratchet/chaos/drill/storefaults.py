@@ -234,16 +234,18 @@ def lift_maxmemory(client: Any, fault: dict[str, Any]) -> None:
 
 
 class Tmpfs:
-    """A tmpfs of its own for Redis' folder, so its disk can be filled (root only).
+    """A tmpfs of its own for a folder (Redis', the workspaces'), so its disk can be
+    filled (root only).
 
     ``mount`` returns None or why it cannot (not root, no ``mount``, the kernel refused):
     the disk-full fault is then reported as skipped. ``unmount`` is safe to call twice and
     after a failed mount; the runner calls it in ``finally``.
     """
 
-    def __init__(self, point: Path, size_mb: int = 512) -> None:
+    def __init__(self, point: Path, size_mb: int = 512, *, what: str = "the AOF's disk") -> None:
         self.point = point
         self.size_mb = size_mb
+        self.what = what  # what the mount is for, in a skip reason
         self.mounted = False
         self.filler = point / "drill-filler"
 
@@ -268,7 +270,7 @@ class Tmpfs:
 
     def mount(self) -> str | None:
         if os.geteuid() != 0:
-            return "not running as root: the AOF's disk cannot be mounted small and filled"
+            return f"not running as root: {self.what} cannot be mounted small and filled"
         if shutil.which("mount") is None:
             return "no mount command"
         self.point.mkdir(parents=True, exist_ok=False)
