@@ -10,12 +10,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from ratchet.chaos.drill.cluster import choose_redis
-from ratchet.chaos.drill.runner import DrillOptions, _Drill
+from ratchet.chaos.drill.humans import FAR_OFF_NAME
+from ratchet.chaos.drill.runner import TWIN_NAME, DrillOptions, _Drill
 from ratchet.chaos.drill.schedule import FAULTS, Schedule, parse_faults
 from ratchet.chaos.failpoints import POINTS
 from tests.chaos.drill_support import drill_record
@@ -97,6 +99,10 @@ def test_the_short_profile_passes_with_every_failpoint_fired_and_zombies_refused
         assert injected["disk-full"] >= 1, injected
         assert injected["workspace-full"] >= 1, injected
         assert report["invariants"]["full_workspace_no_effect_lost"]["status"] == "pass"
+    # Conflicts planted behind runs' backs were decided by a reviewer, once, never on a
+    # decision signed before the environment moved.
+    assert injected["reviews"] >= 1, injected
+    assert report["invariants"]["reviews_decided_once"]["status"] == "pass"
     # A journal locked past the busy timeout: the jobs that met it were retried, not failed.
     assert injected["sqlite-busy"] >= 1, injected
     assert report["invariants"]["busy_journal_retried"]["status"] == "pass"
@@ -292,3 +298,31 @@ def test_while_a_redis_fault_waits_for_the_lane_two_runs_at_most_are_in_flight(
     drill.rec.corrupted = {r: {} for r in queue.enqueued[-2:]}
     drill._submit()  # a corrupted run holds no place (a worker may refuse it late)
     assert len(queue.enqueued) == 4 + 4 + 2
+
+
+class _Spawner:
+    def __init__(self) -> None:
+        self.spawned: list[str | None] = []
+
+    def spawn(self, spec: str, *, name: str | None = None) -> Any:
+        self.spawned.append(name)
+        return SimpleNamespace(pid=1000 + len(self.spawned))
+
+
+def test_only_a_twin_that_died_at_start_up_is_started_again_never_the_far_off_worker(
+    tmp_path: Path,
+) -> None:
+    """The far-off worker's exit at start-up is the point of it: started again (without
+    its skew, under its name) it ran jobs, and counted as an owner-collision twin."""
+    drill = _paced_drill(tmp_path, _Queue())
+    pool = _Spawner()
+    drill.pool = pool  # type: ignore[assignment]
+    far_off = SimpleNamespace(name=FAR_OFF_NAME)
+    twin = SimpleNamespace(name=TWIN_NAME)
+    assert not drill._respawn_twin(far_off, early=True)  # type: ignore[arg-type]
+    assert not drill._respawn_twin(twin, early=False)  # type: ignore[arg-type]
+    assert drill._respawn_twin(twin, early=True)  # type: ignore[arg-type]
+    assert pool.spawned == [TWIN_NAME] and drill.rec.twins == [1001]
+    for _ in range(5):
+        drill._respawn_twin(twin, early=True)  # type: ignore[arg-type]
+    assert len(pool.spawned) == 4  # at most four restarts

@@ -366,3 +366,40 @@ def test_a_short_drill_of_the_workspace_faults_passes(tmp_path: Path) -> None:
     for name in names:
         assert invariants[name]["status"] == "pass", (name, invariants[name])
     assert not report["failed_invariants"], report["failed_invariants"]
+
+
+def _mounts_under(folder: Path) -> list[str]:
+    with open("/proc/self/mounts") as fh:
+        return [line.split()[1] for line in fh if line.split()[1].startswith(str(folder))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_drill_stopped_with_sigterm_unmounts_what_it_mounted(tmp_path: Path) -> None:
+    """SIGTERM (what a CI runner or a test's timeout sends) stops a drill the way Ctrl-C
+    does: its tmpfs mounts (Redis' folder, the workspaces) are gone when it exits."""
+    if os.geteuid() != 0:
+        pytest.skip("the drill's tmpfs mounts need root")
+    import signal
+    import time
+
+    folder = tmp_path / "drill"
+    args = ["--workers", "2", "--runs", "6", "--faults", "workspace-full,disk-full", "--json"]
+    proc = subprocess.Popen(
+        [RATCHET, "drill", *args, "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_mounts_under(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_mounts_under(folder)) == 2, "the drill never mounted its two tmpfs"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for point in _mounts_under(folder):
+            subprocess.run(["umount", "-l", point], check=False)
+    assert _mounts_under(folder) == []

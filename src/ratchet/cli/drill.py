@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -58,6 +59,7 @@ def drill(
     Redis kill -9 and rollback, duplicate enqueues), then check from the adapters' own
     records that nothing was duplicated, lost or accepted stale. Exits 0 only on pass."""
     os.environ.setdefault("RATCHET_LOG_LEVEL", "WARNING")
+    _stop_on_sigterm()
     options = DrillOptions(
         workers=workers,
         runs=runs,
@@ -91,6 +93,16 @@ def drill(
         render(report, Console())
     if report["verdict"] != "pass":
         raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends a drill as Ctrl-C does: every process it started is stopped and every
+    tmpfs it mounted (Redis' folder, the workspaces) unmounted before it exits."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 @app.command()

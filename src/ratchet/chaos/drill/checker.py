@@ -43,6 +43,12 @@ from ratchet.chaos.drill.evidence import Evidence, RunFacts
 from ratchet.chaos.drill.humanchecks import approvals_fired, human_invariants
 from ratchet.chaos.drill.invariant import Invariant
 from ratchet.chaos.drill.netchecks import net_fired, net_invariants, net_summary
+from ratchet.chaos.drill.reviewchecks import (
+    planted_review_waiting,
+    review_invariants,
+    reviews_fired,
+    reviews_summary,
+)
 from ratchet.chaos.drill.runner import DrillRecord
 from ratchet.chaos.drill.scrape import MetricsWatch
 from ratchet.chaos.drill.services import INTENTS_PER_RUN
@@ -310,6 +316,8 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         if f.status in ("frozen", "waiting")
         and r not in record.corrupted
         and (f.phase != "awaiting_approval" or (r in rewound and refused(f)))
+        # A conflict the reviews fault planted, still waiting for its reviewer: expected.
+        and not (r not in rewound and planted_review_waiting(record, f))
     }
     no_evidence = [r for r, f in frozen.items() if not (f.review_reason or refused(f))]
     unexpected = [r for r in frozen if r not in rewound]
@@ -410,6 +418,7 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         **approvals_fired(record.humans),
         **net_fired(record),
         **workspace_fired(record, evidence),
+        **reviews_fired(record, evidence),
     }
     missing = sorted(k for k in record.options.faults if not fired_kinds.get(k))
     why = {**record.store_skipped, **record.net_skipped, **record.workspace_skipped}
@@ -441,6 +450,7 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     invariants.extend(human_invariants(record, evidence))  # ratchet.chaos.drill.humanchecks
     invariants.extend(net_invariants(record, evidence))  # ratchet.chaos.drill.netchecks
     invariants.extend(workspace_invariants(record, evidence))  # ...drill.workspacechecks
+    invariants.extend(review_invariants(record, evidence, rewound))  # ...drill.reviewchecks
 
     latency = _takeovers(evidence)
     metrics_invariant, metrics_figures = _metrics(record, evidence, runs, len(latency))
@@ -494,6 +504,7 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         "net_faults_skipped": dict(sorted(record.net_skipped.items())),
         "workspace_faults": workspace_summary(record, evidence),
         "workspace_faults_skipped": dict(sorted(record.workspace_skipped.items())),
+        "reviews": reviews_summary(record),
         "worker_exits": len(record.deaths),
         "zombies_resumed": len(record.pauses),
         "metrics": metrics_figures,

@@ -38,6 +38,10 @@ class AdapterRecords:
     refused_workspace: int = 0
     refused_orders: int = 0
     unresolved: int = 0  # requests or intents still in flight
+    # Orders another client placed in the run's tenant (the reviews fault), by key: not
+    # the run's effects.
+    foreign_orders: dict[str, int] = field(default_factory=dict)
+    own_order_keys: dict[str, int] = field(default_factory=dict)  # the run's orders, by key
     journal_check: str = ""  # the workspace journal's PRAGMA quick_check ("ok")
     note: str | None = None  # the workspace's note file as the drill left it
 
@@ -67,6 +71,10 @@ class RunFacts:
     cancel_request: str | None = None  # the request id a signed ``cancelled`` event names
     # That event says the run ended on an environment its checkpoint does not explain.
     cancelled_unreconciled: bool = False
+    consumed_nonces: list[str] = field(default_factory=list)
+    quarantined_keys: list[str] = field(default_factory=list)
+    # Review cases the run closed: case id, reason, decision nonce and verdict.
+    closed_reviews: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -123,13 +131,17 @@ def _workspace(root: Path, records: AdapterRecords) -> None:
         highest = max(highest, int(lease_version))
 
 
-def _orders(db_path: Path, records: AdapterRecords) -> None:
+def _orders(db_path: Path, records: AdapterRecords, foreign: frozenset[str]) -> None:
     if not db_path.exists():
         return
     db = _read_only(db_path)
     try:
         for key, body in db.execute("SELECT idempotency_key, body FROM orders"):
+            if key in foreign:
+                records.foreign_orders[key] = records.foreign_orders.get(key, 0) + 1
+                continue
             records.order_effects[body] = records.order_effects.get(body, 0) + 1
+            records.own_order_keys[key] = records.own_order_keys.get(key, 0) + 1
             records.receipt_keys.add(key)
         row = db.execute("SELECT value FROM meta WHERE key = 'refused_stale'").fetchone()
         records.refused_orders = int(row[0]) if row else 0
@@ -173,10 +185,11 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
             _unskew(event, skews)
             events[str(event.get("kind"))].append(event)
     runs: dict[str, RunFacts] = {}
+    foreign = frozenset((record.reviews or {}).get("foreign_keys", []))
     for run_id, index in record.runs.items():
         adapters = AdapterRecords()
         _workspace(record.folder / "workspaces" / f"ws-{index}", adapters)
-        _orders(record.folder / "orders" / f"t{index}.sqlite3", adapters)
+        _orders(record.folder / "orders" / f"t{index}.sqlite3", adapters, foreign)
         status, phase = record.final.get(run_id, ("unreadable", "unknown"))
         generation: int | None = None
         executed: set[str] = set()
@@ -184,6 +197,7 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
         incidents: list[dict[str, Any]] = []
         cancel_request: str | None = None
         unreconciled = False
+        reviews: dict[str, Any] = {}
         try:
             view = inspect_run(fleet, run_id)
             generation = view.generation
@@ -191,6 +205,19 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
             if view.state.review is not None:
                 reason = str(view.state.review.reason)
             incidents = view.incidents
+            reviews = {
+                "consumed_nonces": list(view.state.consumed_nonces),
+                "quarantined_keys": list(view.state.quarantined_keys),
+                "closed_reviews": [
+                    {
+                        "case_id": c.case_id,
+                        "reason": str(c.reason),
+                        "nonce": c.decision.claims.nonce if c.decision else None,
+                        "verdict": str(c.decision.claims.verdict) if c.decision else None,
+                    }
+                    for c in view.state.closed_reviews
+                ],
+            }
             cancelled = next(
                 (e for e in view.state.trace if e.outcome is TraceOutcome.CANCELLED), None
             )
@@ -214,6 +241,7 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
             adapters,
             cancel_request,
             unreconciled,
+            **reviews,
         )
     fired = _jsonl(record.fired_log)
     for entry in fired:

@@ -42,6 +42,7 @@ from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.chaos.drill.cluster import RedisChoice, choose_redis, truncate_aof
 from ratchet.chaos.drill.humans import Humans
 from ratchet.chaos.drill.netfaults import NetFaults
+from ratchet.chaos.drill.reviewers import Reviewers
 from ratchet.chaos.drill.schedule import FAULTS, Schedule
 from ratchet.chaos.drill.scrape import MetricsWatch, free_port_block
 from ratchet.chaos.drill.services import TenantOrders, drill_document, make_workspace
@@ -155,6 +156,8 @@ class DrillRecord:
     workspace_skipped: dict[str, str] = field(default_factory=dict)
     # Approvers and skewed clocks (ratchet.chaos.drill.humans): what was signed and posted.
     humans: dict[str, Any] = field(default_factory=dict)
+    # Reviewers (ratchet.chaos.drill.reviewers): conflicts planted, decisions signed.
+    reviews: dict[str, Any] = field(default_factory=dict)
 
     def faults_of(self, kind: str) -> list[dict[str, Any]]:
         return [f for f in self.store_faults if f.get("kind") == kind]
@@ -221,6 +224,9 @@ class _Drill:
         self.net: NetFaults | None = None  # proxies and network faults
         self.ws: WorkspaceFaults | None = None  # a locked journal, a full workspace disk
         self.humans = Humans(options.seed, options.runs, frozenset(), record.folder)
+        self.reviewers = Reviewers(
+            options.seed, options.runs, frozenset(), record.folder, frozenset()
+        )
 
     # -- one tick -----------------------------------------------------------------------
 
@@ -231,11 +237,7 @@ class _Drill:
                 self.schedule.put_back(dead.spec)
             early = dead.fired_at is None and time.time() - dead.started_at < 5.0
             self.quick_deaths = self.quick_deaths + 1 if early else 0
-            if dead.name is not None and early and self.injecting and self.twin_restarts < 4:
-                # A twin that could not start (Redis was down at its epoch check) is started
-                # again under the same name: the fault needs both twins taking leases.
-                self.twin_restarts += 1
-                self.rec.twins.append(self.pool.spawn("", name=dead.name).pid)
+            self._respawn_twin(dead, early)
         self._watch_pauses()
         self._recycle()
         self._staff()
@@ -245,9 +247,21 @@ class _Drill:
         self.humans.tick(
             self.fleet, self.pool, self.rec.runs, self.settled, skip, self.o.lease_ttl_s
         )
+        self.reviewers.tick(self.fleet, self.settled, skip, self.rec.runs)
         if self.injecting:
             self._cluster_faults()
         self.scrape()
+
+    def _respawn_twin(self, dead: DrillWorker, early: bool) -> bool:
+        """A twin that could not start (Redis was down at its epoch check) is started again
+        under the same name, at most four times: the fault needs both twins taking leases.
+        Only a twin: the far-off worker also has a name of its own, and exiting at start-up
+        is what it must do (started again without its skew, it ran jobs under its name)."""
+        if dead.name != TWIN_NAME or not early or not self.injecting or self.twin_restarts >= 4:
+            return False
+        self.twin_restarts += 1
+        self.rec.twins.append(self.pool.spawn("", name=dead.name).pid)
+        return True
 
     def scrape(self) -> None:
         """Scrape every running worker's metrics once (each request bounded)."""
@@ -350,11 +364,13 @@ class _Drill:
         for index in range(self.o.runs):
             root = make_workspace(self.rec.folder / "workspaces" / f"ws-{index}")
             url = self.orders.add(f"t{index}")
+            run_id = f"drill-{self.o.seed}-{index}"
+            self.reviewers.plant(run_id, index, url)  # before the run sees its environment
             if self.net is not None:
                 url = self.net.orders_url(index, url)
             approval = index in self.humans.need_approval
             doc = drill_document(root, url, index, think_ms=self.o.think_ms, approval=approval)
-            run_id = create_run(self.fleet, doc, run_id=f"drill-{self.o.seed}-{index}")
+            create_run(self.fleet, doc, run_id=run_id)
             self.pending.append(run_id)
             self.index[run_id] = index
 
@@ -982,6 +998,10 @@ def run_drill_processes(
         ttl = options.ttl_ms
         humans = Humans(options.seed, options.runs, options.faults, folder)
         record.humans = humans.log
+        reviewers = Reviewers(
+            options.seed, options.runs, options.faults, folder, humans.need_approval
+        )
+        record.reviews = reviewers.log
         settings = Settings(
             redis_url=SecretStr(server.url),
             state_dir=folder / "state",
@@ -996,6 +1016,7 @@ def run_drill_processes(
             worker_name="drill",
             verifier_sandbox=for_own_verifiers(),
             approvers_file=humans.approvers_file,
+            reviewers_file=reviewers.reviewers_file,
             workspace_busy_timeout_ms=BUSY_TIMEOUT_MS,
         )  # the drill's verifier is its own grep
         fleet = Fleet.connect(settings)
@@ -1021,6 +1042,7 @@ def run_drill_processes(
             if net.link_redis:
                 pool.redis_link = net.redis_link
         drill.humans = humans
+        drill.reviewers = reviewers
         if ws.wanted:
             drill.ws = ws
         drill.create_runs()
