@@ -360,3 +360,33 @@ def test_a_journal_locked_past_the_busy_timeout_ends_the_job_retry_later_not_poi
     assert (again.outcome, again.phase) == ("finished", "completed")
     assert effects(root) == 1
     assert (root / "app.py").read_text() == RIGHT_GREETING
+
+
+@pytest.mark.parametrize("stage", ["workspace_after_intent", "workspace_after_replace"])
+def test_a_job_dying_inside_the_workspace_write_is_settled_by_the_next_owner_once(
+    fleet: Fleet, workspace: Callable[..., tuple[Path, RunDocument]], stage: str
+) -> None:
+    """The worker dies inside the adapter's write (the journal holds the intent; the file
+    is or is not replaced yet): the next owner's first workspace call settles the intent
+    from the file, and the run completes with its one write."""
+    import sqlite3
+
+    root, document = workspace()
+    run_id = submit(fleet, document)
+    probe = Failpoints(parse_failpoints(f"{stage}=raise@1"))
+    with pytest.raises(FailpointFired):
+        execute_run(fleet, run_id, owner="w-1", hooks=DrillHooks(probe))
+    with sqlite3.connect(root / ".ratchet" / "journal.sqlite3") as db:
+        assert db.execute("SELECT status FROM writes").fetchall() == [("intent",)]
+    replaced = (root / "app.py").read_text() == RIGHT_GREETING
+    assert replaced is (stage == "workspace_after_replace")
+    wait_for_expiry(fleet, run_id)
+    report = execute_run(fleet, run_id, owner="w-2")
+    assert (report.outcome, report.phase) == ("finished", "completed")
+    assert effects(root) == 1
+    with sqlite3.connect(root / ".ratchet" / "journal.sqlite3") as db:
+        statuses = sorted(s for (s,) in db.execute("SELECT status FROM writes"))
+    # Not replaced: the intent was aborted and the write sent again under its key (the
+    # row reused); replaced: recovery wrote the receipt and the lookup found it.
+    assert statuses == ["committed"]
+    assert (root / "app.py").read_text() == RIGHT_GREETING

@@ -91,6 +91,10 @@ class WorkerPoint(StrEnum):
     AFTER_GUARD_BEFORE_ADAPTER = "after_guard_before_adapter"
     AFTER_GUARD_BEFORE_COMMIT = "after_guard_before_commit"
     OBSERVE_AFTER_WRITE = "observe_after_write"
+    # Inside the workspace adapter's write: the journal holds the intent, the file is not
+    # replaced yet / the file is replaced, its receipt not written yet.
+    WORKSPACE_AFTER_INTENT = "workspace_after_intent"
+    WORKSPACE_AFTER_REPLACE = "workspace_after_replace"
 
 
 #: Every failpoint name, engine windows first.

@@ -77,6 +77,10 @@ class DrillHooks(WorkerHooks):
             hooks = WindowProbe(probe, hooks)
         return hooks
 
+    def write_stage(self, stage: str) -> None:
+        if self.points is not None and stage in ("after_intent", "after_replace"):
+            self.points.fire(f"workspace_{stage}")
+
     def renewal(self, renew: Callable[[], int]) -> int:
         points = self.points
         if points is None:

@@ -19,6 +19,7 @@ resolves a verifier command: a rewritten, swapped or forged document is refused 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, Strict, ValidationError, field_validator
@@ -252,6 +253,7 @@ def build_adapter(
     http_token: str | None = None,
     toolbox: Toolbox | None = None,
     busy_timeout_s: float = BUSY_TIMEOUT_SECONDS,
+    write_hook: Callable[[str], None] | None = None,
 ) -> Adapter:
     """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
     commands; a worker passes its own, checked usable here before anything is built.
@@ -262,7 +264,8 @@ def build_adapter(
     :func:`run_toolbox`); with any, they join the environment as its ``tools`` part, over
     a ledger in the workspace's state folder. ``busy_timeout_s`` bounds the workspace
     journal's wait for a lock another process holds (the worker's
-    ``workspace_busy_timeout_ms``).
+    ``workspace_busy_timeout_ms``); ``write_hook`` is called at each stage of a workspace
+    write (drills and tests only).
 
     Raises ConfigurationError (missing workspace, bad verifier, bad URL, no usable
     sandbox, a permitted tool missing), AdapterError.
@@ -292,6 +295,7 @@ def build_adapter(
         scenario.allowed_paths,
         verifier=verifier,
         clock=clock,
+        hook=write_hook,
         busy_timeout_s=busy_timeout_s,
     )
     calls: Any = (

@@ -1,7 +1,7 @@
 """What a drill or a test may attach to a worker process. In production nothing is.
 
 A worker process (``worker_main``) or a single job (``execute_run``) takes an optional
-:class:`WorkerHooks`. The worker calls it at four places and knows nothing else about
+:class:`WorkerHooks`. The worker calls it at five places and knows nothing else about
 faults:
 
 * :meth:`WorkerHooks.attach`, once, when the process has connected to its store;
@@ -10,7 +10,9 @@ faults:
   included), or None;
 * :meth:`WorkerHooks.renewal`, around every lease renewal of the heartbeat;
 * :meth:`WorkerHooks.event`, at a job's milestones (``acquire``, ``restore``,
-  ``job_end``), with the run and lease they concern.
+  ``job_end``), with the run and lease they concern;
+* :meth:`WorkerHooks.write_stage`, passed to the job's workspace adapter: called at each
+  stage of a file write (``after_intent``, ``after_replace``, ``after_receipt``).
 
 The chaos harness (:mod:`ratchet.chaos.hooks`) implements it with failpoints and a drill
 event log; tests implement it to crash a job at an exact window.
@@ -44,3 +46,8 @@ class WorkerHooks:
 
     def event(self, kind: str, **fields: Any) -> None:
         """A job's milestone: ``acquire``, ``restore`` or ``job_end``."""
+
+    def write_stage(self, stage: str) -> None:
+        """The job's workspace adapter reached ``stage`` of a file write: the journal
+        holds the intent (``after_intent``), the file was replaced (``after_replace``),
+        the receipt is written (``after_receipt``)."""

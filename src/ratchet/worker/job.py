@@ -302,6 +302,7 @@ def _execute(
                 http_token=token,
                 toolbox=toolbox,
                 busy_timeout_s=settings.workspace_busy_timeout_ms / 1000,
+                write_hook=hooks.write_stage if hooks is not None else None,
             )
             executor = Executor(
                 adapter,

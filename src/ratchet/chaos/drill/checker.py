@@ -74,6 +74,8 @@ _WRITE_WINDOWS = (
     "after_adapter_before_receipt",
     "after_receipt_before_state",
     "after_guard_before_adapter",
+    "workspace_after_intent",
+    "workspace_after_replace",
 )
 
 

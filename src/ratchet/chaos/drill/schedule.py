@@ -175,6 +175,11 @@ class Schedule:
                 ("after_commit_before_reply", _one("after_commit_before_reply", "kill", 2, 8))
             )
             makers.append(("during_renewal", _one("during_renewal", "kill", 1, 2)))
+            # Inside the workspace's own write (the worker dies with the adapter): between
+            # the journal's intent and the file's replace, and between the replace and
+            # the receipt. Recovery under the next owner's lock settles either.
+            for stage in ("workspace_after_intent", "workspace_after_replace"):
+                makers.append((stage, _one(stage, "kill", 1, 2)))
         if "drop-reply" in want:
             # Drop both the reply and its retry's: the engine sees an unknown outcome and
             # fires commit_reply_lost, where the worker then dies (or, without kill, waits).
