@@ -27,6 +27,7 @@ from ratchet.ops.actions import (
     rebaseline,
     retry,
     review,
+    review_claims,
     submit,
 )
 
@@ -44,5 +45,6 @@ __all__ = [
     "rebaseline",
     "retry",
     "review",
+    "review_claims",
     "submit",
 ]

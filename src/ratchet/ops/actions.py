@@ -75,7 +75,7 @@ from ratchet.runtime import (
 from ratchet.runtime.canonical import model_json
 from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.effects import drive
-from ratchet.runtime.state import TERMINAL_PHASES
+from ratchet.runtime.state import TERMINAL_PHASES, ReviewCase
 from ratchet.worker.executor import Executor
 
 __all__ = [
@@ -92,6 +92,7 @@ __all__ = [
     "rebaseline",
     "retry",
     "review",
+    "review_claims",
     "submit",
 ]
 
@@ -332,9 +333,30 @@ def review(
     seen = _observe_now(fleet, view)
     if seen.instance_id != case.environment.instance_id:
         raise ContractError("the environment is another instance than the case's", run_id=run_id)
-    claims = ReviewDecisionClaims(
+    claims = review_claims(
+        state,
+        case,
+        environment=seen,
+        verdict=decided,
+        nonce=f"rv-{secrets.token_hex(12)}",
+    )
+    return post_review_decision(fleet, run_id, sign_review_decision(key, reviewer_id, claims))
+
+
+def review_claims(
+    state: RunState,
+    case: ReviewCase,
+    *,
+    environment: Observation,
+    verdict: ReviewVerdict,
+    nonce: str,
+) -> ReviewDecisionClaims:
+    """What a reviewer signs to decide ``case`` of the run in ``state``, bound to
+    ``environment`` (the worker applies the decision only while it observes exactly that
+    instance and version)."""
+    return ReviewDecisionClaims(
         task_id=state.task_id,
-        run_id=run_id,
+        run_id=state.run_id,
         policy_id=state.policy_id,
         policy_version=state.policy_version,
         case_id=case.case_id,
@@ -343,12 +365,11 @@ def review(
         pending_intent_digest=case.pending.intent_digest,
         receipt_intent_digest=case.receipt.intent_digest if case.receipt else None,
         receipt_fingerprint=case.receipt_fingerprint,
-        env_instance_id=seen.instance_id,
-        env_version=seen.version,
-        verdict=decided,
-        nonce=f"rv-{secrets.token_hex(12)}",
+        env_instance_id=environment.instance_id,
+        env_version=environment.version,
+        verdict=verdict,
+        nonce=nonce,
     )
-    return post_review_decision(fleet, run_id, sign_review_decision(key, reviewer_id, claims))
 
 
 def retry(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> None:

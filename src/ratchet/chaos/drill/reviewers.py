@@ -50,10 +50,9 @@ from redis.exceptions import RedisError
 from ratchet.chaos.drill.services import plan
 from ratchet.errors import ConfigurationError, EvidenceError, RatchetError
 from ratchet.fleet.context import Fleet
-from ratchet.ops import inspect_run, post_review_decision, review
+from ratchet.ops import inspect_run, post_review_decision, review, review_claims
 from ratchet.runtime import (
     ReviewDecision,
-    ReviewDecisionClaims,
     ReviewReason,
     ReviewVerdict,
     derive_idempotency_key,
@@ -244,20 +243,11 @@ class Reviewers:
         status = _place(info["url"], key, foreign_body(info["index"], 1 + len(self._moves(run_id))))
         self.log["foreign_keys"].append(key)
         self.log["env_moves"].append({"run": run_id, "key": key, "status": status, "at": now})
-        env = open_case.environment
-        claims = ReviewDecisionClaims(
-            task_id=state.task_id,
-            run_id=run_id,
-            policy_id=state.policy_id,
-            policy_version=state.policy_version,
-            case_id=open_case.case_id,
-            action_id=open_case.pending.action.action_id,
-            idempotency_key=open_case.pending.action.idempotency_key or "",
-            pending_intent_digest=open_case.pending.intent_digest,
-            receipt_intent_digest=open_case.receipt.intent_digest if open_case.receipt else None,
-            receipt_fingerprint=open_case.receipt_fingerprint,
-            env_instance_id=env.instance_id,
-            env_version=env.version,
+        env = open_case.environment  # as it was when the case opened: before the move
+        claims = review_claims(
+            state,
+            open_case,
+            environment=env,
             verdict=ReviewVerdict(info["verdict"]),
             nonce=f"rv-drill-{self.rng.getrandbits(64):016x}",
         )
