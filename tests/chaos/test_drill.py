@@ -309,20 +309,30 @@ class _Spawner:
         return SimpleNamespace(pid=1000 + len(self.spawned))
 
 
-def test_only_a_twin_that_died_at_start_up_is_started_again_never_the_far_off_worker(
+def test_only_a_twin_that_died_before_any_lease_is_started_again_never_the_far_off_worker(
     tmp_path: Path,
 ) -> None:
     """The far-off worker's exit at start-up is the point of it: started again (without
-    its skew, under its name) it ran jobs, and counted as an owner-collision twin."""
+    its skew, under its name) it ran jobs, and counted as an owner-collision twin. A twin
+    is started again only while it has taken no lease (it died at its epoch check, or its
+    RQ loop quit on a Redis fault), at most four times."""
     drill = _paced_drill(tmp_path, _Queue())
     pool = _Spawner()
     drill.pool = pool  # type: ignore[assignment]
-    far_off = SimpleNamespace(name=FAR_OFF_NAME)
-    twin = SimpleNamespace(name=TWIN_NAME)
-    assert not drill._respawn_twin(far_off, early=True)  # type: ignore[arg-type]
-    assert not drill._respawn_twin(twin, early=False)  # type: ignore[arg-type]
-    assert drill._respawn_twin(twin, early=True)  # type: ignore[arg-type]
+    far_off = SimpleNamespace(name=FAR_OFF_NAME, pid=50)
+    twin = SimpleNamespace(name=TWIN_NAME, pid=51)
+    worked = SimpleNamespace(name=TWIN_NAME, pid=52)
+    events = drill.rec.events_dir
+    events.mkdir(parents=True)
+    acquire = {"kind": "acquire", "run_id": "r1", "lease_version": 3, "pid": 52, "at": 1.0}
+    (events / "events-52.jsonl").write_text(json.dumps(acquire) + "\n")
+    assert not drill._respawn_twin(far_off)  # type: ignore[arg-type]
+    assert not drill._respawn_twin(worked)  # type: ignore[arg-type]
+    assert drill._respawn_twin(twin)  # type: ignore[arg-type]
     assert pool.spawned == [TWIN_NAME] and drill.rec.twins == [1001]
     for _ in range(5):
-        drill._respawn_twin(twin, early=True)  # type: ignore[arg-type]
+        drill._respawn_twin(twin)  # type: ignore[arg-type]
     assert len(pool.spawned) == 4  # at most four restarts
+    drill.injecting = False
+    drill.twin_restarts = 0
+    assert not drill._respawn_twin(twin)  # type: ignore[arg-type]

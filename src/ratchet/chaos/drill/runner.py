@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.chaos.drill.cluster import RedisChoice, choose_redis, truncate_aof
 from ratchet.chaos.drill.humans import Humans
-from ratchet.chaos.drill.netfaults import NetFaults
+from ratchet.chaos.drill.netfaults import Acquires, NetFaults
 from ratchet.chaos.drill.reviewers import Reviewers
 from ratchet.chaos.drill.schedule import FAULTS, Schedule
 from ratchet.chaos.drill.scrape import MetricsWatch, free_port_block
@@ -223,6 +223,7 @@ class _Drill:
         self.live_tries_until: dict[str, float] = {}  # a store fault waits for a live lease
         self.net: NetFaults | None = None  # proxies and network faults
         self.ws: WorkspaceFaults | None = None  # a locked journal, a full workspace disk
+        self.acquires = Acquires(record.events_dir)  # which process took which lease
         self.humans = Humans(options.seed, options.runs, frozenset(), record.folder)
         self.reviewers = Reviewers(
             options.seed, options.runs, frozenset(), record.folder, frozenset()
@@ -237,7 +238,7 @@ class _Drill:
                 self.schedule.put_back(dead.spec)
             early = dead.fired_at is None and time.time() - dead.started_at < 5.0
             self.quick_deaths = self.quick_deaths + 1 if early else 0
-            self._respawn_twin(dead, early)
+            self._respawn_twin(dead)
         self._watch_pauses()
         self._recycle()
         self._staff()
@@ -252,13 +253,17 @@ class _Drill:
             self._cluster_faults()
         self.scrape()
 
-    def _respawn_twin(self, dead: DrillWorker, early: bool) -> bool:
-        """A twin that could not start (Redis was down at its epoch check) is started again
-        under the same name, at most four times: the fault needs both twins taking leases.
-        Only a twin: the far-off worker also has a name of its own, and exiting at start-up
-        is what it must do (started again without its skew, it ran jobs under its name)."""
-        if dead.name != TWIN_NAME or not early or not self.injecting or self.twin_restarts >= 4:
+    def _respawn_twin(self, dead: DrillWorker) -> bool:
+        """A twin that died before it took any lease (Redis was down at its epoch check,
+        or its RQ loop quit on a Redis fault) is started again under the same name, at
+        most four times: the fault needs both twins taking leases. Only a twin: the
+        far-off worker also has a name of its own, and exiting at start-up is what it must
+        do (started again without its skew, it ran jobs under its name)."""
+        if dead.name != TWIN_NAME or not self.injecting or self.twin_restarts >= 4:
             return False
+        self.acquires.refresh()
+        if dead.pid in self.acquires.owners.values():
+            return False  # it took a lease: the fault had it
         self.twin_restarts += 1
         self.rec.twins.append(self.pool.spawn("", name=dead.name).pid)
         return True
