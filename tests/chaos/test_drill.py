@@ -249,6 +249,7 @@ def _paced_drill(tmp_path: Path, queue: _Queue, runs: int = 24) -> _Drill:
     drill = _Drill(options, rec, None, None, queue, None, None)  # type: ignore[arg-type]
     drill.pending = [f"r{i}" for i in range(runs)]
     drill.index = {r: i for i, r in enumerate(drill.pending)}
+    drill.hits.update({p: Schedule.WANT_HITS for p in POINTS})  # every failpoint covered
     return drill
 
 
@@ -336,3 +337,26 @@ def test_only_a_twin_that_died_before_any_lease_is_started_again_never_the_far_o
     drill.injecting = False
     drill.twin_restarts = 0
     assert not drill._respawn_twin(twin)  # type: ignore[arg-type]
+
+
+def test_failpoints_short_of_their_hits_hold_runs_back_like_faults(tmp_path: Path) -> None:
+    """A failpoint still short of its hits needs runs left for its aimed worker to land
+    in: two of them (at most) count as faults to come, so the drill keeps a reserve."""
+    drill = _paced_drill(tmp_path, _Queue())
+    covered = drill.faults_to_come()
+    drill.hits["after_receipt_before_state"] = 1
+    assert drill.faults_to_come() == covered + 1
+    drill.hits["during_renewal"] = 0
+    drill.hits["workspace_after_intent"] = 0
+    assert drill.faults_to_come() == covered + 2  # two at most
+    schedule = Schedule(seed=3, faults=parse_faults("all"), runs=24)
+    assert schedule.short({p: 2 for p in POINTS}) == 0
+    assert schedule.short({}) > 2
+    # Past 60 % of the runs settled, every new worker is aimed at a short failpoint, even
+    # while planned specs are left (before, every other one).
+    assert schedule.remaining > 3
+    hits = {**{p: 2 for p in POINTS}, "after_receipt_before_state": 0}
+    aimed = [schedule.next_spec(hits, 0.7) for _ in range(3)]
+    assert all("after_receipt_before_state" in spec for spec in aimed), aimed
+    halfway = [schedule.next_spec(hits, 0.5) for _ in range(4)]
+    assert sum("after_receipt_before_state" in spec for spec in halfway) == 2, halfway

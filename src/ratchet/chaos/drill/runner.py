@@ -408,14 +408,17 @@ class _Drill:
 
     def faults_to_come(self) -> int:
         """Faults still to fire (or in force) that need a run in flight to land in: the
-        store faults, the rollback, the network and the workspace faults."""
+        store faults, the rollback, the network and the workspace faults, and (two at
+        most) the failpoints still short of their hits."""
         count = len(self.schedule.store_faults_at) + (self.holding is not None)
         count += self._rollback_pending()
         if self.net is not None:
             count += len(self.net.wanted) + sum(f is not None for f in self.net.lanes.values())
         if self.ws is not None:
             count += len(self.ws.wanted) + (self.ws.active is not None) + len(self.ws.grading)
-        return count
+        # A failpoint still short of its hits needs runs left for its aimed worker to land
+        # in: keep a run or two back for it, as for a fault.
+        return count + min(2, self.schedule.short(self.hits))
 
     def _down_to_reserve(self) -> bool:
         """Whether the runs not yet enqueued are no more than the faults still to come.

@@ -233,15 +233,17 @@ class Schedule:
         """The next worker's failpoints ("" once the schedule is used up).
 
         ``hits`` (failpoint -> hits so far, from the drill's fired log) and ``progress``
-        (the fraction of runs settled): from 40 % of the runs on, or once the planned
-        specs are used up, every other worker gets a spec aimed at a failpoint still short
-        of :data:`WANT_HITS` (at most four per covered failpoint in all), so a spec that a
+        (the fraction of runs settled): from 40 % of the runs on every other worker, from
+        60 % on, or once the planned specs are used up, every worker gets a spec aimed at
+        a failpoint still short of :data:`WANT_HITS` (at most four per covered failpoint in
+        all), so a spec that a
         worker took and never reached (its run ended first, the store refused it) does not
         leave a failpoint uncovered for timing's sake. Drawn from the schedule's own
         seeded generator."""
         self._calls += 1
         planned = self._next < len(self.specs)
-        if hits is not None and (not planned or (progress >= 0.4 and self._calls % 2 == 0)):
+        aimed = progress >= 0.6 or (progress >= 0.4 and self._calls % 2 == 0)
+        if hits is not None and (not planned or aimed):
             topup = self._topup(hits)
             if topup:
                 return topup
@@ -250,6 +252,14 @@ class Schedule:
         spec = self.specs[self._next]
         self._next += 1
         return spec
+
+    def short(self, hits: Mapping[str, int]) -> int:
+        """How many covered failpoints are still short of :data:`WANT_HITS` while aimed
+        specs are left to give them (0 once the budget is spent)."""
+        targets = [p for p, _ in self._targets() if p]
+        if self._topups >= 4 * len(targets):
+            return 0
+        return sum(1 for p in targets if hits.get(p, 0) < self.WANT_HITS)
 
     def _topup(self, hits: Mapping[str, int] | None) -> str:
         if hits is None:
