@@ -227,6 +227,7 @@ class _Drill:
         self.rng = random.Random(1)
         self.pending: list[str] = []
         self.injecting = True
+        self.net: Any = None
         # Only its client is read, and only by the lease snapshot the tests replace.
         self.fleet = SimpleNamespace(store=SimpleNamespace(client=None))
 
@@ -283,13 +284,14 @@ def test_sqlite_busy_holds_the_runs_journal_then_lets_the_write_through(
         _write(ws, "run 0: step 1\n")
         assert ws.effects == 1
     # Once the grace has passed, the fault is recorded with the jobs that met it (none
-    # logged here) and tried again at once, at most twice.
+    # logged here) and tried again, at most twice, on another run (r0 is the only one).
     faults.tick(drill, held["ended_at"] + 10.0, 0.5)
     assert faults.faults == [held] and held["jobs_met"] == []
-    again = faults.active
-    assert again is not None and again is not held and faults.lock is not None
+    assert faults.wanted == [("sqlite-busy", 0.0)] and faults.active is None
+    assert faults.lock is None
     faults.end()
-    assert faults.lock is None and faults.faults == [held, again] and not faults.pending
+    assert faults.faults == [held] and not faults.pending
+    assert faults.skipped == {"sqlite-busy": "injection ended before it was due"}
 
 
 def test_a_lease_whose_worker_died_or_is_paused_is_no_target(
@@ -306,6 +308,16 @@ def test_a_lease_whose_worker_died_or_is_paused_is_no_target(
     assert faults.targets(drill) == []
     drill.pool.workers[100].proc.exitcode = None
     drill.pool.workers[100].paused_at = 5.0
+    assert faults.targets(drill) == []
+    drill.pool.workers[100].paused_at = None
+    # Its job is held up at the orders service (the link cut): not calling the workspace.
+    cut = {"kind": "partition-adapter", "run_id": "r0"}
+    drill.net = SimpleNamespace(lanes={"redis": None, "orders": cut})
+    assert faults.targets(drill) == []
+    drill.net = None
+    assert [t["pid"] for t in faults.targets(drill)] == [100]
+    # A run this fault already held with no job meeting it is not tried again.
+    faults.faults.append({"kind": "sqlite-busy", "run_id": "r0", "jobs_met": []})
     assert faults.targets(drill) == []
 
 

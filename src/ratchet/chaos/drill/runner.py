@@ -662,9 +662,11 @@ class _Drill:
             if w.paused_at is not None and w.resumed_at is None
         }
         asked = {c["run_id"] for c in self.rec.cancels}
-        in_flight = sorted(self.unsettled() - zombies - asked)
+        # A run waiting for the drill's reviewer is nobody's: spared, or its review is lost.
+        spared = zombies | asked | set(self.reviewers.log["runs"])
+        in_flight = sorted(self.unsettled() - spared)
         self.rng.shuffle(in_flight)
-        waiting = [r for r in self.pending if r not in zombies][: len(CORRUPTIONS)]
+        waiting = [r for r in self.pending if r not in spared][: len(CORRUPTIONS)]
         done: list[dict[str, Any]] = []
         for how in CORRUPTIONS:
             for run_id in [*in_flight, *reversed(waiting)]:

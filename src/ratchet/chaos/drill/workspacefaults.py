@@ -202,8 +202,9 @@ class WorkspaceFaults:
     def targets(self, drill: Any) -> list[dict[str, Any]]:
         """Live leases of unsettled, uncorrupted runs whose second write is still to come,
         held by a worker that is running (not dead with its lease still ticking, not
-        paused): its job calls the workspace next, or soon. Each with its ``pid``."""
-        runs = sorted(drill.unsettled() - set(drill.rec.corrupted))
+        paused), not held up elsewhere (:meth:`_elsewhere`): its job calls the workspace
+        next, or soon. Each with its ``pid``."""
+        runs = sorted(drill.unsettled() - set(drill.rec.corrupted) - self._elsewhere(drill))
         try:
             live = lease_snapshot(drill.fleet.store.client, runs)
         except RedisError:
@@ -222,6 +223,18 @@ class WorkspaceFaults:
             counts = effect_counts(self.folder, drill.index[lease["run_id"]])
             if 0 <= counts["workspace"] < 2:
                 out.append({**lease, "pid": pid})
+        return out
+
+    def _elsewhere(self, drill: Any) -> set[str]:
+        """Runs a job of which is held up elsewhere now (its orders link cut, the orders
+        service down: its worker is not calling the workspace) or that this fault kind
+        already held without any job meeting it."""
+        out = {str(f["run_id"]) for f in self.faults if not f.get("jobs_met")}
+        out |= {str(f["run_id"]) for f in self.grading}
+        net = getattr(drill, "net", None)
+        for fault in net.lanes.values() if net is not None else ():
+            if fault is not None and fault.get("kind") in ("partition-adapter", "orders-kill"):
+                out |= {str(fault.get("run_id"))} | {str(r) for r in fault.get("runs_at_order", [])}
         return out
 
     def _start(self, drill: Any, kind: str, now: float) -> bool:
