@@ -613,3 +613,24 @@ def test_a_stale_write_fails_only_when_accepted_past_a_newer_leases_fence(
     verdicts = check(rec, evidence([facts("r1")], stale_write=[write], restore=[restore]))
     (stale,) = [i for i in verdicts.invariants if i.name == "stale_writes_refused"]
     assert stale.status == expected, stale.detail
+
+
+def test_a_journal_the_checker_could_not_recover_fails_one_effect_per_intent(
+    tmp_path: Path,
+) -> None:
+    """A workspace journal whose lock was still held when the checker read it has no final
+    answer (a half-done write may be unresolved): the checker fails closed, naming it."""
+    import dataclasses
+
+    from ratchet.chaos.drill.checker import check
+
+    unrecovered = facts("r2")
+    unrecovered.adapters = dataclasses.replace(
+        unrecovered.adapters, journal_check="not recovered: locked (SQLITE_BUSY); ok"
+    )
+    verdicts = check(record(tmp_path), evidence([facts("r1"), unrecovered]))
+    (effects,) = [i for i in verdicts.invariants if i.name == "one_effect_per_intent"]
+    assert effects.status == "fail", effects.detail
+    verdicts = check(record(tmp_path), evidence([facts("r1"), facts("r2")]))
+    (effects,) = [i for i in verdicts.invariants if i.name == "one_effect_per_intent"]
+    assert effects.status != "fail", effects.detail

@@ -415,3 +415,32 @@ def test_a_drill_stopped_with_sigterm_unmounts_what_it_mounted(tmp_path: Path) -
         for point in _mounts_under(folder):
             subprocess.run(["umount", "-l", point], check=False)
     assert _mounts_under(folder) == []
+
+
+def test_the_checker_reads_a_journal_it_cannot_recover_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal whose lock is still held when the checker reads it: the drill does not
+    crash on it (it did, with ``workspace journal cannot be opened``); the file is read as
+    it is and its check says it was not recovered."""
+    import sqlite3
+
+    from ratchet.chaos.drill import evidence
+
+    monkeypatch.setattr(evidence, "EVIDENCE_BUSY_S", 0.2)
+    root = make_workspace(tmp_path / "ws-0")
+    with WorkspaceAdapter(root, [NOTE]) as ws:
+        _write(ws, "run 0: step 1\n")
+    other = sqlite3.connect(root / ".ratchet" / "journal.sqlite3", isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        records = AdapterRecords()
+        why = evidence.read_workspace(root, records)
+    finally:
+        other.rollback()
+        other.close()
+    assert why is not None and "SQLITE_BUSY" in why
+    assert records.journal_check.startswith("not recovered")
+    assert sum(records.file_effects.values()) == 1 and records.note == "run 0: step 1\n"
+    fresh = AdapterRecords()
+    assert evidence.read_workspace(root, fresh) is None and fresh.journal_check == "ok"

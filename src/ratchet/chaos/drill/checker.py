@@ -223,7 +223,11 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     incomplete = [
         r
         for r, f in runs.items()
-        if f.phase == "completed" and (f.adapters.effects != INTENTS_PER_RUN or not _consistent(f))
+        if (
+            f.phase == "completed" and (f.adapters.effects != INTENTS_PER_RUN or not _consistent(f))
+        )
+        # A journal the checker could not recover holds no final answer: fail closed.
+        or f.adapters.journal_check.startswith("not recovered")
     ]
     write_faults = sum(hits[w] for w in _WRITE_WINDOWS) + len(record.redis_kills)
     invariants.append(

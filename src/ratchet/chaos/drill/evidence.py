@@ -18,13 +18,13 @@ from ratchet.chaos.drill.humanchecks import HumanFacts, gather_humans
 from ratchet.chaos.drill.runner import DrillRecord
 from ratchet.chaos.drill.services import NOTE
 from ratchet.chaos.drill.skew import unskew
-from ratchet.errors import RatchetError
+from ratchet.errors import AdapterError, RatchetError
 from ratchet.fleet.context import Fleet
 from ratchet.leasing import run_keys
 from ratchet.ops import inspect_run
 from ratchet.runtime import TraceOutcome
 
-__all__ = ["AdapterRecords", "Evidence", "RunFacts", "gather"]
+__all__ = ["EVIDENCE_BUSY_S", "AdapterRecords", "Evidence", "RunFacts", "gather", "read_workspace"]
 
 
 @dataclass
@@ -97,15 +97,27 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+#: How long the checker waits for a workspace journal's lock: every worker has stopped by
+#: then, so a lock still held is itself evidence (reported, never waited out).
+EVIDENCE_BUSY_S = 5.0
+
+
 def _read_only(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
 
 
-def _workspace(root: Path, records: AdapterRecords) -> None:
+def read_workspace(root: Path, records: AdapterRecords) -> str | None:
+    """Read one run's workspace journal into ``records``. Returns why the adapter could
+    not open it (its reads then come from the file as it is, and its check says so), or
+    None."""
     # Opening the adapter resolves any write a killed worker left half-done (under the
     # workspace lock), so the journal read next is final.
-    with WorkspaceAdapter(root, [NOTE]) as adapter:
-        records.refused_workspace = adapter.refused_stale
+    failed: str | None = None
+    try:
+        with WorkspaceAdapter(root, [NOTE], busy_timeout_s=EVIDENCE_BUSY_S) as adapter:
+            records.refused_workspace = adapter.refused_stale
+    except AdapterError as exc:
+        failed = f"{exc.message} ({exc.context.get('error')})"
     db = _read_only(root / ".ratchet" / "journal.sqlite3")
     try:
         rows = db.execute(
@@ -114,6 +126,8 @@ def _workspace(root: Path, records: AdapterRecords) -> None:
         records.journal_check = "; ".join(str(r[0]) for r in db.execute("PRAGMA quick_check"))
     finally:
         db.close()
+    if failed is not None:
+        records.journal_check = f"not recovered: {failed}; {records.journal_check}"
     try:
         records.note = (root / NOTE).read_text()
     except (OSError, UnicodeDecodeError):
@@ -129,6 +143,7 @@ def _workspace(root: Path, records: AdapterRecords) -> None:
         if int(lease_version) < highest:
             records.lease_inversions += 1
         highest = max(highest, int(lease_version))
+    return failed
 
 
 def _orders(db_path: Path, records: AdapterRecords, foreign: frozenset[str]) -> None:
@@ -188,7 +203,10 @@ def gather(record: DrillRecord, fleet: Fleet) -> Evidence:
     foreign = frozenset((record.reviews or {}).get("foreign_keys", []))
     for run_id, index in record.runs.items():
         adapters = AdapterRecords()
-        _workspace(record.folder / "workspaces" / f"ws-{index}", adapters)
+        unopened = read_workspace(record.folder / "workspaces" / f"ws-{index}", adapters)
+        if unopened is not None:
+            # Kept as evidence, never a crash of the checker: the run's checks see it.
+            record.errors.append(f"workspace of {run_id} not opened: {unopened}")
         _orders(record.folder / "orders" / f"t{index}.sqlite3", adapters, foreign)
         status, phase = record.final.get(run_id, ("unreadable", "unknown"))
         generation: int | None = None
