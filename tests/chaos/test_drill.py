@@ -86,9 +86,11 @@ def test_the_short_profile_passes_with_every_failpoint_fired_and_zombies_refused
     assert report["invariants"]["operator_cancels_end_runs"]["status"] == "pass"
     cancelled = report["runs_by_phase"].get("cancelled", 0)
     corrupted = len(report["corrupted_runs"])
+    # A run whose reviewer aborted it fails, by design.
+    aborted = sum(1 for v in report["reviews"]["runs"].values() if v == "abort")
     assert (
         report["runs_by_phase"].get("completed", 0)
-        >= report["runs"] - report["rewound_runs"] - cancelled - corrupted
+        >= report["runs"] - report["rewound_runs"] - cancelled - corrupted - aborted
     )
     # Every store fault fired (disk-full needs root for its tmpfs) and its invariant passed.
     injected = report["fault_injections"]

@@ -138,7 +138,7 @@ PINNED: dict[str, list[str]] = {
     "ratchet.ops": [
         "CancelPosted", "Posted", "RunView", "approve", "cancel", "create_run", "inspect_run",
         "load_private_key", "post_approval", "post_review_decision", "rebaseline", "retry",
-        "review", "submit",
+        "review", "review_claims", "submit",
     ],
     "ratchet.fleet": [],
     "ratchet.worker": [],
