@@ -137,12 +137,13 @@ class Journal:
     def __init__(self, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_SECONDS) -> None:
         self.path = path
         try:
-            self._db = sqlite3.connect(
-                path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-            )
-            # WAL with synchronous=FULL: every COMMIT is durable before it returns.
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
+            with _sqlite_errors():
+                self._db = sqlite3.connect(
+                    path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+                )
+                # WAL with synchronous=FULL: every COMMIT is durable before it returns.
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
             with self._txn():
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
@@ -154,13 +155,6 @@ class Journal:
                     self._set("refused_stale", "0")
                     self._set("seq", "0")
                 self._instance_id = self._meta("instance_id") or ""
-        except sqlite3.Error as exc:
-            self._close_quietly()
-            raise AdapterError(
-                "workspace journal cannot be opened",
-                retryable=True,
-                error=getattr(exc, "sqlite_errorname", None) or type(exc).__name__,
-            ) from None
         except AdapterError as exc:
             self._close_quietly()
             raise AdapterError(
@@ -186,8 +180,7 @@ class Journal:
             self._db.execute("BEGIN IMMEDIATE")
         try:
             yield
-            with _sqlite_errors():
-                self._db.execute("COMMIT")
+            self._db.execute("COMMIT")
         except BaseException as exc:
             if self._db.in_transaction:
                 with suppress(sqlite3.Error):
