@@ -350,6 +350,104 @@ def test_workspace_full_fills_the_workspaces_disk_then_frees_it_and_keeps_the_fi
     assert (tmp_path / "workspaces" / "ws-0" / NOTE).read_text() == "x" * 600_000
 
 
+def test_a_held_fault_is_released_even_when_every_tick_of_the_drill_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release runs ahead of the drill's tick, in its own guard: a tick that keeps
+    failing (Redis down) cannot keep the journal locked; the tick's error is recorded with
+    its message."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from ratchet.chaos.drill.runner import _Drill as Runner
+
+    _live(monkeypatch)
+    faults = WorkspaceFaults(frozenset({"sqlite-busy"}), tmp_path, ttl_s=0.1)
+    with WorkspaceAdapter(make_workspace(faults.root / "ws-0"), [NOTE]):
+        pass  # the run's journal made
+    faults.tick(_Drill(tmp_path), 100.0, 0.5)
+    held = faults.active
+    assert held is not None and faults.lock is not None
+    held["at"] -= held["hold_s"]  # held long enough by now
+
+    def failing_tick() -> None:
+        raise RedisConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+
+    runner = SimpleNamespace(
+        ws=faults,
+        tick=failing_tick,
+        rec=SimpleNamespace(errors=[]),
+        quick_deaths=0,
+        o=SimpleNamespace(workers=3),
+    )
+    Runner._guarded_tick(runner)  # type: ignore[arg-type]
+    assert faults.active is None and faults.lock is None and faults.grading == [held]
+    assert runner.rec.errors == [
+        "tick: ConnectionError: Error 111 connecting to 127.0.0.1:1. Connection refused."
+    ]
+
+
+def test_a_release_that_fails_keeps_the_fault_in_force_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tmpfs whose size does not come back is no release: the fault stays in force (the
+    next tick tries again), the failure is recorded with its message, and at the end the
+    failed release is in the fault kinds' errors."""
+    from ratchet.chaos.drill.runner import _Drill as Runner
+    from ratchet.chaos.drill.storefaults import Tmpfs
+
+    class StuckDisk(Tmpfs):
+        def free(self) -> None:
+            raise OSError("tmpfs at /w is 2048 KiB after the remount, not 262144 KiB")
+
+    _live(monkeypatch)
+    faults = WorkspaceFaults(frozenset({"workspace-full"}), tmp_path, ttl_s=0.1)
+    faults.disk = StuckDisk(tmp_path / "w")
+    faults.active = {"kind": "workspace-full", "at": 0.0, "hold_s": 1.0, "run_id": "r0"}
+    runner = SimpleNamespace(
+        ws=faults,
+        tick=lambda: None,
+        rec=SimpleNamespace(errors=[]),
+        quick_deaths=0,
+        o=SimpleNamespace(workers=3),
+    )
+    Runner._guarded_tick(runner)  # type: ignore[arg-type]
+    assert faults.active is not None and faults.grading == []
+    assert runner.rec.errors == [
+        "workspace release: OSError: tmpfs at /w is 2048 KiB after the remount, not 262144 KiB"
+    ]
+    faults.end()
+    assert faults.errors == [
+        "release workspace-full: tmpfs at /w is 2048 KiB after the remount, not 262144 KiB"
+    ]
+    assert [f["kind"] for f in faults.faults] == ["workspace-full"]
+
+
+def test_a_tmpfs_whose_size_did_not_come_back_is_not_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the tmpfs needs root")
+    from ratchet.chaos.drill.storefaults import Tmpfs
+
+    disk = Tmpfs(tmp_path / "disk", size_mb=8, what="a test disk")
+    assert disk.mount() is None
+    try:
+        (disk.point / "kept").write_bytes(b"k" * 4096)
+        assert disk.fill() > 0
+        real = disk._mount
+        monkeypatch.setattr(disk, "_mount", lambda *options: None)  # a remount that did nothing
+        with pytest.raises(OSError, match="after the remount, not 8192 KiB"):
+            disk.free()
+        monkeypatch.setattr(disk, "_mount", real)
+        disk.free()
+        st = os.statvfs(disk.point)
+        assert st.f_bavail * st.f_frsize > 4 * 1024 * 1024
+        assert (disk.point / "kept").read_bytes() == b"k" * 4096
+    finally:
+        disk.unmount()
+    assert not disk.mounted
+
+
 # -- a short drill of both -------------------------------------------------------------------
 
 

@@ -834,6 +834,7 @@ class _Drill:
             self.net.end()
         if self.ws is not None:
             self.ws.end()
+            self.rec.errors.extend(self.ws.errors)
         if self.holding is not None:
             try:
                 self._lift()
@@ -956,10 +957,15 @@ class _Drill:
         return final
 
     def _guarded_tick(self) -> None:
+        if self.ws is not None:
+            try:
+                self.ws.release_due(time.time())
+            except OSError as exc:
+                self.rec.errors.append(f"workspace release: {type(exc).__name__}: {exc}"[:300])
         try:
             self.tick()
         except (RatchetError, RedisError, OSError) as exc:
-            self.rec.errors.append(f"tick: {type(exc).__name__}")
+            self.rec.errors.append(f"tick: {type(exc).__name__}: {exc}"[:300])
         if self.quick_deaths >= 3 * self.o.workers + 10:
             raise ConfigurationError(
                 "worker processes keep exiting at start-up; see the logs folder of the drill",

@@ -299,11 +299,19 @@ class Tmpfs:
         return written
 
     def free(self) -> None:
-        """Delete the filler and give the tmpfs its size back. Raises OSError."""
+        """Delete the filler and give the tmpfs its size back, then check that it has it.
+        Raises OSError (the filler still there, the remount refused, the size not back)."""
         self.filler.unlink(missing_ok=True)
         failed = self._mount("-o", f"remount,size={self.size_mb}m")
         if failed is not None:
             raise OSError(f"tmpfs remount failed: {failed.strip()}")
+        st = os.statvfs(self.point)
+        size_kb = st.f_blocks * st.f_frsize // 1024
+        if size_kb < self.size_mb * 1024:
+            raise OSError(
+                f"tmpfs at {os.fspath(self.point)} is {size_kb} KiB after the remount, "
+                f"not {self.size_mb * 1024} KiB"
+            )
 
     def unmount(self) -> None:
         if not self.mounted:

@@ -142,6 +142,7 @@ class WorkspaceFaults:
         self.last_look = 0.0
         self.faults: list[dict[str, Any]] = []
         self.skipped: dict[str, str] = {}
+        self.errors: list[str] = []  # a release that failed at the end, for the record
         self.acquires = Acquires(folder / "events")
 
     def __repr__(self) -> str:
@@ -178,10 +179,7 @@ class WorkspaceFaults:
         for fault in [f for f in self.grading if now - f["ended_at"] >= grace_s()]:
             self._grade(drill, fault)
         if self.active is not None:
-            if now - self.active["at"] >= self.active["hold_s"]:
-                self._release(self.active)
-                self.grading.append(self.active)
-                self.active = None
+            self.release_due(now)
             return
         if not self.wanted or fraction < self.wanted[0][1] or now - self.last_look < 0.2:
             return
@@ -198,6 +196,16 @@ class WorkspaceFaults:
                 )
             self.wanted.pop(0)
             self.waiting_since = None
+
+    def release_due(self, now: float) -> None:
+        """Release the fault in force once it has been held long enough. The runner calls
+        this on its own, ahead of its tick, so a tick that keeps failing earlier (Redis
+        down) cannot keep a journal locked or the disk full. Raises OSError (the fault
+        then stays in force and the next call tries again)."""
+        if self.active is not None and now - self.active["at"] >= self.active["hold_s"]:
+            self._release(self.active)
+            self.grading.append(self.active)
+            self.active = None
 
     def targets(self, drill: Any) -> list[dict[str, Any]]:
         """Live leases of unsettled, uncorrupted runs whose second write is still to come,
@@ -310,8 +318,10 @@ class WorkspaceFaults:
         """Injection is over: release what is held; the jobs of the faults not graded yet
         are read by the checker (``jobs_met`` None)."""
         if self.active is not None:
-            with contextlib.suppress(OSError):
+            try:
                 self._release(self.active)
+            except OSError as exc:
+                self.errors.append(f"release {self.active['kind']}: {exc}"[:300])
             self.grading.append(self.active)
             self.active = None
         for fault in self.grading:
