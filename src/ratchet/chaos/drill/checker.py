@@ -66,6 +66,7 @@ from ratchet.chaos.drill.workspacechecks import (
     workspace_invariants,
     workspace_summary,
 )
+from ratchet.ops.diagnosis import FREEZING_KINDS
 
 __all__ = ["Invariant", "Verdicts", "check"]
 
@@ -314,7 +315,7 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
     # conflict: it waits with its lease released, as it should. One the rollback put back
     # at its approval whose restore was refused is frozen all the same: no worker runs it.
     def refused(f: RunFacts) -> bool:
-        return any(i.get("kind") == "restore_refused" and i.get("reason") for i in f.incidents)
+        return any(i.get("kind") in FREEZING_KINDS and i.get("reason") for i in f.incidents)
 
     frozen = {
         r: f

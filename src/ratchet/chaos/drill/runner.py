@@ -67,6 +67,7 @@ from ratchet.fleet.context import JOB_FUNCTION, Fleet
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import EXPIRY_INDEX, RedisServer, RedisStore
 from ratchet.ops import cancel, create_run, inspect_run
+from ratchet.ops.diagnosis import FREEZING_KINDS
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
 
@@ -174,8 +175,12 @@ class DrillRecord:
 def classify_run(fleet: Fleet, run_id: str) -> tuple[str, str]:
     """``(status, phase)``: status is terminal, waiting, frozen or active.
 
-    Frozen: a restore was refused (incident), the lease is free and the run is off the
-    reaper's index, so nothing continues it until an operator acts. Raises RatchetError.
+    Frozen: a restore was refused, or the last job that took the run refused it for
+    another freezing reason (:data:`ratchet.ops.diagnosis.FREEZING_KINDS`, under the
+    run's current lease version: the environment changed behind a pending write, say),
+    the lease is free and the run is off the reaper's index, so nothing continues it
+    until an operator acts. The checker then asks whether that freeze was expected.
+    Raises RatchetError.
     """
     view = inspect_run(fleet, run_id)
     phase, snap = view.state.phase, view.snapshot
@@ -183,7 +188,11 @@ def classify_run(fleet: Fleet, run_id: str) -> tuple[str, str]:
         return "terminal", phase.value
     if phase in (Phase.NEEDS_REVIEW, Phase.AWAITING_APPROVAL) and not snap.lease_live:
         return "waiting", phase.value
-    refused = any(i.get("kind") == "restore_refused" for i in view.incidents)
+    refused = any(
+        i.get("kind") == "restore_refused"
+        or (i.get("kind") in FREEZING_KINDS and i.get("lease_version") == snap.lease_version)
+        for i in view.incidents
+    )
     if refused and not snap.lease_live and fleet.store.client.zscore(EXPIRY_INDEX, run_id) is None:
         return "frozen", phase.value
     return "active", phase.value
