@@ -24,6 +24,7 @@ versions a caller acts on as attributes; their messages never contain key materi
     │   ├── HighWaterUnavailableError      no external high-water mark: fail closed
     │   ├── GenerationMismatchError        expected generation is not the high-water mark
     │   ├── CommitOutcomeUnknownError      a commit's reply was lost; re-read before acting
+    │   │   └── ReplicationUnconfirmedError  applied on the primary, too few replicas confirmed it
     │   ├── LeaseHeldElsewhereError        another live worker holds the lease
     │   ├── LeaseLostError                 the caller's lease expired or was taken over
     │   ├── StaleStateError                expected state version is not current
@@ -69,6 +70,7 @@ __all__ = [
     "NonceReplayError",
     "OutcomeUnknownError",
     "RatchetError",
+    "ReplicationUnconfirmedError",
     "ReviewDecisionError",
     "RunExistsError",
     "RunNotFoundError",
@@ -167,6 +169,13 @@ class GenerationMismatchError(StoreError):
 
 class CommitOutcomeUnknownError(StoreError):
     """A commit was sent but its reply was lost: the store must be re-read."""
+
+
+class ReplicationUnconfirmedError(CommitOutcomeUnknownError):
+    """The primary applied the write, but fewer replicas than ``RATCHET_MIN_REPLICAS_ACK``
+    confirmed it in time (``replicas_acked``, ``replicas_required``): it is not
+    acknowledged. Re-reading the primary cannot settle that, so nothing may act on the
+    strength of it; a failover may still lose it."""
 
 
 class LeaseHeldElsewhereError(StoreError):

@@ -12,7 +12,7 @@ from pydantic import SecretStr
 from redis.exceptions import NoPermissionError, ResponseError
 
 from ratchet.demo.examples import greeting_document, make_greeting_workspace
-from ratchet.errors import StoreProtocolError
+from ratchet.errors import ReplicationUnconfirmedError, StoreProtocolError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore, run_keys
@@ -220,3 +220,27 @@ def test_a_worker_never_loads_scripts_and_says_so_when_they_are_missing(
     admin.load_scripts()
     with pytest.raises(Exception, match="no run"):
         worker.read_run("r-none")
+
+
+def test_worker_and_operator_users_may_wait_for_replicas(acl_server: RedisServer) -> None:
+    """With RATCHET_MIN_REPLICAS_ACK the store sends WAIT after its writes: the generated
+    users may. (This server has no replica, so nothing is confirmed: each write is
+    unconfirmed, not refused for want of a permission.)"""
+    RedisStore(client(acl_server, Role.ADMIN)).load_scripts()
+
+    def store(role: Role, replicas: int) -> RedisStore:
+        return RedisStore(
+            client(acl_server, role), min_replicas_ack=replicas, replicas_ack_timeout_ms=50
+        )
+
+    with pytest.raises(ReplicationUnconfirmedError):
+        store(Role.OPERATOR, 1).create_run(
+            "r-wait-1", task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1"
+        )
+    store(Role.OPERATOR, 0).create_run(
+        "r-wait-2", task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1"
+    )
+    run = store(Role.WORKER, 1).acquire("r-wait-2", owner="w-1", ttl_ms=60_000)
+    assert run is not None
+    with pytest.raises(ReplicationUnconfirmedError):
+        run.commit(b"g2")

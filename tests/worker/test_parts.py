@@ -64,6 +64,9 @@ def poll(predicate: Callable[[], bool], deadline_s: float = 10.0) -> None:
         {"lease_ttl_ms": 1000, "renew_interval_ms": 300, "stall_timeout_ms": 300},
         {"lease_ttl_ms": 60_000, "job_timeout_s": 60},
         {"lease_ttl_ms": 10},
+        # Waiting for replicas as long as a lease lasts would outlive the lease.
+        {"lease_ttl_ms": 1000, "min_replicas_ack": 1, "replicas_ack_timeout_ms": 1000},
+        {"min_replicas_ack": -1},
     ],
 )
 def test_settings_refuse_timings_that_would_undermine_the_lease(bad: dict[str, int]) -> None:

@@ -12,6 +12,7 @@ import typer
 from ratchet.cli.common import JsonFlag, app, print_json, ratchet_errors, write_private
 from ratchet.errors import ConfigurationError
 from ratchet.fleet.context import ensure_embedded_redis
+from ratchet.fleet.redisurl import redis_client
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisStore
 from ratchet.leasing.acl import AclUser, Role, acl_file, acl_setuser_lines
@@ -79,7 +80,7 @@ def redis_load_scripts(as_json: JsonFlag = False) -> None:
         url = settings.redis_url.get_secret_value()
     else:
         url = ensure_embedded_redis(settings.state_dir)
-    RedisStore.from_url(url).load_scripts()
+    RedisStore(redis_client(url)).load_scripts()
     names = [name.value for name in ScriptName]
     if as_json:
         print_json({"loaded": names})

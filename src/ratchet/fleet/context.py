@@ -17,7 +17,8 @@ roots are JSON files of public keys (``{"id": "<hex>"}``, revoked signer ids lis
 ``"_revoked"``).
 
 Queue: RQ talks to ``RATCHET_QUEUE_REDIS_URL`` when set (same server, its own Redis user),
-else to ``RATCHET_REDIS_URL``.
+else to ``RATCHET_REDIS_URL``. Either may be a ``redis+sentinel://`` URL
+(:mod:`ratchet.fleet.redisurl`): the client follows the primary Sentinel names.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from rq.serializers import JSONSerializer
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.agents import AgentPolicy
 from ratchet.errors import ConfigurationError
+from ratchet.fleet.redisurl import redis_client
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.runtime import KeyRing, TrustRoots
@@ -261,12 +263,18 @@ class Fleet:
             url = ensure_embedded_redis(settings.state_dir)
         else:
             url = _embedded_or_refuse(settings.state_dir)
-        client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
-        store = RedisStore(client, compress_checkpoints=settings.compress_checkpoints)
+        client = redis_client(url, socket_timeout=10, socket_connect_timeout=5)
+        store = RedisStore(
+            client,
+            compress_checkpoints=settings.compress_checkpoints,
+            min_replicas_ack=settings.min_replicas_ack,
+            replicas_ack_timeout_ms=settings.replicas_ack_timeout_ms,
+        )
         # The queue may use its own Redis user (RQ needs broad writes on rq:* keys, which
-        # the store's least-privilege user must not have): see ratchet.leasing.acl.
+        # the store's least-privilege user must not have), or its own Redis (a Cluster
+        # holds the state; RQ needs one server): see ratchet.leasing.acl, docs/scale.md.
         rq_url = os.environ.get("RATCHET_QUEUE_REDIS_URL", "").strip() or url
-        rq_connection = redis.Redis.from_url(rq_url, socket_timeout=30, socket_connect_timeout=5)
+        rq_connection = redis_client(rq_url, socket_timeout=30, socket_connect_timeout=5)
         epoch = store.check_epoch() if check_store else None
         return cls(
             settings=settings,

@@ -137,6 +137,11 @@ class Settings(BaseSettings):
     verifier_uid: Annotated[int, Field(ge=1)] | None = None
     # Extra host paths verifier commands may read (RATCHET_VERIFIER_READ_ONLY="/opt/tools").
     verifier_read_only: Annotated[tuple[Path, ...], NoDecode] = ()
+    # Replicated durability (docs/scale.md): a create or commit counts as acknowledged
+    # only once WAIT confirms this many replicas received it within the timeout;
+    # otherwise ReplicationUnconfirmedError and the job stops. 0: the primary's AOF.
+    min_replicas_ack: Annotated[int, Field(ge=0, le=16)] = 0
+    replicas_ack_timeout_ms: _Ms = 1000
     # The bearer token the worker's HTTP adapter sends with every mutating request (the
     # reference orders service's --token-file); never in a run document.
     http_token: SecretStr | None = None
@@ -184,6 +189,8 @@ class Settings(BaseSettings):
             raise ValueError("stall_timeout_ms must be longer than renew_interval_ms")
         if self.job_timeout_s * 1000 <= 4 * self.lease_ttl_ms:
             raise ValueError("job_timeout_s must be far longer than the lease TTL")
+        if self.min_replicas_ack and self.replicas_ack_timeout_ms >= self.lease_ttl_ms:
+            raise ValueError("replicas_ack_timeout_ms must be shorter than lease_ttl_ms")
         if self.worker_restart_backoff_ms > self.worker_restart_backoff_max_ms:
             raise ValueError(
                 "worker_restart_backoff_ms must not exceed worker_restart_backoff_max_ms"

@@ -94,10 +94,12 @@ _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
 # ``hmget``, ``llen``, ``zcard``: listings (a page's hashes and incident counts, the exact
 # counts per phase; see listing.py).
 _READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info", "hmget", "llen", "zcard")
+# ``wait``: with RATCHET_MIN_REPLICAS_ACK, creates and commits are confirmed by replicas.
 _DIRECT: Mapping[Role, tuple[str, ...]] = {
-    Role.WORKER: (*_READS, "zadd", "zrem", "set"),  # expiry index; SET NX nonce claims
+    # expiry index; SET NX nonce claims
+    Role.WORKER: (*_READS, "zadd", "zrem", "set", "wait"),
     # the runs index (create); index removal after a purge on Redis Cluster
-    Role.OPERATOR: (*_READS, "zadd", "zrem"),
+    Role.OPERATOR: (*_READS, "zadd", "zrem", "wait"),
     Role.READER: _READS,
 }
 _CONNECTION = ("ping", "hello", "client|setname", "client|getname")

@@ -101,15 +101,31 @@ class _Line:
     def call(self, *command: Any) -> Any:
         """Send one command and read its reply. Raises what redis-py raises for it."""
         with self._lock:
-            conn = self._conn
-            if conn is None:
-                conn = self._conn = self._pool.make_connection()
+            conn = self._connection()
             return conn.retry.call_with_retry(
                 lambda: self._send(conn, command), lambda _error: conn.disconnect()
             )
 
+    def call_then_wait(self, command: tuple[Any, ...], replicas: int, timeout_ms: int) -> Any:
+        """Send ``command`` and ``WAIT replicas timeout_ms`` together on this connection
+        and read both replies. Returns ``(reply, replicas counted)``; the command's error
+        reply is raised after both replies were read (the connection stays usable)."""
+        with self._lock:
+            conn = self._connection()
+            return conn.retry.call_with_retry(
+                lambda: _send_then_wait(conn, command, replicas, timeout_ms),
+                lambda _error: conn.disconnect(),
+            )
+
+    def _connection(self) -> Any:
+        conn = self._conn
+        if conn is None:
+            conn = self._conn = self._pool.make_connection()
+        return conn
+
     @staticmethod
     def _send(conn: Any, command: tuple[Any, ...]) -> Any:
+        _connected(conn)
         # Commit arguments are all str or bytes: hiredis packs them as they are (redis-py's
         # packer, which takes ints and more, re-checks every argument first).
         try:
@@ -124,6 +140,32 @@ class _Line:
             conn, self._conn = self._conn, None
         if conn is not None:
             conn.disconnect()
+
+
+def _connected(conn: Any) -> None:
+    """Connect ``conn`` through its own ``connect()`` when it has no socket. redis-py's
+    send path connects to the connection's last host and port (for a new one, its
+    defaults) without asking: a Sentinel-managed connection must ask Sentinel where the
+    primary is, which only its ``connect()`` does."""
+    if getattr(conn, "_sock", None) is None:
+        conn.connect()
+
+
+def _send_then_wait(conn: Any, command: tuple[Any, ...], replicas: int, timeout_ms: int) -> Any:
+    """Both commands go out in one write; WAIT then counts this connection's own writes."""
+    _connected(conn)
+    conn.send_packed_command(
+        conn.pack_commands([command, ("WAIT", str(replicas), str(timeout_ms))])
+    )
+    failure: Exception | None = None
+    try:
+        reply = conn.read_response()
+    except redis.exceptions.ResponseError as exc:  # a script error: WAIT's reply still comes
+        failure, reply = exc, None
+    counted = conn.read_response()
+    if failure is not None:
+        raise failure
+    return reply, counted
 
 
 _pack: Any = getattr(hiredis, "pack_command", None)
@@ -213,6 +255,50 @@ class ScriptRunner:
             if line is not None:
                 return line.call("EVALSHA", script.sha, str(len(keys)), *keys, *args)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
+
+    def run_and_wait(
+        self,
+        name: StrEnum,
+        keys: Sequence[str],
+        args: Sequence[str | bytes | int],
+        *,
+        replicas: int,
+        timeout_ms: int,
+    ) -> tuple[Any, int]:
+        """Run script ``name`` and ``WAIT replicas timeout_ms`` on the same connection, in
+        one round trip. Returns ``(raw reply, replicas counted)``.
+
+        WAIT counts the replicas that received every write *this connection* made, so the
+        two must share a connection: the hot line when there is one, else a pipeline
+        (which holds one connection for both). A script that wrote nothing (a retry that
+        found its commit applied) makes the count meaningless: the caller judges that.
+
+        Raises what :meth:`run` raises, and StoreProtocolError for a WAIT reply that is
+        not a count.
+        """
+        script = self._scripts[name]
+        command = ("EVALSHA", script.sha, str(len(keys)), *keys, *args)
+        for attempt in range(2):
+            try:
+                if self._line is not None:
+                    reply, counted = self._line.call_then_wait(command, replicas, timeout_ms)
+                else:
+                    pipe = self._client.pipeline(transaction=False)
+                    pipe.execute_command(*command)
+                    pipe.execute_command("WAIT", str(replicas), str(timeout_ms))
+                    reply, counted = pipe.execute(raise_on_error=False)
+                    for answer in (reply, counted):
+                        if isinstance(answer, Exception):
+                            raise answer
+            except NoScriptError:
+                if attempt:
+                    raise
+                self._reload(script)  # the script did not run; WAIT counted nothing of ours
+                continue
+            if isinstance(counted, bool) or not isinstance(counted, int) or counted < 0:
+                raise StoreProtocolError("WAIT did not answer a count", script=name.value)
+            return reply, counted
+        raise StoreProtocolError("unreachable", script=name.value)  # pragma: no cover
 
     def _reload(self, script: LuaScript) -> None:
         try:

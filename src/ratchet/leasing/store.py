@@ -69,6 +69,7 @@ from ratchet.errors import (
     ContractError,
     LeaseHeldElsewhereError,
     NonceReplayError,
+    ReplicationUnconfirmedError,
     StoreProtocolError,
 )
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
@@ -142,8 +143,9 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         commit_retries: int = 1,
         nonce_ttl_s: int | None = None,
         compress_checkpoints: bool = True,
+        min_replicas_ack: int = 0,
+        replicas_ack_timeout_ms: int = 1000,
     ) -> None:
-        super().__init__(client)
         for name, value, low in (
             ("max_checkpoint_bytes", max_checkpoint_bytes, 1),
             ("max_scenario_bytes", max_scenario_bytes, 1),
@@ -154,6 +156,18 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
                 raise ConfigurationError(f"{name} must be an integer >= {low}", field=name)
         if nonce_ttl_s is not None and (not isinstance(nonce_ttl_s, int) or nonce_ttl_s < 1):
             raise ConfigurationError("nonce_ttl_s must be a positive integer or None")
+        for name, value, low in (
+            ("min_replicas_ack", min_replicas_ack, 0),
+            ("replicas_ack_timeout_ms", replicas_ack_timeout_ms, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigurationError(f"{name} must be an integer >= {low}", field=name)
+        if min_replicas_ack and isinstance(client, RedisCluster):
+            raise ConfigurationError(
+                "min_replicas_ack is not supported on Redis Cluster (see docs/scale.md)",
+                field="min_replicas_ack",
+            )
+        super().__init__(client)
         # On a single Redis the lease and create scripts update the cross-run indexes
         # themselves (one round trip, one fsync); in Redis Cluster those live in other
         # slots, so they are separate calls after the script.
@@ -164,6 +178,10 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         self.commit_retries = commit_retries
         self.nonce_ttl_s = nonce_ttl_s
         self.compress_checkpoints = bool(compress_checkpoints)
+        #: Replicas that must confirm a create or commit before it counts as acknowledged
+        #: (``WAIT``; 0: the primary's own reply, AOF, is the acknowledgement).
+        self.min_replicas_ack = min_replicas_ack
+        self.replicas_ack_timeout_ms = replicas_ack_timeout_ms
         #: Drill hook ``(run_id, commit_id) -> drop the reply?`` (see the module docstring).
         self.reply_hook: Callable[[str, str], bool] | None = None
 
@@ -192,7 +210,8 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         ``phase`` is the phase the first checkpoint is in (a new run's is ``running``):
         the run is listed under it from now on. Retrying with the same ``commit_id`` after
         a lost reply reports ``already_applied``. Raises RunExistsError,
-        CheckpointTooLargeError, ContractError, StoreUnavailableError, StoreProtocolError.
+        CheckpointTooLargeError, ContractError, StoreUnavailableError, StoreProtocolError,
+        ReplicationUnconfirmedError (``min_replicas_ack``: created on the primary only).
         """
         keys = run_keys(run_id)
         check_phase(phase)
@@ -205,31 +224,32 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
             self._check_blob(archive_segment, run_id, "archive_segment", self.max_checkpoint_bytes)
         digest = hashlib.sha256(checkpoint).hexdigest()
         inline = self._inline_indexes
-        reply = self._run(
-            ScriptName.CREATE_RUN,
+        create_keys = [
+            keys.state,
+            keys.scenario,
+            keys.ckpt,
+            keys.history,
+            keys.commits,
+            keys.lease,
+            keys.archive,
+            keys.tombstone,
+            *([RUNS_INDEX, phase_index(phase)] if inline else []),
+        ]
+        create_args: list[str | bytes | int] = [
+            task_id,
+            env_instance_id,
+            scenario,
+            encode_checkpoint(checkpoint, compress=self.compress_checkpoints),
+            commit_id,
+            digest,
+            archive_segment,
             run_id,
-            [
-                keys.state,
-                keys.scenario,
-                keys.ckpt,
-                keys.history,
-                keys.commits,
-                keys.lease,
-                keys.archive,
-                keys.tombstone,
-                *([RUNS_INDEX, phase_index(phase)] if inline else []),
-            ],
-            [
-                task_id,
-                env_instance_id,
-                scenario,
-                encode_checkpoint(checkpoint, compress=self.compress_checkpoints),
-                commit_id,
-                digest,
-                archive_segment,
-                run_id,
-                phase,
-            ],
+            phase,
+        ]
+        reply, counted = self._call(
+            ScriptName.CREATE_RUN.value,
+            run_id,
+            lambda: self._run_acked(ScriptName.CREATE_RUN, create_keys, create_args, hot=False),
         )
         created = decode_create(reply, run_id)
         if not inline or created.already_applied:
@@ -251,6 +271,7 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
                     run_id,
                     lambda: self._client.zadd(phase_index(now_phase), {run_id: at_ms}, nx=True),
                 )
+        self._check_acked(run_id, counted, wrote=not created.already_applied, commit_id=commit_id)
         return created
 
     def read_run(
@@ -573,6 +594,8 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
         ``nonces`` are claimed globally for this run first, then consumed in the commit
         itself. A lost reply is retried ``commit_retries`` times with the same commit id;
         a retry that finds the commit applied returns it with ``already_applied=True``.
+        With ``min_replicas_ack``, a commit applied on the primary that too few replicas
+        confirmed raises ReplicationUnconfirmedError (see docs/scale.md).
         ``finished=True`` takes the run off the expiry index after the commit. ``segment``
         (when not empty) is appended to the run's archive in the same script. ``phase``
         (when not empty) is the phase the checkpoint is in (see :meth:`prepare_commit`).
@@ -679,7 +702,7 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
             # before the reply arrived. Re-sending the same commit ids either applies
             # them now or answers already_applied; nothing applies twice.
             try:
-                reply = self._runner.run(ScriptName.COMMIT, keys, args, hot=True)
+                reply, counted = self._run_acked(ScriptName.COMMIT, keys, args)
             except ResponseError as exc:
                 full = store_full(exc, "the commit", run_id)
                 if full is not None:
@@ -714,7 +737,16 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
                 raise StoreProtocolError(
                     "the commit script stopped without a refusal", run_id=run_id, script="commit"
                 )
-            return results, (decode_release(entries[-1], lease) if release else None)
+            released = decode_release(entries[-1], lease) if release else None
+            self._check_acked(
+                run_id,
+                counted,
+                wrote=any(not r.already_applied for r in results),
+                commit_id=commits[-1].commit_id,
+                generation=commits[-1].generation,
+                lease_version=lease.lease_version,
+            )
+            return results, released
         raise CommitOutcomeUnknownError(
             "no reply to the commit; re-read the run before acting",
             run_id=run_id,
@@ -722,6 +754,48 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
             generation=commits[-1].generation,
             lease_version=lease.lease_version,
             cause=type(last).__name__,
+        )
+
+    # -- the acknowledgement rule (docs/scale.md) ---------------------------------------
+
+    def _run_acked(
+        self,
+        name: ScriptName,
+        keys: Sequence[str],
+        args: Sequence[str | bytes | int],
+        *,
+        hot: bool = True,
+    ) -> tuple[Any, int | None]:
+        """Run a writing script; with the replica rule, ``WAIT`` on the same connection in
+        the same round trip. Returns ``(reply, replicas counted or None)``."""
+        if not self.min_replicas_ack:
+            return self._runner.run(name, keys, args, hot=hot), None
+        return self._runner.run_and_wait(
+            name,
+            keys,
+            args,
+            replicas=self.min_replicas_ack,
+            timeout_ms=self.replicas_ack_timeout_ms,
+        )
+
+    def _check_acked(self, run_id: str, counted: int | None, *, wrote: bool, **ids: Any) -> None:
+        """Raise ReplicationUnconfirmedError unless the rule is off, or this connection
+        wrote and ``WAIT`` counted enough replicas. A call that wrote nothing (every
+        commit ``already_applied``: a retry, maybe on a new connection) has a count that
+        says nothing about the commit, so it is unconfirmed too."""
+        if counted is None:
+            return
+        if wrote and counted >= self.min_replicas_ack:
+            return
+        raise ReplicationUnconfirmedError(
+            f"{counted} of {self.min_replicas_ack} replicas confirmed the write within "
+            f"{self.replicas_ack_timeout_ms} ms"
+            if wrote
+            else "the write was applied by an earlier call; no replica count covers it",
+            run_id=run_id,
+            replicas_acked=counted if wrote else 0,
+            replicas_required=self.min_replicas_ack,
+            **ids,
         )
 
     # -- cross-run indexes --------------------------------------------------------------

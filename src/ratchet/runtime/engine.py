@@ -47,6 +47,7 @@ from ratchet.errors import (
     IdempotencyConflictError,
     InvalidTransitionError,
     OutcomeUnknownError,
+    ReplicationUnconfirmedError,
 )
 from ratchet.runtime import effects, machine
 from ratchet.runtime.actions import Action
@@ -428,6 +429,10 @@ class RunEngine:
         try:
             try:
                 yield Commit(self.key, tuple(batch))
+            except ReplicationUnconfirmedError:
+                # Applied on the primary, not confirmed by the replicas the fleet asks
+                # for: reading the primary back cannot settle that, so it is never adopted.
+                raise
             except CommitOutcomeUnknownError:
                 yield Reached(CrashWindow.COMMIT_REPLY_LOST)
                 stored = cast(StoredCheckpoint, (yield Load(self.key)))
