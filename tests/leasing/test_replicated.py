@@ -106,6 +106,27 @@ def test_without_the_rule_the_same_paused_replica_does_not_hold_a_commit_up(
         replica.resume()
 
 
+def test_a_lease_no_replica_confirms_is_unconfirmed_and_a_held_one_writes_nothing(
+    topology: LocalReplicated, new_run_id: Callable[[], str]
+) -> None:
+    """An acquire confirmed by the replicas also confirms the checkpoint it restores (one
+    ordered stream); one that is not must not be used."""
+    store = _store(topology, min_replicas_ack=1, replicas_ack_timeout_ms=200)
+    run_id = new_run_id()
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+    (replica,) = topology.replicas
+    replica.pause()
+    try:
+        with pytest.raises(ReplicationUnconfirmedError) as caught:
+            store.acquire(run_id, owner="w1", ttl_ms=600_000)
+        # Held (on the primary) by w1 now: another worker's try writes nothing, so it is
+        # answered as held, not as unconfirmed.
+        assert store.acquire(run_id, owner="w2", ttl_ms=600_000) is None
+    finally:
+        replica.resume()
+    assert caught.value.lease_version > 0
+
+
 def test_a_create_no_replica_confirms_is_unconfirmed_too(
     topology: LocalReplicated, new_run_id: Callable[[], str]
 ) -> None:
@@ -140,9 +161,8 @@ def test_commits_the_replica_confirmed_survive_the_primary_killed_and_a_failover
     # No replica is left to confirm anything: the next commit is applied, unconfirmed.
     with pytest.raises(ReplicationUnconfirmedError):
         run.commit(b"ckpt-22")  # type: ignore[attr-defined]
-    # The old primary comes back with its AOF; Sentinel makes it the new one's replica.
-    old.start()
-    topology.wait_in_sync()
+    # The old primary comes back on its folder as the new one's replica.
+    topology.rejoin(old)
     assert old in topology.replicas
     # As for any unknown outcome: re-read, then go on from what the store holds.
     now = store.read_run(run_id)

@@ -12,11 +12,13 @@ import pytest
 from pydantic import SecretStr
 
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.chaos.hooks import DrillHooks
 from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisStore
 from ratchet.ops import inspect_run, submit
+from ratchet.runtime import CrashWindow
 from ratchet.testing.sentinel import LocalReplicated
 from ratchet.worker.job import execute_run
 from tests.conftest import test_sandbox_mode
@@ -60,11 +62,19 @@ def test_a_job_whose_commit_no_replica_confirmed_stops_before_any_effect(
     root = make_greeting_workspace(tmp_path / "ws")
     run_id = submit(fleet, greeting_document(root))
     (replica,) = topology.replicas
-    replica.pause()  # connected, confirming nothing
+    paused: list[CrashWindow] = []
+
+    def pause_once(window: CrashWindow) -> None:
+        # After the acquire and the restore (both confirmed), before the first proposal.
+        if window is CrashWindow.BEFORE_PROPOSAL and not paused:
+            replica.pause()  # connected, confirming nothing
+            paused.append(window)
+
     try:
-        report = execute_run(fleet, run_id, owner="w-1")
+        report = execute_run(fleet, run_id, owner="w-1", hooks=DrillHooks(probe=pause_once))
     finally:
         replica.resume()
+    assert paused
     # The engine did not read the commit back from the primary and adopt it: the job
     # ended at the first unconfirmed commit, before its write reached the workspace.
     assert report.outcome == "lease_lost"
@@ -81,3 +91,21 @@ def test_a_job_whose_commit_no_replica_confirmed_stops_before_any_effect(
     assert _effects(root) == 1
     assert (root / "app.py").read_text() == RIGHT_GREETING
     assert inspect_run(fleet, run_id).state.phase.value == "completed"
+
+
+def test_a_lease_no_replica_confirmed_is_not_used_to_restore_or_write(
+    topology: LocalReplicated, tmp_path: Path
+) -> None:
+    fleet = _fleet(topology, tmp_path)
+    root = make_greeting_workspace(tmp_path / "ws")
+    run_id = submit(fleet, greeting_document(root))
+    generation = fleet.store.read_run(run_id).generation
+    (replica,) = topology.replicas
+    replica.pause()
+    try:
+        report = execute_run(fleet, run_id, owner="w-1")
+    finally:
+        replica.resume()
+    assert (report.outcome, report.detail) == ("lease_lost", "store: ReplicationUnconfirmedError")
+    assert fleet.store.read_run(run_id).generation == generation  # nothing committed
+    assert _effects(root) == 0

@@ -25,6 +25,9 @@ Commands::
     ratchet redis acl --out DIR | load-scripts least-privilege Redis users
     ratchet drill [--faults F] [--seed S]      a chaos drill on real processes
     ratchet sim [--schedules N] [--seed S]     the deterministic simulator (ratchet[sim])
+    ratchet dev topology replicated | cluster --dir DIR
+                                               a many-server Redis on loopback, until
+                                               SIGINT or SIGTERM
     ratchet version
 
 Every command that prints a report takes ``--json`` and then prints exactly one JSON
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 from ratchet.cli import access as _access  # noqa: F401 - registers ratchet redis ...
 from ratchet.cli import console as _console  # noqa: F401 - registers ratchet console
+from ratchet.cli import dev as _dev  # noqa: F401 - registers ratchet dev topology ...
 from ratchet.cli import drill as _drill  # noqa: F401 - registers the drill command
 from ratchet.cli import fleet as _fleet  # noqa: F401 - registers the fleet commands
 from ratchet.cli import health as _health  # noqa: F401 - registers ratchet health

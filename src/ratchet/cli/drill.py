@@ -52,6 +52,23 @@ def drill(
             "--redis-server", help="redis-server binary (7.0+ enables the rollback fault)."
         ),
     ] = None,
+    topology: Annotated[
+        str,
+        typer.Option(
+            help="single: one Redis (every fault); replicated: a primary, a replica and "
+            "three Sentinels, redis-kill is a failover (worker faults, duplicate-enqueue, "
+            "cancel and redis-kill only)."
+        ),
+    ] = "single",
+    min_replicas_ack: Annotated[
+        int,
+        typer.Option(
+            "--min-replicas-ack",
+            min=0,
+            max=16,
+            help="The fleet's RATCHET_MIN_REPLICAS_ACK (replicated topology).",
+        ),
+    ] = 0,
     as_json: JsonFlag = False,
 ) -> None:
     """Start Redis, the orders service and worker processes, inject faults from a seeded
@@ -70,6 +87,8 @@ def drill(
         folder=folder,
         think_ms=think_ms,
         redis_server=redis_server,
+        topology=topology,
+        min_replicas_ack=min_replicas_ack,
     )
     if as_json:
         report = run_drill(options)

@@ -73,12 +73,35 @@ def find_redis_cli(server_executable: str) -> str:
     return found
 
 
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
+#: A cluster node's bus listens on its port + 10000, so Redis refuses a cluster port
+#: above 55535, and the kernel's ephemeral range (up to 60999 on Linux) reaches past it.
+CLUSTER_BUS_OFFSET = 10_000
+
+
+def free_port(*, cluster: bool = False) -> int:
+    """A TCP port on loopback that was free a moment ago; with ``cluster``, one whose bus
+    port (+10000) is in range and was free too. Raises ConfigurationError when none is
+    found (cluster only)."""
+    if not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            port: int = sock.getsockname()[1]
+            return port
+    for _ in range(200):
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as node,
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bus,
+        ):
+            node.bind((LOOPBACK, 0))
+            port = node.getsockname()[1]
+            if port + CLUSTER_BUS_OFFSET > 65_535:
+                continue
+            try:
+                bus.bind((LOOPBACK, port + CLUSTER_BUS_OFFSET))
+            except OSError:
+                continue
+            return port
+    raise ConfigurationError("found no free port for a cluster node and its bus")
 
 
 class RedisServer:
@@ -104,7 +127,7 @@ class RedisServer:
         self.detached = detached
         self.executable = find_redis_server(executable)
         self._auto_port = port is None
-        self.port = port if port is not None else free_port()
+        self.port = port if port is not None else free_port(cluster=cluster)
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.cluster = cluster
@@ -200,7 +223,7 @@ class RedisServer:
                 self.kill()
                 if attempt + 1 == attempts:
                     raise
-                self.port = free_port()
+                self.port = free_port(cluster=self.cluster)
                 continue
             break
         # After the first start the port is fixed: restarts come back on the same one.

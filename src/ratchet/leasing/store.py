@@ -308,23 +308,34 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
     def try_acquire(self, run_id: str, *, owner: str, ttl_ms: int) -> LeasedRun | LeaseHolder:
         """Acquire the lease, or return who holds it and until when.
 
-        Raises RunNotFoundError, ContractError, StoreUnavailableError, StoreProtocolError.
+        With ``min_replicas_ack``, an acquired lease counts only once ``WAIT`` confirmed
+        it: the replication stream is one ordered log, so that also confirms every commit
+        before it, the checkpoint this lease is about to restore included (a previous
+        owner's commit that stayed unconfirmed is never acted on until it is confirmed).
+
+        Raises RunNotFoundError, ContractError, StoreUnavailableError, StoreProtocolError,
+        ReplicationUnconfirmedError (the lease is taken on the primary only: do not use
+        it; it expires).
         """
         keys = run_keys(run_id)
         check_id(owner, "owner")
         if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
             raise ContractError("ttl_ms must be a positive integer", field="ttl_ms")
         inline = self._inline_indexes
-        reply = self._run(
-            ScriptName.ACQUIRE_LEASE,
+        acquire_keys = [keys.lease, keys.state, *([EXPIRY_INDEX] if inline else [])]
+        acquire_args: list[str | bytes | int] = [owner, ttl_ms, *([run_id] if inline else [])]
+        reply, counted = self._call(
+            ScriptName.ACQUIRE_LEASE.value,
             run_id,
-            [keys.lease, keys.state, *([EXPIRY_INDEX] if inline else [])],
-            [owner, ttl_ms, *([run_id] if inline else [])],
+            lambda: self._run_acked(
+                ScriptName.ACQUIRE_LEASE, acquire_keys, acquire_args, hot=False
+            ),
         )
         outcome = decode_acquire(reply, run_id, owner)
         if isinstance(outcome, LeaseHolder):
-            return outcome
+            return outcome  # nothing was written
         lease = outcome.lease
+        self._check_acked(run_id, counted, wrote=True, lease_version=lease.lease_version)
         if not inline:
             self._call(
                 "expiry index",

@@ -291,6 +291,19 @@ class LocalReplicated:
             time.sleep(_POLL_S)
         raise ConfigurationError("no failover within the deadline", old_port=old.port)
 
+    def rejoin(self, server: RedisServer) -> None:
+        """Start a killed ``server`` again on its own folder as a replica of the primary
+        the Sentinels name now (never as a stale primary that clients could still write
+        to before Sentinel demotes it), and wait until it is in sync."""
+        primary = self.primary
+        args = list(server.extra_args)
+        if "--replicaof" in args:
+            at = args.index("--replicaof")
+            del args[at : at + 3]
+        server.extra_args = (*args, "--replicaof", LOOPBACK, str(primary.port))
+        server.start()
+        self.wait_in_sync()
+
     def stop(self) -> None:
         for sentinel in self.sentinels:
             sentinel.stop()

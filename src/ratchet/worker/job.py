@@ -64,6 +64,7 @@ from ratchet.errors import (
     InvalidTransitionError,
     LeaseLostError,
     RatchetError,
+    ReplicationUnconfirmedError,
     ReviewDecisionError,
     RunNotFoundError,
     StoreEpochError,
@@ -212,6 +213,11 @@ def _execute(
     except RunNotFoundError:
         # An index or queue entry only says "look at run X"; there is no such run.
         return JobReport(run_id, "no_run", detail="no run with this id")
+    except ReplicationUnconfirmedError:
+        # Taken on the primary, not confirmed by the replicas the fleet asks for: what
+        # it would restore may not survive a failover. Not used; the lease expires and
+        # the reaper hands the run on.
+        return JobReport(run_id, "lease_lost", detail="store: ReplicationUnconfirmedError")
     except StoreProtocolError as exc:
         # The run's lease or state record is not what the scripts wrote (corrupted or
         # rewritten): nothing of it is used. Recorded for an operator where possible.

@@ -151,7 +151,24 @@ def _rewound(record: DrillRecord) -> dict[str, tuple[int, int]]:
     return {r: (int(v[0]), int(v[1])) for r, v in record.rollback["rewound"].items()}
 
 
-def _acks(evidence: Evidence, record: DrillRecord) -> dict[str, int]:
+def _failover_losses(record: DrillRecord, evidence: Evidence) -> dict[str, list[dict[str, Any]]]:
+    """The acks each run lost to a failover (replicated topology): made before a promotion
+    (the first one after the ack) at a generation the promoted primary did not hold."""
+    lost: dict[str, list[dict[str, Any]]] = {}
+    for ack in evidence.events.get("ack", []):
+        at = float(ack["at"])
+        failover = next((f for f in record.failovers if at < float(f["promoted_at"])), None)
+        if failover is None:
+            continue
+        run_id = str(ack["run_id"])
+        if int(ack["generation"]) > int(failover["kept"].get(run_id, 0)):
+            lost.setdefault(run_id, []).append(ack)
+    return lost
+
+
+def _acks(
+    evidence: Evidence, record: DrillRecord, failover_lost: dict[str, list[dict[str, Any]]]
+) -> dict[str, int]:
     rewound = _rewound(record)
     cut_at = record.rollback["at"] if record.rollback else None
     lost = lost_to_rollback = older = 0
@@ -163,7 +180,10 @@ def _acks(evidence: Evidence, record: DrillRecord) -> dict[str, int]:
         if facts is None:
             continue
         by_generation = {g: d for g, _, d in facts.history}
+        gone = failover_lost.get(run_id, [])
         for ack in acks:
+            if any(ack is g for g in gone):
+                continue  # counted apart: lost to a failover
             generation = int(ack["generation"])
             before_cut = cut_at is not None and float(ack["at"]) < cut_at
             if run_id in rewound and before_cut:
@@ -177,8 +197,8 @@ def _acks(evidence: Evidence, record: DrillRecord) -> dict[str, int]:
                 or (kept is not None and kept != ack["digest"])
             ):
                 lost += 1
-        if run_id in rewound:
-            continue  # its restores after the rollback are judged by the conflict check
+        if run_id in rewound or gone:
+            continue  # its restores after the rewind are judged by the conflict check
         for restore in evidence.events.get("restore", []):
             if restore["run_id"] != run_id:
                 continue
@@ -192,8 +212,23 @@ def _acks(evidence: Evidence, record: DrillRecord) -> dict[str, int]:
         "acked": sum(len(a) for a in acks_by_run.values()),
         "lost": lost,
         "lost_to_rollback": lost_to_rollback,
+        "lost_to_failover": sum(len(g) for g in failover_lost.values()),
         "older_restores": older,
     }
+
+
+def _failover_acks_kept(record: DrillRecord, lost: int) -> Invariant:
+    """``failover_acks_kept``, judged with the acknowledgement rule only: no ack is lost to
+    a failover. Without the rule losses are what asynchronous replication allows: the
+    figures count them (``acked_lost_to_failover``), no invariant judges them."""
+    fired = len(record.failovers)
+    return Invariant(
+        "failover_acks_kept",
+        "fail" if lost else ("pass" if fired else "unknown"),
+        f"{fired} failovers, {lost} acks lost with "
+        f"{record.options.min_replicas_ack} replicas confirming each",
+        fired,
+    )
 
 
 def _history_inversions(facts: RunFacts) -> int:
@@ -241,8 +276,14 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         )
     )
 
-    # 2. No acknowledged checkpoint lost; no restore at an older generation.
-    acks = _acks(evidence, record)
+    # 2. No acknowledged checkpoint lost; no restore at an older generation. Acks lost to
+    # a failover are counted apart; their runs are judged as rewound (6).
+    failover_lost = _failover_losses(record, evidence)
+    acks = _acks(evidence, record, failover_lost)
+    rewound = {
+        **{r: (max(int(a["generation"]) for a in gone), 0) for r, gone in failover_lost.items()},
+        **rewound,
+    }
     later_leases = _later_leases(evidence)
     takeovers = [
         e
@@ -256,10 +297,13 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
             _status(acks["lost"] + acks["older_restores"], acks["acked"] and ack_faults),
             f"{acks['acked']} acknowledged commits, {acks['lost']} lost, "
             f"{acks['older_restores']} restores below an earlier lease's ack; "
-            f"{acks['lost_to_rollback']} lost to the injected rollback (expected)",
+            f"{acks['lost_to_rollback']} lost to the injected rollback (expected), "
+            f"{acks['lost_to_failover']} to a failover",
             ack_faults,
         )
     )
+    if record.options.min_replicas_ack:
+        invariants.append(_failover_acks_kept(record, acks["lost_to_failover"]))
 
     # 3 and 4. Stale commits and writes: attempted in zombie drills, never accepted.
     commits = evidence.events.get("stale_commit", [])
@@ -483,6 +527,12 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
         "acked_checkpoints": acks["acked"],
         "acked_checkpoints_lost": acks["lost"],
         "acked_lost_to_rollback": acks["lost_to_rollback"],
+        "acked_lost_to_failover": acks["lost_to_failover"],
+        "failovers": [
+            {k: f[k] for k in ("at", "took_s", "killed_port", "promoted_port")}
+            for f in record.failovers
+        ],
+        "rewound_by_failover": sorted(failover_lost),
         "restores_at_older_generation": acks["older_restores"],
         "stuck_runs": len(stuck),
         "rewound_runs": len(rewound),

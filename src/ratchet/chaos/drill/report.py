@@ -43,6 +43,8 @@ def run_drill(options: DrillOptions, *, progress: Progress | None = None) -> dic
             "faults": sorted(options.faults),
             "seed": options.seed,
             "think_ms": options.think_ms,
+            "topology": options.topology,
+            "min_replicas_ack": options.min_replicas_ack,
         },
         "settle_bound_s": options.settle_bound_s,
         "redis_version": ".".join(map(str, record.redis.version)),

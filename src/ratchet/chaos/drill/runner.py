@@ -42,6 +42,7 @@ from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.chaos.drill.cluster import RedisChoice, choose_redis, truncate_aof
 from ratchet.chaos.drill.humans import Humans
 from ratchet.chaos.drill.netfaults import Acquires, NetFaults
+from ratchet.chaos.drill.replicated import REPLICATED_FAULTS, TOPOLOGIES, ReplicatedStore
 from ratchet.chaos.drill.reviewers import Reviewers
 from ratchet.chaos.drill.schedule import FAULTS, Schedule
 from ratchet.chaos.drill.scrape import MetricsWatch, free_port_block
@@ -108,6 +109,10 @@ class DrillOptions:
     think_ms: int = 150
     redis_server: str | None = None
     max_in_flight: int | None = None
+    # "replicated": a primary, a replica and Sentinels; redis-kill is a failover there
+    # (ratchet.chaos.drill.replicated). min_replicas_ack: the fleet's acknowledgement rule.
+    topology: str = "single"
+    min_replicas_ack: int = 0
 
     @property
     def ttl_ms(self) -> int:
@@ -129,6 +134,7 @@ class DrillRecord:
     redis: RedisChoice
     runs: dict[str, int] = field(default_factory=dict)
     redis_kills: list[float] = field(default_factory=list)
+    failovers: list[dict[str, Any]] = field(default_factory=list)  # replicated topology
     rollback: dict[str, Any] | None = None
     rollback_skipped: str | None = None
     duplicate_enqueues: list[dict[str, Any]] = field(default_factory=list)
@@ -172,6 +178,28 @@ class DrillRecord:
         return self.folder / "events"
 
 
+def _check_topology(options: DrillOptions) -> None:
+    """Raises ConfigurationError for a topology the drill does not know, or faults it
+    cannot inject on it."""
+    if options.topology not in TOPOLOGIES:
+        raise ConfigurationError(
+            f"unknown topology {options.topology!r}; known: {', '.join(TOPOLOGIES)}",
+            field="topology",
+        )
+    if options.min_replicas_ack and options.topology != "replicated":
+        raise ConfigurationError(
+            "--min-replicas-ack needs --topology replicated", field="min_replicas_ack"
+        )
+    if options.topology == "replicated":
+        other = sorted(options.faults - REPLICATED_FAULTS)
+        if other:
+            raise ConfigurationError(
+                f"faults {other} need a single Redis; the replicated topology runs: "
+                f"{', '.join(sorted(REPLICATED_FAULTS))}",
+                field="faults",
+            )
+
+
 def classify_run(fleet: Fleet, run_id: str) -> tuple[str, str]:
     """``(status, phase)``: status is terminal, waiting, frozen or active.
 
@@ -206,7 +234,7 @@ class _Drill:
         self,
         options: DrillOptions,
         record: DrillRecord,
-        server: RedisServer,
+        server: RedisServer | ReplicatedStore,
         orders: TenantOrders,
         fleet: Fleet,
         pool: WorkerPool,
@@ -508,9 +536,14 @@ class _Drill:
             )
         ):
             self.schedule.redis_kills_at.pop(0)
-            self.server.kill()
-            time.sleep(0.2)  # down long enough for workers to notice
-            self.server.start()
+            if isinstance(self.server, ReplicatedStore):
+                # The primary dies for good; Sentinel promotes the replica, and the killed
+                # server comes back as its replica.
+                self.rec.failovers.append(self.server.failover(sorted(self.rec.runs)))
+            else:
+                self.server.kill()
+                time.sleep(0.2)  # down long enough for workers to notice
+                self.server.start()
             self.rec.redis_kills.append(now)
             self.last_redis_fault = time.time()
             # No runbook step: a job lost with Redis (or with the worker that popped it) is
@@ -588,7 +621,7 @@ class _Drill:
                 # store has commits to acknowledge (runs spend stretches between jobs, and
                 # the next run may not be enqueued yet).
                 return
-        if kind == "redis-pause":
+        if kind == "redis-pause" and isinstance(self.server, RedisServer):  # single Redis only
             fault = pause_redis(
                 self.server, client, sorted(self.unsettled()), hold_s=max(2 * ttl, ttl + 1.0)
             )
@@ -994,6 +1027,7 @@ def run_drill_processes(
         else Path(tempfile.mkdtemp(prefix="ratchet-drill-"))
     )
     folder.mkdir(parents=True, exist_ok=True)
+    _check_topology(options)
     choice = choose_redis(options.redis_server, want_rollback="rollback" in options.faults)
     record = DrillRecord(folder=folder, options=options, redis=choice)
     disk: Tmpfs | None = None
@@ -1005,8 +1039,12 @@ def run_drill_processes(
             redis_dir = disk.point
         else:
             record.store_skipped["disk-full"] = skipped
+    server: Any
     try:
-        server = choice.server(redis_dir).start()
+        if options.topology == "replicated":
+            server = ReplicatedStore(redis_dir, executable=choice.executable).start()
+        else:
+            server = choice.server(redis_dir).start()
         RedisStore(server.client()).init_epoch()
     except BaseException:
         if disk is not None:
@@ -1043,6 +1081,8 @@ def run_drill_processes(
             approvers_file=humans.approvers_file,
             reviewers_file=reviewers.reviewers_file,
             workspace_busy_timeout_ms=BUSY_TIMEOUT_MS,
+            min_replicas_ack=options.min_replicas_ack,
+            replicas_ack_timeout_ms=max(50, ttl // 4),
         )  # the drill's verifier is its own grep
         fleet = Fleet.connect(settings)
         record.events_dir.mkdir(parents=True, exist_ok=True)

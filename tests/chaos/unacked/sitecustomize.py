@@ -1,0 +1,17 @@
+"""A deliberately broken build, made by the drill's self-test only: with this folder first
+on ``PYTHONPATH``, every Python process the drill starts (its workers included) takes a
+commit as acknowledged whatever ``WAIT`` counted, so the acknowledgement rule is set but
+not kept. The product has no switch for this; the break lives here, in the test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ratchet.leasing.store import RedisStore
+
+
+def _trusting(self: Any, run_id: str, counted: Any, *, wrote: bool, **ids: Any) -> None:
+    return None
+
+
+RedisStore._check_acked = _trusting  # type: ignore[method-assign]
