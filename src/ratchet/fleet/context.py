@@ -43,7 +43,7 @@ from rq.serializers import JSONSerializer
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.agents import AgentPolicy
 from ratchet.errors import ConfigurationError
-from ratchet.fleet.redisurl import redis_client
+from ratchet.fleet.redisurl import is_cluster_url, redis_client
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
 from ratchet.runtime import KeyRing, TrustRoots
@@ -274,6 +274,12 @@ class Fleet:
         # the store's least-privilege user must not have), or its own Redis (a Cluster
         # holds the state; RQ needs one server): see ratchet.leasing.acl, docs/scale.md.
         rq_url = os.environ.get("RATCHET_QUEUE_REDIS_URL", "").strip() or url
+        if is_cluster_url(rq_url):
+            raise ConfigurationError(
+                "RQ cannot use a Redis Cluster: with a redis+cluster:// store, set "
+                "RATCHET_QUEUE_REDIS_URL to a Redis server of its own",
+                field="queue_redis_url",
+            )
         rq_connection = redis_client(rq_url, socket_timeout=30, socket_connect_timeout=5)
         epoch = store.check_epoch() if check_store else None
         return cls(
