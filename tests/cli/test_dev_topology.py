@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,19 +25,10 @@ from typer.testing import CliRunner
 from ratchet.cli import app
 from ratchet.fleet.redisurl import parse_sentinel_url, redis_client
 from ratchet.leasing.server import RedisServer, free_port
+from tests.worker.fleet_harness import poll
 
 RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]
 runner = CliRunner()
-
-
-def poll(predicate: Callable[[], bool], *, deadline_s: float, what: str) -> None:
-    """Poll ``predicate`` until true; fail after ``deadline_s`` (never a fixed sleep)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def redis_processes_under(folder: Path, parent: int | None = None) -> list[int]:
