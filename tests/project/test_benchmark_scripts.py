@@ -87,6 +87,36 @@ def test_durable_steps_quick_json_reports_every_contender_as_a_rate_or_a_reason(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+def test_fleet_steps_quick_json_reports_ratchet_and_each_peer_as_a_rate_or_a_reason() -> None:
+    # The peers come with the ``bench`` extra and need PostgreSQL; without them the script
+    # must still succeed, reporting null with the reason.
+    report = _run_quick("fleet_steps.py", 200)
+    assert report["processes"] == 4
+    for key in (
+        "ratchet_fleet_steps_per_s",
+        "ratchet_single_run_steps_per_s",
+        "floor_single_run_steps_per_s",
+        "ratchet_single_run_fraction_of_floor",
+    ):
+        assert _positive(report[key]), key
+    assert report["ratchet_reason"] is None
+    assert report["ratchet_fleet_processes"] == 4
+    assert report["ratchet_commits_per_step"] == 2.0
+    rounds = report["ratchet_fleet_steps_per_s_rounds"]
+    assert isinstance(rounds, list) and len(rounds) == report["rounds"]
+    for peer in ("dbos", "langgraph_postgres"):
+        rate, ratio = report[f"{peer}_fleet_steps_per_s"], report[f"ratio_vs_{peer}_fleet"]
+        if rate is None:
+            reason = report[f"{peer}_reason"]
+            assert isinstance(reason, str) and reason, peer
+            assert ratio is None, peer
+        else:
+            assert _positive(rate), peer
+            assert _positive(ratio), peer
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_takeover_quick_json_reports_percentiles_of_real_takeovers() -> None:
     report = _run_quick("takeover.py", 200)
     kills = report["kills"]
