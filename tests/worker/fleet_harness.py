@@ -9,11 +9,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 from ratchet.chaos.hooks import from_env
+from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.ops import inspect_run
+from ratchet.ops import inspect_run, submit
 from ratchet.worker.pool import _settings_json, worker_main
 
 
@@ -83,6 +85,16 @@ def workers(settings: Settings) -> Iterator[Workers]:
         yield pool
     finally:
         pool.stop_all()
+
+
+def submit_greetings(fleet: Fleet, base: Path, n: int, think_ms: int) -> dict[str, Path]:
+    """``n`` greeting runs, each on a workspace of its own under ``base``: run id -> root."""
+    runs = {}
+    for i in range(n):
+        root = make_greeting_workspace(base / f"ws-{i}")
+        doc = greeting_document(root, agent_config={"think_ms": think_ms}, runner="python")
+        runs[submit(fleet, doc, run_id=f"r{i}-{os.getpid()}-{base.name}")] = root
+    return runs
 
 
 def phase(fleet: Fleet, run_id: str) -> str:

@@ -21,8 +21,7 @@ from ratchet.leasing import RedisServer, RedisStore, run_keys
 from ratchet.testing.cluster import LocalCluster
 from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
-from tests.worker.fleet_harness import phase, poll, workers
-from tests.worker.test_fleet import submit_greetings
+from tests.worker.fleet_harness import phase, poll, submit_greetings, workers
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

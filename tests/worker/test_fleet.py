@@ -28,6 +28,7 @@ from tests.worker.fleet_harness import (
     phase,
     poll,
     process_state,
+    submit_greetings,
     workers,
 )
 
@@ -37,15 +38,6 @@ pytestmark = pytest.mark.slow
 def journal(root: Path) -> tuple[int, int]:
     with WorkspaceAdapter(root, ["app.py"]) as adapter:
         return adapter.effects, adapter.refused_stale
-
-
-def submit_greetings(fleet: Fleet, base: Path, n: int, think_ms: int) -> dict[str, Path]:
-    runs = {}
-    for i in range(n):
-        root = make_greeting_workspace(base / f"ws-{i}")
-        doc = greeting_document(root, agent_config={"think_ms": think_ms}, runner="python")
-        runs[submit(fleet, doc, run_id=f"r{i}-{os.getpid()}-{base.name}")] = root
-    return runs
 
 
 def owners(fleet: Fleet, run_id: str) -> list[str]:
