@@ -736,9 +736,39 @@ def _dbos(work: Path, steps: int, effect: str) -> Contender:
 
 def _langgraph(work: Path, steps: int, effect: str) -> Contender:
     import sqlite3
-    import uuid
 
     from langgraph.checkpoint.sqlite import SqliteSaver
+
+    conn = sqlite3.connect(str(work / "langgraph.sqlite"), check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    return langgraph_contender(
+        work,
+        steps,
+        effect,
+        SqliteSaver(conn),
+        close=conn.close,
+        info={"langgraph_version": _dist_version("langgraph")},
+        details={"sqlite_journal_mode": "wal", "sqlite_synchronous": "full"},
+    )
+
+
+def langgraph_contender(
+    work: Path,
+    steps: int,
+    effect: str,
+    saver: Any,
+    *,
+    close: Callable[[], None],
+    info: dict[str, Any],
+    details: dict[str, Any],
+) -> Contender:
+    """The LangGraph contender on ``saver``: a graph whose node performs the write and
+    loops back to itself ``steps`` times, invoked with ``durability="sync"``; the saver's
+    ``put`` and ``put_writes`` are counted. ``close`` releases the saver's connection at
+    the end; ``details`` join the figures then (``fleet_steps.py`` passes PostgresSaver)."""
+    import uuid
+
     from langgraph.graph import END, START, StateGraph
 
     body = payload_text(PAYLOAD_BYTES)
@@ -762,10 +792,6 @@ def _langgraph(work: Path, steps: int, effect: str) -> Contender:
     graph.add_node("write", write)
     graph.add_edge(START, "write")
     graph.add_conditional_edges("write", again)
-    conn = sqlite3.connect(str(work / "langgraph.sqlite"), check_same_thread=False)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
-    saver = SqliteSaver(conn)
     calls = {"put": 0, "put_writes": 0}
     put, put_writes = saver.put, saver.put_writes
 
@@ -777,8 +803,8 @@ def _langgraph(work: Path, steps: int, effect: str) -> Contender:
         calls["put_writes"] += 1
         return put_writes(*args, **kwargs)
 
-    saver.put = counted_put  # type: ignore[method-assign]
-    saver.put_writes = counted_put_writes  # type: ignore[method-assign]
+    saver.put = counted_put
+    saver.put_writes = counted_put_writes
     app = graph.compile(checkpointer=saver)
     done = {"steps": 0}
 
@@ -796,14 +822,13 @@ def _langgraph(work: Path, steps: int, effect: str) -> Contender:
 
     def finish() -> dict[str, Any]:
         n = done["steps"] or 1
-        conn.close()
+        close()
         return {
             "checkpointer_writes_per_step": round((calls["put"] + calls["put_writes"]) / n, 3),
-            "sqlite_journal_mode": "wal",
-            "sqlite_synchronous": "full",
+            **details,
         }
 
-    return Contender(run_once, {"langgraph_version": _dist_version("langgraph")}, finish)
+    return Contender(run_once, info, finish)
 
 
 class _GraphState(TypedDict):

@@ -90,8 +90,8 @@ from durable_steps import (
     Ledger,
     _build,
     _dist_version,
-    _GraphState,
     _Unavailable,
+    langgraph_contender,
     ledger_record,
 )
 from harness import (
@@ -152,69 +152,25 @@ def _ensure_database(name: str) -> None:
 
 def _langgraph_postgres(work: Path, steps: int) -> Contender:
     """durable_steps.py's LangGraph contender with ``PostgresSaver`` for ``SqliteSaver``."""
-    import uuid
-
     from langgraph.checkpoint.postgres import PostgresSaver
-    from langgraph.graph import END, START, StateGraph
 
     _probe_postgres()
-    body = payload_text(PAYLOAD_BYTES)
-    ledger = Ledger(work / "langgraph-ledger.log")
-
-    def write(state: _GraphState) -> dict[str, Any]:
-        index = state["count"]
-        offset = ledger.append(ledger_record("write", f"{state['run']}-{index}", body))
-        return {"count": index + 1, "last": offset}
-
-    def again(state: _GraphState) -> str:
-        return "write" if state["count"] < state["limit"] else END
-
-    graph = StateGraph(_GraphState)
-    graph.add_node("write", write)
-    graph.add_edge(START, "write")
-    graph.add_conditional_edges("write", again)
     _ensure_database(LANGGRAPH_DB)
     stack = contextlib.ExitStack()
     saver = stack.enter_context(PostgresSaver.from_conn_string(LANGGRAPH_URL))
     saver.setup()
-    calls = {"put": 0, "put_writes": 0}
-    put, put_writes = saver.put, saver.put_writes
-
-    def counted_put(*args: Any, **kwargs: Any) -> Any:
-        calls["put"] += 1
-        return put(*args, **kwargs)
-
-    def counted_put_writes(*args: Any, **kwargs: Any) -> Any:
-        calls["put_writes"] += 1
-        return put_writes(*args, **kwargs)
-
-    saver.put = counted_put  # type: ignore[method-assign]
-    saver.put_writes = counted_put_writes  # type: ignore[method-assign]
-    app = graph.compile(checkpointer=saver)
-    done = {"steps": 0}
-
-    def run_once(n: int) -> int:
-        thread = uuid.uuid4().hex
-        out = app.invoke(
-            {"run": thread, "count": 0, "limit": steps, "last": 0},
-            {"configurable": {"thread_id": thread}, "recursion_limit": steps + 10},
-            durability="sync",
-        )
-        if out["count"] != steps:
-            raise RuntimeError(f"the graph stopped after {out['count']} steps")
-        done["steps"] += steps
-        return steps
-
-    def finish() -> dict[str, Any]:
-        n = done["steps"] or 1
-        stack.close()
-        return {"checkpointer_writes_per_step": round((calls["put"] + calls["put_writes"]) / n, 3)}
-
-    info = {
-        "langgraph_version": _dist_version("langgraph"),
-        "langgraph_checkpoint_postgres_version": _dist_version("langgraph-checkpoint-postgres"),
-    }
-    return Contender(run_once, info, finish)
+    return langgraph_contender(
+        work,
+        steps,
+        "ledger",
+        saver,
+        close=stack.close,
+        info={
+            "langgraph_version": _dist_version("langgraph"),
+            "langgraph_checkpoint_postgres_version": _dist_version("langgraph-checkpoint-postgres"),
+        },
+        details={},
+    )
 
 
 def _floor(url: str, work: Path, steps: int) -> Callable[[int], int]:
