@@ -69,9 +69,9 @@ from ratchet.errors import (
     ContractError,
     LeaseHeldElsewhereError,
     NonceReplayError,
-    ReplicationUnconfirmedError,
     StoreProtocolError,
 )
+from ratchet.leasing.acks import ReplicaAcks
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.identity import StoreIdentity
@@ -120,7 +120,7 @@ __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 
-class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
+class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAcks):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
     ``client`` is a ``redis.Redis``, ``redis.cluster.RedisCluster`` or
@@ -765,48 +765,6 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity):
             generation=commits[-1].generation,
             lease_version=lease.lease_version,
             cause=type(last).__name__,
-        )
-
-    # -- the acknowledgement rule (docs/scale.md) ---------------------------------------
-
-    def _run_acked(
-        self,
-        name: ScriptName,
-        keys: Sequence[str],
-        args: Sequence[str | bytes | int],
-        *,
-        hot: bool = True,
-    ) -> tuple[Any, int | None]:
-        """Run a writing script; with the replica rule, ``WAIT`` on the same connection in
-        the same round trip. Returns ``(reply, replicas counted or None)``."""
-        if not self.min_replicas_ack:
-            return self._runner.run(name, keys, args, hot=hot), None
-        return self._runner.run_and_wait(
-            name,
-            keys,
-            args,
-            replicas=self.min_replicas_ack,
-            timeout_ms=self.replicas_ack_timeout_ms,
-        )
-
-    def _check_acked(self, run_id: str, counted: int | None, *, wrote: bool, **ids: Any) -> None:
-        """Raise ReplicationUnconfirmedError unless the rule is off, or this connection
-        wrote and ``WAIT`` counted enough replicas. A call that wrote nothing (every
-        commit ``already_applied``: a retry, maybe on a new connection) has a count that
-        says nothing about the commit, so it is unconfirmed too."""
-        if counted is None:
-            return
-        if wrote and counted >= self.min_replicas_ack:
-            return
-        raise ReplicationUnconfirmedError(
-            f"{counted} of {self.min_replicas_ack} replicas confirmed the write within "
-            f"{self.replicas_ack_timeout_ms} ms"
-            if wrote
-            else "the write was applied by an earlier call; no replica count covers it",
-            run_id=run_id,
-            replicas_acked=counted if wrote else 0,
-            replicas_required=self.min_replicas_ack,
-            **ids,
         )
 
     # -- cross-run indexes --------------------------------------------------------------
