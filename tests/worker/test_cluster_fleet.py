@@ -18,6 +18,7 @@ from ratchet.fleet.context import Fleet
 from ratchet.fleet.redisurl import parse_cluster_url
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore, run_keys
+from ratchet.ops.reindex import index_phases
 from ratchet.testing.cluster import LocalCluster
 from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
@@ -97,6 +98,13 @@ def test_a_fleet_on_a_cluster_finishes_every_run_across_a_master_killed_and_rest
         with WorkspaceAdapter(root, ["app.py"]) as adapter:
             assert adapter.effects == 1, run_id
         assert (root / "app.py").read_text() == RIGHT_GREETING
+    # A commit that moved a run's phase while the master holding the phase indexes was
+    # down applied, but its index move (a separate call on a Cluster) did not: the run
+    # stays listed under its old phase, never nowhere, until `ratchet store init`
+    # reindexes from the verified checkpoints (docs/redis.md, "Listings").
+    counts = fleet.store.phase_counts()
+    assert counts["completed"] + counts["running"] == len(runs)
+    index_phases(fleet)
     assert fleet.store.phase_counts()["completed"] == len(runs)
 
 
