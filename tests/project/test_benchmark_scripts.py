@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,19 @@ def _positive(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
+def _rate_or_reason(report: dict[str, Any], peer: str, rate_key: str, ratio_key: str) -> None:
+    """A peer that ran reports a positive rate and ratio; one that could not, null and a
+    reason."""
+    rate, ratio = report[rate_key], report[ratio_key]
+    if rate is None:
+        reason = report[f"{peer}_reason"]
+        assert isinstance(reason, str) and reason, peer
+        assert ratio is None, peer
+    else:
+        assert _positive(rate), peer
+        assert _positive(ratio), peer
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_durable_steps_quick_json_reports_every_contender_as_a_rate_or_a_reason() -> None:
@@ -75,14 +89,7 @@ def test_durable_steps_quick_json_reports_every_contender_as_a_rate_or_a_reason(
     assert report["ratchet_round_trips_per_step"] == 1.05
     assert _positive(report["ratchet_separate_steps_per_s"])
     for peer in ("dbos", "langgraph"):
-        rate, ratio = report[f"{peer}_steps_per_s"], report[f"ratio_vs_{peer}"]
-        if rate is None:
-            reason = report[f"{peer}_reason"]
-            assert isinstance(reason, str) and reason, peer
-            assert ratio is None, peer
-        else:
-            assert _positive(rate), peer
-            assert _positive(ratio), peer
+        _rate_or_reason(report, peer, f"{peer}_steps_per_s", f"ratio_vs_{peer}")
 
 
 @pytest.mark.slow
@@ -105,14 +112,7 @@ def test_fleet_steps_quick_json_reports_ratchet_and_each_peer_as_a_rate_or_a_rea
     rounds = report["ratchet_fleet_steps_per_s_rounds"]
     assert isinstance(rounds, list) and len(rounds) == report["rounds"]
     for peer in ("dbos", "langgraph_postgres"):
-        rate, ratio = report[f"{peer}_fleet_steps_per_s"], report[f"ratio_vs_{peer}_fleet"]
-        if rate is None:
-            reason = report[f"{peer}_reason"]
-            assert isinstance(reason, str) and reason, peer
-            assert ratio is None, peer
-        else:
-            assert _positive(rate), peer
-            assert _positive(ratio), peer
+        _rate_or_reason(report, peer, f"{peer}_fleet_steps_per_s", f"ratio_vs_{peer}_fleet")
 
 
 @pytest.mark.slow

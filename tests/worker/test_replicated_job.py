@@ -4,7 +4,6 @@ commit no replica confirmed is never acted on."""
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ratchet.testing.sentinel import LocalReplicated
 from ratchet.worker.job import execute_run
 from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
+from tests.worker.fleet_harness import poll
 
 
 @pytest.fixture
@@ -81,11 +81,11 @@ def test_a_job_whose_commit_no_replica_confirmed_stops_before_any_effect(
     assert report.detail == "store: ReplicationUnconfirmedError"
     assert _effects(root) == 0
     # Once the replica confirms again, the next owner finishes the run with one write.
-    end = time.monotonic() + 10
-    while fleet.store.read_run(run_id).lease_live:
-        if time.monotonic() > end:
-            raise AssertionError("the lease did not expire")
-        time.sleep(0.02)
+    poll(
+        lambda: not fleet.store.read_run(run_id).lease_live,
+        deadline_s=10,
+        what="the unused lease expired",
+    )
     done = execute_run(fleet, run_id, owner="w-2")
     assert (done.outcome, done.phase) == ("finished", "completed")
     assert _effects(root) == 1

@@ -151,17 +151,13 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
             ("max_scenario_bytes", max_scenario_bytes, 1),
             ("history_limit", history_limit, 1),
             ("commit_retries", commit_retries, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigurationError(f"{name} must be an integer >= {low}", field=name)
-        if nonce_ttl_s is not None and (not isinstance(nonce_ttl_s, int) or nonce_ttl_s < 1):
-            raise ConfigurationError("nonce_ttl_s must be a positive integer or None")
-        for name, value, low in (
             ("min_replicas_ack", min_replicas_ack, 0),
             ("replicas_ack_timeout_ms", replicas_ack_timeout_ms, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"{name} must be an integer >= {low}", field=name)
+        if nonce_ttl_s is not None and (not isinstance(nonce_ttl_s, int) or nonce_ttl_s < 1):
+            raise ConfigurationError("nonce_ttl_s must be a positive integer or None")
         if min_replicas_ack and isinstance(client, RedisCluster):
             raise ConfigurationError(
                 "min_replicas_ack is not supported on Redis Cluster (see docs/scale.md)",

@@ -181,8 +181,9 @@ def _acks(
             continue
         by_generation = {g: d for g, _, d in facts.history}
         gone = failover_lost.get(run_id, [])
+        gone_ids = {id(a) for a in gone}
         for ack in acks:
-            if any(ack is g for g in gone):
+            if id(ack) in gone_ids:
                 continue  # counted apart: lost to a failover
             generation = int(ack["generation"])
             before_cut = cut_at is not None and float(ack["at"]) < cut_at
