@@ -15,6 +15,7 @@ from ratchet.errors import CheckpointError, CheckpointTooLargeError, InvariantVi
 from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario, restore_checkpoint
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.checkpoint import run_key, seal_checkpoint
+from ratchet.runtime.history import grow, key_positions
 from ratchet.runtime.signing import parse_envelope, seal_envelope
 from ratchet.runtime.state import TraceEvent, TraceOutcome, check_invariants
 from tests.runtime.world import CHECKPOINT_SECRET, OTHER_SECRET, World, resign, scenario_data
@@ -202,10 +203,16 @@ def test_a_key_executed_twice_is_refused_whatever_was_checked_before(
 ) -> None:
     assert engine.state.executed, "the fixture's run has executed a write"
     again = engine.state.executed[-1].model_copy(update={"action_id": "a-again"})
-    doubled = engine.state.model_copy(update={"executed": (*engine.state.executed, again)})
-    for previous in (None, engine.state):
-        with pytest.raises(InvariantViolation, match="executed twice"):
-            check_invariants(doubled, world.scenario, previous=previous)
+    key_positions(engine.state.executed)  # an index grow() then extends in place
+    for executed in (
+        (*engine.state.executed, again),  # a tuple the history tables never saw
+        grow(engine.state.executed, again),  # the runtime's own append
+    ):
+        doubled = engine.state.model_copy(update={"executed": executed})
+        for previous in (None, engine.state):
+            with pytest.raises(InvariantViolation, match="executed twice"):
+                check_invariants(doubled, world.scenario, previous=previous)
+        assert doubled.cached(again.idempotency_key) is engine.state.executed[-1]
 
 
 def test_a_schema_invalid_state_does_not_advance_the_high_water_mark(

@@ -23,6 +23,7 @@ from ratchet.runtime.evidence import (
     ReviewVerdict,
     TrustRoots,
 )
+from ratchet.runtime.history import grow
 from ratchet.runtime.ports import Observation, ReadResult, Receipt, VerifierReport
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.state import (
@@ -224,7 +225,7 @@ def complete_write(
             state,
             event,
             pending=None,
-            executed=(*state.executed, entry),
+            executed=grow(state.executed, entry),
             plan_cursor=state.plan_cursor + 1,
         )
     if not fresh and expected is not None:
@@ -251,7 +252,7 @@ def complete_write(
         moved,
         event,
         pending=None,
-        executed=(*state.executed, entry),
+        executed=grow(state.executed, entry),
         last_write_env_version=observed.version,
         verification=None,
         plan_cursor=state.plan_cursor + 1,

@@ -18,7 +18,6 @@ not phase events and never go through the table.
 
 from __future__ import annotations
 
-import operator
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -27,6 +26,7 @@ from pydantic import Field, Strict
 from ratchet.errors import InvalidTransitionError, InvariantViolation
 from ratchet.runtime.actions import Action
 from ratchet.runtime.evidence import ApprovalEvidence, RebaselineDecision, ReviewDecision
+from ratchet.runtime.history import extends, key_positions, position
 from ratchet.runtime.ports import Observation, Receipt, VerifierReport
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.types import Digest, Frozen, Identifier, JsonObject, NonNegInt, PosInt
@@ -254,18 +254,13 @@ class RunState(Frozen):
     trace: tuple[TraceEvent, ...] = ()
 
     def cached(self, key: str) -> ExecutedWrite | None:
-        executed = self.executed
-        try:  # the search runs in C: a proposal's cost must not grow with the run
-            return executed[list(map(_KEY_OF, executed)).index(key)]
-        except ValueError:
-            return None
+        # An index kept along the run's history: a proposal's cost must not grow with it.
+        found = position(self.executed, key)
+        return None if found is None else self.executed[found]
 
     @property
     def next_seq(self) -> int:
         return len(self.trace) + 1
-
-
-_KEY_OF = operator.attrgetter("idempotency_key")
 
 
 def _fail(message: str, **context: object) -> InvariantViolation:
@@ -297,13 +292,7 @@ def check_invariants(
     if previous is not None and state.document_digest != previous.document_digest:
         raise _fail("the run document's digest changed", field="document_digest")
     trace, checked = state.trace, 0
-    if (
-        previous is not None
-        and len(previous.trace) <= len(trace)
-        and (
-            trace[: len(previous.trace)] == previous.trace  # C; identity first
-        )
-    ):
+    if previous is not None and extends(trace, previous.trace):
         checked = len(previous.trace)
     for index in range(checked, len(trace)):
         if trace[index].seq != index + 1:
@@ -315,20 +304,16 @@ def check_invariants(
         raise _fail("usage exceeds the cost budget", field="usage")
     if state.usage.steps > state.usage.proposals:
         raise _fail("more steps than proposals", field="usage")
-    known = 0
-    if (
-        previous is not None
-        and len(previous.executed) <= len(state.executed)
-        and (
-            state.executed[: len(previous.executed)] == previous.executed  # C; identity first
-        )
-    ):
-        known = len(previous.executed)
-    if known < len(state.executed):  # the entries last checked had unique keys
-        keys = list(map(_KEY_OF, state.executed))
-        if len(set(keys)) != len(keys):
-            raise _fail("an idempotency key was executed twice", field="executed")
-    for entry in state.executed[known:]:
+    executed, known = state.executed, 0
+    if previous is not None and extends(executed, previous.executed):
+        known = len(previous.executed)  # checked then: unique keys, receipts that match
+    if known < len(executed):
+        # A key is unique when its first position is its own.
+        positions = key_positions(executed)
+        for offset in range(known, len(executed)):
+            if positions.get(executed[offset].idempotency_key) != offset:
+                raise _fail("an idempotency key was executed twice", field="executed")
+    for entry in executed[known:]:
         if entry.receipt.idempotency_key != entry.idempotency_key:
             raise _fail("cached receipt names another key", field="executed")
         if entry.receipt.intent_digest != entry.intent_digest:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ratchet.runtime.actions import Action
+from ratchet.runtime.history import grow
 from ratchet.runtime.state import RunState, TraceEvent, TraceOutcome
 
 __all__ = ["append_event", "make_event"]
@@ -37,4 +38,4 @@ def make_event(
 
 def append_event(state: RunState, event: TraceEvent, **changes: Any) -> RunState:
     """Return ``state`` with ``changes`` applied and ``event`` appended to the trace."""
-    return state.model_copy(update={**changes, "trace": (*state.trace, event)})
+    return state.model_copy(update={**changes, "trace": grow(state.trace, event)})
