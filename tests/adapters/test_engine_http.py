@@ -5,6 +5,8 @@ fails closed."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -240,3 +242,30 @@ def test_an_order_placed_by_another_caller_between_checkpoints_fails_recovery_cl
     with pytest.raises(CheckpointError) as caught:
         run.resume(lease_version=2)
     assert caught.value.reason == "environment"  # type: ignore[attr-defined]
+
+
+def test_closing_the_router_closes_every_part(tmp_path: Path, orders: ServiceBox) -> None:
+    """A worker closes its job's adapter at the job's end: with a workspace and an HTTP
+    API that is a router, and each part's files and sockets must go with it (before, the
+    router had no close: every such job left the workspace's lock file and journal open)."""
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def one_job() -> None:
+        router = RouterAdapter(WorkspaceAdapter(root, ["app.py"]), HttpAdapter(orders.url))
+        router.observe()  # the journal open, a read connection kept
+        router.close()
+
+    root = tmp_path / "ws"
+    root.mkdir()
+    one_job()  # whatever the first use opens for good (a library's own files)
+    before = open_fds()
+    for _ in range(5):
+        one_job()
+    # The service runs in this process: its side of each connection closes on its own
+    # thread once it sees the client's close. Poll for that, with a deadline.
+    deadline = time.monotonic() + 10
+    while open_fds() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert open_fds() == before

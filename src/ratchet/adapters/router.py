@@ -68,6 +68,22 @@ class RouterAdapter:
     def namespace(self) -> str:
         return self._namespace
 
+    def close(self) -> None:
+        """Close every part that can be closed (the workspace's journal and lock, the
+        HTTP API's kept connection, the tools' connections and ledger), each one even when
+        an earlier one failed; the first failure is raised once all were tried."""
+        failure: Exception | None = None
+        for part in self._named.values():
+            close = getattr(part, "close", None)
+            if not callable(close):
+                continue
+            try:
+                close()
+            except Exception as exc:  # every part is closed first
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
     def _route(self, action: Action) -> str:
         if not action.is_builtin:
             name = "tools"
