@@ -211,3 +211,38 @@ def test_the_reference_service_runs_as_its_own_process_for_the_drills(tmp_path: 
     finally:
         proc.kill()
         proc.communicate(timeout=30)
+
+
+def test_reads_share_one_kept_connection_and_writes_each_open_their_own(
+    orders: ServiceBox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import http.client
+
+    opened: list[str] = []
+    connect = http.client.HTTPConnection.connect
+
+    def counted(self: http.client.HTTPConnection) -> None:
+        opened.append("connect")
+        connect(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", counted)
+    adapter = HttpAdapter(orders.url)
+    identity = adapter.observe()
+    for _ in range(4):
+        assert adapter.observe() == identity
+    assert adapter.lookup("k-none") is None
+    assert len(opened) == 1  # five identity reads and a lookup on one connection
+    send(adapter, order("k-1"), fence())
+    send(adapter, order("k-2"), fence())
+    assert len(opened) == 3  # a fence and a write each time: fresh connections
+    adapter.observe()
+    assert len(opened) == 3  # the kept read connection is still there
+    # The server goes away and comes back: the kept connection is dead; the read is sent
+    # again on a fresh one, once, and succeeds.
+    orders.restart()
+    assert adapter.observe().instance_id == identity.instance_id
+    assert len(opened) == 4
+    adapter.close()
+    adapter.observe()  # usable after close: a new connection
+    assert len(opened) == 5
+    adapter.close()

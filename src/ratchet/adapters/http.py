@@ -29,7 +29,9 @@ closed, as it must for an environment others can reach.
 from __future__ import annotations
 
 import http.client
+import threading
 from collections.abc import Mapping
+from contextlib import suppress
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -99,6 +101,10 @@ class HttpAdapter:
         # A bearer token sent with every mutating request (raising a fence, a write);
         # never in a repr, a log line or an error.
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        # The connection the last read left open (reads only; see _send): one thread
+        # at a time takes it, under the lock.
+        self._kept: http.client.HTTPConnection | None = None
+        self._kept_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -111,6 +117,32 @@ class HttpAdapter:
 
     # -- transport --------------------------------------------------------------------------
 
+    def _connection(self) -> http.client.HTTPConnection:
+        conn_type = (
+            http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+        )
+        return conn_type(self._host, self._port, timeout=self._timeout)
+
+    def _exchange(
+        self,
+        conn: http.client.HTTPConnection,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+    ) -> tuple[int, bytes, bool]:
+        """One request and its whole reply: (status, body, whether the server keeps the
+        connection open). Raises _OutcomeUnknown on any transport failure."""
+        try:
+            conn.request(method, self._prefix + path, body=body, headers=dict(headers))
+            response = conn.getresponse()
+            raw = response.read(_MAX_REPLY + 1)
+            if len(raw) > _MAX_REPLY:
+                raise _OutcomeUnknown("reply too large")
+            return response.status, raw, not response.will_close
+        except (OSError, http.client.HTTPException) as exc:
+            raise _OutcomeUnknown(type(exc).__name__) from None
+
     def _send(
         self,
         method: str,
@@ -118,30 +150,58 @@ class HttpAdapter:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> tuple[int, Any]:
-        """One request on a fresh connection. Raises _OutcomeUnknown on any transport
-        failure or unreadable reply."""
-        conn_type = (
-            http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
-        )
-        conn = conn_type(self._host, self._port, timeout=self._timeout)
+        """One request. A mutating one goes on a fresh connection of its own, so a
+        transport failure is about that request alone. A read (GET) reuses the connection
+        the last read left open, and is sent once more on a fresh one when that kept
+        connection fails (the server may close an idle connection at any time; a read
+        changes nothing, so sending it again is safe). Raises _OutcomeUnknown on any
+        transport failure or unreadable reply."""
         sent = dict(headers or {})
         if method != "GET":
             sent.update(self._auth)
-        try:
-            conn.request(method, self._prefix + path, body=body, headers=sent)
-            response = conn.getresponse()
-            raw = response.read(_MAX_REPLY + 1)
-            status = response.status
-        except (OSError, http.client.HTTPException) as exc:
-            raise _OutcomeUnknown(type(exc).__name__) from None
-        finally:
-            conn.close()
-        if len(raw) > _MAX_REPLY:
-            raise _OutcomeUnknown("reply too large")
+            conn = self._connection()
+            try:
+                status, raw, _ = self._exchange(conn, method, path, body, sent)
+            finally:
+                conn.close()
+        else:
+            with self._kept_lock:
+                kept, self._kept = self._kept, None
+            status = -1
+            if kept is not None:
+                try:
+                    status, raw, keep = self._exchange(kept, method, path, body, sent)
+                except _OutcomeUnknown:
+                    kept.close()
+                    kept = None
+            if kept is None:
+                kept = self._connection()
+                try:
+                    status, raw, keep = self._exchange(kept, method, path, body, sent)
+                except _OutcomeUnknown:
+                    kept.close()
+                    raise
+            with self._kept_lock:
+                if keep and self._kept is None:
+                    self._kept, kept = kept, None
+            if kept is not None:
+                kept.close()
         try:
             return status, strict_json_loads(raw) if raw else {}
         except ContractError:
             raise _OutcomeUnknown("reply is not strict JSON") from None
+
+    def __del__(self) -> None:
+        # An adapter dropped without close() still closes its kept connection.
+        with suppress(Exception):
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection kept for reads, if any. The adapter stays usable."""
+        with self._kept_lock:
+            kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.close()
 
     def _get(self, path: str) -> tuple[int, Any]:
         try:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
+import socket
 import sqlite3
 import sys
 import threading
@@ -452,6 +453,9 @@ class _Server(ThreadingHTTPServer):
         self.token = token
         self.read_timeout_s = read_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
+        # Connections being served (kept alive between requests, too): stop() ends them,
+        # as a process that exits does.
+        self.open_requests: set[Any] = set()
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -479,9 +483,11 @@ class _Server(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        self.open_requests.add(request)
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.open_requests.discard(request)
             self._slots.release()
 
 
@@ -525,9 +531,13 @@ class RunningService:
         return f"RunningService(url={self.url!r})"
 
     def stop(self) -> None:
-        """Stop serving and close the listening socket."""
+        """Stop serving, close the listening socket and end every connection still open
+        (a client's kept-alive one included), as a process that exits does."""
         self._server.shutdown()
         self._server.server_close()
+        for request in list(self._server.open_requests):
+            with suppress(OSError):
+                request.shutdown(socket.SHUT_RDWR)
         self._thread.join()
 
     def __enter__(self) -> RunningService:

@@ -179,7 +179,14 @@ class _Routed:
 
 
 class _TenantHandler(_Handler):
+    _home: Any = None  # the tenants' server (self.server is one tenant's, once routed)
+
     def _route(self) -> bool:
+        # Each request of a kept-alive connection is routed afresh, from the tenants'
+        # server, not from the tenant the connection's previous request went to.
+        if self._home is None:
+            self._home = self.server
+        self.server = self._home
         parts = self.path.split("/", 3)  # "", "t", tenant, rest
         tenants: dict[str, OrdersService] = getattr(self.server, "tenants", {})
         if len(parts) < 4 or parts[1] != "t" or parts[2] not in tenants:
