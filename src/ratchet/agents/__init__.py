@@ -33,9 +33,9 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
+from ratchet.agents.plugins import installed_entry_points
 from ratchet.errors import ConfigurationError
 from ratchet.runtime import (
     KIND_SPECS,
@@ -287,8 +287,8 @@ class AgentPolicy:
         module_name, colon, attr = spec.partition(":")
         if not colon:
             if self.entry_points:
-                found = entry_points(group=ENTRY_POINT_GROUP, name=spec)
-                for point in found:
+                point = installed_entry_points(ENTRY_POINT_GROUP).get(spec)
+                if point is not None:
                     try:
                         loaded: AgentFactory = point.load()
                     except Exception as exc:  # a plugin's own import error, reported

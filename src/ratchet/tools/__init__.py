@@ -22,11 +22,11 @@ that fences itself), :mod:`.shell` (a command in the verifier sandbox).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from ratchet.adapters.router import RouterAdapter
+from ratchet.agents.plugins import installed_entry_points
 from ratchet.errors import ConfigurationError
 from ratchet.runtime.ports import Adapter, Clock
 from ratchet.runtime.tools import BUILTIN_TOOLS, Recovery, ToolCatalog, ToolSpec
@@ -74,11 +74,11 @@ def load_entry_point_tool(name: str, *, group: str = ENTRY_POINT_GROUP) -> Tool:
         ConfigurationError: no such entry point, it fails to load, or it is not a tool
             named ``name``.
     """
-    found = [ep for ep in entry_points(group=group) if ep.name == name]
-    if not found:
+    point = installed_entry_points(group).get(name)
+    if point is None:
         raise ConfigurationError(f"no tool {name!r} is installed ({group})", field="tools")
     try:
-        made = _as_tool(found[0].load(), f"entry point {name!r}")
+        made = _as_tool(point.load(), f"entry point {name!r}")
     except ConfigurationError:
         raise
     except Exception as exc:  # the plugin's own failure: its type only (no message)
