@@ -56,8 +56,9 @@ def drill(
         str,
         typer.Option(
             help="single: one Redis (every fault); replicated: a primary, a replica and "
-            "three Sentinels, redis-kill is a failover (worker faults, duplicate-enqueue, "
-            "cancel and redis-kill only)."
+            "three Sentinels, redis-kill is a failover; cluster: three masters and the "
+            "queue's own Redis, redis-kill crashes and restarts a master (on both: worker "
+            "faults, duplicate-enqueue, cancel and redis-kill only)."
         ),
     ] = "single",
     min_replicas_ack: Annotated[

@@ -87,10 +87,14 @@ class LocalCluster:
                 "redis-cli --cluster create failed",
                 output=done.stdout.decode(errors="replace")[-2000:],
             )
-        self._wait_ok()
+        self.wait_ok()
         return self
 
-    def _wait_ok(self) -> None:
+    def wait_ok(self) -> None:
+        """Wait until every node reports ``cluster_state:ok`` with every slot assigned
+        (after :meth:`start`, or after a node was restarted).
+
+        Raises ConfigurationError when that takes longer than ``ready_timeout_s``."""
         deadline = time.monotonic() + self.ready_timeout_s
         clients = [s.client(socket_timeout=2.0) for s in self.servers]
         try:

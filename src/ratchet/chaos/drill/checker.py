@@ -534,6 +534,10 @@ def check(record: DrillRecord, evidence: Evidence) -> Verdicts:
             for f in record.failovers
         ],
         "rewound_by_failover": sorted(failover_lost),
+        "master_kills": [
+            {k: m[k] for k in ("at", "port", "runs_on_it", "recovered_s")}
+            for m in record.master_kills
+        ],
         "restores_at_older_generation": acks["older_restores"],
         "stuck_runs": len(stuck),
         "rewound_runs": len(rewound),

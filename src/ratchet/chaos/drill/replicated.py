@@ -41,7 +41,7 @@ from ratchet.testing.sentinel import LocalReplicated
 
 __all__ = ["REPLICATED_FAULTS", "TOPOLOGIES", "ReplicatedStore"]
 
-TOPOLOGIES = ("single", "replicated")
+TOPOLOGIES = ("single", "replicated", "cluster")
 #: How long the replica is cut off before the primary dies: long enough that the primary
 #: takes commits the replica never receives (every one a loss without the rule; several
 #: times the drill's WAIT timeout, so a build that ignored WAIT's count would lose acks

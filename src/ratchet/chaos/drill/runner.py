@@ -25,6 +25,7 @@ counters against what the drill saw.
 from __future__ import annotations
 
 import json
+import os
 import random
 import secrets
 import tempfile
@@ -40,6 +41,7 @@ from redis.exceptions import RedisError
 
 from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.chaos.drill.cluster import RedisChoice, choose_redis, truncate_aof
+from ratchet.chaos.drill.clustered import CLUSTER_FAULTS, ClusterStore
 from ratchet.chaos.drill.humans import Humans
 from ratchet.chaos.drill.netfaults import Acquires, NetFaults
 from ratchet.chaos.drill.replicated import REPLICATED_FAULTS, TOPOLOGIES, ReplicatedStore
@@ -110,7 +112,9 @@ class DrillOptions:
     redis_server: str | None = None
     max_in_flight: int | None = None
     # "replicated": a primary, a replica and Sentinels; redis-kill is a failover there
-    # (ratchet.chaos.drill.replicated). min_replicas_ack: the fleet's acknowledgement rule.
+    # (ratchet.chaos.drill.replicated). "cluster": three masters and the queue's own Redis;
+    # redis-kill is a master's crash and restart (ratchet.chaos.drill.clustered).
+    # min_replicas_ack: the fleet's acknowledgement rule.
     topology: str = "single"
     min_replicas_ack: int = 0
 
@@ -135,6 +139,7 @@ class DrillRecord:
     runs: dict[str, int] = field(default_factory=dict)
     redis_kills: list[float] = field(default_factory=list)
     failovers: list[dict[str, Any]] = field(default_factory=list)  # replicated topology
+    master_kills: list[dict[str, Any]] = field(default_factory=list)  # cluster topology
     rollback: dict[str, Any] | None = None
     rollback_skipped: str | None = None
     duplicate_enqueues: list[dict[str, Any]] = field(default_factory=list)
@@ -178,6 +183,16 @@ class DrillRecord:
         return self.folder / "events"
 
 
+def _restore_queue_url(server: object, before: str | None) -> None:
+    """Put back the queue URL a cluster drill set for its fleet (see run_drill)."""
+    if not isinstance(server, ClusterStore):
+        return
+    if before is None:
+        os.environ.pop("RATCHET_QUEUE_REDIS_URL", None)
+    else:
+        os.environ["RATCHET_QUEUE_REDIS_URL"] = before
+
+
 def _check_topology(options: DrillOptions) -> None:
     """Raises ConfigurationError for a topology the drill does not know, or faults it
     cannot inject on it."""
@@ -190,12 +205,13 @@ def _check_topology(options: DrillOptions) -> None:
         raise ConfigurationError(
             "--min-replicas-ack needs --topology replicated", field="min_replicas_ack"
         )
-    if options.topology == "replicated":
-        other = sorted(options.faults - REPLICATED_FAULTS)
+    allowed = {"replicated": REPLICATED_FAULTS, "cluster": CLUSTER_FAULTS}.get(options.topology)
+    if allowed is not None:
+        other = sorted(options.faults - allowed)
         if other:
             raise ConfigurationError(
-                f"faults {other} need a single Redis; the replicated topology runs: "
-                f"{', '.join(sorted(REPLICATED_FAULTS))}",
+                f"faults {other} need a single Redis; the {options.topology} topology runs: "
+                f"{', '.join(sorted(allowed))}",
                 field="faults",
             )
 
@@ -234,7 +250,7 @@ class _Drill:
         self,
         options: DrillOptions,
         record: DrillRecord,
-        server: RedisServer | ReplicatedStore,
+        server: RedisServer | ReplicatedStore | ClusterStore,
         orders: TenantOrders,
         fleet: Fleet,
         pool: WorkerPool,
@@ -540,6 +556,10 @@ class _Drill:
                 # The primary dies for good; Sentinel promotes the replica, and the killed
                 # server comes back as its replica.
                 self.rec.failovers.append(self.server.failover(sorted(self.rec.runs)))
+            elif isinstance(self.server, ClusterStore):
+                # The master with the most runs in flight crashes and comes back on its
+                # AOF; the runs of the other masters' slots go on meanwhile.
+                self.rec.master_kills.append(self.server.kill_master(sorted(self.unsettled())))
             else:
                 self.server.kill()
                 time.sleep(0.2)  # down long enough for workers to notice
@@ -1043,6 +1063,8 @@ def run_drill_processes(
     try:
         if options.topology == "replicated":
             server = ReplicatedStore(redis_dir, executable=choice.executable).start()
+        elif options.topology == "cluster":
+            server = ClusterStore(redis_dir, executable=choice.executable).start()
         else:
             server = choice.server(redis_dir).start()
         RedisStore(server.client()).init_epoch()
@@ -1050,6 +1072,7 @@ def run_drill_processes(
         if disk is not None:
             disk.unmount()
         raise
+    queue_url_before = os.environ.get("RATCHET_QUEUE_REDIS_URL")
     orders: TenantOrders | None = None
     pool: WorkerPool | None = None
     net: NetFaults | None = None
@@ -1065,6 +1088,11 @@ def run_drill_processes(
             options.seed, options.runs, options.faults, folder, humans.need_approval
         )
         record.reviews = reviewers.log
+        if isinstance(server, ClusterStore):
+            # RQ cannot use a Cluster: the queue is on the store's own extra Redis. The
+            # drill's fleet and every worker it spawns (which copy this environment)
+            # read it from here; close() puts the variable back.
+            os.environ["RATCHET_QUEUE_REDIS_URL"] = server.queue_url
         settings = Settings(
             redis_url=SecretStr(server.url),
             state_dir=folder / "state",
@@ -1128,6 +1156,7 @@ def run_drill_processes(
             record.final = drill.final_classification()
         record.finished_at = time.time()
     except BaseException:
+        _restore_queue_url(server, queue_url_before)
         if pool is not None:
             pool.stop_all(grace_s=2.0)
         if net is not None:
@@ -1143,6 +1172,7 @@ def run_drill_processes(
 
     def close() -> None:
         try:
+            _restore_queue_url(server, queue_url_before)
             if final_net is not None:
                 final_net.stop()
             final_orders.stop()
