@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,8 @@ import pytest
 from redis.crc import key_slot
 
 from ratchet.errors import GenerationMismatchError, LeaseLostError, NonceReplayError
-from ratchet.leasing import EXPIRY_INDEX, RedisStore, run_keys
-from ratchet.leasing.keys import phase_index
+from ratchet.leasing import RedisStore, run_keys
+from ratchet.leasing.keys import EXPIRY_INDEX, EXPIRY_SHARDS, expiry_shard, phase_index
 from ratchet.runtime.ports import Advance, RunKey
 from ratchet.testing.cluster import LocalCluster
 
@@ -136,7 +137,7 @@ def test_batched_commits_and_archives_run_on_every_master_also_after_script_flus
         run.commit_batch(key, [Advance(3, b"g4")])
         snap = store.read_run(run_id)
         assert snap.generation == 4 and snap.owner is None
-        assert store.client.zscore(EXPIRY_INDEX, run_id) is not None
+        assert store.expiry_score(run_id) is not None
 
 
 def test_phase_indexes_counts_and_pages_follow_runs_on_every_master(
@@ -181,3 +182,73 @@ def test_phase_indexes_counts_and_pages_follow_runs_on_every_master(
     assert (run_ids[2], "running") in list(store.runs_missing_phase())
     assert store.record_phase(run_ids[2], "running")
     assert store.client.zscore(phase_index("running"), run_ids[2]) is not None
+
+
+def test_the_expiry_index_is_sharded_over_the_masters_and_read_whole_by_the_reaper(
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
+    """On a Cluster each run's expiry entry is in its own shard (a key of its own slot):
+    the shards of a handful of runs land on several masters, and the reaper's read
+    merges them, earliest first, up to its limit."""
+    store = cluster_store
+    client = store.client
+    run_ids = [f"{new_run_id()}-{i}" for i in range(24)]
+    for run_id in run_ids:
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+        run = store.acquire(run_id, owner="w1", ttl_ms=1)  # expired at once
+        assert run is not None
+    shards = {expiry_shard(r, EXPIRY_SHARDS) for r in run_ids}
+    assert len(shards) >= 8  # spread over the shards...
+    masters = {client.get_node_from_key(k).name for k in shards}
+    assert len(masters) >= 2  # ...and the shards over the masters
+    for run_id in run_ids:
+        assert client.zscore(expiry_shard(run_id, EXPIRY_SHARDS), run_id) is not None
+        assert store.expiry_score(run_id) is not None
+        assert client.zscore(EXPIRY_INDEX, run_id) is None  # not the single-Redis key
+    poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= set(run_ids))
+    entries = store.expired_entries(limit=1000)
+    assert [score for _, score in entries] == sorted(score for _, score in entries)
+    assert len(store.expired_entries(limit=5)) == 5
+    assert set(run_ids) <= store.expiry_members()
+    # What removes a run for good names its own shard.
+    assert expiry_shard(run_ids[0], EXPIRY_SHARDS) in store.index_keys(run_ids[0])
+
+
+def poll_until(done: Any, deadline_s: float = 5.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not done():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+def test_with_a_master_down_the_reaper_still_reads_the_other_masters_shards(
+    tmp_path: Path,
+) -> None:
+    with LocalCluster(tmp_path / "own-cluster", appendfsync="always") as cluster:
+        client = cluster.client()
+        store = RedisStore(client)
+        run_ids = [f"down-{i}" for i in range(40)]
+        for run_id in run_ids:
+            store.create_run(
+                run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1"
+            )
+            assert store.acquire(run_id, owner="w1", ttl_ms=1) is not None
+        poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= set(run_ids))
+        shard_port = {
+            r: client.get_node_from_key(expiry_shard(r, EXPIRY_SHARDS)).port for r in run_ids
+        }
+        victim = cluster.servers[0]
+        readable = {r for r, port in shard_port.items() if port != victim.port}
+        assert readable and readable != set(run_ids)
+        victim.kill()
+        try:
+            seen = {r for r, _ in store.expired_entries(limit=1000)}
+            assert seen == readable  # every shard on a live master, none of the dead one's
+            assert store.expiry_shards_unreadable > 0
+        finally:
+            victim.start()
+            cluster.wait_ok()
+        poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= set(run_ids))
+        assert store.expiry_shards_unreadable == 0
+        client.close()

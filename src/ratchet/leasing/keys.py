@@ -33,6 +33,7 @@ key                                 type     holds
                                              state_version, task_id, created_at_ms,
                                              checkpoint_digest, export; the id stays taken
 ``ratchet:index:expiry``            zset     run id scored by lease expiry (ms): reaper index
+                                             (on Redis Cluster: sharded, see below)
 ``ratchet:index:runs``              zset     run id scored by creation time (ms)
 ``ratchet:index:phase:<phase>``     zset     one per phase (:data:`PHASES`): run id scored
                                              by the time (ms) it entered that phase
@@ -44,6 +45,14 @@ create, lease and commit scripts take the indexes they update as optional extra 
 in Redis Cluster they are only ever touched by separate calls, never from inside a script.
 :data:`INDEX_KEYS` names every index a run may be in (what removing a run must clear).
 
+On Redis Cluster the expiry index, which every acquire, renewal and release writes, is
+split into :data:`EXPIRY_SHARDS` keys ``ratchet:index:expiry:{xNN}``, each with a hash tag
+of its own and so in a slot of its own, spread over the masters: a run's entry lives in
+the shard its id hashes to (:func:`expiry_shard`), and the reaper reads every shard
+(:func:`expiry_keys`). A master's outage then stops the takeovers of a fraction of the
+runs, not all of them, and the index's writes are spread over the masters. On a single
+Redis there is one shard, ``ratchet:index:expiry`` itself, which the scripts update inline.
+
 Ids that become part of key names or of ``|``-separated history entries are checked here:
 letters, digits and ``._:@/+-``, starting with a letter or digit, at most 200 characters.
 No braces (they would form a different hash tag) and no ``|``.
@@ -53,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import re
+import zlib
 from dataclasses import dataclass
 
 from ratchet.errors import ContractError
@@ -61,6 +71,7 @@ from ratchet.runtime.state import Phase
 __all__ = [
     "EPOCH_KEY",
     "EXPIRY_INDEX",
+    "EXPIRY_SHARDS",
     "INDEX_KEYS",
     "PHASES",
     "PHASE_INDEXES",
@@ -69,6 +80,8 @@ __all__ = [
     "RunKeys",
     "check_id",
     "check_phase",
+    "expiry_keys",
+    "expiry_shard",
     "nonce_key",
     "phase_index",
     "run_keys",
@@ -85,6 +98,25 @@ _PHASE_INDEX = dict(zip(PHASES, PHASE_INDEXES, strict=True))
 #: Every cross-run index a run may be a member of (runs, expiry, each phase): removing a
 #: run for good must ``ZREM`` it from each of these.
 INDEX_KEYS: tuple[str, ...] = (RUNS_INDEX, EXPIRY_INDEX, *PHASE_INDEXES)
+#: How many shards the expiry index has on Redis Cluster (one on a single Redis). Fixed:
+#: every client of a store must put a run's entry where every reaper looks for it.
+EXPIRY_SHARDS = 16
+
+
+def expiry_keys(shards: int) -> tuple[str, ...]:
+    """Every key of the expiry index split into ``shards`` (1: :data:`EXPIRY_INDEX`)."""
+    if shards <= 1:
+        return (EXPIRY_INDEX,)
+    return tuple(f"{EXPIRY_INDEX}:{{x{n:02d}}}" for n in range(shards))
+
+
+def expiry_shard(run_id: str, shards: int) -> str:
+    """The expiry index key that holds ``run_id``'s entry (1 shard: :data:`EXPIRY_INDEX`)."""
+    if shards <= 1:
+        return EXPIRY_INDEX
+    return f"{EXPIRY_INDEX}:{{x{zlib.crc32(run_id.encode()) % shards:02d}}}"
+
+
 # The store's epoch record: written once when the store is initialised; a store that
 # lost it (wiped, restarted without its AOF, evicted) is not the same store.
 EPOCH_KEY = f"{PREFIX}:store:epoch"

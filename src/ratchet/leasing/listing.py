@@ -38,11 +38,15 @@ from redis.exceptions import WatchError
 
 from ratchet.errors import ContractError, RatchetError, StoreProtocolError
 from ratchet.leasing.keys import (
+    EXPIRY_INDEX,
+    EXPIRY_SHARDS,
     INDEX_KEYS,
     PHASE_INDEXES,
     PHASES,
     RUNS_INDEX,
     check_id,
+    expiry_keys,
+    expiry_shard,
     phase_index,
     run_keys,
 )
@@ -198,11 +202,19 @@ class RunListings(StorePlumbing):
     def server_time_ms(self) -> int:  # provided by RedisStore
         raise NotImplementedError
 
-    @staticmethod
-    def index_keys() -> tuple[str, ...]:
+    def index_keys(self, run_id: str | None = None) -> tuple[str, ...]:
         """Every cross-run index a run may be in (runs, expiry, each phase): removing a
-        run must remove it from each (see :data:`ratchet.leasing.keys.INDEX_KEYS`)."""
-        return INDEX_KEYS
+        run must remove it from each (see :data:`ratchet.leasing.keys.INDEX_KEYS`). On a
+        Cluster the expiry index is sharded: with ``run_id``, its shard; without, every
+        shard."""
+        if self._inline_indexes:
+            return INDEX_KEYS
+        expiry = (
+            (expiry_shard(run_id, EXPIRY_SHARDS),)
+            if run_id is not None
+            else expiry_keys(EXPIRY_SHARDS)
+        )
+        return tuple(k for k in INDEX_KEYS if k != EXPIRY_INDEX) + expiry
 
     # -- counts -------------------------------------------------------------------------
 

@@ -19,11 +19,20 @@ from __future__ import annotations
 from typing import Any
 
 from ratchet.errors import StoreProtocolError
-from ratchet.leasing.keys import INDEX_KEYS, check_id, run_keys
+from ratchet.leasing.keys import (
+    EXPIRY_INDEX,
+    EXPIRY_SHARDS,
+    INDEX_KEYS,
+    check_id,
+    expiry_shard,
+    run_keys,
+)
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["RunRetention"]
+
+PHASE_AND_RUNS_INDEXES = tuple(k for k in INDEX_KEYS if k != EXPIRY_INDEX)
 
 _OUTCOMES = frozenset({"purged", "gone", "moved", "held"})
 
@@ -83,7 +92,8 @@ class RunRetention(StorePlumbing):
             client = self._client
 
             def unindex() -> None:
-                for index in INDEX_KEYS:
+                # On a Cluster the expiry index is sharded: the run's own shard.
+                for index in (*PHASE_AND_RUNS_INDEXES, expiry_shard(run_id, EXPIRY_SHARDS)):
                     client.zrem(index, run_id)
 
             self._call("index", run_id, unindex)

@@ -70,6 +70,7 @@ from ratchet.errors import (
     LeaseHeldElsewhereError,
     NonceReplayError,
     StoreProtocolError,
+    StoreUnavailableError,
 )
 from ratchet.leasing.acks import ReplicaAcks
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
@@ -77,11 +78,14 @@ from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.identity import StoreIdentity
 from ratchet.leasing.keys import (
     EXPIRY_INDEX,
+    EXPIRY_SHARDS,
     PHASE_INDEXES,
     PHASES,
     RUNS_INDEX,
     check_id,
     check_phase,
+    expiry_keys,
+    expiry_shard,
     nonce_key,
     phase_index,
     run_keys,
@@ -168,6 +172,12 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         # themselves (one round trip, one fsync); in Redis Cluster those live in other
         # slots, so they are separate calls after the script.
         self._inline_indexes = not isinstance(client, RedisCluster)
+        # The expiry index: one key on a single Redis (the scripts update it inline), split
+        # into shards of their own slots on a Cluster (ratchet.leasing.keys).
+        self._expiry_shards = 1 if self._inline_indexes else EXPIRY_SHARDS
+        #: How many expiry shards the last reaper read could not reach (Cluster, a master
+        #: down): their runs are not taken over until it is back.
+        self.expiry_shards_unreadable = 0
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.max_scenario_bytes = max_scenario_bytes
         self.history_limit = history_limit
@@ -336,7 +346,7 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
             self._call(
                 "expiry index",
                 run_id,
-                lambda: self._client.zadd(EXPIRY_INDEX, {run_id: lease.expires_at_ms}),
+                lambda: self._client.zadd(self._expiry(run_id), {run_id: lease.expires_at_ms}),
             )
         return LeasedRun(self, outcome, ttl_ms=ttl_ms)
 
@@ -383,7 +393,9 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
             self._call(
                 "expiry index",
                 lease.run_id,
-                lambda: self._client.zadd(EXPIRY_INDEX, {lease.run_id: renewed.expires_at_ms}),
+                lambda: self._client.zadd(
+                    self._expiry(lease.run_id), {lease.run_id: renewed.expires_at_ms}
+                ),
             )
         return renewed
 
@@ -414,14 +426,15 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
 
     def _index_released(self, run_id: str, released: Released, *, reap: bool) -> None:
         """The expiry index after a release, where scripts cannot reach it (Cluster)."""
+        index = self._expiry(run_id)
         if reap:
             self._call(
                 "expiry index",
                 run_id,
-                lambda: self._client.zadd(EXPIRY_INDEX, {run_id: released.now_ms}),
+                lambda: self._client.zadd(index, {run_id: released.now_ms}),
             )
         else:
-            self._call("expiry index", run_id, lambda: self._client.zrem(EXPIRY_INDEX, run_id))
+            self._call("expiry index", run_id, lambda: self._client.zrem(index, run_id))
 
     def _index_moved(self, move: PhaseMove) -> None:
         """The phase indexes after a commit moved the run, where scripts cannot reach
@@ -622,9 +635,8 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         )
         results = self.commit_many(lease, [prepared], expected_state_version=expected_state_version)
         if finished:
-            self._call(
-                "expiry index", lease.run_id, lambda: self._client.zrem(EXPIRY_INDEX, lease.run_id)
-            )
+            index = self._expiry(lease.run_id)
+            self._call("expiry index", lease.run_id, lambda: self._client.zrem(index, lease.run_id))
         return results[0]
 
     def commit_many(
@@ -782,13 +794,7 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         Re-read each run with :meth:`read_run` before acting on it. Raises
         StoreUnavailableError, StoreProtocolError.
         """
-        now_ms = self.server_time_ms()
-        members = self._call(
-            "expiry index",
-            None,
-            lambda: self._client.zrangebyscore(EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit),
-        )
-        return [self._member(m) for m in members]
+        return [run_id for run_id, _ in self.expired_entries(limit=limit)]
 
     def expired_entries(self, *, limit: int = 100) -> list[tuple[str, int]]:
         """``(run id, indexed expiry ms)`` pairs at or before Redis' now (a reaper hint).
@@ -796,14 +802,87 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         Raises StoreUnavailableError, StoreProtocolError.
         """
         now_ms = self.server_time_ms()
-        members = self._call(
-            "expiry index",
-            None,
-            lambda: self._client.zrangebyscore(
-                EXPIRY_INDEX, "-inf", now_ms, start=0, num=limit, withscores=True
-            ),
+        shards = expiry_keys(self._expiry_shards)
+        if len(shards) == 1:
+            replies = [
+                self._call(
+                    "expiry index",
+                    None,
+                    lambda: self._client.zrangebyscore(
+                        shards[0], "-inf", now_ms, start=0, num=limit, withscores=True
+                    ),
+                )
+            ]
+        else:
+            replies = self._read_shards(shards, now_ms, limit)
+        # Every shard's earliest ``limit``, merged: the earliest ``limit`` of them all.
+        entries = [(self._member(m), int(score)) for reply in replies for m, score in reply]
+        entries.sort(key=lambda entry: (entry[1], entry[0]))
+        return entries[:limit]
+
+    def _read_shards(self, shards: Sequence[str], now_ms: int, limit: int) -> list[Any]:
+        """Each expiry shard's due entries (Cluster): one pipeline over the masters; when
+        that fails (a master is down), shard by shard, leaving out the ones that cannot be
+        read, so the runs of the other masters' shards are still taken over (how many were
+        left out: :attr:`expiry_shards_unreadable`, which the reaper reports). Raises
+        StoreUnavailableError when no shard can be read."""
+        pipe = self._client.pipeline(transaction=False)
+        for key in shards:
+            pipe.zrangebyscore(key, "-inf", now_ms, start=0, num=limit, withscores=True)
+        try:
+            together = list(pipe.execute())
+        except RedisError:
+            pass
+        else:
+            self.expiry_shards_unreadable = 0
+            return together
+        # Master by master, one attempt each on that master's own connection (the cluster
+        # client would retry a dead node for seconds per key).
+        by_node: dict[str, tuple[Any, list[str]]] = {}
+        for key in shards:
+            node = self._client.get_node_from_key(key)
+            by_node.setdefault(node.name, (node, []))[1].append(key)
+        replies: list[Any] = []
+        failures = 0
+        for node, keys in by_node.values():
+            try:
+                direct = self._client.get_redis_connection(node).pipeline(transaction=False)
+                for key in keys:
+                    direct.zrangebyscore(key, "-inf", now_ms, start=0, num=limit, withscores=True)
+                replies += direct.execute()
+            except RedisError:
+                failures += len(keys)
+        if failures == len(shards):
+            raise StoreUnavailableError(
+                "no shard of the expiry index can be read", shards=len(shards)
+            )
+        self.expiry_shards_unreadable = failures
+        return replies
+
+    def _expiry(self, run_id: str) -> str:
+        """The expiry index key that holds ``run_id``'s entry."""
+        return expiry_shard(run_id, self._expiry_shards)
+
+    def expiry_score(self, run_id: str) -> int | None:
+        """``run_id``'s score on the expiry index (None: not on it). Raises
+        StoreUnavailableError."""
+        check_id(run_id, "run_id")
+        score = self._call(
+            "expiry index", run_id, lambda: self._client.zscore(self._expiry(run_id), run_id)
         )
-        return [(self._member(m), int(score)) for m, score in members]
+        return None if score is None else int(score)
+
+    def expiry_members(self) -> set[str]:
+        """Every member of the expiry index, all shards (drills and diagnostics: it reads
+        the whole index). Raises StoreUnavailableError."""
+
+        def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in expiry_keys(self._expiry_shards):
+                pipe.zrange(key, 0, -1)
+            return list(pipe.execute())
+
+        return {self._member(m) for reply in self._call("expiry index", None, read) for m in reply}
 
     def expect_pickup(self, run_id: str, *, within_ms: int) -> None:
         """Put ``run_id`` on the expiry index with a pickup deadline (``ZADD GT``).
@@ -814,10 +893,11 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         """
         check_id(run_id, "run_id")
         deadline = self.server_time_ms() + within_ms
+        index = self._expiry(run_id)
         self._call(
             "expiry index",
             run_id,
-            lambda: self._client.zadd(EXPIRY_INDEX, {run_id: deadline}, gt=True),
+            lambda: self._client.zadd(index, {run_id: deadline}, gt=True),
         )
 
     def park_expiry_entry(self, run_id: str, *, for_ms: int) -> None:
@@ -826,14 +906,14 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         only say "look at this run", so a race with a worker re-scoring it is harmless.
         Raises StoreUnavailableError."""
         later = self.server_time_ms() + for_ms
-        self._call(
-            "expiry index", None, lambda: self._client.zadd(EXPIRY_INDEX, {run_id: later}, xx=True)
-        )
+        index = self._expiry(run_id)
+        self._call("expiry index", None, lambda: self._client.zadd(index, {run_id: later}, xx=True))
 
     def forget_index_member(self, member: str) -> None:
         """Remove a member that is not a run id from the expiry index (junk written there
         names no run). Raises StoreUnavailableError."""
-        self._call("expiry index", None, lambda: self._client.zrem(EXPIRY_INDEX, member))
+        index = self._expiry(member)
+        self._call("expiry index", None, lambda: self._client.zrem(index, member))
 
     def claim_reap(self, run_id: str, *, reclaim_after_ms: int = 30_000) -> ReapClaim:
         """Claim the right to re-enqueue ``run_id`` for its current (expired) lease version.
@@ -854,7 +934,9 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         Raises StoreUnavailableError, StoreProtocolError.
         """
         check_id(run_id, "run_id")
-        reply = self._run(ScriptName.DROP_EXPIRY_ENTRY, run_id, [EXPIRY_INDEX], [run_id, score_ms])
+        reply = self._run(
+            ScriptName.DROP_EXPIRY_ENTRY, run_id, [self._expiry(run_id)], [run_id, score_ms]
+        )
         return decode_drop_expiry(reply)
 
     def run_ids(self, *, limit: int = 1000) -> list[str]:

@@ -35,7 +35,7 @@ import redis
 from ratchet.errors import RatchetError, StoreUnavailableError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.scrub import Scrubber
-from ratchet.leasing import EXPIRY_INDEX, run_keys
+from ratchet.leasing import run_keys
 from ratchet.ops.actions import RunView
 from ratchet.ops.changes import pending_change
 from ratchet.ops.queueview import QueueFacts, owner_of_worker, queue_facts
@@ -291,8 +291,8 @@ def _status(
         )
         return out
     try:
-        due = fleet.store.client.zscore(EXPIRY_INDEX, run_id)
-    except redis.RedisError:
+        due = fleet.store.expiry_score(run_id)
+    except (redis.RedisError, StoreUnavailableError):
         due = None
     if due is not None and state.phase not in TERMINAL_PHASES:
         out.update(

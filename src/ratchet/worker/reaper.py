@@ -176,4 +176,8 @@ class Reaper:
             except RatchetError as exc:
                 log.warning("reaper tick failed", extra={"error": type(exc).__name__})
                 continue
+            unreadable = self._store.expiry_shards_unreadable
+            if unreadable:
+                # A master is down (Cluster): the runs of its shards wait for it.
+                log.warning("reaper tick read part of the index", extra={"unreadable": unreadable})
             self.enqueued += len(result.enqueued)

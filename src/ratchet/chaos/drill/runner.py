@@ -68,7 +68,7 @@ from ratchet.chaos.drill.workspacefaults import BUSY_TIMEOUT_MS, WorkspaceFaults
 from ratchet.errors import ConfigurationError, RatchetError
 from ratchet.fleet.context import JOB_FUNCTION, Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import EXPIRY_INDEX, RedisServer, RedisStore
+from ratchet.leasing import RedisServer, RedisStore
 from ratchet.ops import cancel, create_run, inspect_run
 from ratchet.ops.diagnosis import FREEZING_KINDS
 from ratchet.runtime import Phase
@@ -237,7 +237,7 @@ def classify_run(fleet: Fleet, run_id: str) -> tuple[str, str]:
         or (i.get("kind") in FREEZING_KINDS and i.get("lease_version") == snap.lease_version)
         for i in view.incidents
     )
-    if refused and not snap.lease_live and fleet.store.client.zscore(EXPIRY_INDEX, run_id) is None:
+    if refused and not snap.lease_live and fleet.store.expiry_score(run_id) is None:
         return "frozen", phase.value
     return "active", phase.value
 
@@ -929,7 +929,7 @@ class _Drill:
         """Nothing can start on the old store: the queue is empty, no lease is live and
         the reaper's index has no entry due (so every event after the wipe is the wipe's)."""
         client = self.fleet.store.client
-        indexed = {m.decode("utf-8", "replace") for m in client.zrange(EXPIRY_INDEX, 0, -1)}
+        indexed = self.fleet.store.expiry_members()
         return (
             self.fleet.queue.count == 0
             and not lease_snapshot(client, sorted(self.rec.runs))
