@@ -266,6 +266,6 @@ def test_closing_the_router_closes_every_part(tmp_path: Path, orders: ServiceBox
     # The service runs in this process: its side of each connection closes on its own
     # thread once it sees the client's close. Poll for that, with a deadline.
     deadline = time.monotonic() + 10
-    while open_fds() != before and time.monotonic() < deadline:
+    while open_fds() > before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert open_fds() == before
+    assert open_fds() <= before  # (the warm-up's own connection may close meanwhile)

@@ -253,3 +253,21 @@ def test_in_a_git_repository_head_and_the_dirty_flag_are_observed_and_projected(
         run_git(root, "commit", "-q", "--allow-empty", "-m", "moved")
         moved = ws.observe()
         assert moved.details["git_head"] != head and moved.fingerprint != clean.fingerprint
+
+
+def test_observing_an_unchanged_workspace_takes_no_write_lock_and_an_edit_moves_the_version(
+    root: Path,
+) -> None:
+    with WorkspaceAdapter(root, ["app.py"]) as adapter:
+        first = adapter.observe()
+        statements: list[str] = []
+        adapter._journal._db.set_trace_callback(statements.append)
+        assert adapter.observe() == first
+        assert adapter.observe() == first
+        assert not [s for s in statements if s.startswith("BEGIN")]  # reads only
+        (root / "app.py").write_text("edited outside\n")
+        moved = adapter.observe()
+        assert moved.version == first.version + 1 and moved.fingerprint != first.fingerprint
+        assert [s for s in statements if s.startswith("BEGIN")] == ["BEGIN IMMEDIATE"]
+        assert adapter.observe() == moved
+        adapter._journal._db.set_trace_callback(None)

@@ -67,16 +67,20 @@ def test_a_journal_locked_past_the_busy_timeout_refuses_retryable_and_records_no
         action = write("k-1", RIGHT_GREETING, ws.observe().version)
         other = lock(root)
         try:
+            before = ws.observe()  # a state already recorded: read, no lock needed
+            (root / "app.py").write_text("edited while the journal is locked\n")
             for call in (
                 lambda: ws.execute(action, action.intent_digest, FENCE, None),
                 lambda: ws.raise_fence(FENCE),
-                ws.observe,
+                ws.observe,  # a new state must be recorded: that needs the lock
             ):
                 with pytest.raises(AdapterError) as refused:
                     call()
                 assert refused.value.context["retryable"] is True
                 assert refused.value.context["error"] == "SQLITE_BUSY"
                 assert type(refused.value) is AdapterError
+            (root / "app.py").write_text(WRONG_GREETING)
+            assert ws.observe() == before
         finally:
             other.rollback()
             other.close()

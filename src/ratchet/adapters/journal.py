@@ -222,6 +222,17 @@ class Journal:
         adapter: the version moves on by one, so versions stay monotonic and every
         distinct state seen gets its own version.
         """
+        # The common case, a state already recorded, is one read and no write lock (a
+        # reader never waits for, or holds up, another process's write). The caller holds
+        # the workspace lock, so the row cannot change between this read and the write
+        # transaction below.
+        with _sqlite_errors():
+            version, recorded = self._db.execute(
+                "SELECT (SELECT value FROM meta WHERE key = 'version'), "
+                "(SELECT value FROM meta WHERE key = 'fingerprint')"
+            ).fetchone()
+        if recorded and recorded == fingerprint:
+            return int(version or "0")
         with self._txn():
             return self._note(fingerprint)
 
