@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 # id(child) -> (child, parent): ``child`` is ``parent`` plus entries, made by grow().
 _GROWN: OrderedDict[int, tuple[tuple[Any, ...], tuple[Any, ...]]] = OrderedDict()
-_GROWN_KEPT = 64
+_GROWN_KEPT = 16
 # A chain of grow() records longer than this is not followed (a state is committed, and
 # so compared with its predecessor, every few appends).
 _FOLLOW = 32
@@ -58,7 +58,7 @@ class _KeyIndex:
 
 # id(executed) -> (executed, its index).
 _INDEXES: OrderedDict[int, tuple[tuple[Any, ...], _KeyIndex]] = OrderedDict()
-_INDEXES_KEPT = 64
+_INDEXES_KEPT = 16
 
 _KEY_OF: Callable[[Any], str] = operator.attrgetter("idempotency_key")
 
