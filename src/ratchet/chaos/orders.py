@@ -307,6 +307,10 @@ def _identifier(value: str | None) -> str | None:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    # A reply's headers and body leave in separate writes: without TCP_NODELAY, Nagle's
+    # algorithm holds the body back until the client's delayed ACK of the headers (about
+    # 40 ms) on a kept-alive connection.
+    disable_nagle_algorithm = True
 
     def setup(self) -> None:
         super().setup()
