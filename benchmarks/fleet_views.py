@@ -19,7 +19,10 @@ measures every size and every view in turn, ``--samples`` calls each, ``--rounds
 * ``next_page``: the same, continuing after the first page's cursor;
 * ``review_queue``: the console's review queue page: the newest 50 of each waiting phase,
   each run's verified view asked for, the exact counts, the HTML;
-* ``metrics_scrape``: the console's ``/metrics`` body (every collector it registers).
+* ``metrics_scrape``: the console's ``/metrics`` body (every collector it registers);
+* ``reaper_tick``: one tick of a worker's reaper (:func:`ratchet.worker.reaper.reap_once`),
+  with every running run's live lease on the expiry index (a fifth of the runs), none of
+  them expired: what every worker pays every reaper interval.
 
 Every figure is the median call time of its best round (noise only ever adds time); each
 view is reported as ``view / bare`` at each size, and ``growth`` is that ratio at the
@@ -48,12 +51,14 @@ from ratchet.console.server import ConsoleServer
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RUNS_INDEX, RedisStore, run_keys
-from ratchet.leasing.keys import phase_index
+from ratchet.leasing.keys import EXPIRY_INDEX, phase_index
+from ratchet.worker.reaper import reap_once
 
 PAGE = 50
+LIVE_FOR_MS = 3_600_000  # the running runs' leases expire after the measurement
 GOAL = 1.5
 KEY_HEX = "ab" * 32  # benchmark only: no run here is ever signed
-VIEWS = ("list_page", "next_page", "review_queue", "metrics_scrape")
+VIEWS = ("list_page", "next_page", "review_queue", "metrics_scrape", "reaper_tick")
 
 
 def phase_of(i: int) -> str:
@@ -98,6 +103,8 @@ def fill(client: Any, start: int, stop: int, *, base_ms: int) -> None:
             )
             pipe.zadd(RUNS_INDEX, {run_id: at})
             pipe.zadd(phase_index(phase), {run_id: at + 5})
+            if phase == "running":  # a live lease: on the expiry index, expiring later
+                pipe.zadd(EXPIRY_INDEX, {run_id: at + LIVE_FOR_MS})
         pipe.execute()
 
 
@@ -108,6 +115,10 @@ def median_call_s(fn: Callable[[], object], samples: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return median(times)
+
+
+def _never_enqueued(run_id: str) -> None:
+    raise RuntimeError(f"the reaper enqueued {run_id}, whose lease is live")
 
 
 def views(fleet: Fleet, server: ConsoleServer) -> dict[str, Callable[[], object]]:
@@ -135,6 +146,7 @@ def views(fleet: Fleet, server: ConsoleServer) -> dict[str, Callable[[], object]
         "next_page": lambda: store.list_runs(limit=PAGE, after=cursor),
         "review_queue": review,
         "metrics_scrape": lambda: generate_latest(server.registry),
+        "reaper_tick": lambda: reap_once(store, _never_enqueued),
     }
     for fn in ops.values():  # warm up: scripts loaded, connections made
         fn()

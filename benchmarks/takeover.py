@@ -220,9 +220,54 @@ def _wait_and_count(fleet: Any, roots: dict[str, Path], deadline: float) -> tupl
     return completed, duplicates
 
 
+def hold_leases(fleet: Any, count: int) -> None:
+    """``count`` other runs whose leases are live for the whole measurement: each run's
+    records written as the create script leaves them, then its lease taken by the real
+    acquire script (one hour, so no renewal is needed; the lease is on the expiry index
+    as any worker's is)."""
+    from ratchet.leasing import RUNS_INDEX, run_keys
+    from ratchet.leasing.keys import phase_index
+
+    store = fleet.store
+    now = store.server_time_ms()
+    pipe = store.client.pipeline(transaction=False)
+    ids = [f"held-{i:06d}" for i in range(count)]
+    for i, run_id in enumerate(ids):
+        keys = run_keys(run_id)
+        pipe.hset(
+            keys.state,
+            mapping={
+                "task_id": "held",
+                "env_instance_id": "e",
+                "generation": 1,
+                "state_version": 1,
+                "created_at_ms": now + i,
+                "updated_at_ms": now + i,
+                "last_commit_id": f"c-{i}",
+                "phase": "running",
+                "phase_at_ms": now + i,
+            },
+        )
+        pipe.zadd(RUNS_INDEX, {run_id: now + i})
+        pipe.zadd(phase_index("running"), {run_id: now + i})
+    pipe.execute()
+    for run_id in ids:
+        if store.acquire(run_id, owner="holder-elsewhere-1", ttl_ms=3_600_000) is None:
+            raise RuntimeError(f"could not take the lease of {run_id}")
+
+
 def run(
-    *, kills: int, workers: int, ttl_ms: int, reaper_ms: int, think_ms: int, budget_s: float
+    *,
+    kills: int,
+    workers: int,
+    ttl_ms: int,
+    reaper_ms: int,
+    think_ms: int,
+    budget_s: float,
+    live_leases: int = 0,
 ) -> dict[str, Any]:
+    """One measurement; ``live_leases`` other runs hold live leases throughout
+    (:func:`hold_leases`)."""
     from pydantic import SecretStr
 
     from ratchet.fleet.context import Fleet
@@ -254,6 +299,7 @@ def run(
             verifier_sandbox=for_own_verifiers(),
         )
         fleet = Fleet.connect(settings)
+        hold_leases(fleet, live_leases)
         pool = Pool(_settings_json(settings))
         end = started + budget_s
         try:
@@ -295,6 +341,7 @@ def run(
     return {
         "kills": len(samples),
         "kills_discarded": discarded,
+        "live_leases": live_leases,
         "lease_ttl_ms": ttl_ms,
         "reaper_interval_ms": reaper_ms,
         "renew_interval_ms": renew_ms,
