@@ -144,3 +144,43 @@ def test_fleet_views_quick_json_reports_every_view_at_every_size_as_a_ratio() ->
             assert _positive(row[f"{view}_ratio"]), (view, size)
         assert _positive(growth[view]), view
     assert isinstance(report["goal_met"], bool)
+
+
+def test_scale_quick_json_reports_the_step_restore_and_view_ratios_with_their_bounds() -> None:
+    """The smoke profile of benchmarks/scale.py (the takeover and short-run sections start
+    worker processes and run in the full benchmark only)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "scale.py"),
+            "--quick",
+            "--json",
+            "--only",
+            "commit,views",
+        ],
+        capture_output=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    report = json.loads(done.stdout)
+    for key in (
+        "commit_ratio_step5000_vs_10",
+        "restore_ratio_long_vs_short",
+        "views_ratio_100k_vs_1k",
+    ):
+        assert _positive(report[key]), (key, report[key])
+        assert report["bounds"][key] > 0 and isinstance(report["bounds_met"][key], bool)
+    assert report["views_worst"] in report["views_growth"]
+    assert report["long_run_steps"] >= 200
+
+
+def test_scale_refuses_an_unknown_section_in_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "scale.py"), "--only", "commit,nope"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.decode().strip().splitlines()[-1].endswith("unknown section(s): nope")
