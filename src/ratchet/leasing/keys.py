@@ -82,6 +82,7 @@ __all__ = [
     "check_phase",
     "expiry_keys",
     "expiry_shard",
+    "index_keys_of",
     "nonce_key",
     "phase_index",
     "run_keys",
@@ -115,6 +116,15 @@ def expiry_shard(run_id: str, shards: int) -> str:
     if shards <= 1:
         return EXPIRY_INDEX
     return f"{EXPIRY_INDEX}:{{x{zlib.crc32(run_id.encode()) % shards:02d}}}"
+
+
+def index_keys_of(run_id: str | None, shards: int) -> tuple[str, ...]:
+    """Every cross-run index key ``run_id`` may be in (its own expiry shard), or with no
+    run every index key (each shard): what removing a run for good must clear."""
+    if shards <= 1:
+        return INDEX_KEYS
+    expiry = expiry_keys(shards) if run_id is None else (expiry_shard(run_id, shards),)
+    return (*(k for k in INDEX_KEYS if k != EXPIRY_INDEX), *expiry)
 
 
 # The store's epoch record: written once when the store is initialised; a store that

@@ -38,15 +38,12 @@ from redis.exceptions import WatchError
 
 from ratchet.errors import ContractError, RatchetError, StoreProtocolError
 from ratchet.leasing.keys import (
-    EXPIRY_INDEX,
     EXPIRY_SHARDS,
-    INDEX_KEYS,
     PHASE_INDEXES,
     PHASES,
     RUNS_INDEX,
     check_id,
-    expiry_keys,
-    expiry_shard,
+    index_keys_of,
     phase_index,
     run_keys,
 )
@@ -207,14 +204,7 @@ class RunListings(StorePlumbing):
         run must remove it from each (see :data:`ratchet.leasing.keys.INDEX_KEYS`). On a
         Cluster the expiry index is sharded: with ``run_id``, its shard; without, every
         shard."""
-        if self._inline_indexes:
-            return INDEX_KEYS
-        expiry = (
-            (expiry_shard(run_id, EXPIRY_SHARDS),)
-            if run_id is not None
-            else expiry_keys(EXPIRY_SHARDS)
-        )
-        return tuple(k for k in INDEX_KEYS if k != EXPIRY_INDEX) + expiry
+        return index_keys_of(run_id, 1 if self._inline_indexes else EXPIRY_SHARDS)
 
     # -- counts -------------------------------------------------------------------------
 

@@ -19,20 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from ratchet.errors import StoreProtocolError
-from ratchet.leasing.keys import (
-    EXPIRY_INDEX,
-    EXPIRY_SHARDS,
-    INDEX_KEYS,
-    check_id,
-    expiry_shard,
-    run_keys,
-)
+from ratchet.leasing.keys import EXPIRY_SHARDS, INDEX_KEYS, check_id, index_keys_of, run_keys
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["RunRetention"]
-
-PHASE_AND_RUNS_INDEXES = tuple(k for k in INDEX_KEYS if k != EXPIRY_INDEX)
 
 _OUTCOMES = frozenset({"purged", "gone", "moved", "held"})
 
@@ -93,7 +84,7 @@ class RunRetention(StorePlumbing):
 
             def unindex() -> None:
                 # On a Cluster the expiry index is sharded: the run's own shard.
-                for index in (*PHASE_AND_RUNS_INDEXES, expiry_shard(run_id, EXPIRY_SHARDS)):
+                for index in index_keys_of(run_id, EXPIRY_SHARDS):
                     client.zrem(index, run_id)
 
             self._call("index", run_id, unindex)

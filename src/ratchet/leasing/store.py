@@ -70,10 +70,10 @@ from ratchet.errors import (
     LeaseHeldElsewhereError,
     NonceReplayError,
     StoreProtocolError,
-    StoreUnavailableError,
 )
 from ratchet.leasing.acks import ReplicaAcks
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
+from ratchet.leasing.expiry import ExpiryIndex
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.identity import StoreIdentity
 from ratchet.leasing.keys import (
@@ -84,8 +84,6 @@ from ratchet.leasing.keys import (
     RUNS_INDEX,
     check_id,
     check_phase,
-    expiry_keys,
-    expiry_shard,
     nonce_key,
     phase_index,
     run_keys,
@@ -99,7 +97,6 @@ from ratchet.leasing.replies import (
     decode_claim_reap,
     decode_commit,
     decode_create,
-    decode_drop_expiry,
     decode_phase_move,
     decode_read,
     decode_release,
@@ -124,7 +121,7 @@ __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 
-class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAcks):
+class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAcks, ExpiryIndex):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
     ``client`` is a ``redis.Redis``, ``redis.cluster.RedisCluster`` or
@@ -172,11 +169,7 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         # themselves (one round trip, one fsync); in Redis Cluster those live in other
         # slots, so they are separate calls after the script.
         self._inline_indexes = not isinstance(client, RedisCluster)
-        # The expiry index: one key on a single Redis (the scripts update it inline), split
-        # into shards of their own slots on a Cluster (ratchet.leasing.keys).
         self._expiry_shards = 1 if self._inline_indexes else EXPIRY_SHARDS
-        #: How many expiry shards the last reaper read could not reach (Cluster, a master
-        #: down): their runs are not taken over until it is back.
         self.expiry_shards_unreadable = 0
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.max_scenario_bytes = max_scenario_bytes
@@ -788,133 +781,6 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
             raise StoreProtocolError("TIME reply is malformed")
         return int(reply[0]) * 1000 + int(reply[1]) // 1000
 
-    def expired_runs(self, *, limit: int = 100) -> list[str]:
-        """Run ids whose indexed lease expiry is at or before Redis' now (a reaper hint).
-
-        Re-read each run with :meth:`read_run` before acting on it. Raises
-        StoreUnavailableError, StoreProtocolError.
-        """
-        return [run_id for run_id, _ in self.expired_entries(limit=limit)]
-
-    def expired_entries(self, *, limit: int = 100) -> list[tuple[str, int]]:
-        """``(run id, indexed expiry ms)`` pairs at or before Redis' now (a reaper hint).
-
-        Raises StoreUnavailableError, StoreProtocolError.
-        """
-        now_ms = self.server_time_ms()
-        shards = expiry_keys(self._expiry_shards)
-        if len(shards) == 1:
-            replies = [
-                self._call(
-                    "expiry index",
-                    None,
-                    lambda: self._client.zrangebyscore(
-                        shards[0], "-inf", now_ms, start=0, num=limit, withscores=True
-                    ),
-                )
-            ]
-        else:
-            replies = self._read_shards(shards, now_ms, limit)
-        # Every shard's earliest ``limit``, merged: the earliest ``limit`` of them all.
-        entries = [(self._member(m), int(score)) for reply in replies for m, score in reply]
-        entries.sort(key=lambda entry: (entry[1], entry[0]))
-        return entries[:limit]
-
-    def _read_shards(self, shards: Sequence[str], now_ms: int, limit: int) -> list[Any]:
-        """Each expiry shard's due entries (Cluster): one pipeline over the masters; when
-        that fails (a master is down), shard by shard, leaving out the ones that cannot be
-        read, so the runs of the other masters' shards are still taken over (how many were
-        left out: :attr:`expiry_shards_unreadable`, which the reaper reports). Raises
-        StoreUnavailableError when no shard can be read."""
-        pipe = self._client.pipeline(transaction=False)
-        for key in shards:
-            pipe.zrangebyscore(key, "-inf", now_ms, start=0, num=limit, withscores=True)
-        try:
-            together = list(pipe.execute())
-        except RedisError:
-            pass
-        else:
-            self.expiry_shards_unreadable = 0
-            return together
-        # Master by master, one attempt each on that master's own connection (the cluster
-        # client would retry a dead node for seconds per key).
-        by_node: dict[str, tuple[Any, list[str]]] = {}
-        for key in shards:
-            node = self._client.get_node_from_key(key)
-            by_node.setdefault(node.name, (node, []))[1].append(key)
-        replies: list[Any] = []
-        failures = 0
-        for node, keys in by_node.values():
-            try:
-                direct = self._client.get_redis_connection(node).pipeline(transaction=False)
-                for key in keys:
-                    direct.zrangebyscore(key, "-inf", now_ms, start=0, num=limit, withscores=True)
-                replies += direct.execute()
-            except RedisError:
-                failures += len(keys)
-        if failures == len(shards):
-            raise StoreUnavailableError(
-                "no shard of the expiry index can be read", shards=len(shards)
-            )
-        self.expiry_shards_unreadable = failures
-        return replies
-
-    def _expiry(self, run_id: str) -> str:
-        """The expiry index key that holds ``run_id``'s entry."""
-        return expiry_shard(run_id, self._expiry_shards)
-
-    def expiry_score(self, run_id: str) -> int | None:
-        """``run_id``'s score on the expiry index (None: not on it). Raises
-        StoreUnavailableError."""
-        check_id(run_id, "run_id")
-        score = self._call(
-            "expiry index", run_id, lambda: self._client.zscore(self._expiry(run_id), run_id)
-        )
-        return None if score is None else int(score)
-
-    def expiry_members(self) -> set[str]:
-        """Every member of the expiry index, all shards (drills and diagnostics: it reads
-        the whole index). Raises StoreUnavailableError."""
-
-        def read() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for key in expiry_keys(self._expiry_shards):
-                pipe.zrange(key, 0, -1)
-            return list(pipe.execute())
-
-        return {self._member(m) for reply in self._call("expiry index", None, read) for m in reply}
-
-    def expect_pickup(self, run_id: str, *, within_ms: int) -> None:
-        """Put ``run_id`` on the expiry index with a pickup deadline (``ZADD GT``).
-
-        Called when a run is enqueued: if no worker acquires it by then (its job was lost
-        with a worker, or with Redis), the reaper re-enqueues it. A later score (a live
-        lease) is kept. Raises StoreUnavailableError.
-        """
-        check_id(run_id, "run_id")
-        deadline = self.server_time_ms() + within_ms
-        index = self._expiry(run_id)
-        self._call(
-            "expiry index",
-            run_id,
-            lambda: self._client.zadd(index, {run_id: deadline}, gt=True),
-        )
-
-    def park_expiry_entry(self, run_id: str, *, for_ms: int) -> None:
-        """Move ``run_id``'s expiry index entry ``for_ms`` into the future (``ZADD XX``):
-        an entry the reaper cannot handle stops blocking the ones behind it. Index entries
-        only say "look at this run", so a race with a worker re-scoring it is harmless.
-        Raises StoreUnavailableError."""
-        later = self.server_time_ms() + for_ms
-        index = self._expiry(run_id)
-        self._call("expiry index", None, lambda: self._client.zadd(index, {run_id: later}, xx=True))
-
-    def forget_index_member(self, member: str) -> None:
-        """Remove a member that is not a run id from the expiry index (junk written there
-        names no run). Raises StoreUnavailableError."""
-        index = self._expiry(member)
-        self._call("expiry index", None, lambda: self._client.zrem(index, member))
-
     def claim_reap(self, run_id: str, *, reclaim_after_ms: int = 30_000) -> ReapClaim:
         """Claim the right to re-enqueue ``run_id`` for its current (expired) lease version.
 
@@ -927,17 +793,6 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
             ScriptName.CLAIM_REAP, run_id, [run_keys(run_id).lease], [reclaim_after_ms]
         )
         return decode_claim_reap(reply, run_id)
-
-    def drop_expiry_entry(self, run_id: str, score_ms: int) -> bool:
-        """Remove ``run_id`` from the expiry index if its score is still ``score_ms``.
-
-        Raises StoreUnavailableError, StoreProtocolError.
-        """
-        check_id(run_id, "run_id")
-        reply = self._run(
-            ScriptName.DROP_EXPIRY_ENTRY, run_id, [self._expiry(run_id)], [run_id, score_ms]
-        )
-        return decode_drop_expiry(reply)
 
     def run_ids(self, *, limit: int = 1000) -> list[str]:
         """Run ids created through this store, oldest first (up to ``limit``)."""
