@@ -1,7 +1,13 @@
-"""What the drill's checker tests share: a drill record to judge synthetic evidence on."""
+"""What the drill tests share: a drill record to judge synthetic evidence on, and the
+`ratchet drill` command run as a subprocess."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,3 +29,23 @@ def drill_record(tmp_path: Path, **fields: Any) -> DrillRecord:
         setattr(rec, name, value)
     rec.runs = rec.runs or {"r1": 0, "r2": 1}
     return rec
+
+
+RATCHET = str(Path(sys.executable).with_name("ratchet"))
+
+
+def run_drill(
+    folder: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 400
+) -> dict[str, Any]:
+    """``ratchet drill ARGS --json --dir FOLDER`` (the folder emptied first); its report."""
+    shutil.rmtree(folder, ignore_errors=True)
+    done = subprocess.run(
+        [RATCHET, "drill", *args, "--json", "--dir", str(folder)],
+        capture_output=True,
+        timeout=timeout_s,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+    assert done.stdout, done.stderr.decode(errors="replace")[-2000:]
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report

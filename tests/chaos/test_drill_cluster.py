@@ -4,18 +4,13 @@ restarting it on its folder while the other masters' runs go on."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from ratchet.chaos.drill.runner import DrillOptions, _check_topology
 from ratchet.errors import ConfigurationError
-
-RATCHET = str(Path(sys.executable).with_name("ratchet"))
+from tests.chaos.drill_support import run_drill
 
 
 @pytest.mark.parametrize("faults", [{"redis-pause"}, {"rollback"}, {"partition-store"}])
@@ -35,32 +30,21 @@ def test_the_acknowledgement_rule_is_refused_on_the_cluster() -> None:
 def test_a_master_crashed_and_restarted_mid_drill_loses_no_ack_and_doubles_no_effect(
     tmp_path: Path,
 ) -> None:
-    done = subprocess.run(
-        [
-            RATCHET,
-            "drill",
-            "--topology",
-            "cluster",
-            "--workers",
-            "2",
-            "--runs",
-            "12",
-            "--lease-ttl",
-            "1",
-            "--faults",
-            "kill,pause,redis-kill",
-            "--seed",
-            "1",
-            "--json",
-            "--dir",
-            str(tmp_path / "drill"),
-        ],
-        capture_output=True,
-        timeout=400,
-        check=False,
+    report = run_drill(
+        tmp_path / "drill",
+        "--topology",
+        "cluster",
+        "--workers",
+        "2",
+        "--runs",
+        "12",
+        "--lease-ttl",
+        "1",
+        "--faults",
+        "kill,pause,redis-kill",
+        "--seed",
+        "1",
     )
-    assert done.stdout, done.stderr.decode(errors="replace")[-2000:]
-    report: dict[str, Any] = json.loads(done.stdout)
     statuses = {k: v["status"] for k, v in report["invariants"].items()}
     assert report["drill_errors"] == []
     assert len(report["master_kills"]) >= 1, report

@@ -4,11 +4,8 @@ acknowledged commit may be lost to it."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +15,8 @@ from ratchet.chaos.drill.checker import _failover_acks_kept, _failover_losses
 from ratchet.chaos.drill.evidence import Evidence
 from ratchet.chaos.drill.runner import DrillOptions, _check_topology
 from ratchet.errors import ConfigurationError
-from tests.chaos.drill_support import drill_record
+from tests.chaos.drill_support import RATCHET, drill_record, run_drill
 
-RATCHET = str(Path(sys.executable).with_name("ratchet"))
 FAILOVER = {"at": 100.0, "promoted_at": 103.0, "kept": {"r1": 4, "r2": 7}}
 
 
@@ -98,37 +94,23 @@ def test_the_cli_refuses_a_store_fault_on_the_replicated_topology_in_one_line() 
 
 
 def _drill(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    folder = tmp_path / "drill"
-    shutil.rmtree(folder, ignore_errors=True)
-    done = subprocess.run(
-        [
-            RATCHET,
-            "drill",
-            "--topology",
-            "replicated",
-            "--workers",
-            "2",
-            "--runs",
-            "12",
-            "--lease-ttl",
-            "1",
-            "--faults",
-            "kill,pause,redis-kill",
-            "--seed",
-            "1",
-            *args,
-            "--json",
-            "--dir",
-            str(folder),
-        ],
-        capture_output=True,
-        timeout=400,
-        check=False,
-        env={**os.environ, **(env or {})},
+    return run_drill(
+        tmp_path / "drill",
+        "--topology",
+        "replicated",
+        "--workers",
+        "2",
+        "--runs",
+        "12",
+        "--lease-ttl",
+        "1",
+        "--faults",
+        "kill,pause,redis-kill",
+        "--seed",
+        "1",
+        *args,
+        env=env,
     )
-    assert done.stdout, done.stderr.decode(errors="replace")[-2000:]
-    report: dict[str, Any] = json.loads(done.stdout)
-    return report
 
 
 def _common(report: dict[str, Any]) -> None:
