@@ -35,9 +35,10 @@ RATCHET = str(Path(sys.executable).with_name("ratchet"))
 
 
 def run_drill(
-    folder: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 400
-) -> dict[str, Any]:
-    """``ratchet drill ARGS --json --dir FOLDER`` (the folder emptied first); its report."""
+    folder: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 420
+) -> tuple[int, dict[str, Any]]:
+    """``ratchet drill ARGS --json --dir FOLDER`` (the folder emptied first): its exit code
+    and its report."""
     shutil.rmtree(folder, ignore_errors=True)
     done = subprocess.run(
         [RATCHET, "drill", *args, "--json", "--dir", str(folder)],
@@ -48,4 +49,24 @@ def run_drill(
     )
     assert done.stdout, done.stderr.decode(errors="replace")[-2000:]
     report: dict[str, Any] = json.loads(done.stdout)
-    return report
+    return done.returncode, report
+
+
+def topology_profile(topology: str, *args: str) -> list[str]:
+    """The CI profile of the drill on another topology (replicated, cluster): two workers,
+    twelve runs, the worker faults and redis-kill, seed 1."""
+    return [
+        "--topology",
+        topology,
+        "--workers",
+        "2",
+        "--runs",
+        "12",
+        "--lease-ttl",
+        "1",
+        "--faults",
+        "kill,pause,redis-kill",
+        "--seed",
+        "1",
+        *args,
+    ]

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,25 +17,13 @@ from ratchet.chaos.drill.humans import FAR_OFF_NAME
 from ratchet.chaos.drill.runner import TWIN_NAME, DrillOptions, _Drill
 from ratchet.chaos.drill.schedule import FAULTS, Schedule, parse_faults
 from ratchet.chaos.failpoints import POINTS
-from tests.chaos.drill_support import drill_record
-
-RATCHET = str(Path(sys.executable).with_name("ratchet"))
+from tests.chaos.drill_support import drill_record, run_drill
 
 
 def drill(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 420
 ) -> tuple[int, dict[str, Any]]:
-    folder = tmp_path / "drill"
-    shutil.rmtree(folder, ignore_errors=True)
-    done = subprocess.run(
-        [RATCHET, "drill", *args, "--json", "--dir", str(folder)],
-        capture_output=True,
-        timeout=timeout_s,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
-    assert done.stdout, done.stderr.decode(errors="replace")[-2000:]
-    return done.returncode, json.loads(done.stdout)
+    return run_drill(tmp_path / "drill", *args, env=env, timeout_s=timeout_s)
 
 
 def ci_faults() -> str:

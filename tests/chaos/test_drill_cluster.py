@@ -10,7 +10,7 @@ import pytest
 
 from ratchet.chaos.drill.runner import DrillOptions, _check_topology
 from ratchet.errors import ConfigurationError
-from tests.chaos.drill_support import run_drill
+from tests.chaos.drill_support import run_drill, topology_profile
 
 
 @pytest.mark.parametrize("faults", [{"redis-pause"}, {"rollback"}, {"partition-store"}])
@@ -30,21 +30,7 @@ def test_the_acknowledgement_rule_is_refused_on_the_cluster() -> None:
 def test_a_master_crashed_and_restarted_mid_drill_loses_no_ack_and_doubles_no_effect(
     tmp_path: Path,
 ) -> None:
-    report = run_drill(
-        tmp_path / "drill",
-        "--topology",
-        "cluster",
-        "--workers",
-        "2",
-        "--runs",
-        "12",
-        "--lease-ttl",
-        "1",
-        "--faults",
-        "kill,pause,redis-kill",
-        "--seed",
-        "1",
-    )
+    _, report = run_drill(tmp_path / "drill", *topology_profile("cluster"), timeout_s=400)
     statuses = {k: v["status"] for k, v in report["invariants"].items()}
     assert report["drill_errors"] == []
     assert len(report["master_kills"]) >= 1, report

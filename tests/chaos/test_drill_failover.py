@@ -15,7 +15,7 @@ from ratchet.chaos.drill.checker import _failover_acks_kept, _failover_losses
 from ratchet.chaos.drill.evidence import Evidence
 from ratchet.chaos.drill.runner import DrillOptions, _check_topology
 from ratchet.errors import ConfigurationError
-from tests.chaos.drill_support import RATCHET, drill_record, run_drill
+from tests.chaos.drill_support import RATCHET, drill_record, run_drill, topology_profile
 
 FAILOVER = {"at": 100.0, "promoted_at": 103.0, "kept": {"r1": 4, "r2": 7}}
 
@@ -94,23 +94,10 @@ def test_the_cli_refuses_a_store_fault_on_the_replicated_topology_in_one_line() 
 
 
 def _drill(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    return run_drill(
-        tmp_path / "drill",
-        "--topology",
-        "replicated",
-        "--workers",
-        "2",
-        "--runs",
-        "12",
-        "--lease-ttl",
-        "1",
-        "--faults",
-        "kill,pause,redis-kill",
-        "--seed",
-        "1",
-        *args,
-        env=env,
+    _, report = run_drill(
+        tmp_path / "drill", *topology_profile("replicated", *args), env=env, timeout_s=400
     )
+    return report
 
 
 def _common(report: dict[str, Any]) -> None:

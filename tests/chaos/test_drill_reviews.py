@@ -5,10 +5,7 @@ signed before the environment moved) that must fail naming the invariant."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -27,8 +24,8 @@ from ratchet.chaos.drill.reviewers import foreign_body, order_key, review_runs
 from ratchet.chaos.drill.schedule import FAULTS, parse_faults
 from ratchet.chaos.drill.services import order_body, plan
 from tests.chaos.drill_support import drill_record as record
+from tests.chaos.drill_support import run_drill
 
-RATCHET = str(Path(sys.executable).with_name("ratchet"))
 KEY = order_key("r1")
 
 
@@ -187,15 +184,7 @@ def test_a_planted_conflict_still_waiting_is_expected_not_an_unexpected_conflict
 
 def _drill(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     args = ["--workers", "2", "--runs", "8", "--lease-ttl", "1", "--faults", "reviews"]
-    done = subprocess.run(
-        [RATCHET, "drill", *args, "--seed", "1", "--json", "--dir", str(tmp_path / "drill")],
-        capture_output=True,
-        timeout=280,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
-    assert done.stdout, done.stderr.decode(errors="replace")[-2000:]
-    return done.returncode, json.loads(done.stdout)
+    return run_drill(tmp_path / "drill", *args, "--seed", "1", env=env, timeout_s=280)
 
 
 @pytest.mark.slow
