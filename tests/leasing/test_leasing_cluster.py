@@ -10,13 +10,28 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
-from ratchet.errors import GenerationMismatchError, LeaseLostError, NonceReplayError
+from ratchet.errors import (
+    ContractError,
+    GenerationMismatchError,
+    LeaseLostError,
+    NonceReplayError,
+)
 from ratchet.leasing import RedisStore, run_keys
-from ratchet.leasing.keys import EXPIRY_INDEX, EXPIRY_SHARDS, expiry_shard, phase_index
+from ratchet.leasing.keys import (
+    EXPIRY_INDEX,
+    INDEX_SHARDS,
+    PHASES,
+    RUNS_INDEX,
+    IndexLayout,
+    expiry_shard,
+    phase_index,
+)
 from ratchet.runtime.ports import Advance, RunKey
 from ratchet.testing.cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
+
+SHARDED = IndexLayout(INDEX_SHARDS)
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +191,161 @@ def test_phase_indexes_counts_and_pages_follow_runs_on_every_master(
         if after is None:
             break
     assert len(seen) == len(set(seen)) and set(run_ids) <= set(seen)
-    # A run whose recorded phase lost its index entry (a crash between the calls) is
-    # found and added back.
-    store.client.zrem(phase_index("running"), run_ids[2])
-    assert (run_ids[2], "running") in list(store.runs_missing_phase())
+    # Each phase index is sharded: the runs of this test are in three shards' keys.
+    for run_id in run_ids:
+        assert store.client.zscore(SHARDED.phase_of("running", run_id), run_id) is None or (
+            run_id == run_ids[2]
+        )
+        assert store.client.zscore(phase_index("running"), run_id) is None  # not one key
+    # A run whose recorded phase lost its index entry (a crash between the calls), and
+    # one listed under a phase it left too, are found and listed under their phase alone.
+    store.client.zrem(SHARDED.phase_of("running", run_ids[2]), run_ids[2])
+    store.client.zadd(SHARDED.phase_of("failed", run_ids[1]), {run_ids[1]: 1})
+    stale = set(store.runs_missing_phase())
+    assert {(run_ids[2], "running"), (run_ids[1], "awaiting_approval")} <= stale
     assert store.record_phase(run_ids[2], "running")
-    assert store.client.zscore(phase_index("running"), run_ids[2]) is not None
+    assert store.record_phase(run_ids[1], "awaiting_approval")
+    assert store.client.zscore(SHARDED.phase_of("running", run_ids[2]), run_ids[2]) is not None
+    assert store.client.zscore(SHARDED.phase_of("failed", run_ids[1]), run_ids[1]) is None
+    assert not {r for r, _ in store.runs_missing_phase()} & set(run_ids)
+
+
+def listed_under(client: Any, run_id: str) -> set[str]:
+    return {
+        phase
+        for phase, key in zip(PHASES, SHARDED.phases_of(run_id), strict=True)
+        if client.zscore(key, run_id) is not None
+    }
+
+
+def test_every_index_of_a_run_is_in_one_shard_and_the_shards_spread_over_the_masters(
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
+    """All of one run's index entries share a slot (one transaction writes them); the
+    shards' slots spread over every master."""
+    client = cluster_store.client
+    run_id = new_run_id()
+    assert len({key_slot(k.encode()) for k in SHARDED.keys_of(run_id)}) == 1
+    masters = {client.get_node_from_key(k).name for k in SHARDED.runs()}
+    assert masters == {node.name for node in client.get_primaries()}
+    assert len(SHARDED.keys_of()) == INDEX_SHARDS * (2 + len(PHASES))
+
+
+def test_an_acquire_repairs_a_phase_entry_a_crash_left_stale(
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
+    """A worker that died between its commit and the index move left the run listed under
+    its old phase: the next acquire lists it under the phase its state hash records."""
+    store = cluster_store
+    client = store.client
+    run_id = new_run_id()
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    run.commit_batch(RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="awaiting_approval")])
+    assert listed_under(client, run_id) == {"awaiting_approval"}
+    # The crash window, as it would leave the shard: the move never happened.
+    client.zrem(SHARDED.phase_of("awaiting_approval", run_id), run_id)
+    client.zadd(SHARDED.phase_of("running", run_id), {run_id: 1})
+    run.release()
+    assert store.list_runs("running", limit=1000).rows  # listed stale meanwhile...
+    again = store.acquire(run_id, owner="w2", ttl_ms=60_000)
+    assert again is not None
+    assert listed_under(client, run_id) == {"awaiting_approval"}  # ...repaired
+    assert run_id in {r.run_id for r in store.list_runs("awaiting_approval", limit=1000).rows}
+    assert run_id not in {r.run_id for r in store.list_runs("running", limit=1000).rows}
+
+
+def walk(store: RedisStore, phase: str | None, limit: int, oldest_first: bool) -> list[str]:
+    seen: list[str] = []
+    after = None
+    while True:
+        page = store.list_runs(phase, limit=limit, after=after, oldest_first=oldest_first)
+        seen += [row.run_id for row in page.rows]
+        after = page.next_cursor
+        if after is None:
+            return seen
+
+
+def test_sharded_listings_merge_the_shards_in_order_with_exact_cursors_on_ties(
+    cluster_store: RedisStore,
+) -> None:
+    """Entries of one phase spread over the shards, many with equal scores: every page
+    size, both orders, lists each entry once, in (score, member) order as one key would;
+    an entry removed at the cursor's score between pages does not shift the walk."""
+    store = cluster_store
+    client = store.client
+    phase = "cancelled"  # no other test of this module lists runs under it
+    members = [f"tie-{i:03d}" for i in range(60)]
+    entries = {m: float(1000 + (i % 4)) for i, m in enumerate(members)}  # 15 per score
+    for member, score in entries.items():
+        client.zadd(SHARDED.phase_of(phase, member), {member: score})
+    assert len({SHARDED.phase_of(phase, m) for m in members}) >= 8
+    everything = sorted(
+        (s, m) for k in SHARDED.phase(phase) for m, s in client.zrange(k, 0, -1, withscores=True)
+    )
+    oldest = [m.decode() for _, m in everything]
+    assert set(members) <= set(oldest)
+    for limit in (1, 2, 7, 15, 16, 1000):
+        assert walk(store, phase, limit, True) == oldest
+        assert walk(store, phase, limit, False) == oldest[::-1]
+    # Removing entries at the cursor's score between two pages: the rest, once each.
+    page = store.list_runs(phase, limit=5, oldest_first=True)
+    assert [r.run_id for r in page.rows] == oldest[:5]
+    for gone in (oldest[4], oldest[2], oldest[9]):
+        client.zrem(SHARDED.phase_of(phase, gone), gone)
+    # ...and adding some at that score behind the cursor (not listed: the walk passed
+    # their place) and one ahead of it (listed).
+    cursor_member = oldest[4]
+    behind = [f"{m}0" for m in oldest[:4]]
+    ahead = f"{cursor_member}1"
+    for member in [*behind, ahead]:
+        assert entries[oldest[0]] == entries[cursor_member]
+        client.zadd(SHARDED.phase_of(phase, member), {member: entries[cursor_member]})
+    rest: list[str] = []
+    after = page.next_cursor
+    while after is not None:
+        more = store.list_runs(phase, limit=3, after=after, oldest_first=True)
+        rest += [r.run_id for r in more.rows]
+        after = more.next_cursor
+    assert rest == [ahead] + [m for m in oldest[5:] if m != oldest[9]]
+    assert store.phase_counts()[phase] == len(oldest) - 3 + 5
+    # A single Redis' cursor (one shard) is refused by a sharded store, in one line.
+    with pytest.raises(ContractError, match="number of index shards"):
+        store.list_runs(phase, after=_one_shard_cursor(), oldest_first=True)
+
+
+def _one_shard_cursor() -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(b"o:1000.0:1:tie-000").rstrip(b"=").decode()
+
+
+def test_store_init_moves_a_pre_shard_cluster_stores_index_entries_into_the_shards(
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
+    """A Cluster store written before the indexes were sharded kept one key per index:
+    the migration moves every entry into its run's shard and removes the old keys."""
+    store = cluster_store
+    client = store.client
+    run_ids = [new_run_id() for _ in range(5)]
+    for run_id in run_ids:
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+        for key in SHARDED.keys_of(run_id):  # as an older store would have it
+            client.zrem(key, run_id)
+        client.zadd(RUNS_INDEX, {run_id: 7})
+        client.zadd(phase_index("running"), {run_id: 8})
+        client.zadd(EXPIRY_INDEX, {run_id: 9})
+    client.zadd(RUNS_INDEX, {"not a run id{}": 1})
+    assert store.migrate_unsharded_indexes(chunk=2) == 15
+    for key in (RUNS_INDEX, phase_index("running"), EXPIRY_INDEX):
+        assert client.exists(key) == 0
+    for run_id in run_ids:
+        assert client.zscore(SHARDED.runs_of(run_id), run_id) == 7
+        assert client.zscore(SHARDED.phase_of("running", run_id), run_id) == 8
+        assert store.expiry_score(run_id) == 9
+    assert store.migrate_unsharded_indexes() == 0  # nothing left: running it again is a no-op
+    assert not {r for r, _ in store.runs_missing_phase()} & set(run_ids)
 
 
 def test_the_expiry_index_is_sharded_over_the_masters_and_read_whole_by_the_reaper(
@@ -197,12 +361,12 @@ def test_the_expiry_index_is_sharded_over_the_masters_and_read_whole_by_the_reap
         store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
         run = store.acquire(run_id, owner="w1", ttl_ms=1)  # expired at once
         assert run is not None
-    shards = {expiry_shard(r, EXPIRY_SHARDS) for r in run_ids}
+    shards = {expiry_shard(r, INDEX_SHARDS) for r in run_ids}
     assert len(shards) >= 8  # spread over the shards...
     masters = {client.get_node_from_key(k).name for k in shards}
     assert len(masters) >= 2  # ...and the shards over the masters
     for run_id in run_ids:
-        assert client.zscore(expiry_shard(run_id, EXPIRY_SHARDS), run_id) is not None
+        assert client.zscore(expiry_shard(run_id, INDEX_SHARDS), run_id) is not None
         assert store.expiry_score(run_id) is not None
         assert client.zscore(EXPIRY_INDEX, run_id) is None  # not the single-Redis key
     poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= set(run_ids))
@@ -211,7 +375,7 @@ def test_the_expiry_index_is_sharded_over_the_masters_and_read_whole_by_the_reap
     assert len(store.expired_entries(limit=5)) == 5
     assert set(run_ids) <= store.expiry_members()
     # What removes a run for good names its own shard.
-    assert expiry_shard(run_ids[0], EXPIRY_SHARDS) in store.index_keys(run_ids[0])
+    assert expiry_shard(run_ids[0], INDEX_SHARDS) in store.index_keys(run_ids[0])
 
 
 def poll_until(done: Any, deadline_s: float = 5.0) -> None:
@@ -236,19 +400,38 @@ def test_with_a_master_down_the_reaper_still_reads_the_other_masters_shards(
             assert store.acquire(run_id, owner="w1", ttl_ms=1) is not None
         poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= set(run_ids))
         shard_port = {
-            r: client.get_node_from_key(expiry_shard(r, EXPIRY_SHARDS)).port for r in run_ids
+            r: client.get_node_from_key(expiry_shard(r, INDEX_SHARDS)).port for r in run_ids
         }
         victim = cluster.servers[0]
         readable = {r for r, port in shard_port.items() if port != victim.port}
         assert readable and readable != set(run_ids)
+        # A run whose own slot survives but whose index shard is on the dead master.
+        moving = next(
+            r
+            for r in run_ids
+            if shard_port[r] == victim.port
+            and client.get_node_from_key(run_keys(r).lease).port != victim.port
+        )
+        run = store.acquire(moving, owner="w1", ttl_ms=60_000)
+        assert run is not None
         victim.kill()
         try:
             seen = {r for r, _ in store.expired_entries(limit=1000)}
             assert seen == readable  # every shard on a live master, none of the dead one's
             assert store.expiry_shards_unreadable > 0
+            # Its commit applies and is acknowledged; the phase move waits for a repair.
+            run.commit_batch(
+                RunKey("t", moving, "e"), [Advance(1, b"g2", phase="awaiting_approval")]
+            )
+            assert store.index_moves_deferred == 1
         finally:
             victim.start()
             cluster.wait_ok()
-        poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= set(run_ids))
+        expired = set(run_ids) - {moving}  # the one acquired again holds a live lease
+        poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= expired)
         assert store.expiry_shards_unreadable == 0
+        assert store.read_run(moving).generation == 2  # the commit applied
+        assert listed_under(client, moving) == {"running"}  # stale until...
+        assert store.acquire(moving, owner="w1", ttl_ms=60_000) is not None
+        assert listed_under(client, moving) == {"awaiting_approval"}  # ...the next acquire
         client.close()

@@ -4,6 +4,7 @@ the console's list and review queue, the approvals gauge), against a real redis-
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import re
@@ -238,11 +239,19 @@ def walk_from(
     return seen
 
 
+def cursor_of(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
 @pytest.mark.parametrize(
     ("call", "field"),
     [
         ({"after": "not-a-cursor!"}, "after"),
         ({"after": "bjox"}, "after"),
+        ({"after": cursor_of(b"n:5.0:0,0:r-x")}, "after"),  # passed nothing
+        ({"after": cursor_of(b"n:5.0:1,-1:r-x")}, "after"),
+        ({"after": cursor_of(b"n:5.0:" + b",".join([b"1"] * 65) + b":r-x")}, "after"),
+        ({"after": cursor_of(b"n:5.0:1,1:r-x")}, "after"),  # two shards: not this store's
         ({"limit": 0}, "limit"),
         ({"limit": 1001}, "limit"),
         ({"limit": True}, "limit"),

@@ -242,3 +242,23 @@ def test_worker_and_operator_users_may_wait_for_replicas(acl_server: RedisServer
     )
     with pytest.raises(ReplicationUnconfirmedError):  # an acquire waits too
         store(Role.WORKER, 1).acquire("r-wait-2", owner="w-1", ttl_ms=60_000)
+
+
+def test_an_operator_may_retry_a_create_which_indexes_the_run_in_one_transaction(
+    acl_server: RedisServer,
+) -> None:
+    """A retried create (the reply of the first was lost) writes the run's index entries
+    in one MULTI: the operator user may."""
+    RedisStore(client(acl_server, Role.ADMIN)).load_scripts()
+    operator = RedisStore(client(acl_server, Role.OPERATOR))
+    for _ in range(2):
+        created = operator.create_run(
+            "r-acl-retry",
+            task_id="t",
+            env_instance_id="e",
+            scenario=b"s",
+            checkpoint=b"g1",
+            commit_id="c-1",
+        )
+    assert created.already_applied
+    assert "r-acl-retry" in operator.run_ids()

@@ -95,11 +95,14 @@ _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
 # counts per phase; see listing.py).
 _READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info", "hmget", "llen", "zcard")
 # ``wait``: with RATCHET_MIN_REPLICAS_ACK, creates and commits are confirmed by replicas.
+# ``multi``/``exec``: a run's index entries written in one transaction on its shard's
+# slot (Redis Cluster; a retried create on a single Redis), see sharded.py.
+_SHARD_WRITES = ("zadd", "zrem", "multi", "exec")
 _DIRECT: Mapping[Role, tuple[str, ...]] = {
-    # expiry index; SET NX nonce claims
-    Role.WORKER: (*_READS, "zadd", "zrem", "set", "wait"),
-    # the runs index (create); index removal after a purge on Redis Cluster
-    Role.OPERATOR: (*_READS, "zadd", "zrem", "wait"),
+    # expiry and phase indexes (Cluster); SET NX nonce claims
+    Role.WORKER: (*_READS, *_SHARD_WRITES, "set", "wait"),
+    # the runs and phase indexes (create); index removal after a purge on Redis Cluster
+    Role.OPERATOR: (*_READS, *_SHARD_WRITES, "wait"),
     Role.READER: _READS,
 }
 _CONNECTION = ("ping", "hello", "client|setname", "client|getname")

@@ -7,8 +7,8 @@ reaper reads the entries due (:meth:`ExpiryIndex.expired_entries`); an entry onl
 
 On a single Redis it is one key, :data:`ratchet.leasing.keys.EXPIRY_INDEX`, which the
 lease and commit scripts update inline. On Redis Cluster it is split into
-:data:`~ratchet.leasing.keys.EXPIRY_SHARDS` keys of their own slots, spread over the
-masters (:func:`~ratchet.leasing.keys.expiry_shard`): the store writes a run's entry in
+:data:`~ratchet.leasing.keys.INDEX_SHARDS` keys of their own slots, spread over the
+masters (:class:`~ratchet.leasing.keys.IndexLayout`): the store writes a run's entry in
 its shard after each script, and the reaper reads every shard, in one pipeline, or, when
 a master is down, master by master, leaving out only the shards it cannot reach
 (:attr:`ExpiryIndex.expiry_shards_unreadable`). Part of
@@ -23,7 +23,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from ratchet.errors import StoreUnavailableError
-from ratchet.leasing.keys import check_id, expiry_keys, expiry_shard
+from ratchet.leasing.keys import IndexLayout, check_id
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.replies import decode_drop_expiry
 from ratchet.leasing.scripts import ScriptName
@@ -34,8 +34,8 @@ __all__ = ["ExpiryIndex"]
 class ExpiryIndex(StorePlumbing):
     """Reading and writing the expiry index (see the module docstring)."""
 
-    #: 1 on a single Redis, the shard count on a Cluster (set by RedisStore).
-    _expiry_shards: int
+    #: The index keys: one shard on a single Redis, several on a Cluster (set by RedisStore).
+    _indexes: IndexLayout
     #: How many shards the last read could not reach (Cluster, a master down): their
     #: runs are not taken over until it is back. The reaper reports it.
     expiry_shards_unreadable: int
@@ -57,7 +57,7 @@ class ExpiryIndex(StorePlumbing):
         Raises StoreUnavailableError, StoreProtocolError.
         """
         now_ms = self.server_time_ms()
-        shards = expiry_keys(self._expiry_shards)
+        shards = self._indexes.expiry()
         if len(shards) == 1:
             replies = [
                 self._call(
@@ -116,7 +116,7 @@ class ExpiryIndex(StorePlumbing):
 
     def _expiry(self, run_id: str) -> str:
         """The expiry index key that holds ``run_id``'s entry."""
-        return expiry_shard(run_id, self._expiry_shards)
+        return self._indexes.expiry_of(run_id)
 
     def expiry_score(self, run_id: str) -> int | None:
         """``run_id``'s score on the expiry index (None: not on it). Raises
@@ -133,7 +133,7 @@ class ExpiryIndex(StorePlumbing):
 
         def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
-            for key in expiry_keys(self._expiry_shards):
+            for key in self._indexes.expiry():
                 pipe.zrange(key, 0, -1)
             return list(pipe.execute())
 

@@ -33,25 +33,29 @@ key                                 type     holds
                                              state_version, task_id, created_at_ms,
                                              checkpoint_digest, export; the id stays taken
 ``ratchet:index:expiry``            zset     run id scored by lease expiry (ms): reaper index
-                                             (on Redis Cluster: sharded, see below)
 ``ratchet:index:runs``              zset     run id scored by creation time (ms)
 ``ratchet:index:phase:<phase>``     zset     one per phase (:data:`PHASES`): run id scored
                                              by the time (ms) it entered that phase
+                                             (these three: sharded on a Cluster, see below)
 ``ratchet:nonce:<nonce>``           string   the run id that claimed this nonce, for good
 ==================================  =======  ==============================================
 
 The last four rows are cross-run keys: they live in other slots. On a single Redis the
 create, lease and commit scripts take the indexes they update as optional extra ``KEYS``;
 in Redis Cluster they are only ever touched by separate calls, never from inside a script.
-:data:`INDEX_KEYS` names every index a run may be in (what removing a run must clear).
+:class:`IndexLayout` names every index key of a store.
 
-On Redis Cluster the expiry index, which every acquire, renewal and release writes, is
-split into :data:`EXPIRY_SHARDS` keys ``ratchet:index:expiry:{xNN}``, each with a hash tag
-of its own and so in a slot of its own, spread over the masters: a run's entry lives in
-the shard its id hashes to (:func:`expiry_shard`), and the reaper reads every shard
-(:func:`expiry_keys`). A master's outage then stops the takeovers of a fraction of the
-runs, not all of them, and the index's writes are spread over the masters. On a single
-Redis there is one shard, ``ratchet:index:expiry`` itself, which the scripts update inline.
+On Redis Cluster every cross-run index is split into :data:`INDEX_SHARDS` keys, the
+index's name followed by ``:{xNN}``: ``ratchet:index:runs:{x07}``,
+``ratchet:index:phase:running:{x07}``, ``ratchet:index:expiry:{x07}``. A run's entries
+live in the shard its id hashes to (:func:`index_shard`), in every index, and all the keys
+of one shard share the hash tag ``{xNN}``, so one slot: a run's phase move is one
+``MULTI`` (add to the new phase, remove from every other) and its index writes after a
+create or a lease script are one round trip. The shards' slots are spread over the
+masters, so a master's outage stops the index writes and the takeovers of a fraction of
+the runs, and the index writes of a busy fleet are spread over the masters. Readers (the
+reaper, the listings, the counts) read every shard and merge. On a single Redis there is
+one shard per index, the name itself, which the scripts update inline.
 
 Ids that become part of key names or of ``|``-separated history entries are checked here:
 letters, digits and ``._:@/+-``, starting with a letter or digit, at most 200 characters.
@@ -71,18 +75,20 @@ from ratchet.runtime.state import Phase
 __all__ = [
     "EPOCH_KEY",
     "EXPIRY_INDEX",
-    "EXPIRY_SHARDS",
     "INDEX_KEYS",
+    "INDEX_SHARDS",
     "PHASES",
     "PHASE_INDEXES",
     "PREFIX",
     "RUNS_INDEX",
+    "IndexLayout",
     "RunKeys",
     "check_id",
     "check_phase",
     "expiry_keys",
     "expiry_shard",
     "index_keys_of",
+    "index_shard",
     "nonce_key",
     "phase_index",
     "run_keys",
@@ -99,32 +105,82 @@ _PHASE_INDEX = dict(zip(PHASES, PHASE_INDEXES, strict=True))
 #: Every cross-run index a run may be a member of (runs, expiry, each phase): removing a
 #: run for good must ``ZREM`` it from each of these.
 INDEX_KEYS: tuple[str, ...] = (RUNS_INDEX, EXPIRY_INDEX, *PHASE_INDEXES)
-#: How many shards the expiry index has on Redis Cluster (one on a single Redis). Fixed:
-#: every client of a store must put a run's entry where every reaper looks for it.
-EXPIRY_SHARDS = 16
+#: How many shards each cross-run index has on Redis Cluster (one on a single Redis).
+#: Fixed: every client of a store must put a run's entries where every reader looks.
+INDEX_SHARDS = 16
+
+
+def index_shard(run_id: str, shards: int) -> int:
+    """The shard (``0 <= n < shards``) that holds ``run_id``'s entries in every index."""
+    return 0 if shards <= 1 else zlib.crc32(run_id.encode()) % shards
+
+
+def _shard_key(index: str, shard: int, shards: int) -> str:
+    return index if shards <= 1 else f"{index}:{{x{shard:02d}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexLayout:
+    """The keys of a store's cross-run indexes: one key per index on a single Redis
+    (``shards=1``), :data:`INDEX_SHARDS` per index on a Cluster (module docstring)."""
+
+    shards: int = 1
+
+    def runs(self) -> tuple[str, ...]:
+        """Every shard of the runs index, in shard order."""
+        return self._all(RUNS_INDEX)
+
+    def phase(self, phase: str) -> tuple[str, ...]:
+        """Every shard of ``phase``'s index. Raises ContractError for an unknown phase."""
+        return self._all(phase_index(phase))
+
+    def expiry(self) -> tuple[str, ...]:
+        """Every shard of the expiry index."""
+        return self._all(EXPIRY_INDEX)
+
+    def runs_of(self, run_id: str) -> str:
+        """The runs index shard that holds ``run_id``."""
+        return _shard_key(RUNS_INDEX, index_shard(run_id, self.shards), self.shards)
+
+    def phase_of(self, phase: str, run_id: str) -> str:
+        """The shard of ``phase``'s index that holds ``run_id``. Raises ContractError."""
+        return _shard_key(phase_index(phase), index_shard(run_id, self.shards), self.shards)
+
+    def phases_of(self, run_id: str) -> tuple[str, ...]:
+        """Each phase's shard that holds ``run_id``, in :data:`PHASES` order (one slot)."""
+        shard = index_shard(run_id, self.shards)
+        return tuple(_shard_key(index, shard, self.shards) for index in PHASE_INDEXES)
+
+    def expiry_of(self, run_id: str) -> str:
+        """The expiry index shard that holds ``run_id``."""
+        return _shard_key(EXPIRY_INDEX, index_shard(run_id, self.shards), self.shards)
+
+    def keys_of(self, run_id: str | None = None) -> tuple[str, ...]:
+        """Every index key ``run_id`` may be in (runs, expiry, each phase: what removing
+        it for good must clear), or with no run every index key of every shard."""
+        if run_id is None:
+            return tuple(k for index in INDEX_KEYS for k in self._all(index))
+        shard = index_shard(run_id, self.shards)
+        return tuple(_shard_key(index, shard, self.shards) for index in INDEX_KEYS)
+
+    def _all(self, index: str) -> tuple[str, ...]:
+        return tuple(_shard_key(index, n, self.shards) for n in range(max(self.shards, 1)))
 
 
 def expiry_keys(shards: int) -> tuple[str, ...]:
     """Every key of the expiry index split into ``shards`` (1: :data:`EXPIRY_INDEX`)."""
-    if shards <= 1:
-        return (EXPIRY_INDEX,)
-    return tuple(f"{EXPIRY_INDEX}:{{x{n:02d}}}" for n in range(shards))
+    return IndexLayout(shards).expiry()
 
 
 def expiry_shard(run_id: str, shards: int) -> str:
     """The expiry index key that holds ``run_id``'s entry (1 shard: :data:`EXPIRY_INDEX`)."""
-    if shards <= 1:
-        return EXPIRY_INDEX
-    return f"{EXPIRY_INDEX}:{{x{zlib.crc32(run_id.encode()) % shards:02d}}}"
+    return IndexLayout(shards).expiry_of(run_id)
 
 
 def index_keys_of(run_id: str | None, shards: int) -> tuple[str, ...]:
-    """Every cross-run index key ``run_id`` may be in (its own expiry shard), or with no
+    """Every cross-run index key ``run_id`` may be in (its own shard of each), or with no
     run every index key (each shard): what removing a run for good must clear."""
-    if shards <= 1:
-        return INDEX_KEYS
-    expiry = expiry_keys(shards) if run_id is None else (expiry_shard(run_id, shards),)
-    return (*(k for k in INDEX_KEYS if k != EXPIRY_INDEX), *expiry)
+    return IndexLayout(shards).keys_of(run_id)
 
 
 # The store's epoch record: written once when the store is initialised; a store that

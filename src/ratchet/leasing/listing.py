@@ -9,16 +9,22 @@ see ``lua/commit.lua``); a run's own view (``ratchet show``, the console's run p
 verifies its checkpoint. A row that cannot be read says why in ``problem`` and never
 takes the page down.
 
-Cursors are opaque text naming the last entry a page showed: its score, its member and how
-many entries with that score the walk had passed, so runs with equal scores (created in
-the same millisecond) are each listed exactly once. If the entries with that score
-changed in between (a run left the index), the next page re-reads that score and resumes
-after the member by its name. An entry that moves within the index while it is walked
+On Redis Cluster each index is split into shards (:class:`~ratchet.leasing.keys.IndexLayout`):
+a page reads the same range of every shard in one pipeline and merges them in walk order
+(score, then member, as Redis orders one key), so a page costs one round trip and at most
+``limit + 1`` entries per shard. A single Redis is the one-shard case of the same walk.
+
+Cursors are opaque text naming the last entry a page showed: its score, its member and,
+per shard, how many entries with that score the walk had passed, so runs with equal
+scores (created in the same millisecond) are each listed exactly once. If the entries with
+that score changed in between in a shard (a run left the index), the next page re-reads
+that score there and resumes after the member by its name. A cursor is refused by a store
+with another number of shards. An entry that moves within the index while it is walked
 (a run that entered a phase again) shows at its new place, which an ongoing walk may
 already have passed.
 
-Counts are ``ZCARD`` of each index: exact, at any size. Runs created before phase
-indexes existed have no phase in their state hash and are in no phase index:
+Counts are ``ZCARD`` of each index (summed over its shards): exact, at any size. Runs
+created before phase indexes existed have no phase in their state hash and are in no phase index:
 :meth:`RunListings.runs_missing_phase` finds them and :meth:`RunListings.record_phase`
 indexes one (``ratchet store init`` does both, reading each phase from the run's verified
 checkpoint).
@@ -30,23 +36,14 @@ import base64
 import binascii
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import WatchError
 
 from ratchet.errors import ContractError, RatchetError, StoreProtocolError
-from ratchet.leasing.keys import (
-    EXPIRY_SHARDS,
-    PHASE_INDEXES,
-    PHASES,
-    RUNS_INDEX,
-    check_id,
-    index_keys_of,
-    phase_index,
-    run_keys,
-)
+from ratchet.leasing.keys import PHASES, IndexLayout, check_id, run_keys
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.runtime.canonical import strict_json_loads
 
@@ -55,6 +52,9 @@ __all__ = ["MAX_PAGE", "ListedRun", "RunListings", "RunPage"]
 MAX_PAGE = 1000
 _MAX_CURSOR = 1024
 _SEARCH_CHUNK = 200
+_MAX_SHARDS = 64
+#: An index entry as a walk holds it: member, score, and the shard it was read from.
+_Entry = tuple[bytes, float, int]
 _STATE_FIELDS = ("task_id", "generation", "phase", "phase_at_ms", "created_at_ms", "updated_at_ms")
 _LEASE_FIELDS = ("owner", "lease_version", "expires_at_ms")
 
@@ -99,16 +99,17 @@ class RunPage:
 
 @dataclass(frozen=True, slots=True)
 class _Position:
-    """Where a walk stands: after ``member`` at ``score``, the ``seen``-th entry with that
-    score in walk order."""
+    """Where a walk stands: after ``member`` at ``score``; ``seen[n]`` is how many entries
+    with that score the walk had passed in shard ``n``."""
 
     oldest_first: bool
     score: float
-    seen: int
+    seen: tuple[int, ...]
     member: bytes
 
     def encode(self) -> str:
-        head = f"{'o' if self.oldest_first else 'n'}:{self.score!r}:{self.seen}:".encode()
+        seen = ",".join(str(n) for n in self.seen)
+        head = f"{'o' if self.oldest_first else 'n'}:{self.score!r}:{seen}:".encode()
         return base64.urlsafe_b64encode(head + self.member).rstrip(b"=").decode("ascii")
 
 
@@ -123,10 +124,18 @@ def decode_cursor(text: str) -> _Position:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
         order, score_text, seen_text, member = raw.split(b":", 3)
-        score, seen = float(score_text.decode("ascii")), int(seen_text.decode("ascii"))
+        score = float(score_text.decode("ascii"))
+        seen = tuple(int(n.decode("ascii")) for n in seen_text.split(b","))
     except (binascii.Error, ValueError, UnicodeDecodeError):
         raise _bad_cursor() from None
-    if order not in (b"n", b"o") or math.isnan(score) or not 1 <= seen <= 10**9 or not member:
+    if (
+        order not in (b"n", b"o")
+        or math.isnan(score)
+        or not 1 <= len(seen) <= _MAX_SHARDS
+        or not all(0 <= n <= 10**9 for n in seen)
+        or sum(seen) < 1
+        or not member
+    ):
         raise _bad_cursor()
     return _Position(order == b"o", score, seen, member)
 
@@ -176,49 +185,89 @@ def _check_limit(limit: int) -> int:
 
 
 def _after(
-    chunk: Sequence[tuple[bytes, float]],
+    chunk: Sequence[_Entry],
     i: int,
-    base: int,
+    base: Sequence[int],
     base_score: float | None,
     oldest_first: bool,
 ) -> _Position:
-    """The position after entry ``i`` of ``chunk``, whose walk had passed ``base`` entries
-    with score ``base_score`` before the chunk began."""
-    member, score = chunk[i]
-    seen = sum(1 for _, s in chunk[: i + 1] if s == score)
-    if score == base_score:
-        seen += base
-    return _Position(oldest_first, score, seen, member)
+    """The position after entry ``i`` of ``chunk``, whose walk had passed ``base[n]``
+    entries with score ``base_score`` in shard ``n`` before the chunk began."""
+    member, score, _ = chunk[i]
+    seen = list(base) if score == base_score else [0] * len(base)
+    for _, s, shard in chunk[: i + 1]:
+        if s == score:
+            seen[shard] += 1
+    return _Position(oldest_first, score, tuple(seen), member)
+
+
+def _merged(parts: Sequence[Sequence[_Entry]], oldest_first: bool) -> list[_Entry]:
+    """The shards' entries in walk order: by score then member, as Redis orders one key
+    (``REV``: both descending)."""
+    entries = [entry for part in parts for entry in part]
+    entries.sort(key=lambda e: (e[1], e[0]), reverse=not oldest_first)
+    return entries
+
+
+def _continued(got: list[_Entry], seen: int, position: _Position) -> list[_Entry] | None:
+    """What follows ``position`` in one shard, from a read that began ``seen - 1``
+    entries into its score (at the score when nothing was passed there), or None when the
+    entries at that score changed since the cursor was given out."""
+
+    def passed(member: bytes) -> bool:
+        if position.oldest_first:
+            return member <= position.member
+        return member >= position.member
+
+    if seen:
+        head = got[0] if got else None
+        if head is None or head[1] != position.score or not passed(head[0]):
+            return None
+        got = got[1:]
+    if got and got[0][1] == position.score and passed(got[0][0]):
+        return None
+    return got
 
 
 class RunListings(StorePlumbing):
     """Paged, counted listings of runs (see the module docstring). Part of RedisStore."""
 
     _inline_indexes: bool  # set by RedisStore: a single Redis (not a Cluster)
+    _indexes: IndexLayout  # set by RedisStore
 
     def server_time_ms(self) -> int:  # provided by RedisStore
         raise NotImplementedError
 
+    def _list_under(self, pipe: Any, run_id: str, phase: str, at_ms: int, *, keep: bool) -> None:
+        raise NotImplementedError  # provided by RedisStore (sharded.py)
+
+    def _shard_write(self, what: str, run_id: str, fill: Callable[[Any], None]) -> None:
+        raise NotImplementedError  # provided by RedisStore (sharded.py)
+
     def index_keys(self, run_id: str | None = None) -> tuple[str, ...]:
-        """Every cross-run index a run may be in (runs, expiry, each phase): removing a
-        run must remove it from each (see :data:`ratchet.leasing.keys.INDEX_KEYS`). On a
-        Cluster the expiry index is sharded: with ``run_id``, its shard; without, every
-        shard."""
-        return index_keys_of(run_id, 1 if self._inline_indexes else EXPIRY_SHARDS)
+        """Every cross-run index key a run may be in (runs, expiry, each phase: removing
+        a run must remove it from each), or with no run every index key. On a Cluster each
+        index is sharded: the run's own shard of each, or every shard."""
+        return self._indexes.keys_of(run_id)
 
     # -- counts -------------------------------------------------------------------------
 
     def phase_counts(self) -> dict[str, int]:
-        """How many runs each phase index holds (``ZCARD`` each, one pipeline): exact.
+        """How many runs each phase index holds (``ZCARD`` of each shard, one pipeline):
+        exact.
 
         Raises StoreUnavailableError, StoreProtocolError.
         """
-        counts = self._zcards(PHASE_INDEXES)
-        return dict(zip(PHASES, counts, strict=True))
+        per_phase = [self._indexes.phase(phase) for phase in PHASES]
+        counts = iter(self._zcards([key for keys in per_phase for key in keys]))
+        return {
+            phase: sum(next(counts) for _ in keys)
+            for phase, keys in zip(PHASES, per_phase, strict=True)
+        }
 
     def run_count(self) -> int:
         """How many runs the runs index holds. Raises StoreUnavailableError."""
-        return self._zcards([RUNS_INDEX])[0]
+        return sum(self._zcards(self._indexes.runs()))
 
     def _zcards(self, keys: Sequence[str]) -> list[int]:
         def read() -> list[Any]:
@@ -251,11 +300,11 @@ class RunListings(StorePlumbing):
         Raises ContractError (unknown phase, a limit outside 1..1000, a cursor this
         listing did not give out or one of the other order), StoreUnavailableError.
         """
-        key, start = self._start(phase, limit, after, oldest_first)
-        chunk, base, base_score = self._entries(key, start, limit + 1, oldest_first)
+        keys, start = self._start(phase, limit, after, oldest_first)
+        chunk, base, base_score = self._entries(keys, start, limit + 1, oldest_first)
         more = len(chunk) > limit
         chunk = chunk[:limit]
-        rows, now_ms = self._rows([member for member, _ in chunk], [s for _, s in chunk])
+        rows, now_ms = self._rows(chunk)
         cursor = (
             _after(chunk, len(chunk) - 1, base, base_score, oldest_first).encode()
             if more and chunk
@@ -284,16 +333,16 @@ class RunListings(StorePlumbing):
             raise ContractError("the search text must be 1 to 200 characters", field="search")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ContractError("budget must be a positive integer", field="budget")
-        key, start = self._start(phase, limit, after, oldest_first)
+        keys, start = self._start(phase, limit, after, oldest_first)
         found: list[ListedRun] = []
         scanned, now_ms = 0, 0
         position = start
         while scanned < budget:
             want = min(_SEARCH_CHUNK, budget - scanned)
-            chunk, base, base_score = self._entries(key, position, want, oldest_first)
+            chunk, base, base_score = self._entries(keys, position, want, oldest_first)
             if not chunk:
                 return RunPage(tuple(found), None, phase, oldest_first, scanned, now_ms)
-            rows, now_ms = self._rows([m for m, _ in chunk], [s for _, s in chunk])
+            rows, now_ms = self._rows(chunk)
             for i, row in enumerate(rows):
                 scanned += 1
                 if any(
@@ -318,95 +367,149 @@ class RunListings(StorePlumbing):
             now_ms or self.server_time_ms(),
         )
 
+    def run_ids(self, *, limit: int = 1000) -> list[str]:
+        """Run ids created through this store, oldest first (up to ``limit``), read a
+        thousand at a time. Raises ContractError (a limit below 1), StoreUnavailableError."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ContractError("limit must be a positive integer", field="limit")
+        keys = self._indexes.runs()
+        found: list[str] = []
+        position: _Position | None = None
+        while len(found) < limit:
+            want = min(MAX_PAGE, limit - len(found))
+            chunk, base, base_score = self._entries(keys, position, want, True)
+            found += [self._member(member) for member, _, _ in chunk]
+            if len(chunk) < want:
+                break
+            position = _after(chunk, len(chunk) - 1, base, base_score, True)
+        return found
+
+    def entered_before(self, phase: str, before_ms: int, *, limit: int) -> list[str]:
+        """Up to ``limit`` runs that entered ``phase`` at or before ``before_ms`` (Redis
+        ms), earliest first. Raises ContractError (unknown phase), StoreUnavailableError."""
+        keys = self._indexes.phase(phase)
+        parts = self._ranges(
+            [(key, "-inf", str(before_ms), 0, limit) for key in keys], oldest_first=True
+        )
+        return [self._member(member) for member, _, _ in _merged(parts, True)[:limit]]
+
     def _start(
         self, phase: str | None, limit: int, after: str | None, oldest_first: bool
-    ) -> tuple[str, _Position | None]:
+    ) -> tuple[tuple[str, ...], _Position | None]:
         _check_limit(limit)
-        key = RUNS_INDEX if phase is None else phase_index(phase)
+        keys = self._indexes.runs() if phase is None else self._indexes.phase(phase)
         if after is None or after == "":
-            return key, None
+            return keys, None
         position = decode_cursor(after)
         if position.oldest_first != bool(oldest_first):
             raise ContractError("the cursor was given out for the other order", field="after")
-        return key, position
+        if len(position.seen) != len(keys):
+            raise ContractError(
+                "the cursor was given out by a store with another number of index shards",
+                field="after",
+            )
+        return keys, position
 
-    def _range(
-        self, key: str, begin: str, end: str, *, oldest_first: bool, offset: int, count: int
-    ) -> list[tuple[bytes, float]]:
-        """Entries from score ``begin`` to score ``end`` in walk order (``ZRANGE ...
-        BYSCORE [REV] LIMIT offset count``)."""
-        raw = self._call(
-            "listing",
-            None,
-            lambda: self._client.zrange(
-                key,
-                begin,
-                end,
-                desc=not oldest_first,
-                byscore=True,
-                offset=offset,
-                num=count,
-                withscores=True,
-            ),
-        )
-        entries: list[tuple[bytes, float]] = []
-        for member, score in raw:
-            if not isinstance(member, bytes) or not isinstance(score, float):
-                raise StoreProtocolError("an index entry is malformed", index=key)
-            entries.append((member, score))
-        return entries
+    def _ranges(
+        self, reads: Sequence[tuple[str, str, str, int, int]], *, oldest_first: bool
+    ) -> list[list[_Entry]]:
+        """For each ``(key, begin, end, offset, count)``: its entries from score ``begin``
+        to score ``end`` in walk order (``ZRANGE ... BYSCORE [REV] LIMIT offset count``),
+        tagged with the read's place in ``reads`` (its shard). One pipeline."""
+
+        def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key, begin, end, offset, count in reads:
+                pipe.zrange(
+                    key,
+                    begin,
+                    end,
+                    desc=not oldest_first,
+                    byscore=True,
+                    offset=offset,
+                    num=count,
+                    withscores=True,
+                )
+            return list(pipe.execute())
+
+        replies = self._call("listing", None, read)
+        if len(replies) != len(reads):
+            raise StoreProtocolError("a listing reply is missing")
+        parts: list[list[_Entry]] = []
+        for shard, ((key, *_), raw) in enumerate(zip(reads, replies, strict=True)):
+            entries: list[_Entry] = []
+            for item in raw if isinstance(raw, list) else [None]:
+                member, score = (
+                    item if isinstance(item, list | tuple) and len(item) == 2 else (None, None)
+                )
+                if not isinstance(member, bytes) or not isinstance(score, float):
+                    raise StoreProtocolError("an index entry is malformed", index=key)
+                entries.append((member, score, shard))
+            parts.append(entries)
+        return parts
 
     def _entries(
         self,
-        key: str,
+        keys: Sequence[str],
         position: _Position | None,
         count: int,
         oldest_first: bool,
-    ) -> tuple[list[tuple[bytes, float]], int, float | None]:
-        """Up to ``count`` entries after ``position`` in walk order, with how many entries
-        at ``position``'s score the walk had passed before them."""
+    ) -> tuple[list[_Entry], tuple[int, ...], float | None]:
+        """Up to ``count`` entries after ``position`` in walk order, merged over the shards
+        ``keys``, with how many entries at ``position``'s score the walk had passed in each
+        shard before them."""
         near, far = ("-inf", "+inf") if oldest_first else ("+inf", "-inf")
         if position is None:
-            return (
-                self._range(key, near, far, oldest_first=oldest_first, offset=0, count=count),
-                0,
-                None,
+            parts = self._ranges(
+                [(key, near, far, 0, count) for key in keys], oldest_first=oldest_first
             )
+            return _merged(parts, oldest_first)[:count], (0,) * len(keys), None
         here = _bound(position.score)
-        # One read in the usual case: the entry the cursor names, then what follows it.
-        got = self._range(
-            key, here, far, oldest_first=oldest_first, offset=position.seen - 1, count=count + 1
+        # One read per shard, all in one pipeline, in the usual case: from the last entry
+        # the walk passed at that score (the cursor's own, in its shard), then what follows.
+        parts = self._ranges(
+            [
+                (key, here, far, max(seen - 1, 0), count + (1 if seen else 0))
+                for key, seen in zip(keys, position.seen, strict=True)
+            ],
+            oldest_first=oldest_first,
         )
-        if got and got[0] == (position.member, position.score):
-            return got[1:], position.seen, position.score
-        # The entries at that score changed since: resume after the member by name.
-        ties = self._range(
-            key, here, here, oldest_first=oldest_first, offset=0, count=MAX_PAGE * 100
-        )
+        base = list(position.seen)
+        for shard, key in enumerate(keys):
+            rest = _continued(parts[shard], position.seen[shard], position)
+            if rest is None:
+                rest, base[shard] = self._resume(key, shard, position, count)
+            parts[shard] = rest
+        return _merged(parts, oldest_first)[:count], tuple(base), position.score
+
+    def _resume(
+        self, key: str, shard: int, position: _Position, count: int
+    ) -> tuple[list[_Entry], int]:
+        """Up to ``count`` entries after ``position`` in one shard whose entries at that
+        score changed since: resumed after the member by name. Returns them and how many
+        entries at that score the walk has passed there."""
+        here = _bound(position.score)
+        far = "+inf" if position.oldest_first else "-inf"
+        oldest_first = position.oldest_first
+        [ties] = self._ranges([(key, here, here, 0, MAX_PAGE * 100)], oldest_first=oldest_first)
         later = [
-            (m, s)
-            for m, s in ties
+            (m, s, shard)
+            for m, s, _ in ties
             if (m > position.member if oldest_first else m < position.member)
         ]
-        rest: list[tuple[bytes, float]] = []
+        rest: list[_Entry] = []
         if len(later) < count:
-            rest = self._range(
-                key,
-                _bound(position.score, exclusive=True),
-                far,
+            [rest] = self._ranges(
+                [(key, _bound(position.score, exclusive=True), far, 0, count - len(later))],
                 oldest_first=oldest_first,
-                offset=0,
-                count=count - len(later),
             )
-        return (later + rest)[:count], len(ties) - len(later), position.score
+        return [*later, *((m, s, shard) for m, s, _ in rest)][:count], len(ties) - len(later)
 
-    def _rows(
-        self,
-        members: Sequence[bytes],
-        scores: Sequence[float],
-    ) -> tuple[list[ListedRun], int]:
+    def _rows(self, entries: Sequence[_Entry]) -> tuple[list[ListedRun], int]:
         """Read the listed runs' hashes in one pipeline (and Redis' time with them on a
         single Redis). A row that cannot be read says why; the others are unaffected."""
+        members = [member for member, _, _ in entries]
+        scores = [score for _, score, _ in entries]
         ids: list[str | None] = []
         for member in members:
             try:
@@ -518,28 +621,26 @@ class RunListings(StorePlumbing):
         except (ValueError, RatchetError):
             return ListedRun(run_id, listed, problem="unreadable: malformed state")
 
-    # -- runs created before phase indexes ---------------------------------------------
+    # -- runs created before phase indexes, and stale entries ---------------------------
 
     def runs_missing_phase(self, *, chunk: int = 500) -> Iterator[tuple[str, str]]:
-        """Runs of the runs index that no phase index lists, oldest first, as
+        """Runs of the runs index not listed under their phase alone, oldest first, as
         ``(run_id, phase)``: ``phase`` is ``""`` when the state hash records none (a run
         created before phase indexes: read it from the verified checkpoint), else the
-        recorded phase whose index lacks the run (a Redis Cluster crash window).
+        recorded phase, whose index lacks the run or (Cluster, where a crash or an outage
+        can leave an index move undone) another phase's index lists it too.
 
         Raises StoreUnavailableError.
         """
-        start = 0
+        runs = self._indexes.runs()
+        position: _Position | None = None
         while True:
-            members = self._call(
-                "runs index",
-                None,
-                functools.partial(self._client.zrange, RUNS_INDEX, start, start + chunk - 1),
-            )
-            if not members:
+            entries, base, base_score = self._entries(runs, position, chunk, True)
+            if not entries:
                 return
-            start += len(members)
+            position = _after(entries, len(entries) - 1, base, base_score, True)
             ids = []
-            for member in members:
+            for member, _, _ in entries:
                 try:
                     ids.append(check_id(self._member(member), "run_id"))
                 except RatchetError:
@@ -562,29 +663,42 @@ class RunListings(StorePlumbing):
                 else:
                     recorded.append((run_id, phase))
 
-            def scores(batch: list[tuple[str, str]]) -> list[Any]:
+            # A single Redis moves a run's entry inside the commit script: only its own
+            # phase's entry can be missing (runs made before phase indexes). On a Cluster
+            # every phase's shard is read (one slot per run).
+            def scores(batch: list[tuple[str, str]], every: bool) -> list[Any]:
                 pipe = self._client.pipeline(transaction=False)
                 for run_id, phase in batch:
-                    pipe.zscore(phase_index(phase), run_id)
+                    for name, key in zip(PHASES, self._indexes.phases_of(run_id), strict=True):
+                        if every or name == phase:
+                            pipe.zscore(key, run_id)
                 return list(pipe.execute())
 
-            if recorded:
-                found = self._call("phase index", None, functools.partial(scores, recorded))
-                for (run_id, phase), score in zip(recorded, found, strict=True):
-                    if score is None:
-                        yield run_id, phase
+            if not recorded:
+                continue
+            every = not self._inline_indexes
+            found = iter(
+                self._call("phase index", None, functools.partial(scores, recorded, every))
+            )
+            for run_id, phase in recorded:
+                listed = [(name, next(found)) for name in PHASES if every or name == phase]
+                if any(
+                    (score is None) if name == phase else (score is not None)
+                    for name, score in listed
+                ):
+                    yield run_id, phase
 
     def record_phase(self, run_id: str, phase: str) -> bool:
         """Record ``phase`` for a run whose state hash has none, scored by its last commit
-        time, and make sure the run is in that phase's index. A run that records another
-        phase by now (a commit came first) is left alone.
+        time, and list the run under that phase alone. A run that records another phase
+        by now (a commit came first) is left alone.
 
         Returns True when the run is now listed under ``phase``. The state hash is
         changed only if no commit changed it meanwhile (``WATCH``). Raises ContractError,
         StoreUnavailableError.
         """
         state = run_keys(run_id).state
-        index = phase_index(phase)
+        self._indexes.phase_of(phase, run_id)  # ContractError for an unknown phase
 
         def record() -> int | None:
             for _attempt in range(5):
@@ -611,7 +725,9 @@ class RunListings(StorePlumbing):
         at_ms = self._call("phase record", run_id, record)
         if at_ms is None:
             return False
-        self._call(
-            "phase index", run_id, lambda: self._client.zadd(index, {run_id: at_ms}, nx=True)
+        self._shard_write(
+            "phase index",
+            run_id,
+            lambda pipe: self._list_under(pipe, run_id, phase, at_ms, keep=True),
         )
         return True

@@ -170,7 +170,7 @@ def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHo
     script = "acquire_lease"
     status, f = _split(reply, script)
     if status == "acquired":
-        _arity(f, 10, script, status)
+        _arity(f, 12, script, status)
         took_over = _int(f[7], script, "took_over")
         if took_over not in (0, 1):
             _fail("took_over is not 0 or 1", script, run_id=run_id)
@@ -190,6 +190,8 @@ def decode_acquire(reply: object, run_id: str, owner: str) -> Acquired | LeaseHo
             took_over=took_over == 1,
             previous_owner=_text(f[8], script, "previous_owner"),
             previous_lease_version=_int(f[9], script, "previous_lease_version"),
+            phase=_text(f[10], script, "phase"),
+            phase_at_ms=_int(f[11], script, "phase_at_ms"),
         )
     if status == "held":
         _arity(f, 4, script, status)

@@ -48,6 +48,8 @@ class Acquired:
     took_over: bool = False  # the lease had an owner whose lease had expired
     previous_owner: str = ""  # the lease this one replaced: its owner ("" when free) ...
     previous_lease_version: int = 0  # ... and version (0: the run was never leased)
+    phase: str = ""  # the phase the state hash records ("": none, or a thread)
+    phase_at_ms: int = 0  # when the run entered it (Redis ms; 0: none recorded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ratchet.errors import StoreProtocolError
-from ratchet.leasing.keys import EXPIRY_SHARDS, INDEX_KEYS, check_id, index_keys_of, run_keys
+from ratchet.leasing.keys import INDEX_KEYS, check_id, run_keys
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.scripts import ScriptName
 
@@ -36,6 +36,9 @@ class RunRetention(StorePlumbing):
     """Purge and tombstones (see the module docstring)."""
 
     _inline_indexes: bool  # set by RedisStore: a single Redis (not a Cluster)
+
+    def _index_purged(self, run_id: str) -> None:  # provided by RedisStore (sharded.py)
+        raise NotImplementedError
 
     def purge_run(
         self,
@@ -80,14 +83,7 @@ class RunRetention(StorePlumbing):
             )
         outcome = _text(reply[0])
         if outcome == "purged" and not inline:
-            client = self._client
-
-            def unindex() -> None:
-                # On a Cluster the expiry index is sharded: the run's own shard.
-                for index in index_keys_of(run_id, EXPIRY_SHARDS):
-                    client.zrem(index, run_id)
-
-            self._call("index", run_id, unindex)
+            self._index_purged(run_id)  # Cluster: the run's own shard of each index
         return outcome
 
     def tombstone(self, run_id: str) -> dict[str, str] | None:

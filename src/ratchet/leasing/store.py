@@ -78,10 +78,10 @@ from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.identity import StoreIdentity
 from ratchet.leasing.keys import (
     EXPIRY_INDEX,
-    EXPIRY_SHARDS,
+    INDEX_SHARDS,
     PHASE_INDEXES,
-    PHASES,
     RUNS_INDEX,
+    IndexLayout,
     check_id,
     check_phase,
     nonce_key,
@@ -106,7 +106,6 @@ from ratchet.leasing.results import (
     CommitResult,
     Lease,
     LeaseHolder,
-    PhaseMove,
     PreparedCommit,
     ReapClaim,
     Released,
@@ -115,13 +114,22 @@ from ratchet.leasing.results import (
 )
 from ratchet.leasing.retention import RunRetention
 from ratchet.leasing.scripts import ScriptName
+from ratchet.leasing.sharded import ShardedIndexes
 
 __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 
-class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAcks, ExpiryIndex):
+class RedisStore(
+    ShardedIndexes,  # first: RunRetention names its _index_purged
+    RunRecords,
+    RunListings,
+    RunRetention,
+    StoreIdentity,
+    ReplicaAcks,
+    ExpiryIndex,
+):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
     ``client`` is a ``redis.Redis``, ``redis.cluster.RedisCluster`` or
@@ -167,10 +175,11 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         super().__init__(client)
         # On a single Redis the lease and create scripts update the cross-run indexes
         # themselves (one round trip, one fsync); in Redis Cluster those live in other
-        # slots, so they are separate calls after the script.
+        # slots, split into shards, and written after the script (leasing/sharded.py).
         self._inline_indexes = not isinstance(client, RedisCluster)
-        self._expiry_shards = 1 if self._inline_indexes else EXPIRY_SHARDS
+        self._indexes = IndexLayout(1 if self._inline_indexes else INDEX_SHARDS)
         self.expiry_shards_unreadable = 0
+        self.index_moves_deferred = 0
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.max_scenario_bytes = max_scenario_bytes
         self.history_limit = history_limit
@@ -254,22 +263,12 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         if not inline or created.already_applied:
             # A retry that finds the run created must still see it indexed, under the
             # phase it is in now.
-            self._call(
-                "runs index",
-                run_id,
-                lambda: self._client.zadd(RUNS_INDEX, {run_id: created.created_at_ms}, nx=True),
-            )
             now_phase, at_ms = (
                 (created.phase, created.phase_at_ms)
                 if created.already_applied
                 else (phase, created.created_at_ms)
             )
-            if now_phase in PHASES:
-                self._call(
-                    "phase index",
-                    run_id,
-                    lambda: self._client.zadd(phase_index(now_phase), {run_id: at_ms}, nx=True),
-                )
+            self._index_created(run_id, created.created_at_ms, now_phase, at_ms)
         self._check_acked(run_id, counted, wrote=not created.already_applied, commit_id=commit_id)
         return created
 
@@ -336,11 +335,7 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
         lease = outcome.lease
         self._check_acked(run_id, counted, wrote=True, lease_version=lease.lease_version)
         if not inline:
-            self._call(
-                "expiry index",
-                run_id,
-                lambda: self._client.zadd(self._expiry(run_id), {run_id: lease.expires_at_ms}),
-            )
+            self._index_acquired(run_id, lease.expires_at_ms, outcome.phase, outcome.phase_at_ms)
         return LeasedRun(self, outcome, ttl_ms=ttl_ms)
 
     def acquire(self, run_id: str, *, owner: str, ttl_ms: int) -> LeasedRun | None:
@@ -428,23 +423,6 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
             )
         else:
             self._call("expiry index", run_id, lambda: self._client.zrem(index, run_id))
-
-    def _index_moved(self, move: PhaseMove) -> None:
-        """The phase indexes after a commit moved the run, where scripts cannot reach
-        them (Cluster). Added to the new phase's index first: a crash between the two
-        calls leaves the run listed twice, never nowhere."""
-        if move.new in PHASES:
-            self._call(
-                "phase index",
-                move.run_id,
-                lambda: self._client.zadd(phase_index(move.new), {move.run_id: move.at_ms}),
-            )
-        if move.old in PHASES:
-            self._call(
-                "phase index",
-                move.run_id,
-                lambda: self._client.zrem(phase_index(move.old), move.run_id),
-            )
 
     # -- nonces -----------------------------------------------------------------------
 
@@ -793,10 +771,3 @@ class RedisStore(RunRecords, RunListings, RunRetention, StoreIdentity, ReplicaAc
             ScriptName.CLAIM_REAP, run_id, [run_keys(run_id).lease], [reclaim_after_ms]
         )
         return decode_claim_reap(reply, run_id)
-
-    def run_ids(self, *, limit: int = 1000) -> list[str]:
-        """Run ids created through this store, oldest first (up to ``limit``)."""
-        members = self._call(
-            "runs index", None, lambda: self._client.zrange(RUNS_INDEX, 0, limit - 1)
-        )
-        return [self._member(m) for m in members]

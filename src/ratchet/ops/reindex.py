@@ -1,11 +1,15 @@
-"""Put every run in its phase's index: runs created before phase indexes existed, and runs
-a Redis Cluster crash window left out of one.
+"""Put every run in its phase's index, and in that one alone: runs created before phase
+indexes existed, runs a Redis Cluster crash window or outage left listed under an old
+phase, and (Cluster) the entries of a store written before the indexes were sharded.
 
 A run created before phase indexes records no phase in its state hash, so no phase list
 shows it (the list of all runs does). :func:`index_phases` reads such a run's phase from
 its verified checkpoint (:func:`ratchet.ops.inspect_run`) and records it
 (:meth:`ratchet.leasing.RedisStore.record_phase`); a run whose phase is recorded but
-missing from its index is added back without reading the checkpoint. A run that does not
+missing from its index, or listed under another phase too, is listed under its own alone
+without reading the checkpoint. On a Cluster the one-key indexes of an older store are
+moved into their shards first
+(:meth:`ratchet.leasing.RedisStore.migrate_unsharded_indexes`). A run that does not
 verify is left out and counted: it stays in the list of all runs, where its own page says
 why. ``ratchet store init`` runs this; running it again finds nothing to do.
 """
@@ -23,15 +27,18 @@ __all__ = ["IndexReport", "index_phases"]
 
 @dataclass
 class IndexReport:
-    """What :func:`index_phases` did: runs indexed, runs a commit indexed first, and
-    runs left out with the reason (run id -> message)."""
+    """What :func:`index_phases` did: index entries moved into their shards, runs
+    indexed, runs a commit indexed first, and runs left out with the reason (run id ->
+    message)."""
 
+    migrated: int = 0
     indexed: int = 0
     already: int = 0
     unverifiable: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {
+            "migrated": self.migrated,
             "indexed": self.indexed,
             "already": self.already,
             "unverifiable": dict(sorted(self.unverifiable.items())),
@@ -41,7 +48,7 @@ class IndexReport:
 def index_phases(fleet: Fleet) -> IndexReport:
     """Index every run of the runs index that no phase index lists (see the module
     docstring). Raises StoreUnavailableError."""
-    report = IndexReport()
+    report = IndexReport(migrated=fleet.store.migrate_unsharded_indexes())
     for run_id, recorded in fleet.store.runs_missing_phase():
         phase = recorded
         if not phase:

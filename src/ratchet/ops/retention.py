@@ -52,7 +52,7 @@ from ratchet.errors import (
 )
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import check_document_binding, open_document
-from ratchet.leasing.keys import phase_index, run_keys
+from ratchet.leasing.keys import run_keys
 from ratchet.ops.actions import RunView, inspect_run
 from ratchet.runtime import ApprovalEvidence, KeyRing, RebaselineDecision, ReviewDecision
 from ratchet.runtime.canonical import Domain, canonical_json, strict_json_loads
@@ -309,10 +309,7 @@ def purge_finished(
     report = PurgeReport(cutoff, dry_run=dry_run)
     candidates: list[str] = []
     for phase in sorted(TERMINAL_PHASES):
-        members = fleet.store.client.zrangebyscore(
-            phase_index(phase.value), "-inf", cutoff, start=0, num=limit
-        )
-        candidates += [_text(m) for m in members]
+        candidates += fleet.store.entered_before(phase.value, cutoff, limit=limit)
     for run_id in sorted(set(candidates))[:limit]:
         why = _purge_one(fleet, run_id, export_dir=export_dir, dry_run=dry_run, report=report)
         if why is not None:

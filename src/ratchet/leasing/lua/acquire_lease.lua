@@ -19,10 +19,14 @@
 --
 -- Replies:
 --   {"acquired", lease_version, expires_at_ms, now_ms, generation, state_version,
---    task_id, env_instance_id, took_over, previous_owner, previous_lease_version}
+--    task_id, env_instance_id, took_over, previous_owner, previous_lease_version,
+--    phase, phase_at_ms}
 --      took_over: 1 when the lease had an owner whose lease had expired (a takeover),
 --      else 0; previous_owner ('' when free) and previous_lease_version (0 when the run
---      was never leased): the lease this one replaced, so a takeover names what it ended
+--      was never leased): the lease this one replaced, so a takeover names what it ended;
+--      phase and phase_at_ms: the phase the last commit declared and when the run entered
+--      it ('' and 0: none recorded), so that on Redis Cluster the caller can put the run
+--      back in its phase's index if a crash left it out (a repair at every acquire)
 --   {"held", owner, lease_version, expires_at_ms, now_ms}  another live owner holds it
 --   {"no_run"}                                      (runs only: no such run)
 --   Fields the record does not hold read as 0 or "" (a thread keeps no state version,
@@ -73,6 +77,6 @@ if #KEYS >= 3 then
   redis.call('ZADD', KEYS[3], expires, ARGV[3])
 end
 local st = redis.call('HMGET', KEYS[2], 'generation', 'state_version', 'task_id',
-  'env_instance_id')
+  'env_instance_id', 'phase', 'phase_at_ms')
 return {'acquired', version, expires, now_ms, tonumber(st[1] or '0'), tonumber(st[2] or '0'),
-  st[3] or '', st[4] or '', took_over, owner, previous}
+  st[3] or '', st[4] or '', took_over, owner, previous, st[5] or '', tonumber(st[6] or '0')}

@@ -1,0 +1,201 @@
+"""The cross-run index writes that scripts cannot make on Redis Cluster.
+
+On a single Redis the create, lease, commit and purge scripts update the runs, phase and
+expiry indexes inline. On a Cluster those live in other slots, split into shards
+(:class:`~ratchet.leasing.keys.IndexLayout`): a run's entries in every index are in one
+shard, whose keys share a hash tag, so the store writes them after each script in one
+``MULTI`` on that shard's slot, one round trip:
+
+===================  ==================================================================
+after                the shard's transaction
+===================  ==================================================================
+create               runs ``ZADD NX``; the run listed under its phase only
+acquire              expiry ``ZADD`` (the new lease's expiry); the run listed under the
+                     phase its state hash records only (``ZADD NX``: the time it
+                     entered the phase is kept): the repair of a phase entry a crash or
+                     an outage left stale
+commit (a move)      the run listed under its new phase only (``ZADD``, ``ZREM`` from
+                     every other phase)
+renew, release       expiry ``ZADD`` or ``ZREM`` (:mod:`ratchet.leasing.store`)
+purge                ``ZREM`` from every index
+===================  ==================================================================
+
+"Listed under its phase only" removes the run from every other phase's shard in the same
+transaction, so no interleaving of these writes leaves a run listed twice or nowhere, and
+any later move or acquire heals an entry an earlier failure left.
+
+A commit is applied in the run's slot before its move is written in the shard's. If that
+write fails (the shard's master is down, the worker dies in between), the commit stands
+(it was acknowledged) and the run stays listed under its old phase until its next
+acquire, its next move, or ``ratchet store init``: :attr:`ShardedIndexes.index_moves_deferred`
+counts the moves left so, and each is logged. Index entries only say "look at this run";
+every listing row shows the phase the state hash records.
+
+A Cluster store written before the indexes were sharded keeps its entries in one key per
+index (``ratchet:index:runs``, ...). :meth:`ShardedIndexes.migrate_unsharded_indexes`
+moves them into the shards (``ratchet store init`` runs it): each entry is added to its
+shard before it is removed from the old key, so a crash in between leaves it in both,
+and running it again finishes the move.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ratchet.errors import RatchetError, StoreProtocolError, StoreUnavailableError
+from ratchet.leasing.keys import (
+    EXPIRY_INDEX,
+    PHASE_INDEXES,
+    PHASES,
+    RUNS_INDEX,
+    IndexLayout,
+    check_id,
+)
+from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.leasing.results import PhaseMove
+
+__all__ = ["ShardedIndexes"]
+
+log = logging.getLogger(__name__)
+
+
+class ShardedIndexes(StorePlumbing):
+    """The index writes after a script on a Cluster (see the module docstring). Part of
+    :class:`ratchet.leasing.store.RedisStore`."""
+
+    _indexes: IndexLayout  # set by RedisStore
+    #: Phase moves whose index write failed after their commit applied (Cluster): each
+    #: run stays listed under its old phase until its next acquire or move repairs it.
+    index_moves_deferred: int
+
+    def _list_under(self, pipe: Any, run_id: str, phase: str, at_ms: int, *, keep: bool) -> None:
+        """Queue on ``pipe``: ``run_id`` listed under ``phase`` (scored ``at_ms``; with
+        ``keep`` an existing entry keeps its score) and under no other phase."""
+        for name, key in zip(PHASES, self._indexes.phases_of(run_id), strict=True):
+            if name == phase:
+                pipe.zadd(key, {run_id: at_ms}, nx=keep)
+            else:
+                pipe.zrem(key, run_id)
+
+    def _shard_write(self, what: str, run_id: str, fill: Callable[[Any], None]) -> None:
+        """Run the commands ``fill`` queues as one transaction on ``run_id``'s shard.
+        Raises StoreUnavailableError."""
+
+        def write() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            fill(pipe)
+            pipe.execute()
+
+        self._call(what, run_id, write)
+
+    def _index_created(self, run_id: str, created_at_ms: int, phase: str, at_ms: int) -> None:
+        """A created run (or one a retried create found) in the runs index and listed
+        under ``phase``. Raises StoreUnavailableError (create again: it is idempotent)."""
+
+        def fill(pipe: Any) -> None:
+            pipe.zadd(self._indexes.runs_of(run_id), {run_id: created_at_ms}, nx=True)
+            if phase in PHASES:
+                self._list_under(pipe, run_id, phase, at_ms, keep=True)
+
+        self._shard_write("index", run_id, fill)
+
+    def _index_acquired(self, run_id: str, expires_at_ms: int, phase: str, at_ms: int) -> None:
+        """An acquired lease on the expiry index, and the run listed under the phase its
+        state hash records (the repair). Raises StoreUnavailableError."""
+
+        def fill(pipe: Any) -> None:
+            pipe.zadd(self._indexes.expiry_of(run_id), {run_id: expires_at_ms})
+            if phase in PHASES:
+                self._list_under(pipe, run_id, phase, at_ms, keep=True)
+
+        self._shard_write("expiry index", run_id, fill)
+
+    def _index_moved(self, move: PhaseMove) -> None:
+        """The run listed under its new phase only, after its commit applied. A failure is
+        logged and counted, never raised: the commit stands (module docstring)."""
+        if move.new not in PHASES:
+            return
+        try:
+            self._shard_write(
+                "phase index",
+                move.run_id,
+                lambda pipe: self._list_under(pipe, move.run_id, move.new, move.at_ms, keep=False),
+            )
+        except StoreUnavailableError as exc:
+            self.index_moves_deferred += 1
+            log.warning(
+                "phase index not moved; the run's next acquire repairs it",
+                extra={
+                    "run_id": move.run_id,
+                    "old_phase": move.old,
+                    "new_phase": move.new,
+                    "error": exc.message,
+                },
+            )
+
+    def _index_purged(self, run_id: str) -> None:
+        """A purged run out of every index. Raises StoreUnavailableError."""
+
+        def fill(pipe: Any) -> None:
+            for key in self._indexes.keys_of(run_id):
+                pipe.zrem(key, run_id)
+
+        self._shard_write("index", run_id, fill)
+
+    def migrate_unsharded_indexes(self, *, chunk: int = 500) -> int:
+        """Move the entries of the one-key indexes of a Cluster store written before the
+        indexes were sharded into their shards (module docstring); nothing to do on a
+        single Redis. Returns how many entries were moved. A member that is not a run id
+        is dropped. Raises StoreUnavailableError, StoreProtocolError."""
+        if self._indexes.shards <= 1:
+            return 0
+        moved = 0
+        targets: list[tuple[str, Callable[[str], str]]] = [
+            (RUNS_INDEX, self._indexes.runs_of),
+            (EXPIRY_INDEX, self._indexes.expiry_of),
+        ]
+        for phase, index in zip(PHASES, PHASE_INDEXES, strict=True):
+            targets.append((index, functools.partial(self._phase_shard, phase)))
+        for old, shard_of in targets:
+            while True:
+                entries = self._call(
+                    "index",
+                    None,
+                    functools.partial(self._client.zrange, old, 0, chunk - 1, withscores=True),
+                )
+                if not entries:
+                    break
+                moved += self._move_entries(old, shard_of, entries)
+        return moved
+
+    def _phase_shard(self, phase: str, run_id: str) -> str:
+        return self._indexes.phase_of(phase, run_id)
+
+    def _move_entries(self, old: str, shard_of: Callable[[str], str], entries: list[Any]) -> int:
+        """Add ``entries`` of the old key ``old`` to their shards (``ZADD NX``: an entry a
+        worker wrote there since is newer), then remove them from ``old``."""
+        members: list[bytes] = []
+        adds: list[tuple[str, str, float]] = []
+        for item in entries:
+            member, score = item if isinstance(item, list | tuple) and len(item) == 2 else (b"", 0)
+            if not isinstance(member, bytes) or not isinstance(score, float):
+                raise StoreProtocolError("an index entry is malformed", index=old)
+            members.append(member)
+            try:
+                run_id = check_id(self._member(member), "run_id")
+            except RatchetError:
+                continue  # junk: removed below, never copied
+            adds.append((shard_of(run_id), run_id, score))
+
+        def move() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for key, run_id, score in adds:
+                pipe.zadd(key, {run_id: score}, nx=True)
+            pipe.execute()
+            self._client.zrem(old, *members)
+
+        self._call("index", None, move)
+        return len(adds)
