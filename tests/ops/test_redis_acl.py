@@ -244,11 +244,11 @@ def test_worker_and_operator_users_may_wait_for_replicas(acl_server: RedisServer
         store(Role.WORKER, 1).acquire("r-wait-2", owner="w-1", ttl_ms=60_000)
 
 
-def test_an_operator_may_retry_a_create_which_indexes_the_run_in_one_transaction(
+def test_an_operator_may_retry_a_create_which_indexes_the_run_again(
     acl_server: RedisServer,
 ) -> None:
     """A retried create (the reply of the first was lost) writes the run's index entries
-    in one MULTI: the operator user may."""
+    again, after the script: the operator user may."""
     RedisStore(client(acl_server, Role.ADMIN)).load_scripts()
     operator = RedisStore(client(acl_server, Role.OPERATOR))
     for _ in range(2):

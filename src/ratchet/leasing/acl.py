@@ -96,7 +96,7 @@ _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
 _READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info", "hmget", "llen", "zcard")
 # ``wait``: with RATCHET_MIN_REPLICAS_ACK, creates and commits are confirmed by replicas.
 # ``multi``/``exec``: a run's index entries written in one transaction on its shard's
-# slot (Redis Cluster; a retried create on a single Redis), see sharded.py.
+# slot (Redis Cluster), see sharded.py.
 _SHARD_WRITES = ("zadd", "zrem", "multi", "exec")
 _DIRECT: Mapping[Role, tuple[str, ...]] = {
     # expiry and phase indexes (Cluster); SET NX nonce claims
