@@ -26,6 +26,7 @@ from ratchet.leasing.keys import (
     expiry_shard,
     phase_index,
 )
+from ratchet.leasing.scripts import ScriptName, load_script
 from ratchet.runtime.ports import Advance, RunKey
 from ratchet.testing.cluster import LocalCluster
 
@@ -126,6 +127,27 @@ def test_scripts_are_reloaded_on_every_master_after_script_flush(
         assert run is not None
         run.commit(b"g2")
         assert store.read_run(run_id).generation == 2
+
+
+def test_a_reload_after_noscript_goes_to_the_node_that_answered_it_only(
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
+    """A master that lost its scripts gets the missing one again; the other masters are
+    not asked, so a reload never waits on (or fails for) a master that is down."""
+    store = cluster_store
+    client = store.client
+    run_ids = runs_on_every_master(client, new_run_id())
+    for run_id in run_ids:
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+    client.script_flush()
+    assert store.acquire(run_ids[0], owner="w1", ttl_ms=60_000) is not None
+    sha = load_script(ScriptName.ACQUIRE_LEASE).sha
+    own = client.get_node_from_key(run_keys(run_ids[0]).lease)
+    loaded = {
+        node.name: client.get_redis_connection(node).script_exists(sha)[0]
+        for node in client.get_primaries()
+    }
+    assert loaded == {node.name: node.name == own.name for node in client.get_primaries()}
 
 
 def test_batched_commits_and_archives_run_on_every_master_also_after_script_flush(

@@ -116,6 +116,7 @@ class DroppingProxy:
         self._listener.settimeout(0.2)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
         self._spawn(self._accept_loop)
 
     def _spawn(self, target: Callable[..., None], *args: Any) -> None:
@@ -136,6 +137,7 @@ class DroppingProxy:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._sockets += [client, upstream]
             self._spawn(self._pump, client, upstream, False)
             self._spawn(self._pump, upstream, client, True)
 
@@ -161,6 +163,11 @@ class DroppingProxy:
     def close(self) -> None:
         self._stop.set()
         self._listener.close()
+        # A connection the client keeps open (the store's own commit connection) would
+        # hold its pumps in recv: cut every one so they end now.
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(timeout=5)
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import hiredis
 import redis
+from redis.cluster import RedisCluster
 from redis.exceptions import NoPermissionError, NoScriptError
 
 from ratchet.errors import StoreProtocolError
@@ -180,6 +181,10 @@ def _forget_lines() -> None:
 os.register_at_fork(after_in_child=_forget_lines)
 
 
+def _is_cluster(client: Any) -> bool:
+    return isinstance(client, RedisCluster)
+
+
 def _line_for(client: Any) -> _Line | None:
     """A line for a plain ``redis.Redis`` with a pool; None for any other client."""
     pool = getattr(client, "connection_pool", None)
@@ -216,9 +221,16 @@ class ScriptRunner:
         for script in self._scripts.values():
             self._load(script)
 
-    def _load(self, script: LuaScript) -> None:
-        # On a cluster client SCRIPT LOAD goes to every primary.
-        sha = self._client.script_load(script.source)
+    def _load(self, script: LuaScript, key: str | None = None) -> None:
+        # On a cluster client SCRIPT LOAD goes to every primary; with ``key``, only to the
+        # node serving its slot (the one that answered NOSCRIPT), so a reload there does
+        # not wait for, or fail on, another master that is down.
+        client: Any = self._client
+        if key is not None and _is_cluster(client):
+            node = client.get_node_from_key(key)
+            sha = client.execute_command("SCRIPT LOAD", script.source, target_nodes=node)
+        else:
+            sha = self._client.script_load(script.source)
         if isinstance(sha, bytes):
             sha = sha.decode("ascii", errors="replace")
         if sha != script.sha:
@@ -251,7 +263,7 @@ class ScriptRunner:
                 return line.call("EVALSHA", script.sha, str(len(keys)), *keys, *args)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:
-            self._reload(script)
+            self._reload(script, keys)
             if line is not None:
                 return line.call("EVALSHA", script.sha, str(len(keys)), *keys, *args)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
@@ -293,16 +305,16 @@ class ScriptRunner:
             except NoScriptError:
                 if attempt:
                     raise
-                self._reload(script)  # the script did not run; WAIT counted nothing of ours
+                self._reload(script, keys)  # the script did not run; WAIT counted nothing
                 continue
             if isinstance(counted, bool) or not isinstance(counted, int) or counted < 0:
                 raise StoreProtocolError("WAIT did not answer a count", script=name.value)
             return reply, counted
         raise StoreProtocolError("unreachable", script=name.value)  # pragma: no cover
 
-    def _reload(self, script: LuaScript) -> None:
+    def _reload(self, script: LuaScript, keys: Sequence[str]) -> None:
         try:
-            self._load(script)
+            self._load(script, keys[0] if keys else None)
         except NoPermissionError:
             # A least-privilege user (EVALSHA only) never loads scripts itself.
             raise StoreProtocolError(

@@ -45,6 +45,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import RedisError, ResponseError
+
 from ratchet.errors import RatchetError, StoreProtocolError, StoreUnavailableError
 from ratchet.leasing.keys import (
     EXPIRY_INDEX,
@@ -80,14 +82,21 @@ class ShardedIndexes(StorePlumbing):
             else:
                 pipe.zrem(key, run_id)
 
-    def _shard_write(self, what: str, run_id: str, fill: Callable[[Any], None]) -> None:
+    def _shard_write(
+        self, what: str, run_id: str, fill: Callable[[Any], None], *, fail_fast: bool = False
+    ) -> None:
         """Run the commands ``fill`` queues as one transaction on ``run_id``'s shard.
-        Raises StoreUnavailableError."""
+        With ``fail_fast`` the transaction goes first to the node that serves the shard,
+        once: a dead node fails it at once, where the cluster client would retry it for
+        seconds (a slot that moved, answered ``MOVED``, still goes through the cluster
+        client). Raises StoreUnavailableError."""
         if self._indexes.shards <= 1:
             # One server, whose scripts keep the indexes themselves: the writes left here
             # (a retried create, a phase recorded by store init) go one by one, as the
             # commands they are.
             self._call(what, run_id, lambda: fill(self._client))
+            return
+        if fail_fast and self._direct_write(what, run_id, fill):
             return
 
         def write() -> None:
@@ -96,6 +105,24 @@ class ShardedIndexes(StorePlumbing):
             pipe.execute()
 
         self._call(what, run_id, write)
+
+    def _direct_write(self, what: str, run_id: str, fill: Callable[[Any], None]) -> bool:
+        """The transaction on the connection of the node the client maps the shard to,
+        one attempt. True when it ran; False when that node no longer serves the slot.
+        Raises StoreUnavailableError when the node cannot be reached."""
+        key = self._indexes.expiry_of(run_id)  # any key of the shard: one slot
+        try:
+            node = self._client.get_node_from_key(key)
+            pipe = self._client.get_redis_connection(node).pipeline(transaction=True)
+            fill(pipe)
+            pipe.execute()
+        except ResponseError:
+            return False  # MOVED or ASK: the cluster client follows it
+        except RedisError as exc:
+            raise StoreUnavailableError(
+                f"Redis unreachable during {what}", run_id=run_id, cause=type(exc).__name__
+            ) from exc
+        return True
 
     def _index_created(self, run_id: str, created_at_ms: int, phase: str, at_ms: int) -> None:
         """A created run (or one a retried create found) in the runs index and listed
@@ -129,6 +156,7 @@ class ShardedIndexes(StorePlumbing):
                 "phase index",
                 move.run_id,
                 lambda pipe: self._list_under(pipe, move.run_id, move.new, move.at_ms, keep=False),
+                fail_fast=True,
             )
         except StoreUnavailableError as exc:
             self.index_moves_deferred += 1
