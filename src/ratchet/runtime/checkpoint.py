@@ -119,6 +119,16 @@ def _chain(previous: str, segment: bytes) -> str:
     ).hexdigest()
 
 
+def _chain_over(start: str, segments: Sequence[bytes]) -> str:
+    """:func:`_chain` folded over ``segments`` from ``start``, in raw bytes until the end."""
+    prefix = Domain.ARCHIVE + b"\x00"
+    sha256 = hashlib.sha256
+    link = bytes.fromhex(start)
+    for segment in segments:
+        link = sha256(prefix + link + sha256(segment).digest()).digest()
+    return link.hex()
+
+
 class CheckpointPayload(Frozen):
     schema_version: Literal[1]
     generation: PosInt
@@ -519,21 +529,21 @@ def _unarchive(head: RunState, ref: ArchiveRef, archive: Sequence[bytes]) -> Run
             segments=len(archive),
             expected=ref.segments,
         )
-    chain = archive_genesis(head.run_id)
     trace: list[TraceEvent] = []
     executed: list[ExecutedWrite] = []
+    validate = ArchiveSegment.model_validate_json
     for index, segment in enumerate(archive):
         if not isinstance(segment, bytes) or not is_canonical(segment):
             raise _fail("archive", "an archive segment is not canonical JSON", segment=index)
         try:
-            parsed = ArchiveSegment.model_validate_json(segment)
+            parsed = validate(segment)
         except ValidationError:
             raise _fail("archive", "an archive segment fails its schema", segment=index) from None
         if not parsed.trace and not parsed.executed:
             raise _fail("archive", "an archive segment is empty", segment=index)
-        chain = _chain(chain, segment)
         trace.extend(parsed.trace)
         executed.extend(parsed.executed)
+    chain = _chain_over(archive_genesis(head.run_id), archive)
     if chain != ref.chain:
         raise _fail("archive", "the archive's hash chain is not the signed one")
     if (len(trace), len(executed)) != (ref.trace, ref.executed):
