@@ -14,6 +14,9 @@ from ratchet.errors import CheckpointError, HighWaterUnavailableError, Invariant
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.checkpoint import (
+    _chain,
+    _chain_over,
+    archive_genesis,
     empty_archive,
     open_checkpoint,
     restore_checkpoint,
@@ -279,3 +282,16 @@ def test_a_plain_run_whose_first_archived_commit_is_refused_still_starts_its_arc
     first = json.loads(stored(world).archive[0])  # the retry starts the archive whole
     assert len(first["trace"]) == len(converting.state.trace)
     assert resume(world, lease_version=3).state == converting.state
+
+
+@given(st.lists(st.binary(max_size=64), max_size=12), st.text(min_size=1, max_size=20))
+def test_the_chain_folded_in_bytes_is_the_chain_appended_segment_by_segment(
+    segments: list[bytes], run_id: str
+) -> None:
+    """Restore folds the chain over the whole archive at once; sealing extends it by one
+    segment per commit: both must give the same value."""
+    start = archive_genesis(run_id)
+    one_by_one = start
+    for segment in segments:
+        one_by_one = _chain(one_by_one, segment)
+    assert _chain_over(start, segments) == one_by_one
