@@ -343,6 +343,43 @@ def _one_shard_cursor() -> str:
     return base64.urlsafe_b64encode(b"o:1000.0:1:tie-000").rstrip(b"=").decode()
 
 
+def test_a_finished_run_is_found_by_its_phase_index_shards_and_purged_from_every_index(
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
+    """Retention on a Cluster: the runs that entered a terminal phase before a time are
+    read from every shard, and a purge leaves the run in no shard of any index."""
+    store = cluster_store
+    client = store.client
+    run_ids = [new_run_id() for _ in range(6)]
+    for run_id in run_ids:
+        store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+        run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+        assert run is not None
+        run.release_with_next_commit()
+        run.commit_batch(RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="completed")])
+    assert len({SHARDED.phase_of("completed", r) for r in run_ids}) > 1
+    found = store.entered_before("completed", store.server_time_ms(), limit=100_000)
+    assert set(run_ids) <= set(found)
+    assert found == sorted(
+        found, key=lambda r: (client.zscore(SHARDED.phase_of("completed", r), r), r)
+    )
+    gone = run_ids[0]
+    snap = store.read_run(gone)
+    assert (
+        store.purge_run(
+            gone,
+            generation=snap.generation,
+            state_version=snap.state_version,
+            phase="completed",
+            checkpoint_digest="0" * 64,
+        )
+        == "purged"
+    )
+    assert all(client.zscore(key, gone) is None for key in SHARDED.keys_of(gone))
+    assert gone not in store.entered_before("completed", store.server_time_ms(), limit=100_000)
+    assert gone not in store.run_ids(limit=100_000)
+
+
 def test_store_init_moves_a_pre_shard_cluster_stores_index_entries_into_the_shards(
     cluster_store: RedisStore, new_run_id: Any
 ) -> None:
