@@ -335,6 +335,23 @@ def test_sharded_listings_merge_the_shards_in_order_with_exact_cursors_on_ties(
     # A single Redis' cursor (one shard) is refused by a sharded store, in one line.
     with pytest.raises(ContractError, match="number of index shards"):
         store.list_runs(phase, after=_one_shard_cursor(), oldest_first=True)
+    # A search walks the same merged order, stopping mid-chunk at its limit or budget and
+    # going on from its cursor: every match once, in order.
+    now = walk(store, phase, 1000, True)
+    matches = [m for m in now if m.startswith("tie-01")]
+    assert len(matches) >= 5
+    for limit, budget in ((1, 1000), (3, 7), (2, 1)):
+        found: list[str] = []
+        after = None
+        for _ in range(200):
+            page = store.search_runs(
+                "tie-01", phase, limit=limit, after=after, oldest_first=True, budget=budget
+            )
+            found += [row.run_id for row in page.rows]
+            after = page.next_cursor
+            if after is None:
+                break
+        assert found == matches, (limit, budget)
 
 
 def _one_shard_cursor() -> str:
