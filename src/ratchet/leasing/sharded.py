@@ -26,10 +26,15 @@ any later move or acquire heals an entry an earlier failure left.
 
 A commit is applied in the run's slot before its move is written in the shard's. If that
 write fails (the shard's master is down, the worker dies in between), the commit stands
-(it was acknowledged) and the run stays listed under its old phase until its next
-acquire, its next move, or ``ratchet store init``: :attr:`ShardedIndexes.index_moves_deferred`
-counts the moves left so, and each is logged. Index entries only say "look at this run";
-every listing row shows the phase the state hash records.
+(it was acknowledged) and the run stays listed under its old phase until a repair:
+:attr:`ShardedIndexes.index_moves_deferred` counts the moves left so, and each is logged.
+The store keeps the run ids of its deferred moves (in memory, bounded), and
+:meth:`ShardedIndexes.repair_deferred_moves`, which each worker's reaper tick calls, lists
+each run under the phase its state hash records once its shard can be written again, so
+a run that finished during the outage is repaired without an operator. A run whose
+worker died before that is repaired by its next acquire or move, or, if it never has
+one, by ``ratchet store init``. Index entries only say "look at this run"; every listing
+row shows the phase the state hash records.
 
 A Cluster store written before the indexes were sharded keeps its entries in one key per
 index (``ratchet:index:runs``, ...). :meth:`ShardedIndexes.migrate_unsharded_indexes`
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -55,11 +61,14 @@ from ratchet.leasing.keys import (
     RUNS_INDEX,
     IndexLayout,
     check_id,
+    run_keys,
 )
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.results import PhaseMove
 
 __all__ = ["ShardedIndexes"]
+
+_DEFERRED_KEPT = 10_000
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +79,10 @@ class ShardedIndexes(StorePlumbing):
 
     _indexes: IndexLayout  # set by RedisStore
     #: Phase moves whose index write failed after their commit applied (Cluster): each
-    #: run stays listed under its old phase until its next acquire or move repairs it.
+    #: run stays listed under its old phase until it is repaired (module docstring).
     index_moves_deferred: int
+    #: The runs of those moves not repaired yet, oldest first (set by RedisStore).
+    _deferred_moves: OrderedDict[str, None]
 
     def _list_under(self, pipe: Any, run_id: str, phase: str, at_ms: int, *, keep: bool) -> None:
         """Queue on ``pipe``: ``run_id`` listed under ``phase`` (scored ``at_ms``; with
@@ -160,8 +171,12 @@ class ShardedIndexes(StorePlumbing):
             )
         except StoreUnavailableError as exc:
             self.index_moves_deferred += 1
+            self._deferred_moves[move.run_id] = None
+            while len(self._deferred_moves) > _DEFERRED_KEPT:
+                # The oldest are left to their next acquire or to store init.
+                self._deferred_moves.popitem(last=False)
             log.warning(
-                "phase index not moved; the run's next acquire repairs it",
+                "phase index not moved; it is repaired once its shard can be written",
                 extra={
                     "run_id": move.run_id,
                     "old_phase": move.old,
@@ -169,6 +184,42 @@ class ShardedIndexes(StorePlumbing):
                     "error": exc.message,
                 },
             )
+
+    def repair_deferred_moves(self, *, limit: int = 100) -> int:
+        """List each run of a deferred phase move (oldest first, up to ``limit``) under
+        the phase its state hash records now (a later commit may have moved it again),
+        one attempt each. Returns how many were repaired; the others stay deferred.
+        Nothing to do (no call) when no move was deferred."""
+        repaired = 0
+        for run_id in list(self._deferred_moves)[:limit]:
+            try:
+                phase, at_ms = self._recorded_phase(run_id)
+                if phase in PHASES:
+                    self._shard_write(
+                        "phase index",
+                        run_id,
+                        functools.partial(
+                            self._list_under, run_id=run_id, phase=phase, at_ms=at_ms, keep=True
+                        ),
+                        fail_fast=True,
+                    )
+            except StoreUnavailableError:
+                continue
+            self._deferred_moves.pop(run_id, None)
+            repaired += 1
+        return repaired
+
+    def _recorded_phase(self, run_id: str) -> tuple[str, int]:
+        """The phase the run's state hash records and when the run entered it (``""``
+        and 0: none, or no run). Raises StoreUnavailableError."""
+        phase, at = self._call(
+            "phase record",
+            run_id,
+            lambda: self._client.hmget(run_keys(run_id).state, ["phase", "phase_at_ms"]),
+        )
+        text = self._member(phase) if isinstance(phase, bytes) else ""
+        at_ms = int(at) if isinstance(at, bytes) and at.isdigit() else 0
+        return text, at_ms
 
     def _index_purged(self, run_id: str) -> None:
         """A purged run out of every index. Raises StoreUnavailableError."""

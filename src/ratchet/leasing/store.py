@@ -55,6 +55,7 @@ the process there. Worker failpoints install it (``after_commit_before_reply``).
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -180,6 +181,7 @@ class RedisStore(
         self._indexes = IndexLayout(1 if self._inline_indexes else INDEX_SHARDS)
         self.expiry_shards_unreadable = 0
         self.index_moves_deferred = 0
+        self._deferred_moves = OrderedDict()
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.max_scenario_bytes = max_scenario_bytes
         self.history_limit = history_limit

@@ -180,4 +180,7 @@ class Reaper:
             if unreadable:
                 # A master is down (Cluster): the runs of its shards wait for it.
                 log.warning("reaper tick read part of the index", extra={"unreadable": unreadable})
+            # Phase moves this process could not index while a master was down (Cluster).
+            with contextlib.suppress(RatchetError):
+                self._store.repair_deferred_moves()
             self.enqueued += len(result.enqueued)
