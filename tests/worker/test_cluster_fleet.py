@@ -17,7 +17,7 @@ from ratchet.errors import ConfigurationError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.redisurl import parse_cluster_url
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore, run_keys
+from ratchet.leasing import RUNS_INDEX, RedisServer, RedisStore, run_keys
 from ratchet.ops.reindex import index_phases
 from ratchet.testing.cluster import LocalCluster
 from tests.conftest import test_sandbox_mode
@@ -118,6 +118,13 @@ def test_a_fleet_on_a_cluster_finishes_every_run_across_a_master_killed_and_rest
         if after is None:
             break
     assert sorted(listed) == sorted(runs)
+    # An entry left in a one-key index by a worker of the version before the shards (a
+    # rolling upgrade) is moved into its shard by store init.
+    straggler = next(iter(runs))
+    client.zadd(RUNS_INDEX, {straggler: 1})
+    assert index_phases(fleet).migrated == 1
+    assert client.exists(RUNS_INDEX) == 0
+    assert fleet.store.run_count() == len(runs)
 
 
 def _phase_or_none(fleet: Fleet, run_id: str) -> str | None:

@@ -214,6 +214,11 @@ def store_init_command(as_json: JsonFlag = False) -> None:
         typer.echo(
             f"store epoch {epoch}" + (" (new)" if before is None else " (already initialised)")
         )
+        if indexed.migrated:
+            typer.echo(
+                f"index entries moved into their shards: {indexed.migrated} "
+                "(a Cluster store written before the indexes were sharded)"
+            )
         if indexed.indexed or indexed.unverifiable:
             typer.echo(
                 f"phase indexes: {indexed.indexed} runs indexed, "
