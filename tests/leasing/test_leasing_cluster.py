@@ -279,6 +279,33 @@ def test_an_acquire_repairs_a_phase_entry_a_crash_left_stale(
     assert run_id not in {r.run_id for r in store.list_runs("running", limit=1000).rows}
 
 
+def test_junk_at_a_phase_shard_defers_the_moves_of_its_runs_and_fails_no_commit(
+    cluster_store: RedisStore, new_run_id: Any
+) -> None:
+    """A bad record at one shard's key affects that shard's index entries only: a commit
+    that moves a run of it applies, its move waits, and is repaired once the key is
+    sound again."""
+    store = cluster_store
+    client = store.client
+    run_id = new_run_id()
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    junk = SHARDED.phase_of("needs_review", run_id)
+    client.set(junk, b"not a sorted set")
+    try:
+        before = store.index_moves_deferred
+        run.commit_batch(RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="needs_review")])
+        assert store.read_run(run_id).generation == 2  # applied, and no error raised
+        assert store.index_moves_deferred == before + 1
+        assert client.zscore(SHARDED.phase_of("running", run_id), run_id) is not None
+        assert store.repair_deferred_moves() == 0  # the junk is still there: kept
+    finally:
+        client.delete(junk)
+    assert store.repair_deferred_moves() == 1
+    assert listed_under(client, run_id) == {"needs_review"}
+
+
 def walk(store: RedisStore, phase: str | None, limit: int, oldest_first: bool) -> list[str]:
     seen: list[str] = []
     after = None

@@ -76,6 +76,7 @@ _WORKER_SCRIPTS = (
     ScriptName.CLAIM_REAP,
     ScriptName.DROP_EXPIRY_ENTRY,
     ScriptName.RECORD_INCIDENT,
+    ScriptName.INDEX_RUN,
 )
 _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
     Role.WORKER: _WORKER_SCRIPTS,
@@ -85,6 +86,7 @@ _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
         ScriptName.POST_EVIDENCE,
         ScriptName.REPLACE_DOCUMENT,
         ScriptName.PURGE_RUN,
+        ScriptName.INDEX_RUN,
     ),
     Role.READER: (ScriptName.READ_RUN,),
 }
@@ -95,14 +97,13 @@ _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
 # counts per phase; see listing.py).
 _READS = ("get", "lrange", "zrange", "zrangebyscore", "time", "info", "hmget", "llen", "zcard")
 # ``wait``: with RATCHET_MIN_REPLICAS_ACK, creates and commits are confirmed by replicas.
-# ``multi``/``exec``: a run's index entries written in one transaction on its shard's
-# slot (Redis Cluster), see sharded.py.
-_SHARD_WRITES = ("zadd", "zrem", "multi", "exec")
+# ``multi``/``exec``: a purged run's index entries removed in one transaction on its
+# shard's slot (Redis Cluster), see sharded.py.
 _DIRECT: Mapping[Role, tuple[str, ...]] = {
-    # expiry and phase indexes (Cluster); SET NX nonce claims
-    Role.WORKER: (*_READS, *_SHARD_WRITES, "set", "wait"),
-    # the runs and phase indexes (create); index removal after a purge on Redis Cluster
-    Role.OPERATOR: (*_READS, *_SHARD_WRITES, "wait"),
+    # the expiry index; SET NX nonce claims
+    Role.WORKER: (*_READS, "zadd", "zrem", "set", "wait"),
+    # index removal after a purge on Redis Cluster
+    Role.OPERATOR: (*_READS, "zadd", "zrem", "multi", "exec", "wait"),
     Role.READER: _READS,
 }
 _CONNECTION = ("ping", "hello", "client|setname", "client|getname")

@@ -49,8 +49,8 @@ On Redis Cluster every cross-run index is split into :data:`INDEX_SHARDS` keys, 
 index's name followed by ``:{xNN}``: ``ratchet:index:runs:{x07}``,
 ``ratchet:index:phase:running:{x07}``, ``ratchet:index:expiry:{x07}``. A run's entries
 live in the shard its id hashes to (:func:`index_shard`), in every index, and all the keys
-of one shard share the hash tag ``{xNN}``, so one slot: a run's phase move is one
-``MULTI`` (add to the new phase, remove from every other) and its index writes after a
+of one shard share the hash tag ``{xNN}``, so one slot: a run's phase move is one script
+call (add to the new phase, remove from every other) and its index writes after a
 create or a lease script are one round trip. The shards' slots are spread over the
 masters, so a master's outage stops the index writes and the takeovers of a fraction of
 the runs, and the index writes of a busy fleet are spread over the masters. Readers (the

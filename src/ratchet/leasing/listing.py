@@ -36,7 +36,7 @@ import base64
 import binascii
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,10 +238,18 @@ class RunListings(StorePlumbing):
     def server_time_ms(self) -> int:  # provided by RedisStore
         raise NotImplementedError
 
-    def _list_under(self, pipe: Any, run_id: str, phase: str, at_ms: int, *, keep: bool) -> None:
-        raise NotImplementedError  # provided by RedisStore (sharded.py)
-
-    def _shard_write(self, what: str, run_id: str, fill: Callable[[Any], None]) -> None:
+    def _index_run(
+        self,
+        what: str,
+        run_id: str,
+        *,
+        phase: str = "",
+        at_ms: int = 0,
+        keep: bool = True,
+        created_at_ms: int | None = None,
+        expires_at_ms: int | None = None,
+        fail_fast: bool = False,
+    ) -> None:
         raise NotImplementedError  # provided by RedisStore (sharded.py)
 
     def index_keys(self, run_id: str | None = None) -> tuple[str, ...]:
@@ -725,9 +733,5 @@ class RunListings(StorePlumbing):
         at_ms = self._call("phase record", run_id, record)
         if at_ms is None:
             return False
-        self._shard_write(
-            "phase index",
-            run_id,
-            lambda pipe: self._list_under(pipe, run_id, phase, at_ms, keep=True),
-        )
+        self._index_run("phase index", run_id, phase=phase, at_ms=at_ms, keep=True)
         return True

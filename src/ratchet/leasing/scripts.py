@@ -61,6 +61,7 @@ class ScriptName(StrEnum):
     POST_EVIDENCE = "post_evidence"
     REPLACE_DOCUMENT = "replace_document"
     PURGE_RUN = "purge_run"
+    INDEX_RUN = "index_run"
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,10 @@ On a single Redis the create, lease, commit and purge scripts update the runs, p
 expiry indexes inline. On a Cluster those live in other slots, split into shards
 (:class:`~ratchet.leasing.keys.IndexLayout`): a run's entries in every index are in one
 shard, whose keys share a hash tag, so the store writes them after each script in one
-``MULTI`` on that shard's slot, one round trip:
+call of ``lua/index_run.lua`` on that shard's slot, one round trip:
 
 ===================  ==================================================================
-after                the shard's transaction
+after                the shard's write
 ===================  ==================================================================
 create               runs ``ZADD NX``; the run listed under its phase only
 acquire              expiry ``ZADD`` (the new lease's expiry); the run listed under the
@@ -17,15 +17,19 @@ acquire              expiry ``ZADD`` (the new lease's expiry); the run listed un
 commit (a move)      the run listed under its new phase only (``ZADD``, ``ZREM`` from
                      every other phase)
 renew, release       expiry ``ZADD`` or ``ZREM`` (:mod:`ratchet.leasing.store`)
-purge                ``ZREM`` from every index
+purge                ``ZREM`` from every index (one ``MULTI``)
 ===================  ==================================================================
 
 "Listed under its phase only" removes the run from every other phase's shard in the same
-transaction, so no interleaving of these writes leaves a run listed twice or nowhere, and
-any later move or acquire heals an entry an earlier failure left.
+script, after the addition: no interleaving of these writes leaves a run listed twice or
+nowhere, and any later move or acquire heals an entry an earlier failure left. A script,
+not a ``MULTI``: a ``MULTI`` runs every command even when one fails (junk at a key,
+``WRONGTYPE``), so it could remove the run from its old phase without adding it to the
+new one; the script stops at the failing command, before any removal.
 
 A commit is applied in the run's slot before its move is written in the shard's. If that
-write fails (the shard's master is down, the worker dies in between), the commit stands
+write fails (the shard's master is down, junk sits at one of the shard's keys, the worker
+dies in between), the commit stands
 (it was acknowledged) and the run stays listed under its old phase until a repair:
 :attr:`ShardedIndexes.index_moves_deferred` counts the moves left so, and each is logged.
 The store keeps the run ids of its deferred moves (in memory, bounded), and
@@ -65,6 +69,7 @@ from ratchet.leasing.keys import (
 )
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.results import PhaseMove
+from ratchet.leasing.scripts import ScriptName, load_script
 
 __all__ = ["ShardedIndexes"]
 
@@ -84,78 +89,79 @@ class ShardedIndexes(StorePlumbing):
     #: The runs of those moves not repaired yet, oldest first (set by RedisStore).
     _deferred_moves: OrderedDict[str, None]
 
-    def _list_under(self, pipe: Any, run_id: str, phase: str, at_ms: int, *, keep: bool) -> None:
-        """Queue on ``pipe``: ``run_id`` listed under ``phase`` (scored ``at_ms``; with
-        ``keep`` an existing entry keeps its score) and under no other phase."""
-        for name, key in zip(PHASES, self._indexes.phases_of(run_id), strict=True):
-            if name == phase:
-                pipe.zadd(key, {run_id: at_ms}, nx=keep)
-            else:
-                pipe.zrem(key, run_id)
-
-    def _shard_write(
-        self, what: str, run_id: str, fill: Callable[[Any], None], *, fail_fast: bool = False
+    def _index_run(
+        self,
+        what: str,
+        run_id: str,
+        *,
+        phase: str = "",
+        at_ms: int = 0,
+        keep: bool = True,
+        created_at_ms: int | None = None,
+        expires_at_ms: int | None = None,
+        fail_fast: bool = False,
     ) -> None:
-        """Run the commands ``fill`` queues as one transaction on ``run_id``'s shard.
-        With ``fail_fast`` the transaction goes first to the node that serves the shard,
-        once: a dead node fails it at once, where the cluster client would retry it for
-        seconds (a slot that moved, answered ``MOVED``, still goes through the cluster
-        client). Raises StoreUnavailableError."""
-        if self._indexes.shards <= 1:
-            # One server, whose scripts keep the indexes themselves: the writes left here
-            # (a retried create, a phase recorded by store init) go one by one, as the
-            # commands they are.
-            self._call(what, run_id, lambda: fill(self._client))
-            return
-        if fail_fast and self._direct_write(what, run_id, fill):
-            return
+        """Write ``run_id``'s entries in its shard of each index, one script call
+        (``lua/index_run.lua``): in the runs index (``created_at_ms``), the expiry index
+        (``expires_at_ms``), and listed under ``phase`` alone (scored ``at_ms``; with
+        ``keep`` an existing entry keeps its score). With ``fail_fast`` the call goes
+        first to the node that serves the shard, once: a dead node fails it at once,
+        where the cluster client would retry it for seconds (a slot that moved, answered
+        ``MOVED``, still goes through the cluster client). Raises StoreUnavailableError,
+        StoreProtocolError."""
+        keys = [
+            self._indexes.runs_of(run_id),
+            self._indexes.expiry_of(run_id),
+            *self._indexes.phases_of(run_id),
+        ]
+        args: list[str | bytes | int] = [
+            run_id,
+            PHASES.index(phase) + 1 if phase in PHASES else 0,
+            at_ms,
+            "1" if keep else "0",
+            "" if created_at_ms is None else created_at_ms,
+            "" if expires_at_ms is None else expires_at_ms,
+        ]
+        if fail_fast and self._indexes.shards > 1:
+            reply = self._direct_script(what, run_id, keys, args)
+        else:
+            reply = None
+        if reply is None:
+            reply = self._run(ScriptName.INDEX_RUN, run_id, keys, args)
+        if reply != [b"indexed"]:
+            raise StoreProtocolError(
+                "unexpected reply from index_run", run_id=run_id, script="index_run"
+            )
 
-        def write() -> None:
-            pipe = self._client.pipeline(transaction=True)
-            fill(pipe)
-            pipe.execute()
-
-        self._call(what, run_id, write)
-
-    def _direct_write(self, what: str, run_id: str, fill: Callable[[Any], None]) -> bool:
-        """The transaction on the connection of the node the client maps the shard to,
-        one attempt. True when it ran; False when that node no longer serves the slot.
-        Raises StoreUnavailableError when the node cannot be reached."""
-        key = self._indexes.expiry_of(run_id)  # any key of the shard: one slot
+    def _direct_script(
+        self, what: str, run_id: str, keys: list[str], args: list[str | bytes | int]
+    ) -> Any:
+        """``index_run`` on the connection of the node the client maps the shard to, one
+        attempt. Its reply, or None when the cluster client must take it (the node does
+        not serve the slot any more, or lacks the script, or refused it). Raises
+        StoreUnavailableError when the node cannot be reached."""
+        sha = load_script(ScriptName.INDEX_RUN).sha
         try:
-            node = self._client.get_node_from_key(key)
-            pipe = self._client.get_redis_connection(node).pipeline(transaction=True)
-            fill(pipe)
-            pipe.execute()
+            node = self._client.get_node_from_key(keys[0])
+            return self._client.get_redis_connection(node).evalsha(sha, len(keys), *keys, *args)
         except ResponseError:
-            return False  # MOVED or ASK: the cluster client follows it
+            return None  # MOVED, ASK, NOSCRIPT, or a refusal the next call reports
         except RedisError as exc:
             raise StoreUnavailableError(
                 f"Redis unreachable during {what}", run_id=run_id, cause=type(exc).__name__
             ) from exc
-        return True
 
     def _index_created(self, run_id: str, created_at_ms: int, phase: str, at_ms: int) -> None:
         """A created run (or one a retried create found) in the runs index and listed
         under ``phase``. Raises StoreUnavailableError (create again: it is idempotent)."""
-
-        def fill(pipe: Any) -> None:
-            pipe.zadd(self._indexes.runs_of(run_id), {run_id: created_at_ms}, nx=True)
-            if phase in PHASES:
-                self._list_under(pipe, run_id, phase, at_ms, keep=True)
-
-        self._shard_write("index", run_id, fill)
+        self._index_run("index", run_id, phase=phase, at_ms=at_ms, created_at_ms=created_at_ms)
 
     def _index_acquired(self, run_id: str, expires_at_ms: int, phase: str, at_ms: int) -> None:
         """An acquired lease on the expiry index, and the run listed under the phase its
         state hash records (the repair). Raises StoreUnavailableError."""
-
-        def fill(pipe: Any) -> None:
-            pipe.zadd(self._indexes.expiry_of(run_id), {run_id: expires_at_ms})
-            if phase in PHASES:
-                self._list_under(pipe, run_id, phase, at_ms, keep=True)
-
-        self._shard_write("expiry index", run_id, fill)
+        self._index_run(
+            "expiry index", run_id, phase=phase, at_ms=at_ms, expires_at_ms=expires_at_ms
+        )
 
     def _index_moved(self, move: PhaseMove) -> None:
         """The run listed under its new phase only, after its commit applied. A failure is
@@ -163,13 +169,16 @@ class ShardedIndexes(StorePlumbing):
         if move.new not in PHASES:
             return
         try:
-            self._shard_write(
+            self._index_run(
                 "phase index",
                 move.run_id,
-                lambda pipe: self._list_under(pipe, move.run_id, move.new, move.at_ms, keep=False),
+                phase=move.new,
+                at_ms=move.at_ms,
+                keep=False,
                 fail_fast=True,
             )
-        except StoreUnavailableError as exc:
+        except (StoreUnavailableError, StoreProtocolError) as exc:
+            # Unreachable, or junk at a key of the shard: the commit stands either way.
             self.index_moves_deferred += 1
             self._deferred_moves[move.run_id] = None
             while len(self._deferred_moves) > _DEFERRED_KEPT:
@@ -195,16 +204,9 @@ class ShardedIndexes(StorePlumbing):
             try:
                 phase, at_ms = self._recorded_phase(run_id)
                 if phase in PHASES:
-                    self._shard_write(
-                        "phase index",
-                        run_id,
-                        functools.partial(
-                            self._list_under, run_id=run_id, phase=phase, at_ms=at_ms, keep=True
-                        ),
-                        fail_fast=True,
-                    )
-            except StoreUnavailableError:
-                continue
+                    self._index_run("phase index", run_id, phase=phase, at_ms=at_ms, fail_fast=True)
+            except (StoreUnavailableError, StoreProtocolError):
+                continue  # still deferred; the runs behind it are tried all the same
             self._deferred_moves.pop(run_id, None)
             repaired += 1
         return repaired
@@ -222,13 +224,16 @@ class ShardedIndexes(StorePlumbing):
         return text, at_ms
 
     def _index_purged(self, run_id: str) -> None:
-        """A purged run out of every index. Raises StoreUnavailableError."""
+        """A purged run out of every index (Cluster), one ``MULTI`` of removals on its
+        shard. Raises StoreUnavailableError."""
 
-        def fill(pipe: Any) -> None:
+        def remove() -> None:
+            pipe = self._client.pipeline(transaction=True)
             for key in self._indexes.keys_of(run_id):
                 pipe.zrem(key, run_id)
+            pipe.execute()
 
-        self._shard_write("index", run_id, fill)
+        self._call("index", run_id, remove)
 
     def migrate_unsharded_indexes(self, *, chunk: int = 500) -> int:
         """Move the entries of the one-key indexes of a Cluster store written before the
