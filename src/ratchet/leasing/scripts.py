@@ -212,6 +212,10 @@ class ScriptRunner:
         self._lock = threading.Lock()
         self._line = _line_for(client)
 
+    def sha_of(self, name: StrEnum) -> str:
+        """The SHA-1 Redis names script ``name`` by (for a call the runner does not make)."""
+        return self._scripts[name].sha
+
     def close(self) -> None:
         """Close the hot path's own connection, if one was made (the next call reopens)."""
         if self._line is not None:

@@ -69,7 +69,7 @@ from ratchet.leasing.keys import (
 )
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.results import PhaseMove
-from ratchet.leasing.scripts import ScriptName, load_script
+from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["ShardedIndexes"]
 
@@ -140,7 +140,7 @@ class ShardedIndexes(StorePlumbing):
         attempt. Its reply, or None when the cluster client must take it (the node does
         not serve the slot any more, or lacks the script, or refused it). Raises
         StoreUnavailableError when the node cannot be reached."""
-        sha = load_script(ScriptName.INDEX_RUN).sha
+        sha = self._runner.sha_of(ScriptName.INDEX_RUN)
         try:
             node = self._client.get_node_from_key(keys[0])
             return self._client.get_redis_connection(node).evalsha(sha, len(keys), *keys, *args)
