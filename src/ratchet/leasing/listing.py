@@ -18,10 +18,10 @@ Cursors are opaque text naming the last entry a page showed: its score, its memb
 per shard, how many entries with that score the walk had passed, so runs with equal
 scores (created in the same millisecond) are each listed exactly once. If the entries with
 that score changed in between in a shard (a run left the index), the next page re-reads
-that score there and resumes after the member by its name. A cursor is refused by a store
-with another number of shards. An entry that moves within the index while it is walked
-(a run that entered a phase again) shows at its new place, which an ongoing walk may
-already have passed.
+that score there and resumes after the member by its name (:mod:`ratchet.leasing.walk`).
+A cursor is refused by a store with another number of shards. An entry that moves within
+the index while it is walked (a run that entered a phase again) shows at its new place,
+which an ongoing walk may already have passed.
 
 Counts are ``ZCARD`` of each index (summed over its shards): exact, at any size. Runs
 created before phase indexes existed have no phase in their state hash and are in no phase index:
@@ -32,8 +32,6 @@ checkpoint).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import math
 from collections.abc import Iterator, Sequence
@@ -45,16 +43,21 @@ from redis.exceptions import WatchError
 from ratchet.errors import ContractError, RatchetError, StoreProtocolError
 from ratchet.leasing.keys import PHASES, IndexLayout, check_id, run_keys
 from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.leasing.walk import (
+    Entry,
+    Position,
+    continued,
+    decode_cursor,
+    merged,
+    position_after,
+    score_bound,
+)
 from ratchet.runtime.canonical import strict_json_loads
 
 __all__ = ["MAX_PAGE", "ListedRun", "RunListings", "RunPage"]
 
 MAX_PAGE = 1000
-_MAX_CURSOR = 1024
 _SEARCH_CHUNK = 200
-_MAX_SHARDS = 64
-#: An index entry as a walk holds it: member, score, and the shard it was read from.
-_Entry = tuple[bytes, float, int]
 _STATE_FIELDS = ("task_id", "generation", "phase", "phase_at_ms", "created_at_ms", "updated_at_ms")
 _LEASE_FIELDS = ("owner", "lease_version", "expires_at_ms")
 
@@ -97,54 +100,6 @@ class RunPage:
     now_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Position:
-    """Where a walk stands: after ``member`` at ``score``; ``seen[n]`` is how many entries
-    with that score the walk had passed in shard ``n``."""
-
-    oldest_first: bool
-    score: float
-    seen: tuple[int, ...]
-    member: bytes
-
-    def encode(self) -> str:
-        seen = ",".join(str(n) for n in self.seen)
-        head = f"{'o' if self.oldest_first else 'n'}:{self.score!r}:{seen}:".encode()
-        return base64.urlsafe_b64encode(head + self.member).rstrip(b"=").decode("ascii")
-
-
-def _bad_cursor() -> ContractError:
-    return ContractError("the cursor is not one this listing gave out", field="after")
-
-
-def decode_cursor(text: str) -> _Position:
-    """The position a cursor names. Raises ContractError (``field="after"``)."""
-    if not isinstance(text, str) or not 0 < len(text) <= _MAX_CURSOR:
-        raise _bad_cursor()
-    try:
-        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-        order, score_text, seen_text, member = raw.split(b":", 3)
-        score = float(score_text.decode("ascii"))
-        seen = tuple(int(n.decode("ascii")) for n in seen_text.split(b","))
-    except (binascii.Error, ValueError, UnicodeDecodeError):
-        raise _bad_cursor() from None
-    if (
-        order not in (b"n", b"o")
-        or math.isnan(score)
-        or not 1 <= len(seen) <= _MAX_SHARDS
-        or not all(0 <= n <= 10**9 for n in seen)
-        or sum(seen) < 1
-        or not member
-    ):
-        raise _bad_cursor()
-    return _Position(order == b"o", score, seen, member)
-
-
-def _bound(score: float, *, exclusive: bool = False) -> str:
-    text = "+inf" if score == math.inf else "-inf" if score == -math.inf else repr(score)
-    return f"({text}" if exclusive else text
-
-
 def _int(value: object) -> int | None:
     if value is None:
         return None
@@ -182,51 +137,6 @@ def _check_limit(limit: int) -> int:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
         raise ContractError(f"limit must be an integer from 1 to {MAX_PAGE}", field="limit")
     return limit
-
-
-def _after(
-    chunk: Sequence[_Entry],
-    i: int,
-    base: Sequence[int],
-    base_score: float | None,
-    oldest_first: bool,
-) -> _Position:
-    """The position after entry ``i`` of ``chunk``, whose walk had passed ``base[n]``
-    entries with score ``base_score`` in shard ``n`` before the chunk began."""
-    member, score, _ = chunk[i]
-    seen = list(base) if score == base_score else [0] * len(base)
-    for _, s, shard in chunk[: i + 1]:
-        if s == score:
-            seen[shard] += 1
-    return _Position(oldest_first, score, tuple(seen), member)
-
-
-def _merged(parts: Sequence[Sequence[_Entry]], oldest_first: bool) -> list[_Entry]:
-    """The shards' entries in walk order: by score then member, as Redis orders one key
-    (``REV``: both descending)."""
-    entries = [entry for part in parts for entry in part]
-    entries.sort(key=lambda e: (e[1], e[0]), reverse=not oldest_first)
-    return entries
-
-
-def _continued(got: list[_Entry], seen: int, position: _Position) -> list[_Entry] | None:
-    """What follows ``position`` in one shard, from a read that began ``seen - 1``
-    entries into its score (at the score when nothing was passed there), or None when the
-    entries at that score changed since the cursor was given out."""
-
-    def passed(member: bytes) -> bool:
-        if position.oldest_first:
-            return member <= position.member
-        return member >= position.member
-
-    if seen:
-        head = got[0] if got else None
-        if head is None or head[1] != position.score or not passed(head[0]):
-            return None
-        got = got[1:]
-    if got and got[0][1] == position.score and passed(got[0][0]):
-        return None
-    return got
 
 
 class RunListings(StorePlumbing):
@@ -314,7 +224,7 @@ class RunListings(StorePlumbing):
         chunk = chunk[:limit]
         rows, now_ms = self._rows(chunk)
         cursor = (
-            _after(chunk, len(chunk) - 1, base, base_score, oldest_first).encode()
+            position_after(chunk, len(chunk) - 1, base, base_score, oldest_first).encode()
             if more and chunk
             else None
         )
@@ -359,11 +269,11 @@ class RunListings(StorePlumbing):
                 ):
                     found.append(row)
                     if len(found) == limit:
-                        end = _after(chunk, i, base, base_score, oldest_first)
+                        end = position_after(chunk, i, base, base_score, oldest_first)
                         return RunPage(
                             tuple(found), end.encode(), phase, oldest_first, scanned, now_ms
                         )
-            position = _after(chunk, len(chunk) - 1, base, base_score, oldest_first)
+            position = position_after(chunk, len(chunk) - 1, base, base_score, oldest_first)
             if len(chunk) < want:
                 return RunPage(tuple(found), None, phase, oldest_first, scanned, now_ms)
         return RunPage(
@@ -382,14 +292,14 @@ class RunListings(StorePlumbing):
             raise ContractError("limit must be a positive integer", field="limit")
         keys = self._indexes.runs()
         found: list[str] = []
-        position: _Position | None = None
+        position: Position | None = None
         while len(found) < limit:
             want = min(MAX_PAGE, limit - len(found))
             chunk, base, base_score = self._entries(keys, position, want, True)
             found += [self._member(member) for member, _, _ in chunk]
             if len(chunk) < want:
                 break
-            position = _after(chunk, len(chunk) - 1, base, base_score, True)
+            position = position_after(chunk, len(chunk) - 1, base, base_score, True)
         return found
 
     def entered_before(self, phase: str, before_ms: int, *, limit: int) -> list[str]:
@@ -399,11 +309,11 @@ class RunListings(StorePlumbing):
         parts = self._ranges(
             [(key, "-inf", str(before_ms), 0, limit) for key in keys], oldest_first=True
         )
-        return [self._member(member) for member, _, _ in _merged(parts, True)[:limit]]
+        return [self._member(member) for member, _, _ in merged(parts, True)[:limit]]
 
     def _start(
         self, phase: str | None, limit: int, after: str | None, oldest_first: bool
-    ) -> tuple[tuple[str, ...], _Position | None]:
+    ) -> tuple[tuple[str, ...], Position | None]:
         _check_limit(limit)
         keys = self._indexes.runs() if phase is None else self._indexes.phase(phase)
         if after is None or after == "":
@@ -420,7 +330,7 @@ class RunListings(StorePlumbing):
 
     def _ranges(
         self, reads: Sequence[tuple[str, str, str, int, int]], *, oldest_first: bool
-    ) -> list[list[_Entry]]:
+    ) -> list[list[Entry]]:
         """For each ``(key, begin, end, offset, count)``: its entries from score ``begin``
         to score ``end`` in walk order (``ZRANGE ... BYSCORE [REV] LIMIT offset count``),
         tagged with the read's place in ``reads`` (its shard). One pipeline."""
@@ -443,9 +353,9 @@ class RunListings(StorePlumbing):
         replies = self._call("listing", None, read)
         if len(replies) != len(reads):
             raise StoreProtocolError("a listing reply is missing")
-        parts: list[list[_Entry]] = []
+        parts: list[list[Entry]] = []
         for shard, ((key, *_), raw) in enumerate(zip(reads, replies, strict=True)):
-            entries: list[_Entry] = []
+            entries: list[Entry] = []
             for item in raw if isinstance(raw, list) else [None]:
                 member, score = (
                     item if isinstance(item, list | tuple) and len(item) == 2 else (None, None)
@@ -459,10 +369,10 @@ class RunListings(StorePlumbing):
     def _entries(
         self,
         keys: Sequence[str],
-        position: _Position | None,
+        position: Position | None,
         count: int,
         oldest_first: bool,
-    ) -> tuple[list[_Entry], tuple[int, ...], float | None]:
+    ) -> tuple[list[Entry], tuple[int, ...], float | None]:
         """Up to ``count`` entries after ``position`` in walk order, merged over the shards
         ``keys``, with how many entries at ``position``'s score the walk had passed in each
         shard before them."""
@@ -471,8 +381,8 @@ class RunListings(StorePlumbing):
             parts = self._ranges(
                 [(key, near, far, 0, count) for key in keys], oldest_first=oldest_first
             )
-            return _merged(parts, oldest_first)[:count], (0,) * len(keys), None
-        here = _bound(position.score)
+            return merged(parts, oldest_first)[:count], (0,) * len(keys), None
+        here = score_bound(position.score)
         # One read per shard, all in one pipeline, in the usual case: from the last entry
         # the walk passed at that score (the cursor's own, in its shard), then what follows.
         parts = self._ranges(
@@ -484,19 +394,19 @@ class RunListings(StorePlumbing):
         )
         base = list(position.seen)
         for shard, key in enumerate(keys):
-            rest = _continued(parts[shard], position.seen[shard], position)
+            rest = continued(parts[shard], position.seen[shard], position)
             if rest is None:
                 rest, base[shard] = self._resume(key, shard, position, count)
             parts[shard] = rest
-        return _merged(parts, oldest_first)[:count], tuple(base), position.score
+        return merged(parts, oldest_first)[:count], tuple(base), position.score
 
     def _resume(
-        self, key: str, shard: int, position: _Position, count: int
-    ) -> tuple[list[_Entry], int]:
+        self, key: str, shard: int, position: Position, count: int
+    ) -> tuple[list[Entry], int]:
         """Up to ``count`` entries after ``position`` in one shard whose entries at that
         score changed since: resumed after the member by name. Returns them and how many
         entries at that score the walk has passed there."""
-        here = _bound(position.score)
+        here = score_bound(position.score)
         far = "+inf" if position.oldest_first else "-inf"
         oldest_first = position.oldest_first
         [ties] = self._ranges([(key, here, here, 0, MAX_PAGE * 100)], oldest_first=oldest_first)
@@ -505,15 +415,15 @@ class RunListings(StorePlumbing):
             for m, s, _ in ties
             if (m > position.member if oldest_first else m < position.member)
         ]
-        rest: list[_Entry] = []
+        rest: list[Entry] = []
         if len(later) < count:
             [rest] = self._ranges(
-                [(key, _bound(position.score, exclusive=True), far, 0, count - len(later))],
+                [(key, score_bound(position.score, exclusive=True), far, 0, count - len(later))],
                 oldest_first=oldest_first,
             )
         return [*later, *((m, s, shard) for m, s, _ in rest)][:count], len(ties) - len(later)
 
-    def _rows(self, entries: Sequence[_Entry]) -> tuple[list[ListedRun], int]:
+    def _rows(self, entries: Sequence[Entry]) -> tuple[list[ListedRun], int]:
         """Read the listed runs' hashes in one pipeline (and Redis' time with them on a
         single Redis). A row that cannot be read says why; the others are unaffected."""
         members = [member for member, _, _ in entries]
@@ -641,12 +551,12 @@ class RunListings(StorePlumbing):
         Raises StoreUnavailableError.
         """
         runs = self._indexes.runs()
-        position: _Position | None = None
+        position: Position | None = None
         while True:
             entries, base, base_score = self._entries(runs, position, chunk, True)
             if not entries:
                 return
-            position = _after(entries, len(entries) - 1, base, base_score, True)
+            position = position_after(entries, len(entries) - 1, base, base_score, True)
             ids = []
             for member, _, _ in entries:
                 try:
