@@ -254,6 +254,14 @@ def test_every_index_of_a_run_is_in_one_shard_and_the_shards_spread_over_the_mas
     assert len(SHARDED.keys_of()) == INDEX_SHARDS * (2 + len(PHASES))
 
 
+def created_and_leased(store: RedisStore, run_id: str) -> Any:
+    """A new run, leased by ``w1``."""
+    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
+    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    return run
+
+
 def test_an_acquire_repairs_a_phase_entry_a_crash_left_stale(
     cluster_store: RedisStore, new_run_id: Any
 ) -> None:
@@ -262,9 +270,7 @@ def test_an_acquire_repairs_a_phase_entry_a_crash_left_stale(
     store = cluster_store
     client = store.client
     run_id = new_run_id()
-    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
-    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    run = created_and_leased(store, run_id)
     run.commit_batch(RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="awaiting_approval")])
     assert listed_under(client, run_id) == {"awaiting_approval"}
     # The crash window, as it would leave the shard: the move never happened.
@@ -288,9 +294,7 @@ def test_junk_at_a_phase_shard_defers_the_moves_of_its_runs_and_fails_no_commit(
     store = cluster_store
     client = store.client
     run_id = new_run_id()
-    store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
-    run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
-    assert run is not None
+    run = created_and_leased(store, run_id)
     junk = SHARDED.phase_of("needs_review", run_id)
     client.set(junk, b"not a sorted set")
     try:

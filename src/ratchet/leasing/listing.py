@@ -43,6 +43,7 @@ from redis.exceptions import WatchError
 from ratchet.errors import ContractError, RatchetError, StoreProtocolError
 from ratchet.leasing.keys import PHASES, IndexLayout, check_id, run_keys
 from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.leasing.sharded import ShardedIndexes
 from ratchet.leasing.walk import (
     Entry,
     Position,
@@ -139,7 +140,7 @@ def _check_limit(limit: int) -> int:
     return limit
 
 
-class RunListings(StorePlumbing):
+class RunListings(ShardedIndexes):
     """Paged, counted listings of runs (see the module docstring). Part of RedisStore."""
 
     _inline_indexes: bool  # set by RedisStore: a single Redis (not a Cluster)
@@ -147,20 +148,6 @@ class RunListings(StorePlumbing):
 
     def server_time_ms(self) -> int:  # provided by RedisStore
         raise NotImplementedError
-
-    def _index_run(
-        self,
-        what: str,
-        run_id: str,
-        *,
-        phase: str = "",
-        at_ms: int = 0,
-        keep: bool = True,
-        created_at_ms: int | None = None,
-        expires_at_ms: int | None = None,
-        fail_fast: bool = False,
-    ) -> None:
-        raise NotImplementedError  # provided by RedisStore (sharded.py)
 
     def index_keys(self, run_id: str | None = None) -> tuple[str, ...]:
         """Every cross-run index key a run may be in (runs, expiry, each phase: removing

@@ -20,8 +20,8 @@ from typing import Any
 
 from ratchet.errors import StoreProtocolError
 from ratchet.leasing.keys import INDEX_KEYS, check_id, run_keys
-from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.scripts import ScriptName
+from ratchet.leasing.sharded import ShardedIndexes
 
 __all__ = ["RunRetention"]
 
@@ -32,13 +32,10 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-class RunRetention(StorePlumbing):
+class RunRetention(ShardedIndexes):
     """Purge and tombstones (see the module docstring)."""
 
     _inline_indexes: bool  # set by RedisStore: a single Redis (not a Cluster)
-
-    def _index_purged(self, run_id: str) -> None:  # provided by RedisStore (sharded.py)
-        raise NotImplementedError
 
     def purge_run(
         self,

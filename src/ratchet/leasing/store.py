@@ -115,7 +115,6 @@ from ratchet.leasing.results import (
 )
 from ratchet.leasing.retention import RunRetention
 from ratchet.leasing.scripts import ScriptName
-from ratchet.leasing.sharded import ShardedIndexes
 
 __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 
@@ -123,7 +122,6 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 
 class RedisStore(
-    ShardedIndexes,  # first: RunRetention names its _index_purged
     RunRecords,
     RunListings,
     RunRetention,
