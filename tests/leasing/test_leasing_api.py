@@ -134,7 +134,7 @@ def test_every_decoder_refuses_to_guess(decode: Any, reply: Any) -> None:
 
 
 def test_a_checkpoint_that_arrives_as_text_is_a_protocol_error() -> None:
-    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, "decoded-text", 0, []]
+    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, "decoded-text", 0, [], 0, 0]
     with pytest.raises(StoreProtocolError):
         decode_read(reply, "r-1", with_checkpoint=True, with_scenario=False)
 
@@ -146,15 +146,33 @@ def test_a_renewal_of_another_lease_version_is_a_protocol_error() -> None:
 
 @pytest.mark.parametrize("archive", [0, b"not a list", [b"ok", "text"], [b"ok", 7]])
 def test_an_archive_that_is_not_a_list_of_bytes_is_a_protocol_error(archive: Any) -> None:
-    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, b"ckpt", 0, archive]
+    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, b"ckpt", 0, archive, 0, 0]
     with pytest.raises(StoreProtocolError):
         decode_read(reply, "r-1", with_checkpoint=True, with_scenario=False)
 
 
 def test_an_unrequested_archive_is_a_protocol_error() -> None:
-    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, 0, 0, [b"seg"]]
+    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, 0, 0, [b"seg"], 0, 0]
     with pytest.raises(StoreProtocolError):
         decode_read(reply, "r-1", with_checkpoint=False, with_scenario=False)
+
+
+@pytest.mark.parametrize(
+    ("tail", "archive_from", "keys"),
+    [(0, 0, b"12345678"), (0, 3, 0), (2, 0, "text"), (2, "x", b"")],
+)
+def test_key_digests_or_a_tail_start_not_asked_for_or_malformed_are_protocol_errors(
+    tail: int, archive_from: Any, keys: Any
+) -> None:
+    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, b"ckpt", 0, [b"s"], archive_from, keys]
+    with pytest.raises(StoreProtocolError):
+        decode_read(reply, "r-1", with_checkpoint=True, with_scenario=False, tail=tail)
+
+
+def test_more_segments_than_the_tail_asked_for_is_a_protocol_error() -> None:
+    reply = [b"run", b"t", b"e", 1, 1, 1, b"", 0, 0, 5, b"ckpt", 0, [b"a", b"b", b"c"], 4, b""]
+    with pytest.raises(StoreProtocolError):
+        decode_read(reply, "r-1", with_checkpoint=True, with_scenario=False, tail=2)
 
 
 @pytest.mark.parametrize(

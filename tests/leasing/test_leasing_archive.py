@@ -7,10 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ratchet.errors import LeaseLostError
+import pytest
+
+from ratchet.errors import ContractError, LeaseLostError
 from ratchet.leasing import RedisStore, run_keys
-from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario
+from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario, TraceOutcome
+from ratchet.runtime import window as window_module
 from ratchet.runtime.ports import Advance, RunKey
+from ratchet.runtime.window import restore_tail
 from ratchet.testing.memory import MemoryWorkspace
 from ratchet.worker.executor import Executor
 from tests.leasing.conftest import lose_first_reply
@@ -52,14 +56,58 @@ def test_segments_are_appended_with_their_commits_and_read_back_in_order(
     assert (stored.blob, stored.archive) == (b"g6", (b"s1", b"s2", b"s4", b"s6"))
 
 
+def _keys(store: RedisStore, run_id: str) -> bytes | None:
+    found: bytes | None = store.client.get(run_keys(run_id).keys)
+    return found
+
+
+def test_key_digests_are_appended_with_their_segments_and_read_with_the_archive_tail(
+    store: RedisStore, make_run: MakeRun
+) -> None:
+    key = make_run()
+    run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
+    assert run is not None
+    run.commit_batch(
+        key,
+        [
+            Advance(1, b"g2", segment=b"s2", keys=b"AAAAAAAA"),
+            Advance(2, b"g3", segment=b"s3"),
+            Advance(3, b"g4", segment=b"s4", keys=b"BBBBBBBBCCCCCCCC"),
+        ],
+    )
+    assert _keys(store, key.run_id) == b"AAAAAAAABBBBBBBBCCCCCCCC"
+    tail = store.read_run(key.run_id, with_checkpoint=True, archive_tail=2)
+    assert (tail.archive, tail.archive_from, tail.keys) == (
+        (b"s3", b"s4"),
+        1,
+        _keys(store, key.run_id),
+    )
+    whole = store.read_run(key.run_id, with_checkpoint=True, archive_tail=10)
+    assert (whole.archive, whole.archive_from) == ((b"s2", b"s3", b"s4"), 0)
+    plain = store.read_run(key.run_id, with_checkpoint=True)
+    assert (plain.archive_from, plain.keys) == (0, None)  # the whole archive, no digests
+    # A load (what a recall reads) always hands out the whole archive, even right after
+    # a tail read through the same lease.
+    run.read(archive_tail=1)
+    assert run.load(key).archive == (b"s2", b"s3", b"s4")
+    with pytest.raises(ContractError):
+        store.prepare_commit(key.run_id, generation=5, checkpoint=b"g5", keys=b"short")
+    with pytest.raises(ContractError):
+        store.read_run(key.run_id, with_checkpoint=True, archive_tail=-1)
+
+
 def test_a_retried_commit_appends_its_segment_once(store: RedisStore, make_run: MakeRun) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     dropped = lose_first_reply(store)
-    run.commit_batch(key, [Advance(1, b"g2", segment=b"a"), Advance(2, b"g3", segment=b"b")])
+    run.commit_batch(
+        key,
+        [Advance(1, b"g2", segment=b"a", keys=b"11111111"), Advance(2, b"g3", segment=b"b")],
+    )
     store.reply_hook = None
     assert dropped and _archive(store, key.run_id) == [b"a", b"b"]
+    assert _keys(store, key.run_id) == b"11111111"
 
 
 def test_a_stale_lease_appends_nothing(
@@ -72,7 +120,7 @@ def test_a_stale_lease_appends_nothing(
     assert store.acquire(key.run_id, owner="w2", ttl_ms=60_000) is not None
     for attempt in (
         lambda: old.commit_batch(key, [Advance(expected_generation=1, blob=b"x", segment=b"z")]),
-        lambda: old.commit_batch(key, [Advance(1, b"x", segment=b"z")]),
+        lambda: old.commit_batch(key, [Advance(1, b"x", segment=b"z", keys=b"kkkkkkkk")]),
     ):
         try:
             attempt()
@@ -81,6 +129,7 @@ def test_a_stale_lease_appends_nothing(
         else:
             raise AssertionError("a stale lease committed")
     assert _archive(store, key.run_id) == []
+    assert _keys(store, key.run_id) is None
 
 
 def test_an_archived_engine_runs_and_restores_on_redis(
@@ -159,3 +208,92 @@ def test_an_archived_engine_runs_and_restores_on_redis(
     assert second.state.phase.value == "completed"
     assert len(store.read_run(run_id, with_checkpoint=True).archive) == second.generation
     assert isinstance(second.state.environment, Observation)
+
+
+def test_a_long_run_restores_its_window_from_the_archive_tail_on_redis(
+    store: RedisStore, new_run_id: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose window moved restores from the last segments and the key digests (one
+    read), recalls an old key through the store, and never writes a key twice."""
+    monkeypatch.setattr(window_module, "WINDOW_SEGMENTS", 2)
+    scenario = Scenario.model_validate(scenario_data(approval_required=[]))
+    keyring = KeyRing.from_secrets({"k": b"archive-on-redis-key-0123456789abcdef"}, signing_kid="k")
+
+    class Clock:
+        def now(self) -> int:
+            return int(time.time())
+
+    adapter = MemoryWorkspace(
+        "ws-redis",
+        scenario.initial_files,
+        clock=Clock(),
+        expectations={"unit": scenario.verifier.expected_files},
+    )
+    run_id = new_run_id()
+    RunEngine.start(
+        run_id,
+        scenario=scenario,
+        keyring=keyring,
+        executor=Executor(adapter, store.creator(b"scenario")),
+        clock=Clock(),
+        archive_trace=True,
+    )
+
+    def resume(owner: str) -> RunEngine:
+        lease = store.acquire(run_id, owner=owner, ttl_ms=60_000)
+        assert lease is not None
+        snap = lease.read(archive_tail=restore_tail())
+        assert snap.checkpoint is not None and snap.archive_from > 0
+        return RunEngine.resume(
+            snap.checkpoint,
+            archive=snap.archive,
+            archive_from=snap.archive_from,
+            keys=snap.keys,
+            scenario=scenario,
+            keyring=keyring,
+            executor=Executor(adapter, lease),
+            clock=Clock(),
+            lease_version=lease.lease_version,
+            coalesce=True,
+        )
+
+    def write(engine: RunEngine, n: int, key: str) -> TraceOutcome:
+        return engine.propose(
+            {
+                "action_id": f"a-{engine.state.next_seq}",
+                "kind": "write_file",
+                "risk": "reversible_write",
+                "args": {"path": "app.py", "content": f"print({n})\n"},
+                "idempotency_key": key,
+                "expected_env_version": engine.state.environment.version,
+                "deadline_at": int(time.time()) + 600,
+            }
+        ).outcome
+
+    lease = store.acquire(run_id, owner="w0", ttl_ms=60_000)
+    assert lease is not None
+    snap = lease.read()
+    first = RunEngine.resume(
+        snap.checkpoint or b"",
+        archive=snap.archive,
+        scenario=scenario,
+        keyring=keyring,
+        executor=Executor(adapter, lease),
+        clock=Clock(),
+        lease_version=lease.lease_version,
+        coalesce=True,
+    )
+    for n in range(12):
+        assert write(first, n, f"k{n}") is TraceOutcome.EXECUTED
+    first.flush()
+    before = first.state
+    assert before.executed_base > 0
+    store.release(lease)
+    second = resume("w1")
+    assert second.state == before and second.state.executed_base == before.executed_base
+    writes = adapter.write_count
+    assert write(second, 0, "k0") is TraceOutcome.REPLAYED  # recalled from the archive
+    assert write(second, 5, "k1") is TraceOutcome.REJECTED_KEY_CONFLICT
+    assert adapter.write_count == writes
+    second.flush()
+    assert len(_keys(store, run_id) or b"") == 8 * 12

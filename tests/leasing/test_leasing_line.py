@@ -138,13 +138,23 @@ def test_the_commit_connection_packs_ints_and_text_alike(
         "c-int",
         "d" * 64,
         b"",
+        b"",
         0,
         "",
         0,
     ]
     reply = store._runner.run(
         ScriptName.COMMIT,
-        [keys.lease, keys.state, keys.ckpt, keys.history, keys.commits, keys.nonces, keys.archive],
+        [
+            keys.lease,
+            keys.state,
+            keys.ckpt,
+            keys.history,
+            keys.commits,
+            keys.nonces,
+            keys.archive,
+            keys.keys,
+        ],
         argv,
         hot=True,
     )

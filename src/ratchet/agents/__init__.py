@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,7 +79,9 @@ class AgentView:
     quarantined_keys: tuple[str, ...]
     agent_state: dict[str, Any]
     now: int
-    executed_keys: frozenset[str] = frozenset()
+    # The keys of the writes that took effect: ``key in view.executed_keys`` (a
+    # membership test over the run's whole history; ``len()`` counts them).
+    executed_keys: Container[str] = frozenset()
     verified: bool = False  # a passing verifier report at the current environment version
     last_read: str | None = None
     # The tools the run may call (the scenario's permitted ones, built-in kinds included),

@@ -187,9 +187,12 @@ class LeasedRun:
 
     # -- GenerationStore ---------------------------------------------------------------
 
-    def read(self, *, with_checkpoint: bool = True, with_scenario: bool = False) -> RunSnapshot:
-        """Read the run under this lease (one step): its checkpoint, archive and, when
-        asked, its scenario, with the high-water mark they belong to.
+    def read(
+        self, *, with_checkpoint: bool = True, with_scenario: bool = False, archive_tail: int = 0
+    ) -> RunSnapshot:
+        """Read the run under this lease (one step): its checkpoint, archive (or with
+        ``archive_tail`` its last segments and key digests: see ``RedisStore.read_run``)
+        and, when asked, its scenario, with the high-water mark they belong to.
 
         The snapshot also answers this handle's next ``high_water`` or ``load`` (once, and
         only while nothing was committed through the handle since), so restoring the
@@ -200,7 +203,10 @@ class LeasedRun:
         (the lease is no longer this handle's).
         """
         snap = self._store.read_run(
-            self.run_id, with_checkpoint=with_checkpoint, with_scenario=with_scenario
+            self.run_id,
+            with_checkpoint=with_checkpoint,
+            with_scenario=with_scenario,
+            archive_tail=archive_tail,
         )
         self._check_live(snap)
         self._generation, self._state_version = snap.generation, snap.state_version
@@ -217,6 +223,7 @@ class LeasedRun:
             primed is not None
             and primed.generation == self._generation
             and (primed.checkpoint is not None or not with_checkpoint)
+            and primed.archive_from == 0  # a load hands out the whole archive
         ):
             snap = _matching(primed, key)
         else:
@@ -290,6 +297,7 @@ class LeasedRun:
                 segment=c.segment,
                 not_after_ms=c.not_after_ms,
                 phase=c.phase if moves else "",
+                keys=c.keys,
             )
             for c in commits
         ]

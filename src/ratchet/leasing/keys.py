@@ -28,6 +28,9 @@ key                                 type     holds
 ``ratchet:{<run>}:inbox``           list     bounded: signed approvals and reviewer
                                              decisions waiting for a worker to consume them
 ``ratchet:{<run>}:archive``         list     the run's archive segments, oldest first
+``ratchet:{<run>}:keys``            string   8-byte digests of the keys of the run's
+                                             executed writes, in order (appended with the
+                                             archive; see ``ratchet.runtime.window``)
 ``ratchet:{<run>}:tombstone``       hash     only once the run was purged (``ratchet
                                              purge``): purged_at_ms, phase, generation,
                                              state_version, task_id, created_at_ms,
@@ -224,6 +227,7 @@ class RunKeys:
     incidents: str
     inbox: str
     archive: str
+    keys: str
     tombstone: str
 
 
@@ -244,6 +248,7 @@ def run_keys(run_id: str) -> RunKeys:
         incidents=f"{base}:incidents",
         inbox=f"{base}:inbox",
         archive=f"{base}:archive",
+        keys=f"{base}:keys",
         tombstone=f"{base}:tombstone",
     )
 

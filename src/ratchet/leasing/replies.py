@@ -464,7 +464,7 @@ def decode_commit(
 
 
 def decode_read(
-    reply: object, run_id: str, *, with_checkpoint: bool, with_scenario: bool
+    reply: object, run_id: str, *, with_checkpoint: bool, with_scenario: bool, tail: int = 0
 ) -> RunSnapshot:
     """Decode read_run. Raises RunNotFoundError, StoreProtocolError."""
     script = "read_run"
@@ -474,7 +474,7 @@ def decode_read(
         raise RunNotFoundError("no run with this id", run_id=run_id)
     if status != "run":
         _unknown(status, script)
-    _arity(f, 12, script, status)
+    _arity(f, 14, script, status)
     checkpoint = _blob(f[9], script, "checkpoint") if with_checkpoint else None
     scenario = _blob(f[10], script, "scenario") if with_scenario else None
     archive: tuple[bytes, ...] = ()
@@ -484,6 +484,14 @@ def decode_read(
         archive = tuple(_blob(segment, script, "archive") for segment in f[11])
     elif f[11] != 0:
         _fail("unrequested archive in reply", script, run_id=run_id)
+    archive_from = _int(f[12], script, "archive_from")
+    keys: bytes | None = None
+    if with_checkpoint and tail > 0:
+        keys = f[13] if f[13] == b"" else _blob(f[13], script, "keys")
+        if len(archive) > tail:
+            _fail("more archive segments than asked for", script, run_id=run_id)
+    elif f[13] != 0 or archive_from != 0:
+        _fail("unrequested key digests in reply", script, run_id=run_id)
     if not with_checkpoint and f[9] != 0:
         _fail("unrequested checkpoint in reply", script, run_id=run_id)
     if not with_scenario and f[10] != 0:
@@ -503,6 +511,8 @@ def decode_read(
         checkpoint=checkpoint,
         scenario=scenario,
         archive=archive,
+        archive_from=archive_from,
+        keys=keys,
     )
 
 

@@ -91,6 +91,7 @@ class PreparedCommit:
     segment: bytes = field(default=b"", repr=False)  # appended to the run's archive
     not_after_ms: int = 0  # Redis time after which the script refuses it (0: never)
     phase: str = ""  # the phase the checkpoint is in ("": leaves the run's phase as it is)
+    keys: bytes = field(default=b"", repr=False)  # executed-key digests appended with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,10 @@ class RunSnapshot:
     checkpoint: bytes | None = field(default=None, repr=False)
     scenario: bytes | None = field(default=None, repr=False)
     archive: tuple[bytes, ...] = field(default=(), repr=False)  # with the checkpoint
+    # The index of ``archive``'s first segment: 0 for the whole archive, more when only
+    # the last segments were read (then ``keys`` holds the run's executed-key digests).
+    archive_from: int = 0
+    keys: bytes | None = field(default=None, repr=False)
 
     @property
     def lease_live(self) -> bool:

@@ -70,6 +70,7 @@ class RunRetention(ShardedIndexes):
                 keys.incidents,
                 keys.inbox,
                 keys.archive,
+                keys.keys,
                 *(INDEX_KEYS if inline else ()),
             ],
             [run_id, generation, state_version, phase, checkpoint_digest, export[:500]],

@@ -115,6 +115,7 @@ from ratchet.leasing.results import (
 )
 from ratchet.leasing.retention import RunRetention
 from ratchet.leasing.scripts import ScriptName
+from ratchet.runtime.window import DIGEST_BYTES
 
 __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
 
@@ -273,21 +274,36 @@ class RedisStore(
         return created
 
     def read_run(
-        self, run_id: str, *, with_checkpoint: bool = False, with_scenario: bool = False
+        self,
+        run_id: str,
+        *,
+        with_checkpoint: bool = False,
+        with_scenario: bool = False,
+        archive_tail: int = 0,
     ) -> RunSnapshot:
-        """The authoritative state of one run, in one step.
+        """The authoritative state of one run, in one step. With the checkpoint comes the
+        whole archive, or with ``archive_tail`` > 0 its last ``archive_tail`` segments and
+        the run's executed-key digests (what a worker's windowed restore reads).
 
-        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
+        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError, ContractError.
         """
+        if isinstance(archive_tail, bool) or not isinstance(archive_tail, int) or archive_tail < 0:
+            raise ContractError(
+                "archive_tail must be a non-negative integer", field="archive_tail", run_id=run_id
+            )
         keys = run_keys(run_id)
         reply = self._run(
             ScriptName.READ_RUN,
             run_id,
-            [keys.state, keys.lease, keys.ckpt, keys.scenario, keys.archive],
-            ["1" if with_checkpoint else "0", "1" if with_scenario else "0"],
+            [keys.state, keys.lease, keys.ckpt, keys.scenario, keys.archive, keys.keys],
+            ["1" if with_checkpoint else "0", "1" if with_scenario else "0", str(archive_tail)],
         )
         snap = decode_read(
-            reply, run_id, with_checkpoint=with_checkpoint, with_scenario=with_scenario
+            reply,
+            run_id,
+            with_checkpoint=with_checkpoint,
+            with_scenario=with_scenario,
+            tail=archive_tail,
         )
         if snap.checkpoint is not None and snap.checkpoint.startswith(ZSTD_MAGIC):
             snap = replace(
@@ -494,6 +510,7 @@ class RedisStore(
                 commit.commit_id,
                 commit.digest,
                 commit.segment,
+                commit.keys,
                 str(commit.not_after_ms),
                 commit.phase,
                 str(len(commit.nonces)),
@@ -508,6 +525,7 @@ class RedisStore(
                 keys.commits,
                 keys.nonces,
                 keys.archive,
+                keys.keys,
                 *index,
             ],
             args,
@@ -524,8 +542,10 @@ class RedisStore(
         segment: bytes = b"",
         not_after_ms: int = 0,
         phase: str = "",
+        keys: bytes = b"",
     ) -> PreparedCommit:
-        """Check one commit's arguments and compute its digest (no I/O). ``not_after_ms``
+        """Check one commit's arguments and compute its digest (no I/O). ``keys`` are the
+        executed-key digests appended with ``segment`` (whole 8-byte digests). ``not_after_ms``
         (Redis time; 0: none) makes the script refuse the commit once TIME passed it.
         ``phase`` (``""``: unchanged) is the phase the checkpoint is in: unsigned metadata
         that moves the run between the phase indexes when it changes.
@@ -555,6 +575,10 @@ class RedisStore(
         self._check_blob(checkpoint, run_id, "checkpoint", self.max_checkpoint_bytes)
         if segment:
             self._check_blob(segment, run_id, "archive_segment", self.max_checkpoint_bytes)
+        if not isinstance(keys, bytes) or len(keys) % DIGEST_BYTES:
+            raise ContractError(
+                "key digests must be whole 8-byte digests", field="keys", run_id=run_id
+            )
         return PreparedCommit(
             generation,
             checkpoint,
@@ -565,6 +589,7 @@ class RedisStore(
             bytes(segment),
             not_after_ms,
             phase,
+            keys,
         )
 
     def commit(

@@ -33,7 +33,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import orjson
 from pydantic import ValidationError
@@ -52,18 +52,34 @@ from ratchet.runtime.evidence import TrustRoots
 from ratchet.runtime.ports import Observation, RunKey
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.signing import KeyRing, open_envelope, seal_envelope
-from ratchet.runtime.state import ExecutedWrite, RunState, TraceEvent, check_invariants
+from ratchet.runtime.state import (
+    TERMINAL_PHASES,
+    ExecutedWrite,
+    RunState,
+    TraceEvent,
+    check_invariants,
+)
 from ratchet.runtime.types import Digest, Frozen, NonNegInt, PosInt
+from ratchet.runtime.window import (
+    DIGEST_BYTES,
+    ArchiveWindow,
+    Cut,
+    KeySet,
+    choose_cut,
+    key_digests,
+)
 
 __all__ = [
     "CHECKPOINT_SCHEMA_VERSION",
     "DEFAULT_MAX_CHECKPOINT_BYTES",
     "ArchiveRef",
     "ArchiveSegment",
+    "ArchiveStart",
     "CheckpointPayload",
     "Restored",
     "Sealed",
     "archive_genesis",
+    "as_window",
     "check_environment",
     "check_fresh",
     "empty_archive",
@@ -71,14 +87,27 @@ __all__ = [
     "high_water_missing",
     "open_checkpoint",
     "open_for_restore",
+    "recall_executed",
     "restore_checkpoint",
     "run_key",
     "seal_checkpoint",
     "seal_split",
+    "window_for",
 ]
 
 CHECKPOINT_SCHEMA_VERSION: Literal[1] = 1
 DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
+
+
+class ArchiveStart(Frozen):
+    """Where the window of a run's state starts in its archive: after ``segments``
+    segments, which hold ``trace`` trace events and ``executed`` executed writes and whose
+    hash chain ends in ``chain``."""
+
+    segments: NonNegInt
+    trace: NonNegInt
+    executed: NonNegInt
+    chain: Digest
 
 
 class ArchiveRef(Frozen):
@@ -88,12 +117,19 @@ class ArchiveRef(Frozen):
     Signed inside the checkpoint, it binds the archive: restore recomputes the chain over
     the segments the store returns and refuses any difference (a segment changed, dropped,
     added, reordered, or taken from another run).
+
+    ``window`` and ``keys`` (both or neither; neither in checkpoints made before windowed
+    state): where the state's window starts (``ratchet.runtime.window``), so a restore
+    reads and checks only the segments after it; and the SHA-256 over the 8-byte digests
+    of every executed write's key, in order, which the store keeps beside the archive.
     """
 
     trace: NonNegInt
     executed: NonNegInt
     segments: NonNegInt
     chain: Digest
+    window: ArchiveStart | None = None
+    keys: Digest | None = None
 
 
 class ArchiveSegment(Frozen):
@@ -108,9 +144,49 @@ def archive_genesis(run_id: str) -> str:
     return hashlib.sha256(Domain.ARCHIVE + b"\x00genesis\x00" + run_id.encode()).hexdigest()
 
 
+_NO_KEYS = hashlib.sha256(b"").hexdigest()
+
+
 def empty_archive(run_id: str) -> ArchiveRef:
     """The reference of run ``run_id``'s archive while it holds nothing yet."""
-    return ArchiveRef(trace=0, executed=0, segments=0, chain=archive_genesis(run_id))
+    genesis = archive_genesis(run_id)
+    return ArchiveRef(
+        trace=0,
+        executed=0,
+        segments=0,
+        chain=genesis,
+        window=ArchiveStart(segments=0, trace=0, executed=0, chain=genesis),
+        keys=_NO_KEYS,
+    )
+
+
+def window_for(state: RunState, archived: ArchiveRef) -> ArchiveWindow:
+    """The engine's memory of ``state``'s window over ``archived`` (see
+    :class:`~ratchet.runtime.window.ArchiveWindow`): its key set (the state's, or for a
+    state that holds its whole history, made from its executed writes), and the points
+    the window may start at: where it starts and where the archive ends.
+
+    Raises:
+        InvariantViolation: the state's window or key set does not meet ``archived``.
+    """
+    start = archived.window
+    if start is None:
+        start = ArchiveStart(segments=0, trace=0, executed=0, chain=archive_genesis(state.run_id))
+    if (state.trace_base, state.executed_base) != (start.trace, start.executed):
+        raise InvariantViolation("the state's window does not start where its archive says")
+    keys = state.keys
+    if keys is None:
+        if state.executed_base:
+            raise InvariantViolation("a windowed state carries no executed-key set")
+        keys = KeySet(key_digests(state.executed[: archived.executed]))
+    if keys.count != archived.executed or (
+        archived.keys is not None and keys.hexdigest() != archived.keys
+    ):
+        raise InvariantViolation("the executed-key set is not the archive's", field="archive")
+    cuts = [Cut(start.segments, start.trace, start.executed, start.chain)]
+    if archived.segments != start.segments:
+        cuts.append(Cut(archived.segments, archived.trace, archived.executed, archived.chain))
+    return ArchiveWindow(keys, keys.hasher(), tuple(cuts))
 
 
 def _chain(previous: str, segment: bytes) -> str:
@@ -152,11 +228,16 @@ class Restored:
 @dataclass(frozen=True, slots=True)
 class Sealed:
     """A checkpoint sealed with an archive: the envelope, the segment to append with it
-    (b"" when nothing is new), and the archive reference the envelope signs."""
+    (b"" when nothing is new), the archive reference the envelope signs, the state it
+    signs (the one sealed, its window moved on when that was due), the engine's memory of
+    that window, and the key digests to append beside the archive with the commit."""
 
     blob: bytes
     segment: bytes
     archive: ArchiveRef
+    state: RunState | None = None
+    window: ArchiveWindow | None = None
+    keys: bytes = b""
 
 
 def run_key(state: RunState) -> RunKey:
@@ -207,12 +288,23 @@ def _payload(
         "state": state,
     }
     if archive is not None:
-        data["archive"] = {
+        ref: dict[str, Any] = {
             "chain": archive.chain,
             "executed": archive.executed,
             "segments": archive.segments,
             "trace": archive.trace,
         }
+        start = archive.window
+        if start is not None:
+            ref["window"] = {
+                "chain": start.chain,
+                "executed": start.executed,
+                "segments": start.segments,
+                "trace": start.trace,
+            }
+        if archive.keys is not None:
+            ref["keys"] = archive.keys
+        data["archive"] = ref
     return data
 
 
@@ -272,25 +364,40 @@ def seal_split(
     archived: ArchiveRef,
     max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
     previous: RunState | None = None,
+    window: ArchiveWindow | None = None,
 ) -> Sealed:
     """Seal ``state`` as a checkpoint whose trace and executed writes live in the archive.
 
     ``archived`` is what the archive already holds (the reference the last checkpoint
-    signed); the entries of ``state`` beyond it become the new segment. The envelope
-    carries everything else of the state (phase, budgets, environment, pending write,
-    agent state, reviews) and signs the new archive reference, so what a commit sends and
-    what sealing costs no longer grow with the run. The same checks as
-    :func:`seal_checkpoint` run first (invariants on the whole state, then the schema of
-    exactly the bytes that are signed or appended).
+    signed); the entries of ``state`` beyond it become the new segment, and their keys'
+    digests the bytes to append beside the archive (``Sealed.keys``; for a reference made
+    before windowed state, every digest of the run). The envelope carries everything else
+    of the state (phase, budgets, environment, pending write, agent state, reviews) and
+    signs the new archive reference, so what a commit sends and what sealing costs no
+    longer grow with the run. The same checks as :func:`seal_checkpoint` run first
+    (invariants on the whole state, then the schema of exactly the bytes that are signed
+    or appended).
+
+    ``window`` is the engine's memory of the state's window (:func:`window_for` when
+    None). Once the window spans more than twice ``WINDOW_SEGMENTS`` segments, it moves
+    on (:func:`~ratchet.runtime.window.choose_cut`): ``Sealed.state`` is then ``state``
+    without the entries before the new start, and that is the state signed. A terminal
+    state's window never moves (the completed run's verifier event stays in it).
 
     Raises:
         InvariantViolation: the state is not valid, or it does not extend ``archived``.
         CheckpointTooLargeError: the envelope would exceed ``max_bytes``.
     """
-    if archived.trace > len(state.trace) or archived.executed > len(state.executed):
-        raise InvariantViolation("the archive holds more entries than the state", field="archive")
-    new_trace = state.trace[archived.trace :]
-    new_executed = state.executed[archived.executed :]
+    trace_base, executed_base = state.trace_base, state.executed_base
+    if not (
+        trace_base <= archived.trace <= trace_base + len(state.trace)
+        and executed_base <= archived.executed <= executed_base + len(state.executed)
+    ):
+        raise InvariantViolation("the state does not extend its archive", field="archive")
+    if window is None:
+        window = window_for(state, archived)
+    new_trace = state.trace[archived.trace - trace_base :]
+    new_executed = state.executed[archived.executed - executed_base :]
     # The same guards as _serialising() and _schema_checked(), inline: this runs twice per
     # write, and the context managers cost more than the dumps they guard.
     try:
@@ -298,8 +405,14 @@ def seal_split(
         head = state.model_dump(mode="json", warnings=False, exclude=_ARCHIVED)
         head["trace"], head["executed"] = [], []
         canonical_json(head.get("agent_state"))  # refuse floats / NaN in the free-form part
-        segment = b""
-        ref = archived
+        segment, digests = b"", b""
+        ref, hasher, cuts = archived, window.hasher, window.cuts
+        start = archived.window or ArchiveStart.model_construct(
+            segments=cuts[0].segments,
+            trace=cuts[0].trace,
+            executed=cuts[0].executed,
+            chain=cuts[0].chain,
+        )
         if new_trace or new_executed:
             segment = orjson.dumps(
                 {
@@ -308,13 +421,45 @@ def seal_split(
                 },
                 option=orjson.OPT_SORT_KEYS,
             )
+            digests = key_digests(new_executed)
+            hasher = hasher.copy()
+            hasher.update(digests)
+            chain = _chain(archived.chain, segment)
+            trace_end = archived.trace + len(new_trace)
+            executed_end = archived.executed + len(new_executed)
+            cuts = (*cuts, Cut(archived.segments + 1, trace_end, executed_end, chain))
             # Not validated here: the body's schema check below covers every field of it.
             ref = ArchiveRef.model_construct(
-                trace=archived.trace + len(new_trace),
-                executed=archived.executed + len(new_executed),
+                trace=trace_end,
+                executed=executed_end,
                 segments=archived.segments + 1,
-                chain=_chain(archived.chain, segment),
+                chain=chain,
+                window=start,
+                keys=hasher.hexdigest(),
             )
+        elif archived.keys is None:
+            ref = archived.model_copy(update={"window": start, "keys": hasher.hexdigest()})
+        if archived.keys is None:
+            # The first commit of a run restored from a checkpoint made before windowed
+            # state: the store gets every digest of the run so far.
+            digests = window.keys.blob + digests
+        moved = ArchiveWindow(window.keys, hasher, cuts)
+        cut = None if state.phase in TERMINAL_PHASES else choose_cut(moved, ref.segments, ref.trace)
+        if cut is not None:
+            state = state.model_copy(
+                update={
+                    "trace": state.trace[cut.trace - trace_base :],
+                    "executed": state.executed[cut.executed - executed_base :],
+                    "trace_base": cut.trace,
+                    "executed_base": cut.executed,
+                }
+            ).with_keys(window.keys)
+            head["trace_base"], head["executed_base"] = cut.trace, cut.executed
+            start = ArchiveStart.model_construct(
+                segments=cut.segments, trace=cut.trace, executed=cut.executed, chain=cut.chain
+            )
+            ref = ref.model_copy(update={"window": start})
+            moved = ArchiveWindow(window.keys, hasher, cuts[cuts.index(cut) :])
         body = orjson.dumps(_payload(generation, scenario, head, ref), option=orjson.OPT_SORT_KEYS)
     except _SERIALISATION_ERRORS as exc:
         raise InvariantViolation(
@@ -326,7 +471,7 @@ def seal_split(
             ArchiveSegment.model_validate_json(segment)
     except ValidationError as exc:
         raise _schema_error(exc) from None
-    return Sealed(_sign(keyring, body, max_bytes), segment, ref)
+    return Sealed(_sign(keyring, body, max_bytes), segment, ref, state, moved, digests)
 
 
 # The JSON dumps of the trace and executed entries of recently sealed states, by the
@@ -480,13 +625,29 @@ def _check_trust(
 
 
 def open_checkpoint(
-    blob: bytes, *, keyring: KeyRing, archive: Sequence[bytes] = ()
+    blob: bytes,
+    *,
+    keyring: KeyRing,
+    archive: Sequence[bytes] = (),
+    windowed: bool = False,
+    archive_from: int = 0,
+    keys: bytes | None = None,
 ) -> CheckpointPayload:
     """Checks 1-4 of the module docstring: the authentic, strict, canonical payload, with
     the trace and executed writes of its archive put back into its state.
 
+    By default the state is the whole history (``trace_base`` 0), checked against the
+    whole archive: what ``ratchet show``, exports and every other reader of a run's
+    history use. ``windowed`` (a worker's restore) gives the state as signed: only the
+    window's entries, and the run's key set (``keys``: the digests the store keeps,
+    checked against the signed SHA-256). Then ``archive`` may be the archive's last
+    segments only, ``archive_from`` being the index of the first one given; only the
+    segments after the window's start are read. Without ``keys`` the whole archive is
+    read and the digests are made from it.
+
     Raises:
-        CheckpointError: ``reason`` names the failed check.
+        CheckpointError: ``reason`` names the failed check; ``archive_short`` when the
+            segments given do not reach back to the window's start (read them all).
     """
     body = open_envelope(keyring, blob)
     # pydantic's JSON parser keeps the last of duplicate keys and accepts any key order or
@@ -513,26 +674,21 @@ def open_checkpoint(
                 "the store holds an archive this checkpoint does not name",
                 segments=len(archive),
             )
+        if payload.state.trace_base or payload.state.executed_base:
+            raise _fail("archive", "a checkpoint without an archive has a windowed state")
         return payload
-    return payload.model_copy(update={"state": _unarchive(payload.state, ref, archive)})
+    state = _unarchive(
+        payload.state, ref, archive, windowed=windowed, archive_from=archive_from, keys=keys
+    )
+    return payload.model_copy(update={"state": state})
 
 
-def _unarchive(head: RunState, ref: ArchiveRef, archive: Sequence[bytes]) -> RunState:
-    """``head`` with the trace and executed writes of ``archive`` put back, after checking
-    the archive against the signed ``ref``."""
-    if head.trace or head.executed:
-        raise _fail("archive", "a checkpoint with an archive carries trace entries itself")
-    if len(archive) != ref.segments:
-        raise _fail(
-            "archive",
-            "the archive does not have the signed number of segments",
-            segments=len(archive),
-            expected=ref.segments,
-        )
+def _segments(archive: Sequence[bytes], first: int) -> tuple[list[TraceEvent], list[ExecutedWrite]]:
+    """Every entry of ``archive`` (segment ``first`` first), each segment checked."""
     trace: list[TraceEvent] = []
     executed: list[ExecutedWrite] = []
     validate = ArchiveSegment.model_validate_json
-    for index, segment in enumerate(archive):
+    for index, segment in enumerate(archive, first):
         if not isinstance(segment, bytes) or not is_canonical(segment):
             raise _fail("archive", "an archive segment is not canonical JSON", segment=index)
         try:
@@ -543,17 +699,167 @@ def _unarchive(head: RunState, ref: ArchiveRef, archive: Sequence[bytes]) -> Run
             raise _fail("archive", "an archive segment is empty", segment=index)
         trace.extend(parsed.trace)
         executed.extend(parsed.executed)
-    chain = _chain_over(archive_genesis(head.run_id), archive)
+    return trace, executed
+
+
+def _unarchive(
+    head: RunState,
+    ref: ArchiveRef,
+    archive: Sequence[bytes],
+    *,
+    windowed: bool,
+    archive_from: int,
+    keys: bytes | None,
+) -> RunState:
+    """``head`` with the entries of ``archive`` put back (all of them, or with
+    ``windowed`` those of the window), after checking them against the signed ``ref``."""
+    if head.trace or head.executed:
+        raise _fail("archive", "a checkpoint with an archive carries trace entries itself")
+    start = ref.window
+    if (start is None) != (ref.keys is None):
+        raise _fail("archive", "the archive reference names a window without a key set")
+    if start is None:
+        start = ArchiveStart(segments=0, trace=0, executed=0, chain=archive_genesis(head.run_id))
+    if (head.trace_base, head.executed_base) != (start.trace, start.executed):
+        raise _fail("archive", "the state's window does not start where its archive says")
+    if start.segments > ref.segments or (start.trace, start.executed) > (ref.trace, ref.executed):
+        raise _fail("archive", "the window starts after the archive ends")
+    if archive_from < 0 or archive_from + len(archive) != ref.segments:
+        raise _fail(
+            "archive",
+            "the archive does not have the signed number of segments",
+            segments=archive_from + len(archive),
+            expected=ref.segments,
+        )
+    whole = not windowed or keys is None or ref.keys is None
+    if archive_from > (0 if whole else start.segments):
+        raise _fail(
+            "archive_short",
+            "the archive segments read do not reach back to the window's start",
+            first=archive_from,
+            needed=0 if whole else start.segments,
+        )
+    cut = start.segments - archive_from
+    if whole:
+        trace, executed = _segments(archive, 0)
+        older = _chain_over(archive_genesis(head.run_id), archive[:cut])
+        if older != start.chain:
+            raise _fail("archive", "the archive's hash chain is not the signed one")
+        chain = _chain_over(older, archive[cut:])
+    else:
+        trace, executed = _segments(archive[cut:], start.segments)
+        chain = _chain_over(start.chain, archive[cut:])
     if chain != ref.chain:
         raise _fail("archive", "the archive's hash chain is not the signed one")
-    if (len(trace), len(executed)) != (ref.trace, ref.executed):
+    base_trace, base_executed = (0, 0) if whole else (start.trace, start.executed)
+    if (base_trace + len(trace), base_executed + len(executed)) != (ref.trace, ref.executed):
         raise _fail(
             "archive",
             "the archive does not hold the signed number of entries",
-            trace=len(trace),
-            executed=len(executed),
+            trace=base_trace + len(trace),
+            executed=base_executed + len(executed),
         )
-    return head.model_copy(update={"trace": tuple(trace), "executed": tuple(executed)})
+    if whole:
+        if ref.keys is not None and KeySet(key_digests(executed)).hexdigest() != ref.keys:
+            raise _fail("archive", "the executed keys are not the signed ones")
+        if not windowed:
+            return head.model_copy(
+                update={
+                    "trace": tuple(trace),
+                    "executed": tuple(executed),
+                    "trace_base": 0,
+                    "executed_base": 0,
+                }
+            )
+        window = head.model_copy(
+            update={
+                "trace": tuple(trace[start.trace :]),
+                "executed": tuple(executed[start.executed :]),
+            }
+        )
+        return window if not start.executed else window.with_keys(KeySet(key_digests(executed)))
+    return head.model_copy(update={"trace": tuple(trace), "executed": tuple(executed)}).with_keys(
+        _key_set(cast(bytes, keys), ref, executed)
+    )
+
+
+def _key_set(keys: bytes, ref: ArchiveRef, window: Sequence[ExecutedWrite]) -> KeySet:
+    """The store's key digests as a key set, once they are exactly the signed ones and
+    end in the digests of the window's executed writes."""
+    if not isinstance(keys, bytes) or len(keys) != ref.executed * DIGEST_BYTES:
+        raise _fail("archive", "the store's executed-key digests are not the signed number")
+    found = KeySet(keys)
+    if found.hexdigest() != ref.keys:
+        raise _fail("archive", "the store's executed-key digests are not the signed ones")
+    if window and keys[-len(window) * DIGEST_BYTES :] != key_digests(window):
+        raise _fail("archive", "the executed-key digests do not match the window's writes")
+    return found
+
+
+def as_window(payload: CheckpointPayload) -> CheckpointPayload:
+    """``payload`` with its state cut to the window its archive reference signs (a no-op
+    for a payload opened ``windowed``): for a caller that opened the whole history first.
+
+    Raises:
+        CheckpointError: ``archive``: the state is windowed elsewhere than signed.
+    """
+    ref, state = payload.archive, payload.state
+    start = ref.window if ref is not None else None
+    if start is None or (state.trace_base, state.executed_base) == (start.trace, start.executed):
+        return payload
+    if state.trace_base or state.executed_base:
+        raise _fail("archive", "the state's window does not start where its archive says")
+    window = state.model_copy(
+        update={
+            "trace": state.trace[start.trace :],
+            "executed": state.executed[start.executed :],
+            "trace_base": start.trace,
+            "executed_base": start.executed,
+        }
+    )
+    keys = KeySet(key_digests(state.executed))
+    return payload.model_copy(update={"state": window.with_keys(keys)})
+
+
+def recall_executed(
+    archive: Sequence[bytes], ref: ArchiveRef, run_id: str, key: str, ordinal: int
+) -> ExecutedWrite:
+    """The executed write at ``ordinal`` (before the window ``ref`` signs), read from the
+    run's whole ``archive`` as the store returned it, once the segments before the window
+    hash to the signed chain value of its start, and only if it carries ``key``.
+
+    Raises:
+        CheckpointError: ``archive``: the archive is not the signed one, or the write at
+            that ordinal has another key (a digest collision, or a damaged key set).
+    """
+    start = ref.window
+    if start is None or not 0 <= ordinal < start.executed:
+        raise _fail("archive", "the write to recall is not before the window", ordinal=ordinal)
+    older = archive[: start.segments]
+    if len(older) != start.segments:
+        raise _fail("archive", "the archive is shorter than the window's start")
+    if _chain_over(archive_genesis(run_id), older) != start.chain:
+        raise _fail("archive", "the archive's hash chain is not the signed one")
+    # Authentic bytes now (bound by the signed chain): count entries cheaply, then check
+    # and parse the one segment that holds the write.
+    count = 0
+    for index, segment in enumerate(older):
+        try:
+            held = len(orjson.loads(segment)["executed"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise _fail("archive", "an archive segment fails its schema", segment=index) from None
+        if ordinal < count + held:
+            _, executed = _segments([segment], index)
+            entry = executed[ordinal - count]
+            if entry.idempotency_key != key:
+                raise _fail(
+                    "archive",
+                    "the executed write at the key's ordinal has another key",
+                    ordinal=ordinal,
+                )
+            return entry
+        count += held
+    raise _fail("archive", "the archive holds fewer executed writes than its window says")
 
 
 def open_for_restore(
@@ -563,17 +869,32 @@ def open_for_restore(
     keyring: KeyRing,
     archive: Sequence[bytes] = (),
     opened: CheckpointPayload | None = None,
+    windowed: bool = False,
+    archive_from: int = 0,
+    keys: bytes | None = None,
 ) -> CheckpointPayload:
     """Checks 1-6 of a restore: open ``blob`` (unless ``opened`` is what
     :func:`open_checkpoint` returned for it already), then the scenario fingerprint and
-    the run state's invariants. Pure: nothing is read or observed.
+    the run state's invariants. Pure: nothing is read or observed. ``windowed``,
+    ``archive_from`` and ``keys`` are :func:`open_checkpoint`'s.
 
     Raises:
         CheckpointError: ``reason`` names the failed check.
     """
     payload = (
-        opened if opened is not None else open_checkpoint(blob, keyring=keyring, archive=archive)
+        opened
+        if opened is not None
+        else open_checkpoint(
+            blob,
+            keyring=keyring,
+            archive=archive,
+            windowed=windowed,
+            archive_from=archive_from,
+            keys=keys,
+        )
     )
+    if windowed:
+        payload = as_window(payload)
     if payload.scenario_fingerprint != scenario.fingerprint:
         raise _fail(
             "scenario",

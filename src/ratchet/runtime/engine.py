@@ -46,6 +46,7 @@ from ratchet.errors import (
     HighWaterUnavailableError,
     IdempotencyConflictError,
     InvalidTransitionError,
+    InvariantViolation,
     OutcomeUnknownError,
     ReplicationUnconfirmedError,
 )
@@ -60,9 +61,11 @@ from ratchet.runtime.checkpoint import (
     finish_restore,
     high_water_missing,
     open_for_restore,
+    recall_executed,
     run_key,
     seal_checkpoint,
     seal_split,
+    window_for,
 )
 from ratchet.runtime.effects import (
     Commit,
@@ -109,6 +112,7 @@ from ratchet.runtime.state import (
     TraceOutcome,
 )
 from ratchet.runtime.tools import ToolSpec
+from ratchet.runtime.window import ArchiveWindow, NotInWindow, key_digests
 
 __all__ = ["CrashWindow", "Probe", "RunEngine", "StepResult"]
 
@@ -172,8 +176,14 @@ class RunEngine:
             if archive is not None
             else (empty_archive(state.run_id) if archive_trace else None)
         )
+        # The engine's memory of the state's window over the archive (its key set, the
+        # points the window may move to), kept with the archive reference it belongs to.
+        self._window: ArchiveWindow | None = None
+        if self._archive is not None:
+            self._window = window_for(state, self._archive)
+            state = state.with_keys(self._window.keys)
         # The last commit the store acknowledged, with the archive the next commit extends.
-        self._durable = (state, generation, blob, self._archive)
+        self._durable = (state, generation, blob, self._archive, self._window)
         self.state = state
         self.generation = generation
         self.checkpoint = blob
@@ -223,7 +233,7 @@ class RunEngine:
                 max_bytes=max_bytes,
             )
             blob, archive = sealed.blob, sealed.archive
-            first = Advance(0, blob, segment=sealed.segment)
+            first = Advance(0, blob, segment=sealed.segment, keys=sealed.keys)
         else:
             blob = seal_checkpoint(state, scenario, keyring, generation=1, max_bytes=max_bytes)
             first = Advance(0, blob)
@@ -256,14 +266,20 @@ class RunEngine:
         opened: CheckpointPayload | None = None,
         accept_environment: Observation | None = None,
         tolerate_environment: bool = False,
+        archive_from: int = 0,
+        keys: bytes | None = None,
         **options: Any,
     ) -> RunEngine:
         """Restore a checkpoint (every check of :func:`restore_checkpoint`), then raise
         the adapter's fence to this lease and observe the environment.
 
-        ``archive`` is the run's archive segments as the store returned them with ``blob``.
-        ``opened`` is ``open_checkpoint(blob, archive=archive)`` when the caller made it
-        already (to check the run document against it before building the adapter).
+        ``archive`` is the run's archive segments as the store returned them with ``blob``
+        (``archive_from``: the index of the first one, when only the last ones were read),
+        and ``keys`` the run's executed-key digests (None: made from the whole archive).
+        The state restored is the window the checkpoint signs (see
+        :func:`~ratchet.runtime.checkpoint.open_checkpoint`). ``opened`` is
+        ``open_checkpoint(blob, archive=archive, windowed=True, ...)`` when the caller made
+        it already (to check the run document against it before building the adapter).
 
         The fence goes up before the observation that restore compares, so from then on a
         previous owner that is still running can no longer land a write we have not seen.
@@ -275,7 +291,14 @@ class RunEngine:
         :attr:`environment_refused`, and the observation in :attr:`observed_at_restore`.
         """
         payload = open_for_restore(
-            blob, scenario=scenario, keyring=keyring, archive=archive, opened=opened
+            blob,
+            scenario=scenario,
+            keyring=keyring,
+            archive=archive,
+            opened=opened,
+            windowed=True,
+            archive_from=archive_from,
+            keys=keys,
         )
         state = payload.state
 
@@ -359,10 +382,17 @@ class RunEngine:
         acknowledged commit (see :meth:`_send`).
         """
         if self._held:
-            self._drive(
-                self._send(
-                    list(self._held), self.state, self.generation, self.checkpoint, self._archive
-                )
+            self._drive(self._flush())
+
+    def _flush(self) -> Op[None]:
+        if self._held:
+            yield from self._send(
+                list(self._held),
+                self.state,
+                self.generation,
+                self.checkpoint,
+                self._archive,
+                self._window,
             )
 
     def _commit(self, new: RunState, *, hold: bool = False) -> Op[None]:
@@ -374,7 +404,7 @@ class RunEngine:
         known = set(self.state.consumed_nonces)
         nonces = tuple(n for n in new.consumed_nonces if n not in known)
         target = self.generation + 1
-        archive = self._archive
+        archive, window = self._archive, self._window
         not_after = machine.approval_deadline_ms(new, self.scenario)
         if archive is None:
             blob = seal_checkpoint(
@@ -397,17 +427,25 @@ class RunEngine:
                 archived=archive,
                 max_bytes=self._max_bytes,
                 previous=self.state,
+                window=window,
             )
-            blob, archive = sealed.blob, sealed.archive
+            blob, archive, window = sealed.blob, sealed.archive, sealed.window
+            new = cast(RunState, sealed.state)  # its window may have moved on
             commit = Advance(
-                self.generation, blob, nonces, sealed.segment, not_after, new.phase.value
+                self.generation,
+                blob,
+                nonces,
+                sealed.segment,
+                not_after,
+                new.phase.value,
+                sealed.keys,
             )
         if hold and self._coalesce:
             self._held.append(commit)
             self.state, self.generation, self.checkpoint = new, target, blob
-            self._archive = archive
+            self._archive, self._window = archive, window
             return
-        yield from self._send([*self._held, commit], new, target, blob, archive)
+        yield from self._send([*self._held, commit], new, target, blob, archive, window)
 
     def _send(
         self,
@@ -416,6 +454,7 @@ class RunEngine:
         target: int,
         blob: bytes,
         archive: ArchiveRef | None,
+        window: ArchiveWindow | None,
     ) -> Op[None]:
         """Send ``batch`` (held commits, then the one that ends in ``new``) and adopt it.
 
@@ -439,10 +478,20 @@ class RunEngine:
                 if stored.generation != target or stored.blob != blob:
                     raise
         except BaseException:
-            self.state, self.generation, self.checkpoint, self._archive = self._durable
+            (self.state, self.generation, self.checkpoint, self._archive, self._window) = (
+                self._durable
+            )
             raise
-        self.state, self.generation, self.checkpoint, self._archive = new, target, blob, archive
-        self._durable = (new, target, blob, archive)
+        if window is not None and archive is not None:
+            # The store holds these writes now: their keys join the run's key set (the
+            # new ones are all in the window: it only moves past acknowledged writes).
+            keys, base = window.keys, new.executed_base
+            if keys.count < base:
+                raise InvariantViolation("the window moved past unacknowledged writes")
+            keys.extend(key_digests(new.executed[keys.count - base : archive.executed - base]))
+        self.state, self.generation, self.checkpoint = new, target, blob
+        self._archive, self._window = archive, window
+        self._durable = (new, target, blob, archive, window)
 
     # -- proposals -----------------------------------------------------------------------
 
@@ -480,17 +529,26 @@ class RunEngine:
         agent_state: dict[str, Any] | None,
     ) -> Op[StepResult]:
         yield Reached(CrashWindow.BEFORE_PROPOSAL)
-        proposal = machine.propose(
-            self.state,
-            self.scenario,
-            raw,
-            now=self.clock.now(),
-            generation=self.generation,
-            approval=approval,
-            approvers=self.approvers,
-            agent_state=agent_state,
-            tools=self.tools,
-        )
+
+        def propose() -> machine.Proposal:
+            return machine.propose(
+                self.state,
+                self.scenario,
+                raw,
+                now=self.clock.now(),
+                generation=self.generation,
+                approval=approval,
+                approvers=self.approvers,
+                agent_state=agent_state,
+                tools=self.tools,
+            )
+
+        try:
+            proposal = propose()
+        except NotInWindow as older:
+            # The key was executed before the window: recall its entry, then decide.
+            yield from self._recall(older)
+            proposal = propose()
         planned = machine.unprojected(proposal)
         if planned is not None:
             # A new write: ask the adapter what one commit of it leaves behind.
@@ -515,6 +573,18 @@ class RunEngine:
         else:  # rejected, awaiting approval, finished: record it (budget was spent)
             yield from self._commit(proposal.state)
         return self._result()
+
+    def _recall(self, older: NotInWindow) -> Op[None]:
+        """Read the archive and keep the executed write ``older`` names, verified against
+        the signed start of the window (see :func:`recall_executed`)."""
+        yield from self._flush()  # the archive read must hold every sealed segment
+        stored = cast(StoredCheckpoint, (yield Load(self.key)))
+        if self._archive is None or self._window is None:
+            raise InvalidTransitionError("a state without an archive has no older writes")
+        entry = recall_executed(
+            stored.archive, self._archive, self.state.run_id, older.key, older.ordinal
+        )
+        self._window.keys.remember(entry)
 
     def execute_pending(self) -> StepResult:
         """Send the committed pending write to the adapter, if it may go now.

@@ -192,6 +192,9 @@ class StoredCheckpoint:
     generation: int
     blob: bytes
     archive: tuple[bytes, ...] = ()
+    # The run's executed-key digests (ratchet.runtime.window), None from a store that
+    # does not keep them (a restore then makes them from the whole archive).
+    keys: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,9 @@ class Advance:
     # The phase the checkpoint is in ("": not stated). Unsigned metadata a store may keep
     # beside the checkpoint to list runs by phase; the signed state stays authoritative.
     phase: str = ""
+    # The 8-byte digests of the keys of the executed writes the commit adds, appended
+    # beside the archive with it (see ratchet.runtime.window); b"": none.
+    keys: bytes = b""
 
 
 @runtime_checkable

@@ -19,9 +19,9 @@ not phase events and never go through the table.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
-from pydantic import Field, Strict
+from pydantic import Field, PrivateAttr, Strict
 
 from ratchet.errors import InvalidTransitionError, InvariantViolation
 from ratchet.runtime.actions import Action
@@ -30,12 +30,14 @@ from ratchet.runtime.history import extends, key_positions, position
 from ratchet.runtime.ports import Observation, Receipt, VerifierReport
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.types import Digest, Frozen, Identifier, JsonObject, NonNegInt, PosInt
+from ratchet.runtime.window import KeySet, NotInWindow
 
 __all__ = [
     "STATE_SCHEMA_VERSION",
     "TERMINAL_PHASES",
     "TRANSITIONS",
     "Event",
+    "ExecutedKeys",
     "ExecutedWrite",
     "PendingWrite",
     "Phase",
@@ -242,6 +244,9 @@ class RunState(Frozen):
     environment: Observation
     last_write_env_version: NonNegInt | None = None
     pending: PendingWrite | None = None
+    # The window of executed writes: ``executed_base`` older ones live in the run's archive
+    # only (``ratchet.runtime.window``); 0 for a state that holds its whole history.
+    executed_base: NonNegInt = 0
     executed: tuple[ExecutedWrite, ...] = ()
     quarantined_keys: tuple[Identifier, ...] = ()
     consumed_nonces: tuple[Identifier, ...] = ()
@@ -251,16 +256,77 @@ class RunState(Frozen):
     # (oldest first); each one's nonce is consumed.
     rebaselines: tuple[RebaselineDecision, ...] = ()
     verification: VerifierReport | None = None
+    # The window of trace events: ``trace_base`` older ones live in the archive only.
+    trace_base: NonNegInt = 0
     trace: tuple[TraceEvent, ...] = ()
+    # The digests of every executed write's key (set for a windowed state by restore and
+    # by the engine; not part of the state's value: see KeySet).
+    _keys: KeySet | None = PrivateAttr(default=None)
 
     def cached(self, key: str) -> ExecutedWrite | None:
-        # An index kept along the run's history: a proposal's cost must not grow with it.
+        """The executed write of ``key``, or None when the run never executed it.
+
+        Raises:
+            NotInWindow: it was executed before the window and is not recalled yet.
+            InvariantViolation: the state is windowed but carries no key set.
+        """
+        # An index kept along the window: a proposal's cost must not grow with the run.
         found = position(self.executed, key)
-        return None if found is None else self.executed[found]
+        if found is not None:
+            return self.executed[found]
+        ordinal = self._older(key)
+        if ordinal is None:
+            return None
+        keys = cast(KeySet, self._keys)
+        entry = keys.recalled(key)
+        if entry is None:
+            raise NotInWindow(key, ordinal)
+        return entry
+
+    def has_executed(self, key: str) -> bool:
+        """Whether the run executed a write with ``key`` (in the window or before it)."""
+        return position(self.executed, key) is not None or self._older(key) is not None
+
+    def _older(self, key: str) -> int | None:
+        if not self.executed_base:
+            return None
+        keys = self._keys
+        if keys is None:
+            raise _fail("a windowed state carries no executed-key set", field="executed_base")
+        return keys.older(key, self.executed_base)
+
+    def with_keys(self, keys: KeySet | None) -> RunState:
+        """A copy of this state carrying ``keys``."""
+        copy = self.model_copy()
+        copy._keys = keys
+        return copy
+
+    @property
+    def keys(self) -> KeySet | None:
+        return self._keys
 
     @property
     def next_seq(self) -> int:
-        return len(self.trace) + 1
+        return self.trace_base + len(self.trace) + 1
+
+
+class ExecutedKeys:
+    """The idempotency keys a run executed, as a membership test (``key in keys``) that
+    costs the same at any run length, older writes included; ``len()`` counts them."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: RunState) -> None:
+        self._state = state
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._state.has_executed(key)
+
+    def __len__(self) -> int:
+        return self._state.executed_base + len(self._state.executed)
+
+    def __repr__(self) -> str:
+        return f"ExecutedKeys(count={len(self)})"
 
 
 def _fail(message: str, **context: object) -> InvariantViolation:
@@ -291,12 +357,14 @@ def check_invariants(
         raise _fail("task or policy differs from the scenario", field="task_id")
     if previous is not None and state.document_digest != previous.document_digest:
         raise _fail("the run document's digest changed", field="document_digest")
-    trace, checked = state.trace, 0
-    if previous is not None and extends(trace, previous.trace):
+    trace, checked, base = state.trace, 0, state.trace_base
+    if previous is not None and previous.trace_base == base and extends(trace, previous.trace):
         checked = len(previous.trace)
     for index in range(checked, len(trace)):
-        if trace[index].seq != index + 1:
-            raise _fail("trace sequence numbers are not contiguous", field="trace", seq=index + 1)
+        if trace[index].seq != base + index + 1:
+            raise _fail(
+                "trace sequence numbers are not contiguous", field="trace", seq=base + index + 1
+            )
     budgets = scenario.budgets
     if state.usage.proposals > budgets.proposals or state.usage.steps > budgets.steps:
         raise _fail("usage exceeds the proposal or step budget", field="usage")
@@ -305,13 +373,18 @@ def check_invariants(
     if state.usage.steps > state.usage.proposals:
         raise _fail("more steps than proposals", field="usage")
     executed, known = state.executed, 0
-    if previous is not None and extends(executed, previous.executed):
+    if (
+        previous is not None
+        and previous.executed_base == state.executed_base
+        and extends(executed, previous.executed)
+    ):
         known = len(previous.executed)  # checked then: unique keys, receipts that match
     if known < len(executed):
-        # A key is unique when its first position is its own.
+        # A key is unique when its first position is its own and it is not older.
         positions = key_positions(executed)
         for offset in range(known, len(executed)):
-            if positions.get(executed[offset].idempotency_key) != offset:
+            key = executed[offset].idempotency_key
+            if positions.get(key) != offset or state._older(key) is not None:
                 raise _fail("an idempotency key was executed twice", field="executed")
     for entry in executed[known:]:
         if entry.receipt.idempotency_key != entry.idempotency_key:

@@ -278,7 +278,12 @@ class MemoryGenerationStore:
     def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
         for commit in batch:
             self._commit(
-                key, commit.expected_generation, commit.blob, commit.nonces, commit.segment
+                key,
+                commit.expected_generation,
+                commit.blob,
+                commit.nonces,
+                commit.segment,
+                commit.keys,
             )
 
     def _commit(
@@ -288,6 +293,7 @@ class MemoryGenerationStore:
         blob: bytes,
         nonces: Sequence[str],
         segment: bytes,
+        keys: bytes = b"",
     ) -> None:
         if not self.available:
             raise HighWaterUnavailableError("generation store unavailable", run_id=key.run_id)
@@ -310,7 +316,10 @@ class MemoryGenerationStore:
         archive = current.archive if current is not None else ()
         if segment:
             archive = (*archive, bytes(segment))
-        self.checkpoints[key] = StoredCheckpoint(high + 1, bytes(blob), archive)
+        digests = (current.keys or b"") if current is not None else b""
+        self.checkpoints[key] = StoredCheckpoint(
+            high + 1, bytes(blob), archive, digests + bytes(keys)
+        )
         self.commits += 1
         if self.lose_next_reply:
             self.lose_next_reply = False

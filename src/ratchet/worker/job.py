@@ -49,11 +49,12 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ratchet.agents import AgentFactory, AgentView, build_agent, plans_ahead
 from ratchet.errors import (
     AdapterError,
+    CheckpointError,
     ConfigurationError,
     ContractError,
     EnvironmentMismatchError,
@@ -84,9 +85,10 @@ from ratchet.fleet.runs import (
     parse_evidence,
     run_toolbox,
 )
-from ratchet.leasing import LeasedRun, LeaseHolder
+from ratchet.leasing import LeasedRun, LeaseHolder, RunSnapshot
 from ratchet.runtime import (
     ApprovalEvidence,
+    KeyRing,
     Phase,
     RebaselineDecision,
     ReviewDecision,
@@ -95,8 +97,9 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
 from ratchet.runtime.machine import decision_baseline
-from ratchet.runtime.state import TERMINAL_PHASES
+from ratchet.runtime.state import TERMINAL_PHASES, ExecutedKeys
 from ratchet.runtime.tools import ToolCatalog
+from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
 from ratchet.worker.hooks import WorkerHooks
@@ -272,7 +275,9 @@ def _execute(
     )
     try:
         # Under the lease: the restore's high-water check is answered by this same read.
-        snap = lease.read(with_checkpoint=True, with_scenario=True)
+        # Only the archive's last segments and the key digests: the restore reads the
+        # window the checkpoint signs, not the run's whole history.
+        snap = lease.read(with_checkpoint=True, with_scenario=True, archive_tail=restore_tail())
         try:
             if snap.checkpoint is None or snap.scenario is None:
                 raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
@@ -280,7 +285,7 @@ def _execute(
             # schema, and that the checkpoint binds this very document, all before the
             # document's agent, environment or verifier commands are touched.
             document = open_document(fleet.keyring, run_id, snap.scenario)
-            opened = open_checkpoint(snap.checkpoint, keyring=fleet.keyring, archive=snap.archive)
+            snap, opened = open_window(lease, snap, fleet.keyring)
             check_document_binding(opened.state, document)
             if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
                 _release(lease, heartbeat)  # nothing more to do, nothing of it is built
@@ -320,7 +325,7 @@ def _execute(
                 run_id=run_id,
             )
             engine = RunEngine.resume(
-                snap.checkpoint,
+                cast(bytes, snap.checkpoint),
                 scenario=document.scenario,
                 keyring=fleet.keyring,
                 executor=executor,
@@ -329,6 +334,8 @@ def _execute(
                 reviewers=fleet.reviewers,
                 lease_version=lease.lease_version,
                 archive=snap.archive,
+                archive_from=snap.archive_from,
+                keys=snap.keys,
                 opened=opened,
                 coalesce=settings.coalesce_commits,
                 archive_trace=settings.archive_trace,
@@ -515,7 +522,7 @@ def agent_view(engine: RunEngine, last_read: str | None = None) -> AgentView:
         quarantined_keys=state.quarantined_keys,
         agent_state=dict(state.agent_state),
         now=engine.clock.now(),
-        executed_keys=frozenset(e.idempotency_key for e in state.executed),
+        executed_keys=ExecutedKeys(state),
         verified=verified,
         last_read=last_read,
         tools=tuple(_catalog(engine).permitted(engine.scenario)),
@@ -576,6 +583,36 @@ class _CancelWatch:
         self._next = now + self._every
         inbox = self._fleet.store.inbox(self._run_id)
         return find_controls(self._fleet.keyring, self._run_id, inbox).cancel
+
+
+def open_window(
+    lease: LeasedRun, snap: RunSnapshot, keyring: KeyRing
+) -> tuple[RunSnapshot, CheckpointPayload]:
+    """Open the checkpoint of ``snap`` (read with ``archive_tail``) as the window it signs.
+    When the segments read do not reach back to the window's start (a checkpoint made
+    before windowed state, or a window longer than the tail), read the whole archive once
+    under the same lease and open that: the snapshot returned is the one opened.
+
+    Raises CheckpointError and what ``LeasedRun.read`` raises.
+    """
+    checkpoint = cast(bytes, snap.checkpoint)
+    try:
+        opened = open_checkpoint(
+            checkpoint,
+            keyring=keyring,
+            archive=snap.archive,
+            windowed=True,
+            archive_from=snap.archive_from,
+            keys=snap.keys,
+        )
+    except CheckpointError as exc:
+        if exc.context.get("reason") != "archive_short":
+            raise
+        snap = lease.read(with_checkpoint=True, with_scenario=snap.scenario is not None)
+        opened = open_checkpoint(
+            cast(bytes, snap.checkpoint), keyring=keyring, archive=snap.archive, windowed=True
+        )
+    return snap, opened
 
 
 def _release(

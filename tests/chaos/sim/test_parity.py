@@ -244,6 +244,7 @@ def _sequence(
                         nonces=nonces[i],
                         phase=phases[i],
                         segment=b"seg-%d" % (snap.generation + 1 + i) if r == "pb" else b"",
+                        keys=b"k%07d" % (snap.generation + 1 + i) if r == "pb" else b"",
                     )
                     for i in range(len(ids))
                 ]
@@ -272,10 +273,11 @@ def _sequence(
             compare(op, commit)
         elif op == "read":
             ckpt, scen = rng.random() < 0.5, rng.random() < 0.5
+            tail = rng.choice((0, 0, 1, 3))
             compare(
                 op,
-                lambda s, r=run, c=ckpt, sc=scen: s.store.read_run(
-                    r, with_checkpoint=c, with_scenario=sc
+                lambda s, r=run, c=ckpt, sc=scen, t=tail: s.store.read_run(
+                    r, with_checkpoint=c, with_scenario=sc, archive_tail=t
                 ),
             )
         elif op == "reap":

@@ -182,7 +182,7 @@ class Judge(Audit):
         groups, at = [], 7
         for _ in range(int(args[4])):
             groups.append((args[at + 2], args[at + 3]))
-            at += 8 + int(args[at + 7])
+            at += 9 + int(args[at + 8])
         for (commit_id, digest), entry in zip(groups, reply, strict=False):
             status = entry[0] if entry else b""
             if status in (b"phase", b"released"):

@@ -9,7 +9,7 @@ makes 10,000 schedules, so the store's share is kept to a few microseconds per
 uses, with Redis' own Lua version) and each ``redis.call`` is one Python dispatch.
 
 Only the commands ratchet's scripts and the store's plain calls use are implemented
-(``EXISTS TIME HSET HMGET HGET HDEL GET SET DEL LPUSH RPUSH LTRIM LRANGE LLEN SADD
+(``EXISTS TIME HSET HMGET HGET HDEL GET SET APPEND DEL LPUSH RPUSH LTRIM LRANGE LLEN SADD
 SISMEMBER ZADD ZREM ZSCORE``; the client adds ``zrangebyscore``, ``zrange``, ``lrange``,
 ``get``, ``set``, ``zadd``, ``zrem``, ``time``), each with Redis' semantics where the
 scripts can see them: a wrong type raises ``WRONGTYPE``, an emptied container key is
@@ -227,6 +227,7 @@ class Keyspace:
             b"HDEL": self._hdel,
             b"GET": self._get,
             b"SET": self._set,
+            b"APPEND": self._append,
             b"DEL": self._del,
             b"LPUSH": self._lpush,
             b"RPUSH": self._rpush,
@@ -355,6 +356,13 @@ class Keyspace:
             raise ResponseError("ERR the simulator's SET takes no options inside scripts")
         self.data[args[0]] = bytes(args[1])
         return (3, b"OK")
+
+    def _append(self, args: tuple[bytes, ...]) -> tuple[Any, ...]:
+        if len(args) != 2:
+            raise ResponseError("ERR wrong number of arguments for 'append' command")
+        value = (self._typed(args[0], bytes) or b"") + bytes(args[1])
+        self.data[args[0]] = value
+        return (0, len(value))
 
     def _del(self, args: tuple[bytes, ...]) -> tuple[Any, ...]:
         return (0, sum(1 for key in args if self.data.pop(key, None) is not None))

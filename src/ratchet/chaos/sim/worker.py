@@ -294,7 +294,9 @@ def _leased(
             snap = lease.read(with_checkpoint=True)
             if snap.checkpoint is None:
                 raise IntegrityError("the run has no checkpoint", run_id=lease.run_id)
-            opened = open_checkpoint(snap.checkpoint, keyring=sim.keyring, archive=snap.archive)
+            opened = open_checkpoint(
+                snap.checkpoint, keyring=sim.keyring, archive=snap.archive, windowed=True
+            )
             if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
                 _release(lease, guard)
                 return "terminal"

@@ -9,9 +9,10 @@
 -- KEYS[5]  commit ids hash     ratchet:{<run>}:commits
 -- KEYS[6]  consumed nonces set ratchet:{<run>}:nonces
 -- KEYS[7]  archive list        ratchet:{<run>}:archive
--- KEYS[8]  optional: the expiry index ratchet:index:expiry (zset), on a single Redis only,
+-- KEYS[8]  key digests string  ratchet:{<run>}:keys
+-- KEYS[9]  optional: the expiry index ratchet:index:expiry (zset), on a single Redis only,
 --          updated when the batch releases the lease (see release_lease)
--- KEYS[9..] optional, after KEYS[8], on a single Redis only: every phase index
+-- KEYS[10..] optional, after KEYS[9], on a single Redis only: every phase index
 --          ratchet:index:phase:<phase> (zset); the script moves the run from its old
 --          phase's index to its new one (the key whose name ends in ':<phase>') when the
 --          batch changes the run's phase. Without them the reply reports the move and the
@@ -34,6 +35,8 @@
 --          commit id (text, no '|')
 --          checkpoint digest (lowercase hex text, computed by the caller)
 --          archive segment to append (bytes, opaque; empty: nothing to append)
+--          key digests to append (bytes, opaque; empty: none): the 8-byte digests of the
+--            keys of the executed writes the segment adds, which the checkpoint signs
 --          not after (integer ms of Redis time; 0: none): the commit is refused once
 --            TIME has passed it (the expiry of the approval the commit's pending write
 --            carries, so an approved write is never committed for execution late,
@@ -79,8 +82,9 @@
 --   5. the expected state version is the current one;
 --   6. no nonce of the commit is already in this run's consumed-nonce set;
 --   7. its "not after" time, when set, has not passed by Redis server time.
--- Then the commit applies: its archive segment is appended (the checkpoint signs the chain
--- over every segment, so they move together), generation and state version advance
+-- Then the commit applies: its archive segment and its key digests are appended (the
+-- checkpoint signs the chain over every segment and the hash of every digest, so they
+-- move together), generation and state version advance
 -- together, its nonces join the run's set, a history entry is pushed and its commit id
 -- remembered. The checkpoint key and the state hash are written once, for the last commit
 -- applied (with the phase of the last applied commit that names one: phase and
@@ -107,14 +111,14 @@ end
 local groups = {}
 local pos = 8
 for c = 1, count do
-  local not_after = tonumber(ARGV[pos + 5])
-  local nonce_count = tonumber(ARGV[pos + 7])
+  local not_after = tonumber(ARGV[pos + 6])
+  local nonce_count = tonumber(ARGV[pos + 8])
   if not not_after or not_after < 0 or not nonce_count or nonce_count < 0
-      or pos + 7 + nonce_count > #ARGV then
+      or pos + 8 + nonce_count > #ARGV then
     return {{'bad_batch'}}
   end
   groups[c] = pos
-  pos = pos + 8 + nonce_count
+  pos = pos + 9 + nonce_count
 end
 if pos ~= #ARGV + 1 then
   return {{'bad_batch'}}
@@ -132,7 +136,7 @@ local phase = old_phase
 local replies = {}
 local now_ms, owner, version, expires
 local last_ckpt, last_id
-local segments, history, commit_ids = {}, {}, {}
+local segments, digests, history, commit_ids = {}, {}, {}, {}
 
 local function read_lease()
   if not now_ms then
@@ -145,10 +149,10 @@ local function read_lease()
   end
 end
 
--- The index of one phase among KEYS[9..] (nil when they were not given).
+-- The index of one phase among KEYS[10..] (nil when they were not given).
 local function phase_index(name)
   local tail = ':' .. name
-  for i = 9, #KEYS do
+  for i = 10, #KEYS do
     if string.sub(KEYS[i], -#tail) == tail then
       return KEYS[i]
     end
@@ -183,6 +187,9 @@ local function finish(refused)
     redis.call('SET', KEYS[3], last_ckpt)
     if #segments > 0 then
       redis.call('RPUSH', KEYS[7], unpack(segments))
+    end
+    if #digests > 0 then
+      redis.call('APPEND', KEYS[8], table.concat(digests))
     end
     redis.call('HSET', KEYS[2], 'generation', generation, 'state_version', state_version,
       'updated_at_ms', now_ms, 'last_commit_id', last_id)
@@ -220,11 +227,11 @@ local function finish(refused)
       return replies  -- nothing applied (no phase moved): every commit was a retry
     end
     redis.call('HSET', KEYS[1], 'owner', '', 'expires_at_ms', now_ms)
-    if #KEYS >= 8 then
+    if #KEYS >= 9 then
       if release == 'reap' then
-        redis.call('ZADD', KEYS[8], now_ms, ARGV[7])
+        redis.call('ZADD', KEYS[9], now_ms, ARGV[7])
       else
-        redis.call('ZREM', KEYS[8], ARGV[7])
+        redis.call('ZREM', KEYS[9], ARGV[7])
       end
     end
     replies[#replies + 1] = {'released', version, now_ms}
@@ -240,9 +247,10 @@ for c = 1, count do
   local target, ckpt, commit_id, digest = tonumber(ARGV[at]), ARGV[at + 1], ARGV[at + 2],
     ARGV[at + 3]
   local segment = ARGV[at + 4]
-  local not_after = tonumber(ARGV[at + 5])
-  local commit_phase = ARGV[at + 6]
-  local first_nonce, last_nonce = at + 8, at + 7 + tonumber(ARGV[at + 7])
+  local new_digests = ARGV[at + 5]
+  local not_after = tonumber(ARGV[at + 6])
+  local commit_phase = ARGV[at + 7]
+  local first_nonce, last_nonce = at + 9, at + 8 + tonumber(ARGV[at + 8])
 
   local seen = redis.call('HGET', KEYS[5], commit_id)
   if seen then
@@ -291,6 +299,9 @@ for c = 1, count do
     end
     if segment ~= '' then
       segments[#segments + 1] = segment
+    end
+    if new_digests ~= '' then
+      digests[#digests + 1] = new_digests
     end
     -- history entry: generation|state_version|lease_version|owner|commit_id|digest|at_ms
     history[#history + 1] = generation .. '|' .. state_version .. '|' .. version .. '|' ..
