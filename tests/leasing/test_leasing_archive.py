@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -62,7 +63,7 @@ def _keys(store: RedisStore, run_id: str) -> bytes | None:
 
 
 def test_key_digests_are_appended_with_their_segments_and_read_with_the_archive_tail(
-    store: RedisStore, make_run: MakeRun
+    store: RedisStore, make_run: MakeRun, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
@@ -86,10 +87,20 @@ def test_key_digests_are_appended_with_their_segments_and_read_with_the_archive_
     assert (whole.archive, whole.archive_from) == ((b"s2", b"s3", b"s4"), 0)
     plain = store.read_run(key.run_id, with_checkpoint=True)
     assert (plain.archive_from, plain.keys) == (0, None)  # the whole archive, no digests
-    # A load (what a recall reads) always hands out the whole archive, even right after
-    # a tail read through the same lease.
+    # The restore's high-water check is answered by the tail read itself; a load (what a
+    # recall reads) always hands out the whole archive, so it reads again.
+    reads: list[dict[str, object]] = []
+    real = store.read_run
+
+    def counted(run_id: str, **options: Any) -> Any:
+        reads.append(options)
+        return real(run_id, **options)
+
+    monkeypatch.setattr(store, "read_run", counted)
     run.read(archive_tail=1)
+    assert run.high_water(key) == 4 and len(reads) == 1
     assert run.load(key).archive == (b"s2", b"s3", b"s4")
+    assert len(reads) == 2 and not reads[1].get("archive_tail")
     with pytest.raises(ContractError):
         store.prepare_commit(key.run_id, generation=5, checkpoint=b"g5", keys=b"short")
     with pytest.raises(ContractError):

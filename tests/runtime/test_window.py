@@ -5,6 +5,7 @@ executes a key twice (``ratchet.runtime.window``, ``docs/windowed-state.md``).""
 from __future__ import annotations
 
 import hashlib
+import sys
 from typing import Any
 
 import orjson
@@ -239,7 +240,8 @@ def test_a_digest_collision_fails_closed_instead_of_answering(world: World) -> N
     keys = engine.state.keys
     assert keys is not None
     # A key whose digest collides with w-0's: the recall finds w-0 at that ordinal.
-    keys._index[key_digest("collides")] = 0  # type: ignore[index]
+    keys.ordinal("w-0")  # the index is built on first use
+    keys._index[int.from_bytes(key_digest("collides"), sys.byteorder)] = 0  # type: ignore[index]
     with pytest.raises(CheckpointError) as err:
         engine.propose(world.write(engine, "print('x')\n", key="collides"))
     assert "another key" in err.value.message

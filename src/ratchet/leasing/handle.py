@@ -222,8 +222,11 @@ class LeasedRun:
         if (
             primed is not None
             and primed.generation == self._generation
-            and (primed.checkpoint is not None or not with_checkpoint)
-            and primed.archive_from == 0  # a load hands out the whole archive
+            and (
+                not with_checkpoint
+                # a load hands out the whole archive
+                or (primed.checkpoint is not None and primed.archive_from == 0)
+            )
         ):
             snap = _matching(primed, key)
         else:

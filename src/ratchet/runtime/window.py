@@ -28,6 +28,8 @@ they are read (restore) and added only for writes the store acknowledged (the en
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -55,6 +57,8 @@ DIGEST_BYTES = 8
 # step's appends cost O(this), not O(the run's length).
 WINDOW_SEGMENTS = 16
 _RECALLED_KEPT = 256
+if array("Q").itemsize != DIGEST_BYTES:  # pragma: no cover - every platform CPython runs on
+    raise ImportError("ratchet's key set needs 8-byte unsigned integers (array 'Q')")
 _PERSON = b"ratchet/keys/v1"
 
 
@@ -86,6 +90,14 @@ class NotInWindow(Exception):  # noqa: N818 - a signal to the engine, not a fail
         self.ordinal = ordinal
 
 
+def _numbers(digests: bytes | bytearray) -> array[int]:
+    """``digests`` as unsigned 64-bit integers (native order, as ``int.from_bytes`` with
+    ``sys.byteorder`` reads one), converted in C."""
+    numbers = array("Q")
+    numbers.frombytes(digests)
+    return numbers
+
+
 class KeySet:
     """The key digests of a run's executed writes, in execution order (see the module
     docstring). Grows only; shared by the states of one engine, each of which asks only
@@ -101,7 +113,8 @@ class KeySet:
             raise ValueError("a key set holds whole digests")
         self._blob = bytearray(blob)
         self._hasher = hashlib.sha256(blob)
-        self._index: dict[bytes, int] | None = None
+        # digest (as an integer) -> its first ordinal; built on first use
+        self._index: dict[int, int] | None = None
         self._recalled: OrderedDict[str, ExecutedWrite] = OrderedDict()
 
     def __repr__(self) -> str:
@@ -143,20 +156,19 @@ class KeySet:
         self._hasher.update(digests)
         index = self._index
         if index is not None:
-            for offset in range(0, len(digests), DIGEST_BYTES):
-                index.setdefault(digests[offset : offset + DIGEST_BYTES], start)
-                start += 1
+            for ordinal, value in enumerate(_numbers(digests), start):
+                index.setdefault(value, ordinal)
 
     def ordinal(self, key: str) -> int | None:
         """The first ordinal at which ``key``'s digest was executed, or None."""
         index = self._index
         if index is None:
-            blob = bytes(self._blob)
-            index = {}
-            for ordinal, offset in enumerate(range(0, len(blob), DIGEST_BYTES)):
-                index.setdefault(blob[offset : offset + DIGEST_BYTES], ordinal)
+            numbers = _numbers(self._blob)
+            # Assigned newest first, so a digest seen twice keeps its first ordinal; zip,
+            # reversed and dict() run in C (about 30 ns a digest).
+            index = dict(zip(reversed(numbers), range(len(numbers) - 1, -1, -1), strict=True))
             self._index = index
-        return index.get(key_digest(key))
+        return index.get(int.from_bytes(key_digest(key), sys.byteorder))
 
     def older(self, key: str, base: int) -> int | None:
         """The ordinal of ``key`` when it was executed before ordinal ``base``, else None."""
