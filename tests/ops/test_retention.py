@@ -109,6 +109,7 @@ def test_a_purge_exports_then_removes_a_finished_run_leaving_only_a_tombstone(
     run_id = finished(fleet, workspace, "r-purge")
     keep = finished(fleet, workspace, "r-young")
     assert len(run_key_names(fleet, run_id)) > 5
+    assert run_keys(run_id).keys in run_key_names(fleet, run_id)  # its executed-key digests
     young = purge_finished(fleet, older_than_ms=3_600_000, export_dir=tmp_path / "x")
     assert young.purged == [] and inspect_run(fleet, run_id).state.phase.value == "completed"
     report = purge_finished(fleet, older_than_ms=0, export_dir=tmp_path / "exports", limit=1)
