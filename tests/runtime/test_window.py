@@ -26,7 +26,7 @@ from ratchet.runtime.checkpoint import (
 )
 from ratchet.runtime.ports import StoredCheckpoint
 from ratchet.runtime.signing import open_envelope, seal_envelope
-from ratchet.runtime.state import RunState, check_invariants
+from ratchet.runtime.state import TERMINAL_PHASES, RunState, check_invariants
 from ratchet.runtime.types import Frozen
 from ratchet.runtime.window import DIGEST_BYTES, KeySet, NotInWindow, key_digest, key_digests
 from tests.runtime.world import World
@@ -373,6 +373,9 @@ def test_the_windowed_state_answers_every_key_as_the_whole_history_does(
         plain_world.run_id, **plain_world.ports(store=plain_world.store.leased(1))
     )
     for n in ops:
+        if windowed.state.phase in TERMINAL_PHASES:  # the budget ran out: both ended alike
+            assert plain.state.phase is windowed.state.phase
+            break
         for world, engine in ((windowed_world, windowed), (plain_world, plain)):
             engine.propose(world.write(engine, f"print({n % 7})\n", key=f"k-{n}"))
         assert windowed.state.trace[-1] == plain.state.trace[-1]
@@ -396,3 +399,28 @@ def test_a_resume_given_the_whole_history_opened_holds_the_signed_window(world: 
     assert resumed.propose(world.write(resumed, "print(0)\n", key="w-0")).outcome is (
         TraceOutcome.REPLAYED
     )
+
+
+def test_the_window_keeps_the_verifier_event_a_finish_needs_however_many_reads_follow(
+    world: World,
+) -> None:
+    engine = start(world)
+    writes(world, engine, range(6))
+    engine.propose(world.write(engine, key="fix"))  # the right greeting
+    assert engine.propose(world.verify(engine)).outcome is TraceOutcome.VERIFIED
+    verified_at = engine.state.next_seq - 1
+    for _ in range(10 * KEEP):
+        read = world.action(engine, "read_file", {"path": "app.py"})
+        assert engine.propose(read).outcome is TraceOutcome.READ
+    assert engine.state.trace_base < verified_at  # held back for the verifier event
+    resumed = resume(world, 2)
+    assert resumed.propose(world.finish(resumed)).phase is Phase.COMPLETED
+    assert resume(world, 3).state.phase is Phase.COMPLETED
+    # Once a write makes the report stale, the window moves on past it again.
+    other = World()
+    engine = start(other)
+    engine.propose(other.write(engine, key="fix"))
+    assert engine.propose(other.verify(engine)).outcome is TraceOutcome.VERIFIED
+    verified_at = engine.state.next_seq - 1
+    writes(other, engine, range(12))
+    assert engine.state.trace_base > verified_at

@@ -57,6 +57,7 @@ from ratchet.runtime.state import (
     ExecutedWrite,
     RunState,
     TraceEvent,
+    TraceOutcome,
     check_invariants,
 )
 from ratchet.runtime.types import Digest, Frozen, NonNegInt, PosInt
@@ -444,7 +445,11 @@ def seal_split(
             # state: the store gets every digest of the run so far.
             digests = window.keys.blob + digests
         moved = ArchiveWindow(window.keys, hasher, cuts)
-        cut = None if state.phase in TERMINAL_PHASES else choose_cut(moved, ref.segments, ref.trace)
+        cut = (
+            None
+            if state.phase in TERMINAL_PHASES
+            else choose_cut(moved, ref.segments, ref.trace, keep_trace=_gate_event(state))
+        )
         if cut is not None:
             state = state.model_copy(
                 update={
@@ -472,6 +477,27 @@ def seal_split(
     except ValidationError as exc:
         raise _schema_error(exc) from None
     return Sealed(_sign(keyring, body, max_bytes), segment, ref, state, moved, digests)
+
+
+def _gate_event(state: RunState) -> int | None:
+    """The trace index of the verifier event that can still let the run finish (its
+    report passed at the environment as it is now), which the window must keep: the
+    finish gate and a completed state's invariant look for it. None when there is none."""
+    report, env = state.verification, state.environment
+    if report is None or not report.passed:
+        return None
+    if (report.env_instance_id, report.env_version, report.env_fingerprint) != (
+        env.instance_id,
+        env.version,
+        env.fingerprint,
+    ):
+        return None
+    trace = state.trace
+    for offset in range(len(trace) - 1, -1, -1):
+        event = trace[offset]
+        if event.outcome is TraceOutcome.VERIFIED and event.verifier == report:
+            return state.trace_base + offset
+    return None
 
 
 # The JSON dumps of the trace and executed entries of recently sealed states, by the

@@ -21,7 +21,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal, cast
 
-from pydantic import Field, PrivateAttr, Strict
+from pydantic import Field, Strict
 
 from ratchet.errors import InvalidTransitionError, InvariantViolation
 from ratchet.runtime.actions import Action
@@ -221,6 +221,9 @@ class Usage(Frozen):
     cost_units: NonNegInt = 0
 
 
+_KEY_SET = "_key_set"  # where a state keeps its key set, beside its fields
+
+
 class RunState(Frozen):
     schema_version: Literal[1]
     run_id: Identifier
@@ -259,9 +262,6 @@ class RunState(Frozen):
     # The window of trace events: ``trace_base`` older ones live in the archive only.
     trace_base: NonNegInt = 0
     trace: tuple[TraceEvent, ...] = ()
-    # The digests of every executed write's key (set for a windowed state by restore and
-    # by the engine; not part of the state's value: see KeySet).
-    _keys: KeySet | None = PrivateAttr(default=None)
 
     def cached(self, key: str) -> ExecutedWrite | None:
         """The executed write of ``key``, or None when the run never executed it.
@@ -277,7 +277,7 @@ class RunState(Frozen):
         ordinal = self._older(key)
         if ordinal is None:
             return None
-        keys = cast(KeySet, self._keys)
+        keys = cast(KeySet, self.keys)
         entry = keys.recalled(key)
         if entry is None:
             raise NotInWindow(key, ordinal)
@@ -290,20 +290,24 @@ class RunState(Frozen):
     def _older(self, key: str) -> int | None:
         if not self.executed_base:
             return None
-        keys = self._keys
+        keys = self.keys
         if keys is None:
             raise _fail("a windowed state carries no executed-key set", field="executed_base")
         return keys.older(key, self.executed_base)
 
     def with_keys(self, keys: KeySet | None) -> RunState:
-        """A copy of this state carrying ``keys``."""
+        """A copy of this state carrying ``keys``: the digests of every executed write's key
+        (set on a windowed state by restore and by the engine). Kept beside the fields, as
+        a cached property is: copies carry it, and it is not part of the state's value
+        (equality, dumps and the signature see the fields only)."""
         copy = self.model_copy()
-        copy._keys = keys
+        copy.__dict__[_KEY_SET] = keys
         return copy
 
     @property
     def keys(self) -> KeySet | None:
-        return self._keys
+        found: KeySet | None = self.__dict__.get(_KEY_SET)
+        return found
 
     @property
     def next_seq(self) -> int:

@@ -103,7 +103,7 @@ class KeySet:
     docstring). Grows only; shared by the states of one engine, each of which asks only
     about ordinals before its own window (``older(key, base)``), so a state never sees a
     write it did not execute. Equality of run states is equality of their signed fields:
-    a key set compares equal to any other (or to none), as a cache would.
+    a key set compares equal to any other, as a cache would.
     """
 
     __slots__ = ("_blob", "_hasher", "_index", "_recalled")
@@ -121,7 +121,7 @@ class KeySet:
         return f"KeySet(count={self.count})"
 
     def __eq__(self, other: object) -> bool:
-        return other is None or isinstance(other, KeySet)
+        return isinstance(other, KeySet)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -211,13 +211,19 @@ class ArchiveWindow:
 
 
 def choose_cut(
-    window: ArchiveWindow, segments: int, trace_end: int, *, keep: int | None = None
+    window: ArchiveWindow,
+    segments: int,
+    trace_end: int,
+    *,
+    keep: int | None = None,
+    keep_trace: int | None = None,
 ) -> Cut | None:
     """Where to move the window's start once it spans more than ``2 * keep`` of the
     ``segments`` archive segments: the newest cut that leaves at least ``keep`` segments
     and one trace event (``trace_end`` events in all) in the window, and whose executed
     writes the store has acknowledged (so the key set answers for every one of them).
-    None: keep the window as it is. ``keep`` defaults to ``WINDOW_SEGMENTS``."""
+    None: keep the window as it is. ``keep`` defaults to ``WINDOW_SEGMENTS``;
+    ``keep_trace`` (an absolute trace index) is an event the window must keep."""
     if keep is None:
         keep = WINDOW_SEGMENTS
     if segments - window.cuts[0].segments <= 2 * keep:
@@ -228,6 +234,7 @@ def choose_cut(
             segments - cut.segments >= keep
             and cut.executed <= acknowledged
             and cut.trace < trace_end
+            and (keep_trace is None or cut.trace <= keep_trace)
         ):
             return cut
     return None

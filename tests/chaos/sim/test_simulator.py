@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,8 @@ from ratchet.chaos.sim import (
 )
 from ratchet.chaos.sim.schedule import CODES, Entry
 from ratchet.errors import ContractError
+from ratchet.runtime import checkpoint as checkpoint_module
+from ratchet.runtime import window as window_module
 
 CI_SCHEDULES = 10_000
 
@@ -168,3 +171,26 @@ def test_a_million_schedules_of_the_unbroken_build_keep_every_invariant() -> Non
     print(f"\n{exploration.schedules} schedules, {exploration.per_second:.0f} per second")
     assert exploration.failure is None, exploration.failure.render()
     assert exploration.schedules == 1_000_000
+
+
+def test_schedules_with_a_one_segment_window_keep_every_invariant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window moving at nearly every commit (it keeps one segment), under the
+    simulator's crashes, lost replies, held commits and takeovers: every invariant holds,
+    restores read only the archive's tail, and the window did move."""
+    moved: list[int] = []
+    real_choose = window_module.choose_cut
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        cut = real_choose(*args, **kwargs)
+        if cut is not None:
+            moved.append(cut.segments)
+        return cut
+
+    monkeypatch.setattr(window_module, "WINDOW_SEGMENTS", 1)
+    monkeypatch.setattr(checkpoint_module, "choose_cut", counted)
+    exploration = explore(300, start=50_000, processes=1)
+    assert exploration.failure is None, exploration.failure.render()
+    assert len(moved) > 300  # the window moved, many times per run
+    assert exploration.outcomes["crashed"] > 0 and exploration.outcomes["lease_lost"] > 0

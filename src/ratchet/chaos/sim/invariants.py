@@ -119,6 +119,7 @@ class Judge(Audit):
         self._state = keys.state.encode()
         self._history = keys.history.encode()
         self._ckpt = keys.ckpt.encode()
+        self._archive = keys.archive.encode()
         self._ckpt_seen: bytes | None = None
         self._history_len = 0
         self._decoded: tuple[bytes, RunState] | None = None
@@ -301,7 +302,9 @@ class Judge(Audit):
             return None
         if self._decoded is None or self._decoded[0] is not ckpt:
             raw = decode_checkpoint(ckpt, max_bytes=1 << 24)
-            self._decoded = (ckpt, open_checkpoint(raw, keyring=self.keyring).state)
+            archive = tuple(self.space.data.get(self._archive) or ())
+            state = open_checkpoint(raw, keyring=self.keyring, archive=archive).state
+            self._decoded = (ckpt, state)
         return self._decoded[1]
 
     # -- the parts ---------------------------------------------------------------------------

@@ -368,6 +368,7 @@ class Simulation:
             keyring=self.keyring,
             executor=Executor(SimAdapter(self.env, "submitter"), creator.creator(b"{}")),
             clock=clock,
+            archive_trace=True,  # as a fleet's runs are (RATCHET_ARCHIVE_TRACE)
         )
 
     def run(self) -> SimResult:

@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ratchet.agents import ScriptedAgent
 from ratchet.errors import (
@@ -46,7 +46,6 @@ from ratchet.errors import (
 from ratchet.fleet.clock import StoreClock
 from ratchet.leasing import LeasedRun, LeaseHolder, RedisStore
 from ratchet.runtime import Phase, RunEngine
-from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.effects import (
     Commit,
     Effect,
@@ -62,8 +61,9 @@ from ratchet.runtime.effects import (
 )
 from ratchet.runtime.ports import Advance, RunKey, StoredCheckpoint
 from ratchet.runtime.state import TERMINAL_PHASES
+from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
-from ratchet.worker.job import agent_view
+from ratchet.worker.job import agent_view, open_window
 
 from .schedule import Kind
 from .world import PLAN, SimAdapter
@@ -291,12 +291,11 @@ def _leased(
     sim = worker.sim
     try:
         try:
-            snap = lease.read(with_checkpoint=True)
+            # As a worker's job reads it: the archive's last segments and the key digests.
+            snap = lease.read(with_checkpoint=True, archive_tail=restore_tail())
             if snap.checkpoint is None:
                 raise IntegrityError("the run has no checkpoint", run_id=lease.run_id)
-            opened = open_checkpoint(
-                snap.checkpoint, keyring=sim.keyring, archive=snap.archive, windowed=True
-            )
+            snap, opened = open_window(lease, snap, sim.keyring)
             if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
                 _release(lease, guard)
                 return "terminal"
@@ -309,13 +308,15 @@ def _leased(
                 run_id=lease.run_id,
             )
             engine = RunEngine.resume(
-                snap.checkpoint,
+                cast(bytes, snap.checkpoint),
                 scenario=sim.scenario,
                 keyring=sim.keyring,
                 executor=executor,
                 clock=clock,
                 lease_version=lease.lease_version,
                 archive=snap.archive,
+                archive_from=snap.archive_from,
+                keys=snap.keys,
                 opened=opened,
                 coalesce=worker.coalesce,
             )
