@@ -48,8 +48,8 @@ from typing import Any
 from ratchet.leasing.encoding import decode_checkpoint
 from ratchet.leasing.keys import run_keys
 from ratchet.runtime.actions import Action
-from ratchet.runtime.checkpoint import open_checkpoint
-from ratchet.runtime.signing import KeyRing
+from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
+from ratchet.runtime.signing import KeyRing, open_envelope
 from ratchet.runtime.state import TERMINAL_PHASES, RunState
 
 from .keyspace import Audit, Keyspace
@@ -123,6 +123,7 @@ class Judge(Audit):
         self._ckpt_seen: bytes | None = None
         self._history_len = 0
         self._decoded: tuple[bytes, RunState] | None = None
+        self._head: tuple[bytes, RunState] | None = None
 
     def fail(self, invariant: str, detail: str) -> None:
         self.violations.append(Violation(invariant, detail, self.seq()))
@@ -295,8 +296,23 @@ class Judge(Audit):
                 )
                 return
 
+    def stored_head(self) -> RunState | None:
+        """The head of the run state in the store's current checkpoint (None: no run):
+        authentic (its MAC checked) and schema-valid, its trace and executed writes left in
+        the archive. What a write's check needs (the pending write) at the cost of one
+        parse, not of the whole archive's."""
+        ckpt = self.space.data.get(self._ckpt)
+        if ckpt is None:
+            return None
+        if self._head is None or self._head[0] is not ckpt:
+            raw = decode_checkpoint(ckpt, max_bytes=1 << 24)
+            body = open_envelope(self.keyring, raw)
+            self._head = (ckpt, CheckpointPayload.model_validate_json(body).state)
+        return self._head[1]
+
     def stored_state(self) -> RunState | None:
-        """The run state in the store's current checkpoint (None: no run)."""
+        """The run state in the store's current checkpoint, its whole history read from
+        the archive and checked (None: no run)."""
         ckpt = self.space.data.get(self._ckpt)
         if ckpt is None:
             return None
@@ -349,7 +365,7 @@ class Judge(Audit):
                 # The store's checkpoint is the writer's own: its pending write is the one
                 # being sent (the engine sends nothing else), so no decoding is needed.
                 return
-        state = self.stored_state()
+        state = self.stored_head()
         pending = state.pending if state is not None else None
         if (
             pending is None
