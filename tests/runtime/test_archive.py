@@ -12,10 +12,9 @@ from hypothesis import strategies as st
 
 from ratchet.errors import CheckpointError, HighWaterUnavailableError, InvariantViolation
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
+from ratchet.runtime.archive import chain_link, chain_over
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.checkpoint import (
-    _chain,
-    _chain_over,
     archive_genesis,
     empty_archive,
     open_checkpoint,
@@ -293,5 +292,5 @@ def test_the_chain_folded_in_bytes_is_the_chain_appended_segment_by_segment(
     start = archive_genesis(run_id)
     one_by_one = start
     for segment in segments:
-        one_by_one = _chain(one_by_one, segment)
-    assert _chain_over(start, segments) == one_by_one
+        one_by_one = chain_link(one_by_one, segment)
+    assert chain_over(start, segments) == one_by_one

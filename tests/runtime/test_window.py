@@ -17,9 +17,9 @@ from pydantic import ValidationError, create_model
 from ratchet.errors import CheckpointError, InvariantViolation
 from ratchet.runtime import Phase, RunEngine, TraceOutcome
 from ratchet.runtime import window as window_module
+from ratchet.runtime.archive import chain_over
 from ratchet.runtime.checkpoint import (
     ArchiveRef,
-    _chain_over,
     _payload,
     archive_genesis,
     open_checkpoint,
@@ -288,7 +288,7 @@ def v1_checkpoint(world: World, engine: RunEngine) -> StoredCheckpoint:
         trace=len(state.trace),
         executed=len(state.executed),
         segments=1,
-        chain=_chain_over(archive_genesis(state.run_id), [segment]),
+        chain=chain_over(archive_genesis(state.run_id), [segment]),
     )
     head = state.model_dump(
         mode="json", exclude={"trace", "executed", "trace_base", "executed_base"}

@@ -52,6 +52,7 @@ from ratchet.errors import (
 )
 from ratchet.runtime import effects, machine
 from ratchet.runtime.actions import Action
+from ratchet.runtime.archive import recall_executed, window_for
 from ratchet.runtime.checkpoint import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     ArchiveRef,
@@ -61,11 +62,9 @@ from ratchet.runtime.checkpoint import (
     finish_restore,
     high_water_missing,
     open_for_restore,
-    recall_executed,
     run_key,
     seal_checkpoint,
     seal_split,
-    window_for,
 )
 from ratchet.runtime.effects import (
     Commit,
