@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ratchet.errors import ContractError, LeaseLostError
-from ratchet.leasing import RedisStore, run_keys
+from ratchet.leasing import LeasedRun, RedisStore, run_keys
 from ratchet.runtime import KeyRing, Observation, RunEngine, Scenario, TraceOutcome
 from ratchet.runtime import window as window_module
 from ratchet.runtime.ports import Advance, RunKey
@@ -143,57 +143,66 @@ def test_a_stale_lease_appends_nothing(
     assert _keys(store, key.run_id) is None
 
 
-def test_an_archived_engine_runs_and_restores_on_redis(
-    store: RedisStore, new_run_id: Callable[[], str]
-) -> None:
-    scenario = Scenario.model_validate(scenario_data(approval_required=[]))
-    keyring = KeyRing.from_secrets({"k": b"archive-on-redis-key-0123456789abcdef"}, signing_kid="k")
+class _Clock:
+    def now(self) -> int:
+        return int(time.time())
 
-    class Clock:
-        def now(self) -> int:
-            return int(time.time())
 
-    adapter = MemoryWorkspace(
-        "ws-redis",
-        scenario.initial_files,
-        clock=Clock(),
-        expectations={"unit": scenario.verifier.expected_files},
-    )
-    run_id = new_run_id()
-    RunEngine.start(
-        run_id,
-        scenario=scenario,
-        keyring=keyring,
-        executor=Executor(adapter, store.creator(b"scenario")),
-        clock=Clock(),
-        archive_trace=True,
-    )
+class _ArchivedRun:
+    """An archived run created on Redis over an in-memory workspace, resumed under new
+    leases as a worker's job would."""
 
-    def resume(owner: str) -> RunEngine:
-        lease = store.acquire(run_id, owner=owner, ttl_ms=60_000)
+    def __init__(self, store: RedisStore, run_id: str) -> None:
+        self.store, self.run_id, self.clock = store, run_id, _Clock()
+        self.scenario = Scenario.model_validate(scenario_data(approval_required=[]))
+        self.keyring = KeyRing.from_secrets(
+            {"k": b"archive-on-redis-key-0123456789abcdef"}, signing_kid="k"
+        )
+        self.adapter = MemoryWorkspace(
+            "ws-redis",
+            self.scenario.initial_files,
+            clock=self.clock,
+            expectations={"unit": self.scenario.verifier.expected_files},
+        )
+        RunEngine.start(
+            run_id,
+            scenario=self.scenario,
+            keyring=self.keyring,
+            executor=Executor(self.adapter, store.creator(b"scenario")),
+            clock=self.clock,
+            archive_trace=True,
+        )
+
+    def resume(self, owner: str, *, tail: int = 0) -> tuple[RunEngine, LeasedRun]:
+        """Take the lease and restore (the whole archive, or with ``tail`` its last
+        segments and the key digests)."""
+        lease = self.store.acquire(self.run_id, owner=owner, ttl_ms=60_000)
         assert lease is not None
-        snap = store.read_run(run_id, with_checkpoint=True)
+        snap = lease.read(archive_tail=tail)
         assert snap.checkpoint is not None
-        return RunEngine.resume(
+        engine = RunEngine.resume(
             snap.checkpoint,
             archive=snap.archive,
-            scenario=scenario,
-            keyring=keyring,
-            executor=Executor(adapter, lease),
-            clock=Clock(),
+            archive_from=snap.archive_from,
+            keys=snap.keys,
+            scenario=self.scenario,
+            keyring=self.keyring,
+            executor=Executor(self.adapter, lease),
+            clock=self.clock,
             lease_version=lease.lease_version,
             coalesce=True,
         )
+        return engine, lease
 
-    def action(
-        engine: RunEngine, kind: str, args: dict[str, str], key: str | None = None
-    ) -> dict[str, object]:
+    def propose(
+        self, engine: RunEngine, kind: str, args: dict[str, str], key: str | None = None
+    ) -> TraceOutcome:
         risk = {
             "write_file": "reversible_write",
             "run_verifier": "verification",
             "finish": "control",
         }[kind]
-        return {
+        action = {
             "action_id": f"a-{engine.state.next_seq}",
             "kind": kind,
             "risk": risk,
@@ -202,22 +211,26 @@ def test_an_archived_engine_runs_and_restores_on_redis(
             "expected_env_version": engine.state.environment.version,
             "deadline_at": int(time.time()) + 600,
         }
+        return engine.propose(action).outcome
 
-    first = resume("w1")
+
+def test_an_archived_engine_runs_and_restores_on_redis(
+    store: RedisStore, new_run_id: Callable[[], str]
+) -> None:
+    run = _ArchivedRun(store, new_run_id())
+    first, lease = run.resume("w1")
     for n in range(3):
-        first.propose(
-            action(first, "write_file", {"path": "app.py", "content": f"print({n})\n"}, f"k{n}")
-        )
-    first.propose(action(first, "write_file", {"path": "app.py", "content": RIGHT_GREETING}, "fix"))
+        run.propose(first, "write_file", {"path": "app.py", "content": f"print({n})\n"}, f"k{n}")
+    run.propose(first, "write_file", {"path": "app.py", "content": RIGHT_GREETING}, "fix")
     first.flush()
     before = first.state
-    store.release(first.executor.store.lease)  # type: ignore[attr-defined, union-attr]
-    second = resume("w2")
+    store.release(lease)
+    second, _ = run.resume("w2")
     assert second.state == before
-    second.propose(action(second, "run_verifier", {"target": "unit"}))
-    second.propose(action(second, "finish", {"summary": "done"}))
+    run.propose(second, "run_verifier", {"target": "unit"})
+    run.propose(second, "finish", {"summary": "done"})
     assert second.state.phase.value == "completed"
-    assert len(store.read_run(run_id, with_checkpoint=True).archive) == second.generation
+    assert len(store.read_run(run.run_id, with_checkpoint=True).archive) == second.generation
     assert isinstance(second.state.environment, Observation)
 
 
@@ -227,84 +240,27 @@ def test_a_long_run_restores_its_window_from_the_archive_tail_on_redis(
     """A run whose window moved restores from the last segments and the key digests (one
     read), recalls an old key through the store, and never writes a key twice."""
     monkeypatch.setattr(window_module, "WINDOW_SEGMENTS", 2)
-    scenario = Scenario.model_validate(scenario_data(approval_required=[]))
-    keyring = KeyRing.from_secrets({"k": b"archive-on-redis-key-0123456789abcdef"}, signing_kid="k")
-
-    class Clock:
-        def now(self) -> int:
-            return int(time.time())
-
-    adapter = MemoryWorkspace(
-        "ws-redis",
-        scenario.initial_files,
-        clock=Clock(),
-        expectations={"unit": scenario.verifier.expected_files},
-    )
-    run_id = new_run_id()
-    RunEngine.start(
-        run_id,
-        scenario=scenario,
-        keyring=keyring,
-        executor=Executor(adapter, store.creator(b"scenario")),
-        clock=Clock(),
-        archive_trace=True,
-    )
-
-    def resume(owner: str) -> RunEngine:
-        lease = store.acquire(run_id, owner=owner, ttl_ms=60_000)
-        assert lease is not None
-        snap = lease.read(archive_tail=restore_tail())
-        assert snap.checkpoint is not None and snap.archive_from > 0
-        return RunEngine.resume(
-            snap.checkpoint,
-            archive=snap.archive,
-            archive_from=snap.archive_from,
-            keys=snap.keys,
-            scenario=scenario,
-            keyring=keyring,
-            executor=Executor(adapter, lease),
-            clock=Clock(),
-            lease_version=lease.lease_version,
-            coalesce=True,
-        )
+    run = _ArchivedRun(store, new_run_id())
 
     def write(engine: RunEngine, n: int, key: str) -> TraceOutcome:
-        return engine.propose(
-            {
-                "action_id": f"a-{engine.state.next_seq}",
-                "kind": "write_file",
-                "risk": "reversible_write",
-                "args": {"path": "app.py", "content": f"print({n})\n"},
-                "idempotency_key": key,
-                "expected_env_version": engine.state.environment.version,
-                "deadline_at": int(time.time()) + 600,
-            }
-        ).outcome
+        return run.propose(
+            engine, "write_file", {"path": "app.py", "content": f"print({n})\n"}, key
+        )
 
-    lease = store.acquire(run_id, owner="w0", ttl_ms=60_000)
-    assert lease is not None
-    snap = lease.read()
-    first = RunEngine.resume(
-        snap.checkpoint or b"",
-        archive=snap.archive,
-        scenario=scenario,
-        keyring=keyring,
-        executor=Executor(adapter, lease),
-        clock=Clock(),
-        lease_version=lease.lease_version,
-        coalesce=True,
-    )
+    first, lease = run.resume("w0")
     for n in range(12):
         assert write(first, n, f"k{n}") is TraceOutcome.EXECUTED
     first.flush()
     before = first.state
     assert before.executed_base > 0
     store.release(lease)
-    second = resume("w1")
+    tail = store.read_run(run.run_id, with_checkpoint=True, archive_tail=restore_tail())
+    assert tail.archive_from > 0  # the restore below reads only the archive's last segments
+    second, _ = run.resume("w1", tail=restore_tail())
     assert second.state == before and second.state.executed_base == before.executed_base
-    writes = adapter.write_count
+    writes = run.adapter.write_count
     assert write(second, 0, "k0") is TraceOutcome.REPLAYED  # recalled from the archive
     assert write(second, 5, "k1") is TraceOutcome.REJECTED_KEY_CONFLICT
-    assert adapter.write_count == writes
+    assert run.adapter.write_count == writes
     second.flush()
-    assert len(_keys(store, run_id) or b"") == 8 * 12
+    assert len(_keys(store, run.run_id) or b"") == 8 * 12
