@@ -37,7 +37,9 @@ versions a caller acts on as attributes; their messages never contain key materi
     │   └── StoreUnavailableError          the store could not be reached; outcome unknown
     └── AdapterError                       an adapter refused or failed (``retryable``)
         ├── FenceRejectedError             the adapter has seen a newer fence
-        └── IdempotencyConflictError       same key, different intent (carries the receipt)
+        ├── IdempotencyConflictError       same key, different intent (carries the receipt)
+        ├── UntrustedGroundError           a workspace path is not a regular file, or too big
+        └── PeerAnswerTooLargeError        a peer's answer went past the byte cap; reading stopped
     OutcomeUnknownError (under RatchetError) a cut-off tool call may or may not have happened
 """
 
@@ -69,6 +71,7 @@ __all__ = [
     "LeaseLostError",
     "NonceReplayError",
     "OutcomeUnknownError",
+    "PeerAnswerTooLargeError",
     "RatchetError",
     "ReplicationUnconfirmedError",
     "ReviewDecisionError",
@@ -81,6 +84,7 @@ __all__ = [
     "StoreFullError",
     "StoreProtocolError",
     "StoreUnavailableError",
+    "UntrustedGroundError",
 ]
 
 
@@ -248,6 +252,56 @@ class FenceRejectedError(AdapterError):
 
 class IdempotencyConflictError(AdapterError):
     """The adapter holds a receipt for this key with a different intent digest."""
+
+
+class UntrustedGroundError(AdapterError):
+    """A path on untrusted ground (a workspace agent-written code could have touched) is
+    not what ratchet reads: not a regular file (``file_type``: ``fifo``, ``socket``,
+    ``char_device``, ``block_device``, ``directory``, ``symlink``), reached through a
+    symbolic link, or larger than the cap (``reason="too_large"``). Never retryable: the
+    path is refused without being opened (a FIFO would block, a device could act), and
+    the run stops with the evidence."""
+
+    def __init__(self, message: str, **context: Any) -> None:
+        context.pop("retryable", None)
+        super().__init__(message, retryable=False, **context)
+
+
+class PeerAnswerTooLargeError(AdapterError):
+    """A network peer's answer (an MCP server's, a chat model's, an HTTP service's) went
+    past the byte cap (``RATCHET_MAX_PEER_BYTES``, :mod:`ratchet.limits`) while it was
+    read: reading stopped there and nothing of it was used. ``peer`` names the peer (no
+    credential), ``limit_bytes`` is the cap, ``seen_bytes`` what had arrived when reading
+    stopped; ``encoding`` is set instead when the answer was refused unread for being
+    compressed. Never retryable: the peer would send the same again. A read is refused
+    by it without effect; a write it cut off may have happened, so the tools adapter
+    turns it into :class:`OutcomeUnknownError` (raised from this one)."""
+
+    peer: str
+    limit_bytes: int
+    seen_bytes: int
+    encoding: str | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peer: str,
+        limit_bytes: int,
+        seen_bytes: int,
+        encoding: str | None = None,
+        **context: Any,
+    ) -> None:
+        context.pop("retryable", None)
+        super().__init__(
+            message,
+            retryable=False,
+            peer=peer,
+            limit_bytes=limit_bytes,
+            seen_bytes=seen_bytes,
+            encoding=encoding,
+            **context,
+        )
 
 
 class ConformanceError(ContractError):

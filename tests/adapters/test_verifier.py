@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters import CommandVerifier, VerifierCommand, WorkspaceAdapter
-from ratchet.adapters.sandbox import Sandbox
+from ratchet.adapters.sandbox import Sandbox, SandboxMode
 from ratchet.errors import AdapterError, ConfigurationError
 from tests.adapters.harness import PYTEST_CHECK, make_workspace
-from tests.conftest import test_sandbox_mode
+from tests.conftest import require_sandbox, test_sandbox_mode
+
+pytestmark = pytest.mark.sandbox
 
 
 def workspace(root: Path, **commands: VerifierCommand | list[str]) -> WorkspaceAdapter:
@@ -87,13 +89,31 @@ def test_a_command_past_its_timeout_is_killed_and_fails(tmp_path: Path) -> None:
 
 
 def test_a_workspace_that_changed_during_the_run_fails_closed(tmp_path: Path) -> None:
+    """Unconfined (the explicit opt-out) a command can change the workspace; the report
+    is then bound to no state and fails closed whatever the exit code."""
     sneaky = py("open('app.py', 'w').write('changed\\n')")
-    with workspace(tmp_path / "ws", sneaky=sneaky) as ws:
+    make_workspace(tmp_path / "ws")
+    verifier = CommandVerifier({"sneaky": sneaky}, sandbox=Sandbox.resolve(SandboxMode.NONE))
+    with WorkspaceAdapter(tmp_path / "ws", ["app.py", "tests"], verifier=verifier) as ws:
         before = ws.observe()
         report = ws.verify("sneaky")
-        run = ws._verifier.last_run  # type: ignore[union-attr]
+        run = verifier.last_run
         assert not report.passed and run is not None and not run.bound and run.exit_code == 0
         assert report.env_version == before.version
+
+
+def test_under_bubblewrap_the_workspace_is_read_only_to_the_command(tmp_path: Path) -> None:
+    require_sandbox()
+    sneaky = py("open('app.py', 'w').write('changed\\n')")
+    make_workspace(tmp_path / "ws")
+    verifier = CommandVerifier({"sneaky": sneaky}, sandbox=Sandbox.resolve(SandboxMode.BWRAP))
+    with WorkspaceAdapter(tmp_path / "ws", ["app.py", "tests"], verifier=verifier) as ws:
+        before = ws.observe()
+        report = ws.verify("sneaky")
+        run = verifier.last_run
+        assert not report.passed and run is not None and run.bound and run.exit_code != 0
+        assert "Read-only file system" in run.output
+        assert ws.observe() == before
 
 
 def test_a_workspace_without_a_verifier_refuses_to_verify(tmp_path: Path) -> None:

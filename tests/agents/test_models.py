@@ -5,10 +5,12 @@ the Authorization header."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Iterator
 
 import pytest
+from pydantic import SecretStr
 
 from ratchet.agents.models import (
     ModelReply,
@@ -34,6 +36,13 @@ TOOLS = [
         },
     }
 ]
+
+
+def env_key() -> SecretStr:
+    """The key as a worker's credential reads it: from the environment, at each request."""
+    return SecretStr(os.environ.get(KEY_ENV, ""))
+
+
 REQUEST = ModelRequest(
     messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "go"}],
     tools=TOOLS,
@@ -73,7 +82,7 @@ def client(
     return OpenAIChatModel(
         stub.base_url,
         "stub-model",
-        api_key_env=KEY_ENV,
+        api_key=env_key,
         sleep=sleeps,
         max_retries=max_retries,
         backoff_s=backoff_s,
@@ -153,7 +162,7 @@ def test_an_unreachable_server_is_a_retryable_adapter_error_after_bounded_retrie
         port = probe.getsockname()[1]
     sleeps = Sleeps()
     model = OpenAIChatModel(
-        f"http://127.0.0.1:{port}/v1", "m", api_key_env=KEY_ENV, max_retries=2, sleep=sleeps
+        f"http://127.0.0.1:{port}/v1", "m", api_key=env_key, max_retries=2, sleep=sleeps
     )
     with pytest.raises(AdapterError) as raised:
         model(REQUEST)
@@ -163,15 +172,15 @@ def test_an_unreachable_server_is_a_retryable_adapter_error_after_bounded_retrie
     assert len(sleeps.delays) == 2
 
 
-def test_a_missing_key_variable_is_a_configuration_error_and_nothing_is_sent(
+def test_a_missing_key_is_a_configuration_error_and_nothing_is_sent(
     stub: ChatStub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
     model = client(stub, Sleeps())
     with pytest.raises(ConfigurationError) as raised:
         model(REQUEST)
-    assert raised.value.context["field"] == "model.api_key_env"
-    assert KEY_ENV in raised.value.message
+    assert raised.value.context["field"] == "model.credential"
+    assert "empty" in raised.value.message
     assert stub.requests == []
 
 
@@ -240,7 +249,6 @@ def test_a_scripted_reply_that_is_not_a_reply_is_refused_naming_it() -> None:
     [
         ("ftp://example.invalid/v1", {}, "model.base_url"),
         ("https://user:pw@example.invalid/v1", {}, "model.base_url"),
-        ("http://127.0.0.1:1/v1", {"api_key_env": "sk-not-a-name"}, "model.api_key_env"),
         ("http://127.0.0.1:1/v1", {"max_retries": 11}, "model.max_retries"),
         ("http://127.0.0.1:1/v1", {"timeout": 0}, "model.timeout"),
     ],

@@ -8,9 +8,11 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from pydantic import SecretStr
 
-from ratchet.agents import ToolCallingAgent, load_agent
+from ratchet.agents import AgentPolicy, ToolCallingAgent, load_agent
 from ratchet.agents.models import OpenAIChatModel
+from ratchet.fleet.credentials import CredentialMap, CredentialSpec
 from ratchet.runtime import Phase, TraceOutcome
 from ratchet.runtime.canonical import canonical_json
 from ratchet.testing.chat_stub import ChatStub
@@ -43,11 +45,17 @@ def agent_on(stub: ChatStub) -> ToolCallingAgent:
                 "kind": "openai",
                 "base_url": stub.base_url,
                 "model": "stub-model",
-                "api_key_env": KEY_ENV,
+                "credential": "stub",
                 "max_retries": 2,
             },
             "system_prompt": SYSTEM_PROMPT,
         },
+        # The worker's map: the stub's key, for the stub's URL only.
+        policy=AgentPolicy(
+            credentials=CredentialMap(
+                {"stub": CredentialSpec(env=KEY_ENV, destinations=(stub.base_url,))}
+            )
+        ),
     )
     assert isinstance(agent, ToolCallingAgent)
     return agent
@@ -78,7 +86,7 @@ def test_a_failing_server_is_retried_within_the_step(stub: ChatStub) -> None:
     engine = world.start()
     waited: list[float] = []
     model = OpenAIChatModel(
-        stub.base_url, "stub-model", api_key_env=KEY_ENV, max_retries=2, sleep=waited.append
+        stub.base_url, "stub-model", api_key=SecretStr(CANARY), max_retries=2, sleep=waited.append
     )
     stub.fail_next(2, status=503)
     drive(engine, ToolCallingAgent(model, system_prompt=SYSTEM_PROMPT))

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from ratchet.agents import ToolCallingAgent, load_agent, step_key
+from ratchet.agents import AgentPolicy, ToolCallingAgent, load_agent, step_key
 from ratchet.agents.conversation import ConversationState
 from ratchet.agents.models import ModelReply, ModelRequest, ScriptedModel
 from ratchet.errors import ConfigurationError, IntegrityError
+from ratchet.fleet.credentials import CredentialMap, CredentialSpec
 from ratchet.runtime import CrashWindow, Phase, RunEngine, Scenario, TraceOutcome
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.tools import BUILTIN_TOOLS
@@ -475,12 +476,17 @@ def test_the_built_in_tool_calling_agent_is_built_from_its_configuration() -> No
                 "kind": "openai",
                 "base_url": "http://127.0.0.1:9/v1",
                 "model": "gpt-test",
-                "api_key_env": "SOME_KEY_VAR",
+                "credential": "local",
             },
             "system_prompt": SYSTEM_PROMPT,
         },
+        policy=AgentPolicy(
+            credentials=CredentialMap(
+                {"local": CredentialSpec(env="SOME_KEY_VAR", destinations=("http://127.0.0.1:9",))}
+            )
+        ),
     )
-    assert "SOME_KEY_VAR" in repr(openai)
+    assert "127.0.0.1:9" in repr(openai) and "api_key=set" in repr(openai)
 
 
 @pytest.mark.parametrize(

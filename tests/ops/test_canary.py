@@ -24,8 +24,9 @@ from prometheus_client import REGISTRY, generate_latest
 from ratchet.demo.examples import make_greeting_workspace
 from ratchet.leasing import RedisServer
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint
+from tests.conftest import test_sandbox_mode
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
 RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]
 CHECKPOINT_CANARY = "5ec7e7c0ffee" * 5 + "5ec7"  # 32 bytes, easy to spot
@@ -105,6 +106,9 @@ def test_planted_keys_appear_in_no_log_metric_trace_store_value_output_or_error(
         RATCHET_APPROVERS_FILE=str(trust),
         RATCHET_LOG_FORMAT="json",
         RATCHET_LOG_LEVEL="DEBUG",
+        # The verifier is the example's own test, not agent-written code: bubblewrap
+        # where it works, else the explicit opt-out (a fresh machine has no bubblewrap).
+        RATCHET_VERIFIER_SANDBOX=test_sandbox_mode().value,
     )
     root = make_greeting_workspace(tmp_path / "ws")
     task = {

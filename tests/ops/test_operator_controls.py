@@ -319,6 +319,7 @@ def test_there_is_nothing_to_rebaseline_without_an_environment_incident(
         rebaseline(trusted, run_id, key=RITA, reviewer_id="rita")
 
 
+@pytest.mark.sandbox
 def test_the_review_command_signs_a_rebaseline(
     trusted: Fleet, workspace: MakeWorkspace, redis_server: RedisServer, tmp_path: Path
 ) -> None:

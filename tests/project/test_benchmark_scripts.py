@@ -184,3 +184,16 @@ def test_scale_refuses_an_unknown_section_in_one_line() -> None:
     )
     assert done.returncode == 2
     assert done.stderr.decode().strip().splitlines()[-1].endswith("unknown section(s): nope")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_revisions_quick_json_reports_both_trees_and_their_ratio_for_each_effect() -> None:
+    """The per-step cost of the working tree against a base revision (here the last
+    commit, checked out with git worktree) for both write effects."""
+    report = _run_quick("revisions.py", 220)
+    assert report["base"] == "HEAD"
+    assert [row["effect"] for row in report["results"]] == ["ledger", "workspace"]
+    for row in report["results"]:
+        assert _positive(row["steps_per_s"]["old"]) and _positive(row["steps_per_s"]["new"])
+        assert _positive(row["ratio_new_vs_old"])

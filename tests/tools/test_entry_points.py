@@ -76,7 +76,7 @@ def document(root: Path, permissions: list[str]) -> RunDocument:
         scenario=scenario(permissions=permissions),
         agent="greeting",
         environment=EnvironmentSpec(
-            root=str(root), verifiers={"unit": VerifierSpec(argv=("true",))}
+            root=str(root), git=False, verifiers={"unit": VerifierSpec(argv=("true",))}
         ),
     )
 

@@ -29,6 +29,8 @@ from ratchet.tools.shell import MAX_ARGV, ShellArgs, ShellTool
 from tests.adapters.harness import Harness, make_workspace, scenario
 from tests.conftest import require_sandbox
 
+pytestmark = pytest.mark.sandbox
+
 EMPTY_SHA = hashlib.sha256(b"").hexdigest()
 CALL = ToolCall(run_id="run-1", tool="shell", idempotency_key="k-1", fence=None)
 

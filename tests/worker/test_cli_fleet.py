@@ -13,9 +13,10 @@ import yaml
 
 from ratchet.demo.examples import make_greeting_workspace
 from ratchet.leasing import RedisServer
+from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
 RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]
 
@@ -44,6 +45,9 @@ def env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:
         RATCHET_LEASE_TTL_MS="1500",
         RATCHET_REAPER_INTERVAL_MS="200",
         RATCHET_LOG_LEVEL="WARNING",
+        # The verifier is the example's own test, not agent-written code: bubblewrap
+        # where it works, else the explicit opt-out (a fresh machine has no bubblewrap).
+        RATCHET_VERIFIER_SANDBOX=test_sandbox_mode().value,
     )
     return out
 

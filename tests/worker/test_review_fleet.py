@@ -35,7 +35,7 @@ from ratchet.runtime import Fence, derive_idempotency_key, parse_action
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 from tests.worker.fleet_harness import phase, poll, process_state, workers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
 
 PLAN = [
     {"kind": "write_file", "args": {"path": "app.py", "content": RIGHT_GREETING}},

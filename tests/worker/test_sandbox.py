@@ -29,6 +29,8 @@ from ratchet.worker.job import execute_run
 from tests.conftest import require_sandbox
 from tests.worker.fleet_harness import poll, workers
 
+pytestmark = pytest.mark.sandbox
+
 HUNT = r"""
 import json, os, time
 KEY_FILE = {key_file!r}
@@ -69,13 +71,17 @@ for root, dirs, names in os.walk("/"):
                 grab("file:" + path, path)
         except OSError:
             pass
-open("loot.txt", "w").write(json.dumps(loot))
+open(os.path.join(os.environ["HOME"], "loot.txt"), "w").write(json.dumps(loot))
 """
+
+
+LOOT = ".ratchet/verifier-home/loot.txt"  # the verifier's $HOME, on the host
 
 
 def hunting_document(root: Path, key_file: Path) -> RunDocument:
     """A run whose agent writes ``hunt.py`` (it copies everything it can read that might
-    hold a key into ``loot.txt``, a file the agent may read back) and runs it as the
+    hold a key into ``loot.txt`` in its ``$HOME``, the one folder a verifier may write:
+    the workspace is read-only to it) and runs it as the
     verifier. The agent knows where keys usually live, never the key."""
     hunt = HUNT.format(key_file=str(key_file))
     scenario = Scenario.model_validate(
@@ -137,14 +143,14 @@ def hunt_under_a_worker(
     with workers(settings) as pool:
         pool.start(1, env=env)
         poll(
-            (root / "loot.txt").exists,
+            (root / LOOT).exists,
             deadline_s=90,
             what="the agent's test ran and wrote what it found",
         )
         poll(
             lambda: not fleet.store.read_run(run_id).lease_live, deadline_s=60, what="the job ended"
         )
-    loot = json.loads((root / "loot.txt").read_text())
+    loot = json.loads((root / LOOT).read_text())
     assert isinstance(loot, dict)
     return loot
 
@@ -222,7 +228,7 @@ def test_a_worker_refuses_the_run_with_an_incident_when_no_sandbox_is_possible(
     report = execute_run(fleet, run_id, owner="w-nosandbox")
     assert report.outcome == "restore_refused"
     assert "no sandbox is available" in fleet.store.incidents(run_id)[0]["message"]
-    assert not (root / "hunt.py").exists() and not (root / "loot.txt").exists()
+    assert not (root / "hunt.py").exists() and not (root / LOOT).exists()
 
 
 def test_an_explicit_bwrap_mode_that_cannot_run_is_a_configuration_error(
@@ -274,3 +280,55 @@ def test_a_virtualenv_under_tmp_stays_visible_inside_the_sandbox(tmp_path: Path)
         report = adapter.verify("unit")
     assert report.passed, verifier.last_run
     assert subprocess.run([str(python), "-c", "pass"], check=False).returncode == 0
+
+
+UID_PROBE = r"""
+import sys
+from ratchet.adapters.sandbox import Sandbox, SandboxMode
+from ratchet.adapters.verifier import CommandVerifier
+from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.errors import ConfigurationError
+verifier = CommandVerifier({"unit": ["/bin/sh", "-c", "exit 0"]},
+                           sandbox=Sandbox.resolve(SandboxMode.UID, uid=65534))
+with WorkspaceAdapter(sys.argv[1], ["app.py"], git=False, verifier=verifier) as ws:
+    try:
+        print("passed" if ws.verify("unit").passed else "failed")
+    except ConfigurationError as exc:
+        print("refused", exc.context.get("path"))
+"""
+
+
+def test_the_uid_sandbox_refuses_a_workspace_the_verifier_uid_could_write(
+    tmp_path: Path,
+) -> None:
+    """The code the verifier's uid runs could rewrite its own test in a workspace that
+    uid can write: such a workspace is refused before the command runs, naming the path."""
+    if os.geteuid() != 0:
+        pytest.skip("the uid sandbox needs a root worker")
+    import subprocess
+
+    tmp_path.chmod(0o755)
+    root = make_greeting_workspace(tmp_path / "ws")
+    root.chmod(0o755)
+
+    def probe() -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", UID_PROBE, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    (root / "test_app.py").chmod(0o666)
+    assert probe() == "refused test_app.py"
+    (root / "test_app.py").chmod(0o644)
+    os.chown(root / "app.py", 65534, 65534)
+    assert probe() == "refused app.py"
+    os.chown(root / "app.py", 0, 0)
+    (root / "tests-dir").mkdir(mode=0o777)
+    (root / "tests-dir").chmod(0o777)
+    assert probe() == "refused tests-dir"
+    (root / "tests-dir").chmod(0o755)
+    assert probe() == "passed"

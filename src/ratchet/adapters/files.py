@@ -1,20 +1,23 @@
 """File-system helpers for the workspace adapter: allowed paths, hashing, atomic
-replacement, and what git says about the tree.
+replacement.
 
 Nothing here keeps state; :mod:`ratchet.adapters.workspace` decides when to call what.
+Everything read from the workspace goes through :class:`~ratchet.adapters.ground.Ground`
+(no link followed, no FIFO or device opened, reads capped); what its git repository says
+comes from :mod:`ratchet.adapters.gitread`, which runs no program.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import subprocess
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import stat
+from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 
-from ratchet.errors import AdapterError, ConfigurationError
+from ratchet.adapters.gitread import GitState
+from ratchet.adapters.ground import Ground, file_type
+from ratchet.errors import ConfigurationError, UntrustedGroundError
 from ratchet.runtime.canonical import Domain, digest
 from ratchet.runtime.types import check_rel_path
 
@@ -28,14 +31,10 @@ __all__ = [
     "file_sha",
     "fingerprint",
     "fsync_dir",
-    "git_state",
-    "is_git_repo",
-    "predict_git_dirty",
     "write_temp",
 ]
 
 STATE_DIR = ".ratchet"
-_GIT_TIMEOUT_SECONDS = 30.0
 
 
 def content_sha(data: bytes) -> str:
@@ -43,24 +42,16 @@ def content_sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def file_sha(path: Path) -> str | None:
-    """SHA-256 hex of a regular file's bytes, or None when there is no such file.
+def file_sha(ground: Ground, path: str) -> str | None:
+    """SHA-256 hex of the regular file at ``path`` beneath ``ground``, or None when there
+    is no such file.
 
     Raises:
-        AdapterError: the path exists but is not a regular file (retryable=False).
+        UntrustedGroundError: the path is something else (a FIFO, a device, a socket, a
+            folder, a link) or lies behind a link; it is not opened.
     """
-    try:
-        with path.open("rb") as handle:
-            hasher = hashlib.sha256()
-            for chunk in iter(lambda: handle.read(1 << 16), b""):
-                hasher.update(chunk)
-            return hasher.hexdigest()
-    except FileNotFoundError:
-        return None
-    except (IsADirectoryError, NotADirectoryError):
-        raise AdapterError(
-            "path is not a regular file", retryable=False, path=str(path.name)
-        ) from None
+    found = ground.digest(path)
+    return None if found is None else found[0]
 
 
 class AllowedPaths:
@@ -91,143 +82,52 @@ class AllowedPaths:
         p = PurePosixPath(path)
         return any(p == PurePosixPath(a) or PurePosixPath(a) in p.parents for a in self.paths)
 
-    def files(self, root: Path) -> dict[str, str]:
+    def files(self, ground: Ground) -> dict[str, str]:
         """``{relative path: sha256}`` of every regular file under the allowed paths.
 
         Symbolic links are recorded by their target text (never followed), so a link
         pointing out of the workspace cannot widen what is read or written.
+
+        Raises:
+            UntrustedGroundError: an allowed path (or an entry under an allowed folder) is
+                a FIFO, a socket or a device, or lies behind a link; nothing of it is
+                opened.
         """
         out: dict[str, str] = {}
         for allowed in self.paths:
-            base = root / allowed
-            if base.is_symlink():
-                out[allowed] = "symlink:" + os.readlink(base)
-            elif base.is_file():
-                out[allowed] = file_sha(base) or ""
-            elif base.is_dir():
-                for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
-                    dirnames.sort()
-                    for name in sorted(filenames) + [
-                        d for d in dirnames if Path(dirpath, d).is_symlink()
-                    ]:
-                        full = Path(dirpath, name)
-                        rel = full.relative_to(root).as_posix()
-                        if full.is_symlink():
-                            out[rel] = "symlink:" + os.readlink(full)
-                        elif full.is_file():
-                            out[rel] = file_sha(full) or ""
+            info = ground.lstat(allowed)
+            if info is None:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                for rel, entry in ground.walk(allowed):
+                    _record(ground, rel, entry, out)
+            else:
+                _record(ground, allowed, info, out)
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class GitState:
-    """HEAD commit and whether tracked files differ from it (worktree or index)."""
-
-    head: str
-    dirty: bool
-    changed: frozenset[str]  # tracked paths with changes, relative to the repository
+def _record(ground: Ground, rel: str, info: os.stat_result, out: dict[str, str]) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        return
+    if stat.S_ISLNK(info.st_mode):
+        out[rel] = "symlink:" + ground.readlink(rel)
+    elif stat.S_ISREG(info.st_mode):
+        out[rel] = file_sha(ground, rel) or ""
+    else:
+        kind = file_type(info.st_mode)
+        raise UntrustedGroundError(
+            f"workspace path {rel} is a {kind.replace('_', ' ')}, not a regular file; "
+            "it is not read",
+            path=rel,
+            file_type=kind,
+            reason="not_regular",
+        )
 
 
 def fingerprint(files: Mapping[str, str], git: GitState | None) -> str:
     """The workspace fingerprint: allowed files by hash, plus HEAD and the dirty flag."""
     git_part = None if git is None else {"head": git.head, "dirty": git.dirty}
     return digest(Domain.ENVIRONMENT, {"files": dict(files), "git": git_part})
-
-
-def _git_env() -> dict[str, str]:
-    # A clean environment: no inherited GIT_DIR / GIT_WORK_TREE, no optional locks (an
-    # observation must not take index.lock from under a concurrent git command).
-    return {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "GIT_OPTIONAL_LOCKS": "0",
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "HOME": os.devnull,
-        "LC_ALL": "C",
-    }
-
-
-def _git(root: Path, args: Sequence[str], stdin: bytes | None = None) -> bytes:
-    git = shutil.which("git")
-    if git is None:
-        raise AdapterError("git is not installed", retryable=False)
-    try:
-        done = subprocess.run(  # noqa: S603 - fixed argv, no shell
-            [git, "-C", str(root), *args],
-            input=stdin,
-            capture_output=True,
-            env=_git_env(),
-            timeout=_GIT_TIMEOUT_SECONDS,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise AdapterError(
-            "git could not be run", retryable=True, error=type(exc).__name__
-        ) from None
-    if done.returncode != 0:
-        raise AdapterError(
-            "git failed", retryable=True, command=args[0], returncode=done.returncode
-        )
-    return done.stdout
-
-
-def is_git_repo(root: Path) -> bool:
-    """True when ``root`` is the top of a git work tree (a ``.git`` entry exists)."""
-    return (root / ".git").exists()
-
-
-def git_state(root: Path) -> GitState:
-    """Read HEAD and the tracked changes of the repository at ``root``.
-
-    Untracked files do not make the tree dirty (the state folder, caches and new files
-    the allowed-file fingerprint already covers would otherwise flip it).
-
-    Raises:
-        AdapterError: git failed (retryable=True).
-    """
-    head = _git(root, ["rev-parse", "--verify", "-q", "HEAD"]).decode().strip() or "unborn"
-    status = _git(
-        root, ["status", "--porcelain=v1", "-z", "--untracked-files=no", "--ignore-submodules=none"]
-    )
-    changed: set[str] = set()
-    entries = status.split(b"\0")
-    i = 0
-    while i < len(entries):
-        entry = entries[i]
-        i += 1
-        if len(entry) < 4:
-            continue
-        changed.add(entry[3:].decode("utf-8", "surrogateescape"))
-        if entry[:1] in (b"R", b"C"):  # a rename carries its source path next
-            i += 1
-    return GitState(head=head, dirty=bool(changed), changed=frozenset(changed))
-
-
-def predict_git_dirty(root: Path, state: GitState, path: str, content: bytes | None) -> bool:
-    """Whether the tree would be dirty after writing ``content`` to ``path`` (None deletes).
-
-    The path is dirty afterwards when its index entry differs from HEAD's, or the new
-    content differs from the index entry; an untracked path never counts.
-
-    Raises:
-        AdapterError: git failed (retryable=True).
-    """
-    others = any(p != path for p in state.changed)
-    if others:
-        return True
-    staged = _git(root, ["ls-files", "-s", "-z", "--", path]).split(b"\0")[0]
-    index_blob = staged.split(b" ")[1].decode() if staged else None
-    head_blob = None
-    if state.head != "unborn":
-        listed = _git(root, ["ls-tree", "-z", "HEAD", "--", path]).split(b"\0")[0]
-        head_blob = listed.split(b" ")[2].split(b"\t")[0].decode() if listed else None
-    if index_blob is None and head_blob is None:
-        return False  # untracked
-    if index_blob != head_blob:
-        return True
-    if content is None:
-        return True  # deleting a tracked file
-    new_blob = _git(root, ["hash-object", f"--path={path}", "--stdin"], stdin=content)
-    return new_blob.decode().strip() != index_blob
 
 
 def fsync_dir(path: Path) -> None:

@@ -17,7 +17,16 @@ other 4xx                   :class:`~ratchet.errors.AdapterError`, ``retryable=F
 5xx, timeout, reset, a      outcome unknown: **look the key up** (never resend blindly);
 malformed reply             the receipt found is the answer, none found raises
                             AdapterError(``retryable=True``, ``outcome="unknown"``)
+a reply past the byte cap   outcome unknown: **look the key up**; the receipt found is the
+                            answer, none found (or a lookup past the cap too) raises
+                            :class:`~ratchet.errors.OutcomeUnknownError` (review: never sent
+                            again)
 ==========================  ==================================================================
+
+Every reply is read as it streams in, at most ``max_reply_bytes`` (by default the
+worker's ``RATCHET_MAX_PEER_BYTES``, :mod:`ratchet.limits`); reading stops past it and
+the connection is dropped. A read past it (the identity, a receipt lookup) is refused
+with :class:`~ratchet.errors.PeerAnswerTooLargeError`, never retried.
 
 The observation is the service's identity and revision: ``instance_id`` is the service id
 (a reset service gets a new one), ``version`` its revision (every committed order moves it
@@ -43,7 +52,10 @@ from ratchet.errors import (
     ContractError,
     FenceRejectedError,
     IdempotencyConflictError,
+    OutcomeUnknownError,
+    PeerAnswerTooLargeError,
 )
+from ratchet.limits import AnswerBudget, peer_cap
 from ratchet.runtime.actions import Action, ActionKind
 from ratchet.runtime.canonical import Domain, canonical_json, digest, strict_json_loads
 from ratchet.runtime.ports import Fence, Observation, ReadResult, Receipt, VerifierReport
@@ -51,7 +63,7 @@ from ratchet.runtime.ports import Fence, Observation, ReadResult, Receipt, Verif
 __all__ = ["DEFAULT_OPERATIONS", "HttpAdapter"]
 
 DEFAULT_OPERATIONS: Mapping[str, str] = {"place-order": "/v1/orders"}
-_MAX_REPLY = 1 << 20
+_READ_CHUNK = 1 << 16
 
 
 def _seen(payload: Any) -> Any:
@@ -60,6 +72,17 @@ def _seen(payload: Any) -> Any:
 
 class _OutcomeUnknown(Exception):  # noqa: N818 - internal signal, never escapes
     """The request may or may not have been applied."""
+
+
+def _cut_off(key: str, refusal: PeerAnswerTooLargeError) -> OutcomeUnknownError:
+    return OutcomeUnknownError(
+        f"{refusal.message}; the write may have happened and the service shows no receipt "
+        "that can be read: whether it happened is for a reviewer to find out",
+        idempotency_key=key,
+        peer=refusal.peer,
+        limit_bytes=refusal.limit_bytes,
+        seen_bytes=refusal.seen_bytes,
+    )
 
 
 class HttpAdapter:
@@ -71,9 +94,12 @@ class HttpAdapter:
             are refused.
         operations: allow-listed operation names mapped to request paths.
         timeout_seconds: per request (connect and read).
+        max_reply_bytes: the most one reply may carry (None: the process's cap,
+            ``RATCHET_MAX_PEER_BYTES``).
 
     Raises (constructor):
-        ConfigurationError: the URL is not http(s) with a host, or a path is not absolute.
+        ConfigurationError: the URL is not http(s) with a host, a path is not absolute,
+            or the cap is out of range.
     """
 
     def __init__(
@@ -84,6 +110,7 @@ class HttpAdapter:
         operations: Mapping[str, str] = DEFAULT_OPERATIONS,
         timeout_seconds: float = 10.0,
         token: str | None = None,
+        max_reply_bytes: int | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -98,6 +125,9 @@ class HttpAdapter:
         self._namespace = namespace
         self._operations = dict(operations)
         self._timeout = timeout_seconds
+        self._limit = peer_cap(max_reply_bytes)
+        port = f":{parts.port}" if parts.port else ""
+        self._peer = f"HTTP service ({parts.scheme}://{parts.hostname}{port}{self._prefix})"
         # A bearer token sent with every mutating request (raising a fence, a write);
         # never in a repr, a log line or an error.
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
@@ -132,14 +162,24 @@ class HttpAdapter:
         headers: Mapping[str, str],
     ) -> tuple[int, bytes, bool]:
         """One request and its whole reply: (status, body, whether the server keeps the
-        connection open). Raises _OutcomeUnknown on any transport failure."""
+        connection open). The reply is read as it arrives, at most the cap.
+
+        Raises:
+            _OutcomeUnknown: a transport failure.
+            PeerAnswerTooLargeError: the reply went past the cap (``conn`` is closed).
+        """
         try:
             conn.request(method, self._prefix + path, body=body, headers=dict(headers))
             response = conn.getresponse()
-            raw = response.read(_MAX_REPLY + 1)
-            if len(raw) > _MAX_REPLY:
-                raise _OutcomeUnknown("reply too large")
-            return response.status, raw, not response.will_close
+            budget = AnswerBudget(self._peer, self._limit)
+            raw = bytearray()
+            while chunk := response.read(_READ_CHUNK):
+                budget.take(len(chunk))
+                raw += chunk
+            return response.status, bytes(raw), not response.will_close
+        except PeerAnswerTooLargeError:
+            conn.close()  # the rest is never read: the connection cannot be reused
+            raise
         except (OSError, http.client.HTTPException) as exc:
             raise _OutcomeUnknown(type(exc).__name__) from None
 
@@ -233,6 +273,7 @@ class HttpAdapter:
         Raises:
             AdapterError: unreachable or malformed (retryable=True), other namespace
                 (retryable=False).
+            PeerAnswerTooLargeError: the reply went past the byte cap.
         """
         status, payload = self._get("/v1/identity")
         if status != 200 or not isinstance(payload, dict):
@@ -308,7 +349,8 @@ class HttpAdapter:
         """Send one external call under ``action.idempotency_key``; see the module table.
 
         Raises:
-            FenceRejectedError, IdempotencyConflictError, AdapterError.
+            FenceRejectedError, IdempotencyConflictError, AdapterError; OutcomeUnknownError:
+            the reply went past the byte cap and no receipt for the key can be read.
         """
         if action.kind is not ActionKind.EXTERNAL_CALL:
             raise AdapterError(
@@ -351,6 +393,11 @@ class HttpAdapter:
             # Timeline: request sent -> [reply lost] -> the service may have committed.
             # Never resend blindly: the key's receipt (or its absence) is the answer.
             return self._after_unknown(key, intent_digest)
+        except PeerAnswerTooLargeError as cut:
+            # Timeline: request sent -> the reply went past the cap -> reading stopped.
+            # The same: the key's receipt is the answer; without one, a reviewer decides
+            # (sending again would be answered the same way).
+            return self._after_unknown(key, intent_digest, cut)
         if status == 412:
             raise FenceRejectedError(
                 "service has seen a newer fence",
@@ -374,8 +421,15 @@ class HttpAdapter:
             return receipt
         raise AdapterError("service refused the call", retryable=False, status=status)
 
-    def _after_unknown(self, key: str, intent_digest: str) -> Receipt:
-        receipt = self.lookup(key)
+    def _after_unknown(
+        self, key: str, intent_digest: str, cut: PeerAnswerTooLargeError | None = None
+    ) -> Receipt:
+        try:
+            receipt = self.lookup(key)
+        except PeerAnswerTooLargeError as exc:
+            raise _cut_off(key, exc) from exc
+        if receipt is None and cut is not None:
+            raise _cut_off(key, cut) from cut
         if receipt is None:
             raise AdapterError(
                 "outcome unknown and the service has no receipt yet; look "
@@ -395,6 +449,7 @@ class HttpAdapter:
 
         Raises:
             AdapterError: unreachable, malformed, or the key is in flight (retryable=True).
+            PeerAnswerTooLargeError: the reply went past the byte cap.
         """
         status, payload = self._get("/v1/receipts/" + quote(idempotency_key, safe=""))
         if status == 404:

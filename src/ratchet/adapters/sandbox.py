@@ -10,16 +10,21 @@ rather than a home-made one:
     own user, pid, network, mount, ipc and uts namespaces (``--unshare-all``; the network
     only when the verifier spec allows it), a fresh ``/proc`` (only the command's own
     processes), ``/dev`` and ``/tmp``; the system directories and the command's own
-    install prefix (a virtualenv) read-only; the workspace read-write, with the adapter's
-    state folder replaced by an empty one (the journal, receipts and lock stay out of
-    reach) and only the verifier's own home and temp folders bound back; every key and
-    trust file the worker was configured with masked by ``/dev/null``; ``--clearenv``
-    and the verifier's environment only; ``--die-with-parent`` so nothing outlives it.
+    install prefix (a virtualenv) read-only; the workspace **read-only**, its ``.git``
+    included (the code a verifier runs can change neither its own tests, nor a module
+    beside them, nor the repository's configuration), with the adapter's state folder
+    replaced by an empty one (the journal, receipts and lock stay out of reach) and only
+    the verifier's own home and temp folders bound back read-write; every key and trust
+    file the worker was configured with masked by ``/dev/null``; ``--clearenv`` and the
+    verifier's environment only; ``--die-with-parent`` so nothing outlives it.
 ``uid`` (where bwrap cannot run and the worker is root)
     the command runs as a separate unprivileged uid (``RATCHET_VERIFIER_UID``); the worker
     marks itself not dumpable (``PR_SET_DUMPABLE=0``), so another uid cannot read its
     ``/proc/<pid>/environ`` or memory; key files must not be readable by that uid (they
-    are checked when the sandbox is built).
+    are checked when the sandbox is built), and before every run nothing in the
+    workspace may be writable by it (owned by it, or group- or world-writable): a
+    workspace it could write is refused, since the code it runs could change what the
+    verifier reads.
 ``none`` (``RATCHET_VERIFIER_SANDBOX=none``)
     an explicit operator opt-out, logged at every worker start. Otherwise, when no
     confinement is possible, verifier runs are refused
@@ -42,6 +47,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from ratchet.adapters.ground import Ground
 from ratchet.errors import ConfigurationError
 
 __all__ = ["SYSTEM_DIRS", "Sandbox", "SandboxMode", "bwrap_works", "for_own_verifiers"]
@@ -238,13 +244,16 @@ class Sandbox:
         state_dir: Path,
         writable: Sequence[Path],
         network: bool = False,
+        workspace_writable: bool = False,
     ) -> tuple[list[str], dict[str, str], dict[str, Any]]:
         """What to start for ``argv``: (argv, environment, extra ``Popen`` arguments).
 
-        ``workspace`` is bound read-write with ``state_dir`` emptied inside it, then
-        ``writable`` (the verifier's home and temp folders) bound back.
+        ``workspace`` is bound read-only (read-write only with ``workspace_writable``: a
+        shell tool's own scratch folder) with ``state_dir`` emptied inside it, then
+        ``writable`` (the verifier's home and temp folders) bound back read-write.
 
-        Raises ConfigurationError (see :meth:`check_usable`).
+        Raises ConfigurationError (see :meth:`check_usable`; in ``uid`` mode, a
+        workspace path the uid could write).
         """
         self.check_usable()
         if self.mode is SandboxMode.NONE:
@@ -253,6 +262,8 @@ class Sandbox:
             if not self._marked:
                 _make_not_dumpable()
                 self._marked.append(True)
+            if not workspace_writable:
+                self._check_not_writable(workspace, state_dir)
             return list(argv), dict(env), {"user": self.uid, "group": self.gid, "extra_groups": []}
         if self.bwrap is None:  # for the type checker: BWRAP always has its binary
             raise ConfigurationError("bwrap sandbox without a binary")
@@ -272,7 +283,8 @@ class Sandbox:
             if path.exists():
                 args += ["--ro-bind", str(path), str(path)]
                 bound.append(path)
-        args += ["--bind", str(workspace), str(workspace), "--tmpfs", str(state_dir)]
+        bind = "--bind" if workspace_writable else "--ro-bind"
+        args += [bind, str(workspace), str(workspace), "--tmpfs", str(state_dir)]
         for path in writable:
             args += ["--bind", str(path), str(path)]
         bound.append(workspace)
@@ -284,6 +296,37 @@ class Sandbox:
         for name, value in env.items():
             args += ["--setenv", name, value]
         return [*args, "--", *argv], {}, {}
+
+    def _check_not_writable(self, workspace: Path, state_dir: Path) -> None:
+        """In ``uid`` mode: nothing in ``workspace`` (but the state folder) may be
+        writable by the verifier's uid, or the code it runs could rewrite its own test.
+
+        Raises:
+            ConfigurationError: names the first such path.
+        """
+        ground = Ground(workspace)
+        skip = state_dir.name if state_dir.parent == workspace else None
+        root = workspace.stat()
+        entries: list[tuple[str, os.stat_result]] = [(".", root)]
+        for rel, info in ground.walk(""):
+            if skip is not None and (rel == skip or rel.startswith(skip + "/")):
+                continue
+            entries.append((rel, info))
+        for rel, info in entries:
+            if stat.S_ISLNK(info.st_mode):
+                continue  # a link's own mode means nothing; its target is checked itself
+            if (
+                info.st_uid == self.uid
+                or info.st_mode & stat.S_IWOTH
+                or (info.st_mode & stat.S_IWGRP and info.st_gid == self.gid)
+            ):
+                raise ConfigurationError(
+                    f"workspace path {rel} is writable by the verifier uid {self.uid}: the "
+                    "code it runs could change what the verifier reads; make the workspace "
+                    "owned by another user and not group- or world-writable",
+                    field="verifier_uid",
+                    path=rel,
+                )
 
     def describe(self) -> str:
         """One line for the worker's start-up log."""

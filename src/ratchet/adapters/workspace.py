@@ -28,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -45,13 +46,12 @@ from ratchet.adapters.files import (
     content_sha,
     file_sha,
     fingerprint,
-    git_state,
-    is_git_repo,
-    predict_git_dirty,
     write_temp,
 )
+from ratchet.adapters.gitread import GIT_DIR, GitReader, blob_id, state_facts
+from ratchet.adapters.ground import Ground, file_type
 from ratchet.adapters.journal import BUSY_TIMEOUT_SECONDS, Journal, WriteIntent
-from ratchet.errors import AdapterError, ConfigurationError
+from ratchet.errors import AdapterError, ConfigurationError, UntrustedGroundError
 from ratchet.runtime.actions import Action, ActionKind
 from ratchet.runtime.ports import Clock, Fence, Observation, ReadResult, Receipt, VerifierReport
 
@@ -84,7 +84,14 @@ class WorkspaceAdapter:
     Args:
         root: the workspace directory (must exist).
         allowed_paths: relative files or folders that may be written; they, plus git HEAD
-            and the dirty flag when ``root`` is a git work tree, make up the fingerprint.
+            and the dirty flag when the workspace is a git work tree, make up the
+            fingerprint.
+        git: whether the workspace is a git work tree (its ``.git`` folder at ``root``).
+            A worker passes what the run's signed document (or its checkpoint) recorded at
+            submit, never what the disk says now: agent-written code could have run
+            ``git init`` since. None decides from the disk once, here (for a folder the
+            caller trusts). The repository is read as data (:mod:`ratchet.adapters.gitread`):
+            no ``git`` runs, so nothing the repository configures is executed.
         namespace: the receipt namespace.
         verifier: runs allow-listed commands for :meth:`verify`.
         clock: commit times for receipts (default: the system clock).
@@ -107,19 +114,26 @@ class WorkspaceAdapter:
         clock: Clock | None = None,
         hook: WriteHook | None = None,
         busy_timeout_s: float = BUSY_TIMEOUT_SECONDS,
+        git: bool | None = None,
     ) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ConfigurationError("workspace root is not a directory", root=str(root))
         self.allowed = AllowedPaths(allowed_paths)
         self.state_dir = self.root / STATE_DIR
+        self._ground = Ground(self.root)
+        _check_state_dir(self._ground)
         self._tmp = self.state_dir / "tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._namespace = namespace
         self._verifier = verifier
         self._clock: Clock = clock or SystemClock()
         self._hook = hook or _no_hook
-        self._git = is_git_repo(self.root)
+        if git is None:
+            found = self._ground.lstat(GIT_DIR)
+            git = found is not None and stat.S_ISDIR(found.st_mode)
+        self._git = git
+        self._reader = GitReader(self._ground) if git else None
         self._thread_lock = threading.Lock()
         self._lock_fd = os.open(self.state_dir / "write.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -134,6 +148,11 @@ class WorkspaceAdapter:
 
     def __repr__(self) -> str:
         return f"WorkspaceAdapter(root={str(self.root)!r}, namespace={self._namespace!r})"
+
+    @property
+    def git(self) -> bool:
+        """Whether this workspace is read as a git work tree (fixed at construction)."""
+        return self._git
 
     def __enter__(self) -> WorkspaceAdapter:
         return self
@@ -197,9 +216,9 @@ class WorkspaceAdapter:
         """
         for row in self._journal.unresolved():
             try:
-                current = file_sha(self.root / row.path)
+                current = file_sha(self._ground, row.path)
             except AdapterError:
-                current = "not-a-file"
+                current = "not-a-file"  # never opened: a FIFO or a device is not a write
             done = current == row.new_sha if row.op == "write" else current is None
             if done:
                 self._journal.commit_write(
@@ -217,15 +236,30 @@ class WorkspaceAdapter:
     # -- observation ---------------------------------------------------------------------------
 
     def _scan(self) -> tuple[str, dict[str, str], GitState | None]:
-        files = self.allowed.files(self.root)
-        git = git_state(self.root) if self._git else None
+        files = self.allowed.files(self._ground)
+        git = self._reader.status() if self._reader is not None else None
         return fingerprint(files, git), files, git
 
     @staticmethod
     def _details(git: GitState | None) -> dict[str, str]:
-        if git is None:
-            return {}
-        return {"git_head": git.head, "git_dirty": "1" if git.dirty else "0"}
+        return dict(state_facts(git))
+
+    def _predict_dirty(self, state: GitState, path: str, content: bytes | None) -> bool:
+        """Whether the tree would be dirty after writing ``content`` to ``path`` (None
+        deletes): the path is dirty afterwards when its index entry differs from HEAD's,
+        or the new content differs from the index entry; an untracked path never counts.
+        """
+        if any(p != path for p in state.changed):
+            return True
+        if self._reader is None:  # for the type checker: only called for git workspaces
+            return False
+        head = None if state.head == "unborn" else state.head
+        in_index, in_head = self._reader.blobs_at(path, head)
+        if in_index is None and in_head is None:
+            return False  # untracked
+        if in_index != in_head or content is None:
+            return True  # staged already, or deleting a tracked file
+        return blob_id(content) != in_index
 
     def _observe_locked(self) -> Observation:
         fp, _, git = self._scan()
@@ -276,7 +310,7 @@ class WorkspaceAdapter:
                 return None
             after_git = None
             if git is not None:
-                dirty = predict_git_dirty(self.root, git, path, data)
+                dirty = self._predict_dirty(git, path, data)
                 after_git = GitState(head=git.head, dirty=dirty, changed=git.changed)
             return Observation(
                 instance_id=self.instance_id,
@@ -339,7 +373,7 @@ class WorkspaceAdapter:
                 op="write" if data is not None else "delete",
                 path=path,
                 new_sha=content_sha(data) if data is not None else None,
-                prior_sha=file_sha(target),
+                prior_sha=file_sha(self._ground, path),
                 temp_name=temp.name,
                 approval_digest=approval_digest,
             )
@@ -385,7 +419,10 @@ class WorkspaceAdapter:
         """Read one allowed text file.
 
         Raises:
-            AdapterError: wrong kind, path not allowed, missing, not UTF-8 or too large
+            UntrustedGroundError: the path is not a regular file (a FIFO, a device, a
+                socket...), lies behind a link, or is larger than 1 MiB; it is not opened
+                (or not read past the cap).
+            AdapterError: wrong kind, path not allowed, missing or not UTF-8
                 (retryable=False).
         """
         if action.kind is not ActionKind.READ_FILE:
@@ -395,14 +432,12 @@ class WorkspaceAdapter:
                 kind=str(action.kind),
             )
         path = action.text("path")
-        target = self._target(path)
+        self._target(path)
         with self._locked():
-            try:
-                data = target.read_bytes()
-            except OSError:
-                raise AdapterError("no such file", retryable=False, path=path) from None
-            if len(data) > _MAX_READ_BYTES:
-                raise AdapterError("file is too large to read", retryable=False, path=path)
+            # Never blocks on a FIFO, never opens a device, never reads past the cap.
+            data = self._ground.read(path, limit=_MAX_READ_BYTES)
+            if data is None:
+                raise AdapterError("no such file", retryable=False, path=path)
             try:
                 content = data.decode()
             except UnicodeDecodeError:
@@ -425,3 +460,45 @@ class WorkspaceAdapter:
         if self._verifier is None:
             raise AdapterError("no verifier is configured", retryable=False, target=target)
         return self._verifier.run(self, target)
+
+
+def _check_state_dir(ground: Ground) -> None:
+    """The state folder and the files the adapter opens in it must be what they seem: a
+    folder (not a link to elsewhere) and regular files (a FIFO would block SQLite's read).
+    It is hidden from every sandbox, so only someone outside could have put anything else
+    there; refuse rather than open it.
+
+    Raises:
+        UntrustedGroundError: a link or a non-regular file where the adapter keeps state.
+    """
+    info = ground.lstat(STATE_DIR)
+    if info is None:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        kind = file_type(info.st_mode)
+        raise UntrustedGroundError(
+            f"the workspace's state folder {STATE_DIR} is a {kind.replace('_', ' ')}, not a "
+            "folder; it is not used",
+            path=STATE_DIR,
+            file_type=kind,
+            reason="not_regular",
+        )
+    for name in (
+        "journal.sqlite3",
+        "journal.sqlite3-wal",
+        "journal.sqlite3-shm",
+        "write.lock",
+        "tools.ledger",
+        "tmp",
+    ):
+        found = ground.lstat(f"{STATE_DIR}/{name}")
+        expected = stat.S_ISDIR if name == "tmp" else stat.S_ISREG
+        if found is not None and not expected(found.st_mode):
+            kind = file_type(found.st_mode)
+            raise UntrustedGroundError(
+                f"{STATE_DIR}/{name} is a {kind.replace('_', ' ')}; the workspace's state "
+                "is not opened",
+                path=f"{STATE_DIR}/{name}",
+                file_type=kind,
+                reason="not_regular",
+            )

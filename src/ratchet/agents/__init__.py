@@ -24,10 +24,16 @@ package is the operator's decision), by their entry-point name; and dotted paths
 ``RATCHET_AGENTS`` (``mypkg`` allows ``mypkg`` and ``mypkg.agents``, not ``mypkg2``).
 Anything else is refused before it is imported. A factory is called with the run's agent
 configuration (a JSON object) and returns an :class:`Agent`.
+
+Credentials are the worker's too: the built-in ``tool_calling`` agent gets the policy's
+``credentials`` (the process's own ``RATCHET_CREDENTIALS``), through which a
+configuration names a secret, never by an environment variable
+(:mod:`ratchet.agents.credentials`). A plugin's factory gets its configuration alone.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import time
@@ -35,6 +41,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ratchet.agents.credentials import CredentialResolver
 from ratchet.agents.plugins import installed_entry_points
 from ratchet.errors import ConfigurationError
 from ratchet.runtime import (
@@ -235,8 +242,9 @@ class GreetingAgent:
         return AgentStep(make_action(view, 0, "read_file", {"path": self.path}), {"step": "read"})
 
 
-def _tool_calling(config: dict[str, Any]) -> Any:
-    return ToolCallingAgent.from_config(config)  # imported at the end of this module
+def _tool_calling(config: dict[str, Any], *, credentials: CredentialResolver | None = None) -> Any:
+    # ToolCallingAgent is imported at the end of this module.
+    return ToolCallingAgent.from_config(config, credentials=credentials)
 
 
 _BUILTIN: dict[str, Callable[[dict[str, Any]], Any]] = {
@@ -261,10 +269,13 @@ class AgentPolicy:
 
     ``prefixes`` are module paths under which dotted-path agents are allowed
     (``RATCHET_AGENTS``); ``entry_points`` turns the ``ratchet.agents`` plugin group on.
+    ``credentials`` are the process's own (``RATCHET_CREDENTIALS``), handed to the
+    built-in ``tool_calling`` agent; None: a configuration that names one is refused.
     """
 
     prefixes: tuple[str, ...] = ()
     entry_points: bool = True
+    credentials: CredentialResolver | None = None
 
     def __post_init__(self) -> None:
         for prefix in self.prefixes:
@@ -284,6 +295,8 @@ class AgentPolicy:
                 or its import failed.
         """
         builtin = _BUILTIN.get(spec)
+        if builtin is _tool_calling:
+            return functools.partial(_tool_calling, credentials=self.credentials)
         if builtin is not None:
             return builtin
         module_name, colon, attr = spec.partition(":")

@@ -11,8 +11,9 @@ returning a :class:`ModelReply` (text, tool calls, or both). Two ship here:
 
 Errors, and why these ones:
 
-* a missing API key variable is a :class:`~ratchet.errors.ConfigurationError` (the
-  worker's environment is wrong; nothing was sent);
+* a missing API key (the worker's credential has no secret) is a
+  :class:`~ratchet.errors.ConfigurationError` (the worker's configuration is wrong;
+  nothing was sent);
 * a transport failure, a timeout, or 429 / 5xx after the last retry is an
   :class:`~ratchet.errors.AdapterError` with ``retryable=True``: the model endpoint is an
   edge like an adapter's service, and a worker already treats a retryable adapter error
@@ -20,12 +21,20 @@ Errors, and why these ones:
   without counting it as the agent's fault;
 * any other refusal (400, 401, 404, a reply that is not a chat completion) is an
   :class:`~ratchet.errors.AdapterError` with ``retryable=False``: the job fails and counts
-  towards freezing the run, because asking again will not help.
+  towards freezing the run, because asking again will not help;
+* an answer (any status) past the byte cap is a
+  :class:`~ratchet.errors.PeerAnswerTooLargeError` (``retryable=False``, never asked
+  again): the body is counted as it streams in and reading stops at the cap
+  (``max_answer_bytes``, by default the worker's ``RATCHET_MAX_PEER_BYTES``,
+  :mod:`ratchet.limits`); a compressed body is refused unread (an identity encoding is
+  asked for).
 
-The API key is read from the named environment variable when a request is made, sent
-only in the ``Authorization`` header, and kept nowhere: not on the object (its repr names
-the variable, never the value), not in a log line, not in an error (a server's error
-body, which may quote the key, is never copied into one), not in the agent's state.
+The API key is a ``SecretStr``, or a callable returning one (a worker's credential bound
+to this model's URL, :mod:`ratchet.agents.credentials`) that is called when a request is
+made. It is sent only in the ``Authorization`` header and kept nowhere else: not in the
+object's repr (which says only whether there is a key), not in a log line, not in an
+error (a server's error body, which may quote the key, is never copied into one), not in
+the agent's state.
 
 httpx is imported when an :class:`OpenAIChatModel` is built, so the package imports
 without it.
@@ -35,15 +44,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StrictStr, ValidationError
 
 from ratchet.errors import AdapterError, ConfigurationError
+from ratchet.limits import AnswerBudget, peer_cap
 
 if TYPE_CHECKING:
     import httpx
@@ -59,8 +68,10 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _ERROR_CODE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# A key goes into a header: one token of visible ASCII (an httpx error about a bad
+# header value could quote it).
+_KEY = re.compile(r"[\x21-\x7e]{1,16384}")
 _RETRYABLE = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 
@@ -223,18 +234,19 @@ def _error_code(response: httpx.Response) -> str:
 class OpenAIChatModel:
     """A chat-completions client (``POST {base_url}/chat/completions``).
 
-    ``api_key_env`` names the environment variable holding the key (None: no
+    ``api_key`` is the key, or a callable that returns it at each request (None: no
     ``Authorization`` header, for a local server). ``timeout`` bounds each attempt, in
     seconds. A transport failure, a timeout, 408/409/429 or a 5xx is tried again up to
     ``max_retries`` times, after ``backoff_s`` doubling up to ``max_backoff_s`` (or the
     server's ``Retry-After`` seconds, capped the same way). ``sleep`` waits between
     attempts (a test passes one that records). Retries are written out here rather than
     taken from a retry library: the policy is six lines, and it must honour
-    ``Retry-After`` and keep every error free of the server's text.
+    ``Retry-After`` and keep every error free of the server's text. ``max_answer_bytes``
+    caps one answer's body (None: the process's cap when the model is built).
 
     Raises (constructor):
         ConfigurationError: a base URL that is not http(s), an empty model name, a bad
-            variable name, timeout or retry count, or httpx not installed.
+            timeout, retry count or cap, or httpx not installed.
     """
 
     def __init__(
@@ -242,13 +254,14 @@ class OpenAIChatModel:
         base_url: str,
         model: str,
         *,
-        api_key_env: str | None = None,
+        api_key: SecretStr | Callable[[], SecretStr] | None = None,
         timeout: float = 60.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         sleep: Callable[[float], None] = time.sleep,
         transport: httpx.BaseTransport | None = None,
+        max_answer_bytes: int | None = None,
     ) -> None:
         try:
             import httpx  # noqa: PLC0415 - here: the package imports without httpx
@@ -268,16 +281,11 @@ class OpenAIChatModel:
             )
         if url.userinfo:
             raise ConfigurationError(
-                "model.base_url must not carry credentials (use api_key_env)",
+                "model.base_url must not carry credentials (name one in model.credential)",
                 field="model.base_url",
             )
         if not model:
             raise ConfigurationError("model.model must name a model", field="model.model")
-        if api_key_env is not None and not _ENV_NAME.fullmatch(api_key_env):
-            raise ConfigurationError(
-                "model.api_key_env must be an environment variable's name",
-                field="model.api_key_env",
-            )
         if not 0 < timeout <= 3600:
             raise ConfigurationError("model.timeout must be 0..3600 seconds", field="model.timeout")
         if not 0 <= max_retries <= 10:
@@ -285,29 +293,33 @@ class OpenAIChatModel:
         self._httpx = httpx
         self.url = str(url).rstrip("/") + "/chat/completions"
         self.model = model
-        self.api_key_env = api_key_env
+        self._api_key = api_key
         self.timeout = timeout
         self.max_retries = max_retries
         self._backoff = (backoff_s, max_backoff_s)
         self._sleep = sleep
         self._transport = transport
+        # What one answer may carry, counted as it streams in (ratchet.limits); the peer
+        # is named without the query, which may hold a key.
+        self._limit = peer_cap(max_answer_bytes)
+        self._peer = f"chat model ({url.scheme}://{url.netloc.decode()}{url.path})"
 
     def __repr__(self) -> str:
         return (
             f"OpenAIChatModel(url={self.url!r}, model={self.model!r}, "
-            f"api_key_env={self.api_key_env!r})"
+            f"api_key={'set' if self._api_key is not None else None})"
         )
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if self.api_key_env is not None:
-            key = os.environ.get(self.api_key_env)
-            if not key:
+        if self._api_key is not None:
+            key = self._api_key if isinstance(self._api_key, SecretStr) else self._api_key()
+            if not _KEY.fullmatch(key.get_secret_value()):
                 raise ConfigurationError(
-                    f"the environment variable {self.api_key_env} (model.api_key_env) is not set",
-                    field="model.api_key_env",
+                    "the model's API key is empty or not one token of visible ASCII",
+                    field="model.credential",
                 )
-            headers["Authorization"] = f"Bearer {key}"
+            headers["Authorization"] = f"Bearer {key.get_secret_value()}"
         return headers
 
     def _delay(self, failures: int, response: httpx.Response | None) -> float:
@@ -323,7 +335,7 @@ class OpenAIChatModel:
         """Ask the model once (with bounded retries).
 
         Raises:
-            ConfigurationError: the key's environment variable is not set (nothing sent).
+            ConfigurationError: the key cannot be read (nothing sent).
             AdapterError: see the module docstring (``status`` when the server answered).
         """
         lib = self._httpx
@@ -338,7 +350,11 @@ class OpenAIChatModel:
             for attempt in range(1, attempts + 1):
                 response: httpx.Response | None = None
                 try:
-                    response = client.post(self.url, json=body, headers=headers)
+                    # Read while it streams in, up to the cap; past it the answer is
+                    # refused (PeerAnswerTooLargeError) and never asked for again.
+                    sent = {**headers, "Accept-Encoding": "identity"}
+                    with client.stream("POST", self.url, json=body, headers=sent) as streamed:
+                        response = self._bounded(streamed)
                 except lib.TransportError as exc:
                     failure, status = type(exc).__name__, None
                 else:
@@ -367,6 +383,29 @@ class OpenAIChatModel:
             f"the chat model failed {attempts} times; last: {failure}",
             retryable=True,
             status=status,
+        )
+
+    def _bounded(self, streamed: httpx.Response) -> httpx.Response:
+        """``streamed`` read as its bytes arrive, at most the cap: a response holding its
+        body. A compressed body (asked for an identity one) is refused unread: it could
+        not be bounded before it is inflated.
+
+        Raises:
+            PeerAnswerTooLargeError: the body went past the cap; reading stopped there.
+        """
+        budget = AnswerBudget(self._peer, self._limit)
+        encoding = streamed.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            raise budget.refusal(encoding=encoding)
+        body = bytearray()
+        for chunk in streamed.iter_bytes():  # an identity body: these are its raw bytes
+            budget.take(len(chunk))
+            body += chunk
+        return self._httpx.Response(
+            streamed.status_code,
+            headers=streamed.headers,
+            content=bytes(body),
+            request=streamed.request,
         )
 
     def _parse(self, response: httpx.Response) -> ModelReply:

@@ -9,10 +9,15 @@ outcome goes back to the model as a ``tool`` message on the next step.
 Configuration (the run's ``agent_config``; :class:`ToolCallingConfig`)::
 
     {"model": {"kind": "openai", "base_url": "https://api.openai.com/v1",
-               "model": "gpt-4o-mini", "api_key_env": "OPENAI_API_KEY"},
+               "model": "gpt-4o-mini", "credential": "openai"},
      "system_prompt": "You fix the greeting in app.py, run the tests, then finish."}
 
 or ``{"model": {"kind": "scripted", "replies": [...]}, ...}`` for a script of replies.
+
+``credential`` names one of the worker's credentials (``RATCHET_CREDENTIALS``; see
+:mod:`ratchet.agents.credentials`): the worker decides which secret that is and whether
+it may go to ``base_url``. ``api_key_env`` (an environment variable's name, as the task
+chose it) is no longer read: a configuration that still has it is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ratchet.agents.conversation import (
     describe_outcome,
     trim,
 )
+from ratchet.agents.credentials import CredentialResolver, CredentialUse
 from ratchet.agents.models import (
     Model,
     ModelReply,
@@ -74,7 +80,10 @@ class _OpenAIConfig(_Strict):
     kind: Literal["openai"]
     base_url: StrictStr = Field(min_length=1, max_length=2048)
     model: StrictStr = Field(min_length=1, max_length=200)
-    api_key_env: StrictStr | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+    # The worker's credential sent as the bearer key (None: no Authorization header).
+    credential: StrictStr | None = Field(default=None, min_length=1, max_length=128)
+    # No longer read (a task chose the variable): parsed only to be refused by name.
+    api_key_env: StrictStr | None = None
     timeout_s: StrictInt = Field(default=60, ge=1, le=3600)
     max_retries: StrictInt = Field(default=3, ge=0, le=10)
 
@@ -102,7 +111,7 @@ class ToolCallingConfig(_Strict):
             ConfigurationError: one line, ``field="agent_config.<path>"``.
         """
         try:
-            return cls.model_validate(config)
+            parsed = cls.model_validate(config)
         except ValidationError as exc:
             first = exc.errors()[0]
             loc = [str(p) for p in first["loc"]]
@@ -110,6 +119,23 @@ class ToolCallingConfig(_Strict):
                 del loc[1]  # the union's tag, not a key the author wrote
             where = ".".join(["agent_config", *loc])
             raise ConfigurationError(f"{where}: {first['msg']}", field=where) from None
+        if isinstance(parsed.model, _OpenAIConfig) and parsed.model.api_key_env is not None:
+            where = "agent_config.model.api_key_env"
+            raise ConfigurationError(
+                f"{where} is no longer read: name one of the worker's credentials "
+                "(RATCHET_CREDENTIALS) in agent_config.model.credential instead",
+                field=where,
+            )
+        return parsed
+
+    def credential_uses(self) -> list[CredentialUse]:
+        """The worker credential the model would send, and where (none for a script)."""
+        model = self.model
+        if isinstance(model, _OpenAIConfig) and model.credential is not None:
+            return [
+                CredentialUse("agent_config.model.credential", model.credential, model.base_url)
+            ]
+        return []
 
 
 class ToolCallingAgent:
@@ -202,20 +228,35 @@ class ToolCallingAgent:
         return f"ToolCallingAgent(model={self.model!r})"
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ToolCallingAgent:
+    def from_config(
+        cls, config: dict[str, Any], *, credentials: CredentialResolver | None = None
+    ) -> ToolCallingAgent:
         """The agent a run's ``agent_config`` describes (see :class:`ToolCallingConfig`).
+        A model's ``credential`` is bound through ``credentials`` (the building process's
+        own map) to ``base_url`` here, before anything is sent; its secret is read when a
+        request is made.
 
         Raises:
-            ConfigurationError: the configuration is refused (one line, naming the field).
+            ConfigurationError: the configuration is refused (one line, naming the field),
+                or its credential is (not defined here, not for ``base_url``, none here).
         """
         parsed = ToolCallingConfig.parse(config)
         spec = parsed.model
         model: Model
         if isinstance(spec, _OpenAIConfig):
+            key = None
+            for use in parsed.credential_uses():
+                if credentials is None:
+                    raise ConfigurationError(
+                        f"{use.field} names a credential, and no credentials are configured "
+                        "where this agent is built (RATCHET_CREDENTIALS)",
+                        field=use.field,
+                    )
+                key = credentials.bind(use.name, use.url, field=use.field)
             model = OpenAIChatModel(
                 spec.base_url,
                 spec.model,
-                api_key_env=spec.api_key_env,
+                api_key=key,
                 timeout=float(spec.timeout_s),
                 max_retries=spec.max_retries,
             )

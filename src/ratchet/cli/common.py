@@ -88,10 +88,14 @@ def settings_error(exc: ValidationError) -> ConfigurationError:
     """A bad setting as one line naming its variable and what is wrong, never its value
     (a setting may be a secret: pydantic's own message quotes the input)."""
     first = exc.errors(include_input=False, include_url=False)[0]
-    name = "_".join(str(part) for part in first["loc"]).upper()
-    variable = f"RATCHET_{name}" if name else "RATCHET_*"
+    loc = [str(part) for part in first["loc"]]
+    variable = f"RATCHET_{loc[0].upper()}" if loc else "RATCHET_*"
+    # Inside a structured setting (RATCHET_CREDENTIALS' JSON): the path within it.
+    inside = f" at {'.'.join(loc[1:])}" if len(loc) > 1 else ""
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return ConfigurationError(f"bad setting {variable}: {first['msg']}{more}", field=variable)
+    return ConfigurationError(
+        f"bad setting {variable}{inside}: {first['msg']}{more}", field=variable
+    )
 
 
 def ratchet_errors(fn: Callable[P, R]) -> Callable[P, R]:

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.serialization import (
 from rich.console import Console
 from rich.table import Table
 
+from ratchet.cli import keyfile
 from ratchet.cli.common import (
     EXIT_CHECK_FAILED,
     JsonFlag,
@@ -44,7 +45,7 @@ from ratchet.fleet.settings import Settings
 from ratchet.leasing.listing import MAX_PAGE
 from ratchet.ops import approve as sign_approval_for
 from ratchet.ops import cancel as cancel_run
-from ratchet.ops import inspect_run, load_private_key, submit
+from ratchet.ops import inspect_run, submit
 from ratchet.ops import rebaseline as rebaseline_run
 from ratchet.ops import retry as retry_run
 from ratchet.ops import review as sign_review_for
@@ -389,24 +390,14 @@ def show_command(run_id: str, as_json: JsonFlag = False) -> None:
 # --- approvals and reviews ---------------------------------------------------------------------
 
 
-def _signer(key_file: Path, signer_id: str | None, role: str) -> tuple[Ed25519PrivateKey, str]:
-    try:
-        pem = key_file.read_bytes()
-    except OSError as exc:
-        raise ConfigurationError(f"cannot read {key_file}: {exc.strerror or exc}") from None
-    key = load_private_key(pem)
-    if signer_id is None:
-        stem = key_file.stem
-        signer_id = stem.split("-", 1)[1] if stem.startswith(f"{role}-") else stem
-    return key, signer_id
-
-
 @app.command("approve")
 @ratchet_errors
 def approve_command(
     run_id: str,
     action_id: str,
-    key: Annotated[Path, typer.Option("--key", help="Approver private key (PEM).")],
+    key: Annotated[
+        Path, typer.Option("--key", help="Approver private key (PEM); - reads it from stdin.")
+    ],
     signer_id: Annotated[
         str | None, typer.Option("--id", help="Approver id (default: from the key file name).")
     ] = None,
@@ -416,7 +407,7 @@ def approve_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Sign an approval of exactly the pending write `show` displays, and re-enqueue."""
-    private, signer = _signer(key, signer_id, "approver")
+    private, signer = keyfile.signer(key, signer_id, "approver")
     posted = sign_approval_for(
         Fleet.connect(), run_id, action_id, key=private, approver_id=signer, ttl_s=ttl
     )
@@ -527,7 +518,14 @@ class Decision(StrEnum):
 def review_command(
     run_id: str,
     decision: Annotated[Decision, typer.Option("--decision")],
-    key: Annotated[Path, typer.Option("--key", help="Reviewer private key (PEM).")],
+    key: Annotated[
+        Path,
+        typer.Option(
+            "--key",
+            help="Reviewer private key (PEM); - reads it from stdin. Read only after the "
+            "environment was observed.",
+        ),
+    ],
     signer_id: Annotated[str | None, typer.Option("--id", help="Reviewer id.")] = None,
     incident: Annotated[
         str | None,
@@ -541,10 +539,13 @@ def review_command(
     """Sign a decision on the run's open review case (replan | abort), or rebaseline a run
     frozen because its environment was changed behind it (the environment as observed
     now becomes its baseline; every approval of the old state is void), and re-enqueue."""
-    private, signer = _signer(key, signer_id, "reviewer")
+    # The key is read only once the environment was observed (nothing the observation
+    # started is alive then); `--key -` reads it from stdin (no path on a command line).
+    signer = keyfile.signer_id(key, signer_id, "reviewer")
+    loader = keyfile.key_loader(key)
     if decision is Decision.REBASELINE:
         posted = rebaseline_run(
-            Fleet.connect(), run_id, key=private, reviewer_id=signer, incident_id=incident
+            Fleet.connect(), run_id, key=loader, reviewer_id=signer, incident_id=incident
         )
         claims_rb = posted.evidence.claims
         if not isinstance(claims_rb, RebaselineClaims):  # for the type checker
@@ -569,7 +570,7 @@ def review_command(
             )
         return
     posted = sign_review_for(
-        Fleet.connect(), run_id, decision.value, key=private, reviewer_id=signer
+        Fleet.connect(), run_id, decision.value, key=loader, reviewer_id=signer
     )
     claims = posted.evidence.claims
     if not isinstance(claims, ReviewDecisionClaims):  # for the type checker

@@ -10,9 +10,16 @@ import typer
 
 from ratchet.cli.common import JsonFlag, app, print_json, ratchet_errors
 from ratchet.errors import ConfigurationError, ContractError
-from ratchet.fleet.context import Fleet, load_keyring
+from ratchet.fleet.context import Fleet, load_keyring, load_trust_roots
 from ratchet.fleet.settings import Settings
-from ratchet.ops.retention import MAX_EXPORT_BYTES, purge_finished, verify_export, write_export
+from ratchet.ops.retention import (
+    MAX_EXPORT_BYTES,
+    ExportSummary,
+    purge_finished,
+    verify_export,
+    write_export,
+)
+from ratchet.ops.vouching import clean
 
 __all__ = ["parse_duration"]
 
@@ -32,6 +39,44 @@ def parse_duration(text: str) -> int:
     return sum(int(n) * _UNITS[u] for n, u in parts) * 1000
 
 
+_NAMES = {"consumed_nonces": "consumed nonces"}
+_SHOWN_RECORDS = 50  # per part; --json lists every record
+
+
+def _echo_parts(summary: ExportSummary, *, records: bool = True) -> None:
+    """Say, part by part, what an export vouches for, and (``records``) list each record
+    it does not vouch for (a record pushed into Redis by hand is one of them), but for
+    the history's commit entries, which are all unsigned: counted here, listed by --json
+    (the text never shows them, so never as fact)."""
+    for part in summary.parts:
+        name = _NAMES.get(part.name, part.name)
+        verdict = "vouched for" if part.vouched else "NOT vouched for"
+        typer.echo(f"  {name:<16} {verdict}: {part.by}")
+        if not records:
+            continue
+        history = part.name == "history"
+        commits = sum(r.kind == "commit" for r in part.records) if history else 0
+        if commits:
+            typer.echo(f"    {commits} commit entries, unsigned (listed by --json)")
+        doubtful = [
+            r for r in part.records if not r.vouched and not (history and r.kind == "commit")
+        ]
+        for record in doubtful[:_SHOWN_RECORDS]:
+            said = " ".join(
+                bit
+                for bit in (
+                    record.kind,
+                    record.ident,
+                    f"by {record.by}" if record.by else "",
+                    f"at {record.at_ms}" if record.at_ms is not None else "",
+                )
+                if bit
+            )
+            typer.echo(f"    #{record.index} {clean(said, 200)}: {record.note}")
+        if len(doubtful) > _SHOWN_RECORDS:
+            typer.echo(f"    ... and {len(doubtful) - _SHOWN_RECORDS} more (see --json)")
+
+
 @app.command("export")
 @ratchet_errors
 def export_command(
@@ -41,8 +86,9 @@ def export_command(
     ] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Write a run's signed checkpoint, archive, document, history and incidents as one
-    file, sealed under the fleet's key ring, that `ratchet verify` checks offline."""
+    """Write a run's signed checkpoint, archive, document, history, incidents and inbox as
+    one file, sealed under the fleet's key ring, that `ratchet verify` checks offline.
+    Records are exported exactly as the store holds them; it says which it vouches for."""
     path = out or Path(f"{run_id.replace('/', '_')}.ratchet-export")
     summary = write_export(Fleet.connect(), run_id, path)
     info = {**summary.as_dict(), "file": str(path)}
@@ -52,6 +98,7 @@ def export_command(
         typer.echo(
             f"exported {run_id} ({summary.phase}, generation {summary.generation}) to {path}"
         )
+        _echo_parts(summary, records=False)  # `ratchet verify FILE` lists the records
 
 
 @app.command("verify")
@@ -59,8 +106,10 @@ def export_command(
 def verify_command(file: Path, as_json: JsonFlag = False) -> None:
     """Check an export file offline with the key ring (RATCHET_CHECKPOINT_KEY or
     RATCHET_CHECKPOINT_KEYS_FILE; no store is contacted): the file's seal, the document,
-    the checkpoint and its archive as a restore checks them. Exits 2 if it does not
-    verify."""
+    the checkpoint and its archive as a restore checks them; then say, part by part, what
+    it vouches for: each history entry, incident and inbox entry only by its own seal or
+    signature (approvals and decisions with RATCHET_APPROVERS_FILE /
+    RATCHET_REVIEWERS_FILE). Exits 2 if it does not verify, or a record's seal does not."""
     try:
         if file.stat().st_size > MAX_EXPORT_BYTES:
             raise ContractError("the file is larger than any export", field="file")
@@ -69,14 +118,22 @@ def verify_command(file: Path, as_json: JsonFlag = False) -> None:
         raise ConfigurationError(
             f"cannot read {file}: {exc.strerror or exc}", field="file"
         ) from None
-    summary = verify_export(load_keyring(Settings()), blob)
+    settings = Settings()
+    summary = verify_export(
+        load_keyring(settings),
+        blob,
+        approvers=load_trust_roots(settings.approvers_file, "approver"),
+        reviewers=load_trust_roots(settings.reviewers_file, "reviewer"),
+    )
     if as_json:
         print_json(summary.as_dict())
     else:
         typer.echo(
             f"{file}: verified: run {summary.run_id}, {summary.phase}, generation "
-            f"{summary.generation}, {summary.executed} executed writes"
+            f"{summary.generation}, {summary.executed} executed writes; the file is "
+            "unchanged since it was exported"
         )
+        _echo_parts(summary)
 
 
 @app.command("purge")

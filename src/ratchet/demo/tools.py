@@ -12,6 +12,10 @@ MCP tool, on a fleet of real workers, with one worker killed mid-run.
 4. start ``workers`` worker processes; SIGKILL one while it holds a lease mid-run;
 5. count, on the MCP server's side, how many tickets were created: one per run.
 
+Both secrets are the workers' credentials (``RATCHET_CREDENTIALS``): the run document
+names them (``model`` and ``tickets``), and the fleet's settings say which variable holds
+each and that each may go only to its own server's URL.
+
 The model's replies depend only on the conversation it is shown (the agent's signed
 state), so a worker that takes a run over asks the same question and gets the same
 answer; the keys come from the run and the step, never from the model. Every bound here
@@ -41,6 +45,7 @@ from ratchet.demo.fleet import (
 )
 from ratchet.errors import ConfigurationError
 from ratchet.fleet.context import Fleet, ensure_embedded_redis, stop_embedded_redis
+from ratchet.fleet.credentials import CredentialSpec
 from ratchet.fleet.runs import EnvironmentSpec, McpServerSpec, RunDocument
 from ratchet.leasing import free_port
 from ratchet.ops import submit
@@ -48,10 +53,20 @@ from ratchet.runtime import Phase, Scenario
 from ratchet.testing.chat_stub import ChatStub
 from ratchet.testing.mcp_server import stats
 
-__all__ = ["MODEL_KEY_ENV", "TICKET_TOOL", "ToolsDemoReport", "run_tools_demo", "scripted_turn"]
+__all__ = [
+    "MODEL_KEY_ENV",
+    "TICKETS_KEY_ENV",
+    "TICKET_TOOL",
+    "ToolsDemoReport",
+    "demo_credentials",
+    "run_tools_demo",
+    "scripted_turn",
+]
 
 #: The environment variable the workers read the (stub) model's API key from.
 MODEL_KEY_ENV = "DEMO_MODEL_API_KEY"
+#: The environment variable the workers read the MCP server's bearer token from.
+TICKETS_KEY_ENV = "DEMO_TICKETS_TOKEN"
 #: The ratchet name of the MCP server's ticket tool (prefix ``tickets_``).
 TICKET_TOOL = "tickets_create_ticket"
 
@@ -120,6 +135,14 @@ def scripted_turn(body: dict[str, Any], *, think_s: float = 0.0) -> dict[str, An
     return {"content": "Fixed the greeting in app.py and filed a ticket."}
 
 
+def demo_credentials(base_url: str, mcp_url: str) -> dict[str, CredentialSpec]:
+    """The fleet's ``RATCHET_CREDENTIALS``: each secret, and the one server it may go to."""
+    return {
+        "model": CredentialSpec(env=MODEL_KEY_ENV, destinations=(base_url,)),
+        "tickets": CredentialSpec(env=TICKETS_KEY_ENV, destinations=(mcp_url,)),
+    }
+
+
 def _document(root: Path, mcp_url: str, base_url: str) -> RunDocument:
     plain = greeting_document(root, runner="python")
     scenario = Scenario.model_validate(
@@ -136,14 +159,14 @@ def _document(root: Path, mcp_url: str, base_url: str) -> RunDocument:
                 "kind": "openai",
                 "base_url": base_url,
                 "model": "stub-model",
-                "api_key_env": MODEL_KEY_ENV,
+                "credential": "model",  # the workers' credential, by name
             },
             "system_prompt": SYSTEM_PROMPT,
         },
         environment=EnvironmentSpec(
             root=plain.environment.root,
             verifiers=plain.environment.verifiers,
-            mcp={"tickets": McpServerSpec(url=mcp_url, prefix="tickets_")},
+            mcp={"tickets": McpServerSpec(url=mcp_url, prefix="tickets_", credential="tickets")},
         ),
     )
 
@@ -180,6 +203,8 @@ def run_tools_demo(
         tickets = base / "tickets"
         tickets.mkdir(parents=True, exist_ok=True)
         port = free_port()
+        mcp_url = f"http://127.0.0.1:{port}/mcp"
+        ticket_token = os.urandom(16).hex()
         server = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments
             [
                 sys.executable,
@@ -197,15 +222,20 @@ def run_tools_demo(
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, "TICKETS_TOKEN": ticket_token},  # it requires the token
         )
         key = os.urandom(16).hex()
-        previous_key = os.environ.get(MODEL_KEY_ENV)
-        os.environ[MODEL_KEY_ENV] = key  # the workers (spawned) inherit it
+        previous = {name: os.environ.get(name) for name in (MODEL_KEY_ENV, TICKETS_KEY_ENV)}
+        # The workers (spawned) inherit both; the settings say where each may go.
+        os.environ.update({MODEL_KEY_ENV: key, TICKETS_KEY_ENV: ticket_token})
         stub = ChatStub(lambda body: scripted_turn(body, think_s=think_ms / 1000), api_key=key)
         url = ""
         try:
             _wait_listening(port, server, 30.0)
             stub.start()
+            settings = settings.model_copy(
+                update={"credentials": demo_credentials(stub.base_url, mcp_url)}
+            )
             url = ensure_embedded_redis(settings.state_dir)
             fleet = Fleet.connect(settings)
             child = worker_settings(settings, url)
@@ -214,7 +244,7 @@ def run_tools_demo(
                 root = make_greeting_workspace(base / "workspaces" / f"ws-{index}")
                 run_id = submit(
                     fleet,
-                    _document(root, f"http://127.0.0.1:{port}/mcp", stub.base_url),
+                    _document(root, mcp_url, stub.base_url),
                     run_id=f"tools-demo-{index}-{os.getpid()}",
                 )
                 roots[run_id] = root
@@ -253,7 +283,8 @@ def run_tools_demo(
                 server.kill()
             if url:
                 stop_embedded_redis(settings.state_dir)
-            if previous_key is None:
-                os.environ.pop(MODEL_KEY_ENV, None)
-            else:
-                os.environ[MODEL_KEY_ENV] = previous_key
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

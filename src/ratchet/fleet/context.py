@@ -43,9 +43,11 @@ from rq.serializers import JSONSerializer
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.agents import AgentPolicy
 from ratchet.errors import ConfigurationError
+from ratchet.fleet.credentials import CredentialMap
 from ratchet.fleet.redisurl import is_cluster_url, redis_client
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
+from ratchet.limits import set_max_peer_bytes
 from ratchet.runtime import KeyRing, TrustRoots
 
 __all__ = [
@@ -282,12 +284,17 @@ class Fleet:
             )
         rq_connection = redis_client(rq_url, socket_timeout=30, socket_connect_timeout=5)
         epoch = store.check_epoch() if check_store else None
+        # Every client this process builds (MCP, chat models, the HTTP adapter) reads at
+        # most this much of one peer's answer (ratchet.limits).
+        set_max_peer_bytes(settings.max_peer_bytes)
+        keyring = load_keyring(settings)
+        store.record_keyring = keyring  # every incident this process writes is sealed
         return cls(
             settings=settings,
             url=url,
             store=store,
             rq_connection=rq_connection,
-            keyring=load_keyring(settings),
+            keyring=keyring,
             approvers=load_trust_roots(settings.approvers_file, "approver"),
             reviewers=load_trust_roots(settings.reviewers_file, "reviewer"),
             epoch=epoch,
@@ -324,21 +331,28 @@ class Fleet:
     @functools.cached_property
     def sandbox(self) -> Sandbox:
         """How this process confines verifier commands (resolved once; see Sandbox).
-        Every key and trust file it was configured with is masked inside it.
+        Every key, trust and credential file it was configured with is masked inside it.
 
         Raises ConfigurationError (an explicit mode that cannot work here)."""
         s = self.settings
         masked = [
             p for p in (s.checkpoint_keys_file, s.approvers_file, s.reviewers_file) if p is not None
-        ]
+        ] + self.credentials.files()
         return Sandbox.resolve(
             s.verifier_sandbox, uid=s.verifier_uid, masked=masked, read_only=s.verifier_read_only
         )
 
+    @functools.cached_property
+    def credentials(self) -> CredentialMap:
+        """The credentials a run may name here, and where each may go
+        (``RATCHET_CREDENTIALS``; see :mod:`ratchet.fleet.credentials`)."""
+        return CredentialMap(self.settings.credentials)
+
     @property
     def agent_policy(self) -> AgentPolicy:
-        """Which agents this process may load (``RATCHET_AGENTS``; see AgentPolicy)."""
-        return AgentPolicy(prefixes=self.settings.agents)
+        """Which agents this process may load (``RATCHET_AGENTS``; see AgentPolicy), with
+        this process's credentials for the built-in ``tool_calling`` agent."""
+        return AgentPolicy(prefixes=self.settings.agents, credentials=self.credentials)
 
     @property
     def queue(self) -> Queue:

@@ -18,24 +18,37 @@ resolves a verifier command: a rewritten, swapped or forged document is refused 
 
 from __future__ import annotations
 
-import os
+import stat
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Strict, ValidationError, field_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
 
+from ratchet.adapters.gitread import GIT_DIR
+from ratchet.adapters.ground import Ground
 from ratchet.adapters.http import HttpAdapter
 from ratchet.adapters.journal import BUSY_TIMEOUT_SECONDS
 from ratchet.adapters.router import RouterAdapter
 from ratchet.adapters.sandbox import Sandbox
 from ratchet.adapters.verifier import CommandVerifier, VerifierCommand
 from ratchet.adapters.workspace import WorkspaceAdapter
+from ratchet.agents.credentials import credential_uses
 from ratchet.errors import CheckpointError, ConfigurationError, ContractError, IntegrityError
+from ratchet.fleet.credentials import BoundCredential, CredentialMap, no_longer_read
 from ratchet.runtime import (
     Adapter,
     ApprovalEvidence,
     Clock,
     KeyRing,
+    Observation,
     ReviewDecision,
     RunState,
     Scenario,
@@ -58,12 +71,15 @@ __all__ = [
     "RunDocument",
     "VerifierSpec",
     "build_adapter",
+    "check_credentials",
     "check_document_binding",
+    "decide_git",
     "document_digest",
     "open_document",
     "parse_evidence",
     "run_toolbox",
     "seal_document",
+    "workspace_is_git",
 ]
 
 # Paths, argv items, agent names, URLs: a NUL would only fail later, inside the OS.
@@ -83,16 +99,44 @@ class McpServerSpec(Frozen):
     """An MCP server (streamable HTTP) whose tools a run may call, named ``prefix`` +
     the MCP tool name. The document names the server only by address: a worker never
     starts a process a document names (a stdio server is a tool package's business, see
-    docs/mcp.md). ``token_env`` names the worker's environment variable holding a bearer
-    token for it (the worker's secret, never the document's)."""
+    docs/mcp.md). ``credential`` names one of the worker's credentials
+    (``RATCHET_CREDENTIALS``, :mod:`ratchet.fleet.credentials`) sent as a bearer token:
+    the worker's map says which secret that is and whether it may go to ``url``.
+
+    ``token_env`` (an environment variable the document chose) is no longer read: it
+    parses, so documents signed before ``credential`` existed open and digest as they
+    did, and a document that sets it is refused at submit and at job start. For the same
+    reason ``credential`` is left out of the JSON when unset."""
 
     url: Annotated[str, Strict(), Field(min_length=1, max_length=2048, pattern=r"^https?://")]
     prefix: Annotated[
         str, Strict(), Field(max_length=32, pattern=r"^([A-Za-z][A-Za-z0-9_-]*)?$")
     ] = ""
-    token_env: Annotated[str, Strict(), Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")] | None = (
-        None
+    token_env: (
+        Annotated[
+            str,
+            Strict(),
+            Field(
+                pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
+                description="No longer read: refused at submit and at job start; name a "
+                "credential instead.",
+                json_schema_extra={"deprecated": True},
+            ),
+        ]
+        | None
+    ) = None
+    credential: Annotated[str, Strict(), Field(min_length=1, max_length=128)] | None = Field(
+        default=None,
+        description="The name of one of the worker's credentials (RATCHET_CREDENTIALS), "
+        "sent as a bearer token when its destinations cover url.",
     )
+
+    @model_serializer(mode="wrap")
+    def _without_unset_credential(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if self.credential is None and isinstance(data, dict):
+            data.pop("credential", None)
+        return data
 
 
 class EnvironmentSpec(Frozen):
@@ -101,6 +145,22 @@ class EnvironmentSpec(Frozen):
 
     kind: Literal["workspace"] = "workspace"
     root: _Text
+    # Whether the workspace is a git work tree (its .git folder at the root): fixed at
+    # submit, from the submitter's disk or the task file, and signed with the document. A
+    # worker never decides it again from the disk, where agent-written code could have
+    # run `git init`. None only in documents signed before the field existed: their
+    # checkpoint's recorded environment decides (see workspace_is_git).
+    git: StrictBool | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset_git(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Left out of the JSON when unset, so a document signed before the field existed
+        # seals and digests as it did.
+        data = handler(self)
+        if self.git is None and isinstance(data, dict):
+            data.pop("git", None)
+        return data
+
     verifiers: dict[Annotated[str, Strict()], VerifierSpec] = Field(default_factory=dict)
     http_base_url: _Text | None = None
     mcp: dict[
@@ -123,6 +183,46 @@ class RunDocument(Frozen):
 def document_digest(document: RunDocument) -> str:
     """The digest every checkpoint of the run binds (over its canonical JSON)."""
     return model_digest(Domain.DOCUMENT, document)
+
+
+def decide_git(document: RunDocument) -> RunDocument:
+    """``document`` with ``environment.git`` fixed, as submit signs it: what the task
+    said, else whether the workspace root holds a ``.git`` folder now (the submitter's
+    disk, the one decision that is made from it).
+
+    Raises:
+        ConfigurationError: the task says git but the root has no ``.git`` folder.
+    """
+    env = document.environment
+    found = Ground(env.root).lstat(GIT_DIR) if Path(env.root).is_dir() else None
+    is_repo = found is not None and stat.S_ISDIR(found.st_mode)
+    if env.git is None:
+        return document.model_copy(update={"environment": env.model_copy(update={"git": is_repo})})
+    if env.git and not is_repo:
+        raise ConfigurationError(
+            f"environment.git is true but {env.root} has no .git folder",
+            field="environment.git",
+        )
+    return document
+
+
+def workspace_is_git(document: RunDocument, recorded: Observation | None) -> bool:
+    """Whether the run's workspace is read as a git work tree: the signed document says,
+    or (a document signed before it could) the environment its checkpoint recorded.
+    Never the disk as it is now.
+
+    Raises:
+        ConfigurationError: neither says (a document that was never submitted).
+    """
+    if document.environment.git is not None:
+        return document.environment.git
+    if recorded is None:
+        raise ConfigurationError(
+            "the run document does not say whether its workspace is a git repository "
+            "(submit fixes it)",
+            field="environment.git",
+        )
+    return "git_head" in recorded.details
 
 
 def seal_document(keyring: KeyRing, run_id: str, document: RunDocument) -> bytes:
@@ -187,33 +287,74 @@ def check_document_binding(state: RunState, document: RunDocument) -> None:
         )
 
 
-def run_toolbox(document: RunDocument) -> Toolbox:
+def check_credentials(document: RunDocument, credentials: CredentialMap) -> None:
+    """Every credential ``document`` names is one ``credentials`` (this process's own
+    ``RATCHET_CREDENTIALS``) defines for the URL the document would send it to. Nothing
+    is read or sent. Submit checks with the submitter's map before the run exists, a
+    worker with its own at job start before it builds the agent or contacts a server.
+
+    Raises:
+        ConfigurationError: one line naming the field: a field that names an
+            environment variable (``token_env``, ``api_key_env``: no longer read), a
+            ``RATCHET_*`` name, a name the map does not define, a URL its destinations do
+            not cover.
+    """
+    for server, spec in document.environment.mcp.items():
+        _mcp_credential(server, spec, credentials)
+    for use in credential_uses(document.agent, dict(document.agent_config)):
+        credentials.bind(use.name, use.url, field=use.field)
+
+
+def _mcp_credential(
+    server: str, spec: McpServerSpec, credentials: CredentialMap
+) -> BoundCredential | None:
+    """The credential MCP server ``server`` is sent, checked for its URL (None: none).
+
+    Raises ConfigurationError (see :func:`check_credentials`)."""
+    field = f"environment.mcp.{server}"
+    if spec.token_env is not None:
+        raise no_longer_read(f"{field}.token_env", f"{field}.credential")
+    if spec.credential is None:
+        return None
+    return credentials.bind(spec.credential, spec.url, field=f"{field}.credential")
+
+
+def run_toolbox(document: RunDocument, *, credentials: CredentialMap | None = None) -> Toolbox:
     """The declared tools a run's scenario permits, loaded from the installed
     ``ratchet.tools`` entry points (installing a package is the operator's decision;
-    permitting one of its tools, the task's). Only the permitted names are loaded.
+    permitting one of its tools, the task's). Only the permitted names are loaded. An
+    MCP server's credential comes from ``credentials`` (this process's own map; None: a
+    server that names one is refused), checked for the server's URL before it is
+    contacted.
 
     Raises:
         ConfigurationError: a permitted tool is not installed or fails to load, or the
-            scenario does not ask for an approval a tool requires.
+            scenario does not ask for an approval a tool requires; a credential is
+            refused (see :func:`check_credentials`).
     """
     names = [str(n) for n in document.scenario.permissions if str(n) not in BUILTIN_TOOLS]
     servers = document.environment.mcp
     box = Toolbox()
     for server, spec in servers.items():
-        for made in _mcp_tools(server, spec, names):
+        for made in _mcp_tools(server, spec, names, credentials or CredentialMap()):
             box.add(made)
     box = box.with_entry_points(n for n in names if n not in box)
     box.catalog.check_scenario(document.scenario)
     return box
 
 
-def _mcp_tools(server: str, spec: McpServerSpec, permitted: list[str]) -> list[Tool]:
+def _mcp_tools(
+    server: str, spec: McpServerSpec, permitted: list[str], credentials: CredentialMap
+) -> list[Tool]:
     """The tools of MCP server ``server`` that the scenario permits (none: not contacted).
 
     Raises:
-        ConfigurationError: the ``mcp`` extra is missing, the token variable is unset.
+        ConfigurationError: the ``mcp`` extra is missing; the credential is refused or
+            its secret cannot be read (nothing was sent).
         AdapterError: the server could not be reached (retryable=True).
     """
+    # Checked whether or not the server is contacted: a bad reference is refused alike.
+    credential = _mcp_credential(server, spec, credentials)
     wanted = [n for n in permitted if n.startswith(spec.prefix)]
     if not wanted:
         return []
@@ -225,14 +366,8 @@ def _mcp_tools(server: str, spec: McpServerSpec, permitted: list[str]) -> list[T
             field=f"environment.mcp.{server}",
         ) from None
     headers: dict[str, str] = {}
-    if spec.token_env is not None:
-        token = os.environ.get(spec.token_env)
-        if not token:
-            raise ConfigurationError(
-                f"MCP server {server!r} needs a token in ${spec.token_env}, which is unset",
-                field=f"environment.mcp.{server}.token_env",
-            )
-        headers["Authorization"] = f"Bearer {token}"
+    if credential is not None:
+        headers["Authorization"] = f"Bearer {credential().get_secret_value()}"
     connection = MCPConnection.http(spec.url, headers=headers)
     try:
         listed = mcp_tools(connection, prefix=spec.prefix)
@@ -254,6 +389,7 @@ def build_adapter(
     toolbox: Toolbox | None = None,
     busy_timeout_s: float = BUSY_TIMEOUT_SECONDS,
     write_hook: Callable[[str], None] | None = None,
+    recorded: Observation | None = None,
 ) -> Adapter:
     """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
     commands; a worker passes its own, checked usable here before anything is built.
@@ -297,6 +433,7 @@ def build_adapter(
         clock=clock,
         hook=write_hook,
         busy_timeout_s=busy_timeout_s,
+        git=workspace_is_git(document, recorded),
     )
     calls: Any = (
         HttpAdapter(env.http_base_url, token=http_token) if env.http_base_url is not None else None

@@ -5,7 +5,8 @@ anything it could read. Before a tail of it is stored for operators (and again b
 is displayed) a :class:`Scrubber` replaces:
 
 1. the secrets this process is configured with: every checkpoint key (``RATCHET_
-   CHECKPOINT_KEY`` or the keys of the key file), the HTTP API token, the passwords in
+   CHECKPOINT_KEY`` or the keys of the key file), the HTTP API token, the secret of every
+   credential of ``RATCHET_CREDENTIALS`` that can be read, the passwords in
    the Redis URLs, and the value of every ``RATCHET_*`` variable whose name says it is a
    secret (``KEY``, ``TOKEN``, ``SECRET``, ``PASSWORD``, ``URL``); hex secrets in either
    case, and a text that ends in the first 8 or more characters of one (output cut in
@@ -27,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ratchet.fleet.credentials import CredentialMap
 from ratchet.fleet.settings import PREFIX, Settings
 
 __all__ = ["REDACTED", "Scrubber", "tail"]
@@ -90,6 +92,7 @@ class Scrubber:
             if secret is not None:
                 values.append(secret.get_secret_value())
         values += _key_file_values(settings)
+        values += CredentialMap(settings.credentials).secret_values()
         for name, value in env.items():
             if (
                 name.startswith(PREFIX)

@@ -33,6 +33,8 @@ from pydantic_settings import (
 
 from ratchet.adapters.sandbox import SandboxMode
 from ratchet.errors import ConfigurationError
+from ratchet.fleet.credentials import CredentialName, CredentialSpec
+from ratchet.limits import DEFAULT_MAX_PEER_BYTES, MAX_PEER_BYTES_RANGE
 
 __all__ = ["OTHER_NAMES", "PREFIX", "Settings", "check_environment_names", "setting_names"]
 
@@ -145,6 +147,20 @@ class Settings(BaseSettings):
     # The bearer token the worker's HTTP adapter sends with every mutating request (the
     # reference orders service's --token-file); never in a run document.
     http_token: SecretStr | None = None
+    # The credentials a run may name, each with its source and the URL prefixes it may be
+    # sent to (ratchet.fleet.credentials; docs/operations.md). A JSON object of names and
+    # places, never of secrets: RATCHET_CREDENTIALS='{"openai": {"env": "OPENAI_API_KEY",
+    # "destinations": ["https://api.openai.com/v1"]}}'.
+    credentials: dict[CredentialName, CredentialSpec] = Field(
+        default_factory=dict,
+        description='JSON {"name": {"env": VAR | "file": "/abs/path", "destinations": [url]}}',
+    )
+    # The most bytes one answer of a network peer (an MCP server, a chat model, the HTTP
+    # adapter's service) may carry: counted while it streams in, and reading stops past
+    # it (ratchet.limits). A read is then refused, a write is an outcome unknown (review).
+    max_peer_bytes: Annotated[
+        int, Field(ge=MAX_PEER_BYTES_RANGE[0], le=MAX_PEER_BYTES_RANGE[1])
+    ] = DEFAULT_MAX_PEER_BYTES
     # Workers and submit refuse a Redis whose maxmemory-policy is not noeviction; where an
     # ACL forbids reading it (CONFIG GET and INFO), this says it was checked by hand.
     allow_unknown_eviction_policy: bool = False
@@ -195,6 +211,18 @@ class Settings(BaseSettings):
             raise ValueError(
                 "worker_restart_backoff_ms must not exceed worker_restart_backoff_max_ms"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _credential_files(self) -> Self:
+        keys = {
+            p.resolve()
+            for p in (self.checkpoint_keys_file, self.approvers_file, self.reviewers_file)
+            if p is not None
+        }
+        for spec in self.credentials.values():
+            if spec.file is not None and spec.file.resolve() in keys:
+                raise ValueError("a credential is never read from a key or trust file")
         return self
 
     @property

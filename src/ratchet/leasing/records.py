@@ -4,6 +4,12 @@ reviewer decisions) that ``ratchet approve`` / ``ratchet review`` leave for a wa
 
 Both are bounded lists in the run's slot, appended by one script each (``record_incident``,
 ``post_evidence``) that refuses an unknown run.
+
+Incidents are sealed as they are written when the store has a key ring
+(``record_keyring``: every store a :class:`~ratchet.fleet.context.Fleet` builds has the
+fleet's), so an export tells them from records pushed into Redis by hand
+(:mod:`ratchet.runtime.seals`; the store's time stamp beside each stays outside the seal).
+Readers get the ``seal`` field with the record.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.replies import decode_counted, decode_replaced
 from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.canonical import strict_json_loads
+from ratchet.runtime.seals import seal_record
+from ratchet.runtime.signing import KeyRing
 
 __all__ = ["RunRecords"]
 
@@ -28,16 +36,22 @@ class RunRecords(StorePlumbing):
     """Incidents and the evidence inbox of one run (see the module docstring)."""
 
     max_scenario_bytes: int  # set by RedisStore: the cap a document is stored under
+    #: Seals each incident as it is written (set by RedisStore; None: written unsigned).
+    record_keyring: KeyRing | None = None
 
     def record_incident(self, run_id: str, record: dict[str, Any], *, keep: int = 50) -> int:
         """Append an operator-facing incident (JSON) to the run, with an ``id``
-        (``inc-...``) unless the record names one; returns Redis' time (ms).
+        (``inc-...``) unless the record names one, sealed for the run when the store has
+        a ``record_keyring`` (floats then stored as text); returns Redis' time (ms).
 
-        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
+        Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError, ContractError
+        (a record JSON cannot hold).
         """
         keys = run_keys(run_id)
         # Each incident has an id, so a decision that resolves one can name it.
         record = {"id": f"inc-{secrets.token_hex(6)}", **record}
+        if self.record_keyring is not None:
+            record = seal_record(self.record_keyring, run_id, record)
         text = json.dumps(record, sort_keys=True, separators=(",", ":"))
         reply = self._run(
             ScriptName.RECORD_INCIDENT, run_id, [keys.incidents, keys.state], [text, keep]

@@ -115,6 +115,7 @@ from ratchet.leasing.results import (
 )
 from ratchet.leasing.retention import RunRetention
 from ratchet.leasing.scripts import ScriptName
+from ratchet.runtime.signing import KeyRing
 from ratchet.runtime.window import DIGEST_BYTES
 
 __all__ = ["DEFAULT_MAX_CHECKPOINT_BYTES", "RedisStore"]
@@ -140,6 +141,7 @@ class RedisStore(
     how long the global nonce records live (None: for good; set it above the longest
     approval lifetime if set at all). ``compress_checkpoints`` stores checkpoints as zstd
     frames (:mod:`ratchet.leasing.encoding`); either way, reads accept both.
+    ``record_keyring`` seals every incident as it is written (None: written unsigned).
     """
 
     def __init__(
@@ -154,6 +156,7 @@ class RedisStore(
         compress_checkpoints: bool = True,
         min_replicas_ack: int = 0,
         replicas_ack_timeout_ms: int = 1000,
+        record_keyring: KeyRing | None = None,
     ) -> None:
         for name, value, low in (
             ("max_checkpoint_bytes", max_checkpoint_bytes, 1),
@@ -187,6 +190,8 @@ class RedisStore(
         self.commit_retries = commit_retries
         self.nonce_ttl_s = nonce_ttl_s
         self.compress_checkpoints = bool(compress_checkpoints)
+        #: Seals every incident as it is written (:mod:`ratchet.leasing.records`).
+        self.record_keyring = record_keyring
         #: Replicas that must confirm a create or commit before it counts as acknowledged
         #: (``WAIT``; 0: the primary's own reply, AOF, is the acknowledgement).
         self.min_replicas_ack = min_replicas_ack

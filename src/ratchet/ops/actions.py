@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,9 @@ from ratchet.fleet.control import CancelRequest, new_cancel_request, seal_cancel
 from ratchet.fleet.runs import (
     RunDocument,
     build_adapter,
+    check_credentials,
     check_document_binding,
+    decide_git,
     document_digest,
     open_document,
     run_toolbox,
@@ -103,17 +106,26 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
 
     The agent is resolved and built first, under the same rule a worker applies
     (:class:`ratchet.agents.AgentPolicy`), so a run whose agent no worker here
-    could load is refused now rather than crash-looping later.
+    could load is refused now rather than crash-looping later. Credentials the document
+    names are checked against this process's own ``RATCHET_CREDENTIALS`` (the worker's
+    rule, :func:`ratchet.fleet.runs.check_credentials`), and listing an MCP server's tools
+    sends only what that map allows.
 
     Raises RunExistsError, ConfigurationError (agent not allowed or unloadable, bad
-    environment), AdapterError, CheckpointTooLargeError.
+    environment, a credential refused), AdapterError, CheckpointTooLargeError.
     """
     run_id = check_id(run_id or f"run-{secrets.token_hex(6)}", "run_id")
+    # Whether the workspace is a repository is decided now, from the submitter's disk,
+    # and signed with the document: no worker decides it again.
+    document = decide_git(document)
     fleet.check_eviction_policy()
+    # The submitter's own credentials, by the worker's rule: a document naming one this
+    # process does not define for that URL is refused before anything is sent or stored.
+    check_credentials(document, fleet.credentials)
     fleet.agent_policy.build(document.agent, dict(document.agent_config))
     sent_at = time.monotonic()
     clock = StoreClock(fleet.store.server_time_ms(), sent_at=sent_at)  # the run's start
-    toolbox = run_toolbox(document)
+    toolbox = run_toolbox(document, credentials=fleet.credentials)
     adapter = build_adapter(document, toolbox=toolbox)
     try:
         RunEngine.start(
@@ -310,11 +322,20 @@ def approve(
     return post_approval(fleet, run_id, sign_approval(key, approver_id, claims))
 
 
-def review(
-    fleet: Fleet, run_id: str, verdict: str, *, key: Ed25519PrivateKey, reviewer_id: str
-) -> Posted:
+KeySource = Ed25519PrivateKey | Callable[[], Ed25519PrivateKey]
+"""A signer's private key, or a function that loads it. Commands that observe the
+environment first call the loader only after the observation is over and its adapter
+closed: no process the observation started is alive while the key is in memory."""
+
+
+def _loaded(key: KeySource) -> Ed25519PrivateKey:
+    return key if isinstance(key, Ed25519PrivateKey) else key()
+
+
+def review(fleet: Fleet, run_id: str, verdict: str, *, key: KeySource, reviewer_id: str) -> Posted:
     """Sign a reviewer decision on the run's open case, check it
-    (:func:`post_review_decision`), post it and re-enqueue the run.
+    (:func:`post_review_decision`), post it and re-enqueue the run. ``key`` is loaded
+    after the environment is observed (see :data:`KeySource`).
 
     Raises ContractError (no open case, bad verdict), ReviewDecisionError, and what
     inspect_run raises.
@@ -340,7 +361,8 @@ def review(
         verdict=decided,
         nonce=f"rv-{secrets.token_hex(12)}",
     )
-    return post_review_decision(fleet, run_id, sign_review_decision(key, reviewer_id, claims))
+    decision = sign_review_decision(_loaded(key), reviewer_id, claims)
+    return post_review_decision(fleet, run_id, decision)
 
 
 def review_claims(
@@ -469,9 +491,16 @@ def _environment_incident(view: RunView, incident_id: str | None) -> str:
 
 def _observe_now(fleet: Fleet, view: RunView) -> Observation:
     """The run's environment as it is now, read-only through its own adapter (no fence is
-    raised: nothing is written). Raises AdapterError, ConfigurationError."""
+    raised: nothing is written; no verifier runs, so no sandbox is needed; the
+    repository is read as data, so nothing the workspace configures runs on the
+    operator's host). Raises AdapterError, ConfigurationError."""
     token = fleet.settings.http_token.get_secret_value() if fleet.settings.http_token else None
-    adapter = build_adapter(view.document, sandbox=fleet.sandbox, http_token=token)
+    adapter = build_adapter(
+        view.document,
+        http_token=token,
+        toolbox=run_toolbox(view.document, credentials=fleet.credentials),
+        recorded=view.state.environment,
+    )
     try:
         return drive(effects.observe(), Executor(adapter))
     finally:
@@ -484,16 +513,17 @@ def rebaseline(
     fleet: Fleet,
     run_id: str,
     *,
-    key: Ed25519PrivateKey,
+    key: KeySource,
     reviewer_id: str,
     incident_id: str | None = None,
 ) -> Posted:
     """Sign a reviewer's rebaseline decision for a run frozen because its environment was
     changed behind it: observe the environment now (read-only, through the run's
-    adapter), bind the decision to the run, the incident, the checkpoint generation, the
-    environment the run recorded and the one observed, check it as the worker will, post
-    it and re-enqueue the run. The worker accepts the observation as the new baseline
-    only while the environment still reads exactly that, and voids the old approvals.
+    adapter; ``key`` is loaded only after that, see :data:`KeySource`), bind the decision
+    to the run, the incident, the checkpoint generation, the environment the run recorded
+    and the one observed, check it as the worker will, post it and re-enqueue the run.
+    The worker accepts the observation as the new baseline only while the environment
+    still reads exactly that, and voids the old approvals.
 
     Raises ContractError (a run not running or waiting, no environment incident, an
     environment that did not change or is another instance), ReviewDecisionError, and
@@ -533,7 +563,7 @@ def rebaseline(
         new_env_fingerprint=seen.fingerprint,
         nonce=f"rb-{secrets.token_hex(12)}",
     )
-    decision = sign_rebaseline(key, reviewer_id, claims)
+    decision = sign_rebaseline(_loaded(key), reviewer_id, claims)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
         machine.check_rebaseline(

@@ -19,12 +19,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 from ratchet.adapters.files import AllowedPaths
-from ratchet.errors import ConfigurationError
+from ratchet.adapters.ground import Ground
+from ratchet.errors import ConfigurationError, UntrustedGroundError
 from ratchet.ops.actions import RunView
 from ratchet.runtime import ActionKind
 
@@ -56,26 +56,29 @@ def _describe(data: bytes) -> dict[str, Any]:
 
 
 def _read_current(root: Path, path: str, allowed: AllowedPaths) -> tuple[bytes | None, str]:
-    """The file's bytes (None when it does not exist) and a note; never follows a link."""
+    """The file's bytes (None when it does not exist) and a note; never follows a link,
+    never opens anything but a regular file, never reads past the diff bound."""
     if path not in allowed:
         return None, "the path is outside the allowed paths"
-    current = root
-    for part in path.split("/"):
-        current = current / part
-        if current.is_symlink():
-            return None, "the path goes through a symbolic link"
     try:
-        fd = os.open(current, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None, _MISSING
+        with Ground(root).open(path) as opened:
+            if opened is None:
+                return None, _MISSING
+            fd, _ = opened
+            data = bytearray()
+            while len(data) <= DIFF_BYTES:
+                chunk = os.read(fd, DIFF_BYTES + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+    except UntrustedGroundError as exc:
+        reason = exc.context.get("reason")
+        if reason == "link_in_path" or exc.context.get("file_type") == "symlink":
+            return None, "the path goes through a symbolic link"
+        return None, f"the path is not a regular file ({exc.context.get('file_type')})"
     except OSError as exc:
         return None, f"the file cannot be read here ({exc.strerror or type(exc).__name__})"
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            return None, "the path is not a regular file"
-        data = handle.read(DIFF_BYTES + 1)
-    return data, ""
+    return bytes(data), ""
 
 
 def _diff(old: bytes, new: bytes, path: str) -> dict[str, Any]:

@@ -7,17 +7,26 @@ evidence is not all consumed, and nothing lets a purged run's ids be reused.
 Export file (``ratchet export RUN``): one HMAC envelope under the fleet's key ring, in its
 own domain (``ratchet/export/v1``), over canonical JSON::
 
-    {"format": 1, "run_id", "exported_at_ms" (store clock), "generation",
+    {"format": 2, "run_id", "exported_at_ms" (store clock), "generation",
      "document", "checkpoint", "archive": [...]   (the stored bytes, base64: each keeps
                                                    its own MAC),
-     "history": [...], "incidents": [...], "consumed_nonces": [...],
+     "history": [...], "incidents": [...]   (the stored entries, exactly as Redis holds
+                                             them: ``at_ms|record``),
+     "consumed_nonces": [...],
      "inbox": [...]  (base64: evidence and requests left for the run)}
 
 ``ratchet verify FILE`` (:func:`verify_export`) needs only the key ring, no store: the
 envelope, then the document and the checkpoint with its archive exactly as a worker's
-restore checks them (MACs, schema, the document bound by the checkpoint, invariants), and
-that the checkpoint is the exported generation. The history and incidents were unsigned in
-Redis; the export's envelope makes them tamper-evident from the export on.
+restore checks them (MACs, schema, the document bound by the checkpoint, invariants),
+that the checkpoint is the exported generation and the consumed nonces are the
+checkpoint's. Then it says, part by part, what it vouches for
+(:mod:`ratchet.ops.vouching`): those signed parts whole; history, incidents and inbox
+record by record, each only by its own seal or signature (a sealed incident or cancel
+request, an approval or decision under the trust roots given), never by the export's
+envelope, which only shows the file was not changed since it was made. A record pushed
+into Redis by hand reads as unsigned; one whose seal does not verify refuses the export.
+Format 1 files (made before records were sealed) still verify, their records unsigned.
+Neither export nor verify writes to the store.
 
 Purge (``ratchet purge --finished-before DURATION``, and the workers on their own when
 ``RATCHET_RETENTION_S`` is set): candidates come from the terminal phases' indexes, scored
@@ -54,7 +63,20 @@ from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import check_document_binding, open_document
 from ratchet.leasing.keys import run_keys
 from ratchet.ops.actions import RunView, inspect_run
-from ratchet.runtime import ApprovalEvidence, KeyRing, RebaselineDecision, ReviewDecision
+from ratchet.ops.vouching import (
+    PartReport,
+    judge_history,
+    judge_inbox,
+    judge_incidents,
+    signed_part,
+)
+from ratchet.runtime import (
+    ApprovalEvidence,
+    KeyRing,
+    RebaselineDecision,
+    ReviewDecision,
+    TrustRoots,
+)
 from ratchet.runtime.canonical import Domain, canonical_json, strict_json_loads
 from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.signing import open_envelope, seal_envelope
@@ -73,13 +95,15 @@ __all__ = [
 
 log = logging.getLogger("ratchet.ops.retention")
 
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
+_FORMATS = (1, 2)  # format 1: incidents as read (objects), nothing sealed per record
 MAX_EXPORT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class ExportSummary:
-    """What a verified export holds."""
+    """What a verified export holds, and what it vouches for, part by part (``parts``:
+    document, checkpoint, archive, consumed nonces, history, incidents, inbox)."""
 
     run_id: str
     phase: str
@@ -88,6 +112,8 @@ class ExportSummary:
     executed: int
     trace_events: int
     exported_at_ms: int
+    parts: tuple[PartReport, ...] = ()
+    export_format: int = EXPORT_FORMAT
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -98,7 +124,13 @@ class ExportSummary:
             "executed_writes": self.executed,
             "trace_events": self.trace_events,
             "exported_at_ms": self.exported_at_ms,
+            "format": self.export_format,
+            # The file's own seal and every signed part verified; see "parts" for what
+            # that vouches for.
             "verified": True,
+            "vouched_for": [p.name for p in self.parts if p.vouched],
+            "not_vouched_for": [p.name for p in self.parts if not p.vouched],
+            "parts": {p.name: p.as_dict() for p in self.parts},
         }
 
 
@@ -119,7 +151,9 @@ def export_run(fleet: Fleet, run_id: str, *, view: RunView | None = None) -> byt
         raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
     keys = run_keys(run_id)
     client = fleet.store.client
+    # Records exactly as Redis holds them (read only): verify judges each by its own seal.
     history = [_text(h) for h in client.lrange(keys.history, 0, -1)]
+    incidents = [_text(i) for i in client.lrange(keys.incidents, 0, -1)]
     body = {
         "format": EXPORT_FORMAT,
         "run_id": run_id,
@@ -129,22 +163,11 @@ def export_run(fleet: Fleet, run_id: str, *, view: RunView | None = None) -> byt
         "checkpoint": _b64(snap.checkpoint),
         "archive": [_b64(segment) for segment in snap.archive],
         "history": history,
-        "incidents": _plain(view.incidents),
+        "incidents": incidents,
         "consumed_nonces": list(view.state.consumed_nonces),
         "inbox": [_b64(raw) for raw in fleet.store.inbox(run_id, limit=1000)],
     }
     return seal_envelope(fleet.keyring, canonical_json(body), domain=Domain.EXPORT)
-
-
-def _plain(value: Any) -> Any:
-    """Incidents as canonical JSON can hold them (no floats: they become text)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, float):
-        return repr(value)
-    return value
 
 
 def write_export(
@@ -157,7 +180,8 @@ def write_export(
     folder that cannot be written.
     """
     blob = export_run(fleet, run_id, view=view)
-    summary = verify_export(fleet.keyring, blob)  # never write what would not verify
+    roots = {"approvers": fleet.approvers, "reviewers": fleet.reviewers}
+    summary = verify_export(fleet.keyring, blob, **roots)  # never write what would not verify
     folder = path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -176,7 +200,7 @@ def write_export(
         raise ConfigurationError(
             f"cannot write the export {path}: {exc.strerror or exc}", field="export"
         ) from None
-    if verify_export(fleet.keyring, path.read_bytes()) != summary:
+    if verify_export(fleet.keyring, path.read_bytes(), **roots) != summary:
         raise IntegrityError("the export read back differs from what was written", run_id=run_id)
     return summary
 
@@ -185,12 +209,21 @@ def _refused(message: str, **context: object) -> IntegrityError:
     return IntegrityError(f"export refused: {message}", reason="export", **context)
 
 
-def verify_export(keyring: KeyRing, blob: bytes) -> ExportSummary:
-    """Verify an export file offline (see the module docstring). Returns its summary.
+def verify_export(
+    keyring: KeyRing,
+    blob: bytes,
+    *,
+    approvers: TrustRoots | None = None,
+    reviewers: TrustRoots | None = None,
+) -> ExportSummary:
+    """Verify an export file offline (see the module docstring). Returns its summary, with
+    what it vouches for part by part; ``approvers`` and ``reviewers`` check the evidence
+    in the inbox (without them it reads as unchecked).
 
     Raises:
         IntegrityError: ``reason="export"`` (or the document's / checkpoint's own
-            refusal), naming the failed check.
+            refusal), naming the failed check (``incident_seal``, ``inbox_seal``: a
+            record whose seal does not verify).
     """
     if len(blob) > MAX_EXPORT_BYTES:
         raise _refused("the file is larger than any export", check="size")
@@ -218,8 +251,13 @@ def verify_export(keyring: KeyRing, blob: bytes) -> ExportSummary:
         "consumed_nonces",
         "inbox",
     }
-    if not isinstance(data, dict) or set(data) != want or data["format"] != EXPORT_FORMAT:
+    if not isinstance(data, dict) or set(data) != want or data["format"] not in _FORMATS:
         raise _refused("its signed body has the wrong fields or format", check="schema")
+    records = (data["history"], data["incidents"], data["consumed_nonces"], data["inbox"])
+    if not all(isinstance(r, list) for r in records) or not all(
+        isinstance(e, str) for e in (*data["history"], *data["consumed_nonces"], *data["inbox"])
+    ):
+        raise _refused("its records are not lists of text", check="schema")
     try:
         run_id = str(data["run_id"])
         document_raw = base64.b64decode(data["document"], validate=True)
@@ -242,6 +280,18 @@ def verify_export(keyring: KeyRing, blob: bytes) -> ExportSummary:
         raise _refused(
             f"the checkpoint's state is invalid: {exc.message}", check="invariant"
         ) from None
+    if sorted(data["consumed_nonces"]) != sorted(state.consumed_nonces):
+        raise _refused("the consumed nonces are not the checkpoint's", check="nonces")
+    # Format 1 held incidents as read (objects): judged the same way (none has a seal).
+    parts = (
+        signed_part("document", "HMAC under the key ring, bound to the run", 1),
+        signed_part("checkpoint", f"HMAC under the key ring, generation {payload.generation}", 1),
+        signed_part("archive", "its hash chain, signed in the checkpoint", len(archive)),
+        signed_part("consumed_nonces", "the signed checkpoint", len(state.consumed_nonces)),
+        judge_history(data["history"]),
+        judge_incidents(keyring, run_id, data["incidents"]),
+        judge_inbox(keyring, run_id, data["inbox"], approvers=approvers, reviewers=reviewers),
+    )
     return ExportSummary(
         run_id,
         state.phase.value,
@@ -250,6 +300,8 @@ def verify_export(keyring: KeyRing, blob: bytes) -> ExportSummary:
         len(state.executed),
         len(state.trace),
         int(data["exported_at_ms"]),
+        parts,
+        int(data["format"]),
     )
 
 

@@ -57,6 +57,7 @@ class Domain:
     REBASELINE = b"ratchet/rebaseline/v1"
     CONTROL = b"ratchet/control/v1"
     EXPORT = b"ratchet/export/v1"
+    INCIDENT = b"ratchet/incident/v1"
     TOOL = b"ratchet/tool/v1"
     TOOL_OUTPUT = b"ratchet/tool-output/v1"
 

@@ -10,7 +10,7 @@ key it was sent, which is what a client must never copy into its own errors.
     with ChatStub([{"tool_calls": [{"id": "c1", "name": "read_file",
                                     "arguments": '{"path": "app.py"}'}]},
                    {"content": "done"}], api_key="sk-test") as stub:
-        model = OpenAIChatModel(stub.base_url, "stub", api_key_env="STUB_KEY")
+        model = OpenAIChatModel(stub.base_url, "stub", api_key=SecretStr("sk-test"))
         ...
         stub.requests[0].body["tools"]   # what the model was offered
 """

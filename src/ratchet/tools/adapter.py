@@ -31,6 +31,11 @@ none                          tool.lookup  None: send      None: never sent, sen
                                                            (needs_review, never
                                                            sent again)
 ============================  ===========  ==============  =========================
+
+A write whose answer went past the byte cap (:mod:`ratchet.limits`), or whose lookup's
+did, is an outcome unknown whatever the tool's recovery: ``OutcomeUnknownError`` (from the
+:class:`~ratchet.errors.PeerAnswerTooLargeError`), so the run waits in ``needs_review``
+and nothing sends the call again. A read past the cap is refused by that error.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from ratchet.errors import (
     FenceRejectedError,
     IdempotencyConflictError,
     OutcomeUnknownError,
+    PeerAnswerTooLargeError,
 )
 from ratchet.runtime.actions import Action
 from ratchet.runtime.canonical import Domain, canonical_json, digest
@@ -107,6 +113,20 @@ def output_result(tool: str, output: Any) -> dict[str, str | int]:
             Domain.TOOL_OUTPUT + b"\x00" + text.encode()
         ).hexdigest()
     return result
+
+
+def _cut_off(tool: str, key: str, refusal: PeerAnswerTooLargeError) -> OutcomeUnknownError:
+    """A write whose answer went past the byte cap: its outcome is unknown (the refusal's
+    peer, cap and bytes seen are carried for the review case and the incident)."""
+    return OutcomeUnknownError(
+        f"tool {tool}: {refusal.message}; the call may have happened and its answer cannot "
+        "be kept: whether it happened is for a reviewer to find out",
+        tool=tool,
+        idempotency_key=key,
+        peer=refusal.peer,
+        limit_bytes=refusal.limit_bytes,
+        seen_bytes=refusal.seen_bytes,
+    )
 
 
 class ToolsAdapter:
@@ -253,7 +273,9 @@ class ToolsAdapter:
             FenceRejectedError: the ledger (or the tool) has seen a newer fence.
             IdempotencyConflictError: the key belongs to another intent.
             OutcomeUnknownError: an earlier call of the key was cut off and the tool can
-                neither look it up nor be called again (its recovery is ``review``).
+                neither look it up nor be called again (its recovery is ``review``), or
+                this call's answer went past the byte cap (raised from the
+                :class:`~ratchet.errors.PeerAnswerTooLargeError`).
             AdapterError: a refusal with no effect (retryable=False), or a failure whose
                 outcome recovery settles (retryable=True).
         """
@@ -290,6 +312,12 @@ class ToolsAdapter:
         except (FenceRejectedError, IdempotencyConflictError):
             self.ledger.abort_call(key, recorded)  # the tool refused it: no effect
             raise
+        except PeerAnswerTooLargeError as exc:
+            # Timeline: call sent -> the service answered past the byte cap -> reading
+            # stopped. The write may have happened and its answer cannot be kept: nothing
+            # may send it again (a second answer would be cut the same way) and no receipt
+            # can be made. A review tool's started row stays; a reviewer decides.
+            raise _cut_off(spec.name, key, exc) from exc
         except AdapterError as exc:
             if not exc.context.get("retryable"):
                 self.ledger.abort_call(key, recorded)
@@ -319,11 +347,17 @@ class ToolsAdapter:
         recovery finds, or None (the tool may be called with the same key).
 
         Raises:
-            OutcomeUnknownError: a ``review`` tool's cut-off call.
+            OutcomeUnknownError: a ``review`` tool's cut-off call, or a lookup whose answer
+                went past the byte cap.
         """
         recovery = t.spec.recovery
         if recovery is Recovery.LOOKUP:
-            found = t.lookup(key)
+            try:
+                found = t.lookup(key)
+            except PeerAnswerTooLargeError as exc:
+                # The tool's record of the call is past the cap: it cannot be read, so the
+                # call's outcome cannot be learnt from it.
+                raise _cut_off(t.spec.name, key, exc) from exc
             if found is None:
                 self.ledger.abort_call(key)
                 return None

@@ -263,10 +263,10 @@ class ShellTool(Tool):
             "WORKSPACE": str(self.workspace),
             **self._env,
         }
-        # The sandbox's command binds its "workspace" read-write: that is the scratch
-        # directory here. The real workspace is one more read-only path (bound before the
-        # scratch one), and the folder Sandbox.command empties is the workspace adapter's
-        # state folder when it has one (the journal stays out of reach).
+        # The sandbox's "workspace" is the scratch directory here, bound read-write. The
+        # real workspace is one more read-only path (bound before the scratch one), and
+        # the folder Sandbox.command empties is the workspace adapter's state folder when
+        # it has one (the journal stays out of reach).
         confined = dataclasses.replace(sandbox, read_only=(*sandbox.read_only, self.workspace))
         state = self.workspace / STATE_DIR
         command, popen_env, extra = confined.command(
@@ -277,6 +277,7 @@ class ShellTool(Tool):
             state_dir=state if state.is_dir() else scratch / STATE_DIR,
             writable=self._writable,
             network=self.network,
+            workspace_writable=True,
         )
         return _run_bounded(
             command,

@@ -13,7 +13,8 @@ run's adapter and generation store. For every effect, in this order:
    named window (``Reached``). Production code knows nothing else about faults.
 3. **Metrics and the log context** (``measure=True``, a worker): commits are timed and
    counted, the log context's generation follows every commit, fence refusals and
-   failed verifications are counted and recorded for the operator.
+   failed verifications are counted and recorded for the operator, and so is an answer
+   an adapter's peer sent past the byte cap (``peer_answer_too_large``).
 4. The call on the port itself.
 
 The same executor performs the engine's effects in unit tests (in-memory ports, no
@@ -26,7 +27,12 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ratchet.errors import FenceRejectedError, InvalidTransitionError
+from ratchet.errors import (
+    FenceRejectedError,
+    InvalidTransitionError,
+    OutcomeUnknownError,
+    PeerAnswerTooLargeError,
+)
 from ratchet.fleet import logs, metrics
 from ratchet.runtime.effects import (
     Commit,
@@ -53,7 +59,7 @@ from ratchet.runtime.ports import (
     StoredCheckpoint,
     VerifierReport,
 )
-from ratchet.worker.observe import RunRecorder, last_verifier_run
+from ratchet.worker.observe import RunRecorder, last_verifier_run, too_large
 
 __all__ = ["Executor", "Guard", "WindowProbe"]
 
@@ -139,10 +145,14 @@ class Executor:
         guard = self._guard
         if guard is not None and isinstance(effect, _GUARDED):
             guard.check()
-        if hooks is None:
-            result = handler(self, effect)
-        else:
-            result = hooks.around(effect, lambda: handler(self, effect))
+        try:
+            if hooks is None:
+                result = handler(self, effect)
+            else:
+                result = hooks.around(effect, lambda: handler(self, effect))
+        except (PeerAnswerTooLargeError, OutcomeUnknownError) as exc:
+            self._answer_refused(effect, exc)
+            raise
         if guard is not None and isinstance(effect, Commit):
             guard.progress()
         return result
@@ -217,6 +227,17 @@ class Executor:
 
     def _reached(self, effect: Reached) -> None:
         return None  # a crash window: only hooks act on it
+
+    def _answer_refused(self, effect: Effect, exc: Exception) -> None:
+        """An adapter call failed on an answer past the byte cap: record it for the
+        operator (a write's becomes an outcome unknown, anything else is refused)."""
+        refusal = too_large(exc)
+        if refusal is None or self._recorder is None:
+            return
+        outcome = "outcome_unknown" if isinstance(exc, OutcomeUnknownError) else "refused"
+        self._recorder.peer_answer_too_large(
+            refusal, call=type(effect).__name__.lower(), outcome=outcome
+        )
 
     def _count_refusal(self, call: str) -> None:
         if self._measure:

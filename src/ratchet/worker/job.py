@@ -64,6 +64,7 @@ from ratchet.errors import (
     IntegrityError,
     InvalidTransitionError,
     LeaseLostError,
+    PeerAnswerTooLargeError,
     RatchetError,
     ReplicationUnconfirmedError,
     ReviewDecisionError,
@@ -80,6 +81,7 @@ from ratchet.fleet.identity import owner_id
 from ratchet.fleet.runs import (
     RunDocument,
     build_adapter,
+    check_credentials,
     check_document_binding,
     open_document,
     parse_evidence,
@@ -296,6 +298,11 @@ def _execute(
             # be imported can still be cancelled (see ratchet.fleet.control).
             inbox = fleet.store.inbox(run_id)
             cancel, rebaseline = _controls(fleet, run_id, inbox, opened, document)
+            if cancel is None:
+                # Credentials are this worker's: every one the document names must be in
+                # its own map, for the URL it would go to, before the agent is built or
+                # a server contacted (a refusal freezes the run; nothing was sent).
+                check_credentials(document, fleet.credentials)
             agent_factory = fleet.agent_policy.resolve(document.agent) if cancel is None else None
             # A run under review whose environment a person changed meanwhile restores
             # only to consume a decision a reviewer signed for the environment as it is
@@ -305,7 +312,7 @@ def _execute(
                 inbox, opened.state
             )
             token = settings.http_token.get_secret_value() if settings.http_token else None
-            toolbox = run_toolbox(document)
+            toolbox = run_toolbox(document, credentials=fleet.credentials)
             adapter = build_adapter(
                 document,
                 sandbox=fleet.sandbox,
@@ -314,6 +321,7 @@ def _execute(
                 toolbox=toolbox,
                 busy_timeout_s=settings.workspace_busy_timeout_ms / 1000,
                 write_hook=hooks.write_stage if hooks is not None else None,
+                recorded=opened.state.environment,
             )
             executor = Executor(
                 adapter,
@@ -385,7 +393,7 @@ def _execute(
                 report.windows.append(recovered.window.value)
             heartbeat.progress()
             _consume_inbox(fleet, engine, inbox)
-            _step(fleet, engine, document, agent_factory, heartbeat, report)
+            _step(fleet, engine, document, agent_factory, heartbeat, report, recorder)
         report.phase, report.generation = engine.state.phase.value, engine.generation
         metrics.observe_trace(engine.state, since_seq=restored_seq)
         _finish(lease, heartbeat, engine, report)
@@ -536,6 +544,7 @@ def _step(
     agent_factory: AgentFactory,
     heartbeat: Heartbeat,
     report: JobReport,
+    recorder: RunRecorder,
 ) -> None:
     agent = build_agent(document.agent, agent_factory, dict(document.agent_config))
     coalesce = plans_ahead(agent)
@@ -552,7 +561,13 @@ def _step(
         if request is not None:  # an operator asked: stop at this safe point
             _cancel(engine, request, report)
             return
-        step = agent.next_step(agent_view(engine, last_read))
+        try:
+            step = agent.next_step(agent_view(engine, last_read))
+        except PeerAnswerTooLargeError as refusal:
+            # The agent's model answered past the byte cap: nothing of the step was
+            # committed; the job fails with it (job_error) and this says why.
+            recorder.peer_answer_too_large(refusal, call="model", outcome="refused")
+            raise
         if step is None:
             report.outcome = "no_proposal"
             return

@@ -11,7 +11,10 @@ show`` and the console:
   report's ``output_digest``; the record keeps the target, exit code, timeout and
   truncation flags, that digest, and the last 40 lines / 4 KiB of the output with secrets
   scrubbed (:mod:`ratchet.fleet.scrub`). That tail is not covered by any signature: it is
-  for diagnosis only, and is shown as such.
+  for diagnosis only, and is shown as such;
+* ``peer_answer_too_large``: a peer's answer (an MCP server's, a chat model's, an HTTP
+  service's) went past the byte cap and reading stopped (:mod:`ratchet.limits`): the
+  peer, the cap, the bytes read, which call it answered and what became of the call.
 
 Recording is best effort: a record that cannot be written is skipped (logged), never a
 reason for the job to fail.
@@ -22,13 +25,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ratchet.errors import RatchetError
+from ratchet.errors import PeerAnswerTooLargeError, RatchetError
 from ratchet.fleet import metrics
 from ratchet.fleet.scrub import Scrubber, tail
 from ratchet.fleet.settings import Settings
 from ratchet.runtime import VerifierReport
 
-__all__ = ["RunRecorder", "job_ended", "last_verifier_run"]
+__all__ = ["RunRecorder", "job_ended", "last_verifier_run", "too_large"]
 
 #: Bounds of the verifier output kept with a ``verifier_failed`` record.
 TAIL_BYTES = 4096
@@ -136,6 +139,36 @@ class RunRecorder:
         else:
             record["message"] = "the verification did not pass (no output kept)"
         self._record(record)
+
+    def peer_answer_too_large(
+        self, refusal: PeerAnswerTooLargeError, *, call: str, outcome: str
+    ) -> None:
+        """Record an answer past the byte cap: ``call`` is what it answered (``read``,
+        ``execute``, ``lookup``, ``observe``, ``model``...), ``outcome`` what the call
+        became (``refused``: nothing happened; ``outcome_unknown``: a write that may have
+        happened, the run waits for a reviewer)."""
+        self._record(
+            {
+                "kind": "peer_answer_too_large",
+                "lease_version": self._lease_version,
+                "peer": refusal.peer,
+                "limit_bytes": refusal.limit_bytes,
+                "seen_bytes": refusal.seen_bytes,
+                "encoding": refusal.encoding,
+                "call": call,
+                "outcome": outcome,
+                "message": refusal.message[:500],
+            }
+        )
+
+
+def too_large(exc: BaseException) -> PeerAnswerTooLargeError | None:
+    """The answer past the byte cap behind ``exc``: ``exc`` itself, or what it was
+    raised from (a write's ``OutcomeUnknownError``); None when the cap is not why."""
+    for found in (exc, exc.__cause__):
+        if isinstance(found, PeerAnswerTooLargeError):
+            return found
+    return None
 
 
 def _verifier_message(run: Any) -> str:

@@ -167,7 +167,7 @@ def worker_main(
 def _settings_json(settings: Settings) -> str:
     # Secrets travel to the child processes through this JSON (never through argv or logs).
     data: dict[str, Any] = settings.model_dump(mode="json")
-    for name in ("redis_url", "checkpoint_key"):
+    for name in ("redis_url", "checkpoint_key", "http_token"):
         secret = getattr(settings, name)
         data[name] = secret.get_secret_value() if secret is not None else None
     return json.dumps(data)

@@ -4,8 +4,11 @@
 ratchet starts) or streamable HTTP (a URL). It runs the ``mcp`` package's async client on
 an event loop of its own, in a background thread; every call has a deadline, and a dead
 server or a broken transport is :class:`~ratchet.errors.AdapterError` with
-``retryable=True``. :func:`mcp_tools` turns the server's tools into ratchet tools
-(:class:`MCPTool`), which a :class:`~ratchet.tools.Toolbox` makes a run's environment.
+``retryable=True``. An answer is read at most up to a byte cap (``RATCHET_MAX_PEER_BYTES``),
+while it streams in (:mod:`ratchet.tools.mcp.transports`); past it the call fails with
+:class:`~ratchet.errors.PeerAnswerTooLargeError`. :func:`mcp_tools` turns the server's
+tools into ratchet tools (:class:`MCPTool`), which a :class:`~ratchet.tools.Toolbox`
+makes a run's environment.
 
 A call, on the wire (docs/mcp.md has the whole walkthrough)::
 

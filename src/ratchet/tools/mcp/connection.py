@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import sys
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
-from dataclasses import dataclass, field
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 from pathlib import Path
@@ -19,18 +18,18 @@ from typing import Any, TextIO, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
-import httpx2
 import mcp_types
-from mcp import Client, MCPError, StdioServerParameters
-from mcp.client.stdio import stdio_client
-from mcp.client.streamable_http import streamable_http_client
+from mcp import Client, MCPError
 
 from ratchet.errors import (
     AdapterError,
     ConfigurationError,
     FenceRejectedError,
+    PeerAnswerTooLargeError,
 )
+from ratchet.limits import peer_cap
 from ratchet.runtime.ports import Fence
+from ratchet.tools.mcp.transports import AnswerWatch, _Http, _Stdio, watch_answers
 from ratchet.tools.mcp.wire import (
     _REFUSED_CODES,
     EXTENSION_CAPABILITY,
@@ -73,60 +72,6 @@ class RatchetExtensions:
     lookup: bool = False
 
 
-# -- transports ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Stdio:
-    argv: tuple[str, ...]
-    env: Mapping[str, str] | None = field(default=None, repr=False)
-    cwd: str | None = None
-    errlog: TextIO | None = field(default=None, repr=False)
-
-    @property
-    def label(self) -> str:
-        return f"stdio {Path(self.argv[0]).name}"
-
-    def secrets(self) -> list[str]:
-        return list((self.env or {}).values())
-
-    async def open(self, stack: AsyncExitStack) -> AbstractAsyncContextManager[Any]:
-        params = StdioServerParameters(
-            command=self.argv[0],
-            args=list(self.argv[1:]),
-            env=dict(self.env) if self.env else None,
-            cwd=self.cwd,
-        )
-        return stdio_client(params, errlog=self.errlog or sys.stderr)
-
-
-@dataclass(frozen=True)
-class _Http:
-    url: str = field(repr=False)
-    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
-    connect_timeout_s: float = 30.0
-
-    @property
-    def label(self) -> str:
-        # No userinfo, query or fragment: any of them may carry a credential.
-        parts = urlsplit(self.url)
-        port = f":{parts.port}" if parts.port else ""
-        return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
-
-    def secrets(self) -> list[str]:
-        parts = urlsplit(self.url)
-        found = [v for v in self.headers.values()]
-        return found + [s for s in (parts.password, parts.query) if s]
-
-    async def open(self, stack: AsyncExitStack) -> AbstractAsyncContextManager[Any]:
-        client = httpx2.AsyncClient(
-            headers=dict(self.headers),
-            timeout=httpx2.Timeout(self.connect_timeout_s, read=300.0),
-        )
-        await stack.enter_async_context(client)
-        return streamable_http_client(self.url, http_client=client)
-
-
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
     asyncio.set_event_loop(loop)
     try:
@@ -156,8 +101,12 @@ class MCPConnection:
     :meth:`start` connects (``mcp_tools`` does it when needed), :meth:`close` ends it.
 
     ``timeout_s`` bounds every call, ``connect_timeout_s`` the connection and the
-    handshake. Header and environment values are secrets: they appear in no repr, log
-    line or error (a server's error text is scrubbed of them too).
+    handshake. ``max_answer_bytes`` caps what one answer may carry (None: the process's
+    cap, ``RATCHET_MAX_PEER_BYTES``, read when the connection starts); past it the call
+    fails with :class:`~ratchet.errors.PeerAnswerTooLargeError` (see
+    :mod:`ratchet.tools.mcp.transports`; over stdio the connection ends with it). Header and
+    environment values are secrets: they appear in no repr, log line or error (a
+    server's error text is scrubbed of them too).
     """
 
     def __init__(
@@ -166,9 +115,16 @@ class MCPConnection:
         *,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
+        max_answer_bytes: int | None = None,
     ) -> None:
         if not (timeout_s > 0 and connect_timeout_s > 0):
             raise ConfigurationError("MCP timeouts must be positive", field="timeout_s")
+        if max_answer_bytes is not None:
+            peer_cap(max_answer_bytes)  # refused now, not at the first call
+        self._max_answer_bytes = max_answer_bytes
+        self._limit = 0  # the cap in force, fixed when the connection starts
+        self._cut: PeerAnswerTooLargeError | None = None  # the answer that ended it
+        self._handshake = AnswerWatch()
         self._transport = transport
         self._timeout = float(timeout_s)
         self._connect_timeout = float(connect_timeout_s)
@@ -192,12 +148,13 @@ class MCPConnection:
         errlog: TextIO | None = None,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
+        max_answer_bytes: int | None = None,
     ) -> MCPConnection:
         """A server ratchet starts: ``argv`` (program first), extra ``env`` (over a
         minimal default environment), ``cwd``; its stderr goes to ``errlog``.
 
         Raises:
-            ConfigurationError: an empty ``argv`` or a bad timeout.
+            ConfigurationError: an empty ``argv``, a bad timeout or cap.
         """
         if not argv or not argv[0]:
             raise ConfigurationError("an MCP stdio server needs a program to run", field="argv")
@@ -207,7 +164,12 @@ class MCPConnection:
             cwd=str(cwd) if cwd is not None else None,
             errlog=errlog,
         )
-        return cls(transport, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        return cls(
+            transport,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_answer_bytes=max_answer_bytes,
+        )
 
     @classmethod
     def http(
@@ -217,17 +179,23 @@ class MCPConnection:
         headers: Mapping[str, str] | None = None,
         timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
+        max_answer_bytes: int | None = None,
     ) -> MCPConnection:
         """A server at ``url`` (streamable HTTP), sent ``headers`` on every request.
 
         Raises:
-            ConfigurationError: not an http(s) URL, or a bad timeout.
+            ConfigurationError: not an http(s) URL, a bad timeout or cap.
         """
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigurationError("an MCP server URL must be http(s)://host/...", field="url")
         transport = _Http(url=url, headers=dict(headers or {}), connect_timeout_s=connect_timeout_s)
-        return cls(transport, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        return cls(
+            transport,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_answer_bytes=max_answer_bytes,
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("connected" if self._client else "idle")
@@ -261,6 +229,7 @@ class MCPConnection:
                 raise AdapterError("this MCP connection is closed", retryable=False)
             if self._loop is not None:
                 return self
+            self._limit = peer_cap(self._max_answer_bytes)
             loop = asyncio.new_event_loop()
             thread = threading.Thread(
                 target=_run_loop, args=(loop,), name="ratchet-mcp", daemon=True
@@ -274,6 +243,9 @@ class MCPConnection:
             client = self.client
         except (Exception, asyncio.CancelledError) as exc:
             self.close()
+            refused = self._refused(self._handshake)
+            if refused is not None:
+                raise refused from None
             raise AdapterError(
                 f"MCP server ({self._transport.label}) could not be connected "
                 f"({_what_failed(exc)})",
@@ -296,7 +268,8 @@ class MCPConnection:
         left in the same task): connect, handshake, wait for close(), wind down."""
         try:
             async with AsyncExitStack() as stack:
-                transport = await self._transport.open(stack)
+                watch_answers(self._handshake)  # the handshake is sent from this task
+                transport = await self._transport.open(stack, self._limit, self._heard_cut)
                 client = Client(
                     transport,
                     mode="auto",
@@ -357,7 +330,37 @@ class MCPConnection:
             raise AdapterError(
                 f"MCP server ({self._transport.label}) is not connected", retryable=True
             )
+        if self._cut is not None:
+            raise AdapterError(
+                f"MCP server ({self._transport.label}): the connection ended on an answer past "
+                f"the cap of {self._limit} bytes",
+                retryable=True,
+            )
         return client
+
+    def _heard_cut(self, refusal: PeerAnswerTooLargeError) -> None:
+        """The transport stopped reading an answer at the cap (on its event loop)."""
+        log.warning(
+            "MCP server %s: an answer went past the cap of %d bytes; reading stopped",
+            self._transport.label,
+            self._limit,
+        )
+        if isinstance(self._transport, _Stdio):
+            self._cut = refusal  # the session ended with it: every waiting call fails
+
+    def _refused(self, watch: AnswerWatch) -> PeerAnswerTooLargeError | None:
+        """The refusal of an answer a failed call was waiting for (a copy of its own), if
+        the cap is why it failed."""
+        found = watch.cut or self._cut
+        if found is None:
+            return None
+        return PeerAnswerTooLargeError(
+            found.message,
+            peer=found.peer,
+            limit_bytes=found.limit_bytes,
+            seen_bytes=found.seen_bytes,
+            encoding=found.encoding,
+        )
 
     # -- what the server offers -------------------------------------------------------------
 
@@ -393,6 +396,7 @@ class MCPConnection:
         """Run ``make(client)`` on the connection's loop, within ``timeout`` seconds.
 
         Raises:
+            PeerAnswerTooLargeError: the answer went past the cap (reading stopped).
             MCPError: the server answered with a JSON-RPC error.
             AdapterError: no answer in time, or the transport failed (retryable=True).
         """
@@ -402,23 +406,31 @@ class MCPConnection:
             raise AdapterError(
                 f"MCP server ({self._transport.label}) is not connected", retryable=True
             )
+        watch = AnswerWatch()
 
         async def bounded() -> _T:
+            watch_answers(watch)  # this task sends the request: its answer is watched
             with anyio.fail_after(timeout):
                 return await make(client)
 
         future = asyncio.run_coroutine_threadsafe(bounded(), loop)
         try:
             return future.result(timeout + _GRACE_S)
-        except TimeoutError:
-            future.cancel()
-            raise AdapterError(
-                f"MCP server ({self._transport.label}): {what} had no answer within {timeout:g}s",
-                retryable=True,
-            ) from None
-        except (MCPError, AdapterError):
-            raise
         except Exception as exc:
+            # The transport records a refusal before the request fails with it.
+            refused = self._refused(watch)
+            if refused is not None:
+                future.cancel()
+                raise refused from None
+            if isinstance(exc, TimeoutError):
+                future.cancel()
+                raise AdapterError(
+                    f"MCP server ({self._transport.label}): {what} had no answer within "
+                    f"{timeout:g}s",
+                    retryable=True,
+                ) from None
+            if isinstance(exc, MCPError | AdapterError):
+                raise
             raise AdapterError(
                 f"MCP server ({self._transport.label}): {what} failed ({type(exc).__name__})",
                 retryable=True,
