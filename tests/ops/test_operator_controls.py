@@ -381,13 +381,15 @@ def test_show_says_a_waiting_run_a_worker_refused_is_frozen_and_names_the_remedy
     trusted: Fleet, workspace: MakeWorkspace
 ) -> None:
     frozen_by_edit(trusted, workspace, "r-frozen-status")
-    trusted.queue.empty()  # the jobs submit queued were the ones run here in-process
+    for queue in trusted.served_queues():
+        queue.empty()  # the jobs submit queued were the ones run here in-process
     fleet_status = diagnose(trusted, inspect_run(trusted, "r-frozen-status"))["status"]
     assert fleet_status["frozen"] is True, fleet_status
     assert "--decision rebaseline" in fleet_status["why"]
     rebaseline(trusted, "r-frozen-status", key=RITA, reviewer_id="rita")
     assert execute_run(trusted, "r-frozen-status", owner="w").phase == "awaiting_approval"
-    trusted.queue.empty()
+    for queue in trusted.served_queues():
+        queue.empty()
     # A later job got past the refusal: the run waits for a person, it is not frozen.
     status = diagnose(trusted, inspect_run(trusted, "r-frozen-status"))["status"]
     assert status["frozen"] is False and "approval" in status["why"], status

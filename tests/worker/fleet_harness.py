@@ -115,7 +115,12 @@ def job_outcomes(fleet: Fleet, run_id: str) -> list[str]:
     from rq.serializers import JSONSerializer
 
     out = []
-    for job_id in fleet.queue.finished_job_registry.get_job_ids():
+    finished = [
+        job_id
+        for queue in fleet.served_queues()
+        for job_id in queue.finished_job_registry.get_job_ids()
+    ]
+    for job_id in finished:
         job = Job.fetch(job_id, connection=fleet.rq_connection, serializer=JSONSerializer)
         result = job.return_value()
         if isinstance(result, dict) and result.get("run_id") == run_id:

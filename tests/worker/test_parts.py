@@ -312,7 +312,8 @@ def test_a_run_whose_job_was_lost_before_any_worker_took_it_is_re_enqueued(
     fleet = Fleet.connect(settings.model_copy(update={"pickup_timeout_ms": 100}))
     _, document = workspace()
     run_id = submit(fleet, document)
-    fleet.queue.empty()  # the job is gone (a worker popped it and died, or Redis lost it)
+    for queue in fleet.served_queues():
+        queue.empty()  # the job is gone (a worker popped it and died, or Redis lost it)
     enqueued: list[str] = []
 
     def reaped() -> bool:

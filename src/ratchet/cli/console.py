@@ -41,13 +41,17 @@ def page_runs(fleet: Fleet, query: RunQuery) -> tuple[list[dict[str, Any]], str 
         page = store.list_runs(
             query.phase, limit=query.limit, after=query.after, oldest_first=query.oldest_first
         )
-    return [run_summary(row, page.now_ms) for row in page.rows], page.next_cursor, page.scanned
+    seen, now_ms = store.hosts()
+    alive = {h: now_ms - at <= fleet.settings.host_timeout_ms for h, at in seen.items()}
+    rows = [run_summary(row, page.now_ms, alive) for row in page.rows]
+    return rows, page.next_cursor, page.scanned
 
 
 def queue_depth(fleet: Fleet) -> int:
-    """Jobs waiting in the fleet's RQ queue. Raises StoreUnavailableError."""
+    """Jobs waiting in the fleet's RQ queues: the shared one and every known host's.
+    Raises StoreUnavailableError."""
     try:
-        return int(fleet.rq_connection.llen(fleet.queue.key))
+        return sum(int(fleet.rq_connection.llen(queue.key)) for queue in fleet.all_queues())
     except RedisError as exc:
         raise StoreUnavailableError("the queue cannot be read", cause=type(exc).__name__) from None
 

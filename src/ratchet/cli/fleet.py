@@ -350,13 +350,25 @@ def runs_command(
         + (f" matching {search!r} ({scanned} examined)" if search else "")
     )
     table = Table(title=title)
-    for column in ("run_id", "phase", "task", "owner", "lease", "generation", "failures", "note"):
+    columns = (
+        "run_id",
+        "phase",
+        "task",
+        "host",
+        "owner",
+        "lease",
+        "generation",
+        "failures",
+        "note",
+    )
+    for column in columns:
         table.add_column(column)
     for row in rows:
         table.add_row(
             row["run_id"],
             row.get("phase") or "?",
             row.get("task_id") or "-",
+            (row.get("host") or "-") + (" (gone)" if row.get("waiting_for_host") else ""),
             row.get("owner") or "-",
             row.get("lease") or "-",
             str(row.get("generation")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,6 +15,7 @@ from ratchet.leasing.listing import ListedRun
 from ratchet.ops import RunView
 from ratchet.ops.diagnosis import diagnose
 from ratchet.runtime import ApprovalEvidence
+from ratchet.runtime.state import TERMINAL_PHASES
 
 __all__ = ["approval_status", "render_diagnosis", "render_run", "run_summary", "run_to_json"]
 
@@ -28,11 +30,18 @@ def approval_status(evidence: ApprovalEvidence, *, now: int, proposals_used: int
     return f"valid for {claims.expires_at - now}s"
 
 
-def run_summary(row: ListedRun, now_ms: int) -> dict[str, Any]:
+_ENDED = frozenset(p.value for p in TERMINAL_PHASES)
+
+
+def run_summary(
+    row: ListedRun, now_ms: int, hosts: Mapping[str, bool] | None = None
+) -> dict[str, Any]:
     """One row of ``ratchet runs`` (and of the console's list), from a listing row: what
     the index and the run's hashes say, nothing verified (``ratchet show`` verifies). A
-    row that could not be read says so in ``note``."""
+    row that could not be read says so in ``note``. ``hosts`` (host -> alive) marks a
+    run whose host is gone as waiting for it."""
     out: dict[str, Any] = {
+        "host": row.host,
         "run_id": row.run_id,
         "phase": row.phase,
         "listed_at_ms": row.listed_at_ms,
@@ -49,8 +58,18 @@ def run_summary(row: ListedRun, now_ms: int) -> dict[str, Any]:
         out["lease"] = f"{(row.expires_at_ms - now_ms) / 1000:.1f}s left"
     else:
         out["lease"] = "free"
+    gone = (
+        row.host is not None
+        and hosts is not None
+        and not hosts.get(row.host, False)
+        and row.owner is None
+        and row.phase not in _ENDED
+    )
+    out["waiting_for_host"] = gone
     if row.phase is None:
         out["note"] = "no phase recorded (created before phase indexes: ratchet store init)"
+    elif gone:
+        out["note"] = f"waiting for host {row.host} (gone: no worker of it alive)"
     elif row.incidents:
         out["note"] = f"{row.incidents} incident(s), latest {row.last_incident or '?'}"
     return out
@@ -237,6 +256,17 @@ def render_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
     )
     if status.get("why") and str(status["why"]) not in str(status.get("summary")):
         table.add_row("why", str(status["why"]))
+    host = status.get("host")
+    alive = status.get("host_alive")
+    table.add_row(
+        "host",
+        "any host may take it (recorded before hosts)"
+        if host is None
+        else f"{host} ({'alive' if alive else 'gone' if alive is False else 'unknown'})",
+    )
+    parts = status.get("environment_parts") or {}
+    if parts:
+        table.add_row("environment", ", ".join(f"{k}: {v}" for k, v in parts.items()))
     for note in diagnosis.get("notes") or []:
         table.add_row("note", str(note))
     console.print(table)

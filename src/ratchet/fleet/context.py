@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import redis
 from rq import Queue
@@ -51,7 +51,9 @@ from ratchet.limits import set_max_peer_bytes
 from ratchet.runtime import KeyRing, TrustRoots
 
 __all__ = [
+    "LOOKUP",
     "Fleet",
+    "HostSeen",
     "ensure_embedded_redis",
     "load_keyring",
     "load_trust_roots",
@@ -226,6 +228,35 @@ def load_trust_roots(path: Path | None, role: str) -> TrustRoots | None:
     return TrustRoots.from_public_bytes(role, keys, revoked)
 
 
+class _Lookup:
+    """The default of :meth:`Fleet.enqueue`'s ``host``: read the run's routing hint."""
+
+
+LOOKUP: Final = _Lookup()
+
+
+@dataclass(frozen=True, slots=True)
+class HostSeen:
+    """A host as the fleet last saw it: ``alive`` while a worker of it reported in within
+    ``timeout_ms`` (store time)."""
+
+    host: str
+    last_seen_ms: int | None
+    now_ms: int
+    timeout_ms: int
+
+    @property
+    def alive(self) -> bool:
+        return self.last_seen_ms is not None and self.now_ms - self.last_seen_ms <= self.timeout_ms
+
+    def describe(self) -> str:
+        """``host X (last seen N s ago)`` or ``host X (never seen)``."""
+        if self.last_seen_ms is None:
+            return f"host {self.host} (no worker of it ever seen)"
+        ago = max(self.now_ms - self.last_seen_ms, 0) // 1000
+        return f"host {self.host} (last seen {ago} s ago)"
+
+
 @dataclass
 class Fleet:
     """Everything one process needs to talk to the fleet's Redis and sign or verify."""
@@ -356,20 +387,50 @@ class Fleet:
 
     @property
     def queue(self) -> Queue:
+        """The shared queue: runs every worker may take (their environments reach every
+        host), and runs created before hosts were recorded."""
+        return self._queue(self.settings.queue)
+
+    def host_queue(self, host: str) -> Queue:
+        """The queue of ``host``'s runs: ``<queue>@<host>``, served only by its workers."""
+        return self._queue(f"{self.settings.queue}@{host}")
+
+    def served_queues(self) -> list[Queue]:
+        """What this process's workers take jobs from, in order: its host's queue, then the
+        shared one."""
+        return [self.host_queue(self.settings.host), self.queue]
+
+    def all_queues(self) -> list[Queue]:
+        """The shared queue and every host's queue a job was ever put on (RQ's registry
+        of queues), the shared one first. Raises redis.RedisError."""
+        prefix = f"{self.settings.queue}@"
+        hosts = sorted(
+            q.name[len(prefix) :]
+            for q in Queue.all(connection=self.rq_connection, serializer=JSONSerializer)
+            if q.name.startswith(prefix)
+        )
+        return [self.queue, *(self.host_queue(host) for host in hosts)]
+
+    def _queue(self, name: str) -> Queue:
         return Queue(
-            self.settings.queue,
+            name,
             connection=self.rq_connection,
             serializer=JSONSerializer,
             default_timeout=self.settings.job_timeout_s,
         )
 
-    def enqueue(self, run_id: str) -> str:
-        """Put ``{run_id}`` on the queue as JSON. Returns the RQ job id."""
+    def enqueue(self, run_id: str, *, host: str | _Lookup | None = LOOKUP) -> str:
+        """Put ``{run_id}`` as JSON on the queue its host serves (``host``; by default the
+        run's routing hint in the store, see :mod:`ratchet.leasing.hosts`; None: the shared
+        queue). Returns the RQ job id."""
+        if isinstance(host, _Lookup):
+            host = self.store.run_host(run_id)
         # A job can be lost with the worker that popped it, or with Redis: a pickup
         # deadline on the reaper's index, set before the job exists, makes sure some
         # worker takes the run anyway.
         self.store.expect_pickup(run_id, within_ms=self.settings.pickup_timeout_ms)
-        job = self.queue.enqueue(
+        queue = self.queue if host is None else self.host_queue(host)
+        job = queue.enqueue(
             JOB_FUNCTION,
             run_id,
             job_timeout=self.settings.job_timeout_s,
@@ -378,3 +439,16 @@ class Fleet:
             description=f"ratchet run {run_id}",
         )
         return str(job.id)
+
+    def host_seen(self, host: str) -> HostSeen:
+        """When a worker of ``host`` last reported in, by the store's clock.
+
+        Raises StoreUnavailableError.
+        """
+        seen, now_ms = self.store.hosts()
+        return HostSeen(
+            host=host,
+            last_seen_ms=seen.get(host),
+            now_ms=now_ms,
+            timeout_ms=self.settings.host_timeout_ms,
+        )

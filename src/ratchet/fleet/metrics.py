@@ -84,7 +84,9 @@ __all__ = [
     "APPROVALS_REQUESTED",
     "COMMITS",
     "COMMIT_SECONDS",
+    "HOST_LAST_SEEN",
     "JOBS",
+    "JOBS_ROUTED",
     "JOB_ERRORS",
     "JOB_ERROR_TYPES",
     "JOB_OUTCOMES",
@@ -92,6 +94,7 @@ __all__ = [
     "LEASES_LOST",
     "LEASES_RENEWED",
     "LEASES_TAKEN_OVER",
+    "REAPER_HELD",
     "REAPER_REQUEUES",
     "RECEIPT_CONFLICTS",
     "RUN_SECONDS",
@@ -160,6 +163,25 @@ REAPER_BAD_ENTRIES = Counter(
 )
 REAPER_REQUEUES = Counter(
     "ratchet_reaper_requeues_total", "Runs re-enqueued by this process' reaper.", ["cause"]
+)
+
+JOBS_ROUTED = Counter(
+    "ratchet_jobs_routed_total",
+    "Jobs this process took for another host's run (its signed document names that host) "
+    "and handed on to that host's queue without opening the run.",
+)
+
+REAPER_HELD = Counter(
+    "ratchet_reaper_held_total",
+    "Runs the reaper did not hand on because their host is gone (no worker of it seen "
+    "within RATCHET_HOST_TIMEOUT_MS): they wait for it, and are retried later.",
+)
+
+HOST_LAST_SEEN = Gauge(
+    "ratchet_host_last_seen_seconds",
+    "Seconds since a worker of each host known to the store last reported in (store "
+    "time; read by this process's reaper).",
+    ["host"],
 )
 
 JOB_ERRORS = Counter(

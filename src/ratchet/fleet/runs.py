@@ -43,6 +43,7 @@ from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.agents.credentials import credential_uses
 from ratchet.errors import CheckpointError, ConfigurationError, ContractError, IntegrityError
 from ratchet.fleet.credentials import BoundCredential, CredentialMap, no_longer_read
+from ratchet.fleet.settings import HOST_PATTERN
 from ratchet.runtime import (
     Adapter,
     ApprovalEvidence,
@@ -73,7 +74,7 @@ __all__ = [
     "build_adapter",
     "check_credentials",
     "check_document_binding",
-    "decide_git",
+    "decide_environment",
     "document_digest",
     "open_document",
     "parse_evidence",
@@ -151,15 +152,30 @@ class EnvironmentSpec(Frozen):
     # run `git init`. None only in documents signed before the field existed: their
     # checkpoint's recorded environment decides (see workspace_is_git).
     git: StrictBool | None = None
+    # The host whose disk holds the workspace (the worker setting RATCHET_HOST of the
+    # machine it was submitted on, unless the task file names one): the workspace is
+    # host-local, so only that host's workers open the run, and every path that enqueues
+    # it sends it to that host's queue. Fixed at submit and signed. None only in documents
+    # signed before the field existed: any worker may take them, as then.
+    host: Annotated[str, Strict(), Field(pattern=HOST_PATTERN)] | None = None
 
     @model_serializer(mode="wrap")
-    def _without_unset_git(self, handler: SerializerFunctionWrapHandler) -> Any:
-        # Left out of the JSON when unset, so a document signed before the field existed
-        # seals and digests as it did.
+    def _without_unset_later_fields(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Left out of the JSON when unset, so a document signed before these fields
+        # existed seals and digests as it did.
         data = handler(self)
-        if self.git is None and isinstance(data, dict):
-            data.pop("git", None)
+        if isinstance(data, dict):
+            for name in ("git", "host"):
+                if getattr(self, name) is None:
+                    data.pop(name, None)
         return data
+
+    @property
+    def local_parts(self) -> tuple[str, ...]:
+        """The parts of this environment that live on one host's disk (the workspace
+        folder, and the declared tools' ledger kept in it); the rest (HTTP APIs, MCP
+        servers reached over the network) every host reaches."""
+        return ("workspace",)
 
     verifiers: dict[Annotated[str, Strict()], VerifierSpec] = Field(default_factory=dict)
     http_base_url: _Text | None = None
@@ -185,10 +201,11 @@ def document_digest(document: RunDocument) -> str:
     return model_digest(Domain.DOCUMENT, document)
 
 
-def decide_git(document: RunDocument) -> RunDocument:
-    """``document`` with ``environment.git`` fixed, as submit signs it: what the task
-    said, else whether the workspace root holds a ``.git`` folder now (the submitter's
-    disk, the one decision that is made from it).
+def decide_environment(document: RunDocument, *, host: str) -> RunDocument:
+    """``document`` with ``environment.git`` and ``environment.host`` fixed, as submit
+    signs it: what the task said, else whether the workspace root holds a ``.git`` folder
+    now (the submitter's disk, the one decision that is made from it) and ``host`` (the
+    submitter's own host: the disk the workspace was read from).
 
     Raises:
         ConfigurationError: the task says git but the root has no ``.git`` folder.
@@ -196,14 +213,19 @@ def decide_git(document: RunDocument) -> RunDocument:
     env = document.environment
     found = Ground(env.root).lstat(GIT_DIR) if Path(env.root).is_dir() else None
     is_repo = found is not None and stat.S_ISDIR(found.st_mode)
-    if env.git is None:
-        return document.model_copy(update={"environment": env.model_copy(update={"git": is_repo})})
     if env.git and not is_repo:
         raise ConfigurationError(
             f"environment.git is true but {env.root} has no .git folder",
             field="environment.git",
         )
-    return document
+    update: dict[str, Any] = {}
+    if env.git is None:
+        update["git"] = is_repo
+    if env.host is None:
+        update["host"] = host
+    if not update:
+        return document
+    return document.model_copy(update={"environment": env.model_copy(update=update)})
 
 
 def workspace_is_git(document: RunDocument, recorded: Observation | None) -> bool:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Self
@@ -36,7 +38,15 @@ from ratchet.errors import ConfigurationError
 from ratchet.fleet.credentials import CredentialName, CredentialSpec
 from ratchet.limits import DEFAULT_MAX_PEER_BYTES, MAX_PEER_BYTES_RANGE
 
-__all__ = ["OTHER_NAMES", "PREFIX", "Settings", "check_environment_names", "setting_names"]
+__all__ = [
+    "HOST_PATTERN",
+    "OTHER_NAMES",
+    "PREFIX",
+    "Settings",
+    "check_environment_names",
+    "default_host",
+    "setting_names",
+]
 
 PREFIX: Final = "RATCHET_"
 
@@ -72,6 +82,15 @@ OTHER_NAMES: Final = frozenset(
 )
 
 _Ms = Annotated[int, Field(ge=50, le=24 * 3600 * 1000)]
+#: A host's name: what ``RATCHET_HOST`` may be, and what a run document records.
+HOST_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+
+def default_host() -> str:
+    """This machine's host name, as a host name ratchet accepts (anything else made ``-``)."""
+    name = socket.gethostname().split(".")[0] or "localhost"
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name)[:63]
+    return cleaned if re.match(HOST_PATTERN, cleaned) else f"h{cleaned}"[:63]
 
 
 class Settings(BaseSettings):
@@ -129,6 +148,15 @@ class Settings(BaseSettings):
         default=None, description='JSON {"reviewer-id": "<public hex>"}'
     )
     worker_name: str | None = Field(default=None, max_length=100)
+    # The host this process runs on, where its host-local environments live (a workspace
+    # is a folder on this machine's disk). A run submitted here records it, signed; its
+    # jobs go to this host's queue (<queue>@<host>) and only workers of this host open it.
+    # Default: the machine's host name. In Kubernetes set it from the node's name, so a
+    # restarted pod on the same node (and disk) is the same host.
+    host: str = Field(default_factory=default_host, pattern=HOST_PATTERN)
+    # A host none of whose workers has been seen for this long shows as gone: its runs
+    # wait for it visibly, and the reaper stops handing them to its queue until it is back.
+    host_timeout_ms: _Ms = 30_000
     # Module prefixes dotted-path agents may come from (RATCHET_AGENTS="mypkg,other.pkg");
     # built-in agents and installed ratchet.agents plugins are always allowed.
     agents: Annotated[tuple[str, ...], NoDecode] = ()

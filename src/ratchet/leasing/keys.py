@@ -12,7 +12,9 @@ key                                 type     holds
                                              phase and phase_at_ms (the phase the last
                                              commit declared and when the run entered it:
                                              unsigned metadata for listings; absent for a
-                                             run created before phase indexes)
+                                             run created before phase indexes), host
+                                             (the host its jobs go to: an unsigned
+                                             routing hint, see ``ratchet.leasing.hosts``)
 ``ratchet:{<run>}:lease``           hash     owner ("" when free), lease_version,
                                              expires_at_ms, acquired_at_ms
 ``ratchet:{<run>}:ckpt``            string   the signed checkpoint at the high-water mark
@@ -41,6 +43,8 @@ key                                 type     holds
                                              by the time (ms) it entered that phase
                                              (these three: sharded on a Cluster, see below)
 ``ratchet:nonce:<nonce>``           string   the run id that claimed this nonce, for good
+``ratchet:hosts``                   zset     host name scored by the Redis time (ms) a
+                                             worker of that host last reported in
 ==================================  =======  ==============================================
 
 The last four rows are cross-run keys: they live in other slots. On a single Redis the
@@ -78,6 +82,7 @@ from ratchet.runtime.state import Phase
 __all__ = [
     "EPOCH_KEY",
     "EXPIRY_INDEX",
+    "HOSTS_KEY",
     "INDEX_KEYS",
     "INDEX_SHARDS",
     "PHASES",
@@ -100,6 +105,7 @@ __all__ = [
 PREFIX = "ratchet"
 EXPIRY_INDEX = f"{PREFIX}:index:expiry"
 RUNS_INDEX = f"{PREFIX}:index:runs"
+HOSTS_KEY = f"{PREFIX}:hosts"
 #: Every phase a run can be listed under, in the runtime's order.
 PHASES: tuple[str, ...] = tuple(phase.value for phase in Phase)
 #: One index per phase: run id scored by the time (Redis ms) it entered that phase.

@@ -59,7 +59,15 @@ __all__ = ["MAX_PAGE", "ListedRun", "RunListings", "RunPage"]
 
 MAX_PAGE = 1000
 _SEARCH_CHUNK = 200
-_STATE_FIELDS = ("task_id", "generation", "phase", "phase_at_ms", "created_at_ms", "updated_at_ms")
+_STATE_FIELDS = (
+    "task_id",
+    "generation",
+    "phase",
+    "phase_at_ms",
+    "created_at_ms",
+    "updated_at_ms",
+    "host",
+)
 _LEASE_FIELDS = ("owner", "lease_version", "expires_at_ms")
 
 
@@ -86,6 +94,7 @@ class ListedRun:
     incidents: int = 0
     last_incident: str | None = None  # the kind of the newest incident
     problem: str | None = None
+    host: str | None = None  # the host its jobs go to (a routing hint; None: any host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,7 +512,7 @@ class RunListings(ShardedIndexes):
                 run_id, listed, problem="unreadable: no such run (an index entry without a run)"
             )
         try:
-            task_id, generation, phase, _phase_at, created, updated = state
+            task_id, generation, phase, _phase_at, created, updated, host = state
             owner, version, expires = lease
             expires_at = _int(expires)
             owner_text = _text(owner) or None
@@ -522,6 +531,7 @@ class RunListings(ShardedIndexes):
                 expires_at_ms=expires_at,
                 incidents=count if isinstance(count, int) else 0,
                 last_incident=_incident_kind(newest),
+                host=_text(host) or None if host is not None else None,
             )
         except (ValueError, RatchetError):
             return ListedRun(run_id, listed, problem="unreadable: malformed state")

@@ -76,6 +76,7 @@ from ratchet.leasing.acks import ReplicaAcks
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
 from ratchet.leasing.expiry import ExpiryIndex
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
+from ratchet.leasing.hosts import HostRecords
 from ratchet.leasing.identity import StoreIdentity
 from ratchet.leasing.keys import (
     EXPIRY_INDEX,
@@ -125,6 +126,7 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 class RedisStore(
     RunRecords,
+    HostRecords,
     RunListings,
     RunRetention,
     StoreIdentity,

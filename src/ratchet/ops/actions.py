@@ -49,7 +49,7 @@ from ratchet.fleet.runs import (
     build_adapter,
     check_credentials,
     check_document_binding,
-    decide_git,
+    decide_environment,
     document_digest,
     open_document,
     run_toolbox,
@@ -115,9 +115,10 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     environment, a credential refused), AdapterError, CheckpointTooLargeError.
     """
     run_id = check_id(run_id or f"run-{secrets.token_hex(6)}", "run_id")
-    # Whether the workspace is a repository is decided now, from the submitter's disk,
-    # and signed with the document: no worker decides it again.
-    document = decide_git(document)
+    # Whether the workspace is a repository, and the host whose disk holds it, are decided
+    # now, from the submitter's disk and settings, and signed with the document: no worker
+    # decides them again.
+    document = decide_environment(document, host=fleet.settings.host)
     fleet.check_eviction_policy()
     # The submitter's own credentials, by the worker's rule: a document naming one this
     # process does not define for that URL is refused before anything is sent or stored.
@@ -143,6 +144,11 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
         close = getattr(adapter, "close", None)
         if callable(close):
             close()
+    host = document.environment.host
+    if host is not None:
+        # The routing hint every enqueue reads (unsigned: a worker checks the signed
+        # document's host before it opens anything, and routes a misrouted run on).
+        fleet.store.set_run_host(run_id, host)
     return run_id
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import redis
 
 from ratchet.errors import RatchetError, StoreUnavailableError
-from ratchet.fleet.context import Fleet
+from ratchet.fleet.context import Fleet, HostSeen
 from ratchet.fleet.scrub import Scrubber
 from ratchet.leasing import run_keys
 from ratchet.ops.actions import RunView
@@ -322,6 +322,37 @@ def _status(
     return out
 
 
+def _placed(out: dict[str, Any], view: RunView, seen: HostSeen | None) -> dict[str, Any]:
+    """``out`` with where the run's environment lives: its host (None: any host may take
+    it) and, for a run that is not running or ended, whether it waits for that host."""
+    env = view.document.environment
+    out["host"] = env.host
+    out["environment_parts"] = {
+        "workspace": "host-local" if env.host is not None else "any host (recorded before hosts)",
+        **{f"mcp:{name}": "shared" for name in env.mcp},
+        **({"http": "shared"} if env.http_base_url is not None else {}),
+    }
+    out["host_last_seen_ms"] = seen.last_seen_ms if seen is not None else None
+    out["host_alive"] = seen.alive if seen is not None else None
+    # Waiting for its host: a run a worker would take now (not held, not ended, not
+    # waiting for a person, not frozen) whose host has no live worker.
+    waiting = (
+        seen is not None
+        and not seen.alive
+        and out.get("state") not in ("running", "leased")
+        and view.state.phase is Phase.RUNNING
+        and not out.get("frozen")
+    )
+    out["waiting_for_host"] = waiting
+    if waiting and seen is not None:
+        out["summary"] = f"waiting for {seen.describe()}; " + str(out.get("summary") or "")
+        out["why"] = (
+            f"its workspace is on {seen.describe()}, and no worker of that host is alive: "
+            'bring the host back, or cancel the run (docs/operator-guide.md, "A host is gone")'
+        )
+    return out
+
+
 def _remedy(incident: dict[str, Any], run_id: str) -> str:
     """The command that resolves a freezing incident (docs/operator-guide.md)."""
     reason = str(incident.get("reason", ""))
@@ -484,10 +515,17 @@ def diagnose(fleet: Fleet, view: RunView) -> dict[str, Any]:
     notes: list[str] = []
     queue: QueueFacts | None = None
     history: list[HistoryEntry] = []
+    host = view.document.environment.host
     try:
-        queue = queue_facts(fleet)
+        queue = queue_facts(fleet, host)
     except RatchetError as exc:
         notes.append(f"queue: {exc.message}")
+    seen: HostSeen | None = None
+    if host is not None:
+        try:
+            seen = fleet.host_seen(host)
+        except RatchetError as exc:
+            notes.append(f"hosts: {exc.message}")
     try:
         history = read_history(fleet, view.state.run_id)
     except RatchetError as exc:
@@ -495,7 +533,7 @@ def diagnose(fleet: Fleet, view: RunView) -> dict[str, Any]:
     incidents = [i for i in view.incidents if isinstance(i, dict)]
     timeline, left_out = _timeline(view, history, incidents, text)
     return {
-        "status": _status(fleet, view, queue, incidents, text),
+        "status": _placed(_status(fleet, view, queue, incidents, text), view, seen),
         "current_incident": _incident_view(incidents[0] if incidents else None, text),
         "last_job_error": _job_error(incidents, text),
         "verifier_output": _verifier_output(view, incidents, text),

@@ -69,9 +69,10 @@ def _descriptions(fleet: Fleet, job_ids: list[str]) -> list[tuple[str | None, st
     return out
 
 
-def queue_facts(fleet: Fleet) -> QueueFacts:
-    """Read the queue and the started job registry. Raises StoreUnavailableError."""
-    queue = fleet.queue
+def queue_facts(fleet: Fleet, host: str | None = None) -> QueueFacts:
+    """Read the queue (``host``'s, or the shared one) and its started job registry.
+    Raises StoreUnavailableError."""
+    queue = fleet.queue if host is None else fleet.host_queue(host)
     try:
         depth = int(fleet.rq_connection.llen(queue.key))
         waiting = [
@@ -107,7 +108,8 @@ def _age_s(then: datetime | None, now_ms: int) -> float | None:
 
 
 def list_workers(fleet: Fleet) -> dict[str, Any]:
-    """The workers RQ knows for the fleet's queue, with the queue's depth.
+    """The workers RQ knows for the fleet's queue, with the depth of every queue of the
+    fleet (the shared one and each host's).
 
     ``{"queue", "queue_depth", "now_ms", "workers": [{name, owner, state, current_job,
     current_run, last_heartbeat, heartbeat_age_s, queues, successful_jobs, failed_jobs}]}``;
@@ -115,6 +117,19 @@ def list_workers(fleet: Fleet) -> dict[str, Any]:
     own clock, so a skewed worker shows a skewed age). Raises StoreUnavailableError.
     """
     facts = queue_facts(fleet)
+    # A worker runs jobs from its host's queue too: what every host's queue says is
+    # running joins the shared queue's.
+    started = dict(facts.started)
+    try:
+        queues = fleet.all_queues()[1:]
+    except redis.RedisError as exc:
+        raise StoreUnavailableError("the queues cannot be read", cause=type(exc).__name__) from None
+    prefix = f"{fleet.settings.queue}@"
+    depth = facts.depth
+    for queue in queues:
+        host_facts = queue_facts(fleet, queue.name[len(prefix) :])
+        started.update(host_facts.started)
+        depth += host_facts.depth
     now_ms = fleet.store.server_time_ms()
     try:
         connection = fleet.queue.connection
@@ -128,7 +143,7 @@ def list_workers(fleet: Fleet) -> dict[str, Any]:
             is not None
         ]
         rows = []
-        running = {worker: run_id for run_id, worker in facts.started.items()}
+        running = {worker: run_id for run_id, worker in started.items()}
         for worker in sorted(found, key=lambda w: w.name):
             heartbeat = getattr(worker, "last_heartbeat", None)
             rows.append(
@@ -149,4 +164,4 @@ def list_workers(fleet: Fleet) -> dict[str, Any]:
         raise StoreUnavailableError(
             "the worker registry cannot be read", cause=type(exc).__name__
         ) from None
-    return {"queue": facts.queue, "queue_depth": facts.depth, "now_ms": now_ms, "workers": rows}
+    return {"queue": facts.queue, "queue_depth": depth, "now_ms": now_ms, "workers": rows}

@@ -132,7 +132,7 @@ class JobReport:
     run_id: str
     outcome: str  # held_elsewhere | terminal | waiting | finished | cancelled | yielded |
     #               lease_lost | retry_later | restore_refused | no_proposal | job_error |
-    #               poisoned | no_run | store_refused | store_epoch_changed
+    #               poisoned | no_run | store_refused | store_epoch_changed | routed
     phase: str | None = None
     lease_version: int | None = None
     generation: int | None = None
@@ -292,6 +292,18 @@ def _execute(
             if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
                 _release(lease, heartbeat)  # nothing more to do, nothing of it is built
                 report.outcome, report.phase = "terminal", opened.state.phase.value
+                report.generation = opened.generation
+                return report
+            home = document.environment.host
+            if home is not None and home != settings.host:
+                # Another host's run: its workspace is on that host's disk. Nothing of it
+                # is built or observed here; it goes on to its host's queue. Not a fault:
+                # a routing hint that was missing or wrong is all it says.
+                _release(lease, heartbeat)
+                fleet.store.set_run_host(run_id, home)
+                fleet.enqueue(run_id, host=home)
+                metrics.JOBS_ROUTED.inc()
+                report.outcome, report.detail = "routed", f"to host {home}"
                 report.generation = opened.generation
                 return report
             # Operator controls come before the agent is loaded: a run whose agent cannot

@@ -143,15 +143,20 @@ def worker_main(
     metrics.serve_metrics(index)  # RATCHET_METRICS_PORT + index, if set
     # A claim older than the pickup deadline whose run no worker took means the job that
     # claim enqueued was lost: another reaper may claim the run again.
+    # This host is alive from now on (each reaper tick says so again): runs bound to it
+    # are handed to its queue, which this worker serves before the shared one.
+    fleet.store.note_host(settings.host)
     reaper = Reaper(
         fleet.store,
         fleet.enqueue,
         interval_ms=settings.reaper_interval_ms,
         reclaim_after_ms=settings.pickup_timeout_ms,
+        host=settings.host,
+        host_timeout_ms=settings.host_timeout_ms,
     ).start()
     service = background(fleet) if background is not None else None
     worker = RatchetWorker(
-        [fleet.queue],
+        fleet.served_queues(),
         connection=fleet.rq_connection,
         serializer=JSONSerializer,
         name=f"{owner}-{index}",

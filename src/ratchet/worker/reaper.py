@@ -16,6 +16,15 @@ Bound: a run whose worker died is re-enqueued at most ``lease TTL + reaper inter
 one Redis round trip) after the worker's last renewal, whichever worker's reaper ticks first.
 A reaper that dies between its claim and its enqueue leaves the entry on the index; after
 ``reclaim_after_ms`` another reaper may claim it again.
+
+Hosts. Each tick also reports this process's host as alive (``RedisStore.note_host``).
+A run bound to a host (its workspace is on that host's disk) goes to that host's queue
+(``Fleet.enqueue`` reads the run's routing hint); while no worker of that host has been
+seen for ``host_timeout_ms`` the reaper does not hand it on (its queue has nobody to
+serve it, and a job per pickup deadline would only pile up there): the entry is parked
+and looked at again later, nothing is recorded as a fault, and the run shows as waiting
+for its host (:class:`HostGate`). Once a worker of the host reports in again, the next
+look hands the run to its queue.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from ratchet.errors import ContractError, RatchetError, StoreUnavailableError
 from ratchet.fleet import metrics
 from ratchet.leasing import RedisStore
 
-__all__ = ["ReapResult", "Reaper", "reap_once"]
+__all__ = ["HostGate", "ReapResult", "Reaper", "reap_once"]
 
 log = logging.getLogger("ratchet.worker.reaper")
 
@@ -40,6 +49,39 @@ class ReapResult:
     examined: int
     enqueued: tuple[str, ...]
     parked: tuple[str, ...] = ()
+    held: tuple[str, ...] = ()
+
+
+class HostGate:
+    """Whether a run's host can take it now: refreshed once per tick from the store's
+    host records (one read), then asked per entry (one read of the run's routing hint)."""
+
+    def __init__(self, store: RedisStore, *, timeout_ms: int) -> None:
+        self._store = store
+        self._timeout_ms = timeout_ms
+        self._seen: dict[str, int] = {}
+        self._now_ms = 0
+
+    def refresh(self) -> None:
+        """Read when every host was last seen (and set the last-seen gauge).
+
+        Raises StoreUnavailableError.
+        """
+        self._seen, self._now_ms = self._store.hosts()
+        for host, at_ms in self._seen.items():
+            metrics.HOST_LAST_SEEN.labels(host=host).set(max(self._now_ms - at_ms, 0) / 1000)
+
+    def hold(self, run_id: str) -> str | None:
+        """Why ``run_id`` must wait for its host (None: hand it on)."""
+        host = self._store.run_host(run_id)
+        if host is None:
+            return None
+        seen = self._seen.get(host)
+        if seen is not None and self._now_ms - seen <= self._timeout_ms:
+            return None
+        if seen is None:
+            return f"waiting for host {host} (no worker of it seen)"
+        return f"waiting for host {host} (last seen {(self._now_ms - seen) // 1000} s ago)"
 
 
 PARK_MS = 60_000  # how long an entry the reaper could not handle waits before a retry
@@ -52,19 +94,30 @@ def reap_once(
     limit: int = 100,
     reclaim_after_ms: int = 30_000,
     park_ms: int = PARK_MS,
+    hold: Callable[[str], str | None] | None = None,
 ) -> ReapResult:
     """One reaper tick. Errors are handled per entry: an entry that cannot be handled
     (a run whose lease record is not what the scripts wrote, an id that is not one) is
     recorded, counted and parked ``park_ms`` later, so it never blocks the entries behind
-    it and the fleet keeps taking over dead workers' runs.
+    it and the fleet keeps taking over dead workers' runs. ``hold`` says why a run must
+    wait (its host is gone): its entry is parked ``park_ms`` later without a claim or a
+    record, and looked at again then.
 
     Raises StoreUnavailableError when Redis cannot be read (the tick is retried).
     """
     entries = store.expired_entries(limit=limit)
     enqueued: list[str] = []
     parked: list[str] = []
+    held: list[str] = []
     for run_id, score in entries:
         try:
+            reason = hold(run_id) if hold is not None else None
+            if reason is not None:
+                store.park_expiry_entry(run_id, for_ms=park_ms)
+                metrics.REAPER_HELD.inc()
+                log.info("held for its host", extra={"run_id": run_id, "reason": reason})
+                held.append(run_id)
+                continue
             if _reap_entry(store, enqueue, run_id, score, reclaim_after_ms):
                 enqueued.append(run_id)
         except StoreUnavailableError:
@@ -77,7 +130,7 @@ def reap_once(
         except RatchetError as exc:
             _park(store, run_id, exc, park_ms)
             parked.append(run_id)
-    return ReapResult(len(entries), tuple(enqueued), tuple(parked))
+    return ReapResult(len(entries), tuple(enqueued), tuple(parked), tuple(held))
 
 
 def _reap_entry(
@@ -149,9 +202,13 @@ class Reaper:
         *,
         interval_ms: int,
         reclaim_after_ms: int = 30_000,
+        host: str | None = None,
+        host_timeout_ms: int = 30_000,
     ) -> None:
         self._store = store
         self._enqueue = enqueue
+        self._host = host
+        self._gate = HostGate(store, timeout_ms=host_timeout_ms)
         self._interval = interval_ms / 1000
         self._reclaim_after_ms = reclaim_after_ms
         self._stop = threading.Event()
@@ -170,8 +227,14 @@ class Reaper:
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
             try:
+                if self._host is not None:
+                    self._store.note_host(self._host)
+                self._gate.refresh()
                 result = reap_once(
-                    self._store, self._enqueue, reclaim_after_ms=self._reclaim_after_ms
+                    self._store,
+                    self._enqueue,
+                    reclaim_after_ms=self._reclaim_after_ms,
+                    hold=self._gate.hold,
                 )
             except RatchetError as exc:
                 log.warning("reaper tick failed", extra={"error": type(exc).__name__})

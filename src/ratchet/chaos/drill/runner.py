@@ -926,12 +926,12 @@ class _Drill:
     # -- the store wipe, after everything else ---------------------------------------------
 
     def _quiet(self) -> bool:
-        """Nothing can start on the old store: the queue is empty, no lease is live and
+        """Nothing can start on the old store: the queues are empty, no lease is live and
         the reaper's index has no entry due (so every event after the wipe is the wipe's)."""
         client = self.fleet.store.client
         indexed = self.fleet.store.expiry_members()
         return (
-            self.fleet.queue.count == 0
+            all(queue.count == 0 for queue in self.fleet.all_queues())
             and not lease_snapshot(client, sorted(self.rec.runs))
             and not indexed - set(self.rec.corrupted)  # a corrupted run may stay parked
         )
