@@ -374,8 +374,9 @@ class _Declared:
 TOOL_NAME = "append_record"
 
 
-def _tool_adapter(ledger: Ledger, path: Path, clock: Any) -> Any:
-    """The ledger append as a user-declared tool, in the tools environment."""
+def _tool_adapter(ledger: Ledger, path: Any, clock: Any) -> Any:
+    """The ledger append as a user-declared tool, in the tools environment; ``path`` is
+    the tool ledger's file, or a ledger object (the run's ledger in the store)."""
     from ratchet import ToolCall, tool
     from ratchet.tools import ToolsAdapter
 
@@ -407,6 +408,7 @@ def _ratchet(
     coalesce: bool = True,
     declared: bool = False,
     as_tool: bool = False,
+    store_ledger: bool = False,
 ) -> Contender:
     from ratchet.leasing import RedisStore
     from ratchet.runtime import (
@@ -417,6 +419,7 @@ def _ratchet(
     )
     from ratchet.runtime.canonical import model_json
     from ratchet.runtime.effects import Commit, Effect, Execute, Observe, Reached
+    from ratchet.tools.store_ledger import StoreLedger
     from ratchet.worker.executor import Executor
 
     store = RedisStore.from_url(url)
@@ -431,6 +434,8 @@ def _ratchet(
         if not coalesce
         else "ratchet-declared"
         if declared
+        else "ratchet-tool-store"
+        if store_ledger
         else "ratchet-tool"
         if as_tool
         else "ratchet"
@@ -502,7 +507,12 @@ def _ratchet(
         }
 
     def run_once(n: int) -> int:
+        nonlocal adapter
         run_id = f"bench-{tag}-{n}"
+        if store_ledger:
+            # The run's own ledger in the store, made before its first observation (as
+            # submit does), and the tools environment over it.
+            adapter = _tool_adapter(ledger, StoreLedger(store, run_id, create=True), clock)
         RunEngine.start(
             run_id,
             scenario=scenario,
@@ -854,7 +864,13 @@ class _Unavailable(Exception):  # noqa: N818 - a signal, reported as the reason
 
 
 def _build(name: str, url: str, work: Path, steps: int, effect: str) -> Contender:
-    if name in ("ratchet", "ratchet_declared", "ratchet_tool", "ratchet_separate"):
+    if name in (
+        "ratchet",
+        "ratchet_declared",
+        "ratchet_tool",
+        "ratchet_tool_store",
+        "ratchet_separate",
+    ):
         return _ratchet(
             url,
             work,
@@ -862,7 +878,8 @@ def _build(name: str, url: str, work: Path, steps: int, effect: str) -> Contende
             effect,
             coalesce=name != "ratchet_separate",
             declared=name == "ratchet_declared",
-            as_tool=name == "ratchet_tool",
+            as_tool=name in ("ratchet_tool", "ratchet_tool_store"),
+            store_ledger=name == "ratchet_tool_store",
         )
     try:
         if name == "dbos":

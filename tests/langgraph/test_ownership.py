@@ -204,7 +204,9 @@ def test_once_the_first_owners_lease_expired_a_new_claim_supersedes_it(
     mode: str, backend: Backend, keyring: KeyRing
 ) -> None:
     async def scenario(api: Api, make: Make) -> None:
-        a, b = make("worker-a", lease_ttl_ms=50), make("worker-b")
+        # Long enough for the first put to land under a busy machine's scheduling (the
+        # expiry is then waited for by the store's clock, not assumed).
+        a, b = make("worker-a", lease_ttl_ms=1000), make("worker-b")
         t = _thread()
         first = await api.claim(a, t)
         stored = await api.put(first, config(t), x=1)

@@ -197,3 +197,13 @@ def test_revisions_quick_json_reports_both_trees_and_their_ratio_for_each_effect
     for row in report["results"]:
         assert _positive(row["steps_per_s"]["old"]) and _positive(row["steps_per_s"]["new"])
         assert _positive(row["ratio_new_vs_old"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_tool_ledger_quick_json_reports_both_ledgers_and_their_ratio() -> None:
+    """A declared tool's call with its ledger in the store against the file ledger."""
+    report = _run_quick("tool_ledger.py", 220)
+    assert set(report["calls_per_s"]) == {"file", "store"}
+    assert all(_positive(v) for v in report["calls_per_s"].values())
+    assert _positive(report["ratio_store_vs_file"])

@@ -44,6 +44,7 @@ from ratchet.agents.credentials import credential_uses
 from ratchet.errors import CheckpointError, ConfigurationError, ContractError, IntegrityError
 from ratchet.fleet.credentials import BoundCredential, CredentialMap, no_longer_read
 from ratchet.fleet.settings import HOST_PATTERN
+from ratchet.leasing import RedisStore
 from ratchet.runtime import (
     Adapter,
     ApprovalEvidence,
@@ -65,6 +66,8 @@ from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.tools import BUILTIN_TOOLS
 from ratchet.runtime.types import Frozen, JsonObject, StrictBool, exact_version
 from ratchet.tools import Tool, Toolbox
+from ratchet.tools.ledger import CallLedger
+from ratchet.tools.store_ledger import StoreLedger
 
 __all__ = [
     "EnvironmentSpec",
@@ -158,6 +161,11 @@ class EnvironmentSpec(Frozen):
     # it sends it to that host's queue. Fixed at submit and signed. None only in documents
     # signed before the field existed: any worker may take them, as then.
     host: Annotated[str, Strict(), Field(pattern=HOST_PATTERN)] | None = None
+    # Where the declared tools' ledger lives: "store" (the run's own Redis keys, fenced at
+    # the store by the run's lease and reachable from every host: what submit picks) or
+    # "workspace" (a file in the workspace's state folder, on its host's disk). None only
+    # in documents signed before the field existed: the file, as then.
+    tools_ledger: Literal["store", "workspace"] | None = None
 
     @model_serializer(mode="wrap")
     def _without_unset_later_fields(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -165,7 +173,7 @@ class EnvironmentSpec(Frozen):
         # existed seals and digests as it did.
         data = handler(self)
         if isinstance(data, dict):
-            for name in ("git", "host"):
+            for name in ("git", "host", "tools_ledger"):
                 if getattr(self, name) is None:
                     data.pop(name, None)
         return data
@@ -208,7 +216,8 @@ def decide_environment(document: RunDocument, *, host: str) -> RunDocument:
     submitter's own host: the disk the workspace was read from).
 
     Raises:
-        ConfigurationError: the task says git but the root has no ``.git`` folder.
+        ConfigurationError: the task says git but the root has no ``.git`` folder, or asks
+            for the file tool ledger (kept only for runs submitted before the store one).
     """
     env = document.environment
     found = Ground(env.root).lstat(GIT_DIR) if Path(env.root).is_dir() else None
@@ -223,6 +232,15 @@ def decide_environment(document: RunDocument, *, host: str) -> RunDocument:
         update["git"] = is_repo
     if env.host is None:
         update["host"] = host
+    if env.tools_ledger == "workspace":
+        raise ConfigurationError(
+            "environment.tools_ledger: the file ledger is kept only for runs submitted "
+            "before the store ledger (a restored disk could make it forget a call); new "
+            "runs keep it in the store",
+            field="environment.tools_ledger",
+        )
+    if env.tools_ledger is None:
+        update["tools_ledger"] = "store"
     if not update:
         return document
     return document.model_copy(update={"environment": env.model_copy(update=update)})
@@ -412,6 +430,9 @@ def build_adapter(
     busy_timeout_s: float = BUSY_TIMEOUT_SECONDS,
     write_hook: Callable[[str], None] | None = None,
     recorded: Observation | None = None,
+    store: RedisStore | None = None,
+    run_id: str | None = None,
+    create_ledger: bool = False,
 ) -> Adapter:
     """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
     commands; a worker passes its own, checked usable here before anything is built.
@@ -420,10 +441,13 @@ def build_adapter(
     token of the environment's HTTP API (the worker's setting, never the document's).
     ``toolbox`` holds the declared tools the scenario permits (default:
     :func:`run_toolbox`); with any, they join the environment as its ``tools`` part, over
-    a ledger in the workspace's state folder. ``busy_timeout_s`` bounds the workspace
+    the ledger the document names: the run's own keys in ``store`` (``run_id``'s; made
+    there with ``create_ledger``, which only submit does), or a file in the workspace's
+    state folder. ``busy_timeout_s`` bounds the workspace
     journal's wait for a lock another process holds (the worker's
     ``workspace_busy_timeout_ms``); ``write_hook`` is called at each stage of a workspace
-    write (drills and tests only).
+    write and of a declared tool's call (``before_call``, ``after_call``; drills and
+    tests only).
 
     Raises ConfigurationError (missing workspace, bad verifier, bad URL, no usable
     sandbox, a permitted tool missing), AdapterError.
@@ -461,12 +485,22 @@ def build_adapter(
         HttpAdapter(env.http_base_url, token=http_token) if env.http_base_url is not None else None
     )
     if any(str(name) in box for name in scenario.permissions):
+        ledger: Path | CallLedger = files.state_dir / "tools.ledger"
+        if env.tools_ledger == "store":
+            if store is None or run_id is None:
+                raise ConfigurationError(
+                    "the run keeps its tool ledger in the store: the store and the run id "
+                    "are needed to build its environment",
+                    field="environment.tools_ledger",
+                )
+            ledger = StoreLedger(store, run_id, create=create_ledger)
         return box.environment(
             scenario,
-            ledger=files.state_dir / "tools.ledger",
+            ledger=ledger,
             files=files,
             calls=calls,
             clock=clock,
+            **({"hook": write_hook} if write_hook is not None else {}),
         )
     return files if calls is None else RouterAdapter(files, calls)
 

@@ -77,6 +77,9 @@ _WORKER_SCRIPTS = (
     ScriptName.DROP_EXPIRY_ENTRY,
     ScriptName.RECORD_INCIDENT,
     ScriptName.INDEX_RUN,
+    ScriptName.LEDGER_INIT,
+    ScriptName.LEDGER_ADMIT,
+    ScriptName.LEDGER_RECORD,
 )
 _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
     Role.WORKER: _WORKER_SCRIPTS,
@@ -87,6 +90,7 @@ _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
         ScriptName.REPLACE_DOCUMENT,
         ScriptName.PURGE_RUN,
         ScriptName.INDEX_RUN,
+        ScriptName.LEDGER_INIT,
     ),
     Role.READER: (ScriptName.READ_RUN,),
 }

@@ -33,6 +33,13 @@ key                                 type     holds
 ``ratchet:{<run>}:keys``            string   8-byte digests of the keys of the run's
                                              executed writes, in order (appended with the
                                              archive; see ``ratchet.runtime.window``)
+``ratchet:{<run>}:ledger``          hash     the declared tools' ledger of a run whose
+                                             document keeps it in the store: instance,
+                                             version, the highest fence and store epoch,
+                                             counters (``ratchet.tools.store_ledger``)
+``ratchet:{<run>}:calls``           hash     that ledger's rows: idempotency key -> JSON
+                                             (tool, intent, approval, status, attempts,
+                                             receipt)
 ``ratchet:{<run>}:tombstone``       hash     only once the run was purged (``ratchet
                                              purge``): purged_at_ms, phase, generation,
                                              state_version, task_id, created_at_ms,
@@ -235,6 +242,8 @@ class RunKeys:
     archive: str
     keys: str
     tombstone: str
+    ledger: str
+    calls: str
 
 
 @functools.lru_cache(maxsize=4096)
@@ -256,6 +265,8 @@ def run_keys(run_id: str) -> RunKeys:
         archive=f"{base}:archive",
         keys=f"{base}:keys",
         tombstone=f"{base}:tombstone",
+        ledger=f"{base}:ledger",
+        calls=f"{base}:calls",
     )
 
 

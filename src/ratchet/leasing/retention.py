@@ -71,6 +71,8 @@ class RunRetention(ShardedIndexes):
                 keys.inbox,
                 keys.archive,
                 keys.keys,
+                keys.ledger,
+                keys.calls,
                 *(INDEX_KEYS if inline else ()),
             ],
             [run_id, generation, state_version, phase, checkpoint_digest, export[:500]],

@@ -62,6 +62,9 @@ class ScriptName(StrEnum):
     REPLACE_DOCUMENT = "replace_document"
     PURGE_RUN = "purge_run"
     INDEX_RUN = "index_run"
+    LEDGER_INIT = "ledger_init"
+    LEDGER_ADMIT = "ledger_admit"
+    LEDGER_RECORD = "ledger_record"
 
 
 @dataclass(frozen=True, slots=True)

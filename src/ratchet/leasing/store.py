@@ -90,6 +90,7 @@ from ratchet.leasing.keys import (
     phase_index,
     run_keys,
 )
+from ratchet.leasing.ledger import LedgerRecords
 from ratchet.leasing.listing import RunListings
 from ratchet.leasing.plumbing import store_full
 from ratchet.leasing.records import RunRecords
@@ -127,6 +128,7 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 class RedisStore(
     RunRecords,
     HostRecords,
+    LedgerRecords,
     RunListings,
     RunRetention,
     StoreIdentity,

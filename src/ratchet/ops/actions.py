@@ -127,7 +127,10 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     sent_at = time.monotonic()
     clock = StoreClock(fleet.store.server_time_ms(), sent_at=sent_at)  # the run's start
     toolbox = run_toolbox(document, credentials=fleet.credentials)
-    adapter = build_adapter(document, toolbox=toolbox)
+    # The run's tool ledger (in the store) is made here, before generation 1 observes it.
+    adapter = build_adapter(
+        document, toolbox=toolbox, store=fleet.store, run_id=run_id, create_ledger=True
+    )
     try:
         RunEngine.start(
             run_id,
@@ -506,6 +509,8 @@ def _observe_now(fleet: Fleet, view: RunView) -> Observation:
         http_token=token,
         toolbox=run_toolbox(view.document, credentials=fleet.credentials),
         recorded=view.state.environment,
+        store=fleet.store,
+        run_id=view.state.run_id,
     )
     try:
         return drive(effects.observe(), Executor(adapter))
@@ -552,6 +557,13 @@ def rebaseline(
         raise ContractError(
             "the environment is another instance; a rebaseline keeps the "
             "instance (submit a new run instead)",
+            run_id=run_id,
+        )
+    if seen.version < env.version:
+        raise ContractError(
+            f"the environment is behind the run's record of it (version {seen.version} < "
+            f"{env.version}): restored from an older copy? A rebaseline never moves it "
+            "back; restore the newer copy, or cancel the run",
             run_id=run_id,
         )
     claims = RebaselineClaims(

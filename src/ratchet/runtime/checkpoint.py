@@ -475,6 +475,20 @@ def check_environment(state: RunState, observed: Observation) -> None:
         return
     if state.review is not None and observed.same_state(state.review.environment):
         return
+    if observed.version < recorded.version:
+        # The environment's own record is behind what the run saw of it: restored from
+        # an older copy (a backup, a snapshot). Receipts it recorded since are gone from
+        # it, so "no receipt" for a key would prove nothing: never run on it, never
+        # accept it as a new baseline.
+        raise _fail(
+            "environment",
+            f"environment is behind the checkpoint's record of it (version "
+            f"{observed.version} < {recorded.version}): restored from an older copy? What "
+            "it recorded since is gone from it, so it is not run on",
+            expected_version=recorded.version,
+            observed_version=observed.version,
+            behind=True,
+        )
     raise _fail(
         "environment",
         "environment is neither the checkpoint's state nor the "

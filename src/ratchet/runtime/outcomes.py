@@ -630,6 +630,14 @@ def check_rebaseline(
             reason="binding",
             field="new_env_instance_id",
         )
+    if c.new_env_version < env.version:
+        raise ReviewDecisionError(
+            "a rebaseline never moves an environment back: it is behind the version the "
+            "run recorded (restored from an older copy?), and what it recorded since is "
+            "gone from it",
+            reason="behind",
+            field="new_env_version",
+        )
     if c.nonce in state.consumed_nonces:
         raise ReviewDecisionError(
             "rebaseline nonce was already consumed", reason="replayed_nonce", nonce=c.nonce

@@ -32,7 +32,7 @@ from ratchet.runtime.ports import Adapter, Clock
 from ratchet.runtime.tools import BUILTIN_TOOLS, Recovery, ToolCatalog, ToolSpec
 from ratchet.tools.adapter import ToolsAdapter, output_result
 from ratchet.tools.declare import Found, FunctionTool, Tool, ToolCall, tool
-from ratchet.tools.ledger import ToolLedger
+from ratchet.tools.ledger import CallLedger, ToolLedger
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -162,7 +162,7 @@ class Toolbox:
         self,
         scenario: Any,
         *,
-        ledger: Path | str,
+        ledger: Path | str | CallLedger,
         files: Adapter | None = None,
         calls: Adapter | None = None,
         clock: Clock | None = None,

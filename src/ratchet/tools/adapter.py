@@ -69,7 +69,7 @@ from ratchet.runtime.ports import (
 )
 from ratchet.runtime.tools import Recovery, ToolCatalog
 from ratchet.tools.declare import Found, Tool, ToolCall
-from ratchet.tools.ledger import CallIntent, ToolLedger
+from ratchet.tools.ledger import CallIntent, CallLedger, ToolLedger
 
 __all__ = ["MAX_OUTPUT_CHARS", "ToolsAdapter", "output_result"]
 
@@ -133,7 +133,9 @@ class ToolsAdapter:
     """The declared tools a run may call, as one fenced, receipted environment.
 
     ``tools`` are the tools the run's scenario permits (others are not reachable);
-    ``ledger`` is the environment's ledger file (created on first use); ``clock`` stamps
+    ``ledger`` is the environment's ledger file (created on first use; host-local), or a
+    ledger object (the run's ledger in the store, :class:`~ratchet.tools.store_ledger.
+    StoreLedger`, which any host reaches); ``clock`` stamps
     receipts (a worker passes the store's clock); ``hook`` is called at the crash points
     of a call (tests and drills).
 
@@ -147,7 +149,7 @@ class ToolsAdapter:
     def __init__(
         self,
         tools: Iterable[Tool],
-        ledger: Path | str,
+        ledger: Path | str | CallLedger,
         *,
         clock: Clock | None = None,
         hook: Callable[[str], None] = _no_hook,
@@ -160,9 +162,12 @@ class ToolsAdapter:
             self._tools[t.spec.name] = t
         self.catalog = ToolCatalog(t.spec for t in self._tools.values())
         self._contract = self.catalog.digest_for(self._tools)
-        path = Path(ledger)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.ledger = ToolLedger(path)
+        if isinstance(ledger, Path | str):
+            path = Path(ledger)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.ledger: CallLedger = ToolLedger(path)
+        else:
+            self.ledger = ledger
         self._clock: Clock = clock if clock is not None else SystemClock()
         # Observations by version: instance and contract are fixed for the adapter's life.
         self._observed: dict[int, Observation] = {}

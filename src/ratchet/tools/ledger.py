@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -53,7 +53,7 @@ from ratchet.adapters.journal import epoch_refusal
 from ratchet.errors import AdapterError, FenceRejectedError, IdempotencyConflictError
 from ratchet.runtime.ports import Fence, Receipt
 
-__all__ = ["CallIntent", "CallRow", "ToolLedger"]
+__all__ = ["CallIntent", "CallLedger", "CallRow", "ToolLedger"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +76,59 @@ class CallRow:
     status: str
     attempts: int
     receipt: Receipt | None
+
+
+class CallLedger(Protocol):
+    """What :class:`~ratchet.tools.adapter.ToolsAdapter` needs of a ledger: this module's
+    file ledger, or the run's ledger in the store (:mod:`ratchet.tools.store_ledger`)."""
+
+    @property
+    def path(self) -> Any: ...
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def store_epoch(self) -> str | None: ...
+
+    def counters(self) -> tuple[int, int]: ...
+
+    def status(self, key: str) -> str | None: ...
+
+    def row(self, key: str) -> CallRow | None: ...
+
+    def raise_fence(self, fence: Fence) -> None: ...
+
+    def begin_call(
+        self,
+        *,
+        key: str,
+        tool: str,
+        intent_digest: str,
+        approval_digest: str | None,
+        fence: Fence,
+        expected_version: int,
+        again: bool,
+        durable: bool = True,
+        fresh: bool = False,
+    ) -> Receipt | None: ...
+
+    def commit_call(
+        self,
+        key: str,
+        *,
+        namespace: str,
+        result: dict[str, str | int],
+        committed_at: int,
+        call: CallIntent | None = None,
+    ) -> Receipt: ...
+
+    def abort_call(self, key: str, call: CallIntent | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)

@@ -11,8 +11,9 @@ faults:
 * :meth:`WorkerHooks.renewal`, around every lease renewal of the heartbeat;
 * :meth:`WorkerHooks.event`, at a job's milestones (``acquire``, ``restore``,
   ``job_end``), with the run and lease they concern;
-* :meth:`WorkerHooks.write_stage`, passed to the job's workspace adapter: called at each
-  stage of a file write (``after_intent``, ``after_replace``, ``after_receipt``).
+* :meth:`WorkerHooks.write_stage`, passed to the job's workspace adapter and its declared
+  tools: called at each stage of a file write (``after_intent``, ``after_replace``,
+  ``after_receipt``) and of a tool call (``before_call``, ``after_call``).
 
 The chaos harness (:mod:`ratchet.chaos.hooks`) implements it with failpoints and a drill
 event log; tests implement it to crash a job at an exact window.
@@ -50,4 +51,6 @@ class WorkerHooks:
     def write_stage(self, stage: str) -> None:
         """The job's workspace adapter reached ``stage`` of a file write: the journal
         holds the intent (``after_intent``), the file was replaced (``after_replace``),
-        the receipt is written (``after_receipt``)."""
+        the receipt is written (``after_receipt``); or its declared tools reached a
+        call's: the ledger admitted it (``before_call``), the tool returned and nothing
+        recorded it yet (``after_call``)."""

@@ -334,6 +334,8 @@ def _execute(
                 busy_timeout_s=settings.workspace_busy_timeout_ms / 1000,
                 write_hook=hooks.write_stage if hooks is not None else None,
                 recorded=opened.state.environment,
+                store=fleet.store,
+                run_id=run_id,
             )
             executor = Executor(
                 adapter,

@@ -1,0 +1,139 @@
+"""The declared tools' ledger of a run, in the run's own keys: the store's side.
+
+Three scripts (one slot: the run's hash tag), each with its header in ``lua/``:
+
+* ``ledger_init``: make the ledger once (instance id, version 1); no lease needed;
+* ``ledger_admit``: a new owner's fence or a call, admitted only for the run's live lease
+  at its current generation (storage-side fencing), judged (key, intent, precondition),
+  with the call's ``started`` row written when asked;
+* ``ledger_record``: what became of a call: ``committed`` with its receipt (the version
+  moves on by one) or ``aborted``.
+
+Replies are turned into :class:`LedgerReply` here; what they mean for a tool call is
+:mod:`ratchet.tools.store_ledger`'s business. Durability is the commit's: every script
+write goes through the AOF like a commit (``appendfsync always`` in the supported set-up),
+and with ``RATCHET_MIN_REPLICAS_ACK`` a write is confirmed by replicas like a commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ratchet.errors import StoreProtocolError
+from ratchet.leasing.acks import ReplicaAcks
+from ratchet.leasing.keys import check_id, run_keys
+from ratchet.leasing.scripts import ScriptName
+
+__all__ = ["LedgerMeta", "LedgerRecords", "LedgerReply"]
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerReply:
+    """A ledger script's reply: its status and the rest as text."""
+
+    status: str
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerMeta:
+    """What the ledger hash says (None fields: never set)."""
+
+    instance_id: str
+    version: int
+    store_epoch: str | None
+    effects: int
+    refused_stale: int
+    refused_epoch: int
+
+
+class LedgerRecords(ReplicaAcks):
+    """The run-ledger scripts and reads of a store (see the module docstring)."""
+
+    def _write(
+        self, name: ScriptName, run_id: str, keys: Sequence[str], args: Sequence[str | bytes | int]
+    ) -> tuple[Any, int | None]:
+        return self._call(name.value, run_id, lambda: self._run_acked(name, keys, args, hot=False))
+
+    def _reply(self, name: ScriptName, run_id: str, raw: Any) -> LedgerReply:
+        if not isinstance(raw, list) or not raw:
+            raise StoreProtocolError(f"unexpected reply from {name.value}", run_id=run_id)
+        return LedgerReply(_text(raw[0]), tuple(_text(v) for v in raw[1:] if v is not None))
+
+    def ledger_init(self, run_id: str, instance_id: str) -> tuple[str, int]:
+        """Make run ``run_id``'s ledger if it has none; its ``(instance id, version)``.
+
+        Raises StoreUnavailableError, StoreProtocolError.
+        """
+        check_id(instance_id, "instance_id")
+        raw, counted = self._write(
+            ScriptName.LEDGER_INIT, run_id, [run_keys(run_id).ledger], [instance_id]
+        )
+        if not isinstance(raw, list) or len(raw) != 2 or raw[0] is None:
+            raise StoreProtocolError("unexpected reply from ledger_init", run_id=run_id)
+        self._check_acked(run_id, counted, wrote=True)
+        return _text(raw[0]), int(raw[1])
+
+    def ledger_admit(self, run_id: str, args: list[str | bytes | int]) -> LedgerReply:
+        """``ledger_admit`` with ``args`` (its header's ARGV). Raises StoreUnavailableError,
+        StoreProtocolError."""
+        keys = run_keys(run_id)
+        raw, counted = self._write(
+            ScriptName.LEDGER_ADMIT, run_id, [keys.ledger, keys.calls, keys.lease, keys.state], args
+        )
+        reply = self._reply(ScriptName.LEDGER_ADMIT, run_id, raw)
+        if reply.status == "ok" and args and args[0] in ("start", "fence"):
+            self._check_acked(run_id, counted, wrote=True)
+        return reply
+
+    def ledger_record(self, run_id: str, args: list[str | bytes | int]) -> LedgerReply:
+        """``ledger_record`` with ``args`` (its header's ARGV). Raises
+        StoreUnavailableError, StoreProtocolError."""
+        keys = run_keys(run_id)
+        raw, counted = self._write(
+            ScriptName.LEDGER_RECORD, run_id, [keys.ledger, keys.calls], args
+        )
+        reply = self._reply(ScriptName.LEDGER_RECORD, run_id, raw)
+        if reply.status in ("committed", "aborted"):
+            self._check_acked(run_id, counted, wrote=True)
+        return reply
+
+    def ledger_meta(self, run_id: str) -> LedgerMeta | None:
+        """The ledger's instance, version, bound epoch and counters (None: no ledger).
+
+        Raises StoreUnavailableError, StoreProtocolError.
+        """
+        key = run_keys(run_id).ledger
+        fields = ["instance", "version", "epoch", "effects", "refused_stale", "refused_epoch"]
+        raw = self._call("ledger", run_id, lambda: self._client.hmget(key, fields))
+        if not isinstance(raw, list) or len(raw) != len(fields):
+            raise StoreProtocolError("unexpected ledger record", run_id=run_id)
+        if raw[0] is None:
+            return None
+        try:
+            return LedgerMeta(
+                instance_id=_text(raw[0]),
+                version=int(raw[1]),
+                store_epoch=_text(raw[2]) or None if raw[2] is not None else None,
+                effects=int(raw[3] or 0),
+                refused_stale=int(raw[4] or 0),
+                refused_epoch=int(raw[5] or 0),
+            )
+        except (TypeError, ValueError):
+            raise StoreProtocolError("the ledger record is malformed", run_id=run_id) from None
+
+    def ledger_row(self, run_id: str, key: str) -> bytes | None:
+        """The JSON row of idempotency key ``key`` (None: never recorded).
+
+        Raises StoreUnavailableError.
+        """
+        calls = run_keys(run_id).calls
+        raw = self._call("ledger", run_id, lambda: self._client.hmget(calls, [key]))
+        value = raw[0] if isinstance(raw, list) and raw else None
+        return value if isinstance(value, bytes) else None
