@@ -136,7 +136,8 @@ PINNED: dict[str, list[str]] = {
         "GreetingAgent", "ScriptedAgent", "ToolCallingAgent", "build_agent", "load_agent",
     ],
     "ratchet.ops": [
-        "CancelPosted", "Posted", "RunView", "approve", "cancel", "create_run", "inspect_run",
+        "Attached", "CancelPosted", "Posted", "RunView", "approve", "attach", "cancel",
+        "create_run", "inspect_run",
         "load_private_key", "post_approval", "post_review_decision", "rebaseline", "retry",
         "review", "review_claims", "submit",
     ],

@@ -261,3 +261,54 @@ def test_a_lost_host_s_runs_wait_for_it_visibly_and_finish_when_it_comes_back(
     assert {i["kind"] for i in fleet.store.incidents(slow)} == {"lease_taken_over"}
     view = inspect_run(fleet, slow)
     assert len(view.state.executed) == 1
+
+
+def test_a_lost_host_s_disk_attached_elsewhere_moves_its_run_there_once_proven(
+    hosts: dict[str, Host], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Host B is lost but its disk is not: mounted on a new machine (host C), `ratchet
+    attach` there proves the run's environment is the same instance at the version the
+    run recorded, and the run finishes on C. On a host whose disk holds no such workspace,
+    or another one at the same path, the command refuses in one line and moves nothing."""
+    a, b = hosts["host-a"], hosts["host-b"]
+    fleet = fleet_of(redis_server, a.env)
+    b.start_workers(tmp_path / "b.log")
+    slow = submit_on(b, "ws-b-moved", think_ms=4000)
+    poll(lambda: fleet.store.read_run(slow).lease_live, deadline_s=60, what="B holds its run")
+    b.lose()
+    poll(lambda: not fleet.host_seen("host-b").alive, deadline_s=30, what="B shows as gone")
+    poll(lambda: not fleet.store.read_run(slow).lease_live, deadline_s=30, what="lease gone")
+    # Host A's disk has no such workspace: refused, nothing moved.
+    refused = a.ratchet("attach", slow, "--reason", "try A")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "not a directory" in refused.stderr, refused.stderr
+    # Another workspace at the same path (another instance): refused too.
+    make_greeting_workspace(a.backing / "ws-b-moved")
+    other = a.run(
+        [
+            sys.executable,
+            "-c",
+            "from ratchet.adapters import WorkspaceAdapter as W; "
+            "W('ws-b-moved', ['app.py']).close()",
+        ]
+    )
+    assert other.returncode == 0, other.stderr
+    impostor = a.ratchet("attach", slow, "--reason", "try a copy")
+    assert impostor.returncode == 2 and "not the run's" in impostor.stderr, impostor.stderr
+    assert fleet.store.placement(slow) is None and fleet.store.run_host(slow) == "host-b"
+    # B's disk, mounted on a new machine C: proven, moved, finished there, once.
+    c = Host("host-c", b.backing, b.mountpoint, b.env).start()
+    hosts["host-c"] = c  # stopped with the others
+    c.start_workers(tmp_path / "c.log")
+    moved = c.ratchet("attach", slow, "--reason", "B's disk moved to C", "--json")
+    assert moved.returncode == 0, moved.stderr
+    info = json.loads(moved.stdout)
+    assert info["host"] == "host-c" and info["moved_from"] == "host-b" and info["seq"] == 1
+    poll(lambda: phase(fleet, slow) == "completed", deadline_s=90, what="the run completed on C")
+    assert (b.backing / "ws-b-moved" / "app.py").read_text() == RIGHT_GREETING
+    view = inspect_run(fleet, slow)
+    assert len(view.state.executed) == 1
+    kinds = [i["kind"] for i in fleet.store.incidents(slow)]
+    assert "placement_moved" in kinds and "restore_refused" not in kinds
+    shown = json.loads(a.ratchet("show", slow, "--json").stdout)["status"]
+    assert shown["host"] == "host-c" and shown["moved"]["from"] == "host-b"

@@ -43,6 +43,7 @@ from ratchet.cli import dev as _dev  # noqa: F401 - registers ratchet dev topolo
 from ratchet.cli import drill as _drill  # noqa: F401 - registers the drill command
 from ratchet.cli import fleet as _fleet  # noqa: F401 - registers the fleet commands
 from ratchet.cli import health as _health  # noqa: F401 - registers ratchet health
+from ratchet.cli import hosts as _hosts  # noqa: F401 - registers ratchet attach
 from ratchet.cli import keys as _keys  # noqa: F401 - registers keys rotate/retire/revoke
 from ratchet.cli import local as _local  # noqa: F401 - registers the local commands
 from ratchet.cli import retention as _retention  # noqa: F401 - export, verify, purge

@@ -58,6 +58,18 @@ class HostRecords(StorePlumbing):
         except ContractError:  # junk in an unsigned hint routes nowhere special
             return None
 
+    def placement(self, run_id: str) -> bytes | None:
+        """The run's stored placement (signed bytes; None: never moved). Raises
+        StoreUnavailableError."""
+        key = run_keys(run_id).placement
+        value = self._call("placement", run_id, lambda: self._client.get(key))
+        return value if isinstance(value, bytes) else None
+
+    def set_placement(self, run_id: str, blob: bytes) -> None:
+        """Store the run's placement (signed by the caller). Raises StoreUnavailableError."""
+        key = run_keys(run_id).placement
+        self._call("placement", run_id, lambda: self._client.set(key, blob))
+
     def note_host(self, host: str) -> int:
         """Record that a worker of ``host`` is alive now (Redis time). Returns that time.
 

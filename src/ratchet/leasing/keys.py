@@ -40,6 +40,8 @@ key                                 type     holds
 ``ratchet:{<run>}:calls``           hash     that ledger's rows: idempotency key -> JSON
                                              (tool, intent, approval, status, attempts,
                                              receipt)
+``ratchet:{<run>}:placement``       string   a host-bound run moved to another host: a
+                                             signed placement (``ratchet.fleet.placement``)
 ``ratchet:{<run>}:tombstone``       hash     only once the run was purged (``ratchet
                                              purge``): purged_at_ms, phase, generation,
                                              state_version, task_id, created_at_ms,
@@ -244,6 +246,7 @@ class RunKeys:
     tombstone: str
     ledger: str
     calls: str
+    placement: str
 
 
 @functools.lru_cache(maxsize=4096)
@@ -267,6 +270,7 @@ def run_keys(run_id: str) -> RunKeys:
         tombstone=f"{base}:tombstone",
         ledger=f"{base}:ledger",
         calls=f"{base}:calls",
+        placement=f"{base}:placement",
     )
 
 

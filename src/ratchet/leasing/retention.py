@@ -73,6 +73,7 @@ class RunRetention(ShardedIndexes):
                 keys.keys,
                 keys.ledger,
                 keys.calls,
+                keys.placement,
                 *(INDEX_KEYS if inline else ()),
             ],
             [run_id, generation, state_version, phase, checkpoint_digest, export[:500]],

@@ -30,12 +30,15 @@ from ratchet.ops.actions import (
     review_claims,
     submit,
 )
+from ratchet.ops.hosts import Attached, attach
 
 __all__ = [
+    "Attached",
     "CancelPosted",
     "Posted",
     "RunView",
     "approve",
+    "attach",
     "cancel",
     "create_run",
     "inspect_run",

@@ -90,6 +90,7 @@ __all__ = [
     "create_run",
     "inspect_run",
     "load_private_key",
+    "observe_now",
     "post_approval",
     "post_review_decision",
     "rebaseline",
@@ -360,7 +361,7 @@ def review(fleet: Fleet, run_id: str, verdict: str, *, key: KeySource, reviewer_
     state = view.state
     # Bound to the environment as it is when the reviewer decides (the case's, or a later
     # one a person made while the run waited): the worker applies it only while it reads so.
-    seen = _observe_now(fleet, view)
+    seen = observe_now(fleet, view)
     if seen.instance_id != case.environment.instance_id:
         raise ContractError("the environment is another instance than the case's", run_id=run_id)
     claims = review_claims(
@@ -498,7 +499,7 @@ def _environment_incident(view: RunView, incident_id: str | None) -> str:
     )
 
 
-def _observe_now(fleet: Fleet, view: RunView) -> Observation:
+def observe_now(fleet: Fleet, view: RunView) -> Observation:
     """The run's environment as it is now, read-only through its own adapter (no fence is
     raised: nothing is written; no verifier runs, so no sandbox is needed; the
     repository is read as data, so nothing the workspace configures runs on the
@@ -545,7 +546,7 @@ def rebaseline(
     if state.phase not in (Phase.RUNNING, Phase.AWAITING_APPROVAL):
         raise ContractError(f"a {state.phase.value} run is not rebaselined", run_id=run_id)
     incident = _environment_incident(view, incident_id)
-    seen = _observe_now(fleet, view)
+    seen = observe_now(fleet, view)
     env = state.environment
     if seen.same_state(env):
         raise ContractError(

@@ -34,6 +34,7 @@ import redis
 
 from ratchet.errors import RatchetError, StoreUnavailableError
 from ratchet.fleet.context import Fleet, HostSeen
+from ratchet.fleet.placement import home_of
 from ratchet.fleet.scrub import Scrubber
 from ratchet.leasing import run_keys
 from ratchet.ops.actions import RunView
@@ -322,11 +323,19 @@ def _status(
     return out
 
 
-def _placed(out: dict[str, Any], view: RunView, seen: HostSeen | None) -> dict[str, Any]:
+def _placed(
+    out: dict[str, Any],
+    view: RunView,
+    host: str | None,
+    moved: dict[str, Any] | None,
+    seen: HostSeen | None,
+) -> dict[str, Any]:
     """``out`` with where the run's environment lives: its host (None: any host may take
-    it) and, for a run that is not running or ended, whether it waits for that host."""
+    it; ``moved``: the signed placement that moved it there) and, for a run that is not
+    running or ended, whether it waits for that host."""
     env = view.document.environment
-    out["host"] = env.host
+    out["host"] = host
+    out["moved"] = moved
     out["environment_parts"] = {
         "workspace": "host-local" if env.host is not None else "any host (recorded before hosts)",
         **{f"mcp:{name}": "shared" for name in env.mcp},
@@ -348,7 +357,9 @@ def _placed(out: dict[str, Any], view: RunView, seen: HostSeen | None) -> dict[s
         out["summary"] = f"waiting for {seen.describe()}; " + str(out.get("summary") or "")
         out["why"] = (
             f"its workspace is on {seen.describe()}, and no worker of that host is alive: "
-            'bring the host back, or cancel the run (docs/operator-guide.md, "A host is gone")'
+            "bring the host back, attach its disk elsewhere (ratchet attach RUN on the host "
+            "that has it now), or cancel the run (docs/operator-guide.md, "
+            '"Waiting for its host")'
         )
     return out
 
@@ -516,6 +527,18 @@ def diagnose(fleet: Fleet, view: RunView) -> dict[str, Any]:
     queue: QueueFacts | None = None
     history: list[HistoryEntry] = []
     host = view.document.environment.host
+    moved: dict[str, Any] | None = None
+    try:
+        host, placement = home_of(fleet.keyring, fleet.store, view.state.run_id, view.document)
+        if placement is not None:
+            moved = {
+                "from": placement.moved_from,
+                "seq": placement.seq,
+                "by": placement.by,
+                "at_ms": placement.at_ms,
+            }
+    except RatchetError as exc:
+        notes.append(f"placement: {exc.message}")
     try:
         queue = queue_facts(fleet, host)
     except RatchetError as exc:
@@ -533,7 +556,7 @@ def diagnose(fleet: Fleet, view: RunView) -> dict[str, Any]:
     incidents = [i for i in view.incidents if isinstance(i, dict)]
     timeline, left_out = _timeline(view, history, incidents, text)
     return {
-        "status": _placed(_status(fleet, view, queue, incidents, text), view, seen),
+        "status": _placed(_status(fleet, view, queue, incidents, text), view, host, moved, seen),
         "current_incident": _incident_view(incidents[0] if incidents else None, text),
         "last_job_error": _job_error(incidents, text),
         "verifier_output": _verifier_output(view, incidents, text),

@@ -60,6 +60,7 @@ class Domain:
     INCIDENT = b"ratchet/incident/v1"
     TOOL = b"ratchet/tool/v1"
     TOOL_OUTPUT = b"ratchet/tool-output/v1"
+    PLACEMENT = b"ratchet/placement/v1"
 
 
 def _reject_floats(value: Any, path: str = "$") -> None:

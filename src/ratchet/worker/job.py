@@ -78,6 +78,7 @@ from ratchet.fleet.clock import StoreClock
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.control import CancelRequest, find_controls, find_rebaseline
 from ratchet.fleet.identity import owner_id
+from ratchet.fleet.placement import home_of
 from ratchet.fleet.runs import (
     RunDocument,
     build_adapter,
@@ -294,7 +295,9 @@ def _execute(
                 report.outcome, report.phase = "terminal", opened.state.phase.value
                 report.generation = opened.generation
                 return report
-            home = document.environment.host
+            # Where the run lives: its document's host, or the host a signed placement
+            # moved it to (one that does not verify refuses the run, below).
+            home, _ = home_of(fleet.keyring, fleet.store, run_id, document)
             if home is not None and home != settings.host:
                 # Another host's run: its workspace is on that host's disk. Nothing of it
                 # is built or observed here; it goes on to its host's queue. Not a fault:

@@ -11,9 +11,9 @@
 -- KEYS[1]  run state hash      ratchet:{<run>}:state
 -- KEYS[2]  lease hash          ratchet:{<run>}:lease
 -- KEYS[3]  tombstone hash      ratchet:{<run>}:tombstone
--- KEYS[4..14] the run's other keys, deleted: ckpt, scenario, history, commits, nonces,
---          incidents, inbox, archive, keys, ledger, calls
--- KEYS[15..] optional: the cross-run indexes the run is removed from (the runs, expiry and
+-- KEYS[4..15] the run's other keys, deleted: ckpt, scenario, history, commits, nonces,
+--          incidents, inbox, archive, keys, ledger, calls, placement
+-- KEYS[16..] optional: the cross-run indexes the run is removed from (the runs, expiry and
 --          phase indexes), on a single Redis only (in Redis Cluster they live in other
 --          slots; the caller removes the run from them itself)
 --
@@ -50,10 +50,10 @@ redis.call('HSET', KEYS[3], 'purged_at_ms', now_ms, 'generation', st[1],
   'state_version', st[2], 'task_id', st[3] or '', 'created_at_ms', st[4] or '',
   'phase', ARGV[4], 'checkpoint_digest', ARGV[5], 'export', ARGV[6])
 redis.call('DEL', KEYS[1], KEYS[2])
-for i = 4, 14 do
+for i = 4, 15 do
   redis.call('DEL', KEYS[i])
 end
-for i = 15, #KEYS do
+for i = 16, #KEYS do
   redis.call('ZREM', KEYS[i], ARGV[1])
 end
 return {'purged', now_ms}
