@@ -246,6 +246,13 @@ def test_a_poisoned_run_shows_its_job_error_in_show_the_console_and_the_metrics(
 
     page = run_page(data, now=0)
     assert "Last job error" in page and "TypeError" in page and "badge state-frozen" in page
+    # Where the run lives: its host (the submitter's, signed), alive while the pool ran,
+    # and each part of its environment.
+    host = poisoning.settings.host
+    assert data["status"]["host"] == host and data["status"]["moved"] is None
+    assert data["status"]["environment_parts"] == {"workspace": "host-local"}
+    assert f"{host} (alive)" in page and "workspace: host-local" in page
+    assert f"{host} (alive)" in text
 
 
 # --- a failed verifier -----------------------------------------------------------------------

@@ -258,11 +258,17 @@ def render_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
         table.add_row("why", str(status["why"]))
     host = status.get("host")
     alive = status.get("host_alive")
+    moved = status.get("moved")
     table.add_row(
         "host",
         "any host may take it (recorded before hosts)"
         if host is None
-        else f"{host} ({'alive' if alive else 'gone' if alive is False else 'unknown'})",
+        else f"{host} ({'alive' if alive else 'gone' if alive is False else 'unknown'})"
+        + (
+            f", moved from {moved.get('from')} by {moved.get('by')}"
+            if isinstance(moved, dict)
+            else ""
+        ),
     )
     parts = status.get("environment_parts") or {}
     if parts:

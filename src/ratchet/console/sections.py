@@ -89,6 +89,18 @@ def status_section(run: dict[str, Any]) -> str:
     rows.append(("queue", _e(queue)))
     if status.get("why") and str(status["why"]) not in str(status.get("summary")):
         rows.append(("why", _e(status["why"])))
+    host = status.get("host")
+    if "host" in status:
+        alive = status.get("host_alive")
+        state = "alive" if alive else "gone" if alive is False else "unknown"
+        text = "any host may take it" if host is None else f"{host} ({state})"
+        moved = status.get("moved")
+        if isinstance(moved, dict):
+            text += f", moved from {moved.get('from')} by {moved.get('by')}"
+        rows.append(("host", _e(text)))
+    parts = status.get("environment_parts")
+    if isinstance(parts, dict) and parts:
+        rows.append(("environment", _e(", ".join(f"{k}: {v}" for k, v in parts.items()))))
     rows += [("note", _e(note)) for note in status.get("notes") or run.get("notes") or []]
     return "<h2>Status</h2>" + _kv(rows)
 
