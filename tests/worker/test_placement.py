@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ratchet.fleet import metrics
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.placement import Placement, home_of, seal_placement
 from ratchet.fleet.runs import document_digest
+from ratchet.leasing import LeaseHolder
 from ratchet.ops import inspect_run, submit
 from ratchet.runtime import KeyRing
 from ratchet.worker.job import execute_run
+from tests.worker.fleet_harness import poll
 
 
 def _placement(fleet: Fleet, run_id: str, host: str, **changes: Any) -> Placement:
@@ -63,3 +66,30 @@ def test_a_verified_placement_routes_the_run_and_a_forged_one_refuses_it(
         assert report.outcome == "restore_refused", (run_id, report)
         incident = fleet.store.incidents(run_id)[0]
         assert "placement" in incident["message"], incident
+
+
+def test_a_routed_job_records_no_takeover_even_when_it_took_an_expired_lease(
+    fleet: Fleet, workspace: Callable[..., Any]
+) -> None:
+    """A run whose worker died with its host: its lease expires, a worker of another host
+    takes the job, takes the expired lease over and hands the run on. Nothing is recorded
+    against the run (docs/hosts.md) and no takeover is counted; a takeover of a run that
+    lives here is recorded as before."""
+    _, document = workspace()
+    far = submit(fleet, document, run_id="r-far-dead")
+    fleet.store.set_placement(far, seal_placement(fleet.keyring, _placement(fleet, far, "far")))
+    _, document = workspace()
+    here = submit(fleet, document, run_id="r-here-dead")
+    for run_id in (far, here):
+        dead = fleet.store.try_acquire(run_id, owner="w-died-with-its-host", ttl_ms=60)
+        assert not isinstance(dead, LeaseHolder)
+        poll(lambda r=run_id: not fleet.store.read_run(r).lease_live, deadline_s=30, what="expiry")
+    before = metrics.LEASES_TAKEN_OVER._value.get()
+    report = execute_run(fleet, far, owner="w-here")
+    assert report.outcome == "routed", report
+    assert fleet.store.incidents(far) == []
+    assert metrics.LEASES_TAKEN_OVER._value.get() == before
+    report = execute_run(fleet, here, owner="w-here")
+    assert report.outcome != "routed", report
+    assert "lease_taken_over" in {i["kind"] for i in fleet.store.incidents(here)}
+    assert metrics.LEASES_TAKEN_OVER._value.get() == before + 1

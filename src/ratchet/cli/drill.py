@@ -11,10 +11,14 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ratchet.chaos.drill.hostplan import HOST_FAULTS, HostDrillOptions, parse_host_faults
+from ratchet.chaos.drill.hostreport import render_hosts
+from ratchet.chaos.drill.hosts import run_host_drill
 from ratchet.chaos.drill.report import render, run_drill
 from ratchet.chaos.drill.runner import DrillOptions
 from ratchet.chaos.drill.schedule import FAULTS, parse_faults
 from ratchet.cli.common import EXIT_CHECK_FAILED, JsonFlag, app, print_json, ratchet_errors
+from ratchet.errors import ConfigurationError
 
 __all__: list[str] = []
 
@@ -70,14 +74,53 @@ def drill(
             help="The fleet's RATCHET_MIN_REPLICAS_ACK (replicated topology).",
         ),
     ] = 0,
+    hosts: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=8,
+            help="Hosts (2 or more: the multi-host drill, root only: each host a mount and "
+            "UTS namespace with its own disk; --workers is then per host, --faults are "
+            f"{', '.join(HOST_FAULTS)}).",
+        ),
+    ] = 1,
+    host_losses: Annotated[
+        int | None,
+        typer.Option(
+            "--host-losses", min=0, max=64, help="With --hosts: hosts lost (default N - 1)."
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Start Redis, the orders service and worker processes, inject faults from a seeded
     schedule (SIGKILL at every failpoint, zombies past their lease, dropped replies,
     Redis kill -9 and rollback, duplicate enqueues), then check from the adapters' own
-    records that nothing was duplicated, lost or accepted stale. Exits 0 only on pass."""
+    records that nothing was duplicated, lost or accepted stale. Exits 0 only on pass.
+    With --hosts N (N >= 2) the fleet runs on N simulated hosts, which are lost whole and
+    brought back (docs/drills.md, "Many hosts")."""
     os.environ.setdefault("RATCHET_LOG_LEVEL", "WARNING")
     _stop_on_sigterm()
+    if hosts > 1 or host_losses is not None:
+        if topology != "single" or min_replicas_ack:
+            raise ConfigurationError(
+                "--hosts runs on a single Redis (no --topology, no --min-replicas-ack)",
+                field="topology",
+            )
+        host_options = HostDrillOptions(
+            hosts=hosts,
+            workers=workers,
+            runs=runs,
+            lease_ttl_s=lease_ttl,
+            duration_s=duration,
+            faults=parse_host_faults(faults),
+            seed=seed,
+            folder=folder,
+            think_ms=think_ms,
+            redis_server=redis_server,
+            host_losses=host_losses,
+        )
+        _drill_hosts(host_options, as_json)
+        return
     options = DrillOptions(
         workers=workers,
         runs=runs,
@@ -111,6 +154,33 @@ def drill(
 
             report = run_drill(options, progress=update)
         render(report, Console())
+    if report["verdict"] != "pass":
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _drill_hosts(options: HostDrillOptions, as_json: bool) -> None:
+    """The multi-host drill (ratchet.chaos.drill.hosts). Raises typer.Exit unless it
+    passed."""
+    if as_json:
+        report = run_host_drill(options)
+        print_json(report)
+    else:
+        console = Console(stderr=True)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as bar:
+            task = bar.add_task("drill --hosts", total=options.runs)
+
+            def update(label: str, settled: int, total: int) -> None:
+                bar.update(task, description=f"drill: {label}", completed=settled, total=total)
+
+            report = run_host_drill(options, progress=update)
+        render_hosts(report, Console())
     if report["verdict"] != "pass":
         raise typer.Exit(EXIT_CHECK_FAILED)
 

@@ -78,6 +78,7 @@ OTHER_NAMES: Final = frozenset(
         "RATCHET_TEST_API_TOKEN",
         "RATCHET_PROBE_AGENT_MARKER",
         "RATCHET_DRILL_SEEDS",  # tests/chaos/test_drill.py: the seeds of the opt-in run
+        "RATCHET_DRILL_HOSTS_SEEDS",  # tests/chaos/test_drill_hosts.py: likewise
     }
 )
 

@@ -301,7 +301,10 @@ def _execute(
             if home is not None and home != settings.host:
                 # Another host's run: its workspace is on that host's disk. Nothing of it
                 # is built or observed here; it goes on to its host's queue. Not a fault:
-                # a routing hint that was missing or wrong is all it says.
+                # a routing hint that was missing or wrong is all it says, and nothing
+                # is recorded against the run (not even a takeover: its host's next
+                # worker reads the run as this job found it).
+                recorder.drop_acquire()
                 _release(lease, heartbeat)
                 fleet.store.set_run_host(run_id, home)
                 fleet.enqueue(run_id, host=home)
@@ -309,6 +312,7 @@ def _execute(
                 report.outcome, report.detail = "routed", f"to host {home}"
                 report.generation = opened.generation
                 return report
+            recorder.acknowledge_acquire()
             # Operator controls come before the agent is loaded: a run whose agent cannot
             # be imported can still be cancelled (see ratchet.fleet.control).
             inbox = fleet.store.inbox(run_id)
@@ -376,6 +380,7 @@ def _execute(
                 # apply, or nothing runs on that environment.
                 engine.apply_rebaseline(rebaseline)
         except IntegrityError as exc:
+            recorder.acknowledge_acquire()
             if isinstance(exc.__context__, HighWaterUnavailableError) and (
                 exc.__context__.context.get("cause") == "StoreUnavailableError"
             ):
@@ -387,9 +392,11 @@ def _execute(
         except (FenceRejectedError, ConfigurationError, ContractError, ReviewDecisionError) as exc:
             # Failing closed: nothing about this run can be trusted or built as it is.
             # Retrying would fail the same way, so it leaves the reaper's index.
+            recorder.acknowledge_acquire()
             _refuse(fleet, lease, heartbeat, report, exc)
             return report
         except AdapterError as exc:
+            recorder.acknowledge_acquire()
             if exc.context.get("retryable"):
                 raise
             _refuse(fleet, lease, heartbeat, report, exc)
@@ -433,6 +440,7 @@ def _execute(
     except Exception as exc:
         _job_error(fleet, lease, heartbeat, report, exc)
     finally:
+        recorder.acknowledge_acquire()  # a job that ended before it routed or opened
         heartbeat.stop()
         logs.leave_run(log_context)
         if adapter is not None:

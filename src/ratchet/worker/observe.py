@@ -79,11 +79,13 @@ class RunRecorder:
         self._run_id = run_id
         self._lease_version = lease_version
         self._settings = settings
+        self._acquire: tuple[bool, tuple[str, int]] | None = None
 
     def __repr__(self) -> str:
         return f"RunRecorder(run_id={self._run_id!r}, lease_version={self._lease_version})"
 
     def _record(self, record: dict[str, Any]) -> None:
+        self.acknowledge_acquire()
         try:
             self._store.record_incident(self._run_id, record)
         except RatchetError as exc:
@@ -97,8 +99,23 @@ class RunRecorder:
             )
 
     def lease_acquired(self, *, took_over: bool, previous: tuple[str, int] = ("", 0)) -> None:
-        """Count the acquire; record a takeover (the previous holder's lease expired),
-        naming the lease it ended (``previous``: its owner and version)."""
+        """Note the acquire, counted and recorded by ``acknowledge_acquire`` (or by the
+        job's first record): a job that hands its run on to another host calls
+        ``drop_acquire`` instead and leaves nothing against the run."""
+        self._acquire = (took_over, previous)
+
+    def drop_acquire(self) -> None:
+        """The job handed its run on unopened: its acquire is neither counted nor
+        recorded (the run's own host takes the lease next; docs/hosts.md)."""
+        self._acquire = None
+
+    def acknowledge_acquire(self) -> None:
+        """Count the noted acquire; record a takeover (the previous holder's lease
+        expired), naming the lease it ended. Once per job; nothing after a drop."""
+        if self._acquire is None:
+            return
+        took_over, previous = self._acquire
+        self._acquire = None
         metrics.lease_acquired(took_over=took_over)
         if took_over:
             self._record(
