@@ -1,5 +1,6 @@
 """The adapter conformance suite, run against the in-memory workspace, the workspace
-adapter, the HTTP adapter on the reference service, and the router over both."""
+adapter, the HTTP adapter on the reference service, the router over both, and the git
+workspace over file://, git daemon and smart HTTP."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from dulwich.repo import Repo
 
 from ratchet.adapters import HttpAdapter, RouterAdapter, WorkspaceAdapter
+from ratchet.adapters.gitremote import RemoteBranch
+from ratchet.adapters.gitworkspace import GitWorkspaceAdapter
 from ratchet.errors import ConformanceError
 from ratchet.runtime import Action, Fence
 from ratchet.testing.conformance import (
@@ -21,6 +25,7 @@ from ratchet.testing.conformance import (
 from ratchet.testing.memory import ManualClock, MemoryWorkspace
 from tests.adapters.conftest import ServiceBox
 from tests.adapters.harness import make_workspace
+from tests.gitremotes import NO_GIT, GitDaemon, GitHttp, make_bare, push_foreign, writes_by_key
 
 
 def file_write(key: str, variant: int, expected: int) -> Action:
@@ -121,6 +126,45 @@ def router_subject(root: Path, clock: ManualClock, orders: ServiceBox) -> Confor
     )
 
 
+def git_subject(root: Path, url_of: Callable[[str], str], clock: ManualClock) -> ConformanceSubject:
+    """A branch of a real git remote (``url_of(name)`` serves ``root/name``); each handle
+    has its own object cache, as a worker on another host would."""
+    bare, base = make_bare(root, {"app.py": b"x\n", "tests/test_app.py": b"pass\n"})
+    branch = "ratchet/conformance-run"
+    with Repo(str(bare)) as repo:
+        repo.refs[b"refs/heads/" + branch.encode()] = base.encode()
+    handles: list[GitWorkspaceAdapter] = []
+
+    def open_handle() -> GitWorkspaceAdapter:
+        remote = RemoteBranch(url_of(bare.name), branch, cache=root / f"cache-{len(handles)}")
+        handles.append(
+            GitWorkspaceAdapter(
+                remote,
+                base=base,
+                run_id="conformance-run",
+                allowed_paths=["app.py", "tests"],
+                scratch=root / f"scratch-{len(handles)}",
+                clock=clock,
+            )
+        )
+        return handles[-1]
+
+    ws = open_handle()
+
+    def close() -> None:
+        for handle in handles:
+            handle.close()
+
+    return ConformanceSubject(
+        adapter=ws,
+        make_write=file_write,
+        effects=lambda: sum(writes_by_key(bare, branch).values()),
+        reopen=open_handle,
+        close=close,
+        drift=lambda: push_foreign(bare, branch, {"app.py": b"edited\n"}) and None,
+    )
+
+
 def _run(check: ConformanceCheck, factory: Callable[[], ConformanceSubject]) -> None:
     if not run_check(check, factory):
         pytest.skip(f"the subject cannot {check.needs}")
@@ -150,6 +194,31 @@ def test_the_router_over_workspace_and_http_conforms(
     check: ConformanceCheck, tmp_path: Path, clock: ManualClock, orders: ServiceBox
 ) -> None:
     _run(check, lambda: router_subject(tmp_path / "ws", clock, orders))
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
+def test_the_git_workspace_over_file_urls_conforms(
+    check: ConformanceCheck, tmp_path: Path, clock: ManualClock
+) -> None:
+    _run(check, lambda: git_subject(tmp_path, lambda name: f"file://{tmp_path}/{name}", clock))
+
+
+@pytest.mark.skipif(NO_GIT is not None, reason=str(NO_GIT))
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
+def test_the_git_workspace_over_git_daemon_conforms(
+    check: ConformanceCheck, tmp_path: Path, clock: ManualClock
+) -> None:
+    with GitDaemon(tmp_path) as daemon:
+        _run(check, lambda: git_subject(tmp_path, daemon.url, clock))
+
+
+@pytest.mark.skipif(NO_GIT is not None, reason=str(NO_GIT))
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.name)
+def test_the_git_workspace_over_smart_http_conforms(
+    check: ConformanceCheck, tmp_path: Path, clock: ManualClock
+) -> None:
+    with GitHttp(tmp_path) as http:
+        _run(check, lambda: git_subject(tmp_path, http.url, clock))
 
 
 def test_an_adapter_that_ignores_fences_fails_conformance_naming_the_check(

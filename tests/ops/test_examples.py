@@ -20,6 +20,7 @@ from ratchet.errors import ConfigurationError
 from ratchet.leasing import RedisServer
 from ratchet.ops.taskfile import load_task_file
 from tests.conftest import test_sandbox_mode
+from tests.gitremotes import branch_log, writes_by_key
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
 pytestmark = pytest.mark.slow
@@ -194,3 +195,45 @@ def test_a_conflict_from_another_caller_is_replanned_under_a_new_key(cli: Cli) -
     assert (cli.cwd / "conflict/workspace/app.py").read_text() == (
         'print("Hello, world")  # edited by another caller\n'
     )
+
+
+def test_the_example_on_a_git_workspace_completes_with_one_commit_on_the_remote(
+    cli: Cli,
+) -> None:
+    """The walkthrough's "On a git workspace": make the remote with the example's own
+    script, point task-git.yaml at it, submit, approve, and find the write as one commit
+    on the run's branch (the example's folder is not touched)."""
+    made = subprocess.run(
+        [sys.executable, "greeting/make_remote.py", "remote/greeting.git"],
+        cwd=cli.cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    url = made.stdout.strip()
+    assert url == (cli.cwd / "remote/greeting.git").resolve().as_uri()
+    task = cli.cwd / "greeting/task-git.yaml"
+    task.write_text(task.read_text().replace("file:///tmp/ratchet-greeting.git", url))
+    run_id = cli.run("submit", "greeting/task-git.yaml", "--agent", AGENT).stdout.strip()
+    cli.work()
+    shown = cli.json("show", run_id)
+    assert shown["phase"] == "awaiting_approval"
+    assert shown["status"]["environment_parts"]["git remote"] == "shared"
+    assert shown["status"]["host"] is None
+    assert "shared" in shown["status"]["host_note"]  # not "recorded before hosts"
+    action = shown["pending"]["action"]
+    change = shown["pending_change"]
+    assert change["current"] is not None and change["diff"]  # read from the remote's branch
+    cli.run("approve", run_id, action["action_id"], "--key", "keys/approver-alice.pem")
+    cli.work()
+    shown = cli.json("show", run_id)
+    assert shown["phase"] == "completed"
+    commits = writes_by_key(cli.cwd / "remote/greeting.git", f"ratchet/{run_id}")
+    assert commits == {action["idempotency_key"]: 1}
+    receipt = shown["executed"][0]["receipt"]
+    assert (
+        receipt["result"]["commit"]
+        == branch_log(cli.cwd / "remote/greeting.git", f"ratchet/{run_id}")[0].commit
+    )
+    assert (cli.cwd / "greeting/workspace/app.py").read_text() == WRONG  # the folder: untouched

@@ -47,8 +47,11 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 class VerifiedWorkspace(Protocol):
     """What a verifier needs from a workspace: where it is and how to observe it."""
 
-    root: Path
-    state_dir: Path
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def state_dir(self) -> Path: ...
 
     def observe(self) -> Observation: ...
 

@@ -68,10 +68,12 @@ from ratchet.runtime.effects import Commit, Effect, Execute, Hooks, Observe
 
 __all__ = [
     "ACTIONS",
+    "GIT_POINTS",
     "POINTS",
     "EventLog",
     "FailpointFired",
     "Failpoints",
+    "GitPoint",
     "TripwireHooks",
     "Tripwires",
     "WorkerPoint",
@@ -97,8 +99,19 @@ class WorkerPoint(StrEnum):
     WORKSPACE_AFTER_REPLACE = "workspace_after_replace"
 
 
+class GitPoint(StrEnum):
+    """Inside a git workspace's write: the commit is made, not pushed yet / the push
+    landed, nothing recorded it yet. Apart from :data:`POINTS` (what a drill of folder
+    workspaces covers): they fire only for runs on a git remote."""
+
+    GIT_BEFORE_PUSH = "git_before_push"
+    GIT_AFTER_PUSH = "git_after_push"
+
+
 #: Every failpoint name, engine windows first.
 POINTS: tuple[str, ...] = (*(w.value for w in CrashWindow), *(p.value for p in WorkerPoint))
+#: The git workspace's failpoint names.
+GIT_POINTS: tuple[str, ...] = tuple(p.value for p in GitPoint)
 ACTIONS = ("kill", "pause", "delay", "raise", "drop-reply")
 _DROPPABLE = (WorkerPoint.DURING_RENEWAL.value, WorkerPoint.AFTER_COMMIT_BEFORE_REPLY.value)
 
@@ -131,7 +144,7 @@ def parse_failpoints(text: str) -> list[Failpoint]:
         name = name.strip()
         action, _, hit_text = rest.partition("@")
         verb, _, arg = action.partition(":")
-        if name not in POINTS:
+        if name not in POINTS and name not in GIT_POINTS:
             raise ConfigurationError(
                 f"unknown failpoint {name!r}", field="RATCHET_FAILPOINTS", entry=entry
             )

@@ -80,6 +80,8 @@ class DrillHooks(WorkerHooks):
     def write_stage(self, stage: str) -> None:
         if self.points is not None and stage in ("after_intent", "after_replace"):
             self.points.fire(f"workspace_{stage}")
+        elif self.points is not None and stage in ("before_push", "after_push"):
+            self.points.fire(f"git_{stage}")
 
     def renewal(self, renew: Callable[[], int]) -> int:
         points = self.points

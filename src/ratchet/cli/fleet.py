@@ -38,6 +38,7 @@ from ratchet.cli.render import render_run, run_to_json
 from ratchet.console.data import RunQuery
 from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.demo.fleet import run_fleet_demo
+from ratchet.demo.hosts import run_hosts_demo
 from ratchet.errors import ConfigurationError, ContractError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument
@@ -83,6 +84,15 @@ def demo(
             "ticket through a real MCP server, on 3 workers, one killed mid-run.",
         ),
     ] = False,
+    hosts: Annotated[
+        bool,
+        typer.Option(
+            "--hosts",
+            help="Runs on a git workspace (a bare repository over file://) survive losing "
+            "their host: host a is lost right after a push, host b finishes every run with "
+            "one commit per write.",
+        ),
+    ] = False,
     runs: Annotated[int, typer.Option(min=1, max=50, help="Runs to submit.")] = 6,
     workers: Annotated[int, typer.Option(min=2, max=8, help="Worker processes.")] = 2,
     as_json: JsonFlag = False,
@@ -96,6 +106,9 @@ def demo(
     os.environ.setdefault("RATCHET_LOG_LEVEL", "WARNING")
     if tools:
         _tools_demo(runs=min(runs, 4), workers=max(workers, 3), as_json=as_json)
+        return
+    if hosts:
+        _hosts_demo(runs=min(runs, 6), as_json=as_json)
         return
     report = run_fleet_demo(runs=runs, workers=workers)
     data = report.as_dict()
@@ -161,6 +174,31 @@ def _tools_demo(*, runs: int, workers: int, as_json: bool) -> None:
         table.add_row("killed while holding", ", ".join(report.killed_holding) or "-")
         table.add_row("result", "ok" if report.ok else "FAILED")
         console.print(table)
+    if not report.ok:
+        typer.echo("ratchet: demo check failed", err=True)
+        raise typer.Exit(EXIT_CHECK_FAILED)
+
+
+def _hosts_demo(*, runs: int, as_json: bool) -> None:
+    report = run_hosts_demo(runs=runs)
+    data = report.as_dict()
+    if as_json:
+        print_json(data)
+    else:
+        table = Table(
+            title="ratchet hosts demo (git workspace, a host lost after its push)",
+            show_header=False,
+        )
+        for name in ("runs", "completed", "duplicate_commits", "greeting_fixed"):
+            table.add_row(name, str(data[name]))
+        table.add_row("host lost", f"{report.host_lost} ({report.workers_killed} workers killed)")
+        table.add_row("lost right after a push", "yes" if report.lost_after_push else "no")
+        table.add_row("runs finished on host b", str(report.continued_on_survivor))
+        per_write = {counts for c in report.commits_per_write.values() for counts in c}
+        table.add_row("commits per write on the remote", ", ".join(map(str, sorted(per_write))))
+        table.add_row("elapsed_s", str(report.elapsed_s))
+        table.add_row("result", "ok" if report.ok else "FAILED")
+        Console(highlight=False).print(table)
     if not report.ok:
         typer.echo("ratchet: demo check failed", err=True)
         raise typer.Exit(EXIT_CHECK_FAILED)

@@ -261,7 +261,7 @@ def render_diagnosis(console: Console, diagnosis: dict[str, Any]) -> None:
     moved = status.get("moved")
     table.add_row(
         "host",
-        "any host may take it (recorded before hosts)"
+        str(status.get("host_note") or "any host may take it")
         if host is None
         else f"{host} ({'alive' if alive else 'gone' if alive is False else 'unknown'})"
         + (

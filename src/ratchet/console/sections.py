@@ -93,7 +93,11 @@ def status_section(run: dict[str, Any]) -> str:
     if "host" in status:
         alive = status.get("host_alive")
         state = "alive" if alive else "gone" if alive is False else "unknown"
-        text = "any host may take it" if host is None else f"{host} ({state})"
+        text = (
+            str(status.get("host_note") or "any host may take it")
+            if host is None
+            else f"{host} ({state})"
+        )
         moved = status.get("moved")
         if isinstance(moved, dict):
             text += f", moved from {moved.get('from')} by {moved.get('by')}"

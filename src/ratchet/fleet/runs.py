@@ -22,6 +22,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     Field,
@@ -30,9 +31,18 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from ratchet.adapters.gitread import GIT_DIR
+from ratchet.adapters.gitremote import (
+    BranchMoved,
+    PushUnknown,
+    RemoteBranch,
+    cache_folder,
+    is_commit_id,
+)
+from ratchet.adapters.gitworkspace import GitWorkspaceAdapter
 from ratchet.adapters.ground import Ground
 from ratchet.adapters.http import HttpAdapter
 from ratchet.adapters.journal import BUSY_TIMEOUT_SECONDS
@@ -71,6 +81,7 @@ from ratchet.tools.store_ledger import StoreLedger
 
 __all__ = [
     "EnvironmentSpec",
+    "GitRemoteSpec",
     "McpServerSpec",
     "RunDocument",
     "VerifierSpec",
@@ -79,12 +90,35 @@ __all__ = [
     "check_document_binding",
     "decide_environment",
     "document_digest",
+    "make_run_branch",
     "open_document",
     "parse_evidence",
+    "remote_branch",
     "run_toolbox",
     "seal_document",
     "workspace_is_git",
 ]
+
+# A git branch name or commit id as a task may write it (see _check_ref for the rest).
+_REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/+-]*$"
+
+
+def _check_ref(value: str | None) -> str | None:
+    """A branch name git itself would accept (the rules of ``git check-ref-format`` that
+    the pattern does not cover): no ``..`` or ``//``, no segment starting with ``.``, no
+    ``.lock`` segment end, not ending in ``/`` or ``.``."""
+    if value is None:
+        return value
+    bad = (
+        ".." in value
+        or "//" in value
+        or value.endswith(("/", "."))
+        or any(part.startswith(".") or part.endswith(".lock") for part in value.split("/"))
+    )
+    if bad:
+        raise ValueError(f"{value!r} is not a valid git branch name or commit")
+    return value
+
 
 # Paths, argv items, agent names, URLs: a NUL would only fail later, inside the OS.
 _Text = Annotated[str, Strict(), Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
@@ -143,12 +177,52 @@ class McpServerSpec(Frozen):
         return data
 
 
-class EnvironmentSpec(Frozen):
-    """Where a run's side effects happen: a workspace directory, and optionally an HTTP
-    API for ``external_call`` actions and MCP servers whose tools the scenario permits."""
+class GitRemoteSpec(Frozen):
+    """A git workspace's remote (``environment.kind: git``; docs/adapters.md, "Git
+    workspaces"): the run's files live on a branch of it, which any worker on any host
+    reaches. ``base`` is what the run starts from: a task file may name a branch or a
+    commit; submit resolves it to the commit and signs that. ``branch`` is the run's own
+    branch, made at submit (``ratchet/<run id>`` unless the task file names one) at the
+    base. ``credential`` names one of the worker's credentials (``RATCHET_CREDENTIALS``),
+    sent over ``http(s)://`` as the password of basic authentication with ``username``."""
 
-    kind: Literal["workspace"] = "workspace"
-    root: _Text
+    url: Annotated[
+        str, Strict(), Field(min_length=1, max_length=2048, pattern=r"^(file|git|https?)://")
+    ]
+    base: Annotated[str, Strict(), Field(min_length=1, max_length=200, pattern=_REF_PATTERN)]
+    branch: (
+        Annotated[str, Strict(), Field(min_length=1, max_length=200, pattern=_REF_PATTERN)] | None
+    ) = None
+    credential: Annotated[str, Strict(), Field(min_length=1, max_length=128)] | None = None
+    username: Annotated[str, Strict(), Field(min_length=1, max_length=128)] = "ratchet"
+
+    _refs = field_validator("base", "branch")(_check_ref)
+
+    @field_validator("url")
+    @classmethod
+    def _no_secret_in_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if "@" in parts.netloc or any(ord(c) < 0x21 for c in value):
+            raise ValueError(
+                "the remote URL carries no user, password or whitespace: name one of the "
+                "worker's credentials in environment.remote.credential instead"
+            )
+        if parts.scheme != "file" and not parts.hostname:
+            raise ValueError("the remote URL names no host")
+        if parts.scheme == "file" and (parts.netloc or not parts.path.startswith("/")):
+            raise ValueError("a file:// remote is an absolute path: file:///path/to/repo.git")
+        return value
+
+
+class EnvironmentSpec(Frozen):
+    """Where a run's side effects happen: a workspace directory (``kind: workspace``,
+    ``root``) or a branch of a git remote (``kind: git``, ``remote``), and optionally an
+    HTTP API for ``external_call`` actions and MCP servers whose tools the scenario
+    permits."""
+
+    kind: Literal["workspace", "git"] = "workspace"
+    root: _Text | None = None
+    remote: GitRemoteSpec | None = None
     # Whether the workspace is a git work tree (its .git folder at the root): fixed at
     # submit, from the submitter's disk or the task file, and signed with the document. A
     # worker never decides it again from the disk, where agent-written code could have
@@ -173,17 +247,41 @@ class EnvironmentSpec(Frozen):
         # existed seals and digests as it did.
         data = handler(self)
         if isinstance(data, dict):
-            for name in ("git", "host", "tools_ledger"):
+            for name in ("git", "host", "tools_ledger", "root", "remote"):
                 if getattr(self, name) is None:
                     data.pop(name, None)
         return data
 
+    @model_validator(mode="after")
+    def _one_place(self) -> EnvironmentSpec:
+        if self.kind == "workspace" and (self.root is None or self.remote is not None):
+            raise ValueError("a workspace environment has a root and no remote")
+        if self.kind == "git" and (self.remote is None or self.root is not None):
+            raise ValueError("a git environment has a remote and no root")
+        if self.kind == "git" and self.git is not None:
+            raise ValueError("environment.git is for a workspace folder; a git environment is one")
+        return self
+
     @property
     def local_parts(self) -> tuple[str, ...]:
         """The parts of this environment that live on one host's disk (the workspace
-        folder, and the declared tools' ledger kept in it); the rest (HTTP APIs, MCP
-        servers reached over the network) every host reaches."""
-        return ("workspace",)
+        folder, and the declared tools' ledger kept in it); the rest (a git remote, HTTP
+        APIs, MCP servers reached over the network) every host reaches."""
+        return ("workspace",) if self.kind == "workspace" else ()
+
+    @property
+    def workspace_root(self) -> str:
+        """The workspace folder (a ``workspace`` environment's root).
+
+        Raises:
+            ConfigurationError: the environment is a git remote, which has no folder.
+        """
+        if self.root is None:
+            raise ConfigurationError(
+                "the run's environment is a git remote: it has no workspace folder",
+                field="environment.root",
+            )
+        return self.root
 
     verifiers: dict[Annotated[str, Strict()], VerifierSpec] = Field(default_factory=dict)
     http_base_url: _Text | None = None
@@ -213,25 +311,35 @@ def decide_environment(document: RunDocument, *, host: str) -> RunDocument:
     """``document`` with ``environment.git`` and ``environment.host`` fixed, as submit
     signs it: what the task said, else whether the workspace root holds a ``.git`` folder
     now (the submitter's disk, the one decision that is made from it) and ``host`` (the
-    submitter's own host: the disk the workspace was read from).
+    submitter's own host: the disk the workspace was read from). A git environment
+    (``kind: git``) has neither: it is bound to no host.
 
     Raises:
         ConfigurationError: the task says git but the root has no ``.git`` folder, or asks
             for the file tool ledger (kept only for runs submitted before the store one).
     """
     env = document.environment
-    found = Ground(env.root).lstat(GIT_DIR) if Path(env.root).is_dir() else None
-    is_repo = found is not None and stat.S_ISDIR(found.st_mode)
-    if env.git and not is_repo:
-        raise ConfigurationError(
-            f"environment.git is true but {env.root} has no .git folder",
-            field="environment.git",
-        )
     update: dict[str, Any] = {}
-    if env.git is None:
-        update["git"] = is_repo
-    if env.host is None:
-        update["host"] = host
+    if env.kind == "workspace":
+        root = env.workspace_root
+        found = Ground(root).lstat(GIT_DIR) if Path(root).is_dir() else None
+        is_repo = found is not None and stat.S_ISDIR(found.st_mode)
+        if env.git and not is_repo:
+            raise ConfigurationError(
+                f"environment.git is true but {root} has no .git folder",
+                field="environment.git",
+            )
+        if env.git is None:
+            update["git"] = is_repo
+        if env.host is None:
+            update["host"] = host
+    elif env.host is not None:
+        # A git environment lives on its remote, which every host reaches: it is bound
+        # to no host, and a task that names one is refused rather than half obeyed.
+        raise ConfigurationError(
+            "environment.host: a git environment lives on its remote and is bound to no host",
+            field="environment.host",
+        )
     if env.tools_ledger == "workspace":
         raise ConfigurationError(
             "environment.tools_ledger: the file ledger is kept only for runs submitted "
@@ -341,8 +449,102 @@ def check_credentials(document: RunDocument, credentials: CredentialMap) -> None
     """
     for server, spec in document.environment.mcp.items():
         _mcp_credential(server, spec, credentials)
+    _git_credential(document.environment, credentials)
     for use in credential_uses(document.agent, dict(document.agent_config)):
         credentials.bind(use.name, use.url, field=use.field)
+
+
+def _git_credential(env: EnvironmentSpec, credentials: CredentialMap) -> BoundCredential | None:
+    """The credential a git environment's remote is sent, checked for its URL (None:
+    none). Raises ConfigurationError (see :func:`check_credentials`)."""
+    remote = env.remote
+    if remote is None or remote.credential is None:
+        return None
+    if not remote.url.startswith(("http://", "https://")):
+        raise ConfigurationError(
+            "environment.remote.credential: only an http(s):// remote carries a credential",
+            field="environment.remote.credential",
+        )
+    return credentials.bind(remote.credential, remote.url, field="environment.remote.credential")
+
+
+def remote_branch(
+    env: EnvironmentSpec, *, state_dir: Path, credentials: CredentialMap | None, branch: str
+) -> RemoteBranch:
+    """The git environment's remote, on ``branch``, with this process's object cache
+    (under ``state_dir``) and its own credential for the remote's URL.
+
+    Raises:
+        ConfigurationError: not a git environment; the credential is refused.
+    """
+    remote = env.remote
+    if remote is None:
+        raise ConfigurationError("the environment has no git remote", field="environment.remote")
+    bound = _git_credential(env, credentials if credentials is not None else CredentialMap())
+    password = (lambda: bound().get_secret_value()) if bound is not None else None
+    return RemoteBranch(
+        remote.url,
+        branch,
+        cache=cache_folder(state_dir),
+        password=password,
+        username=remote.username,
+    )
+
+
+def make_run_branch(
+    document: RunDocument,
+    *,
+    run_id: str,
+    state_dir: Path,
+    credentials: CredentialMap | None,
+) -> RunDocument:
+    """For a git environment: resolve the base to a commit, and make the run's branch
+    (``ratchet/<run id>`` unless the task names one) at it on the remote, so the signed
+    document names both. A branch that exists already is refused unless it stands at
+    that very commit (a submit of this run that stopped after making it). Any other
+    environment is returned as it is.
+
+    Raises:
+        ConfigurationError: the base names no branch or commit of the remote; the
+            branch exists elsewhere; the credential is refused.
+        AdapterError: the remote could not be reached (retryable=True).
+    """
+    env = document.environment
+    remote = env.remote
+    if remote is None:
+        return document
+    branch = remote.branch or f"ratchet/{run_id}"
+    target = remote_branch(env, state_dir=state_dir, credentials=credentials, branch=branch)
+    try:
+        refs = target.refs()
+        base = remote.base
+        if not is_commit_id(base):
+            found = refs.get(b"refs/heads/" + base.encode())
+            if found is None:
+                raise ConfigurationError(
+                    f"environment.remote.base: the remote has no branch {base!r} (name a "
+                    "branch or a full commit id)",
+                    field="environment.remote.base",
+                )
+            base = found.decode()
+        target.fetch(base.encode())
+        target.commit(base.encode())  # a commit, not a tree or a blob
+        existing = refs.get(target.ref)
+        if existing is None:
+            try:
+                target.push(None, base.encode())
+            except (BranchMoved, PushUnknown):
+                existing = target.tip()
+        if existing is not None and existing != base.encode():
+            raise ConfigurationError(
+                f"environment.remote.branch: {branch!r} exists on the remote at another "
+                "commit; a run's branch is its own (name another, or delete it)",
+                field="environment.remote.branch",
+            )
+    finally:
+        target.close()
+    fixed = remote.model_copy(update={"base": base, "branch": branch})
+    return document.model_copy(update={"environment": env.model_copy(update={"remote": fixed})})
 
 
 def _mcp_credential(
@@ -433,6 +635,8 @@ def build_adapter(
     store: RedisStore | None = None,
     run_id: str | None = None,
     create_ledger: bool = False,
+    state_dir: Path | None = None,
+    credentials: CredentialMap | None = None,
 ) -> Adapter:
     """The adapter for a run's (verified) environment. ``sandbox`` confines its verifier
     commands; a worker passes its own, checked usable here before anything is built.
@@ -447,7 +651,8 @@ def build_adapter(
     journal's wait for a lock another process holds (the worker's
     ``workspace_busy_timeout_ms``); ``write_hook`` is called at each stage of a workspace
     write and of a declared tool's call (``before_call``, ``after_call``; drills and
-    tests only).
+    tests only). A git environment's remote is reached with this process's object cache
+    under ``state_dir`` (its checkouts too) and its own ``credentials``.
 
     Raises ConfigurationError (missing workspace, bad verifier, bad URL, no usable
     sandbox, a permitted tool missing), AdapterError.
@@ -472,21 +677,35 @@ def build_adapter(
         sandbox=sandbox,
     )
     box = toolbox if toolbox is not None else run_toolbox(document)
-    files = WorkspaceAdapter(
-        env.root,
-        scenario.allowed_paths,
-        verifier=verifier,
-        clock=clock,
-        hook=write_hook,
-        busy_timeout_s=busy_timeout_s,
-        git=workspace_is_git(document, recorded),
-    )
+    files: WorkspaceAdapter | GitWorkspaceAdapter
+    if env.kind == "git":
+        files = _git_workspace(
+            document,
+            run_id=run_id,
+            state_dir=state_dir,
+            credentials=credentials,
+            verifier=verifier,
+            clock=clock,
+            hook=write_hook,
+        )
+    else:
+        files = WorkspaceAdapter(
+            env.workspace_root,
+            scenario.allowed_paths,
+            verifier=verifier,
+            clock=clock,
+            hook=write_hook,
+            busy_timeout_s=busy_timeout_s,
+            git=workspace_is_git(document, recorded),
+        )
     calls: Any = (
         HttpAdapter(env.http_base_url, token=http_token) if env.http_base_url is not None else None
     )
     if any(str(name) in box for name in scenario.permissions):
-        ledger: Path | CallLedger = files.state_dir / "tools.ledger"
-        if env.tools_ledger == "store":
+        ledger: Path | CallLedger
+        if env.tools_ledger != "store" and isinstance(files, WorkspaceAdapter):
+            ledger = files.state_dir / "tools.ledger"
+        else:
             if store is None or run_id is None:
                 raise ConfigurationError(
                     "the run keeps its tool ledger in the store: the store and the run id "
@@ -503,6 +722,48 @@ def build_adapter(
             **({"hook": write_hook} if write_hook is not None else {}),
         )
     return files if calls is None else RouterAdapter(files, calls)
+
+
+def _git_workspace(
+    document: RunDocument,
+    *,
+    run_id: str | None,
+    state_dir: Path | None,
+    credentials: CredentialMap | None,
+    verifier: CommandVerifier,
+    clock: Clock | None,
+    hook: Callable[[str], None] | None,
+) -> GitWorkspaceAdapter:
+    """The git workspace of a submitted run (its branch and base fixed in the document).
+
+    Raises:
+        ConfigurationError: the document was never submitted (no branch), or the run id
+            or this process's state folder is missing; the credential is refused.
+    """
+    remote = document.environment.remote
+    if remote is None or remote.branch is None or not is_commit_id(remote.base):
+        raise ConfigurationError(
+            "the git environment has no branch or base commit yet (submit makes them)",
+            field="environment.remote",
+        )
+    if run_id is None or state_dir is None:
+        raise ConfigurationError(
+            "a git environment is built for a run, with this process's state folder",
+            field="environment.remote",
+        )
+    branch = remote_branch(
+        document.environment, state_dir=state_dir, credentials=credentials, branch=remote.branch
+    )
+    return GitWorkspaceAdapter(
+        branch,
+        base=remote.base,
+        run_id=run_id,
+        allowed_paths=document.scenario.allowed_paths,
+        scratch=cache_folder(state_dir) / "checkouts",
+        verifier=verifier,
+        clock=clock,
+        hook=hook,
+    )
 
 
 def parse_evidence(raw: bytes) -> ApprovalEvidence | ReviewDecision | None:

@@ -51,6 +51,7 @@ from ratchet.fleet.runs import (
     check_document_binding,
     decide_environment,
     document_digest,
+    make_run_branch,
     open_document,
     run_toolbox,
     seal_document,
@@ -125,12 +126,23 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     # process does not define for that URL is refused before anything is sent or stored.
     check_credentials(document, fleet.credentials)
     fleet.agent_policy.build(document.agent, dict(document.agent_config))
+    # A git environment's branch is made on its remote now, at the base resolved to a
+    # commit; the document signs both.
+    document = make_run_branch(
+        document, run_id=run_id, state_dir=fleet.settings.state_dir, credentials=fleet.credentials
+    )
     sent_at = time.monotonic()
     clock = StoreClock(fleet.store.server_time_ms(), sent_at=sent_at)  # the run's start
     toolbox = run_toolbox(document, credentials=fleet.credentials)
     # The run's tool ledger (in the store) is made here, before generation 1 observes it.
     adapter = build_adapter(
-        document, toolbox=toolbox, store=fleet.store, run_id=run_id, create_ledger=True
+        document,
+        toolbox=toolbox,
+        store=fleet.store,
+        run_id=run_id,
+        create_ledger=True,
+        state_dir=fleet.settings.state_dir,
+        credentials=fleet.credentials,
     )
     try:
         RunEngine.start(
@@ -512,6 +524,8 @@ def observe_now(fleet: Fleet, view: RunView) -> Observation:
         recorded=view.state.environment,
         store=fleet.store,
         run_id=view.state.run_id,
+        state_dir=fleet.settings.state_dir,
+        credentials=fleet.credentials,
     )
     try:
         return drive(effects.observe(), Executor(adapter))

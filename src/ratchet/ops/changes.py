@@ -19,12 +19,15 @@ from __future__ import annotations
 import difflib
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from ratchet.adapters.files import AllowedPaths
 from ratchet.adapters.ground import Ground
-from ratchet.errors import ConfigurationError, UntrustedGroundError
+from ratchet.errors import ConfigurationError, RatchetError, UntrustedGroundError
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.runs import remote_branch
 from ratchet.ops.actions import RunView
 from ratchet.runtime import ActionKind
 
@@ -115,13 +118,52 @@ def _diff(old: bytes, new: bytes, path: str) -> dict[str, Any]:
     return {"diff": text, "diff_note": note}
 
 
-def pending_change(view: RunView) -> dict[str, Any] | None:
+def _read_branch(
+    fleet: Fleet, view: RunView, path: str, allowed: AllowedPaths
+) -> tuple[bytes | None, str]:
+    """A git environment's file as the run's branch has it on the remote now (bytes,
+    None when missing) and a note; never past the diff bound."""
+    if path not in allowed:
+        return None, "the path is outside the allowed paths"
+    env = view.document.environment
+    remote = env.remote
+    if remote is None or remote.branch is None:
+        return None, "the run's branch is not known"
+    try:
+        branch = remote_branch(
+            env,
+            state_dir=fleet.settings.state_dir,
+            credentials=fleet.credentials,
+            branch=remote.branch,
+        )
+    except RatchetError as exc:
+        return None, f"the remote cannot be read here ({exc.message})"
+    try:
+        tip = branch.tip()
+        if tip is None:
+            return None, "the run's branch is gone from the remote"
+        branch.fetch(tip)
+        found = branch.path_at(branch.commit(tip).tree, path)
+        if found is None:
+            return None, _MISSING
+        if not stat.S_ISREG(found[0]):
+            return None, "the path is not a regular file on the branch"
+        return branch.blob(found[1]).as_raw_string()[: DIFF_BYTES + 1], ""
+    except RatchetError as exc:
+        return None, f"the remote cannot be read here ({exc.message})"
+    finally:
+        branch.close()
+
+
+def pending_change(view: RunView, fleet: Fleet | None = None) -> dict[str, Any] | None:
     """The run's pending write as a change, or None when nothing is pending.
 
     ``{"path", "operation", "content": {bytes, sha256, form, text?}, "current": {...} |
     None, "current_note", "diff", "diff_note"}`` for a file write or delete;
     ``{"operation": "external_call", "target", "content": {...}}`` for an external call
-    (there is no current file to compare with). Raises nothing for a workspace that
+    (there is no current file to compare with). A git environment's current file is the
+    one on the run's branch, read from the remote through ``fleet`` (this process's
+    object cache and credentials; None: not read). Raises nothing for a workspace that
     cannot be read here: the notes say why.
     """
     pending = view.state.pending
@@ -157,16 +199,25 @@ def pending_change(view: RunView) -> dict[str, Any] | None:
     except ConfigurationError as exc:
         out.update(current=None, current_note=exc.message, diff=None, diff_note="")
         return out
-    root = Path(view.document.environment.root)
-    if not root.is_dir():
-        out.update(
-            current=None,
-            current_note="the workspace is not reachable from here",
-            diff=None,
-            diff_note="",
-        )
-        return out
-    current, note = _read_current(root, path, allowed)
+    env = view.document.environment
+    if env.kind == "git":
+        if fleet is None:
+            out.update(
+                current=None, current_note="the remote is not read here", diff=None, diff_note=""
+            )
+            return out
+        current, note = _read_branch(fleet, view, path, allowed)
+    else:
+        root = Path(env.workspace_root)
+        if not root.is_dir():
+            out.update(
+                current=None,
+                current_note="the workspace is not reachable from here",
+                diff=None,
+                diff_note="",
+            )
+            return out
+        current, note = _read_current(root, path, allowed)
     missing = current is None and note == _MISSING
     if current is not None:
         described = _describe(current)

@@ -335,9 +335,25 @@ def _placed(
     running or ended, whether it waits for that host."""
     env = view.document.environment
     out["host"] = host
+    out["host_note"] = (
+        None
+        if host is not None
+        else "any host may take it: its environment is shared"
+        if env.kind == "git"
+        else "any host may take it (recorded before hosts)"
+    )
     out["moved"] = moved
+    files = (
+        {"git remote": "shared"}
+        if env.kind == "git"
+        else {
+            "workspace": "host-local"
+            if env.host is not None
+            else "any host (recorded before hosts)"
+        }
+    )
     out["environment_parts"] = {
-        "workspace": "host-local" if env.host is not None else "any host (recorded before hosts)",
+        **files,
         **{f"mcp:{name}": "shared" for name in env.mcp},
         **({"http": "shared"} if env.http_base_url is not None else {}),
     }
@@ -562,7 +578,7 @@ def diagnose(fleet: Fleet, view: RunView) -> dict[str, Any]:
         "verifier_output": _verifier_output(view, incidents, text),
         "timeline": timeline,
         "timeline_left_out": left_out,
-        "pending_change": _scrubbed_change(pending_change(view), scrubber),
+        "pending_change": _scrubbed_change(pending_change(view, fleet), scrubber),
         "notes": notes,
     }
 

@@ -7,8 +7,9 @@ JSON otherwise) with these keys and no others (``docs/task-file.md`` is the refe
 
 - ``scenario``: the task contract (:class:`ratchet.runtime.Scenario`), or
   ``scenario_file``: a JSON or YAML file holding it. Exactly one of the two.
-- ``environment`` (optional): the workspace ``root`` (default: the task file's folder),
-  the allow-listed verifier commands, an HTTP API for external calls.
+- ``environment`` (optional): the workspace ``root`` (default: the task file's folder) or,
+  with ``kind: git``, the git ``remote`` whose branch holds the run's files; the
+  allow-listed verifier commands, an HTTP API for external calls.
 - ``agent_config`` (optional): the agent's configuration, a JSON object.
 
 Relative paths in a task file (``scenario_file``, ``environment.root``) are resolved
@@ -79,13 +80,6 @@ _ArgText = Annotated[str, Strict(), Field(max_length=1 << 20)]
 _M = TypeVar("_M", bound=BaseModel)
 
 
-class TaskEnvironment(EnvironmentSpec):
-    """The run's environment as a task file writes it: ``root`` (the workspace folder) may
-    be relative to the task file's folder and defaults to that folder."""
-
-    root: _PathText = "."
-
-
 def _never_null(schema: dict[str, Any]) -> None:
     """In the schema, a key that may be left out but is never null: no null, no default."""
     schema.pop("default", None)
@@ -94,6 +88,22 @@ def _never_null(schema: dict[str, Any]) -> None:
         schema.update(options[0])
     elif options:
         schema["anyOf"] = options
+
+
+class TaskEnvironment(EnvironmentSpec):
+    """The run's environment as a task file writes it: ``root`` (the workspace folder) may
+    be relative to the task file's folder and defaults to that folder; a git environment
+    (``kind: git``) names its ``remote`` instead and has no root."""
+
+    root: _PathText | None = Field(default=None, json_schema_extra=_never_null)
+
+    @model_validator(mode="after")
+    def _one_place(self) -> TaskEnvironment:
+        if self.kind == "git" and self.root is not None:
+            raise ValueError("a git environment has no root: its files are on the remote's branch")
+        if (self.kind == "git") != (self.remote is not None):
+            raise ValueError("environment.remote is needed by, and only by, kind: git")
+        return self
 
 
 class TaskFile(Frozen):
@@ -366,8 +376,10 @@ def load_task_file(path: Path, agent: str) -> RunDocument:
                 field="agent_config",
             )
         agent_name, agent_config = "scripted", {"steps": load_plan_file(Path(agent))}
-    root = _resolve(base, task.environment.root, name, "environment.root")
-    environment = {**task.environment.model_dump(mode="json"), "root": str(root)}
+    environment = task.environment.model_dump(mode="json")
+    if task.environment.kind == "workspace":
+        root = _resolve(base, task.environment.root or ".", name, "environment.root")
+        environment["root"] = str(root)
     return _validated(
         RunDocument,
         {

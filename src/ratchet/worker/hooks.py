@@ -51,6 +51,7 @@ class WorkerHooks:
     def write_stage(self, stage: str) -> None:
         """The job's workspace adapter reached ``stage`` of a file write: the journal
         holds the intent (``after_intent``), the file was replaced (``after_replace``),
-        the receipt is written (``after_receipt``); or its declared tools reached a
+        the receipt is written (``after_receipt``); a git workspace's commit is made
+        (``before_push``) or its push landed (``after_push``); or its declared tools reached a
         call's: the ledger admitted it (``before_call``), the tool returned and nothing
         recorded it yet (``after_call``)."""

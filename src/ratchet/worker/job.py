@@ -343,6 +343,8 @@ def _execute(
                 recorded=opened.state.environment,
                 store=fleet.store,
                 run_id=run_id,
+                state_dir=settings.state_dir,
+                credentials=fleet.credentials,
             )
             executor = Executor(
                 adapter,
