@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.adapters import RouterAdapter
-from ratchet.errors import ConfigurationError
+from ratchet.errors import AdapterError, ConfigurationError
 from ratchet.fleet.runs import (
     EnvironmentSpec,
     RunDocument,
@@ -41,6 +41,27 @@ def misnamed():
 
 def broken():
     raise RuntimeError("secret-token-in-a-message")
+
+def server_down():
+    raise ConnectionRefusedError("secret-token-in-a-message")
+
+def server_died():
+    raise ExceptionGroup("unhandled errors in a TaskGroup", [EOFError("secret-token")])
+
+DOWN = []
+
+def flaky_status():
+    if DOWN:
+        raise ConnectionRefusedError("the server is down")
+    return order_status_named
+
+@ratchet.tool(risk="read_only", name="flaky_status")
+def order_status_named(order_id: str) -> dict:
+    return {"order_id": order_id}
+
+def adapter_says():
+    from ratchet.errors import AdapterError
+    raise AdapterError("MCP server (x) could not be connected", retryable=True)
 '''
 
 ENTRY_POINTS = """[ratchet.tools]
@@ -48,6 +69,11 @@ create_refund = refund_plugin:create_refund
 order_status = refund_plugin:order_status
 misnamed = refund_plugin:misnamed
 broken = refund_plugin:broken
+server_down = refund_plugin:server_down
+server_died = refund_plugin:server_died
+adapter_says = refund_plugin:adapter_says
+flaky_status = refund_plugin:flaky_status
+not_importable = refund_plugin_missing:create_refund
 """
 
 
@@ -122,6 +148,23 @@ def test_a_tool_that_cannot_be_loaded_is_refused_in_one_line(
         load_entry_point_tool(name)
     assert message in str(caught.value)
     assert "secret-token" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["server_down", "server_died", "adapter_says"])
+def test_a_tool_whose_server_is_down_is_a_retryable_failure_not_configuration(
+    installed: Path, name: str
+) -> None:
+    """Transient is not configuration: the job is retried later, the run not frozen."""
+    with pytest.raises(AdapterError) as caught:
+        load_entry_point_tool(name)
+    assert not isinstance(caught.value, ConfigurationError)
+    assert caught.value.context["retryable"] is True
+    assert "secret-token" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_tool_package_that_cannot_be_imported_is_configuration(installed: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"failed to load \(ModuleNotFoundError\)"):
+        load_entry_point_tool("not_importable")
 
 
 def test_a_scenario_naming_a_missing_tool_is_refused_before_anything_is_built(

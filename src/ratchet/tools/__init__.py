@@ -27,7 +27,7 @@ from typing import Any
 
 from ratchet.adapters.router import RouterAdapter
 from ratchet.agents.plugins import installed_entry_points
-from ratchet.errors import ConfigurationError
+from ratchet.errors import AdapterError, ConfigurationError
 from ratchet.runtime.ports import Adapter, Clock
 from ratchet.runtime.tools import BUILTIN_TOOLS, Recovery, ToolCatalog, ToolSpec
 from ratchet.tools.adapter import ToolsAdapter, output_result
@@ -67,21 +67,48 @@ def _as_tool(obj: Any, where: str) -> Tool:
     raise ConfigurationError(f"{where} is not a ratchet tool", field="tools")
 
 
+#: What a tool package's factory raises when the server or service it reaches could not
+#: be reached, or died while it was asked (an MCP server during its handshake or tool
+#: listing): transient, so the job is retried later and the run is not frozen.
+_TRANSIENT = (OSError, TimeoutError, ExceptionGroup)
+
+
 def load_entry_point_tool(name: str, *, group: str = ENTRY_POINT_GROUP) -> Tool:
     """The tool installed under entry point ``name``.
 
+    Transient is not configuration: a factory that fails because what it reaches is
+    down (an ``AdapterError`` it raises, an ``OSError``, a timeout, the exception group an
+    async client raises when its server dies mid-handshake) is a retryable failure; what
+    would fail the same way every time (not installed, not importable, not a tool, named
+    otherwise, a bug of the factory) is a configuration error.
+
     Raises:
-        ConfigurationError: no such entry point, it fails to load, or it is not a tool
-            named ``name``.
+        ConfigurationError: no such entry point, it fails to import, it is not a tool
+            named ``name``, or its factory failed for a reason of its own.
+        AdapterError: its factory could not reach what it needs (retryable=True), or
+            the factory's own ``AdapterError``.
     """
     point = installed_entry_points(group).get(name)
     if point is None:
         raise ConfigurationError(f"no tool {name!r} is installed ({group})", field="tools")
     try:
-        made = _as_tool(point.load(), f"entry point {name!r}")
-    except ConfigurationError:
+        loaded = point.load()
+    except Exception as exc:  # the package itself is broken: its type only (no message)
+        raise ConfigurationError(
+            f"tool {name!r} failed to load ({type(exc).__name__})", field="tools"
+        ) from None
+    try:
+        made = _as_tool(loaded, f"entry point {name!r}")
+    except (ConfigurationError, AdapterError):
         raise
-    except Exception as exc:  # the plugin's own failure: its type only (no message)
+    except _TRANSIENT as exc:
+        raise AdapterError(
+            f"tool {name!r} could not be made: what it reaches is unavailable "
+            f"({type(exc).__name__}); the job is retried later",
+            retryable=True,
+            tool=name,
+        ) from None
+    except Exception as exc:  # the factory's own failure: its type only (no message)
         raise ConfigurationError(
             f"tool {name!r} failed to load ({type(exc).__name__})", field="tools"
         ) from None
