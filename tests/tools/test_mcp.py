@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,6 +322,33 @@ def test_a_dead_server_is_a_retryable_adapter_error(tickets: Tickets) -> None:
         create(create_ticket, write_call())
     assert caught.value.context["retryable"] is True
     assert tickets.stats().effects == 0
+
+
+def test_a_server_that_cannot_start_is_reported_with_what_it_said_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Not "could not be connected (ExceptionGroup)" alone: the tail of the server's
+    stderr, on one line, scrubbed of the connection's secrets; each line also logged."""
+    said = (
+        "import sys; print('Traceback (most recent call last):', file=sys.stderr); "
+        "print('ModuleNotFoundError: No module named mcp_server_x tok-s3cr3t', file=sys.stderr); "
+        "sys.exit(3)"
+    )
+    conn = MCPConnection.stdio(
+        [sys.executable, "-c", said], env={"TOKEN": "tok-s3cr3t"}, connect_timeout_s=20
+    )
+    with (
+        caplog.at_level(logging.INFO, logger="ratchet.tools.mcp.stderr"),
+        pytest.raises(AdapterError) as caught,
+    ):
+        conn.start()
+    message = str(caught.value)
+    assert caught.value.context["retryable"] is True
+    assert "No module named mcp_server_x" in message and "\n" not in message
+    assert "tok-s3cr3t" not in message and "***" in message
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("No module named mcp_server_x" in m for m in logged)
+    assert not any("tok-s3cr3t" in m for m in logged)
 
 
 def test_a_server_that_stops_answering_is_a_retryable_error_not_a_hang(tickets: Tickets) -> None:

@@ -29,6 +29,7 @@ from ratchet.errors import (
 )
 from ratchet.limits import peer_cap
 from ratchet.runtime.ports import Fence
+from ratchet.tools.mcp.errtail import ErrTail
 from ratchet.tools.mcp.transports import AnswerWatch, _Http, _Stdio, watch_answers
 from ratchet.tools.mcp.wire import (
     _REFUSED_CODES,
@@ -122,6 +123,7 @@ class MCPConnection:
         if max_answer_bytes is not None:
             peer_cap(max_answer_bytes)  # refused now, not at the first call
         self._max_answer_bytes = max_answer_bytes
+        self._errtail: ErrTail | None = None  # a stdio server's stderr, when ratchet keeps it
         self._limit = 0  # the cap in force, fixed when the connection starts
         self._cut: PeerAnswerTooLargeError | None = None  # the answer that ended it
         self._handshake = AnswerWatch()
@@ -158,18 +160,24 @@ class MCPConnection:
         """
         if not argv or not argv[0]:
             raise ConfigurationError("an MCP stdio server needs a program to run", field="argv")
+        # Without an errlog of the caller's, the server's stderr goes to the worker's log
+        # line by line, and its last lines into the error of a server that cannot start.
+        secrets = list((env or {}).values())
+        tail = ErrTail(f"stdio {Path(argv[0]).name}", secrets) if errlog is None else None
         transport = _Stdio(
             argv=tuple(argv),
             env=dict(env) if env is not None else None,
             cwd=str(cwd) if cwd is not None else None,
-            errlog=errlog,
+            errlog=errlog if tail is None else tail.errlog,
         )
-        return cls(
+        made = cls(
             transport,
             timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s,
             max_answer_bytes=max_answer_bytes,
         )
+        made._errtail = tail
+        return made
 
     @classmethod
     def http(
@@ -246,9 +254,10 @@ class MCPConnection:
             refused = self._refused(self._handshake)
             if refused is not None:
                 raise refused from None
+            said = self._errtail.tail() if self._errtail is not None else ""
             raise AdapterError(
                 f"MCP server ({self._transport.label}) could not be connected "
-                f"({_what_failed(exc)})",
+                f"({_what_failed(exc)})" + (f"; it said: {self.scrub(said)}" if said else ""),
                 retryable=True,
             ) from None
         except BaseException:
@@ -303,6 +312,8 @@ class MCPConnection:
             self._closed = True
             loop, thread, serving = self._loop, self._thread, self._serving
         if loop is None or thread is None:
+            if self._errtail is not None:
+                self._errtail.close()
             return
         if serving is not None and self._client is not None:
             # Connected: let the serving task leave the SDK's contexts (a stdio server
@@ -317,6 +328,8 @@ class MCPConnection:
         # The loop cancels what is left and gives it a bounded time to unwind.
         loop.call_soon_threadsafe(loop.stop)
         thread.join(2 * _CLOSE_S)
+        if self._errtail is not None:
+            self._errtail.close()
 
     @property
     def client(self) -> Client:
