@@ -167,6 +167,12 @@ def worker_main(
         reaper.stop()
         if service is not None:
             service.stop()
+        # Stdio MCP servers the jobs' tool packages shared (ratchet.tools.mcp.shared) stop
+        # with the worker; the module is looked up, not imported (the mcp extra is
+        # optional and a worker that never used it has nothing to close).
+        shared = sys.modules.get("ratchet.tools.mcp.shared")
+        if shared is not None:
+            shared.close_shared()
 
 
 def _settings_json(settings: Settings) -> str:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from ratchet.tools.mcp.connection import MCPConnection, RatchetExtensions
 from ratchet.tools.mcp.schema import SchemaArgs, schema_model
+from ratchet.tools.mcp.shared import close_shared, shared_count, shared_stdio
 from ratchet.tools.mcp.tools import MCPTool, mcp_risk, mcp_tools, tool_name
 from ratchet.tools.mcp.wire import (
     EXTENSION_CAPABILITY,
@@ -66,10 +67,13 @@ __all__ = [
     "MCPTool",
     "RatchetExtensions",
     "SchemaArgs",
+    "close_shared",
     "fence_payload",
     "mcp_risk",
     "mcp_tools",
     "schema_model",
+    "shared_count",
+    "shared_stdio",
     "tool_name",
     "tool_output",
 ]

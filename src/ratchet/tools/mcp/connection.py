@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import anyio
 import mcp_types
 from mcp import Client, MCPError
+from mcp_types import CONNECTION_CLOSED
 
 from ratchet.errors import (
     AdapterError,
@@ -124,6 +125,8 @@ class MCPConnection:
             peer_cap(max_answer_bytes)  # refused now, not at the first call
         self._max_answer_bytes = max_answer_bytes
         self._errtail: ErrTail | None = None  # a stdio server's stderr, when ratchet keeps it
+        self._listed: tuple[mcp_types.Tool, ...] | None = None  # the tools, once listed
+        self._broken = False  # its server went away under a call: never reused
         self._limit = 0  # the cap in force, fixed when the connection starts
         self._cut: PeerAnswerTooLargeError | None = None  # the answer that ended it
         self._handshake = AnswerWatch()
@@ -332,6 +335,19 @@ class MCPConnection:
             self._errtail.close()
 
     @property
+    def alive(self) -> bool:
+        """Whether the connection is up: started, not closed, and its server has not
+        gone (the serving task is still running)."""
+        serving = self._serving
+        return (
+            not self._closed
+            and not self._broken
+            and self._client is not None
+            and serving is not None
+            and not serving.done()
+        )
+
+    @property
     def client(self) -> Client:
         """The connected SDK client (for what this class does not wrap).
 
@@ -442,19 +458,42 @@ class MCPConnection:
                     f"{timeout:g}s",
                     retryable=True,
                 ) from None
+            if isinstance(exc, MCPError) and exc.code == CONNECTION_CLOSED:
+                self._broken = True  # the server is gone: this connection is never reused
             if isinstance(exc, MCPError | AdapterError):
                 raise
+            self._broken = True  # the transport failed under the call
             raise AdapterError(
                 f"MCP server ({self._transport.label}): {what} failed ({type(exc).__name__})",
                 retryable=True,
             ) from None
 
+    def probe(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server answers within ``timeout_s`` (the first page of
+        ``tools/list``, which every server serves: ``ping`` is gone from the newest
+        protocol). A connection that does not is marked broken: :attr:`alive` is then
+        False."""
+
+        async def probe(client: Client) -> None:
+            await client.list_tools()
+
+        try:
+            self._run(probe, timeout_s, "probe")
+        except (AdapterError, MCPError):
+            self._broken = True
+            return False
+        return True
+
     def list_tools(self) -> list[mcp_types.Tool]:
-        """Every tool the server lists (all pages).
+        """Every tool the server lists (all pages), asked once per connection: a server's
+        tools are taken as fixed for the connection's life (a new connection asks again).
 
         Raises:
             AdapterError: the listing failed or never ended (retryable=True).
         """
+        listed = self._listed
+        if listed is not None:
+            return list(listed)
 
         async def walk(client: Client) -> list[mcp_types.Tool]:
             tools: list[mcp_types.Tool] = []
@@ -468,12 +507,14 @@ class MCPConnection:
             raise AdapterError("tools/list did not end", retryable=True)
 
         try:
-            return self._run(walk, self._timeout, "tools/list")
+            tools = self._run(walk, self._timeout, "tools/list")
         except MCPError as exc:
             raise AdapterError(
                 f"MCP server ({self._transport.label}): tools/list refused (code {exc.code})",
                 retryable=True,
             ) from None
+        self._listed = tuple(tools)
+        return tools
 
     def call_tool(
         self,
