@@ -38,7 +38,15 @@ from ratchet.runtime.engine import Probe
 from ratchet.runtime.tools import TOOL_NAME_PATTERN, Recovery
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import Tool, Toolbox, ToolCall, ToolsAdapter
-from ratchet.tools.mcp import MCPConnection, MCPTool, mcp_tools, tool_name
+from ratchet.tools.mcp import (
+    KeyRecipe,
+    MCPConnection,
+    McpDeclaration,
+    MCPTool,
+    mcp_tools,
+    tool_name,
+    tool_output,
+)
 from ratchet.worker.executor import Executor
 from tests.adapters.harness import WRITE_WINDOWS, Harness, SimulatedCrash, scenario
 from tests.tools.conftest import Tickets
@@ -92,8 +100,10 @@ class TicketsEnvironment:
         ledger: Path,
         flags: tuple[str, ...] = (),
         connect: Callable[[], MCPConnection] | None = None,
+        declare: dict[str, McpDeclaration] | None = None,
     ) -> None:
         self.tickets = tickets
+        self.declare = declare
         self.ledger = ledger
         self.connect = connect or (lambda: tickets.connect(*flags))
         self.current: MCPConnection | None = None
@@ -103,7 +113,7 @@ class TicketsEnvironment:
         self.current = self.connect()
         hook, self.next_hook = self.next_hook, None
         options: dict[str, Any] = {"hook": hook} if hook is not None else {}
-        return Toolbox(mcp_tools(self.current)).environment(
+        return Toolbox(mcp_tools(self.current, declare=self.declare)).environment(
             TICKETS_SCENARIO, ledger=self.ledger, **options
         )
 
@@ -386,11 +396,15 @@ ADAPTER_WINDOW = "after_call"  # ToolsAdapter's own: the tool returned, the ledg
 
 
 def crash_run(
-    tickets: Tickets, tmp_path: Path, flags: tuple[str, ...], window: CrashWindow | str
+    tickets: Tickets,
+    tmp_path: Path,
+    flags: tuple[str, ...],
+    window: CrashWindow | str,
+    declare: dict[str, McpDeclaration] | None = None,
 ) -> tuple[ToolRun, RunEngine]:
     """Start a run, crash it in ``window`` with its server killed there, and resume it
     with a new owner (lease 2) over a new server on the same state."""
-    env = TicketsEnvironment(tickets, tmp_path / "ledger.sqlite3", flags)
+    env = TicketsEnvironment(tickets, tmp_path / "ledger.sqlite3", flags, declare=declare)
     run = tickets_run(tickets, env)
 
     def crash() -> None:
@@ -453,6 +467,64 @@ def test_a_crash_after_the_tool_returned_goes_to_review_when_the_server_cannot_t
     assert resumed.state.review.reason is ReviewReason.OUTCOME_UNKNOWN
     seen = tickets.stats()
     assert seen.effects <= 1 and seen.calls == 1  # never sent a second time
+
+
+#: The operator's declaration for a server that knows no keys: the key rides in the
+#: ticket's body, and a lookup finds it in list_tickets' answer.
+RECIPE = {"create_ticket": McpDeclaration(keys=KeyRecipe(carry="body", tool="list_tickets"))}
+
+
+@pytest.mark.parametrize(
+    "window",
+    [*WRITE_WINDOWS, ADAPTER_WINDOW],
+    ids=[*(w.value for w in WRITE_WINDOWS), "after_call"],
+)
+def test_a_key_recipe_recovers_a_server_that_knows_no_keys_without_a_review(
+    tickets: Tickets, tmp_path: Path, window: CrashWindow | str
+) -> None:
+    """A plain server (no key, no lookup, no fence): cut off anywhere, the run finds the
+    call by the recipe's read (the key in the ticket's body) or knows it was never made,
+    and the ticket exists once, with no person asked."""
+    _, resumed = crash_run(tickets, tmp_path, PLAIN, window, declare=RECIPE)
+    assert tickets.stats().effects == 1
+    assert resumed.state.phase is Phase.RUNNING and resumed.state.pending is None
+    key = resumed.state.executed[-1].idempotency_key
+    listed = tickets.connect().call_tool("list_tickets", {})
+    bodies = [t["body"] for t in tool_output(listed)["tickets"]]
+    assert bodies == [f"filed by a run\n\nRatchet-Key: {key}"]
+
+
+def test_declarations_make_a_tool_stricter_and_loosen_only_when_told(tickets: Tickets) -> None:
+    conn = tickets.connect()
+    stricter = by_name(
+        mcp_tools(conn, declare={"list_tickets": McpDeclaration(risk=Risk.REVERSIBLE_WRITE)})
+    )
+    assert stricter["list_tickets"].spec.risk is Risk.REVERSIBLE_WRITE
+    read_only = {"create_ticket": McpDeclaration(risk=Risk.READ_ONLY)}
+    with pytest.raises(ConfigurationError, match="loosens"):
+        mcp_tools(conn, declare=read_only)
+    assert by_name(mcp_tools(conn, declare=read_only, loosen=True))["create_ticket"].spec.risk is (
+        Risk.READ_ONLY
+    )
+    with pytest.raises(ConfigurationError, match="loosens"):
+        mcp_tools(conn, declare={"create_ticket": McpDeclaration(idempotent=True)})
+    with pytest.raises(ConfigurationError, match="does not list"):
+        mcp_tools(conn, declare={"no_such_tool": McpDeclaration()})
+    bad = McpDeclaration(keys=KeyRecipe(carry="no_such_argument", tool="list_tickets"))
+    with pytest.raises(ConfigurationError, match="not a string argument"):
+        mcp_tools(conn, declare={"create_ticket": bad})
+
+
+def test_a_declared_refusal_text_is_a_refusal_not_an_output(tickets: Tickets) -> None:
+    """For a server that answers a failed write with ordinary text."""
+    conn = tickets.connect()
+    declared = {"create_ticket": McpDeclaration(refusal=r'"title": ?"nope"')}
+    create_ticket = by_name(mcp_tools(conn, declare=declared))["create_ticket"]
+    with pytest.raises(AdapterError) as refused:
+        create_ticket.run(create_ticket.parse_args({"title": "nope", "body": "b"}), write_call())
+    assert refused.value.context["retryable"] is False and "refused" in str(refused.value)
+    made = create_ticket.run(create_ticket.parse_args({"title": "fine", "body": "b"}), write_call())
+    assert made["title"] == "fine"
 
 
 def test_the_old_owners_late_call_is_refused_by_the_servers_fence(

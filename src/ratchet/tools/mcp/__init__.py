@@ -38,7 +38,14 @@ from __future__ import annotations
 from ratchet.tools.mcp.connection import MCPConnection, RatchetExtensions
 from ratchet.tools.mcp.schema import SchemaArgs, schema_model
 from ratchet.tools.mcp.shared import close_shared, shared_count, shared_stdio
-from ratchet.tools.mcp.tools import MCPTool, mcp_risk, mcp_tools, tool_name
+from ratchet.tools.mcp.tools import (
+    KeyRecipe,
+    McpDeclaration,
+    MCPTool,
+    mcp_risk,
+    mcp_tools,
+    tool_name,
+)
 from ratchet.tools.mcp.wire import (
     EXTENSION_CAPABILITY,
     FENCE_REJECTED,
@@ -63,8 +70,10 @@ __all__ = [
     "META_IDEMPOTENCY_KEY",
     "RAISE_FENCE_TOOL",
     "SEP3182_CAPABILITY",
+    "KeyRecipe",
     "MCPConnection",
     "MCPTool",
+    "McpDeclaration",
     "RatchetExtensions",
     "SchemaArgs",
     "close_shared",

@@ -3,14 +3,17 @@ fences from what the server advertises."""
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import mcp_types
 from pydantic import BaseModel
 
 from ratchet.errors import (
+    AdapterError,
     ConfigurationError,
 )
 from ratchet.runtime.actions import Risk
@@ -23,6 +26,7 @@ from ratchet.tools.mcp.wire import (
     _HIDDEN,
     META_FENCE,
     META_IDEMPOTENCY_KEY,
+    _joined_text,
     fence_payload,
     tool_output,
 )
@@ -38,6 +42,42 @@ def mcp_risk(annotations: mcp_types.ToolAnnotations | None) -> Risk:
     if hints.destructive_hint is False:
         return Risk.REVERSIBLE_WRITE
     return Risk.IRREVERSIBLE_EXTERNAL_WRITE
+
+
+#: Risks from the least to the most strict.
+_STRICTNESS = (Risk.READ_ONLY, Risk.REVERSIBLE_WRITE, Risk.IRREVERSIBLE_EXTERNAL_WRITE)
+#: The line a key recipe adds to the write's carrying argument, and looks for.
+KEY_LINE = "Ratchet-Key: {key}"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecipe:
+    """How a server that knows no idempotency keys keeps one and finds it again, declared
+    without Python: the write's string argument ``carry`` gets a last line
+    ``Ratchet-Key: KEY`` (a commit message's trailer, a row's note), and a lookup calls the
+    server's read tool ``tool`` with ``arguments`` and finds that line in its result's
+    text. The read must see every call of the run that could have been made (the newest
+    commits of the run's branch, the rows of the run's table): a key it cannot see is
+    taken as never sent."""
+
+    carry: str
+    tool: str
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class McpDeclaration:
+    """The operator's declaration of one MCP tool, over what its annotations hint (which
+    are the server's and untrusted): ``risk`` and ``idempotent`` may only make the tool
+    stricter (a riskier class; not idempotent) unless :func:`mcp_tools` is told to
+    ``loosen``; ``refusal`` is a regular expression: a result whose text matches it is a
+    refusal with no effect (for a server that answers a failed write with ordinary text);
+    ``keys`` makes the tool recover by lookup (:class:`KeyRecipe`)."""
+
+    risk: Risk | None = None
+    idempotent: bool | None = None
+    refusal: str | None = None
+    keys: KeyRecipe | None = None
 
 
 def tool_name(prefix: str, mcp_name: str) -> str:
@@ -66,9 +106,29 @@ class MCPTool(Tool):
     fences and recovers by lookup when the server offers the ratchet extensions.
     """
 
-    def __init__(self, connection: MCPConnection, remote: mcp_types.Tool, *, name: str) -> None:
-        risk = mcp_risk(remote.annotations)
+    def __init__(
+        self,
+        connection: MCPConnection,
+        remote: mcp_types.Tool,
+        *,
+        name: str,
+        declared: McpDeclaration | None = None,
+        loosen: bool = False,
+    ) -> None:
+        hinted_risk = mcp_risk(remote.annotations)
         hinted = remote.annotations is not None and remote.annotations.idempotent_hint is True
+        declared = declared or McpDeclaration()
+        risk = _declared_risk(remote.name, hinted_risk, declared.risk, loosen)
+        if declared.idempotent is True and not hinted and not loosen:
+            raise ConfigurationError(
+                f"MCP tool {remote.name!r}: declaring it idempotent loosens what its server "
+                "says (it would be called again after a cut-off call); pass loosen=True if "
+                "the server really dedupes",
+                field="declare",
+                tool=remote.name,
+            )
+        if declared.idempotent is not None:
+            hinted = declared.idempotent
         extensions = connection.extensions
         self.connection = connection
         self.remote_name = remote.name
@@ -77,8 +137,15 @@ class MCPTool(Tool):
         self.description = (remote.description or f"MCP tool {remote.name}").strip()  # type: ignore[misc]
         self.idempotent = risk.is_write and (hinted or connection.supports_idempotency_key)  # type: ignore[misc]
         self.Args = schema_model(name, remote.input_schema)  # type: ignore[misc]
+        if declared.idempotent is False:
+            self.idempotent = False  # type: ignore[misc]
         self._fences = risk.is_write and extensions.fences
         self._lookup = risk.is_write and extensions.lookup
+        self._refusal = re.compile(declared.refusal) if declared.refusal else None
+        self._keys = declared.keys if risk.is_write else None
+        if self._keys is not None:
+            _check_recipe(remote, self._keys)
+            self._lookup = True
 
     def __repr__(self) -> str:
         return f"MCPTool(name={self.name!r}, mcp={self.remote_name!r})"
@@ -101,6 +168,10 @@ class MCPTool(Tool):
                 unknown (retryable=True).
         """
         arguments = args.model_dump(mode="json") if isinstance(args, BaseModel) else dict(args)
+        if self._keys is not None and call.idempotency_key is not None:
+            carried = arguments.get(self._keys.carry)
+            line = KEY_LINE.format(key=call.idempotency_key)
+            arguments[self._keys.carry] = f"{carried}\n\n{line}" if carried else line
         meta: dict[str, Any] = {}
         if call.fence is not None:
             meta[META_FENCE] = fence_payload(call.fence)
@@ -115,12 +186,32 @@ class MCPTool(Tool):
         )
         if result.is_error:
             raise self.connection.tool_error(self.name, result)
+        if self._refusal is not None and self._refusal.search(_joined_text(result)):
+            raise AdapterError(
+                f"tool {self.name}: the MCP server refused the call: "
+                f"{self.connection.scrub(_joined_text(result))[:200]}",
+                retryable=False,
+                tool=self.name,
+            )
         return tool_output(result)
 
     def lookup(self, key: str) -> Any | None:
         if not self._lookup:
             raise NotImplementedError
-        return self.connection.lookup(self.remote_name, key)
+        recipe = self._keys
+        if recipe is None:
+            return self.connection.lookup(self.remote_name, key)
+        result = self.connection.call_tool(recipe.tool, dict(recipe.arguments))
+        if result.is_error:
+            raise AdapterError(
+                f"tool {self.name}: the lookup's read tool {recipe.tool!r} failed; the key "
+                "stays unknown",
+                retryable=True,
+                tool=self.name,
+            )
+        if not _carries_key(result, key):
+            return None
+        return {"found_by": recipe.tool, "key": key}
 
     def raise_fence(self, fence: Fence) -> None:
         if not self._fences:
@@ -131,21 +222,81 @@ class MCPTool(Tool):
         """The connection is the caller's: :func:`mcp_tools` does not close it."""
 
 
+def _carries_key(result: mcp_types.CallToolResult, key: str) -> bool:
+    """Whether a read's result shows the line ``Ratchet-Key: KEY`` as a line of its own:
+    in its text (a log, indented or not) or inside a JSON string of it (its structured
+    content, or text that is JSON), where the line break is escaped."""
+    texts = [_joined_text(result)]
+    if result.structured_content is not None:
+        texts.append(json.dumps(result.structured_content))
+    line = re.escape(KEY_LINE.format(key=key))
+    pattern = re.compile(rf'(?:^|\n|\\n)[ \t]*{line}(?=$|[\s"\\,}}\]])', re.MULTILINE)
+    return any(pattern.search(text) for text in texts)
+
+
+def _declared_risk(tool: str, hinted: Risk, declared: Risk | None, loosen: bool) -> Risk:
+    """The tool's risk: the hint, or the operator's declaration when it is at least as
+    strict (or ``loosen`` allows it).
+
+    Raises:
+        ConfigurationError: a declaration that loosens the hint without ``loosen``.
+    """
+    if declared is None:
+        return hinted
+    if _STRICTNESS.index(declared) < _STRICTNESS.index(hinted) and not loosen:
+        raise ConfigurationError(
+            f"MCP tool {tool!r}: declaring it {declared.value} loosens what its annotations "
+            f"say ({hinted.value}); pass loosen=True to take the declaration over them",
+            field="declare",
+            tool=tool,
+        )
+    return declared
+
+
+def _check_recipe(remote: mcp_types.Tool, recipe: KeyRecipe) -> None:
+    """The carrying argument must be one of the write's string arguments.
+
+    Raises:
+        ConfigurationError: it is not.
+    """
+    properties = (remote.input_schema or {}).get("properties", {})
+    found = properties.get(recipe.carry) if isinstance(properties, dict) else None
+    if not isinstance(found, dict) or found.get("type") != "string":
+        raise ConfigurationError(
+            f"MCP tool {remote.name!r}: the key recipe's argument {recipe.carry!r} is not "
+            "a string argument of the tool",
+            field="declare",
+            tool=remote.name,
+        )
+
+
 def mcp_tools(
-    connection: MCPConnection, *, prefix: str = "", include: Collection[str] | None = None
+    connection: MCPConnection,
+    *,
+    prefix: str = "",
+    include: Collection[str] | None = None,
+    declare: Mapping[str, McpDeclaration] | None = None,
+    loosen: bool = False,
 ) -> list[Tool]:
     """The server's tools (but the hidden extension tools) as ratchet tools, named
     ``prefix`` + the MCP name (sanitised); ``include`` (MCP names) keeps only those.
     Starts the connection if needed.
 
+    ``declare`` holds the operator's declarations by MCP name (:class:`McpDeclaration`):
+    risk and idempotency only stricter than the server's hints unless ``loosen``, a
+    refusal pattern, a key recipe. A declaration for a tool the server does not list is
+    refused.
+
     Raises:
-        ConfigurationError: an included name the server does not list, a name that cannot
-            be made a tool name or that two tools share, or a schema ratchet cannot take
-            (floats, not an object schema).
+        ConfigurationError: an included or declared name the server does not list, a
+            name that cannot be made a tool name or that two tools share, a schema ratchet
+            cannot take (floats, not an object schema), or a declaration that loosens
+            without ``loosen`` or names no string argument to carry the key.
         AdapterError: the server could not be reached (retryable=True).
     """
     connection.start()
     listed = [t for t in connection.list_tools() if t.name not in _HIDDEN]
+    every = {t.name for t in listed}
     if include is not None:
         wanted = set(include)
         missing = sorted(wanted - {t.name for t in listed})
@@ -154,6 +305,13 @@ def mcp_tools(
                 f"the MCP server lists no tool {missing[0]!r}", field="include", tool=missing[0]
             )
         listed = [t for t in listed if t.name in wanted]
+    unknown = sorted(set(declare or {}) - every)
+    if unknown:
+        raise ConfigurationError(
+            f"a declaration names MCP tool {unknown[0]!r}, which the server does not list",
+            field="declare",
+            tool=unknown[0],
+        )
     made: list[Tool] = []
     named: dict[str, str] = {}
     for remote in listed:
@@ -165,7 +323,13 @@ def mcp_tools(
                 tool=name,
             )
         named[name] = remote.name
-        made_tool = MCPTool(connection, remote, name=name)
+        made_tool = MCPTool(
+            connection,
+            remote,
+            name=name,
+            declared=(declare or {}).get(remote.name),
+            loosen=loosen,
+        )
         made_tool.spec  # noqa: B018 - declaration errors surface here, not at first call
         made.append(made_tool)
     return made
