@@ -536,3 +536,26 @@ def test_a_mutated_task_file_is_a_document_or_one_typed_line_never_a_traceback(
         assert re.match(r"^\S", exc.message)
     else:
         assert document.environment.root.startswith("/")
+
+
+def test_a_tools_task_file_has_no_root_and_answers_its_targets_with_checks(
+    tmp_path: Path,
+) -> None:
+    scenario = greeting_scenario().model_dump(mode="json")
+    scenario.update(permissions=["run_verifier", "finish"], allowed_paths=[], initial_files={})
+    scenario["verifier"] = {"target": "unit"}
+    check = {"tool": "order_status", "arguments": {"order_id": "o1"}, "expect": {"ok": True}}
+    task = {"scenario": scenario, "environment": {"kind": "tools", "checks": {"unit": check}}}
+    path = tmp_path / "task.json"
+    path.write_text(json.dumps(task))
+    document = load_task_file(path, "scripted")
+    env = document.environment
+    assert env.kind == "tools" and env.root is None and env.checks["unit"].tool == "order_status"
+    for bad, where in (
+        ({"kind": "tools", "root": "."}, "no root"),
+        ({"kind": "tools", "verifiers": {"unit": {"argv": ["true"]}}}, "no verifier command"),
+        ({"kind": "workspace", "checks": {"unit": check}}, "belong to a tools environment"),
+    ):
+        path.write_text(json.dumps({**task, "environment": bad}))
+        with pytest.raises(ContractError, match=where):
+            load_task_file(path, "scripted")

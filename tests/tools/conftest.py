@@ -21,6 +21,7 @@ import pytest
 
 from ratchet.testing.mcp_server import TicketStats, stats
 from ratchet.tools.mcp import MCPConnection
+from tests.tools.plugins import installed  # noqa: F401 - a fixture of these tests
 
 DEADLINE_S = 15.0
 

@@ -14,25 +14,7 @@ import pytest
 
 from ratchet.tools.mcp import close_shared, mcp_tools, shared_count, shared_stdio
 from tests.tools.conftest import _poll
-
-
-def children() -> set[int]:
-    """This process's live child processes."""
-    found: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            text = (task / "children").read_text().split()
-        except OSError:  # a thread that ended meanwhile
-            continue
-        found.update(int(p) for p in text)
-    return {p for p in found if Path(f"/proc/{p}").exists() and _state(p) != "Z"}
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "Z"
+from tests.tools.procs import children, state_of
 
 
 def server_argv(root: Path, pid_file: Path) -> list[str]:
@@ -81,7 +63,7 @@ def test_a_server_that_died_is_replaced_before_the_next_use(tmp_path: Path, shar
     first = shared_stdio(argv)
     pid = int(_poll(lambda: pid_file.exists() and pid_file.read_text(), "no pid file"))
     os.kill(pid, signal.SIGKILL)
-    _poll(lambda: _state(pid) == "Z" or not Path(f"/proc/{pid}").exists(), "server alive")
+    _poll(lambda: state_of(pid) == "Z" or not Path(f"/proc/{pid}").exists(), "server alive")
     replaced = shared_stdio(argv)
     assert replaced is not first and replaced.alive and not first.alive
     assert [t.spec.name for t in mcp_tools(replaced)]  # the new one answers

@@ -16,6 +16,7 @@ from ratchet.fleet.runs import RunDocument
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
 from tests.conftest import test_sandbox_mode
+from tests.tools.plugins import installed  # noqa: F401 - a fixture of these tests
 
 CANARY_KEY = "c0ffee" * 8  # 48 hex chars = 24 bytes... padded below to 32 bytes
 CHECKPOINT_KEY_HEX = (CANARY_KEY + "a1" * 32)[:64]

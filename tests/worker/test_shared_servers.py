@@ -19,7 +19,7 @@ from ratchet.runtime import Scenario
 from ratchet.tools.mcp import close_shared, shared_count
 from ratchet.worker.job import execute_run
 from tests.tools.conftest import _poll
-from tests.tools.test_mcp_shared import children
+from tests.tools.procs import children
 
 pytestmark = pytest.mark.slow
 

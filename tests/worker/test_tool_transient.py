@@ -14,7 +14,6 @@ from ratchet.fleet.context import Fleet
 from ratchet.ops import inspect_run, submit
 from ratchet.runtime import Scenario
 from ratchet.worker.job import execute_run
-from tests.tools.test_entry_points import installed  # noqa: F401 - the fixture
 from tests.worker.fleet_harness import poll
 
 pytestmark = pytest.mark.slow
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_a_tool_whose_server_is_down_at_job_start_retries_the_job_and_never_freezes(
     fleet: Fleet,
     workspace: Callable[..., Any],
-    installed: Path,  # noqa: F811
+    installed: Path,
 ) -> None:
     _, plain = workspace(runner="python")
     data = plain.scenario.model_dump(mode="json")

@@ -131,21 +131,28 @@ def step_key(view: AgentView, position: int) -> str:
 
 
 def make_action(
-    view: AgentView, position: int, kind: str, args: dict[str, str], *, deadline_s: int = 600
+    view: AgentView, position: int, kind: str, args: dict[str, Any], *, deadline_s: int = 600
 ) -> dict[str, Any]:
-    """Complete a planned step into an action: risk label, key, precondition, deadline."""
+    """Complete a planned step into an action: risk label, key, precondition, deadline.
+    ``kind`` is a built-in action kind or the name of a tool the run may call
+    (``view.tools``: its declared risk); a tool's ``args`` are its JSON arguments."""
     try:
-        spec = KIND_SPECS[ActionKind(kind)]
+        risk = KIND_SPECS[ActionKind(kind)].risk
     except ValueError:
-        raise ConfigurationError(
-            f"unknown action kind {kind!r} in the plan", field="kind"
-        ) from None
+        declared = next((t for t in view.tools if t.name == kind), None)
+        if declared is None:
+            raise ConfigurationError(
+                f"unknown action kind {kind!r} in the plan (neither a built-in kind nor a "
+                "tool the run may call)",
+                field="kind",
+            ) from None
+        risk = declared.risk
     return {
         "action_id": f"{view.run_id}-s{position}-p{view.usage.proposals + 1}",
         "kind": kind,
-        "risk": spec.risk.value,
+        "risk": risk.value,
         "args": args,
-        "idempotency_key": step_key(view, position) if spec.risk.is_write else None,
+        "idempotency_key": step_key(view, position) if risk.is_write else None,
         "expected_env_version": view.observation.version,
         "deadline_at": view.now + deadline_s,
     }

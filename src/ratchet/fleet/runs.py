@@ -73,9 +73,10 @@ from ratchet.runtime.canonical import (
     strict_json_loads,
 )
 from ratchet.runtime.signing import open_envelope, seal_envelope
-from ratchet.runtime.tools import BUILTIN_TOOLS
+from ratchet.runtime.tools import BUILTIN_TOOLS, TOOL_NAME_PATTERN
 from ratchet.runtime.types import Frozen, JsonObject, StrictBool, exact_version
 from ratchet.tools import Tool, Toolbox
+from ratchet.tools.adapter import ToolCheck
 from ratchet.tools.ledger import CallLedger
 from ratchet.tools.store_ledger import StoreLedger
 
@@ -84,6 +85,7 @@ __all__ = [
     "GitRemoteSpec",
     "McpServerSpec",
     "RunDocument",
+    "ToolCheckSpec",
     "VerifierSpec",
     "build_adapter",
     "check_credentials",
@@ -131,6 +133,18 @@ class VerifierSpec(Frozen):
     timeout_seconds: Annotated[int, Strict(), Field(ge=1, le=24 * 3600)] = 300
     # The command runs sandboxed with no network unless the task allows it here.
     network: StrictBool = False
+
+
+class ToolCheckSpec(Frozen):
+    """A verifier target answered by a read-only declared tool (an environment of tools
+    only, ``kind: tools``, has no folder to run a command in): the tool is called with
+    ``arguments`` and the check passes when its output holds ``expect`` (every key of it,
+    recursively; lists and values compared whole). The tool must be one the scenario
+    permits."""
+
+    tool: Annotated[str, Strict(), Field(pattern=TOOL_NAME_PATTERN)]
+    arguments: JsonObject = Field(default_factory=dict)
+    expect: JsonObject = Field(min_length=1)
 
 
 class McpServerSpec(Frozen):
@@ -220,7 +234,7 @@ class EnvironmentSpec(Frozen):
     HTTP API for ``external_call`` actions and MCP servers whose tools the scenario
     permits."""
 
-    kind: Literal["workspace", "git"] = "workspace"
+    kind: Literal["workspace", "git", "tools"] = "workspace"
     root: _Text | None = None
     remote: GitRemoteSpec | None = None
     # Whether the workspace is a git work tree (its .git folder at the root): fixed at
@@ -250,6 +264,8 @@ class EnvironmentSpec(Frozen):
             for name in ("git", "host", "tools_ledger", "root", "remote"):
                 if getattr(self, name) is None:
                     data.pop(name, None)
+            if not self.checks:
+                data.pop("checks", None)
         return data
 
     @model_validator(mode="after")
@@ -260,6 +276,17 @@ class EnvironmentSpec(Frozen):
             raise ValueError("a git environment has a remote and no root")
         if self.kind == "git" and self.git is not None:
             raise ValueError("environment.git is for a workspace folder; a git environment is one")
+        if self.kind == "tools" and (
+            self.root is not None or self.remote is not None or self.git is not None
+        ):
+            raise ValueError("a tools environment has no root, remote or git: only its tools")
+        if self.kind == "tools" and self.verifiers:
+            raise ValueError(
+                "a tools environment runs no verifier command (no folder to run it in): "
+                "answer its targets with environment.checks"
+            )
+        if self.kind != "tools" and self.checks:
+            raise ValueError("environment.checks belong to a tools environment (kind: tools)")
         return self
 
     @property
@@ -284,6 +311,9 @@ class EnvironmentSpec(Frozen):
         return self.root
 
     verifiers: dict[Annotated[str, Strict()], VerifierSpec] = Field(default_factory=dict)
+    # kind: tools: verifier targets answered by read tools (left out of the JSON when
+    # empty, so documents signed before the field existed digest as they did).
+    checks: dict[Annotated[str, Strict()], ToolCheckSpec] = Field(default_factory=dict)
     http_base_url: _Text | None = None
     mcp: dict[
         Annotated[str, Strict(), Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")], McpServerSpec
@@ -334,10 +364,12 @@ def decide_environment(document: RunDocument, *, host: str) -> RunDocument:
         if env.host is None:
             update["host"] = host
     elif env.host is not None:
-        # A git environment lives on its remote, which every host reaches: it is bound
-        # to no host, and a task that names one is refused rather than half obeyed.
+        # A git environment lives on its remote, a tools environment in the store and its
+        # services: every host reaches them, so neither is bound to a host, and a task
+        # that names one is refused rather than half obeyed.
         raise ConfigurationError(
-            "environment.host: a git environment lives on its remote and is bound to no host",
+            f"environment.host: a {env.kind} environment is reached from every host and "
+            "is bound to no host",
             field="environment.host",
         )
     if env.tools_ledger == "workspace":
@@ -661,10 +693,10 @@ def build_adapter(
         sandbox.check_usable()
     env = document.environment
     scenario = document.scenario
-    missing = set(scenario.allowed_verifier_targets) - set(env.verifiers)
+    missing = set(scenario.allowed_verifier_targets) - set(env.verifiers) - set(env.checks)
     if missing:
         raise ConfigurationError(
-            f"the environment has no command for verifier targets {sorted(missing)}",
+            f"the environment has no command or check for verifier targets {sorted(missing)}",
             field="environment.verifiers",
         )
     verifier = CommandVerifier(
@@ -677,8 +709,11 @@ def build_adapter(
         sandbox=sandbox,
     )
     box = toolbox if toolbox is not None else run_toolbox(document)
-    files: WorkspaceAdapter | GitWorkspaceAdapter
-    if env.kind == "git":
+    files: WorkspaceAdapter | GitWorkspaceAdapter | None
+    if env.kind == "tools":
+        files = None
+        _check_tools_only(document, box)
+    elif env.kind == "git":
         files = _git_workspace(
             document,
             run_id=run_id,
@@ -713,6 +748,10 @@ def build_adapter(
                     field="environment.tools_ledger",
                 )
             ledger = StoreLedger(store, run_id, create=create_ledger)
+        checks = {
+            target: ToolCheck(tool=c.tool, arguments=c.arguments, expect=c.expect)
+            for target, c in env.checks.items()
+        }
         return box.environment(
             scenario,
             ledger=ledger,
@@ -720,8 +759,52 @@ def build_adapter(
             calls=calls,
             clock=clock,
             **({"hook": write_hook} if write_hook is not None else {}),
+            **({"checks": checks} if checks else {}),
+        )
+    if files is None:
+        raise ConfigurationError(
+            "a tools environment needs a declared tool the scenario permits",
+            field="scenario.permissions",
         )
     return files if calls is None else RouterAdapter(files, calls)
+
+
+#: The built-in kinds that need a folder: a tools environment has none.
+_FILE_KINDS = frozenset({"read_file", "write_file", "delete_file"})
+
+
+def _check_tools_only(document: RunDocument, box: Toolbox) -> None:
+    """A tools environment (``kind: tools``): no folder, so no file actions, no HTTP API
+    beside it, and every verifier target answered by a check.
+
+    Raises:
+        ConfigurationError: the scenario permits a file action, the environment names an
+            HTTP API, or a verifier target has no check.
+    """
+    scenario = document.scenario
+    files = sorted(str(p) for p in scenario.permissions if str(p) in _FILE_KINDS)
+    if files:
+        raise ConfigurationError(
+            f"a tools environment has no folder: the scenario may not permit {files[0]}",
+            field="scenario.permissions",
+        )
+    if document.environment.http_base_url is not None:
+        raise ConfigurationError(
+            "a tools environment has no folder for an HTTP API's ledger: declare the API's "
+            "operations as tools",
+            field="environment.http_base_url",
+        )
+    unchecked = sorted(set(scenario.allowed_verifier_targets) - set(document.environment.checks))
+    if unchecked:
+        raise ConfigurationError(
+            f"verifier target {unchecked[0]!r} has no check (environment.checks)",
+            field="environment.checks",
+        )
+    if not any(str(p) in box for p in scenario.permissions):
+        raise ConfigurationError(
+            "a tools environment needs a declared tool the scenario permits",
+            field="scenario.permissions",
+        )
 
 
 def _git_workspace(

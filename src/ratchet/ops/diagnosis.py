@@ -339,13 +339,15 @@ def _placed(
         None
         if host is not None
         else "any host may take it: its environment is shared"
-        if env.kind == "git"
+        if env.kind in ("git", "tools")
         else "any host may take it (recorded before hosts)"
     )
     out["moved"] = moved
     files = (
         {"git remote": "shared"}
         if env.kind == "git"
+        else {"tools ledger": "shared"}
+        if env.kind == "tools"
         else {
             "workspace": "host-local"
             if env.host is not None

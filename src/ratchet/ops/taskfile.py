@@ -101,6 +101,8 @@ class TaskEnvironment(EnvironmentSpec):
     def _one_place(self) -> TaskEnvironment:
         if self.kind == "git" and self.root is not None:
             raise ValueError("a git environment has no root: its files are on the remote's branch")
+        if self.kind == "tools" and self.root is not None:
+            raise ValueError("a tools environment has no root: it has no folder")
         if (self.kind == "git") != (self.remote is not None):
             raise ValueError("environment.remote is needed by, and only by, kind: git")
         return self

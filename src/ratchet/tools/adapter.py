@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ from ratchet.runtime.tools import Recovery, ToolCatalog
 from ratchet.tools.declare import Found, Tool, ToolCall
 from ratchet.tools.ledger import CallIntent, CallLedger, ToolLedger
 
-__all__ = ["MAX_OUTPUT_CHARS", "ToolsAdapter", "output_result"]
+__all__ = ["MAX_OUTPUT_CHARS", "ToolCheck", "ToolsAdapter", "output_result"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,26 @@ def _cut_off(tool: str, key: str, refusal: PeerAnswerTooLargeError) -> OutcomeUn
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCheck:
+    """A verifier target answered by a read-only tool: called with ``arguments``, its
+    output must hold ``expect`` (every key, recursively; lists and values whole)."""
+
+    tool: str
+    arguments: Mapping[str, Any]
+    expect: Mapping[str, Any]
+
+
+def _holds(output: Any, expect: Any) -> bool:
+    """Whether ``output`` holds ``expect``: an object holds every key of an expected
+    object with a value that holds its expected value; anything else must be equal."""
+    if isinstance(expect, Mapping):
+        return isinstance(output, Mapping) and all(
+            key in output and _holds(output[key], value) for key, value in expect.items()
+        )
+    return bool(output == expect)
+
+
 class ToolsAdapter:
     """The declared tools a run may call, as one fenced, receipted environment.
 
@@ -154,6 +175,7 @@ class ToolsAdapter:
         clock: Clock | None = None,
         hook: Callable[[str], None] = _no_hook,
         namespace: str = "tools",
+        checks: Mapping[str, ToolCheck] | None = None,
     ) -> None:
         self._tools: dict[str, Tool] = {}
         for t in tools:
@@ -173,6 +195,15 @@ class ToolsAdapter:
         self._observed: dict[int, Observation] = {}
         self._hook = hook
         self._namespace = namespace
+        self._checks = dict(checks or {})
+        for target, check in self._checks.items():
+            found = self._tools.get(check.tool)
+            if found is None or found.spec.is_write:
+                raise ConfigurationError(
+                    f"verifier target {target!r} is checked by tool {check.tool!r}, which is "
+                    "not a read-only tool the scenario permits",
+                    field=f"environment.checks.{target}",
+                )
 
     def __repr__(self) -> str:
         return f"ToolsAdapter(tools={sorted(self._tools)}, ledger={str(self.ledger.path)!r})"
@@ -446,4 +477,48 @@ class ToolsAdapter:
         return ReadResult(content=text[: 1 << 20], env_version=version)
 
     def verify(self, target: str) -> VerifierReport:
-        raise AdapterError("declared tools run no verifier", retryable=False, target=target)
+        """Answer verifier target ``target`` by its check (:class:`ToolCheck`): the read
+        tool's output must hold the check's ``expect``, and the environment must be the
+        same before and after (the report is bound to that state).
+
+        Raises:
+            AdapterError: no check for the target (retryable=False); the tool failed.
+        """
+        check = self._checks.get(target)
+        if check is None:
+            raise AdapterError(
+                "no check answers this verifier target", retryable=False, target=target
+            )
+        before = self.observe()
+        t = self.tool(check.tool)
+        call = ToolCall(run_id="", tool=t.spec.name, idempotency_key=None, fence=None)
+        try:
+            output = _plain(t.run(t.parse_args(dict(check.arguments)), call))
+        except AdapterError:
+            raise
+        except Exception as exc:
+            raise AdapterError(
+                f"tool {t.spec.name} failed ({type(exc).__name__})",
+                retryable=True,
+                tool=t.spec.name,
+            ) from None
+        after = self.observe()
+        holds = _holds(output, check.expect)
+        bound = before.same_state(after)
+        return VerifierReport(
+            target=target,
+            passed=holds and bound,
+            env_instance_id=before.instance_id,
+            env_version=before.version,
+            env_fingerprint=before.fingerprint,
+            output_digest=digest(
+                Domain.ENVIRONMENT,
+                {
+                    "check": target,
+                    "tool": t.spec.name,
+                    "holds": holds,
+                    "bound": bound,
+                    "output_sha256": hashlib.sha256(canonical_json(output)).hexdigest(),
+                },
+            ),
+        )
