@@ -1,0 +1,752 @@
+"""A Pydantic AI ``Agent`` as a ratchet agent: its tools are declared ratchet tools, its
+model requests are journaled in the run.
+
+Wrap the agent once, in the module that defines it::
+
+    from pydantic_ai import Agent
+    from ratchet.integrations.pydantic_ai import RatchetAgent, current_call
+
+    agent = Agent("openai:gpt-5", instructions="Refund the order the user names.")
+
+    @agent.tool_plain
+    def create_refund(order_id: str, amount_cents: int) -> dict:
+        key = current_call().idempotency_key      # ratchet's key for this call
+        return payments.refund(order_id, amount_cents, idempotency_key=key)
+
+    refunds = RatchetAgent(agent)
+    create_refund_tool = refunds.tool("create_refund", idempotent=True)   # ratchet.tools
+    # `refunds` itself is the agent factory: --agent mypkg.shop:refunds
+
+**One model request per step, journaled.** The ratchet agent runs the Pydantic AI agent
+with every tool call deferred (``CallDeferred``): Pydantic AI asks the model, validates
+the calls, and ends the run with :class:`~pydantic_ai.DeferredToolRequests` instead of
+calling a tool. The messages so far (serialized with ``ModelMessagesTypeAdapter``) go
+into the agent's state, and the first call is proposed as a ratchet action of the tool
+of that name; the state is signed and committed with that proposal, in the same commit
+as its intent. The next calls of the same response wait in the state and are proposed
+one per step without asking the model. When every call of the response has an outcome,
+the outcomes go back as the calls' results (``DeferredToolResults``) and the model is
+asked again. So a worker that takes the run over resumes from the journal: a model
+response the run already committed is never asked for again. (A request whose response
+was not yet committed with a proposal, a worker dying while the model thinks, is asked
+again: nothing of it left the process.)
+
+**Tools.** The model is offered the run's permitted tools (``view.tools``) except
+``finish``: a tool the Pydantic AI agent defines is offered as the agent defines it
+(description, schema, ``prepare``), the others (built-in kinds, tools installed on the
+worker) from their ratchet contract. The agent's tools that the scenario does not permit
+are not offered. What the worker runs for a call is the ratchet tool of that name: for
+the agent's own function tools, :meth:`RatchetAgent.tool` declares one (risk, recovery,
+approval) that calls the same function, to be installed under the ``ratchet.tools``
+entry-point group. Every guarantee of a declared tool applies (``docs/tools.md``).
+
+**Results.** What the model is told for a call is judged from the view, never from the
+agent's notes: a write is ``done`` when its key has a receipt; a read returns what it
+read (in the same job; after a restart the model is told to call it again); a call the
+runtime refused or that did not take effect comes back as a failed tool call
+(``ToolFailed``) with the trace outcome. A write's own output stays in its receipt
+(``ratchet show``); the model is told that it took effect.
+
+**The final output.** When the model answers with the agent's output, the output (text,
+or its JSON) is proposed as ``finish``. With ``verify_target`` set, a ``run_verifier`` of
+that target is proposed first when the current environment is not verified (the run
+completes only after a passing verification after the last write). A verification that
+fails, or a refused ``finish``, is told to the model as a new user message, and the run
+goes on.
+
+**Budgets.** Every proposal spends the scenario's budgets as any agent's. With
+``tokens_per_cost_unit`` set, the tokens of the model requests a step made (input plus
+output, from Pydantic AI's usage) are charged as the proposal's ``cost_units``, rounded
+up; leave it unset when the scenario has no cost budget.
+
+**Keys.** A write's idempotency key is ``step_key(view, position)`` with the run's
+proposal count as the position: it comes from the signed run state, never from the
+model, and is fixed in the state with the proposal.
+
+Configuration (the run's ``agent_config``, checked strictly: :class:`PydanticAIConfig`)::
+
+    {"prompt": "Refund order A-1 for 500 cents.", "verify_target": "unit",
+     "tokens_per_cost_unit": 1000}
+
+Errors: a model error is an :class:`~ratchet.errors.AdapterError`, retryable for a
+rate limit, a timeout, a transport failure or a 5xx (the job ends ``retry_later`` with
+nothing committed), not for the rest. Messages name the status and the error's type,
+never a provider's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import pydantic_ai
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic_ai import (
+    CallDeferred,
+    DeferredToolRequests,
+    DeferredToolResults,
+    ModelMessagesTypeAdapter,
+    RunContext,
+    ToolDefinition,
+    ToolFailed,
+)
+from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.exceptions import (
+    AgentRunError,
+    ModelAPIError,
+    ModelHTTPError,
+    ModelRequestRejectedError,
+    UserError,
+)
+from pydantic_ai.messages import ModelMessage, ModelResponse
+from pydantic_ai.toolsets import AbstractToolset, ExternalToolset, FunctionToolset, WrapperToolset
+from pydantic_ai.toolsets.abstract import ToolsetTool
+from pydantic_core import to_json
+
+from ratchet.agents import AgentStep, AgentView, make_action, step_key
+from ratchet.agents.conversation import Awaiting, clip, describe_outcome
+from ratchet.errors import (
+    ActionError,
+    AdapterError,
+    ConfigurationError,
+    ContractError,
+    IntegrityError,
+)
+from ratchet.runtime.actions import ActionKind, Risk
+from ratchet.runtime.canonical import canonical_json
+from ratchet.runtime.tools import ToolSpec
+from ratchet.tools import FunctionTool, ToolCall
+
+__all__ = [
+    "PYDANTIC_AI_VERSION",
+    "PydanticAIAgent",
+    "PydanticAIConfig",
+    "PydanticAIState",
+    "PydanticAITool",
+    "RatchetAgent",
+    "current_call",
+]
+
+#: The Pydantic AI release this module is built and tested against (the test extra pins
+#: it; the ``pydantic-ai`` extra admits >=2.78,<3).
+PYDANTIC_AI_VERSION = "2.78.0"
+
+_BUILTIN_NAMES = frozenset(kind.value for kind in ActionKind)
+_RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
+_MAX_ANSWER_BYTES = 16 * 1024
+_MAX_SUMMARY_BYTES = 4000
+_SKIPPED = "not run: an earlier call of the same response did not go through"
+
+_CURRENT: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
+    "ratchet_pydantic_ai_call", default=None
+)
+
+
+def current_call() -> ToolCall | None:
+    """The ratchet call a tool function is running for (its idempotency key, fence,
+    run), or None when the function runs outside ratchet (a plain Pydantic AI run, a
+    test)."""
+    return _CURRENT.get()
+
+
+# -- the tools --------------------------------------------------------------------------------
+
+
+class PydanticAITool(FunctionTool):
+    """A ratchet tool that runs a Pydantic AI agent's function tool (made by
+    :meth:`RatchetAgent.tool`). While the function runs, :func:`current_call` returns
+    the call; an ``async`` function is run to completion. ``lookup`` and ``fence`` are
+    the decorators of :class:`ratchet.tools.FunctionTool`."""
+
+    def run(self, args: Any, call: ToolCall) -> Any:
+        token = _CURRENT.set(call)
+        try:
+            output = super().run(args, call)
+            if inspect.isawaitable(output):
+                output = _complete(output)
+            return output
+        finally:
+            _CURRENT.reset(token)
+
+
+def _complete(awaitable: Any) -> Any:
+    """Run ``awaitable`` to completion on a loop of its own, leaving the thread's current
+    event loop (the one Pydantic AI's ``run_sync`` keeps) as it was."""
+
+    async def wait() -> Any:
+        return await awaitable
+
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(wait())
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+def _function_tools(agent: pydantic_ai.Agent[Any, Any]) -> dict[str, pydantic_ai.Tool[Any]]:
+    """The function tools registered on ``agent`` (``@agent.tool``, ``tools=[...]``,
+    function toolsets), by name."""
+    found: dict[str, pydantic_ai.Tool[Any]] = {}
+    for toolset in agent.toolsets:
+        if isinstance(toolset, FunctionToolset):
+            found.update(toolset.tools)
+    return found
+
+
+# -- what the model is offered ----------------------------------------------------------------
+
+
+def _offered_def(spec: ToolSpec) -> ToolDefinition:
+    return ToolDefinition(
+        name=spec.name, description=spec.description, parameters_json_schema=spec.json_schema
+    )
+
+
+@dataclass
+class _RatchetToolset(WrapperToolset[Any]):
+    """The agent's toolset as a ratchet run offers it: only the permitted tools, the
+    agent's approval flag left to ratchet, every call deferred (ratchet carries it out)."""
+
+    offered: Mapping[str, ToolSpec] = field(default_factory=dict)
+
+    async def get_tools(self, ctx: RunContext[Any]) -> dict[str, ToolsetTool[Any]]:
+        own = await self.wrapped.get_tools(ctx)
+        tools: dict[str, ToolsetTool[Any]] = {}
+        for name, tool in own.items():
+            if name not in self.offered or name in _BUILTIN_NAMES:
+                continue
+            if tool.tool_def.kind == "unapproved":  # ratchet's approval gates the call
+                tools[name] = replace(tool, tool_def=replace(tool.tool_def, kind="function"))
+            else:
+                tools[name] = tool
+        missing = [_offered_def(s) for n, s in self.offered.items() if n not in tools]
+        if missing:
+            tools.update(await ExternalToolset[Any](missing).get_tools(ctx))
+        return tools
+
+    async def call_tool(
+        self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
+    ) -> Any:
+        raise CallDeferred()
+
+
+@dataclass
+class _DeferToRatchet(AbstractCapability[Any]):
+    offered: Mapping[str, ToolSpec] = field(default_factory=dict)
+
+    def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any]:
+        return _RatchetToolset(toolset, self.offered)
+
+
+# -- configuration and state --------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class PydanticAIConfig(_Strict):
+    """A run's ``agent_config`` for a wrapped Pydantic AI agent (an unknown key is
+    refused)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    prompt: StrictStr | None = Field(default=None, min_length=1, max_length=65536)
+    verify_target: StrictStr | None = Field(default=None, min_length=1, max_length=64)
+    tokens_per_cost_unit: StrictInt | None = Field(default=None, ge=1)
+    max_history_bytes: StrictInt = Field(default=256 * 1024, ge=4096, le=768 * 1024)
+    max_malformed: StrictInt = Field(default=5, ge=0, le=100)
+    deadline_s: StrictInt = Field(default=600, ge=1, le=86400)
+
+    @classmethod
+    def parse(cls, config: Mapping[str, Any]) -> PydanticAIConfig:
+        """The configuration, checked.
+
+        Raises:
+            ConfigurationError: one line, ``field="agent_config.<key>"``.
+        """
+        try:
+            return cls.model_validate(dict(config))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(["agent_config", *(str(p) for p in first["loc"])])
+            raise ConfigurationError(f"{where}: {first['msg']}", field=where) from None
+
+
+class _Call(_Strict):
+    """A tool call of the last model response, still to be proposed."""
+
+    id: StrictStr
+    name: StrictStr
+    args: dict[str, Any]
+
+
+class _Answer(_Strict):
+    """A call's outcome as the model will be told it: done (``ok``) or failed."""
+
+    ok: StrictBool
+    text: StrictStr
+
+
+class _Awaiting(_Strict):
+    """The proposal whose outcome the next step reads. ``id`` is the tool call it
+    answers; None for the ``run_verifier`` or ``finish`` proposed for the output."""
+
+    id: StrictStr | None
+    name: StrictStr
+    write: StrictBool
+    key: StrictStr | None = None
+
+
+class PydanticAIState(_Strict):
+    """The agent's JSON state (``view.agent_state``), validated on every step.
+
+    ``journal`` is the conversation, as ``ModelMessagesTypeAdapter`` serializes it
+    (kept as text: its numbers are not all integers, and the state admits no floats);
+    ``model_requests`` counts the model requests whose responses the journal took in.
+    """
+
+    version: Literal[1] = 1
+    journal: StrictStr = ""
+    batch: list[_Call] = Field(default_factory=list)
+    answers: dict[str, _Answer] = Field(default_factory=dict)
+    awaiting: _Awaiting | None = None
+    output: StrictStr | None = None
+    malformed: StrictInt = Field(default=0, ge=0)
+    model_requests: StrictInt = Field(default=0, ge=0)
+    dropped: StrictInt = Field(default=0, ge=0)
+
+    @classmethod
+    def load(cls, raw: Mapping[str, Any]) -> PydanticAIState:
+        """The state as the agent last committed it (a new one for ``{}``).
+
+        Raises:
+            IntegrityError: ``field="agent_state"``: the state is not this agent's.
+        """
+        if not raw:
+            return cls()
+        try:
+            return cls.model_validate(dict(raw))
+        except ValidationError as exc:
+            where = ".".join(str(p) for p in exc.errors()[0]["loc"])
+            raise IntegrityError(
+                f"agent_state is not a Pydantic AI agent's state (at {where or 'top'})",
+                field="agent_state",
+            ) from None
+
+    def messages(self) -> list[ModelMessage]:
+        return list(ModelMessagesTypeAdapter.validate_json(self.journal)) if self.journal else []
+
+    def dump(self) -> dict[str, Any]:
+        dumped: dict[str, Any] = self.model_dump(mode="json")
+        return dumped
+
+
+# -- the wrapper a user builds ------------------------------------------------------------------
+
+
+class RatchetAgent:
+    """A Pydantic AI agent made runnable by ratchet: the agent factory (call it with a
+    run's ``agent_config``; :meth:`factory`) and its tools' ratchet declarations
+    (:meth:`tool`).
+
+    ``prompt`` is the first user message when the configuration names none; ``deps``
+    the dependencies every run of the agent gets (its instructions and ``prepare``
+    functions see them; tools run by ratchet do not).
+
+    Raises (constructor):
+        ConfigurationError: not a Pydantic AI agent, or one of its function tools has a
+            built-in kind's name (``read_file``, ``finish``, ...).
+    """
+
+    def __init__(
+        self, agent: pydantic_ai.Agent[Any, Any], *, prompt: str | None = None, deps: Any = None
+    ) -> None:
+        if not isinstance(agent, pydantic_ai.Agent):
+            raise ConfigurationError("RatchetAgent wraps a pydantic_ai.Agent", field="agent")
+        clash = sorted(set(_function_tools(agent)) & _BUILTIN_NAMES)
+        if clash:
+            raise ConfigurationError(
+                f"the agent's tool {clash[0]!r} has a built-in kind's name; rename it",
+                field="tools",
+            )
+        self.agent = agent
+        self.prompt = prompt
+        self.deps = deps
+
+    def __repr__(self) -> str:
+        return f"RatchetAgent(agent={self.agent.name!r})"
+
+    def tool(
+        self,
+        name: str,
+        *,
+        risk: Risk | str = Risk.IRREVERSIBLE_EXTERNAL_WRITE,
+        idempotent: bool = False,
+        requires_approval: bool | None = None,
+        description: str | None = None,
+    ) -> PydanticAITool:
+        """The ratchet declaration of the agent's function tool ``name``: a tool that
+        calls the same function, with ``risk`` (the most careful one by default),
+        ``idempotent`` (the service dedupes by the key the function reads from
+        :func:`current_call`), and the approval the agent's tool asks for
+        (``requires_approval=True`` in Pydantic AI) unless given here. Register the
+        result under the ``ratchet.tools`` entry-point group; a ``lookup`` or ``fence``
+        goes on it with its decorators.
+
+        Raises:
+            ConfigurationError: no such function tool, a tool that takes a
+                ``RunContext`` (ratchet runs the function outside an agent run: make it
+                a plain tool), or what a declaration refuses (floats, a risk).
+        """
+        found = _function_tools(self.agent).get(name)
+        if found is None:
+            raise ConfigurationError(
+                f"the agent has no function tool {name!r}", field=f"tools.{name}"
+            )
+        if found.takes_ctx:
+            raise ConfigurationError(
+                f"tool {name!r} takes a RunContext; a tool ratchet runs must be a plain "
+                "tool (tool_plain)",
+                field=f"tools.{name}",
+            )
+        if "call" in inspect.signature(found.function).parameters:
+            raise ConfigurationError(
+                f"tool {name!r} has an argument named 'call'; read the call from "
+                "current_call() instead",
+                field=f"tools.{name}",
+            )
+        made = PydanticAITool(
+            found.function,
+            name=name,
+            risk=risk,
+            description=description if description is not None else (found.description or ""),
+            requires_approval=(
+                found.requires_approval if requires_approval is None else requires_approval
+            ),
+            idempotent=idempotent,
+        )
+        made.spec  # noqa: B018 - declaration errors surface here, not at first call
+        return made
+
+    def factory(self, config: dict[str, Any]) -> PydanticAIAgent:
+        """The ratchet agent for a run's ``agent_config`` (:class:`PydanticAIConfig`).
+
+        Raises:
+            ConfigurationError: the configuration is refused, or no prompt is named.
+        """
+        parsed = PydanticAIConfig.parse(config)
+        prompt = parsed.prompt or self.prompt
+        if prompt is None:
+            raise ConfigurationError(
+                "agent_config.prompt is needed (the agent was wrapped without a prompt)",
+                field="agent_config.prompt",
+            )
+        return PydanticAIAgent(self, parsed.model_copy(update={"prompt": prompt}))
+
+    def __call__(self, config: dict[str, Any]) -> PydanticAIAgent:
+        return self.factory(config)
+
+
+# -- the ratchet agent ------------------------------------------------------------------------
+
+
+def _model_error(exc: AgentRunError) -> AdapterError:
+    """A Pydantic AI run's failure as the worker treats a model endpoint's: retryable
+    when asking again can help. Never the provider's error body."""
+    if isinstance(exc, ModelHTTPError):
+        status = exc.status_code
+        retryable = status in _RETRYABLE_STATUS or status >= 500
+        return AdapterError(
+            f"model request failed: HTTP {status} ({type(exc).__name__})",
+            retryable=retryable,
+            status=status,
+        )
+    if isinstance(exc, ModelAPIError):
+        retryable = not isinstance(exc, ModelRequestRejectedError)
+        return AdapterError(f"model request failed ({type(exc).__name__})", retryable=retryable)
+    return AdapterError(
+        f"the agent run failed ({type(exc).__name__}): {clip(str(exc), 300)}", retryable=False
+    )
+
+
+class PydanticAIAgent:
+    """The ratchet agent of a :class:`RatchetAgent` (see the module docstring). Built by
+    the factory in every job; everything that must outlive a job is in the state."""
+
+    def __init__(self, wrapped: RatchetAgent, config: PydanticAIConfig) -> None:
+        self.wrapped = wrapped
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"PydanticAIAgent(agent={self.wrapped.agent.name!r})"
+
+    def next_step(self, view: AgentView) -> AgentStep | None:
+        """Read the last proposal's outcome, then propose the next call of the journaled
+        response, or the output's verification or finish, or ask the model.
+
+        Raises:
+            IntegrityError: ``view.agent_state`` is not this agent's state.
+            ContractError: the conversation does not fit ``max_history_bytes``.
+            AdapterError: the model request failed (nothing is committed).
+            ConfigurationError: the Pydantic AI agent refused the run.
+        """
+        state = PydanticAIState.load(view.agent_state)
+        specs = {spec.name: spec for spec in view.tools}
+        answers = dict(state.answers)
+        batch = list(state.batch)
+        note: str | None = None
+        awaiting = state.awaiting
+        state = state.model_copy(update={"awaiting": None})
+        if awaiting is not None:
+            told = Awaiting.model_validate(awaiting.model_dump())
+            text, done = describe_outcome(view, told)
+            if awaiting.id is not None:
+                answers[awaiting.id] = _Answer(ok=done, text=clip(text, _MAX_ANSWER_BYTES))
+                if done:
+                    state = state.model_copy(update={"malformed": 0})
+                else:
+                    answers.update({c.id: _Answer(ok=False, text=_SKIPPED) for c in batch})
+                    batch = []
+            elif awaiting.name == "run_verifier" and view.verified and state.output is not None:
+                return self._finish(view, state, state.output, tokens=0)
+            elif awaiting.name == "run_verifier":
+                note = (
+                    "The run's verification did not pass after your answer "
+                    f"({clip(text, 2000)}). Fix what it needs, then answer again."
+                )
+            else:
+                note = f"Your answer could not finish the run: {clip(text, 2000)}"
+        tokens = 0
+        while True:
+            if batch:
+                call = batch.pop(0)
+                spec = specs.get(call.name)
+                if spec is not None:
+                    return self._propose_call(view, state, batch, answers, call, spec, tokens)
+                # Offered when the response came, not permitted now: told, not proposed.
+                answers[call.id] = _Answer(ok=False, text="the tool is not permitted")
+                answers.update({c.id: _Answer(ok=False, text=_SKIPPED) for c in batch})
+                batch = []
+                state = state.model_copy(update={"malformed": state.malformed + 1})
+                continue
+            if state.malformed > self.config.max_malformed:
+                return None
+            result = self._ask(state, specs, answers, note)
+            note, answers = None, {}
+            tokens += result.usage.input_tokens + result.usage.output_tokens
+            state = state.model_copy(
+                update={"model_requests": state.model_requests + result.usage.requests}
+            )
+            state = self._journal(state, result.all_messages())
+            output = result.output
+            if isinstance(output, DeferredToolRequests):
+                ready, refused = self._check(output, specs)
+                if refused:
+                    answers = refused
+                    state = state.model_copy(update={"malformed": state.malformed + 1})
+                    continue
+                batch = ready
+                continue
+            text = output if isinstance(output, str) else to_json(output).decode()
+            state = state.model_copy(update={"output": clip(text, _MAX_SUMMARY_BYTES)})
+            target = self.config.verify_target
+            if target is not None and not view.verified and "run_verifier" in specs:
+                action = make_action(
+                    view,
+                    view.usage.proposals,
+                    "run_verifier",
+                    {"target": target},
+                    deadline_s=self.config.deadline_s,
+                )
+                waiting = _Awaiting(id=None, name="run_verifier", write=False)
+                return self._step(action, state, waiting, [], {}, tokens)
+            if "finish" not in specs:
+                return None
+            return self._finish(view, state, state.output or "", tokens=tokens)
+
+    # -- asking the model ---------------------------------------------------------------------
+
+    def _ask(
+        self,
+        state: PydanticAIState,
+        specs: Mapping[str, ToolSpec],
+        answers: Mapping[str, _Answer],
+        note: str | None,
+    ) -> Any:
+        history = state.messages()
+        prompt: str | None = None
+        results: DeferredToolResults | None = None
+        if not history:
+            prompt = self.config.prompt
+        elif answers:
+            results = DeferredToolResults(
+                calls={
+                    call_id: (a.text if a.ok else ToolFailed(a.text))
+                    for call_id, a in answers.items()
+                }
+            )
+        else:
+            prompt = note or "Go on."
+        offered = {name: spec for name, spec in specs.items() if name != "finish"}
+        agent = self.wrapped.agent
+        try:
+            return agent.run_sync(
+                prompt,
+                message_history=history or None,
+                deferred_tool_results=results,
+                output_type=_with_deferred(agent.output_type),
+                deps=self.wrapped.deps,
+                capabilities=[_DeferToRatchet(offered)],
+            )
+        except UserError as exc:
+            raise ConfigurationError(
+                f"the Pydantic AI agent refused the run: {clip(str(exc), 300)}", field="agent"
+            ) from None
+        except AgentRunError as exc:
+            raise _model_error(exc) from None
+
+    def _journal(self, state: PydanticAIState, messages: Sequence[ModelMessage]) -> PydanticAIState:
+        """The state with ``messages`` as its journal, oldest exchanges dropped (never the
+        first request, and always from a model response on) to fit the bound."""
+        limit = self.config.max_history_bytes
+        kept = list(messages)
+        text = ModelMessagesTypeAdapter.dump_json(kept).decode()
+        dropped = 0
+        if len(text.encode()) > limit and len(kept) > 2:
+            starts = [i for i, m in enumerate(kept) if i >= 2 and isinstance(m, ModelResponse)]
+            for start in starts:
+                window = [kept[0], *kept[start:]]
+                text = ModelMessagesTypeAdapter.dump_json(window).decode()
+                if len(text.encode()) <= limit:
+                    dropped = start - 1
+                    break
+        if len(text.encode()) > limit:
+            raise ContractError(
+                f"the conversation takes more than max_history_bytes ({limit}) even with "
+                "its older exchanges dropped",
+                field="agent_config.max_history_bytes",
+            )
+        return state.model_copy(update={"journal": text, "dropped": state.dropped + dropped})
+
+    def _check(
+        self, requests: DeferredToolRequests, specs: Mapping[str, ToolSpec]
+    ) -> tuple[list[_Call], dict[str, _Answer]]:
+        """The response's calls, checked against their ratchet contracts together: when
+        one does not fit, none runs (each is answered why)."""
+        calls: list[_Call] = []
+        errors: dict[str, str] = {}
+        if requests.approvals:
+            raise ConfigurationError(
+                "the Pydantic AI agent asked for an approval (ApprovalRequired); ratchet's "
+                "approvals gate the calls: declare requires_approval on the ratchet tool",
+                field="agent",
+            )
+        for part in requests.calls:
+            call_id = part.tool_call_id
+            spec = specs.get(part.tool_name)
+            raw = requests.validated_args.get(call_id)
+            args = dict(raw) if raw is not None else part.args_as_dict()
+            if spec is None:
+                errors[call_id] = f"there is no tool named {clip(part.tool_name, 64)!r}"
+                continue
+            try:
+                checked = spec.validate_args(args)
+                canonical_json(checked)
+            except (ActionError, ContractError) as exc:
+                errors[call_id] = exc.message
+                continue
+            calls.append(_Call(id=call_id, name=spec.name, args=dict(checked)))
+        if not errors:
+            return calls, {}
+        refused = {
+            c.id: _Answer(
+                ok=False, text=errors.get(c.id, "not run: another call of the response was refused")
+            )
+            for c in calls
+        }
+        refused.update({i: _Answer(ok=False, text=e) for i, e in errors.items()})
+        return [], refused
+
+    # -- proposing ----------------------------------------------------------------------------
+
+    def _propose_call(
+        self,
+        view: AgentView,
+        state: PydanticAIState,
+        batch: list[_Call],
+        answers: dict[str, _Answer],
+        call: _Call,
+        spec: ToolSpec,
+        tokens: int,
+    ) -> AgentStep:
+        position = view.usage.proposals
+        if spec.builtin:
+            text_args = {k: v for k, v in call.args.items() if isinstance(v, str)}
+            action = make_action(
+                view, position, spec.name, text_args, deadline_s=self.config.deadline_s
+            )
+        else:
+            action = {
+                "action_id": f"{view.run_id}-s{position}-p{view.usage.proposals + 1}",
+                "kind": spec.name,
+                "risk": spec.risk.value,
+                "args": call.args,
+                "idempotency_key": step_key(view, position) if spec.is_write else None,
+                "expected_env_version": view.observation.version,
+                "deadline_at": view.now + self.config.deadline_s,
+            }
+        waiting = _Awaiting(
+            id=call.id, name=spec.name, write=spec.is_write, key=action["idempotency_key"]
+        )
+        return self._step(action, state, waiting, batch, answers, tokens)
+
+    def _finish(
+        self, view: AgentView, state: PydanticAIState, summary: str, *, tokens: int
+    ) -> AgentStep:
+        action = make_action(
+            view,
+            view.usage.proposals,
+            "finish",
+            {"summary": summary or "done"},
+            deadline_s=self.config.deadline_s,
+        )
+        waiting = _Awaiting(id=None, name="finish", write=False)
+        return self._step(action, state, waiting, [], {}, tokens)
+
+    def _step(
+        self,
+        action: dict[str, Any],
+        state: PydanticAIState,
+        waiting: _Awaiting,
+        batch: list[_Call],
+        answers: dict[str, _Answer],
+        tokens: int,
+    ) -> AgentStep:
+        new = state.model_copy(update={"awaiting": waiting, "batch": batch, "answers": answers})
+        return AgentStep(_charge(action, tokens, self.config), new.dump())
+
+
+def _charge(action: dict[str, Any], tokens: int, config: PydanticAIConfig) -> dict[str, Any]:
+    per_unit = config.tokens_per_cost_unit
+    if per_unit is None or tokens <= 0:
+        return action
+    units = math.ceil(tokens / per_unit) + int(action.get("cost_units") or 0)
+    return {**action, "cost_units": units}
+
+
+def _with_deferred(output_type: Any) -> Any:
+    """The agent's output types with :class:`DeferredToolRequests` among them."""
+    if isinstance(output_type, Sequence) and not isinstance(output_type, str):
+        types = list(output_type)
+    else:
+        types = [output_type]
+    if DeferredToolRequests not in types:
+        types.append(DeferredToolRequests)
+    return types
