@@ -40,6 +40,7 @@ and nothing sends the call again. A read past the cap is refused by that error.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -321,23 +322,28 @@ class ToolsAdapter:
         # Only a review tool's started row is the sole proof of "never sent"; the others
         # are recovered by the tool itself, so their call is recorded once it returned.
         durable = spec.recovery is Recovery.REVIEW
-        again = False
-        if self.ledger.status(key) == "started":
-            settled = self._settle(t, key, intent_digest)
-            if settled is not None:
-                return settled
-            again = True
-        existing = self.ledger.begin_call(
+        begin = functools.partial(
+            self.ledger.begin_call,
             key=key,
             tool=spec.name,
             intent_digest=intent_digest,
             approval_digest=approval_digest,
             fence=fence,
             expected_version=action.expected_env_version,
-            again=again,
             durable=durable,
-            fresh=True,  # status() just read the ledger
         )
+        try:
+            # One round trip in the common case: the ledger checks the lease, the fence,
+            # the key and the precondition, and says so when an earlier call of the key
+            # is unresolved (its started row: a cut-off call), which is settled first.
+            existing = begin(again=False)
+        except AdapterError as exc:
+            if exc.context.get("reason") != "unresolved":
+                raise
+            settled = self._settle(t, key, intent_digest)
+            if settled is not None:
+                return settled
+            existing = begin(again=True, fresh=True)  # _settle just read the ledger
         if existing is not None:
             return existing
         self._hook("before_call")

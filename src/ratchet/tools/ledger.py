@@ -517,6 +517,7 @@ class ToolLedger:
             return (
                 AdapterError(
                     "a previous call for this key is unresolved",
+                    reason="unresolved",
                     retryable=True,
                     idempotency_key=key,
                 ),

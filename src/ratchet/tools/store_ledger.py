@@ -236,7 +236,10 @@ class StoreLedger:
             )
         if reply.status == "unresolved":
             raise AdapterError(
-                "a previous call for this key is unresolved", retryable=True, idempotency_key=key
+                "a previous call for this key is unresolved",
+                retryable=True,
+                idempotency_key=key,
+                reason="unresolved",
             )
         if reply.status == "precondition":
             raise AdapterError(
