@@ -11,7 +11,13 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ratchet.chaos.drill.hostplan import HOST_FAULTS, HostDrillOptions, parse_host_faults
+from ratchet.chaos.drill.hostplan import (
+    ENVIRONMENTS,
+    GIT_HOST_FAULTS,
+    HOST_FAULTS,
+    HostDrillOptions,
+    parse_host_faults,
+)
 from ratchet.chaos.drill.hostreport import render_hosts
 from ratchet.chaos.drill.hosts import run_host_drill
 from ratchet.chaos.drill.report import render, run_drill
@@ -90,6 +96,16 @@ def drill(
             "--host-losses", min=0, max=64, help="With --hosts: hosts lost (default N - 1)."
         ),
     ] = None,
+    environment: Annotated[
+        str,
+        typer.Option(
+            "--environment",
+            help=f"With --hosts: where the runs' files live ({' or '.join(ENVIRONMENTS)}). "
+            "folder: a workspace on its host's disk, bound to that host; git: a branch of "
+            "one shared git remote, bound to no host (--faults then: "
+            f"{', '.join(GIT_HOST_FAULTS)}).",
+        ),
+    ] = "folder",
     as_json: JsonFlag = False,
 ) -> None:
     """Start Redis, the orders service and worker processes, inject faults from a seeded
@@ -97,9 +113,15 @@ def drill(
     Redis kill -9 and rollback, duplicate enqueues), then check from the adapters' own
     records that nothing was duplicated, lost or accepted stale. Exits 0 only on pass.
     With --hosts N (N >= 2) the fleet runs on N simulated hosts, which are lost whole and
-    brought back (docs/drills.md, "Many hosts")."""
+    brought back (docs/drills.md, "Many hosts"); with --environment git each run's files
+    live on its own branch of one git remote, and the git server is killed mid-push."""
     os.environ.setdefault("RATCHET_LOG_LEVEL", "WARNING")
     _stop_on_sigterm()
+    if environment != "folder" and hosts < 2:
+        raise ConfigurationError(
+            "--environment is an option of the multi-host drill (--hosts 2 or more)",
+            field="environment",
+        )
     if hosts > 1 or host_losses is not None:
         if topology != "single" or min_replicas_ack:
             raise ConfigurationError(
@@ -112,12 +134,13 @@ def drill(
             runs=runs,
             lease_ttl_s=lease_ttl,
             duration_s=duration,
-            faults=parse_host_faults(faults),
+            faults=parse_host_faults(faults, environment),
             seed=seed,
             folder=folder,
             think_ms=think_ms,
             redis_server=redis_server,
             host_losses=host_losses,
+            environment=environment,
         )
         _drill_hosts(host_options, as_json)
         return

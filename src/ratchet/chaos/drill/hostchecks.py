@@ -51,6 +51,11 @@ class RunEvidence:
     executed: set[str] = field(default_factory=set)
     incidents: list[dict[str, Any]] = field(default_factory=list)
     rebaselines: int = 0
+    kind: str = "workspace"  # the signed environment's kind: workspace or git
+    remote: dict[str, str] = field(default_factory=dict)  # git: url, branch, base (signed)
+    #: git: the writes the run recorded on its branch, in order (key, commit, sha256, path)
+    git_writes: list[dict[str, str]] = field(default_factory=list)
+    executed_base: int = 0  # writes no longer listed one by one (not countable)
 
 
 @dataclass
@@ -116,12 +121,30 @@ def _run(fleet: Fleet, run_id: str) -> RunEvidence:
         view = inspect_run(fleet, run_id)
     except RatchetError:
         return RunEvidence()
+    env = view.document.environment
+    remote = env.remote
+    writes = [
+        {
+            "key": e.idempotency_key,
+            "commit": str(e.receipt.result.get("commit", "")),
+            "sha256": str(e.receipt.result.get("sha256", "")),
+            "path": str(e.receipt.result.get("path", "")),
+        }
+        for e in view.state.executed
+        if e.receipt.namespace == "git"
+    ]
     return RunEvidence(
         view.state.phase.value,
-        view.document.environment.host,
+        env.host,
         {e.idempotency_key for e in view.state.executed if e.idempotency_key},
         view.incidents,
         len(view.state.rebaselines),
+        env.kind,
+        {"url": remote.url, "branch": remote.branch or "", "base": remote.base}
+        if remote is not None
+        else {},
+        writes,
+        view.state.executed_base,
     )
 
 

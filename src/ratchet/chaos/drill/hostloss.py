@@ -50,7 +50,15 @@ from ratchet.ops import inspect_run
 from ratchet.ops.diagnosis import diagnose
 from ratchet.runtime.state import TERMINAL_PHASES
 
-__all__ = ["REVIEWER", "CancelThenSubmit", "Command", "Episode", "LossContext"]
+__all__ = [
+    "REVIEWER",
+    "CancelThenSubmit",
+    "Command",
+    "Episode",
+    "LossContext",
+    "lease_live",
+    "snapshot",
+]
 
 #: The drill's reviewer id (its key signs the rebaselines).
 REVIEWER = "drill-hosts-reviewer"
@@ -184,7 +192,7 @@ class Episode:
     def lose(self, ctx: LossContext) -> None:
         host = ctx.hosts[self.host]
         self.log["live_leases_at_loss"] = [
-            r for r in ctx.unfinished(self.host) if _lease_live(ctx.fleet, r)
+            r for r in ctx.unfinished(self.host) if lease_live(ctx.fleet, r)
         ]
         # Stamped once every process of the host is dead: an event one of them wrote just
         # before its SIGKILL is the host's own, not a run opened while it was gone.
@@ -197,7 +205,7 @@ class Episode:
 
     def _gone(self, ctx: LossContext) -> None:
         if "gone_seen_at" not in self.log:
-            expired = not any(_lease_live(ctx.fleet, r) for r in ctx.unfinished(self.host))
+            expired = not any(lease_live(ctx.fleet, r) for r in ctx.unfinished(self.host))
             if ctx.fleet.host_seen(self.host).alive or not expired:
                 if time.time() > self.deadline:
                     self.log.setdefault("errors", []).append("never seen gone")
@@ -206,7 +214,7 @@ class Episode:
             self.log["gone_seen_at"] = time.time()
             # Its runs that had not ended (one may have ended just before the loss, before
             # the drill looked): each must wait now, and end only once the host is back.
-            snaps = {r: _snapshot(ctx.fleet, r) for r in ctx.unfinished(self.host)}
+            snaps = {r: snapshot(ctx.fleet, r) for r in ctx.unfinished(self.host)}
             ended = {p.value for p in TERMINAL_PHASES}
             self.log["runs"] = {r: s for r, s in snaps.items() if s.get("phase") not in ended}
             self._act(ctx)
@@ -313,7 +321,7 @@ class Episode:
     def bring_back(self, ctx: LossContext) -> None:
         """The host comes back: a new namespace on its disk, under its name."""
         self.log["generations_before_return"] = {
-            r: _snapshot(ctx.fleet, r).get("generation") for r in self.log.get("runs", {})
+            r: snapshot(ctx.fleet, r).get("generation") for r in self.log.get("runs", {})
         }
         ctx.hosts[self.host].start()
         self.log["returned_at"] = time.time()
@@ -384,14 +392,14 @@ class Episode:
             self.log.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}"[:300])
 
 
-def _lease_live(fleet: Fleet, run_id: str) -> bool:
+def lease_live(fleet: Fleet, run_id: str) -> bool:
     try:
         return bool(fleet.store.read_run(run_id).lease_live)
     except RatchetError:
         return False
 
 
-def _snapshot(fleet: Fleet, run_id: str) -> dict[str, Any]:
+def snapshot(fleet: Fleet, run_id: str) -> dict[str, Any]:
     """A run's verified state as it is now: generation, phase, the lease, its writes."""
     try:
         view = inspect_run(fleet, run_id)

@@ -14,6 +14,8 @@ from typing import Any
 from ratchet.errors import ConfigurationError
 
 __all__ = [
+    "ENVIRONMENTS",
+    "GIT_HOST_FAULTS",
     "HOST_FAULTS",
     "HostDrillOptions",
     "HostDrillRecord",
@@ -28,22 +30,37 @@ __all__ = [
 #: submitted again), ``retry``, ``rebaseline``: the operator's paths; ``misroute``: jobs put
 #: on another host's queue and on the shared one (a stale routing hint).
 HOST_FAULTS = ("kill", "host-loss", "host-return", "cancel", "retry", "rebaseline", "misroute")
+#: The faults of ``--environment git`` (``all``: every one). ``kill`` aims at the git
+#: workspace's push (``git_before_push`` / ``git_after_push``) instead of the folder's
+#: journal; ``git-server-kill``: the git server's process group SIGKILLed while a push is
+#: in flight, restarted on its port. No ``rebaseline`` (a disk changed by hand) and no
+#: ``misroute`` (a host's queue): a git run lives on no host's disk and has no host queue.
+GIT_HOST_FAULTS = ("kill", "host-loss", "host-return", "cancel", "retry", "git-server-kill")
+#: Where the runs' files live: a folder on their host's disk, or a branch of a git remote.
+ENVIRONMENTS = ("folder", "git")
 #: Faults that act on the runs of a lost host.
 _NEED_LOSS = ("host-return", "retry", "rebaseline")
 
 
-def parse_host_faults(text: str) -> frozenset[str]:
-    """``all`` or a comma list of :data:`HOST_FAULTS`. Raises ConfigurationError (an
-    unknown name, or a fault that needs a host lost and brought back without it)."""
+def parse_host_faults(text: str, environment: str = "folder") -> frozenset[str]:
+    """``all`` or a comma list of :data:`HOST_FAULTS` (:data:`GIT_HOST_FAULTS` with
+    ``environment`` git). Raises ConfigurationError (an unknown environment or name, or a
+    fault that needs a host lost and brought back without it)."""
+    if environment not in ENVIRONMENTS:
+        raise ConfigurationError(
+            f"--environment must be one of {', '.join(ENVIRONMENTS)}", field="environment"
+        )
+    known = GIT_HOST_FAULTS if environment == "git" else HOST_FAULTS
     names = {part.strip() for part in text.split(",") if part.strip()}
     if not names:
         raise ConfigurationError("--faults needs at least one fault", field="faults")
     if "all" in names:
-        return frozenset(HOST_FAULTS)
-    unknown = sorted(names - set(HOST_FAULTS))
+        return frozenset(known)
+    unknown = sorted(names - set(known))
     if unknown:
         raise ConfigurationError(
-            f"faults {unknown} are not multi-host faults; with --hosts: {', '.join(HOST_FAULTS)}",
+            f"faults {unknown} are not faults of --hosts with --environment {environment}; "
+            f"those are: {', '.join(known)}",
             field="faults",
         )
     if "host-loss" in names and "host-return" not in names:
@@ -75,6 +92,7 @@ class HostDrillOptions:
     think_ms: int = 150
     redis_server: str | None = None
     host_losses: int | None = None  # None: every host but one, at least one
+    environment: str = "folder"  # folder: a workspace on its host's disk; git: a branch
 
     @property
     def ttl_ms(self) -> int:
@@ -96,8 +114,24 @@ class HostDrillOptions:
             return 0
         return self.host_losses if self.host_losses is not None else max(1, self.hosts - 1)
 
+    @property
+    def git(self) -> bool:
+        """The runs' files live on branches of a git remote (``--environment git``)."""
+        return self.environment == "git"
+
     def check(self) -> None:
         """Raises ConfigurationError for options the drill cannot run."""
+        if self.environment not in ENVIRONMENTS:
+            raise ConfigurationError(
+                f"--environment must be one of {', '.join(ENVIRONMENTS)}", field="environment"
+            )
+        allowed = GIT_HOST_FAULTS if self.git else HOST_FAULTS
+        stray = sorted(self.faults - set(allowed))
+        if stray:
+            raise ConfigurationError(
+                f"faults {stray} do not apply with --environment {self.environment}",
+                field="faults",
+            )
         if self.hosts < 2:
             raise ConfigurationError("a multi-host drill needs --hosts 2 or more", field="hosts")
         if self.runs < 4 * self.hosts:
@@ -117,6 +151,7 @@ class HostDrillOptions:
             "think_ms": self.think_ms,
             "host_losses": self.losses,
             "host_timeout_ms": self.host_timeout_ms,
+            "environment": self.environment,
         }
 
     def host_order(self) -> list[int]:
@@ -167,6 +202,14 @@ class HostDrillRecord:
     errors: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # a fault not injected: why
     sandbox: str = ""
+    remote_url: str = ""  # --environment git: the shared remote every run's branch is on
+    remote_served: str = ""  # how: "git daemon" or "file://"
+    server_kills: list[dict[str, Any]] = field(default_factory=list)  # git-server-kill
+
+    @property
+    def remote_path(self) -> Path:
+        """--environment git: the bare repository, in the drill folder (no host's disk)."""
+        return self.folder / "remote" / "drill.git"
 
     def host_backing(self, host: str) -> Path:
         """The folder that is ``host``'s disk."""

@@ -5,11 +5,12 @@
   the namespace set (no ``RATCHET_HOST``), with the drill's hooks
   (``RATCHET_FAILPOINTS``, the event log): SIGKILL at the crash windows;
 * ``submitter``: the host's submitter. It reads one JSON request a line on stdin
-  (``index``, ``run_id``, ``orders_url``, ``think_ms``), makes the run's workspace on this
-  host's disk (its working directory) unless it exists (a task submitted again), and
-  submits the drill's run through :func:`ratchet.ops.submit`, so the signed document names
-  this host; it answers one JSON line on stdout (``ok``, ``run_id``, ``host``, or
-  ``error``).
+  (``index``, ``run_id``, ``orders_url``, ``think_ms``, and ``remote`` for a git run),
+  makes the run's workspace on this host's disk (its working directory) unless it exists
+  (a task submitted again), and submits the drill's run through :func:`ratchet.ops.submit`,
+  so the signed document names this host; a git run (``remote``: the remote's URL) has no
+  workspace here: submit makes its branch on the remote and binds it to no host. It
+  answers one JSON line on stdout (``ok``, ``run_id``, ``host``, or ``error``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from ratchet.chaos.drill.hostgit import git_document
 from ratchet.chaos.drill.services import drill_document, make_workspace
 from ratchet.chaos.hooks import from_env
 from ratchet.errors import RatchetError
@@ -42,12 +44,18 @@ def _submitter() -> int:
         try:
             request = json.loads(line)
             index = int(request["index"])
-            root = Path.cwd() / workspace_name(index)
-            if not root.exists():
-                make_workspace(root)
-            document = drill_document(
-                root, str(request["orders_url"]), index, think_ms=int(request["think_ms"])
-            )
+            think_ms = int(request["think_ms"])
+            if request.get("remote"):
+                document = git_document(
+                    str(request["remote"]), str(request["orders_url"]), index, think_ms=think_ms
+                )
+            else:
+                root = Path.cwd() / workspace_name(index)
+                if not root.exists():
+                    make_workspace(root)
+                document = drill_document(
+                    root, str(request["orders_url"]), index, think_ms=think_ms
+                )
             run_id = submit(fleet, document, run_id=str(request["run_id"]))
             reply = {"ok": True, "run_id": run_id, "host": fleet.settings.host}
         except (RatchetError, OSError, ValueError, KeyError) as exc:

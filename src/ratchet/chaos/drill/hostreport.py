@@ -16,7 +16,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ratchet.chaos.drill.hostchecks import HostEvidence, gather_hosts, judge, kills_by_host
+from ratchet.chaos.drill.hostgitchecks import gather_git, git_figures, judge_git
 from ratchet.chaos.drill.hostplan import HostDrillRecord
+from ratchet.chaos.drill.invariant import Invariant
 from ratchet.fleet.context import Fleet
 
 __all__ = ["check_hosts", "figures", "render_hosts"]
@@ -32,13 +34,33 @@ _SHOWN = (
     "worker_kills_per_host",
     "elapsed_s",
 )
+_SHOWN_GIT = (
+    "runs",
+    "runs_submitted_per_host",
+    "runs_completed_per_host",
+    "takeovers_across_hosts",
+    "host_losses",
+    "host_recoveries",
+    "lost_runs_continued_elsewhere",
+    "git_server_kills",
+    "commits_per_write",
+    "duplicate_commits",
+    "duplicate_effects",
+    "worker_kills_per_host",
+    "elapsed_s",
+)
 
 
 def check_hosts(record: HostDrillRecord, fleet: Fleet) -> dict[str, Any]:
     """Judge the drill and return its report (written to ``report.json`` too). The store
-    must be up."""
-    evidence = gather_hosts(record, fleet)
-    invariants = judge(record, evidence)
+    must be up (and, with git runs, the git server)."""
+    invariants: list[Invariant]
+    if record.options.git:
+        git = gather_git(record, fleet)
+        invariants, shown = judge_git(record, git), git_figures(record, git)
+    else:
+        evidence = gather_hosts(record, fleet)
+        invariants, shown = judge(record, evidence), figures(record, evidence)
     verdict = (
         "fail"
         if any(i.status == "fail" for i in invariants)
@@ -50,13 +72,14 @@ def check_hosts(record: HostDrillRecord, fleet: Fleet) -> dict[str, Any]:
         "verdict": verdict,
         "failed_invariants": [i.name for i in invariants if i.status == "fail"],
         "invariants": {i.name: i.as_dict() for i in invariants},
-        **figures(record, evidence),
+        **shown,
         "options": record.options.as_dict(),
         "verifier_sandbox": record.sandbox,
         "network_namespaces": False,
         "losses": record.losses,
         "cancels": record.cancels,
         "misroutes": record.misroutes,
+        "server_kills": record.server_kills,
         "skipped": record.skipped,
         "drill_errors": record.errors[:20],
         "folder": str(record.folder),
@@ -135,7 +158,8 @@ def render_hosts(report: dict[str, Any], console: Console) -> None:
     figures = Table(title=f"ratchet drill --hosts: [{colour}]{verdict}[/{colour}]")
     figures.add_column("figure")
     figures.add_column("value", justify="right")
-    for name in _SHOWN:
+    git = (report.get("options") or {}).get("environment") == "git"
+    for name in _SHOWN_GIT if git else _SHOWN:
         value = report.get(name)
         figures.add_row(name, value if isinstance(value, str) else json.dumps(value))
     console.print(figures)

@@ -44,6 +44,8 @@ from redis.exceptions import RedisError
 from ratchet.adapters.sandbox import for_own_verifiers
 from ratchet.chaos.drill.cluster import choose_redis
 from ratchet.chaos.drill.hostfleet import DrillHost
+from ratchet.chaos.drill.hostgit import GitSchedule, GitServer, ServerKill, make_drill_remote
+from ratchet.chaos.drill.hostgitloss import GitEpisode, held_by
 from ratchet.chaos.drill.hostloss import REVIEWER, CancelThenSubmit, Command, Episode
 from ratchet.chaos.drill.hostns import HostNamespace, namespaces_usable
 from ratchet.chaos.drill.hostplan import HostDrillOptions, HostDrillRecord, RunInfo, host_name
@@ -60,6 +62,8 @@ __all__ = ["run_host_drill"]
 
 _TICK_S = 0.05
 _STRANDED = 4  # unfinished runs a loss waits for (fewer after 20 s and 40 s)
+#: git-server-kill: when each kill is armed (fraction of the runs ended).
+_SERVER_KILLS_AT = (0.3, 0.6)
 Progress = Callable[[str, int, int], None]
 
 
@@ -76,8 +80,10 @@ class HostDrill:
         operator_env: dict[str, str],
         reviewer_key: Path,
         progress: Progress | None = None,
+        server: GitServer | None = None,
     ) -> None:
         self.options, self.record, self.fleet, self.hosts = options, record, fleet, hosts
+        self.server = server
         self.orders_urls, self.operator_env = orders_urls, operator_env
         self.reviewer_key, self.progress = reviewer_key, progress
         self.rng = random.Random(options.seed + 101)  # noqa: S311 - reproducible
@@ -87,8 +93,10 @@ class HostDrill:
             self.pending[names[(index + options.seed) % len(names)]].append(index)
         self.again: list[str] = []  # cancelled runs whose task is submitted again
         self.tries: dict[str, int] = {}
+        self.submit_after: dict[str, float] = {}  # git: a host's next submit after a failure
+        kind = GitEpisode if options.git else Episode
         self.episodes = [
-            Episode(names[k], {"host": names[k]}, random.Random(options.seed * 31 + i))  # noqa: S311
+            kind(names[k], {"host": names[k]}, random.Random(options.seed * 31 + i))  # noqa: S311
             for i, k in enumerate(options.host_order())
         ]
         record.losses = [e.log for e in self.episodes]
@@ -101,6 +109,15 @@ class HostDrill:
         self.last_observe = 0.0
         self.deadline = 0.0
         self.last_progress = 0.0  # when a run was last submitted or seen ending
+        self.server_kills: list[ServerKill] = []
+        if "git-server-kill" in options.faults:
+            if server is not None and server.daemon:
+                self.server_kills = [ServerKill(at, {"at": at}) for at in _SERVER_KILLS_AT]
+                record.server_kills = [k.log for k in self.server_kills]
+            else:
+                record.skipped["git-server-kill"] = (
+                    "no git program: the remote is reached over file://, no server to kill"
+                )
 
     # -- LossContext --------------------------------------------------------------------
 
@@ -131,6 +148,10 @@ class HostDrill:
                     if episode.stage == "planned":
                         episode.log["skipped"] = "the drill's --duration ran out first"
                         episode.stage = "done"
+                for kill in self.server_kills:
+                    if kill.stage == "planned":
+                        kill.log["skipped"] = "the drill's --duration ran out first"
+                        kill.stage = "done"
             # Settling ends when everything ended, or when nothing moved for the settle
             # bound (a run submitted or ended is progress: the last tasks still run).
             idle_since = max(self.deadline, self.last_progress + self.options.settle_bound_s)
@@ -151,6 +172,7 @@ class HostDrill:
             self._observe()
             self._episodes()
             self._operator()
+            self._server_faults()
         except (RatchetError, RedisError, OSError) as exc:
             self.record.errors.append(f"tick: {type(exc).__name__}: {exc}"[:300])
         if self.progress is not None:
@@ -169,6 +191,7 @@ class HostDrill:
             and not any(self.pending.values())
             and not self.again
             and not self.misroutes_at
+            and all(k.stage == "done" for k in self.server_kills)
             and (
                 self.live_cancel is not None
                 or self.cancel_skipped
@@ -183,7 +206,11 @@ class HostDrill:
             return False
         if any(h.outstanding is not None for h in self.hosts.values()):
             return False
-        return all(s in ("terminal", "frozen") for s, _ in self.record.final.values())
+        if any(k.stage in ("watching", "down") for k in self.server_kills):
+            return False
+        # Every run the drill submitted, also one whose answer came after the last look.
+        ended = ("terminal", "frozen")
+        return all(self.record.final.get(r, ("", ""))[0] in ended for r in self.record.runs)
 
     # -- submitting ---------------------------------------------------------------------
 
@@ -203,10 +230,16 @@ class HostDrill:
         return max(self.options.workers + 1, _STRANDED + 1) if due else self.options.workers + 1
 
     def _submit(self) -> None:
+        if any(k.stage == "down" for k in self.server_kills):
+            return  # no branch can be made while the git server is down: the operator waits
         for name, host in self.hosts.items():
             if not host.up or host.outstanding is not None:
                 continue
-            again = next((r for r in self.again if self.record.runs[r].host == name), None)
+            if time.time() < self.submit_after.get(name, 0.0):
+                continue
+            # A git run's task may be submitted again on any host; a folder's on its own.
+            mine = (r for r in self.again if self.options.git or self.record.runs[r].host == name)
+            again = next(mine, None)
             request: dict[str, Any]
             if again is not None:
                 index = self.record.runs[again].index
@@ -217,6 +250,8 @@ class HostDrill:
             else:
                 continue
             request.update(orders_url=self.orders_urls[index], think_ms=self.options.think_ms)
+            if self.options.git:
+                request["remote"] = self.record.remote_url
             if host.ask(request):
                 if again is not None:
                     self.again.remove(again)
@@ -237,6 +272,8 @@ class HostDrill:
             run_id = str(request.get("run_id"))
             if not reply.get("ok"):
                 self.record.errors.append(f"submit {run_id} on {name}: {reply.get('error')}")
+                if self.options.git:  # the git server may be down (a kill): a while later
+                    self.submit_after[name] = time.time() + 1.0
                 if not self._exists(run_id):
                     self.tries[run_id] = self.tries.get(run_id, 0) + 1
                     if self.tries[run_id] < 3:  # asked again later
@@ -300,7 +337,10 @@ class HostDrill:
             if self._fraction() < at and not idle and number not in self.due_since:
                 return
             since = self.due_since.setdefault(number, time.time())
-            self._arm(episode, time.time() - since)
+            if self.options.git:
+                self._arm_git(episode, time.time() - since)
+            else:
+                self._arm(episode, time.time() - since)
             return
 
     def _arm(self, episode: Episode, waited: float) -> None:
@@ -324,6 +364,40 @@ class HostDrill:
         if len(mine) >= want and (live or not need_live):
             episode.log["waited_s"] = round(waited, 2)
             episode.lose(self)
+
+    def _arm_git(self, episode: Episode, waited: float) -> None:
+        """Lose the host once its workers hold live leases of runs (both of them, one
+        after 20 s), so the loss strands runs mid-flight; after 60 s whatever they hold."""
+        host = self.hosts[episode.host]
+        if not host.up or host.outstanding is not None:
+            return
+        self.running = [c for c in self.running if c.proc.poll() is None]
+        if any(c.host == episode.host for c in self.running):
+            return
+        if not any(self.pending.values()) and not any(self.unfinished(h) for h in self.hosts):
+            episode.log["skipped"] = "no run left to strand"
+            episode.stage = "done"
+            return
+        held = held_by(self, episode.host)
+        want = min(2, self.options.workers) if waited < 20 else 1
+        if len(held) >= want or waited > 60:
+            episode.log["waited_s"] = round(waited, 2)
+            episode.lose(self)
+
+    def _server_faults(self) -> None:
+        """git-server-kill: arm the next kill once its fraction of the runs ended and a
+        lease is live (pushes come from runs in flight), then step it to its restart."""
+        server = self.server
+        current = next((k for k in self.server_kills if k.stage != "done"), None)
+        if server is None or current is None:
+            return
+        if current.stage == "planned":
+            if not self.injecting or self._fraction() < current.at:
+                return
+            if any(self._live(r) for h in self.hosts for r in self.unfinished(h)):
+                current.arm(server)
+            return
+        current.step(server)
 
     def _live(self, run_id: str) -> bool:
         try:
@@ -376,16 +450,24 @@ class HostDrill:
         return run_id not in busy and self.record.runs[run_id].again_of is None
 
     def stop(self) -> None:
-        """Kill the operator commands still running (the drill is ending)."""
+        """Kill the operator commands still running (the drill is ending); the git server
+        up again if a kill left it down."""
+        if self.server is not None:
+            for kill in self.server_kills:
+                if kill.stage != "done":
+                    kill.abandon(self.server)
         for command in self.running:
             if command.proc.poll() is None:
                 command.proc.kill()
                 command.proc.wait(timeout=10)
 
 
-def _host_env(options: HostDrillOptions, url: str, key_hex: str, folder: Path) -> dict[str, str]:
+def _host_env(
+    options: HostDrillOptions, url: str, key_hex: str, folder: Path, mountpoint: Path
+) -> dict[str, str]:
     """Every host process's environment: the fleet's settings (no RATCHET_HOST: the host
-    name is the namespace's)."""
+    name is the namespace's). With git runs each host keeps its state (the git object
+    cache and checkouts) on its own disk."""
     ttl = options.ttl_ms
     env = {k: v for k, v in os.environ.items() if not k.startswith("RATCHET_")}
     env.update(
@@ -401,7 +483,7 @@ def _host_env(options: HostDrillOptions, url: str, key_hex: str, folder: Path) -
         RATCHET_HOST_TIMEOUT_MS=str(options.host_timeout_ms),
         RATCHET_VERIFIER_SANDBOX=for_own_verifiers().value,
         RATCHET_REVIEWERS_FILE=os.fspath(folder / "trust" / "reviewers.json"),
-        RATCHET_STATE_DIR=os.fspath(folder / "state"),
+        RATCHET_STATE_DIR=os.fspath(mountpoint / "state" if options.git else folder / "state"),
         RATCHET_LOG_LEVEL="WARNING",
         USER="drill-operator",
     )
@@ -439,14 +521,21 @@ def run_host_drill(
     hosts: dict[str, DrillHost] = {}
     orders: TenantOrders | None = None
     drill: HostDrill | None = None
+    remote: GitServer | None = None
     server.start()
     try:
+        if options.git:
+            make_drill_remote(record.remote_path)
+            remote = GitServer(record.remote_path)
+            remote.start()
+            record.remote_url = remote.url
+            record.remote_served = "git daemon" if remote.daemon else "file://"
         RedisStore(server.client()).init_epoch()
         orders = TenantOrders(folder / "orders")
         urls = {i: orders.add(f"t{i}") for i in range(options.runs)}
         key_hex = secrets.token_hex(32)
         reviewer_key = _reviewer(folder)
-        env = _host_env(options, server.url, key_hex, folder)
+        env = _host_env(options, server.url, key_hex, folder, record.mountpoint)
         record.sandbox = env["RATCHET_VERIFIER_SANDBOX"]
         fleet = Fleet.connect(
             Settings(
@@ -465,12 +554,15 @@ def run_host_drill(
             record.hosts.append(name)
             kills = options.faults & {"kill"}
             per_host = options.runs // options.hosts
-            schedule = Schedule(options.seed * 1009 + number, kills, per_host, repeats=1)
+            kind = GitSchedule if options.git else Schedule
+            schedule = kind(options.seed * 1009 + number, kills, per_host, repeats=1)
             ns = HostNamespace(name, record.host_backing(name), record.mountpoint)
             hosts[name] = DrillHost(name, ns, env, folder, schedule)
             hosts[name].start()
         operator_env = {**env, "RATCHET_LOG_LEVEL": "ERROR"}
-        drill = HostDrill(options, record, fleet, hosts, urls, operator_env, reviewer_key, progress)
+        drill = HostDrill(
+            options, record, fleet, hosts, urls, operator_env, reviewer_key, progress, remote
+        )
         drill.run()
         drill.stop()
         for host in hosts.values():
@@ -498,6 +590,8 @@ def run_host_drill(
         finally:
             if orders is not None:
                 orders.stop()
+            if remote is not None:
+                remote.kill()
             server.stop()
         if left:
             raise left[0]
