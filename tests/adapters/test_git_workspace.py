@@ -22,12 +22,14 @@ from dulwich.repo import Repo
 
 from ratchet.adapters.gitremote import RemoteBranch, parse_trailers
 from ratchet.adapters.gitworkspace import GitWorkspaceAdapter
+from ratchet.adapters.sandbox import Sandbox
 from ratchet.adapters.verifier import CommandVerifier, VerifierCommand
 from ratchet.errors import AdapterError, FenceRejectedError, UntrustedGroundError
 from ratchet.fleet.credentials import CredentialMap, CredentialSpec
 from ratchet.fleet.runs import EnvironmentSpec, remote_branch
 from ratchet.runtime import Action, Fence
 from ratchet.testing.memory import ManualClock
+from tests.conftest import test_sandbox_mode
 from tests.gitremotes import (
     NO_GIT,
     GitDaemon,
@@ -53,6 +55,14 @@ def write(key: str, content: str, expected: int, path: str = "app.py") -> Action
             "expected_env_version": expected,
             "deadline_at": 2**40,
         }
+    )
+
+
+def verifier_for(argv: tuple[str, ...]) -> CommandVerifier:
+    """A verifier of target ``unit``, confined as the suite confines (bwrap where it
+    runs; the explicit opt-out on a machine without it)."""
+    return CommandVerifier(
+        {"unit": VerifierCommand(argv=argv)}, sandbox=Sandbox.resolve(test_sandbox_mode())
     )
 
 
@@ -352,7 +362,7 @@ def test_a_checkout_refuses_a_tree_entry_it_may_not_create(tmp_path: Path, bad: 
         commit.message = b"planted\n"
         repo.object_store.add_object(commit)
         repo.refs[b"refs/heads/" + BRANCH.encode()] = commit.id
-    verifier = CommandVerifier({"unit": VerifierCommand(argv=(sys.executable, "-c", "0"))})
+    verifier = verifier_for((sys.executable, "-c", "0"))
     ws = made.handle(verifier=verifier)
     with pytest.raises(UntrustedGroundError) as refused:
         ws.verify("unit")
@@ -367,7 +377,7 @@ def test_the_verifier_runs_on_a_checkout_of_the_branch_and_is_bound_to_it(
 ) -> None:
     made = Remote(tmp_path, lambda name: f"file://{tmp_path}/{name}")
     argv = (sys.executable, "-c", "import sys; sys.exit(open('app.py').read() != 'new\\n')")
-    ws = made.handle(verifier=CommandVerifier({"unit": VerifierCommand(argv=argv)}))
+    ws = made.handle(verifier=verifier_for(argv))
     assert not ws.verify("unit").passed
     version = ws.observe().version
     ws.execute(write("k1", "new\n", version), "a" * 64, fence(1), None)
@@ -391,7 +401,7 @@ def test_no_git_program_runs_for_any_operation(
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     made = Remote(tmp_path / "r", lambda name: f"file://{tmp_path}/r/{name}")
-    verifier = CommandVerifier({"unit": VerifierCommand(argv=(sys.executable, "-c", "0"))})
+    verifier = verifier_for((sys.executable, "-c", "0"))
     ws = made.handle(verifier=verifier)
     ws.raise_fence(fence(1))
     version = ws.observe().version
