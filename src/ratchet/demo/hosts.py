@@ -216,6 +216,7 @@ def run_hosts_demo(
         base = Path(tmp)
         settings = demo_settings(base, name="hosts-demo", lease_ttl_ms=lease_ttl_ms)
         url = ensure_embedded_redis(settings.state_dir)
+        fleet: Fleet | None = None
         try:
             fleet = Fleet.connect(settings)
             child = worker_settings(settings, url)
@@ -230,6 +231,9 @@ def run_hosts_demo(
                 started=started,
             )
         finally:
+            if fleet is not None:  # its connections go before the server they reach
+                fleet.store.client.close()
+                fleet.rq_connection.close()
             stop_embedded_redis(settings.state_dir)
 
 

@@ -175,8 +175,8 @@ class PydanticAITool(FunctionTool):
 
 
 def _complete(awaitable: Any) -> Any:
-    """Run ``awaitable`` to completion on a loop of its own, leaving the thread's current
-    event loop (the one Pydantic AI's ``run_sync`` keeps) as it was."""
+    """Run ``awaitable`` to completion on a loop of its own, closed after, leaving the
+    thread's current event loop (if any) as it was."""
 
     async def wait() -> Any:
         return await awaitable
@@ -597,13 +597,17 @@ class PydanticAIAgent:
         offered = {name: spec for name, spec in specs.items() if name != "finish"}
         agent = self.wrapped.agent
         try:
-            return agent.run_sync(
-                prompt,
-                message_history=history or None,
-                deferred_tool_results=results,
-                output_type=_with_deferred(agent.output_type),
-                deps=self.wrapped.deps,
-                capabilities=[_DeferToRatchet(offered)],
+            # On a loop of its own, closed after the request (Pydantic AI's run_sync would
+            # leave a loop set on the worker's thread for good).
+            return _complete(
+                agent.run(
+                    prompt,
+                    message_history=history or None,
+                    deferred_tool_results=results,
+                    output_type=_with_deferred(agent.output_type),
+                    deps=self.wrapped.deps,
+                    capabilities=[_DeferToRatchet(offered)],
+                )
             )
         except UserError as exc:
             raise ConfigurationError(
