@@ -99,24 +99,25 @@ class RunRecorder:
             )
 
     def lease_acquired(self, *, took_over: bool, previous: tuple[str, int] = ("", 0)) -> None:
-        """Note the acquire, counted and recorded by ``acknowledge_acquire`` (or by the
-        job's first record): a job that hands its run on to another host calls
-        ``drop_acquire`` instead and leaves nothing against the run."""
+        """Count the acquire (and a takeover) now; hold the takeover's record until
+        ``acknowledge_acquire`` (or the job's first record): a job that hands its run on to
+        another host calls ``drop_acquire`` instead and leaves nothing against the run."""
+        metrics.lease_acquired(took_over=took_over)
         self._acquire = (took_over, previous)
 
     def drop_acquire(self) -> None:
-        """The job handed its run on unopened: its acquire is neither counted nor
-        recorded (the run's own host takes the lease next; docs/hosts.md)."""
+        """The job handed its run on unopened: its takeover is not recorded against the run
+        (the run's own host takes the lease next; docs/hosts.md). The worker's counters
+        keep it: the lease was taken."""
         self._acquire = None
 
     def acknowledge_acquire(self) -> None:
-        """Count the noted acquire; record a takeover (the previous holder's lease
-        expired), naming the lease it ended. Once per job; nothing after a drop."""
+        """Record a takeover (the previous holder's lease expired), naming the lease it
+        ended. Once per job; nothing after a drop."""
         if self._acquire is None:
             return
         took_over, previous = self._acquire
         self._acquire = None
-        metrics.lease_acquired(took_over=took_over)
         if took_over:
             self._record(
                 {
