@@ -8,6 +8,7 @@ commit trailer, found by ``git_log``) the run recovers by itself, the commit onc
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -183,6 +184,33 @@ def test_with_the_key_recipe_a_cut_off_commit_is_found_by_git_log_and_made_once(
     made = [b for b in bodies if f"Ratchet-Key: {key}" in b]
     assert len(made) == 1 and made[0].strip().startswith("Fix the greeting")
     assert len(git(repo, "log", "--format=%H").split()) == 2
+
+
+@needs_sqlite_server
+def test_a_legacy_handshake_leaves_an_mcp_1_server_s_stderr_clean(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default handshake first asks to discover the server (the newest protocol); an
+    mcp 1.x server answers with a page of validation errors on its stderr before the
+    client falls back. protocol="legacy" starts with initialize: not one such line."""
+
+    def errors_said(protocol: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ratchet.tools.mcp.stderr"):
+            conn = MCPConnection.stdio(
+                [str(SQLITE_PROGRAM), "--db-path", str(tmp_path / f"{protocol}.db")],
+                connect_timeout_s=60,
+                protocol=protocol,
+            ).start()
+            assert [t.spec.name for t in mcp_tools(conn)]
+            conn.close()
+            tail = conn._errtail
+            assert tail is not None
+            tail.tail(wait_s=10)  # the server exited: every line it wrote is logged
+        return [r.getMessage() for r in caplog.records if "validat" in r.getMessage()]
+
+    assert errors_said("auto")  # the noise is real
+    assert errors_said("legacy") == []
 
 
 @needs_sqlite_server

@@ -118,12 +118,20 @@ class MCPConnection:
         timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
         max_answer_bytes: int | None = None,
+        protocol: str = "auto",
     ) -> None:
         if not (timeout_s > 0 and connect_timeout_s > 0):
             raise ConfigurationError("MCP timeouts must be positive", field="timeout_s")
         if max_answer_bytes is not None:
             peer_cap(max_answer_bytes)  # refused now, not at the first call
         self._max_answer_bytes = max_answer_bytes
+        if protocol not in ("auto", "legacy"):
+            raise ConfigurationError(
+                "an MCP connection's protocol is 'auto' (discover, then fall back) or "
+                "'legacy' (the initialize handshake of mcp 1.x servers)",
+                field="protocol",
+            )
+        self._protocol = protocol
         self._errtail: ErrTail | None = None  # a stdio server's stderr, when ratchet keeps it
         self._listed: tuple[mcp_types.Tool, ...] | None = None  # the tools, once listed
         self._broken = False  # its server went away under a call: never reused
@@ -154,9 +162,13 @@ class MCPConnection:
         timeout_s: float = 30.0,
         connect_timeout_s: float = 30.0,
         max_answer_bytes: int | None = None,
+        protocol: str = "auto",
     ) -> MCPConnection:
         """A server ratchet starts: ``argv`` (program first), extra ``env`` (over a
         minimal default environment), ``cwd``; its stderr goes to ``errlog``.
+        ``protocol="legacy"`` starts with the initialize handshake: for a server on
+        ``mcp`` 1.x, which answers the default discovery with a page of validation errors
+        on its stderr before it falls back.
 
         Raises:
             ConfigurationError: an empty ``argv``, a bad timeout or cap.
@@ -178,6 +190,7 @@ class MCPConnection:
             timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s,
             max_answer_bytes=max_answer_bytes,
+            protocol=protocol,
         )
         made._errtail = tail
         return made
@@ -284,7 +297,7 @@ class MCPConnection:
                 transport = await self._transport.open(stack, self._limit, self._heard_cut)
                 client = Client(
                     transport,
-                    mode="auto",
+                    mode=self._protocol,
                     cache=None,
                     read_timeout_seconds=self._timeout,
                     client_info=_CLIENT_INFO,
