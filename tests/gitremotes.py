@@ -21,10 +21,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from dulwich.object_store import commit_tree_changes
-from dulwich.objects import Blob, Commit, Tree
+from dulwich.objects import Blob, Commit
 from dulwich.repo import Repo
 
-from ratchet.adapters.gitremote import parse_trailers
+from ratchet.adapters.gitremote import parse_trailers, seed_bare
 
 GIT = shutil.which("git")
 NO_GIT = None if GIT else "the git program is not installed (git daemon, git http-backend)"
@@ -36,27 +36,15 @@ def make_bare(
     """A bare repository at ``root/name`` whose ``branch`` holds one commit of ``files``.
     Returns the repository's folder and the commit id."""
     path = root / name
-    path.mkdir(parents=True)
-    repo = Repo.init_bare(str(path))
-    store = repo.object_store
-    changes = []
-    for rel, data in files.items():
-        blob = Blob.from_string(data)
-        store.add_object(blob)
-        changes.append((rel.encode(), 0o100644, blob.id))
-    empty = Tree()
-    store.add_object(empty)
-    tree = commit_tree_changes(store, empty, changes)
-    commit = Commit()
-    commit.tree = tree
-    commit.author = commit.committer = b"someone <someone@example.com>"
-    commit.author_time = commit.commit_time = 1_700_000_000
-    commit.author_timezone = commit.commit_timezone = 0
-    commit.message = b"base\n"
-    store.add_object(commit)
-    repo.refs[b"refs/heads/" + branch.encode()] = commit.id
-    repo.close()
-    return path, commit.id.decode()
+    base = seed_bare(
+        path,
+        files,
+        branch=branch,
+        message=b"base\n",
+        author=b"someone <someone@example.com>",
+        when=1_700_000_000,
+    )
+    return path, base
 
 
 def push_foreign(

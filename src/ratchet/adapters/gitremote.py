@@ -23,6 +23,7 @@ import hashlib
 import os
 import re
 import stat
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from dulwich.client import (
     get_transport_and_path,
 )
 from dulwich.errors import GitProtocolError, HangupException, NotGitRepository
+from dulwich.object_store import commit_tree_changes
 from dulwich.objects import Blob, Commit, ObjectID, ShaFile, Tree
 from dulwich.pack import pack_objects_to_data
 from dulwich.refs import Ref
@@ -51,6 +53,7 @@ __all__ = [
     "RemoteBranch",
     "parse_trailers",
     "remote_scheme",
+    "seed_bare",
 ]
 
 #: The all-zero object id: "no such ref" in the push protocol.
@@ -542,6 +545,46 @@ class RemoteBranch:
             return True
         finally:
             target.close()
+
+
+def seed_bare(
+    folder: Path,
+    files: Mapping[str, bytes],
+    *,
+    branch: str = "main",
+    message: bytes = b"initial files\n",
+    author: bytes = b"ratchet <ratchet@localhost>",
+    when: int | None = None,
+) -> str:
+    """Make a bare repository at ``folder`` (created; refused if it exists) whose
+    ``branch`` holds one commit of ``files`` (paths to bytes, regular files). Returns the
+    commit id. A remote for a git workspace to start from, made without a ``git`` program.
+
+    Raises:
+        FileExistsError: ``folder`` exists.
+    """
+    folder.mkdir(parents=True)
+    repo = Repo.init_bare(str(folder))
+    try:
+        store = repo.object_store
+        changes: list[tuple[bytes, int | None, ObjectID | None]] = []
+        for path, data in files.items():
+            blob = Blob.from_string(data)
+            store.add_object(blob)
+            changes.append((path.encode(), 0o100644, blob.id))
+        empty = Tree()
+        store.add_object(empty)
+        commit = Commit()
+        commit.tree = commit_tree_changes(store, empty, changes)
+        commit.author = commit.committer = author
+        commit.author_time = commit.commit_time = int(time.time()) if when is None else when
+        commit.author_timezone = commit.commit_timezone = 0
+        commit.message = message
+        store.add_object(commit)
+        repo.refs[Ref(b"refs/heads/" + branch.encode())] = commit.id
+        return commit.id.decode()
+    finally:
+        repo.close()
 
 
 def is_commit_id(text: str) -> bool:

@@ -30,12 +30,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from dulwich.object_store import commit_tree_changes
-from dulwich.objects import Blob, Commit, ObjectID, Tree
-from dulwich.refs import Ref
-from dulwich.repo import Repo
-
-from ratchet.adapters.gitremote import RemoteBranch
+from ratchet.adapters.gitremote import RemoteBranch, seed_bare
 from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.demo.fleet import demo_settings, owners_in_history, worker_settings
 from ratchet.errors import ConfigurationError
@@ -87,27 +82,13 @@ class HostsDemoReport:
 
 def make_remote(folder: Path, files: dict[str, bytes], *, branch: str = "main") -> Path:
     """A bare repository at ``folder`` whose ``branch`` holds one commit of ``files``."""
-    folder.mkdir(parents=True)
-    repo = Repo.init_bare(str(folder))
-    try:
-        store = repo.object_store
-        changes: list[tuple[bytes, int | None, ObjectID | None]] = []
-        for path, data in files.items():
-            blob = Blob.from_string(data)
-            store.add_object(blob)
-            changes.append((path.encode(), 0o100644, blob.id))
-        empty = Tree()
-        store.add_object(empty)
-        commit = Commit()
-        commit.tree = commit_tree_changes(store, empty, changes)
-        commit.author = commit.committer = b"ratchet demo <demo@localhost>"
-        commit.author_time = commit.commit_time = int(time.time())
-        commit.author_timezone = commit.commit_timezone = 0
-        commit.message = b"The example task: app.py prints the wrong greeting\n"
-        store.add_object(commit)
-        repo.refs[Ref(b"refs/heads/" + branch.encode())] = commit.id
-    finally:
-        repo.close()
+    seed_bare(
+        folder,
+        files,
+        branch=branch,
+        message=b"The example task: app.py prints the wrong greeting\n",
+        author=b"ratchet demo <demo@localhost>",
+    )
     return folder
 
 

@@ -30,11 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dulwich.object_store import commit_tree_changes
-from dulwich.objects import Blob, Commit, ObjectID, Tree
-from dulwich.refs import Ref
-from dulwich.repo import Repo
-
+from ratchet.adapters.gitremote import seed_bare
 from ratchet.chaos.drill.schedule import Schedule
 from ratchet.chaos.drill.services import NOTE, drill_document
 from ratchet.errors import ConfigurationError
@@ -78,28 +74,13 @@ def make_drill_remote(path: Path) -> str:
         raise ConfigurationError(
             f"{path} exists: the git profile needs a new drill folder (--dir)", path=str(path)
         )
-    path.mkdir(parents=True)
-    repo = Repo.init_bare(str(path))
-    try:
-        store = repo.object_store
-        changes: list[tuple[bytes, int | None, ObjectID | None]] = []
-        for rel, data in INITIAL_FILES.items():
-            blob = Blob.from_string(data)
-            store.add_object(blob)
-            changes.append((rel.encode(), 0o100644, blob.id))
-        empty = Tree()
-        store.add_object(empty)
-        commit = Commit()
-        commit.tree = commit_tree_changes(store, empty, changes)
-        commit.author = commit.committer = b"ratchet drill <drill@localhost>"
-        commit.author_time = commit.commit_time = int(time.time())
-        commit.author_timezone = commit.commit_timezone = 0
-        commit.message = b"The drill task's initial files\n"
-        store.add_object(commit)
-        repo.refs[Ref(b"refs/heads/" + BASE_BRANCH.encode())] = commit.id
-        return commit.id.decode()
-    finally:
-        repo.close()
+    return seed_bare(
+        path,
+        INITIAL_FILES,
+        branch=BASE_BRANCH,
+        message=b"The drill task's initial files\n",
+        author=b"ratchet drill <drill@localhost>",
+    )
 
 
 def git_document(url: str, base_url: str, index: int, *, think_ms: int) -> RunDocument:
