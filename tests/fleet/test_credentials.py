@@ -225,7 +225,7 @@ def test_a_secret_that_is_not_one_visible_token_is_refused_without_echo(
         ({"file": "relative/key", "destinations": [DEST]}, "absolute"),
         ({"env": "A", "file": "/k", "destinations": [DEST]}, "exactly one"),
         ({"destinations": [DEST]}, "exactly one"),
-        ({"env": "A", "destinations": []}, "at least 1"),
+        ({"env": "A", "destinations": []}, "at least one destination"),
         ({"env": "A", "destinations": ["https://a@api.example.com/v1"]}, "user information"),
         ({"env": "A", "destinations": ["https://api.example.com/v1?x"]}, "query"),
         ({"env": "A", "destinations": ["api.example.com"]}, "http(s)"),

@@ -278,7 +278,7 @@ def test_a_stored_document_that_still_names_a_variable_is_refused_at_job_start(
     fleet = Fleet.connect(settings)
     with monkeypatch.context() as old:
         old.setattr(actions, "check_credentials", lambda document, credentials: None)
-        old.setattr(actions, "run_toolbox", lambda document, credentials: Toolbox())
+        old.setattr(actions, "run_toolbox", lambda document, **_: Toolbox())
         run_id = submit(fleet, document)
     report = execute_run(fleet, run_id, owner="w-old-document")
     assert report.outcome == "restore_refused", report

@@ -245,12 +245,17 @@ class Sandbox:
         writable: Sequence[Path],
         network: bool = False,
         workspace_writable: bool = False,
+        inherit_env: bool = False,
     ) -> tuple[list[str], dict[str, str], dict[str, Any]]:
         """What to start for ``argv``: (argv, environment, extra ``Popen`` arguments).
 
         ``workspace`` is bound read-only (read-write only with ``workspace_writable``: a
         shell tool's own scratch folder) with ``state_dir`` emptied inside it, then
         ``writable`` (the verifier's home and temp folders) bound back read-write.
+        With ``inherit_env`` the sandboxed program keeps the environment it is started
+        with (returned, for the caller to start it with, which must hold nothing but
+        ``env``): nothing of ``env`` goes into the command line, where other users of the
+        host could read a secret.
 
         Raises ConfigurationError (see :meth:`check_usable`; in ``uid`` mode, a
         workspace path the uid could write).
@@ -267,7 +272,9 @@ class Sandbox:
             return list(argv), dict(env), {"user": self.uid, "group": self.gid, "extra_groups": []}
         if self.bwrap is None:  # for the type checker: BWRAP always has its binary
             raise ConfigurationError("bwrap sandbox without a binary")
-        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+        if not inherit_env:
+            args.append("--clearenv")
         if network:
             args.append("--share-net")
         bound: list[Path] = []
@@ -293,6 +300,8 @@ class Sandbox:
             if visible and path.exists():
                 args += ["--ro-bind", "/dev/null", str(path)]
         args += ["--chdir", str(cwd)]
+        if inherit_env:
+            return [*args, "--", *argv], dict(env), {}
         for name, value in env.items():
             args += ["--setenv", name, value]
         return [*args, "--", *argv], {}, {}

@@ -9,7 +9,9 @@ object, :class:`CredentialSpec` per name) says, for each name:
   (``{"env": "OPENAI_API_KEY"}``; never a ``RATCHET_*`` one, which are ratchet's own
   settings) or a file (``{"file": "/run/secrets/openai"}``, an absolute path); and
 * the destinations it may be sent to: one or more URL prefixes
-  (``"destinations": ["https://api.openai.com/v1"]``).
+  (``"destinations": ["https://api.openai.com/v1"]``), and the stdio MCP servers the
+  operator declares (``RATCHET_MCP_SERVERS``, :mod:`ratchet.fleet.mcp_servers`) it may be
+  given to in a variable of their environment (``"servers": ["git"]``).
 
 ::
 
@@ -182,7 +184,15 @@ class CredentialSpec(BaseModel):
         default=None, description="an absolute path to a file holding the secret"
     )
     destinations: tuple[Annotated[StrictStr, Field(max_length=2048)], ...] = Field(
-        min_length=1, max_length=64, description="URL prefixes the secret may be sent to"
+        default=(), max_length=64, description="URL prefixes the secret may be sent to"
+    )
+    servers: tuple[Annotated[StrictStr, Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")], ...] = (
+        Field(
+            default=(),
+            max_length=64,
+            description="stdio MCP servers (RATCHET_MCP_SERVERS) it may be given to, in a "
+            "variable of their environment",
+        )
     )
 
     @field_validator("env")
@@ -213,6 +223,8 @@ class CredentialSpec(BaseModel):
     def _one_source(self) -> Self:
         if (self.env is None) == (self.file is None):
             raise ValueError("give exactly one source: env or file")
+        if not self.destinations and not self.servers:
+            raise ValueError("give at least one destination (or a server it is given to)")
         return self
 
     def targets(self) -> tuple[Target, ...]:
@@ -243,7 +255,7 @@ class BoundCredential:
 
     __slots__ = ("_spec", "field", "name", "target")
 
-    def __init__(self, name: str, spec: CredentialSpec, target: Target, field: str) -> None:
+    def __init__(self, name: str, spec: CredentialSpec, target: Target | str, field: str) -> None:
         self.name = name
         self.target = target
         self.field = field
@@ -362,6 +374,30 @@ class CredentialMap:
                 field=field,
             )
         return BoundCredential(name, spec, target, field)
+
+    def bind_server(self, name: str, server: str, *, field: str) -> BoundCredential:
+        """The credential ``name``, checked for stdio MCP server ``server`` (one the
+        operator declares in ``RATCHET_MCP_SERVERS``): its ``servers`` must list it.
+
+        Raises:
+            ConfigurationError: one line, ``field=field``: not defined here, or not one
+                this server may be given.
+        """
+        spec = self._specs.get(name)
+        if spec is None or _is_own(name):
+            known = ", ".join(sorted(self._specs)) or "none"
+            raise ConfigurationError(
+                f"{field} names {_shown(name)}, which this process's RATCHET_CREDENTIALS "
+                f"does not define (defined: {known})",
+                field=field,
+            )
+        if server not in spec.servers:
+            raise ConfigurationError(
+                f"{field}: credential {name!r} may not be given to MCP server {server!r} "
+                "(list the server in its servers)",
+                field=field,
+            )
+        return BoundCredential(name, spec, f"MCP server {server}", field)
 
     def files(self) -> list[Path]:
         """The files secrets are read from (the verifier sandbox masks them)."""

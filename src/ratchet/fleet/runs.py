@@ -19,7 +19,7 @@ resolves a verifier command: a rewritten, swapped or forged document is refused 
 from __future__ import annotations
 
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -53,6 +53,7 @@ from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.agents.credentials import credential_uses
 from ratchet.errors import CheckpointError, ConfigurationError, ContractError, IntegrityError
 from ratchet.fleet.credentials import BoundCredential, CredentialMap, no_longer_read
+from ratchet.fleet.mcp_servers import SERVER_NAME, McpServerDeclaration, declared_tools, live_tools
 from ratchet.fleet.settings import HOST_PATTERN
 from ratchet.leasing import RedisStore
 from ratchet.runtime import (
@@ -148,19 +149,28 @@ class ToolCheckSpec(Frozen):
 
 
 class McpServerSpec(Frozen):
-    """An MCP server (streamable HTTP) whose tools a run may call, named ``prefix`` +
-    the MCP tool name. The document names the server only by address: a worker never
-    starts a process a document names (a stdio server is a tool package's business, see
-    docs/mcp.md). ``credential`` names one of the worker's credentials
-    (``RATCHET_CREDENTIALS``, :mod:`ratchet.fleet.credentials`) sent as a bearer token:
-    the worker's map says which secret that is and whether it may go to ``url``.
+    """An MCP server whose tools a run may call, named ``prefix`` + the MCP tool name:
+    either by address (``url``, streamable HTTP) or by the name of a stdio server the
+    operator declares in the workers' settings (``server``, ``RATCHET_MCP_SERVERS``,
+    :mod:`ratchet.fleet.mcp_servers`). A document never spells a command: a worker starts
+    only what its own settings declare. ``credential`` (with ``url`` only) names one of
+    the worker's credentials (``RATCHET_CREDENTIALS``, :mod:`ratchet.fleet.credentials`)
+    sent as a bearer token: the worker's map says which secret that is and whether it may
+    go to ``url``; a declared server's credentials are the declaration's.
 
     ``token_env`` (an environment variable the document chose) is no longer read: it
     parses, so documents signed before ``credential`` existed open and digest as they
     did, and a document that sets it is refused at submit and at job start. For the same
-    reason ``credential`` is left out of the JSON when unset."""
+    reason ``credential`` is left out of the JSON when unset (``server`` likewise)."""
 
-    url: Annotated[str, Strict(), Field(min_length=1, max_length=2048, pattern=r"^https?://")]
+    url: (
+        Annotated[str, Strict(), Field(min_length=1, max_length=2048, pattern=r"^https?://")] | None
+    ) = None
+    server: Annotated[str, Strict(), Field(pattern=SERVER_NAME)] | None = Field(
+        default=None,
+        description="The name of a stdio MCP server the workers' RATCHET_MCP_SERVERS "
+        "declares (instead of url).",
+    )
     prefix: Annotated[
         str, Strict(), Field(max_length=32, pattern=r"^([A-Za-z][A-Za-z0-9_-]*)?$")
     ] = ""
@@ -186,9 +196,21 @@ class McpServerSpec(Frozen):
     @model_serializer(mode="wrap")
     def _without_unset_credential(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
-        if self.credential is None and isinstance(data, dict):
-            data.pop("credential", None)
+        if isinstance(data, dict):
+            for name in ("credential", "server", "url"):
+                if getattr(self, name) is None:
+                    data.pop(name, None)
         return data
+
+    @model_validator(mode="after")
+    def _one_way(self) -> McpServerSpec:
+        if (self.url is None) == (self.server is None):
+            raise ValueError("an MCP server is named by url or by server, exactly one")
+        if self.server is not None and (self.credential is not None or self.token_env):
+            raise ValueError(
+                "a declared server's credentials are its declaration's: no credential here"
+            )
+        return self
 
 
 class GitRemoteSpec(Frozen):
@@ -588,29 +610,64 @@ def _mcp_credential(
     field = f"environment.mcp.{server}"
     if spec.token_env is not None:
         raise no_longer_read(f"{field}.token_env", f"{field}.credential")
-    if spec.credential is None:
+    if spec.credential is None or spec.url is None:
         return None
     return credentials.bind(spec.credential, spec.url, field=f"{field}.credential")
 
 
-def run_toolbox(document: RunDocument, *, credentials: CredentialMap | None = None) -> Toolbox:
+def run_toolbox(
+    document: RunDocument,
+    *,
+    credentials: CredentialMap | None = None,
+    servers: Mapping[str, McpServerDeclaration] | None = None,
+    start: bool = True,
+    sandbox: Sandbox | None = None,
+    state_dir: Path | None = None,
+) -> Toolbox:
     """The declared tools a run's scenario permits, loaded from the installed
     ``ratchet.tools`` entry points (installing a package is the operator's decision;
     permitting one of its tools, the task's). Only the permitted names are loaded. An
     MCP server's credential comes from ``credentials`` (this process's own map; None: a
     server that names one is refused), checked for the server's URL before it is
-    contacted.
+    contacted. A stdio server the document names (``server``) is one of ``servers``
+    (this process's ``RATCHET_MCP_SERVERS``): a worker (``start``) uses its live tools
+    from the process's shared connection; submit and operator commands (``start=False``)
+    know its tools by their declarations only and start nothing. A server declared
+    ``sandbox`` runs under ``sandbox`` with its folder under ``state_dir``.
 
     Raises:
         ConfigurationError: a permitted tool is not installed or fails to load, or the
             scenario does not ask for an approval a tool requires; a credential is
-            refused (see :func:`check_credentials`).
+            refused (see :func:`check_credentials`); a named server is not declared here.
+        AdapterError: an MCP server could not be reached or started (retryable=True).
     """
     names = [str(n) for n in document.scenario.permissions if str(n) not in BUILTIN_TOOLS]
-    servers = document.environment.mcp
     box = Toolbox()
-    for server, spec in servers.items():
-        for made in _mcp_tools(server, spec, names, credentials or CredentialMap()):
+    for server, spec in document.environment.mcp.items():
+        field = f"environment.mcp.{server}"
+        made_tools: list[Tool]
+        if spec.server is None:
+            made_tools = _mcp_tools(server, spec, names, credentials or CredentialMap())
+        elif start:
+            made_tools = live_tools(
+                spec.server,
+                prefix=spec.prefix,
+                permitted=names,
+                servers=servers or {},
+                credentials=credentials or CredentialMap(),
+                field=field,
+                sandbox=sandbox,
+                scratch=state_dir,
+            )
+        else:
+            made_tools = declared_tools(
+                spec.server,
+                prefix=spec.prefix,
+                permitted=names,
+                servers=servers or {},
+                field=field,
+            )
+        for made in made_tools:
             box.add(made)
     box = box.with_entry_points(n for n in names if n not in box)
     box.catalog.check_scenario(document.scenario)
@@ -642,6 +699,10 @@ def _mcp_tools(
     headers: dict[str, str] = {}
     if credential is not None:
         headers["Authorization"] = f"Bearer {credential().get_secret_value()}"
+    if spec.url is None:  # for the type checker: a url-less server is a declared one
+        raise ConfigurationError(
+            "an MCP server without url is a declared one", field=f"environment.mcp.{server}"
+        )
     connection = MCPConnection.http(spec.url, headers=headers)
     try:
         listed = mcp_tools(connection, prefix=spec.prefix)

@@ -36,6 +36,7 @@ from pydantic_settings import (
 from ratchet.adapters.sandbox import SandboxMode
 from ratchet.errors import ConfigurationError
 from ratchet.fleet.credentials import CredentialName, CredentialSpec
+from ratchet.fleet.mcp_servers import SERVER_NAME, McpServerDeclaration
 from ratchet.limits import DEFAULT_MAX_PEER_BYTES, MAX_PEER_BYTES_RANGE
 
 __all__ = [
@@ -184,6 +185,14 @@ class Settings(BaseSettings):
         default_factory=dict,
         description='JSON {"name": {"env": VAR | "file": "/abs/path", "destinations": [url]}}',
     )
+    # The stdio MCP servers this worker runs for runs that name them
+    # (environment.mcp.<name>.server; ratchet.fleet.mcp_servers, docs/mcp.md): a JSON object
+    # of names and declarations, the program and its arguments, the credentials it is given
+    # and the tools runs may use. Submit checks documents against its own copy.
+    mcp_servers: dict[Annotated[str, Field(pattern=SERVER_NAME)], McpServerDeclaration] = Field(
+        default_factory=dict,
+        description='JSON {"name": {"command": ["/abs/program", ...], "tools": {...}}}',
+    )
     # The most bytes one answer of a network peer (an MCP server, a chat model, the HTTP
     # adapter's service) may carry: counted while it streams in, and reading stops past
     # it (ratchet.limits). A read is then refused, a write is an outcome unknown (review).
@@ -252,6 +261,14 @@ class Settings(BaseSettings):
         for spec in self.credentials.values():
             if spec.file is not None and spec.file.resolve() in keys:
                 raise ValueError("a credential is never read from a key or trust file")
+        for server, declared in self.mcp_servers.items():
+            for var, name in declared.env.items():
+                found = self.credentials.get(name)
+                if found is None or server not in found.servers:
+                    raise ValueError(
+                        f"mcp_servers.{server}.env.{var} names credential {name!r}, which "
+                        f"RATCHET_CREDENTIALS does not define for server {server!r} (servers)"
+                    )
         return self
 
     @property

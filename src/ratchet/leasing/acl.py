@@ -80,6 +80,7 @@ _WORKER_SCRIPTS = (
     ScriptName.LEDGER_INIT,
     ScriptName.LEDGER_ADMIT,
     ScriptName.LEDGER_RECORD,
+    ScriptName.LEDGER_PIN,
 )
 _SCRIPTS: Mapping[Role, tuple[ScriptName, ...]] = {
     Role.WORKER: _WORKER_SCRIPTS,

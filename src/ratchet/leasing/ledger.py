@@ -1,13 +1,15 @@
 """The declared tools' ledger of a run, in the run's own keys: the store's side.
 
-Three scripts (one slot: the run's hash tag), each with its header in ``lua/``:
+Four scripts (one slot: the run's hash tag), each with its header in ``lua/``:
 
 * ``ledger_init``: make the ledger once (instance id, version 1); no lease needed;
 * ``ledger_admit``: a new owner's fence or a call, admitted only for the run's live lease
   at its current generation (storage-side fencing), judged (key, intent, precondition),
   with the call's ``started`` row written when asked;
 * ``ledger_record``: what became of a call: ``committed`` with its receipt (the version
-  moves on by one) or ``aborted``.
+  moves on by one) or ``aborted``;
+* ``ledger_pin``: the signed live contract of a run's declared-server tools, kept once
+  (:mod:`ratchet.fleet.mcp_servers`).
 
 Replies are turned into :class:`LedgerReply` here; what they mean for a tool call is
 :mod:`ratchet.tools.store_ledger`'s business. Durability is the commit's: every script
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ratchet.errors import StoreProtocolError
+from ratchet.errors import AdapterError, StoreProtocolError
 from ratchet.leasing.acks import ReplicaAcks
 from ratchet.leasing.keys import check_id, run_keys
 from ratchet.leasing.scripts import ScriptName
@@ -51,6 +53,16 @@ class LedgerMeta:
     effects: int
     refused_stale: int
     refused_epoch: int
+    contract: str | None = None  # the pinned live contract of declared-server tools
+
+
+def _no_ledger(run_id: str) -> AdapterError:
+    return AdapterError(
+        "the run's tool ledger is missing from the store",
+        retryable=False,
+        reason="ledger_missing",
+        run_id=run_id,
+    )
 
 
 class LedgerRecords(ReplicaAcks):
@@ -104,13 +116,45 @@ class LedgerRecords(ReplicaAcks):
             self._check_acked(run_id, counted, wrote=True)
         return reply
 
+    def ledger_pin_contract(self, run_id: str, signed: str | None) -> str | None:
+        """The run's pinned tool contract: ``signed`` pinned now when none is (``ledger_pin``),
+        or only read when ``signed`` is None. None: nothing is pinned (only when reading).
+
+        Raises:
+            AdapterError: the run has no ledger (retryable=False).
+            StoreUnavailableError, StoreProtocolError.
+        """
+        if signed is None:
+            meta = self.ledger_meta(run_id)
+            if meta is None:
+                raise _no_ledger(run_id)
+            return meta.contract
+        raw, counted = self._write(
+            ScriptName.LEDGER_PIN, run_id, [run_keys(run_id).ledger], [signed]
+        )
+        reply = self._reply(ScriptName.LEDGER_PIN, run_id, raw)
+        if reply.status == "missing":
+            raise _no_ledger(run_id)
+        if reply.status != "ok" or len(reply.values) != 1:
+            raise StoreProtocolError("unexpected reply from ledger_pin", run_id=run_id)
+        self._check_acked(run_id, counted, wrote=True)
+        return reply.values[0]
+
     def ledger_meta(self, run_id: str) -> LedgerMeta | None:
         """The ledger's instance, version, bound epoch and counters (None: no ledger).
 
         Raises StoreUnavailableError, StoreProtocolError.
         """
         key = run_keys(run_id).ledger
-        fields = ["instance", "version", "epoch", "effects", "refused_stale", "refused_epoch"]
+        fields = [
+            "instance",
+            "version",
+            "epoch",
+            "effects",
+            "refused_stale",
+            "refused_epoch",
+            "contract",
+        ]
         raw = self._call("ledger", run_id, lambda: self._client.hmget(key, fields))
         if not isinstance(raw, list) or len(raw) != len(fields):
             raise StoreProtocolError("unexpected ledger record", run_id=run_id)
@@ -124,6 +168,7 @@ class LedgerRecords(ReplicaAcks):
                 effects=int(raw[3] or 0),
                 refused_stale=int(raw[4] or 0),
                 refused_epoch=int(raw[5] or 0),
+                contract=_text(raw[6]) if raw[6] is not None else None,
             )
         except (TypeError, ValueError):
             raise StoreProtocolError("the ledger record is malformed", run_id=run_id) from None

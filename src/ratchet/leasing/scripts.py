@@ -65,6 +65,7 @@ class ScriptName(StrEnum):
     LEDGER_INIT = "ledger_init"
     LEDGER_ADMIT = "ledger_admit"
     LEDGER_RECORD = "ledger_record"
+    LEDGER_PIN = "ledger_pin"
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,7 +133,11 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     )
     sent_at = time.monotonic()
     clock = StoreClock(fleet.store.server_time_ms(), sent_at=sent_at)  # the run's start
-    toolbox = run_toolbox(document, credentials=fleet.credentials)
+    # A stdio server the document names is checked against this process's declaration
+    # of it and not started: the first worker job lists its tools (ratchet.fleet.mcp_servers).
+    toolbox = run_toolbox(
+        document, credentials=fleet.credentials, servers=fleet.settings.mcp_servers, start=False
+    )
     # The run's tool ledger (in the store) is made here, before generation 1 observes it.
     adapter = build_adapter(
         document,
@@ -520,7 +524,12 @@ def observe_now(fleet: Fleet, view: RunView) -> Observation:
     adapter = build_adapter(
         view.document,
         http_token=token,
-        toolbox=run_toolbox(view.document, credentials=fleet.credentials),
+        toolbox=run_toolbox(
+            view.document,
+            credentials=fleet.credentials,
+            servers=fleet.settings.mcp_servers,
+            start=False,
+        ),
         recorded=view.state.environment,
         store=fleet.store,
         run_id=view.state.run_id,

@@ -184,7 +184,16 @@ class ToolsAdapter:
                 raise ConfigurationError(f"two tools are named {t.spec.name!r}", field="tools")
             self._tools[t.spec.name] = t
         self.catalog = ToolCatalog(t.spec for t in self._tools.values())
-        self._contract = self.catalog.digest_for(self._tools)
+        # What the fingerprint binds of each tool: its contract, or for a declared MCP
+        # server's tool the operator's declaration of it (``bound_contract``), which submit
+        # knows without starting the server (ratchet.fleet.mcp_servers).
+        self._contract = digest(
+            Domain.TOOL,
+            {
+                name: getattr(t, "bound_contract", None) or t.spec.contract
+                for name, t in sorted(self._tools.items())
+            },
+        )
         if isinstance(ledger, Path | str):
             path = Path(ledger)
             path.parent.mkdir(parents=True, exist_ok=True)

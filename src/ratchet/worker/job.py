@@ -78,6 +78,7 @@ from ratchet.fleet.clock import StoreClock
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.control import CancelRequest, find_controls, find_rebaseline
 from ratchet.fleet.identity import owner_id
+from ratchet.fleet.mcp_servers import pin_live_contract
 from ratchet.fleet.placement import home_of
 from ratchet.fleet.runs import (
     RunDocument,
@@ -331,7 +332,21 @@ def _execute(
                 inbox, opened.state
             )
             token = settings.http_token.get_secret_value() if settings.http_token else None
-            toolbox = run_toolbox(document, credentials=fleet.credentials)
+            toolbox = run_toolbox(
+                document,
+                credentials=fleet.credentials,
+                servers=settings.mcp_servers,
+                sandbox=fleet.sandbox,
+                state_dir=settings.state_dir,
+            )
+            # A declared stdio server's live tools must be the ones the run pinned when its
+            # first job listed them (pinned now if none is); see ratchet.fleet.mcp_servers.
+            pin_live_contract(
+                fleet.store,
+                run_id,
+                fleet.keyring,
+                [t for t in toolbox if getattr(t, "bound_contract", None) is not None],
+            )
             adapter = build_adapter(
                 document,
                 sandbox=fleet.sandbox,
