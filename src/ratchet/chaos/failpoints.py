@@ -21,6 +21,10 @@ Set ``RATCHET_FAILPOINTS`` to a ``;``-separated list of ``point=action[@hit]``:
     receipt alone and reaches ``after_receipt_before_state`` (otherwise receipt and state
     are one commit and that window does not occur).
 
+  Inside a git workspace's write: ``git_before_push``, ``git_after_push``; inside a
+  declared tool's call (:class:`ToolPoint`): ``tool_before_call``, ``tool_after_call``
+  (the tool's effect is made, the ledger has not recorded it: its ambiguous window).
+
 * ``action`` is ``kill`` (SIGKILL self), ``pause`` (SIGSTOP self: a zombie until someone
   sends SIGCONT), ``delay:MS`` (sleep), ``raise`` (an exception that ends the job), or
   ``drop-reply`` (only at ``during_renewal`` and ``after_commit_before_reply``: the call is
@@ -70,10 +74,12 @@ __all__ = [
     "ACTIONS",
     "GIT_POINTS",
     "POINTS",
+    "TOOL_POINTS",
     "EventLog",
     "FailpointFired",
     "Failpoints",
     "GitPoint",
+    "ToolPoint",
     "TripwireHooks",
     "Tripwires",
     "WorkerPoint",
@@ -109,9 +115,21 @@ class GitPoint(StrEnum):
 
 
 #: Every failpoint name, engine windows first.
+class ToolPoint(StrEnum):
+    """Inside a declared tool's call: the ledger holds its started row, the tool is not
+    called yet / the tool returned (its effect made), nothing recorded it yet: the
+    ambiguous window of a tool, where only its own recovery (a lookup, an idempotent
+    service, or a reviewer) can tell. They fire only for runs with declared tools."""
+
+    TOOL_BEFORE_CALL = "tool_before_call"
+    TOOL_AFTER_CALL = "tool_after_call"
+
+
 POINTS: tuple[str, ...] = (*(w.value for w in CrashWindow), *(p.value for p in WorkerPoint))
 #: The git workspace's failpoint names.
 GIT_POINTS: tuple[str, ...] = tuple(p.value for p in GitPoint)
+#: The declared tools' points (apart from :data:`POINTS`, like the git ones).
+TOOL_POINTS: tuple[str, ...] = tuple(p.value for p in ToolPoint)
 ACTIONS = ("kill", "pause", "delay", "raise", "drop-reply")
 _DROPPABLE = (WorkerPoint.DURING_RENEWAL.value, WorkerPoint.AFTER_COMMIT_BEFORE_REPLY.value)
 
@@ -144,7 +162,7 @@ def parse_failpoints(text: str) -> list[Failpoint]:
         name = name.strip()
         action, _, hit_text = rest.partition("@")
         verb, _, arg = action.partition(":")
-        if name not in POINTS and name not in GIT_POINTS:
+        if name not in POINTS and name not in GIT_POINTS and name not in TOOL_POINTS:
             raise ConfigurationError(
                 f"unknown failpoint {name!r}", field="RATCHET_FAILPOINTS", entry=entry
             )

@@ -141,11 +141,30 @@ class ToolCheckSpec(Frozen):
     only, ``kind: tools``, has no folder to run a command in): the tool is called with
     ``arguments`` and the check passes when its output holds ``expect`` (every key of it,
     recursively; lists and values compared whole). The tool must be one the scenario
-    permits."""
+    permits. ``contains``: texts the output must also contain."""
 
     tool: Annotated[str, Strict(), Field(pattern=TOOL_NAME_PATTERN)]
     arguments: JsonObject = Field(default_factory=dict)
-    expect: JsonObject = Field(min_length=1)
+    expect: JsonObject = Field(default_factory=dict)
+    # Texts the output must contain (a server that answers in prose, such as the git
+    # reference server's log, is checked by what it says). Left out of the JSON when
+    # empty, so documents signed before the field existed digest as they did.
+    contains: tuple[Annotated[str, Strict(), Field(min_length=1, max_length=4096)], ...] = Field(
+        default=(), max_length=32
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_unset_contains(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if not self.contains and isinstance(data, dict):
+            data.pop("contains", None)
+        return data
+
+    @model_validator(mode="after")
+    def _something_to_check(self) -> ToolCheckSpec:
+        if not self.expect and not self.contains:
+            raise ValueError("a check has expect, contains, or both")
+        return self
 
 
 class McpServerSpec(Frozen):
@@ -810,7 +829,9 @@ def build_adapter(
                 )
             ledger = StoreLedger(store, run_id, create=create_ledger)
         checks = {
-            target: ToolCheck(tool=c.tool, arguments=c.arguments, expect=c.expect)
+            target: ToolCheck(
+                tool=c.tool, arguments=c.arguments, expect=c.expect, contains=c.contains
+            )
             for target, c in env.checks.items()
         }
         return box.environment(

@@ -134,11 +134,22 @@ def _cut_off(tool: str, key: str, refusal: PeerAnswerTooLargeError) -> OutcomeUn
 @dataclass(frozen=True, slots=True)
 class ToolCheck:
     """A verifier target answered by a read-only tool: called with ``arguments``, its
-    output must hold ``expect`` (every key, recursively; lists and values whole)."""
+    output must hold ``expect`` (every key, recursively; lists and values whole) and
+    contain every text of ``contains``."""
 
     tool: str
     arguments: Mapping[str, Any]
     expect: Mapping[str, Any]
+    contains: tuple[str, ...] = ()
+
+    def holds(self, output: Any) -> bool:
+        """Whether ``output`` holds ``expect`` and every text of ``contains`` (in the
+        output when it is text, else in its canonical JSON: a server that answers in
+        prose is checked by what it says)."""
+        if self.expect and not _holds(output, self.expect):
+            return False
+        text = output if isinstance(output, str) else canonical_json(output).decode()
+        return all(part in text for part in self.contains)
 
 
 def _holds(output: Any, expect: Any) -> bool:
@@ -518,7 +529,7 @@ class ToolsAdapter:
                 tool=t.spec.name,
             ) from None
         after = self.observe()
-        holds = _holds(output, check.expect)
+        holds = check.holds(output)
         bound = before.same_state(after)
         return VerifierReport(
             target=target,

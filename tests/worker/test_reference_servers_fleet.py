@@ -1,0 +1,191 @@
+"""The unmodified ``mcp-server-git`` from PyPI as an operator runs it on a fleet: declared
+in the workers' settings (``RATCHET_MCP_SERVERS``), named by a task file, run by real
+worker processes, one of them SIGKILLed right after the server made the commit and before
+its receipt was committed (the ambiguous window). The commits are counted in the
+repository's own log: one, either way. Without a key recipe the run waits for a reviewer;
+with the trailer recipe (the key in the commit message, found by ``git_log``) the next
+worker finds the commit and the run completes with nobody involved."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ratchet.fleet.context import Fleet
+from ratchet.fleet.mcp_servers import McpServerDeclaration
+from ratchet.fleet.runs import EnvironmentSpec, McpServerSpec, RunDocument, ToolCheckSpec
+from ratchet.fleet.settings import Settings
+from ratchet.ops import inspect_run, submit
+from ratchet.runtime import Scenario
+from ratchet.runtime.state import ReviewReason
+from tests.tools.reference_servers import GIT_SERVER, reference_server
+from tests.worker.fleet_harness import phase, poll, workers
+
+pytestmark = pytest.mark.slow
+
+GIT_PROGRAM = reference_server(GIT_SERVER) if shutil.which("git") else "no git program"
+needs_git_server = pytest.mark.skipif(not isinstance(GIT_PROGRAM, Path), reason=str(GIT_PROGRAM))
+MESSAGE = "Fix the greeting"
+
+
+def git(repo: Path, *args: str) -> str:
+    """The test's own ``git`` on the repository the test made (never one a run wrote)."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "HOME": str(repo),
+    }
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+
+
+def staged_repo(root: Path) -> Path:
+    repo = root / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "app.py").write_text('print("Hello, wrold")\n')
+    git(repo, "add", "app.py")
+    git(repo, "commit", "-qm", "initial")
+    (repo / "app.py").write_text('print("Hello, world")\n')
+    git(repo, "add", "app.py")
+    return repo
+
+
+def commits(repo: Path) -> list[str]:
+    return git(repo, "log", "--format=%s").splitlines()
+
+
+def declared(settings: Settings, repo: Path, *, recipe: bool) -> Settings:
+    commit: dict[str, Any] = {}
+    if recipe:
+        commit["keys"] = {
+            "carry": "message",
+            "tool": "git_log",
+            "arguments": {"repo_path": str(repo), "max_count": 20},
+        }
+    servers = {
+        "git": McpServerDeclaration.model_validate(
+            {
+                "command": [str(GIT_PROGRAM), "--repository", str(repo)],
+                "tools": {"git_commit": commit, "git_log": {"risk": "read_only"}},
+            }
+        )
+    }
+    return settings.model_copy(update={"mcp_servers": servers})
+
+
+def commit_document(repo: Path) -> RunDocument:
+    scenario = Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "fix-greeting",
+            "task_version": "1",
+            "policy_id": "default",
+            "policy_version": "1",
+            "permissions": ["git_commit", "git_log", "run_verifier", "finish"],
+            "allowed_paths": [],
+            "allowed_verifier_targets": ["committed"],
+            "approval_required": [],
+            "budgets": {"proposals": 10, "steps": 10, "wall_clock_seconds": 3600, "cost_units": 0},
+            "initial_files": {},
+            "verifier": {"target": "committed"},
+        }
+    )
+    steps = [
+        {"kind": "git_commit", "args": {"repo_path": str(repo), "message": MESSAGE}},
+        {"kind": "run_verifier", "args": {"target": "committed"}},
+        {"kind": "finish", "args": {"summary": "committed"}},
+    ]
+    check = ToolCheckSpec(
+        tool="git_log",
+        arguments={"repo_path": str(repo), "max_count": 1},
+        contains=(f"Message: {MESSAGE}",),
+    )
+    return RunDocument(
+        scenario=scenario,
+        agent="scripted",
+        agent_config={"steps": steps},
+        environment=EnvironmentSpec(
+            kind="tools",
+            checks={"committed": check},
+            mcp={"git": McpServerSpec(server="git")},
+        ),
+    )
+
+
+def kill_after_the_commit(
+    settings: Settings, repo: Path, run_id: str, window: str = "tool_after_call"
+) -> Fleet:
+    """A worker dies right after the server committed (in ``window``); another takes the
+    run over."""
+    fleet = Fleet.connect(settings)
+    with workers(settings) as pool:
+        (doomed,) = pool.start(1, env={"RATCHET_FAILPOINTS": f"{window}=kill"})
+        doomed.join(timeout=120)
+        assert doomed.exitcode == -9, doomed.exitcode  # it died in the window
+        assert commits(repo).count(MESSAGE) == 1  # the commit happened; no receipt says so
+        pool.start(1)
+        poll(
+            lambda: phase(fleet, run_id) in ("completed", "needs_review", "failed"),
+            deadline_s=120,
+            what="the run to settle",
+        )
+    return fleet
+
+
+@needs_git_server
+def test_a_commit_cut_off_by_a_killed_worker_is_found_by_the_recipe_once(
+    settings: Settings, tmp_path: Path
+) -> None:
+    repo = staged_repo(tmp_path)
+    with_recipe = declared(settings, repo, recipe=True)
+    run_id = submit(Fleet.connect(with_recipe), commit_document(repo), run_id="r-git-recipe")
+    fleet = kill_after_the_commit(with_recipe, repo, run_id)
+    assert phase(fleet, run_id) == "completed"
+    assert commits(repo) == [f"{MESSAGE}", "initial"]  # once, and nothing else
+    assert "Ratchet-Key: " in git(repo, "log", "-1", "--format=%B")
+    outcomes = [e.outcome.value for e in inspect_run(fleet, run_id).state.trace]
+    assert "reconciled" in outcomes and "review_opened" not in outcomes, outcomes
+
+
+@needs_git_server
+def test_without_a_recipe_the_cut_off_commit_waits_for_a_reviewer_and_is_not_repeated(
+    settings: Settings, tmp_path: Path
+) -> None:
+    repo = staged_repo(tmp_path)
+    plain = declared(settings, repo, recipe=False)
+    run_id = submit(Fleet.connect(plain), commit_document(repo), run_id="r-git-review")
+    fleet = kill_after_the_commit(plain, repo, run_id)
+    assert phase(fleet, run_id) == "needs_review"
+    assert commits(repo) == [MESSAGE, "initial"]
+    case = inspect_run(fleet, run_id).state.review
+    assert case is not None and case.reason is ReviewReason.OUTCOME_UNKNOWN
+    assert case.pending.action.kind == "git_commit"
+    assert case.pending.action.args["message"] == MESSAGE
+
+
+@needs_git_server
+def test_a_commit_the_ledger_recorded_before_the_kill_is_reconciled_without_a_recipe(
+    settings: Settings, tmp_path: Path
+) -> None:
+    repo = staged_repo(tmp_path)
+    plain = declared(settings, repo, recipe=False)
+    run_id = submit(Fleet.connect(plain), commit_document(repo), run_id="r-git-recorded")
+    fleet = kill_after_the_commit(plain, repo, run_id, window="after_adapter_before_receipt")
+    assert phase(fleet, run_id) == "completed"
+    assert commits(repo) == [MESSAGE, "initial"]
+    outcomes = [e.outcome.value for e in inspect_run(fleet, run_id).state.trace]
+    assert "reconciled" in outcomes
