@@ -503,3 +503,20 @@ def test_an_output_past_the_receipt_bound_is_kept_as_a_prefix_and_its_digest() -
     assert big["output"] == whole[:MAX_OUTPUT_CHARS] and big["output_truncated"] == 1
     expected = hashlib.sha256(Domain.TOOL_OUTPUT + b"\x00" + whole.encode()).hexdigest()
     assert big["output_sha256"] == expected
+
+
+def test_a_check_holds_its_expected_values_and_the_texts_it_must_contain() -> None:
+    from ratchet.fleet.runs import ToolCheckSpec
+    from ratchet.tools.adapter import ToolCheck
+
+    prose = ToolCheck(tool="t", arguments={}, expect={}, contains=("Message: fix",))
+    assert prose.holds("Commit history:\nMessage: fix\n")
+    assert not prose.holds("Commit history:\nMessage: other\n")
+    assert prose.holds({"log": ["Message: fix"]})  # in the output's canonical JSON
+    both = ToolCheck(tool="t", arguments={}, expect={"status": "ok"}, contains=("a-1",))
+    assert both.holds({"status": "ok", "id": "a-1"})
+    assert not both.holds({"status": "ok", "id": "a-2"})
+    assert not both.holds({"status": "no", "id": "a-1"})
+    with pytest.raises(ValueError, match="expect, contains, or both"):
+        ToolCheckSpec(tool="t")
+    assert "contains" not in ToolCheckSpec(tool="t", expect={"a": 1}).model_dump(mode="json")
