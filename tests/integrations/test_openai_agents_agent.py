@@ -21,9 +21,19 @@ pytest.importorskip(
 from agents.agent import Agent
 from agents.agent_output import AgentOutputSchema
 from agents.guardrail import GuardrailFunctionOutput, InputGuardrail
+from agents.items import ModelResponse
 from agents.lifecycle import AgentHooks
+from agents.model_settings import ModelSettings
+from agents.models.interface import Model
+from agents.run_context import RunContextWrapper
 from agents.tool import FunctionTool, WebSearchTool, function_tool
 from agents.tool_context import ToolContext
+from agents.usage import Usage
+from openai.types.responses import (
+    ResponseOutputMessage,
+    ResponseOutputRefusal,
+    ResponseOutputText,
+)
 from pydantic import BaseModel
 
 from ratchet.agents import step_key
@@ -371,6 +381,73 @@ def test_the_journal_keeps_the_prompt_and_the_newest_exchanges_within_its_bound(
     items = kept.items()
     assert items[0] == {"role": "user", "content": "Where is my order?"}
     assert items[1]["type"] == "function_call" and kept.model_requests == 12
+
+
+def test_tool_choice_is_dropped_once_a_tool_was_used_as_the_runner_does(play: Play) -> None:
+    stub = play(oai_shop.shop_replies)
+    forced = oai_shop.curious_agent.clone(model_settings=ModelSettings(tool_choice="required"))
+    wrapped = RatchetAgent(forced, prompt="Where?", run_config=oai_shop.RUN_CONFIG)
+    tools = (STATUS, BUILTIN_TOOLS["finish"])
+    first = wrapped({}).next_step(view(tools))
+    assert first is not None
+    read = view(tools, first.agent_state, proposals=1, outcome=TraceOutcome.READ, last_read="x")
+    assert wrapped({}).next_step(read) is not None
+    bodies = [r.body or {} for r in stub.requests]
+    assert bodies[0]["tool_choice"] == "required" and "tool_choice" not in bodies[1]
+
+
+class Recording(Model):
+    """A model in the process: answers from a list, records what it was given."""
+
+    def __init__(self, *outputs: Any) -> None:
+        self.outputs = list(outputs)
+        self.seen: list[dict[str, Any]] = []
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+        instructions, _input, _settings, tools = args[:4]
+        self.seen.append({"instructions": instructions, "tools": [t.name for t in tools]})
+        return ModelResponse(output=[self.outputs.pop(0)], usage=Usage(), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def said(text: str) -> ResponseOutputMessage:
+    content = ResponseOutputText(type="output_text", text=text, annotations=[])
+    return ResponseOutputMessage(
+        id="m", type="message", role="assistant", status="completed", content=[content]
+    )
+
+
+def test_the_context_reaches_dynamic_instructions_and_is_enabled() -> None:
+    def instructions(ctx: RunContextWrapper[dict[str, str]], agent: Agent[Any]) -> str:
+        return f"Serve {ctx.context['shop']}."
+
+    def enabled(ctx: RunContextWrapper[dict[str, str]], agent: Any) -> bool:
+        return ctx.context["shop"] == "north"
+
+    status = oai_shop.order_status.__wrapped__
+    hidden = function_tool(status, name_override="order_status", is_enabled=enabled)
+    model = Recording(said("Done."))
+    agent: Agent[Any] = Agent(name="ctx", instructions=instructions, model=model, tools=[hidden])
+    wrapped = RatchetAgent(agent, prompt="p", context={"shop": "south"})
+    step = wrapped({}).next_step(view(ALL))
+    assert step is not None and step.action["args"] == {"summary": "Done."}
+    # Disabled by the context: not offered, and not replaced by its ratchet contract.
+    assert model.seen == [
+        {"instructions": "Serve south.", "tools": ["create_refund", "run_verifier"]}
+    ]
+
+
+def test_a_model_that_refuses_ends_the_step_with_an_error_that_is_not_retried() -> None:
+    refusal = ResponseOutputRefusal(type="refusal", refusal="I will not refund that.")
+    message = ResponseOutputMessage(
+        id="m", type="message", role="assistant", status="completed", content=[refusal]
+    )
+    agent: Agent[Any] = Agent(name="no", model=Recording(message))
+    with pytest.raises(AdapterError, match="refused the request") as caught:
+        RatchetAgent(agent, prompt="p")({}).next_step(view(ALL))
+    assert caught.value.context["retryable"] is False
 
 
 def test_a_state_that_is_not_this_agents_is_refused() -> None:

@@ -89,17 +89,22 @@ class ModelLoop:
             raise
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Request:
     """What the runner would send for one turn of ``agent`` (see the module docstring).
     ``offered`` are the run's permitted tools (``finish`` aside); ``used_tools`` whether
-    the model called a tool earlier in the run (the agent's ``reset_tool_choice``)."""
+    the model called a tool earlier in the run (the agent's ``reset_tool_choice``). Its
+    repr names the agent only: the context and the run config's provider are the
+    user's, and may hold what no log line should."""
 
     agent: Agent[Any]
     context: Any
     run_config: RunConfig
     offered: Mapping[str, ToolSpec]
     used_tools: bool
+
+    def __repr__(self) -> str:
+        return f"Request(agent={self.agent.name!r}, offered={sorted(self.offered)!r})"
 
     async def send(self, items: list[dict[str, Any]]) -> ModelResponse:
         """One ``get_response`` with ``items`` as the input."""
