@@ -18,8 +18,8 @@ here, once:
   answers gathered, the proposal awaited, counters;
 * **the journal's bound** (:func:`fit_journal`): the first request and the newest
   exchanges, dropped whole from a model response on;
-* **the tools** (:class:`JournaledTool`): a declared ratchet tool that calls a
-  framework's tool function, which reads its call from :func:`current_call`;
+* **the tools** (:mod:`ratchet.integrations._tools`): a declared ratchet tool that calls
+  a framework's tool function, which reads its call from ``current_call()``;
 * **budgets** (:func:`charge`): a step's model tokens as the proposal's cost units.
 
 Order within a step, and why: the outcome is judged from the view before anything is
@@ -32,9 +32,6 @@ dies before it asks again (nothing of the response left the process).
 from __future__ import annotations
 
 import abc
-import asyncio
-import contextvars
-import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,7 +46,6 @@ from ratchet.errors import ActionError, ConfigurationError, ContractError, Integ
 from ratchet.runtime.actions import ActionKind
 from ratchet.runtime.canonical import canonical_json
 from ratchet.runtime.tools import ToolSpec
-from ratchet.tools import FunctionTool, ToolCall
 
 __all__ = [
     "BUILTIN_NAMES",
@@ -60,11 +56,8 @@ __all__ = [
     "JournalConfig",
     "JournalState",
     "JournaledAgent",
-    "JournaledTool",
     "RawCall",
     "charge",
-    "complete",
-    "current_call",
     "fit_journal",
 ]
 
@@ -73,52 +66,6 @@ BUILTIN_NAMES = frozenset(kind.value for kind in ActionKind)
 _MAX_ANSWER_BYTES = 16 * 1024
 _MAX_SUMMARY_BYTES = 4000
 _SKIPPED = "not run: an earlier call of the same response did not go through"
-
-_CURRENT: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
-    "ratchet_integration_call", default=None
-)
-
-
-def current_call() -> ToolCall | None:
-    """The ratchet call a tool function is running for (its idempotency key, fence,
-    run), or None when the function runs outside ratchet (a plain framework run, a
-    test)."""
-    return _CURRENT.get()
-
-
-# -- the tools --------------------------------------------------------------------------------
-
-
-class JournaledTool(FunctionTool):
-    """A ratchet tool that runs a framework's tool function. While the function runs,
-    :func:`current_call` returns the call; an ``async`` function is run to completion.
-    ``lookup`` and ``fence`` are the decorators of :class:`ratchet.tools.FunctionTool`."""
-
-    def run(self, args: Any, call: ToolCall) -> Any:
-        token = _CURRENT.set(call)
-        try:
-            output = super().run(args, call)
-            if inspect.isawaitable(output):
-                output = complete(output)
-            return output
-        finally:
-            _CURRENT.reset(token)
-
-
-def complete(awaitable: Any) -> Any:
-    """Run ``awaitable`` to completion on a loop of its own, closed after, leaving the
-    thread's current event loop (if any) as it was."""
-
-    async def wait() -> Any:
-        return await awaitable
-
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(wait())
-    finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
-
 
 # -- configuration and state --------------------------------------------------------------------
 

@@ -69,8 +69,9 @@ Configuration (the run's ``agent_config``, checked strictly: :class:`PydanticAIC
      "tokens_per_cost_unit": 1000}
 
 The step, the state, the journal's bound and the tools' base are shared with the other
-integrations (:mod:`ratchet.integrations._journal`); this module is what is Pydantic AI's:
-the deferred toolset, the request, the journal's format, the errors.
+integrations (:mod:`ratchet.integrations._journal`, :mod:`ratchet.integrations._tools`);
+this module is what is Pydantic AI's: the deferred toolset, the request, the journal's
+format, the errors.
 
 Errors: a model error is an :class:`~ratchet.errors.AdapterError`, retryable for a
 rate limit, a timeout, a transport failure or a 5xx (the job ends ``retry_later`` with
@@ -116,13 +117,11 @@ from ratchet.integrations._journal import (
     Asked,
     JournalConfig,
     JournaledAgent,
-    JournaledTool,
     JournalState,
     RawCall,
-    complete,
-    current_call,
     fit_journal,
 )
+from ratchet.integrations._tools import JournaledTool, complete, current_call
 from ratchet.runtime.actions import Risk
 from ratchet.runtime.tools import ToolSpec
 

@@ -95,7 +95,8 @@ from agents.tool import FunctionTool
 
 from ratchet.agents.conversation import clip
 from ratchet.errors import ConfigurationError
-from ratchet.integrations._journal import BUILTIN_NAMES, JournaledTool, current_call
+from ratchet.integrations._journal import BUILTIN_NAMES
+from ratchet.integrations._tools import JournaledTool, current_call
 from ratchet.integrations.openai_agents._agent import (
     OpenAIAgentsAgent,
     OpenAIAgentsConfig,
