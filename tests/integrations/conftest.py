@@ -18,7 +18,6 @@ from ratchet.testing.chat_stub import ChatStub
 from tests.worker.conftest import redis_server, settings
 
 __all__ = [
-    "OAI_KEY",
     "installed_oai_shop",
     "installed_shop",
     "oai_fleet",
@@ -43,9 +42,6 @@ create_refund = tests.integrations.oai_shop:create_refund_tool
 order_status = tests.integrations.oai_shop:order_status_tool
 close_account = tests.integrations.oai_shop:close_account_tool
 """
-
-#: The key the Agents SDK shop's client sends, and the stub expects.
-OAI_KEY = "sk-oai-shop-0123456789-secret"
 
 
 @pytest.fixture
@@ -89,7 +85,7 @@ def oai_stub(monkeypatch: pytest.MonkeyPatch) -> Iterator[ChatStub]:
     """The Agents SDK shop's model: a local OpenAI-compatible server playing
     ``oai_shop.shop_replies`` (every completion reports 40 prompt and 10 completion
     tokens), named to every process started from now on."""
-    from tests.integrations.oai_shop import STUB_KEY_ENV, STUB_URL_ENV, shop_replies
+    from tests.integrations.oai_shop import OAI_KEY, STUB_KEY_ENV, STUB_URL_ENV, shop_replies
 
     with ChatStub(shop_replies, api_key=OAI_KEY, usage=(40, 10)) as stub:
         monkeypatch.setenv(STUB_URL_ENV, stub.base_url)

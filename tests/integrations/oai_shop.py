@@ -30,6 +30,8 @@ from tests.integrations.payments import effect, log
 
 STUB_URL_ENV = "OAI_STUB_URL"
 STUB_KEY_ENV = "OAI_STUB_KEY"
+#: The key the shop's client sends, and the tests' stub expects.
+OAI_KEY = "sk-oai-shop-0123456789-secret"
 
 _CLIENTS: dict[tuple[str, str], AsyncOpenAI] = {}
 

@@ -48,7 +48,6 @@ from ratchet.runtime.tools import BUILTIN_TOOLS
 from ratchet.testing.chat_stub import ChatStub
 from ratchet.tools import Recovery, ToolCall
 from tests.integrations import oai_shop
-from tests.integrations.conftest import OAI_KEY
 from tests.integrations.views import view
 
 REFUND = oai_shop.create_refund_tool.spec
@@ -64,12 +63,12 @@ def play(monkeypatch: pytest.MonkeyPatch) -> Iterator[Play]:
     request), expecting the shop's key; each completion reports 40 + 10 tokens."""
     started: list[ChatStub] = []
 
-    def start(*replies: Any, api_key: str = OAI_KEY) -> ChatStub:
+    def start(*replies: Any, api_key: str = oai_shop.OAI_KEY) -> ChatStub:
         given: Any = replies[0] if len(replies) == 1 and callable(replies[0]) else replies
         stub = ChatStub(given, api_key=api_key, usage=(40, 10)).start()
         started.append(stub)
         monkeypatch.setenv(oai_shop.STUB_URL_ENV, stub.base_url)
-        monkeypatch.setenv(oai_shop.STUB_KEY_ENV, OAI_KEY)
+        monkeypatch.setenv(oai_shop.STUB_KEY_ENV, oai_shop.OAI_KEY)
         return stub
 
     yield start
@@ -499,7 +498,7 @@ def test_the_key_is_in_no_state_error_repr_or_log_line(
         *(str(r.args) for r in caplog.records),
     ]
     assert caplog.records  # the clients did log, at DEBUG
-    assert not [text for text in seen if OAI_KEY in text]
+    assert not [text for text in seen if oai_shop.OAI_KEY in text]
 
 
 def test_a_request_past_its_timeout_is_abandoned_and_retryable(play: Play) -> None:

@@ -30,7 +30,7 @@ from ratchet.ops import approve, inspect_run, submit
 from ratchet.runtime import Phase, TraceOutcome
 from ratchet.testing.chat_stub import ChatStub
 from ratchet.worker.job import execute_run
-from tests.integrations.conftest import OAI_KEY
+from tests.integrations.oai_shop import OAI_KEY
 from tests.integrations.payments import effects, tool_calls
 from tests.integrations.runs import outcomes, run_to_rest, shop_document
 from tests.worker.fleet_harness import phase, poll, workers
