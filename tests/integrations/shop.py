@@ -3,17 +3,13 @@ ratchet: a refund agent, an agent that closes an account (its tool asks for appr
 and an agent that keeps asking for an order's status (for budgets).
 
 The models are Pydantic AI's own test models (``FunctionModel``, ``TestModel``): no
-network. The payments service is a folder (``PAI_SHOP_DIR``) shared by every process of a
-test: a refund is a file named by its idempotency key, created at most once, and every
-call and every model request is a line in a log, so a test counts them from outside.
+network. The payments service is :mod:`tests.integrations.payments`: a refund is a file
+named by its idempotency key, created at most once, and every call and every model
+request is a line in a log, so a test counts them from outside.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import uuid
-from pathlib import Path
 from typing import Any
 
 from pydantic_ai import Agent
@@ -29,58 +25,20 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.models.test import TestModel
 
 from ratchet.integrations.pydantic_ai import RatchetAgent, current_call
+from tests.integrations.payments import (
+    effect,
+    effects,
+    log,
+    model_requests,
+    shop_dir,
+    tool_calls,
+)
 
-SHOP_DIR_ENV = "PAI_SHOP_DIR"
-
-
-def shop_dir() -> Path:
-    return Path(os.environ[SHOP_DIR_ENV])
-
-
-def _log(name: str, entry: dict[str, Any]) -> None:
-    with open(shop_dir() / name, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(entry) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _lines(name: str) -> list[dict[str, Any]]:
-    path = shop_dir() / name
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
-def tool_calls(tool: str) -> int:
-    """How many times the service was called for ``tool`` (repeats included)."""
-    return sum(1 for e in _lines("calls.log") if e["tool"] == tool)
-
-
-def effects(tool: str) -> int:
-    """How many effects ``tool`` made (one file each, made at most once per key)."""
-    folder = shop_dir() / tool
-    return len(list(folder.iterdir())) if folder.exists() else 0
-
-
-def model_requests(agent: str) -> int:
-    """How many times the model of ``agent`` was asked, in every process."""
-    return sum(1 for e in _lines("model.log") if e["agent"] == agent)
+__all__ = ["effects", "model_requests", "shop_dir", "tool_calls"]
 
 
 def _effect(tool: str, record: dict[str, Any]) -> dict[str, Any]:
-    """Make the effect once per idempotency key (a new key when there is none)."""
-    call = current_call()
-    key = call.idempotency_key if call is not None and call.idempotency_key else uuid.uuid4().hex
-    _log("calls.log", {"tool": tool, "key": key})
-    folder = shop_dir() / tool
-    folder.mkdir(exist_ok=True)
-    path = folder / key
-    try:
-        with open(path, "x", encoding="utf-8") as fh:
-            fh.write(json.dumps(record))
-    except FileExistsError:  # the same key again: the stored outcome, no second effect
-        return {**json.loads(path.read_text(encoding="utf-8")), "repeat": True}
-    return record
+    return effect(tool, record, current_call())
 
 
 # -- the tools, as plain Pydantic AI tools --------------------------------------------------
@@ -108,7 +66,7 @@ def cancel_order(order_id: str) -> dict[str, Any]:
 
 def order_status(order_id: str) -> dict[str, Any]:
     """Where an order is."""
-    _log("calls.log", {"tool": "order_status", "key": None})
+    log("calls.log", {"tool": "order_status", "key": None})
     return {"order_id": order_id, "status": "shipped"}
 
 
@@ -123,7 +81,7 @@ def _returned(messages: list[ModelMessage]) -> list[ToolReturnPart]:
 
 
 def _asked(agent: str, messages: list[ModelMessage]) -> None:
-    _log("model.log", {"agent": agent, "messages": len(messages)})
+    log("model.log", {"agent": agent, "messages": len(messages)})
 
 
 def _refund_model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:

@@ -18,45 +18,18 @@ from pydantic_ai.exceptions import ModelHTTPError
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from ratchet.agents import AgentView, step_key
+from ratchet.agents import step_key
 from ratchet.errors import AdapterError, ConfigurationError, IntegrityError
 from ratchet.integrations.pydantic_ai import (
     PydanticAIState,
     RatchetAgent,
     current_call,
 )
-from ratchet.runtime import Observation, Phase, TraceOutcome
-from ratchet.runtime.state import Usage
-from ratchet.runtime.tools import BUILTIN_TOOLS, ToolSpec
+from ratchet.runtime import TraceOutcome
+from ratchet.runtime.tools import BUILTIN_TOOLS
 from ratchet.tools import Recovery, ToolCall
 from tests.integrations import shop
-
-
-def view(
-    tools: tuple[ToolSpec, ...],
-    agent_state: dict[str, Any] | None = None,
-    *,
-    proposals: int = 0,
-    outcome: TraceOutcome = TraceOutcome.STARTED,
-    executed: frozenset[str] = frozenset(),
-    last_read: str | None = None,
-) -> AgentView:
-    return AgentView(
-        run_id="run-1",
-        phase=Phase.RUNNING,
-        observation=Observation(instance_id="ws-1", version=3, fingerprint="0" * 64),
-        plan_cursor=0,
-        usage=Usage(proposals=proposals, steps=proposals),
-        last_outcome=outcome,
-        quarantined_keys=(),
-        agent_state=agent_state or {},
-        now=1_000,
-        executed_keys=executed,
-        verified=False,
-        last_read=last_read,
-        tools=tools,
-    )
-
+from tests.integrations.views import view
 
 REFUND = shop.create_refund_tool.spec
 STATUS = shop.order_status_tool.spec

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,79 +22,28 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from ratchet.chaos.failpoints import FailpointFired
 from ratchet.demo.examples import make_greeting_workspace
 from ratchet.fleet.context import Fleet
-from ratchet.fleet.runs import EnvironmentSpec, RunDocument, VerifierSpec
 from ratchet.fleet.settings import Settings
 from ratchet.integrations.pydantic_ai import PydanticAIState
 from ratchet.ops import approve, inspect_run, submit
-from ratchet.runtime import Phase, ReviewReason, Scenario, TraceOutcome
+from ratchet.runtime import Phase, ReviewReason, TraceOutcome
 from ratchet.worker.hooks import WorkerHooks
 from ratchet.worker.job import execute_run
+from tests.integrations.runs import outcomes, run_to_rest, shop_document
 from tests.integrations.shop import effects, model_requests, tool_calls
 from tests.worker.fleet_harness import phase, poll, workers
 
 pytestmark = pytest.mark.slow
-
-BUDGETS = {"proposals": 20, "steps": 20, "wall_clock_seconds": 3600, "cost_units": 0}
-
-
-def shop_document(
-    root: Path,
-    agent: str,
-    *,
-    tools: list[str],
-    approval_required: tuple[str, ...] = (),
-    budgets: dict[str, int] | None = None,
-    agent_config: dict[str, Any] | None = None,
-) -> RunDocument:
-    """A run of a shop agent: its tools, a verifier that passes, and ``finish``."""
-    scenario = Scenario.model_validate(
-        {
-            "schema_version": 1,
-            "task_id": "shop",
-            "task_version": "1",
-            "policy_id": "default",
-            "policy_version": "1",
-            "permissions": ["run_verifier", "finish", *tools],
-            "allowed_paths": ["app.py"],
-            "allowed_verifier_targets": ["unit"],
-            "approval_required": list(approval_required),
-            "budgets": budgets or BUDGETS,
-            "initial_files": {},
-            "verifier": {"target": "unit", "expected_files": {}},
-        }
-    )
-    verifier = VerifierSpec(argv=(sys.executable, "-c", "pass"), timeout_seconds=60)
-    return RunDocument(
-        scenario=scenario,
-        agent=f"tests.integrations.shop:{agent}",
-        agent_config={"verify_target": "unit", **(agent_config or {})},
-        environment=EnvironmentSpec(root=str(root.resolve()), verifiers={"unit": verifier}),
-    )
 
 
 def journal(fleet: Fleet, run_id: str) -> PydanticAIState:
     return PydanticAIState.load(inspect_run(fleet, run_id).state.agent_state)
 
 
-def outcomes(fleet: Fleet, run_id: str) -> list[TraceOutcome]:
-    return [e.outcome for e in inspect_run(fleet, run_id).state.trace]
-
-
-def run_to_rest(fleet: Fleet, run_id: str, owner: str, *, jobs: int = 10) -> str:
-    """Jobs in this process until the run completes, fails or waits for a person."""
-    for n in range(jobs):
-        execute_run(fleet, run_id, owner=f"{owner}-{n}")
-        now = phase(fleet, run_id)
-        if now != "running":
-            return now
-    return phase(fleet, run_id)
-
-
 def test_a_pydantic_ai_agent_completes_on_worker_processes_with_one_refund(
     pai_fleet: Fleet, pai_settings: Settings, tmp_path: Path
 ) -> None:
     root = make_greeting_workspace(tmp_path / "ws")
-    run_id = submit(pai_fleet, shop_document(root, "refunds", tools=["create_refund"]))
+    run_id = submit(pai_fleet, shop_document(root, "shop:refunds", tools=["create_refund"]))
     with workers(pai_settings) as pool:
         pool.start(1)
         poll(
@@ -127,7 +74,7 @@ def test_pydantic_ais_test_model_drives_a_run_to_completion(
     pai_fleet: Fleet, tmp_path: Path
 ) -> None:
     root = make_greeting_workspace(tmp_path / "ws")
-    doc = shop_document(root, "test_model_refunds", tools=["create_refund"])
+    doc = shop_document(root, "shop:test_model_refunds", tools=["create_refund"])
     run_id = submit(pai_fleet, doc)
     assert run_to_rest(pai_fleet, run_id, "w") == "completed"
     assert effects("create_refund") == 1
@@ -138,7 +85,7 @@ def test_a_worker_killed_right_after_the_tool_call_is_taken_over_without_asking_
     pai_fleet: Fleet, pai_settings: Settings, tmp_path: Path
 ) -> None:
     root = make_greeting_workspace(tmp_path / "ws")
-    run_id = submit(pai_fleet, shop_document(root, "refunds", tools=["create_refund"]))
+    run_id = submit(pai_fleet, shop_document(root, "shop:refunds", tools=["create_refund"]))
     with workers(pai_settings) as pool:
         # The first write's adapter call returned; its receipt is not committed: SIGKILL.
         (doomed,) = pool.start(1, env={"RATCHET_FAILPOINTS": "after_adapter_before_receipt=kill"})
@@ -182,7 +129,7 @@ def test_a_call_cut_off_inside_a_tool_without_recovery_waits_for_a_reviewer(
 ) -> None:
     fleet = Fleet.connect(pai_settings.model_copy(update={"lease_ttl_ms": 300}))
     root = make_greeting_workspace(tmp_path / "ws")
-    run_id = submit(fleet, shop_document(root, "cancels", tools=["cancel_order"]))
+    run_id = submit(fleet, shop_document(root, "shop:cancels", tools=["cancel_order"]))
     with pytest.raises(FailpointFired):
         execute_run(fleet, run_id, owner="w-dies", hooks=DieAfterTheCall())
     assert effects("cancel_order") == 1 and model_requests("cancels") == 1
@@ -209,7 +156,7 @@ def test_a_call_of_a_tool_that_needs_approval_waits_for_it(
     fleet = Fleet.connect(pai_settings.model_copy(update={"approvers_file": trust}))
     root = make_greeting_workspace(tmp_path / "ws")
     doc = shop_document(
-        root, "accounts", tools=["close_account"], approval_required=("close_account",)
+        root, "shop:accounts", tools=["close_account"], approval_required=("close_account",)
     )
     run_id = submit(fleet, doc)
     assert run_to_rest(fleet, run_id, "w") == "awaiting_approval"
@@ -233,7 +180,7 @@ def test_a_proposals_budget_stops_an_agent_that_keeps_calling(
 ) -> None:
     root = make_greeting_workspace(tmp_path / "ws")
     budgets = {"proposals": 4, "steps": 4, "wall_clock_seconds": 3600, "cost_units": 0}
-    doc = shop_document(root, "curious", tools=["order_status"], budgets=budgets)
+    doc = shop_document(root, "shop:curious", tools=["order_status"], budgets=budgets)
     run_id = submit(pai_fleet, doc)
     assert run_to_rest(pai_fleet, run_id, "w") == "failed"
     state = inspect_run(pai_fleet, run_id).state
@@ -249,7 +196,7 @@ def test_model_tokens_are_charged_as_cost_units_until_the_budget_runs_out(
     budgets = {"proposals": 20, "steps": 20, "wall_clock_seconds": 3600, "cost_units": 30}
     doc = shop_document(
         root,
-        "curious",
+        "shop:curious",
         tools=["order_status"],
         budgets=budgets,
         agent_config={"tokens_per_cost_unit": 10},

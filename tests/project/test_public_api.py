@@ -152,6 +152,15 @@ PINNED: dict[str, list[str]] = {
         "ThreadKeys", "ThreadLease", "ThreadWriter", "default_serde", "thread_keys", "thread_tag",
     ],
     "ratchet.cli": ["app", "main"],
+    "ratchet.integrations": [],
+    "ratchet.integrations.pydantic_ai": [
+        "PYDANTIC_AI_VERSION", "PydanticAIAgent", "PydanticAIConfig", "PydanticAIState",
+        "PydanticAITool", "RatchetAgent", "current_call",
+    ],
+    "ratchet.integrations.openai_agents": [
+        "OPENAI_AGENTS_VERSION", "OpenAIAgentsAgent", "OpenAIAgentsConfig", "OpenAIAgentsState",
+        "OpenAIAgentsTool", "RatchetAgent", "current_call",
+    ],
 }  # fmt: skip
 
 

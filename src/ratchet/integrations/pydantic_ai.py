@@ -68,6 +68,11 @@ Configuration (the run's ``agent_config``, checked strictly: :class:`PydanticAIC
     {"prompt": "Refund order A-1 for 500 cents.", "verify_target": "unit",
      "tokens_per_cost_unit": 1000}
 
+The step, the state, the journal's bound and the tools' base are shared with the other
+integrations (:mod:`ratchet.integrations._journal`, :mod:`ratchet.integrations._tools`);
+this module is what is Pydantic AI's: the deferred toolset, the request, the journal's
+format, the errors.
+
 Errors: a model error is an :class:`~ratchet.errors.AdapterError`, retryable for a
 rate limit, a timeout, a transport failure or a 5xx (the job ends ``retry_later`` with
 nothing committed), not for the rest. Messages name the status and the error's type,
@@ -76,16 +81,12 @@ never a provider's error body.
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import inspect
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import pydantic_ai
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic_ai import (
     CallDeferred,
     DeferredToolRequests,
@@ -108,19 +109,21 @@ from pydantic_ai.toolsets import AbstractToolset, ExternalToolset, FunctionTools
 from pydantic_ai.toolsets.abstract import ToolsetTool
 from pydantic_core import to_json
 
-from ratchet.agents import AgentStep, AgentView, make_action, step_key
-from ratchet.agents.conversation import Awaiting, clip, describe_outcome
-from ratchet.errors import (
-    ActionError,
-    AdapterError,
-    ConfigurationError,
-    ContractError,
-    IntegrityError,
+from ratchet.agents.conversation import clip
+from ratchet.errors import AdapterError, ConfigurationError
+from ratchet.integrations._journal import (
+    BUILTIN_NAMES,
+    Answer,
+    Asked,
+    JournalConfig,
+    JournaledAgent,
+    JournalState,
+    RawCall,
+    fit_journal,
 )
-from ratchet.runtime.actions import ActionKind, Risk
-from ratchet.runtime.canonical import canonical_json
+from ratchet.integrations._tools import JournaledTool, complete, current_call
+from ratchet.runtime.actions import Risk
 from ratchet.runtime.tools import ToolSpec
-from ratchet.tools import FunctionTool, ToolCall
 
 __all__ = [
     "PYDANTIC_AI_VERSION",
@@ -136,57 +139,17 @@ __all__ = [
 #: it; the ``pydantic-ai`` extra admits >=2.78,<3).
 PYDANTIC_AI_VERSION = "2.78.0"
 
-_BUILTIN_NAMES = frozenset(kind.value for kind in ActionKind)
 _RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
-_MAX_ANSWER_BYTES = 16 * 1024
-_MAX_SUMMARY_BYTES = 4000
-_SKIPPED = "not run: an earlier call of the same response did not go through"
-
-_CURRENT: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar(
-    "ratchet_pydantic_ai_call", default=None
-)
-
-
-def current_call() -> ToolCall | None:
-    """The ratchet call a tool function is running for (its idempotency key, fence,
-    run), or None when the function runs outside ratchet (a plain Pydantic AI run, a
-    test)."""
-    return _CURRENT.get()
 
 
 # -- the tools --------------------------------------------------------------------------------
 
 
-class PydanticAITool(FunctionTool):
+class PydanticAITool(JournaledTool):
     """A ratchet tool that runs a Pydantic AI agent's function tool (made by
     :meth:`RatchetAgent.tool`). While the function runs, :func:`current_call` returns
     the call; an ``async`` function is run to completion. ``lookup`` and ``fence`` are
     the decorators of :class:`ratchet.tools.FunctionTool`."""
-
-    def run(self, args: Any, call: ToolCall) -> Any:
-        token = _CURRENT.set(call)
-        try:
-            output = super().run(args, call)
-            if inspect.isawaitable(output):
-                output = _complete(output)
-            return output
-        finally:
-            _CURRENT.reset(token)
-
-
-def _complete(awaitable: Any) -> Any:
-    """Run ``awaitable`` to completion on a loop of its own, closed after, leaving the
-    thread's current event loop (if any) as it was."""
-
-    async def wait() -> Any:
-        return await awaitable
-
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(wait())
-    finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
 
 
 def _function_tools(agent: pydantic_ai.Agent[Any, Any]) -> dict[str, pydantic_ai.Tool[Any]]:
@@ -219,7 +182,7 @@ class _RatchetToolset(WrapperToolset[Any]):
         own = await self.wrapped.get_tools(ctx)
         tools: dict[str, ToolsetTool[Any]] = {}
         for name, tool in own.items():
-            if name not in self.offered or name in _BUILTIN_NAMES:
+            if name not in self.offered or name in BUILTIN_NAMES:
                 continue
             if tool.tool_def.kind == "unapproved":  # ratchet's approval gates the call
                 tools[name] = replace(tool, tool_def=replace(tool.tool_def, kind="function"))
@@ -247,64 +210,12 @@ class _DeferToRatchet(AbstractCapability[Any]):
 # -- configuration and state --------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class PydanticAIConfig(_Strict):
+class PydanticAIConfig(JournalConfig):
     """A run's ``agent_config`` for a wrapped Pydantic AI agent (an unknown key is
-    refused)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    prompt: StrictStr | None = Field(default=None, min_length=1, max_length=65536)
-    verify_target: StrictStr | None = Field(default=None, min_length=1, max_length=64)
-    tokens_per_cost_unit: StrictInt | None = Field(default=None, ge=1)
-    max_history_bytes: StrictInt = Field(default=256 * 1024, ge=4096, le=768 * 1024)
-    max_malformed: StrictInt = Field(default=5, ge=0, le=100)
-    deadline_s: StrictInt = Field(default=600, ge=1, le=86400)
-
-    @classmethod
-    def parse(cls, config: Mapping[str, Any]) -> PydanticAIConfig:
-        """The configuration, checked.
-
-        Raises:
-            ConfigurationError: one line, ``field="agent_config.<key>"``.
-        """
-        try:
-            return cls.model_validate(dict(config))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(["agent_config", *(str(p) for p in first["loc"])])
-            raise ConfigurationError(f"{where}: {first['msg']}", field=where) from None
+    refused): the keys of :class:`~ratchet.integrations._journal.JournalConfig`."""
 
 
-class _Call(_Strict):
-    """A tool call of the last model response, still to be proposed."""
-
-    id: StrictStr
-    name: StrictStr
-    args: dict[str, Any]
-
-
-class _Answer(_Strict):
-    """A call's outcome as the model will be told it: done (``ok``) or failed."""
-
-    ok: StrictBool
-    text: StrictStr
-
-
-class _Awaiting(_Strict):
-    """The proposal whose outcome the next step reads. ``id`` is the tool call it
-    answers; None for the ``run_verifier`` or ``finish`` proposed for the output."""
-
-    id: StrictStr | None
-    name: StrictStr
-    write: StrictBool
-    key: StrictStr | None = None
-
-
-class PydanticAIState(_Strict):
+class PydanticAIState(JournalState):
     """The agent's JSON state (``view.agent_state``), validated on every step.
 
     ``journal`` is the conversation, as ``ModelMessagesTypeAdapter`` serializes it
@@ -312,40 +223,10 @@ class PydanticAIState(_Strict):
     ``model_requests`` counts the model requests whose responses the journal took in.
     """
 
-    version: Literal[1] = 1
-    journal: StrictStr = ""
-    batch: list[_Call] = Field(default_factory=list)
-    answers: dict[str, _Answer] = Field(default_factory=dict)
-    awaiting: _Awaiting | None = None
-    output: StrictStr | None = None
-    malformed: StrictInt = Field(default=0, ge=0)
-    model_requests: StrictInt = Field(default=0, ge=0)
-    dropped: StrictInt = Field(default=0, ge=0)
-
-    @classmethod
-    def load(cls, raw: Mapping[str, Any]) -> PydanticAIState:
-        """The state as the agent last committed it (a new one for ``{}``).
-
-        Raises:
-            IntegrityError: ``field="agent_state"``: the state is not this agent's.
-        """
-        if not raw:
-            return cls()
-        try:
-            return cls.model_validate(dict(raw))
-        except ValidationError as exc:
-            where = ".".join(str(p) for p in exc.errors()[0]["loc"])
-            raise IntegrityError(
-                f"agent_state is not a Pydantic AI agent's state (at {where or 'top'})",
-                field="agent_state",
-            ) from None
+    whose: ClassVar[str] = "a Pydantic AI agent's"
 
     def messages(self) -> list[ModelMessage]:
         return list(ModelMessagesTypeAdapter.validate_json(self.journal)) if self.journal else []
-
-    def dump(self) -> dict[str, Any]:
-        dumped: dict[str, Any] = self.model_dump(mode="json")
-        return dumped
 
 
 # -- the wrapper a user builds ------------------------------------------------------------------
@@ -370,7 +251,7 @@ class RatchetAgent:
     ) -> None:
         if not isinstance(agent, pydantic_ai.Agent):
             raise ConfigurationError("RatchetAgent wraps a pydantic_ai.Agent", field="agent")
-        clash = sorted(set(_function_tools(agent)) & _BUILTIN_NAMES)
+        clash = sorted(set(_function_tools(agent)) & BUILTIN_NAMES)
         if clash:
             raise ConfigurationError(
                 f"the agent's tool {clash[0]!r} has a built-in kind's name; rename it",
@@ -476,110 +357,26 @@ def _model_error(exc: AgentRunError) -> AdapterError:
     )
 
 
-class PydanticAIAgent:
+class PydanticAIAgent(JournaledAgent[PydanticAIState]):
     """The ratchet agent of a :class:`RatchetAgent` (see the module docstring). Built by
     the factory in every job; everything that must outlive a job is in the state."""
 
+    config: PydanticAIConfig
+
     def __init__(self, wrapped: RatchetAgent, config: PydanticAIConfig) -> None:
+        super().__init__(config, PydanticAIState)
         self.wrapped = wrapped
-        self.config = config
 
     def __repr__(self) -> str:
         return f"PydanticAIAgent(agent={self.wrapped.agent.name!r})"
 
-    def next_step(self, view: AgentView) -> AgentStep | None:
-        """Read the last proposal's outcome, then propose the next call of the journaled
-        response, or the output's verification or finish, or ask the model.
-
-        Raises:
-            IntegrityError: ``view.agent_state`` is not this agent's state.
-            ContractError: the conversation does not fit ``max_history_bytes``.
-            AdapterError: the model request failed (nothing is committed).
-            ConfigurationError: the Pydantic AI agent refused the run.
-        """
-        state = PydanticAIState.load(view.agent_state)
-        specs = {spec.name: spec for spec in view.tools}
-        answers = dict(state.answers)
-        batch = list(state.batch)
-        note: str | None = None
-        awaiting = state.awaiting
-        state = state.model_copy(update={"awaiting": None})
-        if awaiting is not None:
-            told = Awaiting.model_validate(awaiting.model_dump())
-            text, done = describe_outcome(view, told)
-            if awaiting.id is not None:
-                answers[awaiting.id] = _Answer(ok=done, text=clip(text, _MAX_ANSWER_BYTES))
-                if done:
-                    state = state.model_copy(update={"malformed": 0})
-                else:
-                    answers.update({c.id: _Answer(ok=False, text=_SKIPPED) for c in batch})
-                    batch = []
-            elif awaiting.name == "run_verifier" and view.verified and state.output is not None:
-                return self._finish(view, state, state.output, tokens=0)
-            elif awaiting.name == "run_verifier":
-                note = (
-                    "The run's verification did not pass after your answer "
-                    f"({clip(text, 2000)}). Fix what it needs, then answer again."
-                )
-            else:
-                note = f"Your answer could not finish the run: {clip(text, 2000)}"
-        tokens = 0
-        while True:
-            if batch:
-                call = batch.pop(0)
-                spec = specs.get(call.name)
-                if spec is not None:
-                    return self._propose_call(view, state, batch, answers, call, spec, tokens)
-                # Offered when the response came, not permitted now: told, not proposed.
-                answers[call.id] = _Answer(ok=False, text="the tool is not permitted")
-                answers.update({c.id: _Answer(ok=False, text=_SKIPPED) for c in batch})
-                batch = []
-                state = state.model_copy(update={"malformed": state.malformed + 1})
-                continue
-            if state.malformed > self.config.max_malformed:
-                return None
-            result = self._ask(state, specs, answers, note)
-            note, answers = None, {}
-            tokens += result.usage.input_tokens + result.usage.output_tokens
-            state = state.model_copy(
-                update={"model_requests": state.model_requests + result.usage.requests}
-            )
-            state = self._journal(state, result.all_messages())
-            output = result.output
-            if isinstance(output, DeferredToolRequests):
-                ready, refused = self._check(output, specs)
-                if refused:
-                    answers = refused
-                    state = state.model_copy(update={"malformed": state.malformed + 1})
-                    continue
-                batch = ready
-                continue
-            text = output if isinstance(output, str) else to_json(output).decode()
-            state = state.model_copy(update={"output": clip(text, _MAX_SUMMARY_BYTES)})
-            target = self.config.verify_target
-            if target is not None and not view.verified and "run_verifier" in specs:
-                action = make_action(
-                    view,
-                    view.usage.proposals,
-                    "run_verifier",
-                    {"target": target},
-                    deadline_s=self.config.deadline_s,
-                )
-                waiting = _Awaiting(id=None, name="run_verifier", write=False)
-                return self._step(action, state, waiting, [], {}, tokens)
-            if "finish" not in specs:
-                return None
-            return self._finish(view, state, state.output or "", tokens=tokens)
-
-    # -- asking the model ---------------------------------------------------------------------
-
     def _ask(
         self,
         state: PydanticAIState,
-        specs: Mapping[str, ToolSpec],
-        answers: Mapping[str, _Answer],
+        offered: Mapping[str, ToolSpec],
+        answers: Mapping[str, Answer],
         note: str | None,
-    ) -> Any:
+    ) -> Asked[PydanticAIState]:
         history = state.messages()
         prompt: str | None = None
         results: DeferredToolResults | None = None
@@ -594,12 +391,11 @@ class PydanticAIAgent:
             )
         else:
             prompt = note or "Go on."
-        offered = {name: spec for name, spec in specs.items() if name != "finish"}
         agent = self.wrapped.agent
         try:
             # On a loop of its own, closed after the request (Pydantic AI's run_sync would
             # leave a loop set on the worker's thread for good).
-            return _complete(
+            result = complete(
                 agent.run(
                     prompt,
                     message_history=history or None,
@@ -615,134 +411,43 @@ class PydanticAIAgent:
             ) from None
         except AgentRunError as exc:
             raise _model_error(exc) from None
+        state = self._journal(state, result.all_messages())
+        usage = result.usage
+        tokens = usage.input_tokens + usage.output_tokens
+        output = result.output
+        if isinstance(output, DeferredToolRequests):
+            return Asked(state, calls=_calls(output), tokens=tokens, requests=usage.requests)
+        text = output if isinstance(output, str) else to_json(output).decode()
+        return Asked(state, output=text, tokens=tokens, requests=usage.requests)
 
     def _journal(self, state: PydanticAIState, messages: Sequence[ModelMessage]) -> PydanticAIState:
         """The state with ``messages`` as its journal, oldest exchanges dropped (never the
         first request, and always from a model response on) to fit the bound."""
-        limit = self.config.max_history_bytes
-        kept = list(messages)
-        text = ModelMessagesTypeAdapter.dump_json(kept).decode()
-        dropped = 0
-        if len(text.encode()) > limit and len(kept) > 2:
-            starts = [i for i, m in enumerate(kept) if i >= 2 and isinstance(m, ModelResponse)]
-            for start in starts:
-                window = [kept[0], *kept[start:]]
-                text = ModelMessagesTypeAdapter.dump_json(window).decode()
-                if len(text.encode()) <= limit:
-                    dropped = start - 1
-                    break
-        if len(text.encode()) > limit:
-            raise ContractError(
-                f"the conversation takes more than max_history_bytes ({limit}) even with "
-                "its older exchanges dropped",
-                field="agent_config.max_history_bytes",
-            )
+        text, dropped = fit_journal(
+            messages,
+            head=1,
+            starts=[i for i, m in enumerate(messages) if isinstance(m, ModelResponse)],
+            dump=lambda window: ModelMessagesTypeAdapter.dump_json(window).decode(),
+            limit=self.config.max_history_bytes,
+        )
         return state.model_copy(update={"journal": text, "dropped": state.dropped + dropped})
 
-    def _check(
-        self, requests: DeferredToolRequests, specs: Mapping[str, ToolSpec]
-    ) -> tuple[list[_Call], dict[str, _Answer]]:
-        """The response's calls, checked against their ratchet contracts together: when
-        one does not fit, none runs (each is answered why)."""
-        calls: list[_Call] = []
-        errors: dict[str, str] = {}
-        if requests.approvals:
-            raise ConfigurationError(
-                "the Pydantic AI agent asked for an approval (ApprovalRequired); ratchet's "
-                "approvals gate the calls: declare requires_approval on the ratchet tool",
-                field="agent",
-            )
-        for part in requests.calls:
-            call_id = part.tool_call_id
-            spec = specs.get(part.tool_name)
-            raw = requests.validated_args.get(call_id)
-            args = dict(raw) if raw is not None else part.args_as_dict()
-            if spec is None:
-                errors[call_id] = f"there is no tool named {clip(part.tool_name, 64)!r}"
-                continue
-            try:
-                checked = spec.validate_args(args)
-                canonical_json(checked)
-            except (ActionError, ContractError) as exc:
-                errors[call_id] = exc.message
-                continue
-            calls.append(_Call(id=call_id, name=spec.name, args=dict(checked)))
-        if not errors:
-            return calls, {}
-        refused = {
-            c.id: _Answer(
-                ok=False, text=errors.get(c.id, "not run: another call of the response was refused")
-            )
-            for c in calls
-        }
-        refused.update({i: _Answer(ok=False, text=e) for i, e in errors.items()})
-        return [], refused
 
-    # -- proposing ----------------------------------------------------------------------------
-
-    def _propose_call(
-        self,
-        view: AgentView,
-        state: PydanticAIState,
-        batch: list[_Call],
-        answers: dict[str, _Answer],
-        call: _Call,
-        spec: ToolSpec,
-        tokens: int,
-    ) -> AgentStep:
-        position = view.usage.proposals
-        if spec.builtin:
-            text_args = {k: v for k, v in call.args.items() if isinstance(v, str)}
-            action = make_action(
-                view, position, spec.name, text_args, deadline_s=self.config.deadline_s
-            )
-        else:
-            action = {
-                "action_id": f"{view.run_id}-s{position}-p{view.usage.proposals + 1}",
-                "kind": spec.name,
-                "risk": spec.risk.value,
-                "args": call.args,
-                "idempotency_key": step_key(view, position) if spec.is_write else None,
-                "expected_env_version": view.observation.version,
-                "deadline_at": view.now + self.config.deadline_s,
-            }
-        waiting = _Awaiting(
-            id=call.id, name=spec.name, write=spec.is_write, key=action["idempotency_key"]
+def _calls(requests: DeferredToolRequests) -> list[RawCall]:
+    """The deferred calls, with the arguments Pydantic AI validated (or as the model wrote
+    them); an approval Pydantic AI asks for is refused: ratchet's approvals gate calls."""
+    if requests.approvals:
+        raise ConfigurationError(
+            "the Pydantic AI agent asked for an approval (ApprovalRequired); ratchet's "
+            "approvals gate the calls: declare requires_approval on the ratchet tool",
+            field="agent",
         )
-        return self._step(action, state, waiting, batch, answers, tokens)
-
-    def _finish(
-        self, view: AgentView, state: PydanticAIState, summary: str, *, tokens: int
-    ) -> AgentStep:
-        action = make_action(
-            view,
-            view.usage.proposals,
-            "finish",
-            {"summary": summary or "done"},
-            deadline_s=self.config.deadline_s,
-        )
-        waiting = _Awaiting(id=None, name="finish", write=False)
-        return self._step(action, state, waiting, [], {}, tokens)
-
-    def _step(
-        self,
-        action: dict[str, Any],
-        state: PydanticAIState,
-        waiting: _Awaiting,
-        batch: list[_Call],
-        answers: dict[str, _Answer],
-        tokens: int,
-    ) -> AgentStep:
-        new = state.model_copy(update={"awaiting": waiting, "batch": batch, "answers": answers})
-        return AgentStep(_charge(action, tokens, self.config), new.dump())
-
-
-def _charge(action: dict[str, Any], tokens: int, config: PydanticAIConfig) -> dict[str, Any]:
-    per_unit = config.tokens_per_cost_unit
-    if per_unit is None or tokens <= 0:
-        return action
-    units = math.ceil(tokens / per_unit) + int(action.get("cost_units") or 0)
-    return {**action, "cost_units": units}
+    calls: list[RawCall] = []
+    for part in requests.calls:
+        raw = requests.validated_args.get(part.tool_call_id)
+        args = dict(raw) if raw is not None else part.args_as_dict()
+        calls.append(RawCall(id=part.tool_call_id, name=part.tool_name, args=args))
+    return calls
 
 
 def _with_deferred(output_type: Any) -> Any:

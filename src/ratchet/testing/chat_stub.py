@@ -5,7 +5,8 @@ thread (the standard library's HTTP server), answering with canned replies in or
 from a function of the request body), and records every request it got. It can be told
 to fail the next requests (500, 429 with ``Retry-After``), and, given an expected API
 key, refuses any other ``Authorization`` header with 401 the way OpenAI does: quoting the
-key it was sent, which is what a client must never copy into its own errors.
+key it was sent, which is what a client must never copy into its own errors. ``usage``
+(prompt and completion tokens) is what every completion reports (none: zeros).
 
     with ChatStub([{"tool_calls": [{"id": "c1", "name": "read_file",
                                     "arguments": '{"path": "app.py"}'}]},
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +62,9 @@ class _Book:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _completion(reply: ModelReply, model: str, number: int) -> dict[str, Any]:
+def _completion(
+    reply: ModelReply, model: str, number: int, usage: tuple[int, int]
+) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:
         message["tool_calls"] = [
@@ -83,7 +87,11 @@ def _completion(reply: ModelReply, model: str, number: int) -> dict[str, Any]:
                 "finish_reason": "tool_calls" if reply.tool_calls else "stop",
             }
         ],
-        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        "usage": {
+            "prompt_tokens": usage[0],
+            "completion_tokens": usage[1],
+            "total_tokens": usage[0] + usage[1],
+        },
     }
 
 
@@ -91,7 +99,13 @@ class ChatStub:
     """The stub server (see the module docstring). Start it with :meth:`start` or as a
     context manager; :attr:`base_url` is what a client is given (``.../v1``)."""
 
-    def __init__(self, replies: StubReplies = (), *, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        replies: StubReplies = (),
+        *,
+        api_key: str | None = None,
+        usage: tuple[int, int] = (0, 0),
+    ) -> None:
         self._function: Callable[[dict[str, Any]], Any] | None = None
         self._replies: list[ModelReply] = []
         if callable(replies):
@@ -101,6 +115,7 @@ class ChatStub:
                 r if isinstance(r, ModelReply) else ModelReply.model_validate(r) for r in replies
             ]
         self._api_key = api_key
+        self._usage = usage
         self._book = _Book()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -144,8 +159,7 @@ class ChatStub:
     def start(self) -> ChatStub:
         if self._server is not None:
             return self
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        server.daemon_threads = True
+        server = _Server(("127.0.0.1", 0), _handler(self))
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever, name="chat-stub", kwargs={"poll_interval": 0.05}
@@ -226,7 +240,7 @@ class ChatStub:
             error = {"message": "the stub has no reply left", "code": "stub_exhausted"}
             return 400, {"error": error}, {}
         reply, number = served
-        return 200, _completion(reply, str(body.get("model", "stub")), number), {}
+        return 200, _completion(reply, str(body.get("model", "stub")), number, self._usage), {}
 
     def _next_reply(self, body: dict[str, Any]) -> tuple[ModelReply, int] | None:
         """The next reply and its number (1 for the first), or None: none left."""
@@ -241,6 +255,17 @@ class ChatStub:
                 made = self._replies[self._book.served]
             self._book.served += 1
             return made, self._book.served
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that gave up on a request (its timeout) closed the connection the
+        # answer goes to: that is the client's doing, not an error of the stub's.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 def _handler(stub: ChatStub) -> type[BaseHTTPRequestHandler]:
