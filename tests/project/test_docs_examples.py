@@ -29,6 +29,7 @@ PAGES = [
     ROOT / "docs" / "agents.md",
     ROOT / "docs" / "tools.md",
     ROOT / "docs" / "pydantic-ai.md",
+    ROOT / "docs" / "mcp-cookbook.md",
     ROOT / "examples" / "tool-package" / "README.md",
 ]
 TASK_KEYS = {"scenario", "scenario_file", "environment", "agent_config", "agent"}
