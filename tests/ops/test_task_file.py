@@ -268,6 +268,9 @@ def test_a_plan_file_beside_an_agent_config_is_refused_rather_than_half_used(fol
         ({"kind": "read_file"}, "steps[0]"),
         ({"kind": "launch_missiles", "args": {}}, "steps[0].kind"),
         ({"kind": "finish", "args": {"summary": 1}}, "steps[0].args.summary"),
+        ({"kind": "9lives", "args": {}}, "steps[0].kind"),
+        ({"kind": "delete_file", "args": {"path": "app.py"}}, "steps[0].kind"),
+        ({"kind": "tickets_create_ticket", "args": {"title": "t"}}, "steps[0].kind"),
     ],
 )
 def test_a_bad_plan_step_is_refused_at_submit_naming_the_step(
@@ -278,6 +281,23 @@ def test_a_bad_plan_step_is_refused_at_submit_naming_the_step(
     with pytest.raises(ContractError) as caught:
         load_task_file(write(folder, "task.json", task), str(plan))
     assert caught.value.context["field"] == field
+
+
+def test_a_plan_step_may_name_a_declared_tool_the_scenario_permits_with_json_arguments(
+    folder: Path,
+) -> None:
+    """The scripted agent proposes a tool by name (``make_action``); a plan file says so
+    too, and its arguments are the tool's JSON arguments, kept exactly as written."""
+    task = edited(lambda t: t.pop("agent_config"))
+    task["scenario"]["permissions"] = [*task["scenario"]["permissions"], "tickets_create_ticket"]
+    steps = [
+        {"kind": "tickets_create_ticket", "args": {"title": "Printer", "body": "3rd", "n": 2}},
+        {"kind": "finish", "args": {"summary": "filed"}},
+    ]
+    plan = write(folder, "plan.yaml", {"steps": steps})
+    document = load_task_file(write(folder, "task.json", task), str(plan))
+    assert document.agent == "scripted"
+    assert document.agent_config == {"steps": steps}
 
 
 @pytest.mark.parametrize(

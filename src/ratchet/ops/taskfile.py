@@ -42,7 +42,9 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -50,6 +52,7 @@ from pydantic import (
 from ratchet.errors import ConfigurationError, ContractError
 from ratchet.fleet.runs import EnvironmentSpec, RunDocument
 from ratchet.runtime import KIND_SPECS, ActionKind, Scenario
+from ratchet.runtime.actions import Kind
 from ratchet.runtime.canonical import json_path, strict_json_loads, strict_yaml_loads
 from ratchet.runtime.types import Frozen, JsonObject, StrictStr, check_rel_path
 
@@ -77,6 +80,8 @@ _SHOWN_PATH = 200  # characters of a file name quoted in a message
 
 _PathText = Annotated[str, Strict(), Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
 _ArgText = Annotated[str, Strict(), Field(max_length=1 << 20)]
+#: A built-in kind's arguments: strings only.
+_BUILTIN_ARGS: TypeAdapter[dict[str, str]] = TypeAdapter(dict[StrictStr, _ArgText])
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -153,19 +158,34 @@ class TaskFile(Frozen):
 
 
 class PlanStep(Frozen):
-    """One step of a plan: an action kind and exactly the arguments that kind takes."""
+    """One step of a plan: a built-in action kind and exactly the arguments that kind
+    takes (all strings), or the name of a declared tool and its JSON arguments. A tool's
+    arguments are checked against its schema when the step is proposed (the tool is the
+    worker's, not the file's); :func:`load_task_file` checks that the scenario permits
+    it."""
 
-    kind: ActionKind
-    args: dict[StrictStr, _ArgText] = Field(default_factory=dict)
+    kind: Kind
+    args: JsonObject = Field(default_factory=dict)
+
+    @field_validator("args")
+    @classmethod
+    def _strings_for_a_kind(cls, args: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if isinstance(info.data.get("kind"), ActionKind):
+            # Raised from here, a ValidationError keeps its place under ``args``
+            # (``steps[0].args.summary``).
+            _BUILTIN_ARGS.validate_python(args)
+        return args
 
     @model_validator(mode="after")
     def _kind_args(self) -> PlanStep:
+        if not isinstance(self.kind, ActionKind):
+            return self  # a declared tool's arguments: its schema is the worker's
         spec = KIND_SPECS[self.kind]
         if set(self.args) != spec.args:
             raise ValueError(f"{self.kind} takes exactly the args {sorted(spec.args)}")
         for name in sorted(spec.path_args):
             try:
-                check_rel_path(self.args[name])
+                check_rel_path(str(self.args[name]))
             except ValueError as exc:
                 raise ValueError(f"args.{name}: {exc}") from None
         return self
@@ -329,6 +349,24 @@ def load_plan_file(path: Path) -> list[dict[str, Any]]:
     return [step.model_dump(mode="json") for step in plan.steps]
 
 
+def _check_permitted(steps: list[dict[str, Any]], scenario: Scenario, name: str) -> None:
+    """Every step names a kind or a tool the scenario permits: a step that is not would
+    be refused at every proposal until the run's budget ran out.
+
+    Raises:
+        ContractError: naming the first such step (``steps[i].kind``).
+    """
+    permitted = {str(kind) for kind in scenario.permissions}
+    for index, step in enumerate(steps):
+        if step["kind"] not in permitted:
+            field = f"steps[{index}].kind"
+            raise ContractError(
+                f"{name}: {field}: the scenario does not permit {step['kind']!r} "
+                "(add it to scenario.permissions)",
+                field=field,
+            )
+
+
 def load_task_file(path: Path, agent: str) -> RunDocument:
     """Read, strictly, the task file at ``path`` (and the scenario file and plan file it
     leads to) into the run document ``ratchet submit`` seals. ``agent`` is the
@@ -377,7 +415,9 @@ def load_task_file(path: Path, agent: str) -> RunDocument:
                 "replaces agent_config; keep one of them",
                 field="agent_config",
             )
-        agent_name, agent_config = "scripted", {"steps": load_plan_file(Path(agent))}
+        steps = load_plan_file(Path(agent))
+        _check_permitted(steps, scenario, _name(agent))
+        agent_name, agent_config = "scripted", {"steps": steps}
     environment = task.environment.model_dump(mode="json")
     if task.environment.kind == "workspace":
         root = _resolve(base, task.environment.root or ".", name, "environment.root")
