@@ -294,7 +294,7 @@ def test_a_credential_is_given_only_to_the_servers_it_names(settings: Settings) 
     [
         ({"command": ["mcp-server-git"], "tools": TOOLS}, "absolute path"),
         ({"command": ["/bin/true"], "tools": {}}, "at least 1"),
-        ({"command": ["/bin/true"], "env": {"RATCHET_X": "c"}, "tools": TOOLS}, "RATCHET_"),
+        ({"command": ["/bin/true"], "env": {"RATCHET_HOST": "c"}, "tools": TOOLS}, "RATCHET_"),
         ({"command": ["/bin/true"], "tools": {"a": {"refusal": "("}}}, "regular expression"),
         ({"command": ["/bin/true"], "tools": TOOLS, "shell": True}, "Extra"),
     ],
