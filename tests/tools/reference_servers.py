@@ -6,6 +6,7 @@ that need them, saying why."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -27,7 +28,9 @@ def reference_server(server: tuple[str, list[str], str]) -> Path | str:
     name, requirements, program = server
     if name == "git" and shutil.which("git") is None:
         return "mcp-server-git runs the git program, which is not installed"
-    folder = _CACHE / f"{name}-{abs(hash(tuple(requirements))) % 10**8}"
+    # A digest, not hash(): str hashes differ per process, and the folder must not.
+    pinned = hashlib.sha256("\n".join(requirements).encode()).hexdigest()[:12]
+    folder = _CACHE / f"{name}-{pinned}"
     binary = folder / "bin" / program
     if binary.exists():
         return binary
