@@ -503,3 +503,30 @@ def test_an_output_past_the_receipt_bound_is_kept_as_a_prefix_and_its_digest() -
     assert big["output"] == whole[:MAX_OUTPUT_CHARS] and big["output_truncated"] == 1
     expected = hashlib.sha256(Domain.TOOL_OUTPUT + b"\x00" + whole.encode()).hexdigest()
     assert big["output_sha256"] == expected
+
+
+def test_a_lookup_that_takes_the_call_is_told_the_recorded_call(tmp_path: Path) -> None:
+    """``lookup(key, call)``: recovery hands it the tool, the arguments as proposed and
+    the intent digest the key was committed with (one-argument lookups keep working:
+    every other lookup test here)."""
+    from ratchet.tools import RecordedCall
+
+    s = _setup(tmp_path, "lookup")
+    service = s.service
+    told: list[RecordedCall] = []
+
+    def find_by_call(key: str, call: RecordedCall) -> dict[str, Any] | None:
+        told.append(call)
+        return service.find(key)
+
+    engine = s.run.start()
+    s.hook.stage = "after_call"
+    action = s.run.refund(engine)
+    with pytest.raises(CrashInTool):
+        engine.propose(action)
+    resumed = s.run.resume(lease_version=2)
+    s.adapters[-1].tool("create_refund").lookup(find_by_call)  # registered as the lookup
+    resumed.reconcile()
+    assert resumed.state.phase is Phase.RUNNING and resumed.state.pending is None
+    assert told == [RecordedCall("create_refund", action.args, action.intent_digest)]
+    assert s.service.effects == 1
