@@ -16,6 +16,10 @@ Set ``RATCHET_FAILPOINTS`` to a ``;``-separated list of ``point=action[@hit]``:
     over, sends a genuinely stale write to the adapter: its fence must refuse it;
   - ``after_guard_before_commit``: the same between the guard and the fenced commit, so a
     resumed zombie sends a stale commit that Redis must refuse;
+  - ``tool_before_call``, ``tool_after_call``: inside a declared tool's call (an MCP
+    server's tool included): the ledger admitted it, the tool is not called yet / the tool
+    returned, nothing recorded it yet (the ambiguous window). Apart from :data:`POINTS`,
+    like the git workspace's (:data:`TOOL_POINTS`): they fire only for runs with tools;
   - ``observe_after_write``: the observation right after an adapter write. ``raise`` here
     makes that observation fail (a retryable ``AdapterError``), so the engine commits the
     receipt alone and reaches ``after_receipt_before_state`` (otherwise receipt and state
@@ -70,10 +74,12 @@ __all__ = [
     "ACTIONS",
     "GIT_POINTS",
     "POINTS",
+    "TOOL_POINTS",
     "EventLog",
     "FailpointFired",
     "Failpoints",
     "GitPoint",
+    "ToolPoint",
     "TripwireHooks",
     "Tripwires",
     "WorkerPoint",
@@ -108,10 +114,21 @@ class GitPoint(StrEnum):
     GIT_AFTER_PUSH = "git_after_push"
 
 
+class ToolPoint(StrEnum):
+    """Inside a declared tool's call: the ledger admitted it, the tool is not called yet /
+    the tool returned, nothing recorded it yet. Apart from :data:`POINTS`: they fire only
+    for runs that call declared tools."""
+
+    TOOL_BEFORE_CALL = "tool_before_call"
+    TOOL_AFTER_CALL = "tool_after_call"
+
+
 #: Every failpoint name, engine windows first.
 POINTS: tuple[str, ...] = (*(w.value for w in CrashWindow), *(p.value for p in WorkerPoint))
 #: The git workspace's failpoint names.
 GIT_POINTS: tuple[str, ...] = tuple(p.value for p in GitPoint)
+#: The declared tools' failpoint names.
+TOOL_POINTS: tuple[str, ...] = tuple(p.value for p in ToolPoint)
 ACTIONS = ("kill", "pause", "delay", "raise", "drop-reply")
 _DROPPABLE = (WorkerPoint.DURING_RENEWAL.value, WorkerPoint.AFTER_COMMIT_BEFORE_REPLY.value)
 
@@ -144,7 +161,7 @@ def parse_failpoints(text: str) -> list[Failpoint]:
         name = name.strip()
         action, _, hit_text = rest.partition("@")
         verb, _, arg = action.partition(":")
-        if name not in POINTS and name not in GIT_POINTS:
+        if name not in POINTS and name not in GIT_POINTS and name not in TOOL_POINTS:
             raise ConfigurationError(
                 f"unknown failpoint {name!r}", field="RATCHET_FAILPOINTS", entry=entry
             )

@@ -82,6 +82,8 @@ class DrillHooks(WorkerHooks):
             self.points.fire(f"workspace_{stage}")
         elif self.points is not None and stage in ("before_push", "after_push"):
             self.points.fire(f"git_{stage}")
+        elif self.points is not None and stage in ("before_call", "after_call"):
+            self.points.fire(f"tool_{stage}")
 
     def renewal(self, renew: Callable[[], int]) -> int:
         points = self.points
