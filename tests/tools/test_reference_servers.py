@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import socket
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp import MCPError
+from mcp_types.version import LATEST_MODERN_VERSION
 
 from ratchet.errors import ConfigurationError
 from ratchet.runtime import Phase, RunEngine, TraceOutcome
@@ -252,31 +257,130 @@ def test_with_the_sql_key_column_recipe_a_cut_off_insert_is_found_with_its_inten
     ]
 
 
+#: What a server's stderr must not say after ratchet's handshake.
+NOISE = re.compile(r"traceback|validat|error|warning|exception", re.IGNORECASE)
+
+
+def server_said(
+    argv: list[str], caplog: pytest.LogCaptureFixture, **options: Any
+) -> tuple[str, list[str]]:
+    """Connect to the stdio server ``argv``, list its tools, close: the protocol version
+    negotiated, and every line the server wrote on its stderr meanwhile."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ratchet.tools.mcp.stderr"):
+        conn = MCPConnection.stdio(argv, connect_timeout_s=60, **options).start()
+        version = conn.client.protocol_version
+        assert [t.spec.name for t in mcp_tools(conn)]
+        conn.close()
+        tail = conn._errtail
+        assert tail is not None
+        tail.tail(wait_s=10)  # the server exited: every line it wrote is logged
+    return version, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("server", ["mcp-server-sqlite (mcp 1.x)", "mcp-server-git (mcp 2.x)"])
+@pytest.mark.parametrize("protocol", ["auto", "legacy"])
+def test_the_default_handshake_leaves_mcp_1_and_mcp_2_servers_stderr_clean(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, server: str, protocol: str
+) -> None:
+    """Not a line on either server's stderr, with the default handshake as with
+    "legacy": both start with initialize, which a 1.x and a 2.x server both take."""
+    if server.startswith("mcp-server-sqlite"):
+        if not isinstance(SQLITE_PROGRAM, Path):
+            pytest.skip(SQLITE_PROGRAM)
+        argv = [str(SQLITE_PROGRAM), "--db-path", str(tmp_path / "db.sqlite3")]
+    else:
+        if not isinstance(GIT_PROGRAM, Path):
+            pytest.skip(GIT_PROGRAM)
+        argv = [str(GIT_PROGRAM), "--repository", str(staged_repo(tmp_path))]
+    version, said = server_said(argv, caplog, protocol=protocol)
+    assert version == "2025-11-25"
+    assert said == []
+
+
 @needs_sqlite_server
-def test_a_legacy_handshake_leaves_an_mcp_1_server_s_stderr_clean(
+def test_the_noise_check_sees_an_mcp_1_server_answer_a_discovery(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The default handshake first asks to discover the server (the newest protocol); an
-    mcp 1.x server answers with a page of validation errors on its stderr before the
-    client falls back. protocol="legacy" starts with initialize: not one such line."""
+    """What the SDK's own default sends first (``server/discover``), an mcp 1.x server
+    answers with a page of validation errors on its stderr: the check above would see it."""
+    argv = [str(SQLITE_PROGRAM), "--db-path", str(tmp_path / "db.sqlite3")]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ratchet.tools.mcp.stderr"):
+        conn = MCPConnection.stdio(argv, connect_timeout_s=60).start()
+        with pytest.raises(MCPError):
+            conn._run(
+                lambda client: client.session.send_discover(LATEST_MODERN_VERSION), 10, "probe"
+            )
+        conn.close()
+        tail = conn._errtail
+        assert tail is not None
+        tail.tail(wait_s=10)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(NOISE.search(line) for line in said) and len(said) > 20
 
-    def errors_said(protocol: str) -> list[str]:
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="ratchet.tools.mcp.stderr"):
-            conn = MCPConnection.stdio(
-                [str(SQLITE_PROGRAM), "--db-path", str(tmp_path / f"{protocol}.db")],
-                connect_timeout_s=60,
-                protocol=protocol,
-            ).start()
-            assert [t.spec.name for t in mcp_tools(conn)]
-            conn.close()
-            tail = conn._errtail
-            assert tail is not None
-            tail.tail(wait_s=10)  # the server exited: every line it wrote is logged
-        return [r.getMessage() for r in caplog.records if "validat" in r.getMessage()]
 
-    assert errors_said("auto")  # the noise is real
-    assert errors_said("legacy") == []
+@needs_sqlite_server
+def test_over_http_an_mcp_1_server_answers_the_discovery_with_a_400_and_no_error(
+    tmp_path: Path,
+) -> None:
+    """Over streamable HTTP the default asks ``server/discover`` first (the
+    specification's way there): a server on mcp 1.x (FastMCP from the sqlite server's
+    environment) refuses it with HTTP 400, logs no validation error, and is then served
+    with initialize."""
+    script = tmp_path / "one_x.py"
+    script.write_text(ONE_X_HTTP_SERVER)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "server.log"
+    python = Path(str(SQLITE_PROGRAM)).with_name("python")
+    with log.open("wb") as err:
+        server = subprocess.Popen(
+            [str(python), str(script), str(port)], stdout=err, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_listening(server, port)
+        with MCPConnection.http(f"http://127.0.0.1:{port}/mcp", connect_timeout_s=60) as conn:
+            assert conn.client.protocol_version == "2025-11-25"
+            result = conn.call_tool("add", {"a": 2, "b": 3})
+            assert not result.is_error
+            # Read before the session ends: mcp 1.x logs an error of its own when a client
+            # closes its event stream (with either handshake), which is not the handshake's.
+            handshake = log.read_text()
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert '"POST /mcp HTTP/1.1" 400' in handshake  # the discovery, refused
+    assert not re.search(r"validat|traceback|error", handshake, re.IGNORECASE)
+
+
+ONE_X_HTTP_SERVER = """
+import sys
+from mcp.server.fastmcp import FastMCP
+
+app = FastMCP("one-x", port=int(sys.argv[1]))
+
+
+@app.tool()
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+app.run(transport="streamable-http")
+"""
+
+
+def wait_listening(server: subprocess.Popen[bytes], port: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the server exited ({server.returncode})")
+        with socket.socket() as client:
+            if client.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the server is not listening")
 
 
 @needs_sqlite_server

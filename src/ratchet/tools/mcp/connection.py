@@ -1,6 +1,25 @@
 """A synchronous connection to one MCP server (stdio or streamable HTTP), running the
 ``mcp`` package's async client on an event loop of its own in a background thread; every
-call has a deadline (see the package docstring)."""
+call has a deadline (see the package docstring).
+
+The handshake (``protocol="auto"``, the default) is chosen so that no server logs an
+error for it, whichever ``mcp`` it runs on:
+
+* **stdio**: ``initialize`` first. A server on ``mcp`` 1.x knows only that; a server on
+  ``mcp`` 2.x speaks both protocol eras and takes the era of the client's first request
+  for the process's life (its answer to ``initialize`` says nothing of the newer one, so
+  there is nothing to upgrade on). The SDK's own default, ``server/discover`` first, is
+  what a 1.x server answers with a page of validation errors on its stderr. A server that
+  refuses ``initialize`` with a JSON-RPC error (a server of the 2026-07-28 protocol only,
+  which names the versions it speaks) is started again and asked with ``server/discover``;
+  this process remembers that server (by its program, arguments, environment and folder)
+  and asks it with ``server/discover`` first from then on, as the specification advises.
+* **streamable HTTP**: ``server/discover`` first, then ``initialize`` (the SDK's default,
+  and the specification's way over HTTP): a 1.x server answers the discovery with an HTTP
+  400 and logs no error, and a 2.x server is served statelessly.
+
+``protocol="legacy"`` is ``initialize`` only, on either transport.
+"""
 
 from __future__ import annotations
 
@@ -64,6 +83,26 @@ _CLOSE_S = 10.0  # how long close() waits for the transport to wind down
 _MAX_PAGES = 100  # tools/list pages before a listing that never ends is refused
 _EXCERPT = 200  # characters of a server's error text kept in an error message
 _T = TypeVar("_T")
+#: The handshakes a connection may be told to use (see the module docstring).
+PROTOCOLS = ("auto", "legacy")
+#: Stdio servers that refused ``initialize`` in this process (digests of their
+#: configuration): later connections to them start with ``server/discover``.
+_MODERN_ONLY: set[str] = set()
+_MODERN_LOCK = threading.Lock()
+
+
+def _handshake_refusal(exc: BaseException) -> MCPError | None:
+    """The JSON-RPC error a server answered the handshake with (looked for inside the
+    exception groups the transport raises), or None: the transport failed, the server
+    died or did not answer in time."""
+    if isinstance(exc, MCPError):
+        return None if exc.code == CONNECTION_CLOSED else exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _handshake_refusal(inner)
+            if found is not None:
+                return found
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,13 +164,14 @@ class MCPConnection:
         if max_answer_bytes is not None:
             peer_cap(max_answer_bytes)  # refused now, not at the first call
         self._max_answer_bytes = max_answer_bytes
-        if protocol not in ("auto", "legacy"):
+        if protocol not in PROTOCOLS:
             raise ConfigurationError(
-                "an MCP connection's protocol is 'auto' (discover, then fall back) or "
-                "'legacy' (the initialize handshake of mcp 1.x servers)",
+                "an MCP connection's protocol is 'auto' (the handshake no server logs an "
+                "error for) or 'legacy' (the initialize handshake only)",
                 field="protocol",
             )
         self._protocol = protocol
+        self._fell_forward = False  # initialize was refused: server/discover was used
         self._errtail: ErrTail | None = None  # a stdio server's stderr, when ratchet keeps it
         self._listed: tuple[mcp_types.Tool, ...] | None = None  # the tools, once listed
         self._broken = False  # its server went away under a call: never reused
@@ -166,9 +206,9 @@ class MCPConnection:
     ) -> MCPConnection:
         """A server ratchet starts: ``argv`` (program first), extra ``env`` (over a
         minimal default environment), ``cwd``; its stderr goes to ``errlog``.
-        ``protocol="legacy"`` starts with the initialize handshake: for a server on
-        ``mcp`` 1.x, which answers the default discovery with a page of validation errors
-        on its stderr before it falls back.
+        ``protocol``: ``"auto"`` starts with the initialize handshake and asks with
+        ``server/discover`` only a server that refuses it (see the module docstring);
+        ``"legacy"`` is the initialize handshake only.
 
         Raises:
             ConfigurationError: an empty ``argv``, a bad timeout or cap.
@@ -279,6 +319,9 @@ class MCPConnection:
         except BaseException:
             self.close()
             raise
+        if self._fell_forward and isinstance(self._transport, _Stdio):
+            with _MODERN_LOCK:
+                _MODERN_ONLY.add(self._transport.identity)
         # Fixed for the connection's life, and readable after the server died.
         self._capabilities = client.server_capabilities
         log.info(
@@ -288,24 +331,43 @@ class MCPConnection:
         )
         return self
 
+    def _first_mode(self) -> str:
+        """The SDK client's ``mode`` for the first handshake: ``"legacy"`` is
+        ``initialize``, ``"auto"`` is ``server/discover`` falling back to it."""
+        if self._protocol == "legacy":
+            return "legacy"
+        if isinstance(self._transport, _Stdio):
+            with _MODERN_LOCK:
+                known = self._transport.identity in _MODERN_ONLY
+            return "auto" if known else "legacy"
+        return "auto"
+
     async def _serve(self, ready: concurrent.futures.Future[None]) -> None:
         """The connection's life, in one task (the SDK's contexts must be entered and
         left in the same task): connect, handshake, wait for close(), wind down."""
+        mode = self._first_mode()
         try:
-            async with AsyncExitStack() as stack:
-                watch_answers(self._handshake)  # the handshake is sent from this task
-                transport = await self._transport.open(stack, self._limit, self._heard_cut)
-                client = Client(
-                    transport,
-                    mode=self._protocol,
-                    cache=None,
-                    read_timeout_seconds=self._timeout,
-                    client_info=_CLIENT_INFO,
-                )
-                await stack.enter_async_context(client)
-                self._client = client
-                ready.set_result(None)
-                await self._stop.wait()
+            while True:
+                try:
+                    await self._session(mode, ready)
+                    return
+                except Exception as exc:
+                    refused = _handshake_refusal(exc)
+                    # Timeline: initialize sent -> the server answered it with an error
+                    # (nothing else was sent; its process is gone with the session) ->
+                    # a new session asks with server/discover, once.
+                    if ready.done() or refused is None or self._protocol != "auto":
+                        raise
+                    if mode != "legacy" or self._fell_forward:
+                        raise
+                    log.info(
+                        "MCP server %s refused the initialize handshake (code %d); asking it "
+                        "with server/discover",
+                        self._transport.label,
+                        refused.code,
+                    )
+                    self._fell_forward = True
+                    mode = "auto"
         except BaseException as exc:
             if not ready.done():
                 ready.set_exception(exc)
@@ -319,6 +381,23 @@ class MCPConnection:
                 raise
         finally:
             self._client = None
+
+    async def _session(self, mode: str, ready: concurrent.futures.Future[None]) -> None:
+        """One session: open the transport, shake hands in ``mode``, serve until close()."""
+        async with AsyncExitStack() as stack:
+            watch_answers(self._handshake)  # the handshake is sent from this task
+            transport = await self._transport.open(stack, self._limit, self._heard_cut)
+            client = Client(
+                transport,
+                mode=mode,
+                cache=None,
+                read_timeout_seconds=self._timeout,
+                client_info=_CLIENT_INFO,
+            )
+            await stack.enter_async_context(client)
+            self._client = client
+            ready.set_result(None)
+            await self._stop.wait()
 
     def close(self) -> None:
         """Disconnect (a stdio server is stopped). Idempotent; waits a bounded time."""
