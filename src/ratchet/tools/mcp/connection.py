@@ -1,24 +1,7 @@
 """A synchronous connection to one MCP server (stdio or streamable HTTP), running the
 ``mcp`` package's async client on an event loop of its own in a background thread; every
-call has a deadline (see the package docstring).
-
-The handshake (``protocol="auto"``, the default) is chosen so that no server logs an
-error for it, whichever ``mcp`` it runs on:
-
-* **stdio**: ``initialize`` first. A server on ``mcp`` 1.x knows only that; a server on
-  ``mcp`` 2.x speaks both protocol eras and takes the era of the client's first request
-  for the process's life (its answer to ``initialize`` says nothing of the newer one, so
-  there is nothing to upgrade on). The SDK's own default, ``server/discover`` first, is
-  what a 1.x server answers with a page of validation errors on its stderr. A server that
-  refuses ``initialize`` with a JSON-RPC error (a server of the 2026-07-28 protocol only,
-  which names the versions it speaks) is started again and asked with ``server/discover``;
-  this process remembers that server (by its program, arguments, environment and folder)
-  and asks it with ``server/discover`` first from then on, as the specification advises.
-* **streamable HTTP**: ``server/discover`` first, then ``initialize`` (the SDK's default,
-  and the specification's way over HTTP): a 1.x server answers the discovery with an HTTP
-  400 and logs no error, and a 2.x server is served statelessly.
-
-``protocol="legacy"`` is ``initialize`` only, on either transport.
+call has a deadline (see the package docstring). The handshake is chosen by
+:mod:`ratchet.tools.mcp.handshake`.
 """
 
 from __future__ import annotations
@@ -50,6 +33,12 @@ from ratchet.errors import (
 from ratchet.limits import peer_cap
 from ratchet.runtime.ports import Fence
 from ratchet.tools.mcp.errtail import ErrTail
+from ratchet.tools.mcp.handshake import (
+    PROTOCOLS,
+    first_mode,
+    handshake_refusal,
+    remember_modern,
+)
 from ratchet.tools.mcp.transports import AnswerWatch, _Http, _Stdio, watch_answers
 from ratchet.tools.mcp.wire import (
     _REFUSED_CODES,
@@ -83,26 +72,6 @@ _CLOSE_S = 10.0  # how long close() waits for the transport to wind down
 _MAX_PAGES = 100  # tools/list pages before a listing that never ends is refused
 _EXCERPT = 200  # characters of a server's error text kept in an error message
 _T = TypeVar("_T")
-#: The handshakes a connection may be told to use (see the module docstring).
-PROTOCOLS = ("auto", "legacy")
-#: Stdio servers that refused ``initialize`` in this process (digests of their
-#: configuration): later connections to them start with ``server/discover``.
-_MODERN_ONLY: set[str] = set()
-_MODERN_LOCK = threading.Lock()
-
-
-def _handshake_refusal(exc: BaseException) -> MCPError | None:
-    """The JSON-RPC error a server answered the handshake with (looked for inside the
-    exception groups the transport raises), or None: the transport failed, the server
-    died or did not answer in time."""
-    if isinstance(exc, MCPError):
-        return None if exc.code == CONNECTION_CLOSED else exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _handshake_refusal(inner)
-            if found is not None:
-                return found
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,8 +289,7 @@ class MCPConnection:
             self.close()
             raise
         if self._fell_forward and isinstance(self._transport, _Stdio):
-            with _MODERN_LOCK:
-                _MODERN_ONLY.add(self._transport.identity)
+            remember_modern(self._transport.identity)
         # Fixed for the connection's life, and readable after the server died.
         self._capabilities = client.server_capabilities
         log.info(
@@ -331,28 +299,18 @@ class MCPConnection:
         )
         return self
 
-    def _first_mode(self) -> str:
-        """The SDK client's ``mode`` for the first handshake: ``"legacy"`` is
-        ``initialize``, ``"auto"`` is ``server/discover`` falling back to it."""
-        if self._protocol == "legacy":
-            return "legacy"
-        if isinstance(self._transport, _Stdio):
-            with _MODERN_LOCK:
-                known = self._transport.identity in _MODERN_ONLY
-            return "auto" if known else "legacy"
-        return "auto"
-
     async def _serve(self, ready: concurrent.futures.Future[None]) -> None:
         """The connection's life, in one task (the SDK's contexts must be entered and
         left in the same task): connect, handshake, wait for close(), wind down."""
-        mode = self._first_mode()
+        stdio = self._transport.identity if isinstance(self._transport, _Stdio) else None
+        mode = first_mode(self._protocol, stdio)
         try:
             while True:
                 try:
                     await self._session(mode, ready)
                     return
                 except Exception as exc:
-                    refused = _handshake_refusal(exc)
+                    refused = handshake_refusal(exc)
                     # Timeline: initialize sent -> the server answered it with an error
                     # (nothing else was sent; its process is gone with the session) ->
                     # a new session asks with server/discover, once.
