@@ -208,7 +208,7 @@ def test_a_sql_write_without_the_key_placeholder_is_refused_at_the_gate_and_neve
     engine = run.start()
     action = sql_action(run, engine, "INSERT INTO notes (body) VALUES ('printer on fire')")
     assert engine.propose(action).outcome is TraceOutcome.REJECTED_SCHEMA
-    said = str(engine.state.trace[-1].detail)  # its repr: a line break would show as \\n
+    said = str(engine.state.trace[-1].detail)  # a repr: a line break shows as a backslash-n
     assert "'query' must hold :ratchet_key where ratchet writes the call's key" in said
     assert "\\n" not in said
     assert engine.state.pending is None and engine.state.executed == ()
