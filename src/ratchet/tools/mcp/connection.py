@@ -176,7 +176,8 @@ class MCPConnection:
         """A server ratchet starts: ``argv`` (program first), extra ``env`` (over a
         minimal default environment), ``cwd``; its stderr goes to ``errlog``.
         ``protocol``: ``"auto"`` starts with the initialize handshake and asks with
-        ``server/discover`` only a server that refuses it (see the module docstring);
+        ``server/discover`` only a server that refuses it
+        (:mod:`ratchet.tools.mcp.handshake`);
         ``"legacy"`` is the initialize handshake only.
 
         Raises:
