@@ -107,9 +107,9 @@ def test_the_version_is_the_newest_release_of_the_changelog() -> None:
 PINNED: dict[str, list[str]] = {
     "ratchet": ["Tool", "ToolCall", "Toolbox", "__version__", "tool"],
     "ratchet.tools": [
-        "ENTRY_POINT_GROUP", "Found", "FunctionTool", "Recovery", "Tool", "ToolCall", "ToolCatalog",
-        "ToolLedger", "ToolSpec", "Toolbox", "ToolsAdapter", "load_entry_point_tool",
-        "output_result", "tool",
+        "ENTRY_POINT_GROUP", "Found", "FunctionTool", "RecordedCall", "Recovery", "Tool",
+        "ToolCall", "ToolCatalog", "ToolLedger", "ToolSpec", "Toolbox", "ToolsAdapter",
+        "load_entry_point_tool", "output_result", "tool",
     ],
     "ratchet.leasing": [
         "Acquired", "CommitResult", "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "Lease",

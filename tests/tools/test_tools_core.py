@@ -520,3 +520,30 @@ def test_a_check_holds_its_expected_values_and_the_texts_it_must_contain() -> No
     with pytest.raises(ValueError, match="expect, contains, or both"):
         ToolCheckSpec(tool="t")
     assert "contains" not in ToolCheckSpec(tool="t", expect={"a": 1}).model_dump(mode="json")
+
+
+def test_a_lookup_that_takes_the_call_is_told_the_recorded_call(tmp_path: Path) -> None:
+    """``lookup(key, call)``: recovery hands it the tool, the arguments as proposed and
+    the intent digest the key was committed with (one-argument lookups keep working:
+    every other lookup test here)."""
+    from ratchet.tools import RecordedCall
+
+    s = _setup(tmp_path, "lookup")
+    service = s.service
+    told: list[RecordedCall] = []
+
+    def find_by_call(key: str, call: RecordedCall) -> dict[str, Any] | None:
+        told.append(call)
+        return service.find(key)
+
+    engine = s.run.start()
+    s.hook.stage = "after_call"
+    action = s.run.refund(engine)
+    with pytest.raises(CrashInTool):
+        engine.propose(action)
+    resumed = s.run.resume(lease_version=2)
+    s.adapters[-1].tool("create_refund").lookup(find_by_call)  # registered as the lookup
+    resumed.reconcile()
+    assert resumed.state.phase is Phase.RUNNING and resumed.state.pending is None
+    assert told == [RecordedCall("create_refund", action.args, action.intent_digest)]
+    assert s.service.effects == 1

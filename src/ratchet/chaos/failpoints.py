@@ -16,14 +16,14 @@ Set ``RATCHET_FAILPOINTS`` to a ``;``-separated list of ``point=action[@hit]``:
     over, sends a genuinely stale write to the adapter: its fence must refuse it;
   - ``after_guard_before_commit``: the same between the guard and the fenced commit, so a
     resumed zombie sends a stale commit that Redis must refuse;
+  - ``tool_before_call``, ``tool_after_call``: inside a declared tool's call (an MCP
+    server's tool included): the ledger admitted it, the tool is not called yet / the tool
+    returned, nothing recorded it yet (the ambiguous window). Apart from :data:`POINTS`,
+    like the git workspace's (:data:`TOOL_POINTS`): they fire only for runs with tools;
   - ``observe_after_write``: the observation right after an adapter write. ``raise`` here
     makes that observation fail (a retryable ``AdapterError``), so the engine commits the
     receipt alone and reaches ``after_receipt_before_state`` (otherwise receipt and state
     are one commit and that window does not occur).
-
-  Inside a git workspace's write: ``git_before_push``, ``git_after_push``; inside a
-  declared tool's call (:class:`ToolPoint`): ``tool_before_call``, ``tool_after_call``
-  (the tool's effect is made, the ledger has not recorded it: its ambiguous window).
 
 * ``action`` is ``kill`` (SIGKILL self), ``pause`` (SIGSTOP self: a zombie until someone
   sends SIGCONT), ``delay:MS`` (sleep), ``raise`` (an exception that ends the job), or
@@ -114,21 +114,20 @@ class GitPoint(StrEnum):
     GIT_AFTER_PUSH = "git_after_push"
 
 
-#: Every failpoint name, engine windows first.
 class ToolPoint(StrEnum):
-    """Inside a declared tool's call: the ledger holds its started row, the tool is not
-    called yet / the tool returned (its effect made), nothing recorded it yet: the
-    ambiguous window of a tool, where only its own recovery (a lookup, an idempotent
-    service, or a reviewer) can tell. They fire only for runs with declared tools."""
+    """Inside a declared tool's call: the ledger admitted it, the tool is not called yet /
+    the tool returned, nothing recorded it yet. Apart from :data:`POINTS`: they fire only
+    for runs that call declared tools."""
 
     TOOL_BEFORE_CALL = "tool_before_call"
     TOOL_AFTER_CALL = "tool_after_call"
 
 
+#: Every failpoint name, engine windows first.
 POINTS: tuple[str, ...] = (*(w.value for w in CrashWindow), *(p.value for p in WorkerPoint))
 #: The git workspace's failpoint names.
 GIT_POINTS: tuple[str, ...] = tuple(p.value for p in GitPoint)
-#: The declared tools' points (apart from :data:`POINTS`, like the git ones).
+#: The declared tools' failpoint names.
 TOOL_POINTS: tuple[str, ...] = tuple(p.value for p in ToolPoint)
 ACTIONS = ("kill", "pause", "delay", "raise", "drop-reply")
 _DROPPABLE = (WorkerPoint.DURING_RENEWAL.value, WorkerPoint.AFTER_COMMIT_BEFORE_REPLY.value)

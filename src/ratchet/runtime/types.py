@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 from typing_extensions import TypeAliasType
 
 __all__ = [
+    "IDENTIFIER_PATTERN",
     "Digest",
     "Frozen",
     "Identifier",
@@ -37,8 +38,10 @@ StrictStr = Annotated[str, Strict()]
 StrictBool = Annotated[bool, Strict()]
 NonNegInt = Annotated[int, Strict(), Field(ge=0, le=2**63 - 1)]
 PosInt = Annotated[int, Strict(), Field(ge=1, le=2**63 - 1)]
+#: What an identifier (a run id, an idempotency key...) may hold: 1 to 200 of these.
+IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]*$"
 Identifier = Annotated[
-    str, Strict(), Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]*$")
+    str, Strict(), Field(min_length=1, max_length=200, pattern=IDENTIFIER_PATTERN)
 ]
 Digest = Annotated[str, Strict(), Field(pattern=r"^[0-9a-f]{64}$")]
 SignatureHex = Annotated[str, Strict(), Field(pattern=r"^[0-9a-f]{128}$")]

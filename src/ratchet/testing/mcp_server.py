@@ -2,7 +2,8 @@
 for tests and demos of :mod:`ratchet.tools.mcp`::
 
     python -m ratchet.testing.mcp_server --state DIR [--transport stdio|http --port N]
-        [--fences] [--lookup] [--sep3182] [--idempotent] [--estimates] [--pid-file PATH]
+        [--fences] [--lookup] [--sep3182] [--idempotent] [--estimates] [--modern-only]
+        [--pid-file PATH]
 
 Tools: ``create_ticket(title, body)`` (``destructiveHint``; with ``--idempotent`` also
 ``idempotentHint``), ``list_tickets()`` and ``tickets.search(query)`` (``readOnlyHint``),
@@ -32,6 +33,11 @@ marked ``"ratchet/error": "fence_rejected"``, counted in ``refused_stale``).
 
 Over HTTP, when the environment variable ``TICKETS_TOKEN`` is set, every request must
 carry ``Authorization: Bearer <token>``.
+
+The SDK's server speaks both protocol eras (the client's first request picks one). With
+``--modern-only`` it refuses the ``initialize`` handshake as a server of the 2026-07-28
+protocol alone does (``UnsupportedProtocolVersionError`` naming the versions it speaks), so
+a client that starts with ``initialize`` must fall forward to ``server/discover``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from mcp import MCPError
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.stdio import stdio_server
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from ratchet.tools.mcp import (
     EXTENSION_CAPABILITY,
@@ -115,6 +122,7 @@ class Options:
     sep3182: bool = False
     idempotent: bool = False
     estimates: bool = False
+    modern_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -390,6 +398,18 @@ def _fence_of(meta: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     return fence
 
 
+async def _refuse_initialize(ctx: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """``--modern-only``: the handshake is refused, naming the versions served."""
+    if ctx.method == "initialize":
+        requested = (ctx.params or {}).get("protocolVersion")
+        raise MCPError(
+            types.UNSUPPORTED_PROTOCOL_VERSION,
+            "this server speaks the 2026-07-28 protocol only; initialize is not accepted",
+            {"supported": list(MODERN_PROTOCOL_VERSIONS), "requested": requested},
+        )
+    return await call_next(ctx)
+
+
 class _TicketsServer(Server[Any]):
     """The low-level server with the experimental capabilities this service offers."""
 
@@ -402,6 +422,8 @@ class _TicketsServer(Server[Any]):
             name: validator_for(t.input_schema)(t.input_schema) for name, t in self._tools.items()
         }
         self.add_request_handler("tools/call", types.CallToolRequestParams, self._call)
+        if options.modern_only:
+            self.middleware.append(_refuse_initialize)
 
     def get_capabilities(
         self,
@@ -597,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sep3182", action="store_true", help="advertise idempotencyKey")
     parser.add_argument("--idempotent", action="store_true", help="create_ticket dedupes")
     parser.add_argument("--estimates", action="store_true", help="offer estimate_ticket")
+    parser.add_argument("--modern-only", action="store_true", help="refuse initialize")
     parser.add_argument("--pid-file", type=Path, help="write this process's id here")
     args = parser.parse_args(argv)
     if args.transport == "http" and not args.port:
@@ -609,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             sep3182=args.sep3182,
             idempotent=args.idempotent,
             estimates=args.estimates,
+            modern_only=args.modern_only,
         )
     )
     if args.pid_file is not None:

@@ -31,13 +31,14 @@ from ratchet.errors import AdapterError, ConfigurationError
 from ratchet.runtime.ports import Adapter, Clock
 from ratchet.runtime.tools import BUILTIN_TOOLS, Recovery, ToolCatalog, ToolSpec
 from ratchet.tools.adapter import ToolsAdapter, output_result
-from ratchet.tools.declare import Found, FunctionTool, Tool, ToolCall, tool
+from ratchet.tools.declare import Found, FunctionTool, RecordedCall, Tool, ToolCall, tool
 from ratchet.tools.ledger import CallLedger, ToolLedger
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Found",
     "FunctionTool",
+    "RecordedCall",
     "Recovery",
     "Tool",
     "ToolCall",

@@ -70,7 +70,7 @@ from ratchet.runtime.ports import (
     VerifierReport,
 )
 from ratchet.runtime.tools import Recovery, ToolCatalog
-from ratchet.tools.declare import Found, Tool, ToolCall
+from ratchet.tools.declare import Found, RecordedCall, Tool, ToolCall
 from ratchet.tools.ledger import CallIntent, CallLedger, ToolLedger
 
 __all__ = ["MAX_OUTPUT_CHARS", "ToolCheck", "ToolsAdapter", "output_result"]
@@ -360,7 +360,7 @@ class ToolsAdapter:
         except AdapterError as exc:
             if exc.context.get("reason") != "unresolved":
                 raise
-            settled = self._settle(t, key, intent_digest)
+            settled = self._settle(t, key, intent_digest, action.args)
             if settled is not None:
                 return settled
             existing = begin(again=True, fresh=True)  # _settle just read the ledger
@@ -403,10 +403,14 @@ class ToolsAdapter:
             call=recorded,
         )
 
-    def _settle(self, t: Tool, key: str, intent_digest: str) -> Receipt | None:
+    def _settle(
+        self, t: Tool, key: str, intent_digest: str, arguments: Mapping[str, Any] | None
+    ) -> Receipt | None:
         """A call of ``key`` whose outcome is not recorded (a ``started`` row, or no row
         for a tool that records calls only once they returned): the receipt the tool's
-        recovery finds, or None (the tool may be called with the same key).
+        recovery finds, or None (the tool may be called with the same key). A lookup is
+        told the recorded call (``arguments``: as proposed; None when only the ledger row
+        is known) when it takes it.
 
         Raises:
             OutcomeUnknownError: a ``review`` tool's cut-off call, or a lookup whose answer
@@ -415,7 +419,7 @@ class ToolsAdapter:
         recovery = t.spec.recovery
         if recovery is Recovery.LOOKUP:
             try:
-                found = t.lookup(key)
+                found = t.recover(key, RecordedCall(t.spec.name, arguments, intent_digest))
             except PeerAnswerTooLargeError as exc:
                 # The tool's record of the call is past the cap: it cannot be read, so the
                 # call's outcome cannot be learnt from it.
@@ -464,7 +468,7 @@ class ToolsAdapter:
         t = t or self.tool(str(action.kind))
         if row is None and t.spec.recovery is Recovery.REVIEW:
             return None  # its started row is written before any call: never sent
-        return self._settle(t, action.idempotency_key or "", action.intent_digest)
+        return self._settle(t, action.idempotency_key or "", action.intent_digest, action.args)
 
     def lookup(self, idempotency_key: str) -> Receipt | None:
         """The ledger's receipt for the key (what an adapter's lookup promises), settled by
@@ -472,7 +476,7 @@ class ToolsAdapter:
         row = self.ledger.row(idempotency_key)
         if row is None or row.status != "started":
             return row.receipt if row is not None else None
-        return self._settle(self.tool(row.tool), idempotency_key, row.intent_digest)
+        return self._settle(self.tool(row.tool), idempotency_key, row.intent_digest, None)
 
     # -- reads ------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ Decorator::
 
     @create_refund.lookup
     def find_refund(key: str) -> dict | None:   # optional: recovery by key
-        ...
+        ...                                     # (or find_refund(key, call): see below)
 
 The arguments' model is built from the signature (every parameter but ``call``), or is
 the one parameter's own pydantic model; its JSON Schema is what a model is shown. The
@@ -27,8 +27,13 @@ Class form::
             body: str
         def __init__(self, client): self.client = client
         def run(self, args, call): ...
-        def lookup(self, key): ...          # optional
+        def lookup(self, key, call=None): ...   # optional
         def raise_fence(self, fence): ...   # optional: the tool checks fences itself
+
+A lookup is asked by recovery about a call whose outcome a crash hid: ``lookup(key)``, or
+``lookup(key, call)`` when it takes a second argument, ``call`` being the
+:class:`RecordedCall` (the tool, the arguments as proposed, the intent digest the key was
+committed with), for a lookup that searches by something the arguments name.
 
 A tool's recovery follows from what it declares: a ``lookup`` makes it ``lookup``;
 ``idempotent=True`` (the service dedupes by the key it is given) makes it
@@ -46,7 +51,7 @@ no effect; anything else it raises leaves the call's outcome unknown, for recove
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, ClassVar, get_type_hints
@@ -58,7 +63,7 @@ from ratchet.runtime.actions import Risk
 from ratchet.runtime.ports import Fence
 from ratchet.runtime.tools import Recovery, ToolSpec
 
-__all__ = ["Found", "FunctionTool", "Tool", "ToolCall", "tool"]
+__all__ = ["Found", "FunctionTool", "RecordedCall", "Tool", "ToolCall", "tool"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,28 @@ class Found:
     intent_digest: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RecordedCall:
+    """The call recovery asks a lookup about: the tool's name, the ``arguments`` as
+    proposed (what the intent digest covers; None when recovery knows only the key's
+    ledger row) and the ``intent_digest`` the key was committed with."""
+
+    tool: str
+    arguments: Mapping[str, Any] | None
+    intent_digest: str
+
+
+def takes_call(lookup: Callable[..., Any]) -> bool:
+    """Whether ``lookup`` takes the recorded call after the key (a second positional
+    parameter, or ``*args``)."""
+    try:
+        params = list(inspect.signature(lookup).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the key alone
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
 class Tool:
     """The class form of a tool. Subclass it, set ``name``, ``risk`` and ``Args`` (a
     pydantic model), and define :meth:`run`; optionally :meth:`lookup`,
@@ -108,8 +135,16 @@ class Tool:
     def lookup(self, key: str) -> Any | None:
         """The output of an earlier call made with ``key`` (or a :class:`Found` naming
         its intent too), or None: none was made. Defining it makes the tool's recovery
-        ``lookup``."""
+        ``lookup``. It may take a second argument, the :class:`RecordedCall`
+        (``lookup(self, key, call=None)``)."""
         raise NotImplementedError
+
+    def recover(self, key: str, call: RecordedCall) -> Any | None:
+        """What recovery asks: ``lookup(key, call)`` when the tool's lookup takes the
+        call, else ``lookup(key)``."""
+        if takes_call(self.lookup):
+            return self.lookup(key, call)  # type: ignore[call-arg]  # a lookup that takes it
+        return self.lookup(key)
 
     def raise_fence(self, fence: Fence) -> None:
         """Record a new owner's fence without calling. Defining it declares that the
@@ -206,7 +241,7 @@ class FunctionTool(Tool):
         self.description = description  # type: ignore[misc]
         self.requires_approval = requires_approval  # type: ignore[misc]
         self.idempotent = idempotent  # type: ignore[misc]
-        self._lookup_fn: Callable[[str], Any] | None = None
+        self._lookup_fn: Callable[..., Any] | None = None
         self._fence_fn: Callable[[Fence], None] | None = None
         self.Args, self._model_param, self._wants_call = _signature_model(fn, name)  # type: ignore[misc]
 
@@ -214,13 +249,16 @@ class FunctionTool(Tool):
         """Call the function itself (for tests and plain use): no ledger, no fence."""
         return self.fn(*args, **kwargs)
 
-    def lookup(self, key: Any) -> Any | None:
-        """With a key: the registered lookup's answer. With a function (as a decorator,
-        ``@my_tool.lookup``): register it as the tool's lookup."""
+    def lookup(self, key: Any, call: RecordedCall | None = None) -> Any | None:
+        """With a key: the registered lookup's answer (given ``call`` too when it takes
+        it). With a function (as a decorator, ``@my_tool.lookup``): register it as the
+        tool's lookup."""
         if callable(key) and not isinstance(key, str):
             return self.register_lookup(key)
         if self._lookup_fn is None:
             raise NotImplementedError
+        if call is not None and takes_call(self._lookup_fn):
+            return self._lookup_fn(key, call)
         return self._lookup_fn(key)
 
     def fence(self, fn: Callable[[Fence], None]) -> Callable[[Fence], None]:
@@ -240,8 +278,9 @@ class FunctionTool(Tool):
     def checks_fences(self) -> bool:
         return self._fence_fn is not None
 
-    def register_lookup(self, fn: Callable[[str], Any]) -> Callable[[str], Any]:
-        """Decorator: ``fn(key)`` returns an earlier call's output, or None."""
+    def register_lookup(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: ``fn(key)`` (or ``fn(key, call)``, given the :class:`RecordedCall`)
+        returns an earlier call's output, or None."""
         self._lookup_fn = fn
         self.__dict__.pop("_spec", None)
         return fn

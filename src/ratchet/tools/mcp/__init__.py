@@ -31,15 +31,20 @@ server dedupes by it, so its write tools are idempotent) and
 ``{"ratchet": {"fences": true, "lookup": true}}``: the hidden tools ``ratchet_raise_fence``
 (its write tools then check fences) and ``ratchet_lookup`` (its write tools then recover by
 lookup).
+
+A server that offers neither recovers by a declared recipe instead
+(:mod:`ratchet.tools.mcp.recipes`: the key kept in what the write writes, found by a read
+of the same server), e.g. ``git_trailer`` for ``mcp-server-git`` and ``sql_key_column`` for
+a SQL server.
 """
 
 from __future__ import annotations
 
 from ratchet.tools.mcp.connection import MCPConnection, RatchetExtensions
+from ratchet.tools.mcp.recipes import KeyRecipe
 from ratchet.tools.mcp.schema import SchemaArgs, schema_model
 from ratchet.tools.mcp.shared import close_shared, shared_count, shared_stdio
 from ratchet.tools.mcp.tools import (
-    KeyRecipe,
     McpDeclaration,
     MCPTool,
     mcp_risk,

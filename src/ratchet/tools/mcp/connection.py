@@ -1,6 +1,8 @@
 """A synchronous connection to one MCP server (stdio or streamable HTTP), running the
 ``mcp`` package's async client on an event loop of its own in a background thread; every
-call has a deadline (see the package docstring)."""
+call has a deadline (see the package docstring). The handshake is chosen by
+:mod:`ratchet.tools.mcp.handshake`.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ from ratchet.errors import (
 from ratchet.limits import peer_cap
 from ratchet.runtime.ports import Fence
 from ratchet.tools.mcp.errtail import ErrTail
+from ratchet.tools.mcp.handshake import (
+    PROTOCOLS,
+    first_mode,
+    handshake_refusal,
+    remember_modern,
+)
 from ratchet.tools.mcp.transports import AnswerWatch, _Http, _Stdio, watch_answers
 from ratchet.tools.mcp.wire import (
     _REFUSED_CODES,
@@ -125,13 +133,14 @@ class MCPConnection:
         if max_answer_bytes is not None:
             peer_cap(max_answer_bytes)  # refused now, not at the first call
         self._max_answer_bytes = max_answer_bytes
-        if protocol not in ("auto", "legacy"):
+        if protocol not in PROTOCOLS:
             raise ConfigurationError(
-                "an MCP connection's protocol is 'auto' (discover, then fall back) or "
-                "'legacy' (the initialize handshake of mcp 1.x servers)",
+                "an MCP connection's protocol is 'auto' (the handshake no server logs an "
+                "error for) or 'legacy' (the initialize handshake only)",
                 field="protocol",
             )
         self._protocol = protocol
+        self._fell_forward = False  # initialize was refused: server/discover was used
         self._errtail: ErrTail | None = None  # a stdio server's stderr, when ratchet keeps it
         self._listed: tuple[mcp_types.Tool, ...] | None = None  # the tools, once listed
         self._broken = False  # its server went away under a call: never reused
@@ -166,9 +175,10 @@ class MCPConnection:
     ) -> MCPConnection:
         """A server ratchet starts: ``argv`` (program first), extra ``env`` (over a
         minimal default environment), ``cwd``; its stderr goes to ``errlog``.
-        ``protocol="legacy"`` starts with the initialize handshake: for a server on
-        ``mcp`` 1.x, which answers the default discovery with a page of validation errors
-        on its stderr before it falls back.
+        ``protocol``: ``"auto"`` starts with the initialize handshake and asks with
+        ``server/discover`` only a server that refuses it
+        (:mod:`ratchet.tools.mcp.handshake`);
+        ``"legacy"`` is the initialize handshake only.
 
         Raises:
             ConfigurationError: an empty ``argv``, a bad timeout or cap.
@@ -279,6 +289,8 @@ class MCPConnection:
         except BaseException:
             self.close()
             raise
+        if self._fell_forward and isinstance(self._transport, _Stdio):
+            remember_modern(self._transport.identity)
         # Fixed for the connection's life, and readable after the server died.
         self._capabilities = client.server_capabilities
         log.info(
@@ -291,21 +303,30 @@ class MCPConnection:
     async def _serve(self, ready: concurrent.futures.Future[None]) -> None:
         """The connection's life, in one task (the SDK's contexts must be entered and
         left in the same task): connect, handshake, wait for close(), wind down."""
+        stdio = self._transport.identity if isinstance(self._transport, _Stdio) else None
+        mode = first_mode(self._protocol, stdio)
         try:
-            async with AsyncExitStack() as stack:
-                watch_answers(self._handshake)  # the handshake is sent from this task
-                transport = await self._transport.open(stack, self._limit, self._heard_cut)
-                client = Client(
-                    transport,
-                    mode=self._protocol,
-                    cache=None,
-                    read_timeout_seconds=self._timeout,
-                    client_info=_CLIENT_INFO,
-                )
-                await stack.enter_async_context(client)
-                self._client = client
-                ready.set_result(None)
-                await self._stop.wait()
+            while True:
+                try:
+                    await self._session(mode, ready)
+                    return
+                except Exception as exc:
+                    refused = handshake_refusal(exc)
+                    # Timeline: initialize sent -> the server answered it with an error
+                    # (nothing else was sent; its process is gone with the session) ->
+                    # a new session asks with server/discover, once.
+                    if ready.done() or refused is None or self._protocol != "auto":
+                        raise
+                    if mode != "legacy" or self._fell_forward:
+                        raise
+                    log.info(
+                        "MCP server %s refused the initialize handshake (code %d); asking it "
+                        "with server/discover",
+                        self._transport.label,
+                        refused.code,
+                    )
+                    self._fell_forward = True
+                    mode = "auto"
         except BaseException as exc:
             if not ready.done():
                 ready.set_exception(exc)
@@ -319,6 +340,23 @@ class MCPConnection:
                 raise
         finally:
             self._client = None
+
+    async def _session(self, mode: str, ready: concurrent.futures.Future[None]) -> None:
+        """One session: open the transport, shake hands in ``mode``, serve until close()."""
+        async with AsyncExitStack() as stack:
+            watch_answers(self._handshake)  # the handshake is sent from this task
+            transport = await self._transport.open(stack, self._limit, self._heard_cut)
+            client = Client(
+                transport,
+                mode=mode,
+                cache=None,
+                read_timeout_seconds=self._timeout,
+                client_info=_CLIENT_INFO,
+            )
+            await stack.enter_async_context(client)
+            self._client = client
+            ready.set_result(None)
+            await self._stop.wait()
 
     def close(self) -> None:
         """Disconnect (a stdio server is stopped). Idempotent; waits a bounded time."""

@@ -4,7 +4,7 @@ server's, and input is validated by it (``jsonschema``) and kept as given."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
 from jsonschema.exceptions import SchemaError, best_match  # type: ignore[import-untyped]
@@ -25,6 +25,9 @@ class SchemaArgs(BaseModel):
 
     input_schema: ClassVar[dict[str, Any]] = {"type": "object"}
     schema_validator: ClassVar[Any] = None
+    #: A check beyond the schema (the operator's, e.g. a key recipe's placeholder): why
+    #: the arguments are refused, or None. It shows nowhere in the schema.
+    extra_check: ClassVar[Callable[[Mapping[str, Any]], str | None] | None] = None
 
     @classmethod
     def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -39,6 +42,10 @@ class SchemaArgs(BaseModel):
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path) or "(root)"
             raise ValueError(f"at {where}: {error.message}")
+        if cls.extra_check is not None and isinstance(data, Mapping):
+            refused = cls.extra_check(data)
+            if refused is not None:
+                raise ValueError(refused)
         return data
 
 
@@ -63,8 +70,15 @@ def _admits_number(schema: Any) -> bool:
     return False
 
 
-def schema_model(tool: str, schema: Mapping[str, Any]) -> type[SchemaArgs]:
-    """The arguments model of ``tool`` (a ratchet name) from its MCP ``inputSchema``.
+def schema_model(
+    tool: str,
+    schema: Mapping[str, Any],
+    *,
+    check: Callable[[Mapping[str, Any]], str | None] | None = None,
+) -> type[SchemaArgs]:
+    """The arguments model of ``tool`` (a ratchet name) from its MCP ``inputSchema``;
+    ``check`` refuses what the schema admits but the operator does not (see
+    :attr:`SchemaArgs.extra_check`).
 
     Raises:
         ConfigurationError: not an object schema, not a valid JSON Schema, or one that
@@ -94,5 +108,6 @@ def schema_model(tool: str, schema: Mapping[str, Any]) -> type[SchemaArgs]:
         "__module__": __name__,
         "input_schema": kept,
         "schema_validator": checker(kept, registry=Registry()),
+        "extra_check": staticmethod(check) if check is not None else None,
     }
     return cast(type[SchemaArgs], type(f"{tool}_args", (SchemaArgs,), namespace))

@@ -3,10 +3,9 @@ fences from what the server advertises."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mcp_types
@@ -19,8 +18,9 @@ from ratchet.errors import (
 from ratchet.runtime.actions import Risk
 from ratchet.runtime.ports import Fence
 from ratchet.runtime.tools import TOOL_NAME_PATTERN
-from ratchet.tools.declare import Tool, ToolCall
+from ratchet.tools.declare import RecordedCall, Tool, ToolCall
 from ratchet.tools.mcp.connection import MCPConnection
+from ratchet.tools.mcp.recipes import KeyRecipe
 from ratchet.tools.mcp.schema import schema_model
 from ratchet.tools.mcp.wire import (
     _HIDDEN,
@@ -46,23 +46,6 @@ def mcp_risk(annotations: mcp_types.ToolAnnotations | None) -> Risk:
 
 #: Risks from the least to the most strict.
 _STRICTNESS = (Risk.READ_ONLY, Risk.REVERSIBLE_WRITE, Risk.IRREVERSIBLE_EXTERNAL_WRITE)
-#: The line a key recipe adds to the write's carrying argument, and looks for.
-KEY_LINE = "Ratchet-Key: {key}"
-
-
-@dataclass(frozen=True, slots=True)
-class KeyRecipe:
-    """How a server that knows no idempotency keys keeps one and finds it again, declared
-    without Python: the write's string argument ``carry`` gets a last line
-    ``Ratchet-Key: KEY`` (a commit message's trailer, a row's note), and a lookup calls the
-    server's read tool ``tool`` with ``arguments`` and finds that line in its result's
-    text. The read must see every call of the run that could have been made (the newest
-    commits of the run's branch, the rows of the run's table): a key it cannot see is
-    taken as never sent."""
-
-    carry: str
-    tool: str
-    arguments: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +55,8 @@ class McpDeclaration:
     stricter (a riskier class; not idempotent) unless :func:`mcp_tools` is told to
     ``loosen``; ``refusal`` is a regular expression: a result whose text matches it is a
     refusal with no effect (for a server that answers a failed write with ordinary text);
-    ``keys`` makes the tool recover by lookup (:class:`KeyRecipe`)."""
+    ``keys`` makes the tool recover by lookup (:class:`~ratchet.tools.mcp.recipes.
+    KeyRecipe`)."""
 
     risk: Risk | None = None
     idempotent: bool | None = None
@@ -136,16 +120,19 @@ class MCPTool(Tool):
         self.risk = risk  # type: ignore[misc]
         self.description = (remote.description or f"MCP tool {remote.name}").strip()  # type: ignore[misc]
         self.idempotent = risk.is_write and (hinted or connection.supports_idempotency_key)  # type: ignore[misc]
-        self.Args = schema_model(name, remote.input_schema)  # type: ignore[misc]
+        self._keys = declared.keys if risk.is_write else None
+        # A placeholder recipe refuses, at the gate, a call that could not carry its key.
+        check = self._keys.missing if self._keys and self._keys.placeholder else None
+        self.Args = schema_model(name, remote.input_schema, check=check)  # type: ignore[misc]
         if declared.idempotent is False:
             self.idempotent = False  # type: ignore[misc]
         self._fences = risk.is_write and extensions.fences
         self._lookup = risk.is_write and extensions.lookup
         self._refusal = re.compile(declared.refusal) if declared.refusal else None
-        self._keys = declared.keys if risk.is_write else None
         if self._keys is not None:
             _check_recipe(remote, self._keys)
             self._lookup = True
+            self.description += self._keys.note  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"MCPTool(name={self.name!r}, mcp={self.remote_name!r})"
@@ -169,9 +156,11 @@ class MCPTool(Tool):
         """
         arguments = args.model_dump(mode="json") if isinstance(args, BaseModel) else dict(args)
         if self._keys is not None and call.idempotency_key is not None:
-            carried = arguments.get(self._keys.carry)
-            line = KEY_LINE.format(key=call.idempotency_key)
-            arguments[self._keys.carry] = f"{carried}\n\n{line}" if carried else line
+            # The arguments as proposed (the intent digest covers them) with the key, and
+            # the intent digest for an intent recipe, written in: fixed by the two.
+            arguments = self._keys.carried(
+                arguments, call.idempotency_key, call.intent_digest, self.name
+            )
         meta: dict[str, Any] = {}
         if call.fence is not None:
             meta[META_FENCE] = fence_payload(call.fence)
@@ -195,13 +184,19 @@ class MCPTool(Tool):
             )
         return tool_output(result)
 
-    def lookup(self, key: str) -> Any | None:
+    def lookup(self, key: str, call: RecordedCall | None = None) -> Any | None:
+        """The server's ``ratchet_lookup``, or the key recipe's read: the call's output
+        (a :class:`~ratchet.tools.declare.Found` when the read shows its intent), or None.
+
+        Raises:
+            AdapterError: the read failed or cannot say (retryable=True).
+        """
         if not self._lookup:
             raise NotImplementedError
         recipe = self._keys
         if recipe is None:
             return self.connection.lookup(self.remote_name, key)
-        result = self.connection.call_tool(recipe.tool, dict(recipe.arguments))
+        result = self.connection.call_tool(recipe.tool, recipe.lookup_arguments(key, self.name))
         if result.is_error:
             raise AdapterError(
                 f"tool {self.name}: the lookup's read tool {recipe.tool!r} failed; the key "
@@ -209,9 +204,7 @@ class MCPTool(Tool):
                 retryable=True,
                 tool=self.name,
             )
-        if not _carries_key(result, key):
-            return None
-        return {"found_by": recipe.tool, "key": key}
+        return recipe.found(result, key, call.intent_digest if call else None, self.name)
 
     def raise_fence(self, fence: Fence) -> None:
         if not self._fences:
@@ -220,18 +213,6 @@ class MCPTool(Tool):
 
     def close(self) -> None:
         """The connection is the caller's: :func:`mcp_tools` does not close it."""
-
-
-def _carries_key(result: mcp_types.CallToolResult, key: str) -> bool:
-    """Whether a read's result shows the line ``Ratchet-Key: KEY`` as a line of its own:
-    in its text (a log, indented or not) or inside a JSON string of it (its structured
-    content, or text that is JSON), where the line break is escaped."""
-    texts = [_joined_text(result)]
-    if result.structured_content is not None:
-        texts.append(json.dumps(result.structured_content))
-    line = re.escape(KEY_LINE.format(key=key))
-    pattern = re.compile(rf'(?:^|\n|\\n)[ \t]*{line}(?=$|[\s"\\,}}\]])', re.MULTILINE)
-    return any(pattern.search(text) for text in texts)
 
 
 def _declared_risk(tool: str, hinted: Risk, declared: Risk | None, loosen: bool) -> Risk:
@@ -254,7 +235,8 @@ def _declared_risk(tool: str, hinted: Risk, declared: Risk | None, loosen: bool)
 
 
 def _check_recipe(remote: mcp_types.Tool, recipe: KeyRecipe) -> None:
-    """The carrying argument must be one of the write's string arguments.
+    """The carrying argument must be one of the write's string arguments (the read tool
+    is checked by :func:`mcp_tools`, which knows the listing).
 
     Raises:
         ConfigurationError: it is not.
@@ -312,6 +294,14 @@ def mcp_tools(
             field="declare",
             tool=unknown[0],
         )
+    for declared_name, declared in (declare or {}).items():
+        if declared.keys is not None and declared.keys.tool not in every:
+            raise ConfigurationError(
+                f"MCP tool {declared_name!r}: the key recipe's read tool "
+                f"{declared.keys.tool!r} is not a tool the server lists",
+                field="declare",
+                tool=declared_name,
+            )
     made: list[Tool] = []
     named: dict[str, str] = {}
     for remote in listed:

@@ -29,6 +29,8 @@ the bytes stream in:
 from __future__ import annotations
 
 import contextvars
+import hashlib
+import json
 import logging
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
@@ -96,6 +98,13 @@ class _Stdio:
     @property
     def label(self) -> str:
         return f"stdio {Path(self.argv[0]).name}"
+
+    @property
+    def identity(self) -> str:
+        """A digest of the server's configuration (program, arguments, environment,
+        folder): the same server started again has the same one; secrets stay out."""
+        made = json.dumps([self.argv, sorted((self.env or {}).items()), self.cwd])
+        return hashlib.sha256(made.encode()).hexdigest()
 
     def secrets(self) -> list[str]:
         return list((self.env or {}).values())

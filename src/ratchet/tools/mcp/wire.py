@@ -63,6 +63,11 @@ def fence_payload(fence: Fence) -> dict[str, Any]:
 
 
 def _what_failed(exc: BaseException) -> str:
+    """What failed, in a few words: inside an exception group (the transport's task
+    group), the first error a server answered with, else the first failure."""
+    if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        inner = [_what_failed(e) for e in exc.exceptions]
+        return next((said for said in inner if said.startswith("code ")), inner[0])
     if isinstance(exc, TimeoutError):
         return "no answer in time"
     if isinstance(exc, MCPError):
