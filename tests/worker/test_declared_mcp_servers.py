@@ -397,3 +397,32 @@ def test_a_server_declared_sandboxed_writes_only_its_folder_and_keeps_secrets_of
     environ = Path(f"/proc/{server}/environ").read_bytes().split(b"\0")
     assert b"TICKETS_TOKEN=s3cret-in-the-box" in environ
     assert not [v for v in environ if v.startswith(b"RATCHET_")]
+
+
+@pytest.mark.parametrize(
+    ("keys", "why"),
+    [
+        ({"carry": "message"}, "both carry and tool"),
+        ({"git_trailer": {"repo_path": "/r"}, "carry": "m", "tool": "t"}, "or one of"),
+        ({"git_trailer": {"nope": 1}}, "unexpected keyword"),
+        ({"sql_key_column": {"table": "no; DROP"}}, "plain SQL name"),
+    ],
+)
+def test_a_bad_key_recipe_is_refused_when_settings_load(keys: dict[str, Any], why: str) -> None:
+    with pytest.raises(ValidationError, match=why):
+        Settings(mcp_servers={"t": {"command": ["/bin/true"], "tools": {"a": {"keys": keys}}}})
+
+
+def test_a_shipped_recipe_is_named_in_settings() -> None:
+    declared = McpServerDeclaration.model_validate(
+        {"command": ["/bin/true"], "tools": {"w": {"keys": {"sql_key_column": {"table": "t"}}}}}
+    )
+    recipe = declared.tools["w"].keys
+    assert recipe is not None
+    made = recipe.made()
+    assert (made.carry, made.tool, made.placeholder, made.quote) == (
+        "query",
+        "read_query",
+        ":ratchet_key",
+        "sql",
+    )

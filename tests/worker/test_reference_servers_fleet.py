@@ -1,10 +1,12 @@
-"""The unmodified ``mcp-server-git`` from PyPI as an operator runs it on a fleet: declared
+"""The unmodified ``mcp-server-git`` and ``mcp-server-sqlite`` from PyPI as an operator runs
+them on a fleet, with no Python of the operator's: declared
 in the workers' settings (``RATCHET_MCP_SERVERS``), named by a task file, run by real
 worker processes, one of them SIGKILLed right after the server made the commit and before
 its receipt was committed (the ambiguous window). The commits are counted in the
 repository's own log: one, either way. Without a key recipe the run waits for a reviewer;
 with the trailer recipe (the key in the commit message, found by ``git_log``) the next
-worker finds the commit and the run completes with nobody involved."""
+worker finds the commit and the run completes with nobody involved. The SQLite server's
+INSERT is found the same way by its key column (``sql_key_column``): one row."""
 
 from __future__ import annotations
 
@@ -23,7 +25,13 @@ from ratchet.fleet.settings import Settings
 from ratchet.ops import inspect_run, submit
 from ratchet.runtime import Scenario
 from ratchet.runtime.state import ReviewReason
-from tests.tools.reference_servers import GIT_SERVER, reference_server
+from tests.tools.reference_servers import (
+    GIT_SERVER,
+    SQLITE_SERVER,
+    notes_db,
+    reference_server,
+    rows,
+)
 from tests.worker.fleet_harness import phase, poll, workers
 
 pytestmark = pytest.mark.slow
@@ -189,3 +197,93 @@ def test_a_commit_the_ledger_recorded_before_the_kill_is_reconciled_without_a_re
     assert commits(repo) == [MESSAGE, "initial"]
     outcomes = [e.outcome.value for e in inspect_run(fleet, run_id).state.trace]
     assert "reconciled" in outcomes
+
+
+SQLITE_PROGRAM = reference_server(SQLITE_SERVER)
+needs_sqlite_server = pytest.mark.skipif(
+    not isinstance(SQLITE_PROGRAM, Path), reason=str(SQLITE_PROGRAM)
+)
+NOTE = "hello from ratchet"
+
+
+def sqlite_declared(settings: Settings, db: Path) -> Settings:
+    servers = {
+        "notes": McpServerDeclaration.model_validate(
+            {
+                # mcp 1.x: the default handshake leaves it no errors to print (docs/mcp.md)
+                "command": [str(SQLITE_PROGRAM), "--db-path", str(db)],
+                "loosen": True,  # its read_query carries no annotation: read-only by word
+                "tools": {
+                    "read_query": {"risk": "read_only"},
+                    "write_query": {
+                        "refusal": r"^(Database )?[Ee]rror:",
+                        "keys": {"sql_key_column": {"table": "notes"}},
+                    },
+                },
+            }
+        )
+    }
+    return settings.model_copy(update={"mcp_servers": servers})
+
+
+def note_document() -> RunDocument:
+    scenario = Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": "write-note",
+            "task_version": "1",
+            "policy_id": "default",
+            "policy_version": "1",
+            "permissions": ["write_query", "read_query", "run_verifier", "finish"],
+            "allowed_paths": [],
+            "allowed_verifier_targets": ["noted"],
+            "approval_required": [],
+            "budgets": {"proposals": 10, "steps": 10, "wall_clock_seconds": 3600, "cost_units": 0},
+            "initial_files": {},
+            "verifier": {"target": "noted"},
+        }
+    )
+    insert = f"INSERT INTO notes (body, ratchet_key) VALUES ('{NOTE}', :ratchet_key)"
+    steps = [
+        {"kind": "write_query", "args": {"query": insert}},
+        {"kind": "run_verifier", "args": {"target": "noted"}},
+        {"kind": "finish", "args": {"summary": "noted"}},
+    ]
+    check = ToolCheckSpec(
+        tool="read_query", arguments={"query": "SELECT body FROM notes"}, contains=(NOTE,)
+    )
+    return RunDocument(
+        scenario=scenario,
+        agent="scripted",
+        agent_config={"steps": steps},
+        environment=EnvironmentSpec(
+            kind="tools", checks={"noted": check}, mcp={"notes": McpServerSpec(server="notes")}
+        ),
+    )
+
+
+@needs_sqlite_server
+def test_an_insert_cut_off_by_a_killed_worker_is_found_by_its_key_column_once(
+    settings: Settings, tmp_path: Path
+) -> None:
+    db = notes_db(tmp_path)
+    declared_sqlite = sqlite_declared(settings, db)
+    run_id = submit(Fleet.connect(declared_sqlite), note_document(), run_id="r-sql-recipe")
+    fleet = Fleet.connect(declared_sqlite)
+    with workers(declared_sqlite) as pool:
+        (doomed,) = pool.start(1, env={"RATCHET_FAILPOINTS": "tool_after_call=kill"})
+        doomed.join(timeout=120)
+        assert doomed.exitcode == -9, doomed.exitcode
+        assert [r[0] for r in rows(db)] == [NOTE]  # the row is there; nothing recorded it
+        pool.start(1)
+        poll(
+            lambda: phase(fleet, run_id) in ("completed", "needs_review", "failed"),
+            deadline_s=120,
+            what="the run to settle",
+        )
+    assert phase(fleet, run_id) == "completed"
+    ((body, key),) = rows(db)  # once, with the write's key in its column
+    state = inspect_run(fleet, run_id).state
+    assert body == NOTE and state.cached(key) is not None
+    outcomes = [e.outcome.value for e in state.trace]
+    assert "reconciled" in outcomes and "review_opened" not in outcomes, outcomes

@@ -51,7 +51,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from ratchet.adapters.sandbox import Sandbox, SandboxMode
 from ratchet.errors import ConfigurationError, IntegrityError
@@ -89,11 +97,67 @@ class _Frozen(BaseModel):
 
 
 class McpKeyRecipe(_Frozen):
-    """A key recipe (:class:`ratchet.tools.mcp.KeyRecipe`), declared in settings."""
+    """A key recipe (:class:`ratchet.tools.mcp.KeyRecipe`), declared in settings: every
+    field of it, or one of the shipped recipes by name (``{"git_trailer": {"repo_path":
+    "/srv/repo"}}``, ``{"sql_key_column": {"table": "orders", "column": "ratchet_key"}}``,
+    their keyword arguments as :func:`ratchet.tools.mcp.recipes.git_trailer` and
+    :func:`~ratchet.tools.mcp.recipes.sql_key_column` take them)."""
 
-    carry: Annotated[StrictStr, Field(min_length=1, max_length=128)]
-    tool: Annotated[StrictStr, Field(pattern=_MCP_NAME)]
+    carry: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
+    tool: Annotated[StrictStr, Field(pattern=_MCP_NAME)] | None = None
     arguments: dict[StrictStr, Any] = Field(default_factory=dict)
+    placeholder: Annotated[StrictStr, Field(min_length=1, max_length=64)] | None = None
+    quote: Literal["text", "sql"] = "text"
+    intent_placeholder: Annotated[StrictStr, Field(min_length=1, max_length=64)] | None = None
+    absent: Annotated[StrictStr, Field(min_length=1, max_length=512)] | None = None
+    git_trailer: dict[StrictStr, Any] | None = None
+    sql_key_column: dict[StrictStr, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> McpKeyRecipe:
+        named = [n for n in ("git_trailer", "sql_key_column") if getattr(self, n) is not None]
+        raw = self.carry is not None or self.tool is not None
+        if len(named) + raw != 1:
+            raise ValueError(
+                "a key recipe is carry and tool (and the rest), or one of git_trailer "
+                "and sql_key_column"
+            )
+        if raw and (self.carry is None or self.tool is None):
+            raise ValueError("a key recipe names both carry and tool")
+        try:  # refused when settings load, not at a job: made as a worker would make it
+            self.made()
+        except ImportError:  # no mcp extra here: a worker that runs it checks it
+            pass
+        except ConfigurationError as exc:
+            raise ValueError(exc.message) from None
+        return self
+
+    def made(self) -> Any:
+        """The recipe as :mod:`ratchet.tools.mcp` takes it.
+
+        Raises:
+            ConfigurationError: a named recipe's arguments are refused by it.
+        """
+        from ratchet.tools.mcp import recipes  # noqa: PLC0415 - optional extra
+
+        for name in ("git_trailer", "sql_key_column"):
+            given = getattr(self, name)
+            if given is not None:
+                try:
+                    return getattr(recipes, name)(**given)
+                except TypeError as exc:
+                    raise ConfigurationError(
+                        f"key recipe {name}: {exc}", field="RATCHET_MCP_SERVERS"
+                    ) from None
+        return recipes.KeyRecipe(
+            carry=str(self.carry),
+            tool=str(self.tool),
+            arguments=dict(self.arguments),
+            placeholder=self.placeholder,
+            quote=self.quote,
+            intent_placeholder=self.intent_placeholder,
+            absent=self.absent,
+        )
 
 
 class McpToolDeclaration(_Frozen):
@@ -294,7 +358,6 @@ def live_tools(
     }
     try:
         from ratchet.tools.mcp import (  # noqa: PLC0415 - optional extra
-            KeyRecipe,
             McpDeclaration,
             mcp_tools,
             shared_stdio,
@@ -308,11 +371,7 @@ def live_tools(
             risk=Risk(d.risk) if d.risk is not None else None,
             idempotent=d.idempotent,
             refusal=d.refusal,
-            keys=(
-                KeyRecipe(carry=d.keys.carry, tool=d.keys.tool, arguments=dict(d.keys.arguments))
-                if d.keys is not None
-                else None
-            ),
+            keys=d.keys.made() if d.keys is not None else None,
         )
         for mcp, d in declaration.tools.items()
         if mcp in wanted.values()
