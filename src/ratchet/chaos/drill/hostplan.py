@@ -106,7 +106,10 @@ class HostDrillOptions:
 
     @property
     def settle_bound_s(self) -> float:
-        return max(30.0, 20 * self.lease_ttl_s)
+        # How long settling waits with nothing moving (it ends as soon as every run
+        # ended). A straggler waiting for its host back, a lease to expire and a restarted
+        # worker's backoff on a loaded machine went past 30 s with nothing wrong.
+        return max(60.0, 20 * self.lease_ttl_s)
 
     @property
     def losses(self) -> int:
