@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ratchet.adapters.files import (
     STATE_DIR,
@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     from ratchet.adapters.verifier import CommandVerifier, VerifierRun
 
 __all__ = ["SystemClock", "WorkspaceAdapter", "WriteHook"]
+
+_T = TypeVar("_T")
 
 WriteHook = Callable[[str], None]
 """Called with ``"after_intent"``, ``"after_replace"`` and ``"after_receipt"`` during a
@@ -143,8 +145,8 @@ class WorkspaceAdapter:
         except BaseException:
             os.close(self._lock_fd)
             raise
-        with self._locked():
-            pass  # resolves whatever a crashed writer left behind
+        # Resolves whatever a crashed writer left behind, and sweeps the temp folder.
+        self._under_lock(lambda: None, sweep=True)
 
     def __repr__(self) -> str:
         return f"WorkspaceAdapter(root={str(self.root)!r}, namespace={self._namespace!r})"
@@ -206,15 +208,34 @@ class WorkspaceAdapter:
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def _recover(self) -> None:
+    def _under_lock(self, fn: Callable[[], _T], *, sweep: bool = False) -> _T:
+        """``fn()`` as inside :meth:`_locked` (the same locks and recovery), without a
+        generator around it: an observation takes it four times per tool call."""
+        if self._lock_fd < 0:
+            raise AdapterError("workspace adapter is closed", retryable=False)
+        with self._thread_lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                self._recover(sweep=sweep)
+                return fn()
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _recover(self, *, sweep: bool = False) -> None:
         """Resolve writes whose writer died between the intent and the receipt.
 
         Timeline: intent committed -> [died] -> file untouched: abort (no effect).
                   intent committed -> file replaced -> [died]: commit the receipt now.
         The file itself says which: it holds the intended content (or is gone, for a
         delete) exactly when the rename happened, because the rename is atomic.
+
+        Temp files are swept when a write was resolved here (or with ``sweep``, when the
+        adapter opens): a writer makes its temp file only after its intent is committed,
+        and the intent stays unresolved until its rename is judged, so a temp file left by
+        a dead or failed writer always comes with an intent this finds.
         """
-        for row in self._journal.unresolved():
+        rows = self._journal.unresolved()
+        for row in rows:
             try:
                 current = file_sha(self._ground, row.path)
             except AdapterError:
@@ -229,9 +250,10 @@ class WorkspaceAdapter:
                 )
             else:
                 self._journal.abort_write(row.idempotency_key)
-        # Under the lock no write is in progress: every temp file is garbage.
-        for leftover in self._tmp.iterdir():
-            leftover.unlink(missing_ok=True)
+        if rows or sweep:
+            # Under the lock no write is in progress: every temp file is garbage.
+            for leftover in self._tmp.iterdir():
+                leftover.unlink(missing_ok=True)
 
     # -- observation ---------------------------------------------------------------------------
 
@@ -280,8 +302,7 @@ class WorkspaceAdapter:
         Raises:
             AdapterError: the journal or git failed (retryable=True).
         """
-        with self._locked():
-            return self._observe_locked()
+        return self._under_lock(self._observe_locked)
 
     def project(self, action: Action, before: Observation) -> Observation | None:
         """The observation ``action`` would produce from ``before``, or None when
