@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from ratchet.adapters.files import (
     STATE_DIR,
@@ -59,8 +59,6 @@ if TYPE_CHECKING:
     from ratchet.adapters.verifier import CommandVerifier, VerifierRun
 
 __all__ = ["SystemClock", "WorkspaceAdapter", "WriteHook"]
-
-_T = TypeVar("_T")
 
 WriteHook = Callable[[str], None]
 """Called with ``"after_intent"``, ``"after_replace"`` and ``"after_receipt"`` during a
@@ -137,6 +135,7 @@ class WorkspaceAdapter:
         self._git = git
         self._reader = GitReader(self._ground) if git else None
         self._thread_lock = threading.Lock()
+        self._last_fingerprint: tuple[object, str] | None = None
         self._lock_fd = os.open(self.state_dir / "write.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             self._journal = Journal(
@@ -145,8 +144,8 @@ class WorkspaceAdapter:
         except BaseException:
             os.close(self._lock_fd)
             raise
-        # Resolves whatever a crashed writer left behind, and sweeps the temp folder.
-        self._under_lock(lambda: None, sweep=True)
+        with self._locked(sweep=True):
+            pass  # resolves whatever a crashed writer left behind, sweeps the temp folder
 
     def __repr__(self) -> str:
         return f"WorkspaceAdapter(root={str(self.root)!r}, namespace={self._namespace!r})"
@@ -197,27 +196,14 @@ class WorkspaceAdapter:
     # -- locking and recovery ----------------------------------------------------------------
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
-        if self._lock_fd < 0:
-            raise AdapterError("workspace adapter is closed", retryable=False)
-        with self._thread_lock:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-            try:
-                self._recover()
-                yield
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def _under_lock(self, fn: Callable[[], _T], *, sweep: bool = False) -> _T:
-        """``fn()`` as inside :meth:`_locked` (the same locks and recovery), without a
-        generator around it: an observation takes it four times per tool call."""
+    def _locked(self, *, sweep: bool = False) -> Iterator[None]:
         if self._lock_fd < 0:
             raise AdapterError("workspace adapter is closed", retryable=False)
         with self._thread_lock:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             try:
                 self._recover(sweep=sweep)
-                return fn()
+                yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
@@ -260,7 +246,13 @@ class WorkspaceAdapter:
     def _scan(self) -> tuple[str, dict[str, str], GitState | None]:
         files = self.allowed.files(self._ground)
         git = self._reader.status() if self._reader is not None else None
-        return fingerprint(files, git), files, git
+        # The fingerprint is a digest of exactly these facts: the last one is reused
+        # when they read the same (the usual case between two writes).
+        key = (tuple(files.items()), None if git is None else (git.head, git.dirty))
+        last = self._last_fingerprint
+        if last is None or last[0] != key:
+            last = self._last_fingerprint = (key, fingerprint(files, git))
+        return last[1], files, git
 
     @staticmethod
     def _details(git: GitState | None) -> dict[str, str]:
@@ -283,9 +275,9 @@ class WorkspaceAdapter:
             return True  # staged already, or deleting a tracked file
         return blob_id(content) != in_index
 
-    def _observe_locked(self) -> Observation:
+    def _observe_locked(self, known: tuple[str | None, str | None] | None = None) -> Observation:
         fp, _, git = self._scan()
-        version = self._journal.note_fingerprint(fp)
+        version = self._journal.note_fingerprint(fp, known=known)
         return Observation(
             instance_id=self.instance_id,
             version=version,
@@ -302,7 +294,21 @@ class WorkspaceAdapter:
         Raises:
             AdapterError: the journal or git failed (retryable=True).
         """
-        return self._under_lock(self._observe_locked)
+        if self._lock_fd < 0:
+            raise AdapterError("workspace adapter is closed", retryable=False)
+        with self._thread_lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                # One read says whether a dead writer left an intent (then recovery runs
+                # as under _locked, and the observation reads the journal afresh) and
+                # what the version and recorded fingerprint are; the lock keeps it true.
+                version, recorded, unresolved = self._journal.glance()
+                if unresolved:
+                    self._recover()
+                    return self._observe_locked()
+                return self._observe_locked((version, recorded))
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def project(self, action: Action, before: Observation) -> Observation | None:
         """The observation ``action`` would produce from ``before``, or None when
