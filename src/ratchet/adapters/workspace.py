@@ -136,6 +136,7 @@ class WorkspaceAdapter:
         self._reader = GitReader(self._ground) if git else None
         self._thread_lock = threading.Lock()
         self._last_fingerprint: tuple[object, str] | None = None
+        self._last_observation: Observation | None = None
         self._lock_fd = os.open(self.state_dir / "write.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             self._journal = Journal(
@@ -278,12 +279,21 @@ class WorkspaceAdapter:
     def _observe_locked(self, known: tuple[str | None, str | None] | None = None) -> Observation:
         fp, _, git = self._scan()
         version = self._journal.note_fingerprint(fp, known=known)
-        return Observation(
-            instance_id=self.instance_id,
-            version=version,
-            fingerprint=fp,
-            details=self._details(git),
+        details = self._details(git)
+        last = self._last_observation
+        if (
+            last is not None
+            and last.version == version
+            and last.fingerprint == fp
+            and last.instance_id == self.instance_id
+            and last.details == details
+        ):
+            return last  # the same facts, validated once: a frozen model is shared
+        made = Observation(
+            instance_id=self.instance_id, version=version, fingerprint=fp, details=details
         )
+        self._last_observation = made
+        return made
 
     def observe(self) -> Observation:
         """Instance id, durable version, fingerprint of the allowed files (+ git facts).
