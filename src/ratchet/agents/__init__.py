@@ -139,7 +139,7 @@ def make_action(
     """Complete a planned step into an action: risk label, key, precondition, deadline.
     ``kind`` is a built-in action kind or the name of a tool the run may call
     (``view.tools``: its declared risk); a tool's ``args`` are its JSON arguments."""
-    builtin = _BUILTIN_KINDS.get(kind)
+    builtin = _BUILTIN_KINDS.get(kind) if isinstance(kind, str) else None
     if builtin is not None:
         risk = KIND_SPECS[builtin].risk
     else:
