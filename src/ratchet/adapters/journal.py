@@ -215,22 +215,40 @@ class Journal:
             row = self._db.execute("SELECT count(*) FROM writes WHERE status = 'committed'")
             return int(row.fetchone()[0]), self._int("refused_stale")
 
-    def note_fingerprint(self, fingerprint: str) -> int:
+    def glance(self) -> tuple[str | None, str | None, bool]:
+        """``(version, fingerprint last recorded, whether a write is unresolved)`` in one
+        read: what an observation needs to know before and after it scans the files.
+        Meaningful only to a caller that holds the workspace lock (every writer does), so
+        it stays true until that caller writes."""
+        with _sqlite_errors():
+            version, recorded, unresolved = self._db.execute(
+                "SELECT (SELECT value FROM meta WHERE key = 'version'), "
+                "(SELECT value FROM meta WHERE key = 'fingerprint'), "
+                "EXISTS (SELECT 1 FROM writes WHERE status = 'intent')"
+            ).fetchone()
+        return version, recorded, bool(unresolved)
+
+    def note_fingerprint(
+        self, fingerprint: str, *, known: tuple[str | None, str | None] | None = None
+    ) -> int:
         """Record the fingerprint seen now and return the environment version.
 
         A fingerprint other than the last recorded one is a change made outside the
         adapter: the version moves on by one, so versions stay monotonic and every
-        distinct state seen gets its own version.
+        distinct state seen gets its own version. ``known`` is the ``(version,
+        fingerprint)`` :meth:`glance` read under the same hold of the workspace lock.
         """
         # The common case, a state already recorded, is one read and no write lock (a
         # reader never waits for, or holds up, another process's write). The caller holds
         # the workspace lock, so the row cannot change between this read and the write
         # transaction below.
-        with _sqlite_errors():
-            version, recorded = self._db.execute(
-                "SELECT (SELECT value FROM meta WHERE key = 'version'), "
-                "(SELECT value FROM meta WHERE key = 'fingerprint')"
-            ).fetchone()
+        if known is None:
+            with _sqlite_errors():
+                known = self._db.execute(
+                    "SELECT (SELECT value FROM meta WHERE key = 'version'), "
+                    "(SELECT value FROM meta WHERE key = 'fingerprint')"
+                ).fetchone()
+        version, recorded = known
         if recorded and recorded == fingerprint:
             return int(version or "0")
         with self._txn():

@@ -22,6 +22,7 @@ part that wrote, in that part's namespace, unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 from ratchet.errors import AdapterError
@@ -39,6 +40,7 @@ from ratchet.runtime.ports import (
 __all__ = ["RouterAdapter"]
 
 _VERIFIER_DOMAIN = b"ratchet/router-verifier/v1"
+_RECENT = 4  # combined observations kept (see RouterAdapter._combined)
 
 
 class RouterAdapter:
@@ -59,6 +61,7 @@ class RouterAdapter:
         self._namespace = namespace
         named: dict[str, Adapter | None] = {"files": files, "calls": calls, "tools": tools}
         self._named: dict[str, Adapter] = {k: v for k, v in named.items() if v is not None}
+        self._recent: dict[tuple[object, ...], Observation] = {}
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{name}={part!r}" for name, part in self._named.items())
@@ -104,6 +107,26 @@ class RouterAdapter:
     def _parts(self) -> dict[str, Observation]:
         return {name: part.observe() for name, part in self._named.items()}
 
+    def _combined(self, parts: dict[str, Observation]) -> Observation:
+        """:meth:`combine`, answered from the last few combinations when the parts read
+        the same (a step combines the same parts up to four times: the projection's check,
+        the live check, the projection and the observation after the write). The key is
+        every field the combination reads, so an answer is only ever reused for equal
+        inputs; a changed part (a version moved on, another fingerprint) is combined anew.
+        """
+        key = tuple(
+            (name, obs.instance_id, obs.version, obs.fingerprint, tuple(obs.details.items()))
+            for name, obs in parts.items()
+        )
+        found = self._recent.get(key)
+        if found is None:
+            found = self.combine(parts)
+            with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                while len(self._recent) >= _RECENT:  # another thread may evict meanwhile
+                    self._recent.pop(next(iter(self._recent)))
+            self._recent[key] = found
+        return found
+
     @staticmethod
     def combine(parts: dict[str, Observation]) -> Observation:
         """The combined observation of the parts (see the module docstring)."""
@@ -143,7 +166,7 @@ class RouterAdapter:
 
     def observe(self) -> Observation:
         """Every part observed and combined. Raises AdapterError from any part."""
-        return self.combine(self._parts())
+        return self._combined(self._parts())
 
     def _others(self, name: str, parts: dict[str, Observation] | None = None) -> int:
         """The sum of the versions of every part but ``name`` (observed now if not given)."""
@@ -159,7 +182,7 @@ class RouterAdapter:
     def project(self, action: Action, before: Observation) -> Observation | None:
         """The combined observation after ``action``, or None (see each part's project)."""
         parts = self._parts()
-        if self.combine(parts) != before:
+        if self._combined(parts) != before:
             return None
         name = self._route(action)
         others = self._others(name, parts)
@@ -168,7 +191,7 @@ class RouterAdapter:
         predicted = self._named[name].project(self._translated(action, others), parts[name])
         if predicted is None:
             return None
-        return self.combine({**parts, name: predicted})
+        return self._combined({**parts, name: predicted})
 
     # -- fences and writes --------------------------------------------------------------------
 
@@ -267,7 +290,7 @@ class RouterAdapter:
             and report.env_version == files_before.version
             and report.env_fingerprint == files_before.fingerprint
         )
-        combined = self.combine(before)
+        combined = self._combined(before)
         output_digest = digest(_VERIFIER_DOMAIN, {"part": report.output_digest, "bound": bound})
         return VerifierReport(
             target=target,

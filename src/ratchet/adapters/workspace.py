@@ -135,6 +135,8 @@ class WorkspaceAdapter:
         self._git = git
         self._reader = GitReader(self._ground) if git else None
         self._thread_lock = threading.Lock()
+        self._last_fingerprint: tuple[object, str] | None = None
+        self._last_observation: Observation | None = None
         self._lock_fd = os.open(self.state_dir / "write.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             self._journal = Journal(
@@ -143,8 +145,8 @@ class WorkspaceAdapter:
         except BaseException:
             os.close(self._lock_fd)
             raise
-        with self._locked():
-            pass  # resolves whatever a crashed writer left behind
+        with self._locked(sweep=True):
+            pass  # resolves whatever a crashed writer left behind, sweeps the temp folder
 
     def __repr__(self) -> str:
         return f"WorkspaceAdapter(root={str(self.root)!r}, namespace={self._namespace!r})"
@@ -195,26 +197,32 @@ class WorkspaceAdapter:
     # -- locking and recovery ----------------------------------------------------------------
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, *, sweep: bool = False) -> Iterator[None]:
         if self._lock_fd < 0:
             raise AdapterError("workspace adapter is closed", retryable=False)
         with self._thread_lock:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
             try:
-                self._recover()
+                self._recover(sweep=sweep)
                 yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def _recover(self) -> None:
+    def _recover(self, *, sweep: bool = False) -> None:
         """Resolve writes whose writer died between the intent and the receipt.
 
         Timeline: intent committed -> [died] -> file untouched: abort (no effect).
                   intent committed -> file replaced -> [died]: commit the receipt now.
         The file itself says which: it holds the intended content (or is gone, for a
         delete) exactly when the rename happened, because the rename is atomic.
+
+        Temp files are swept when a write was resolved here (or with ``sweep``, when the
+        adapter opens): a writer makes its temp file only after its intent is committed,
+        and the intent stays unresolved until its rename is judged, so a temp file left by
+        a dead or failed writer always comes with an intent this finds.
         """
-        for row in self._journal.unresolved():
+        rows = self._journal.unresolved()
+        for row in rows:
             try:
                 current = file_sha(self._ground, row.path)
             except AdapterError:
@@ -229,16 +237,23 @@ class WorkspaceAdapter:
                 )
             else:
                 self._journal.abort_write(row.idempotency_key)
-        # Under the lock no write is in progress: every temp file is garbage.
-        for leftover in self._tmp.iterdir():
-            leftover.unlink(missing_ok=True)
+        if rows or sweep:
+            # Under the lock no write is in progress: every temp file is garbage.
+            for leftover in self._tmp.iterdir():
+                leftover.unlink(missing_ok=True)
 
     # -- observation ---------------------------------------------------------------------------
 
     def _scan(self) -> tuple[str, dict[str, str], GitState | None]:
         files = self.allowed.files(self._ground)
         git = self._reader.status() if self._reader is not None else None
-        return fingerprint(files, git), files, git
+        # The fingerprint is a digest of exactly these facts: the last one is reused
+        # when they read the same (the usual case between two writes).
+        key = (tuple(files.items()), None if git is None else (git.head, git.dirty))
+        last = self._last_fingerprint
+        if last is None or last[0] != key:
+            last = self._last_fingerprint = (key, fingerprint(files, git))
+        return last[1], files, git
 
     @staticmethod
     def _details(git: GitState | None) -> dict[str, str]:
@@ -261,15 +276,24 @@ class WorkspaceAdapter:
             return True  # staged already, or deleting a tracked file
         return blob_id(content) != in_index
 
-    def _observe_locked(self) -> Observation:
+    def _observe_locked(self, known: tuple[str | None, str | None] | None = None) -> Observation:
         fp, _, git = self._scan()
-        version = self._journal.note_fingerprint(fp)
-        return Observation(
-            instance_id=self.instance_id,
-            version=version,
-            fingerprint=fp,
-            details=self._details(git),
+        version = self._journal.note_fingerprint(fp, known=known)
+        details = self._details(git)
+        last = self._last_observation
+        if (
+            last is not None
+            and last.version == version
+            and last.fingerprint == fp
+            and last.instance_id == self.instance_id
+            and last.details == details
+        ):
+            return last  # the same facts, validated once: a frozen model is shared
+        made = Observation(
+            instance_id=self.instance_id, version=version, fingerprint=fp, details=details
         )
+        self._last_observation = made
+        return made
 
     def observe(self) -> Observation:
         """Instance id, durable version, fingerprint of the allowed files (+ git facts).
@@ -280,8 +304,21 @@ class WorkspaceAdapter:
         Raises:
             AdapterError: the journal or git failed (retryable=True).
         """
-        with self._locked():
-            return self._observe_locked()
+        if self._lock_fd < 0:
+            raise AdapterError("workspace adapter is closed", retryable=False)
+        with self._thread_lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                # One read says whether a dead writer left an intent (then recovery runs
+                # as under _locked, and the observation reads the journal afresh) and
+                # what the version and recorded fingerprint are; the lock keeps it true.
+                version, recorded, unresolved = self._journal.glance()
+                if unresolved:
+                    self._recover()
+                    return self._observe_locked()
+                return self._observe_locked((version, recorded))
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def project(self, action: Action, before: Observation) -> Observation | None:
         """The observation ``action`` would produce from ``before``, or None when

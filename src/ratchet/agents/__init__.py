@@ -130,22 +130,26 @@ def step_key(view: AgentView, position: int) -> str:
     return derive_idempotency_key(view.run_id, position, salt=str(len(view.quarantined_keys)))
 
 
+_BUILTIN_KINDS = {kind.value: kind for kind in ActionKind}
+
+
 def make_action(
     view: AgentView, position: int, kind: str, args: dict[str, Any], *, deadline_s: int = 600
 ) -> dict[str, Any]:
     """Complete a planned step into an action: risk label, key, precondition, deadline.
     ``kind`` is a built-in action kind or the name of a tool the run may call
     (``view.tools``: its declared risk); a tool's ``args`` are its JSON arguments."""
-    try:
-        risk = KIND_SPECS[ActionKind(kind)].risk
-    except ValueError:
+    builtin = _BUILTIN_KINDS.get(kind) if isinstance(kind, str) else None
+    if builtin is not None:
+        risk = KIND_SPECS[builtin].risk
+    else:
         declared = next((t for t in view.tools if t.name == kind), None)
         if declared is None:
             raise ConfigurationError(
                 f"unknown action kind {kind!r} in the plan (neither a built-in kind nor a "
                 "tool the run may call)",
                 field="kind",
-            ) from None
+            )
         risk = declared.risk
     return {
         "action_id": f"{view.run_id}-s{position}-p{view.usage.proposals + 1}",

@@ -15,6 +15,10 @@ Replies are turned into :class:`LedgerReply` here; what they mean for a tool cal
 :mod:`ratchet.tools.store_ledger`'s business. Durability is the commit's: every script
 write goes through the AOF like a commit (``appendfsync always`` in the supported set-up),
 and with ``RATCHET_MIN_REPLICAS_ACK`` a write is confirmed by replicas like a commit.
+
+``ledger_admit`` and ``ledger_record`` run twice per tool call, so they take the commit's
+hot path (:class:`~ratchet.leasing.scripts.ScriptRunner`: the runner's own connection,
+arguments packed by hiredis as text), not the pool's bookkeeping around every call.
 """
 
 from __future__ import annotations
@@ -71,7 +75,10 @@ class LedgerRecords(ReplicaAcks):
     def _write(
         self, name: ScriptName, run_id: str, keys: Sequence[str], args: Sequence[str | bytes | int]
     ) -> tuple[Any, int | None]:
-        return self._call(name.value, run_id, lambda: self._run_acked(name, keys, args, hot=False))
+        # Integers as their decimal text (what redis-py would send for them), so hiredis
+        # packs the whole command at once.
+        wire = [str(a) if type(a) is int else a for a in args]
+        return self._call(name.value, run_id, lambda: self._run_acked(name, keys, wire))
 
     def _reply(self, name: ScriptName, run_id: str, raw: Any) -> LedgerReply:
         if not isinstance(raw, list) or not raw:

@@ -66,7 +66,8 @@ class SecretKey:
         self.__bytes = bytes(material)
 
     def mac(self, data: bytes) -> bytes:
-        return hmac.new(self.__bytes, data, hashlib.sha256).digest()
+        # hmac.digest: the one-shot form (OpenSSL's, no HMAC object); the same bytes.
+        return hmac.digest(self.__bytes, data, "sha256")
 
     def __repr__(self) -> str:
         return "SecretKey(<redacted>)"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from typing import Annotated, Union
+from collections.abc import Mapping
+from typing import Annotated, Any, Self, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 from typing_extensions import TypeAliasType
@@ -32,6 +33,33 @@ class Frozen(BaseModel):
     """Base for persisted, signed or cross-process models: immutable, no unknown fields."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", str_strip_whitespace=False)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """pydantic's shallow copy, in one step: the instance dict and the set of fields
+        given copied, ``update`` applied to both without validation (as pydantic does).
+        A frozen model forbids extra fields and declares no private attributes, so there
+        is nothing else to copy; a deep copy, or an instance that has either, goes to
+        pydantic's own. The engine copies a state about ten times per step."""
+        if (
+            deep
+            or self.__pydantic_extra__ is not None
+            or getattr(self, "__pydantic_private__", None) is not None
+        ):
+            return super().model_copy(update=update, deep=deep)
+        copied = self.__class__.__new__(self.__class__)
+        values = self.__dict__.copy()
+        given = self.__pydantic_fields_set__.copy()
+        if update:
+            values.update(update)
+            given.update(update.keys())
+        _set_attribute(copied, "__dict__", values)
+        _set_attribute(copied, "__pydantic_extra__", None)
+        _set_attribute(copied, "__pydantic_fields_set__", given)
+        _set_attribute(copied, "__pydantic_private__", None)
+        return copied
+
+
+_set_attribute = object.__setattr__  # what pydantic's own copy uses on a frozen model
 
 
 StrictStr = Annotated[str, Strict()]

@@ -3,10 +3,12 @@ server's, and input is validated by it (``jsonschema``) and kept as given."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
+import orjson
 from jsonschema.exceptions import SchemaError, best_match  # type: ignore[import-untyped]
 from jsonschema.validators import validator_for  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -28,6 +30,8 @@ class SchemaArgs(BaseModel):
     #: A check beyond the schema (the operator's, e.g. a key recipe's placeholder): why
     #: the arguments are refused, or None. It shows nowhere in the schema.
     extra_check: ClassVar[Callable[[Mapping[str, Any]], str | None] | None] = None
+    # The canonical JSON of arguments this schema accepted lately (see _by_schema).
+    accepted: ClassVar[dict[bytes, None]] = {}
 
     @classmethod
     def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -38,6 +42,14 @@ class SchemaArgs(BaseModel):
     def _by_schema(cls, data: Any) -> Any:
         if cls.schema_validator is None:
             raise ValueError("arguments have no schema to be checked by")
+        # A call's arguments are checked when it is proposed and again when the tool is
+        # called with them: whether a schema accepts a value depends on nothing else (no
+        # format checker, an empty registry), so an exact JSON value accepted lately is
+        # not walked again. Only values of exactly the JSON types are remembered, by
+        # their canonical bytes (a tuple, which the schema sees as no array, never is).
+        key = _exact_json_key(data)
+        if key is not None and key in cls.accepted:
+            return data
         error = best_match(cls.schema_validator.iter_errors(data))
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path) or "(root)"
@@ -46,7 +58,42 @@ class SchemaArgs(BaseModel):
             refused = cls.extra_check(data)
             if refused is not None:
                 raise ValueError(refused)
+        if key is not None:
+            accepted = cls.accepted
+            with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                while len(accepted) >= _ACCEPTED_KEPT:  # another thread may evict meanwhile
+                    accepted.pop(next(iter(accepted)))
+            accepted[key] = None
         return data
+
+
+_ACCEPTED_KEPT = 64
+_JSON_SCALARS = frozenset({str, int, bool, type(None)})
+_JSON_KEY_BYTES = 1 << 16  # larger arguments are checked every time (not remembered)
+
+
+def _exact_json_key(value: Any) -> bytes | None:
+    """The canonical JSON of ``value`` when it is built of exactly ``dict`` (``str``
+    keys), ``list``, ``str``, ``int``, ``bool`` and ``None`` and is small; else None."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is dict:
+            for key, item in node.items():
+                if type(key) is not str:
+                    return None
+                if type(item) not in _JSON_SCALARS:
+                    stack.append(item)
+        elif kind is list:
+            stack.extend(item for item in node if type(item) not in _JSON_SCALARS)
+        elif kind not in _JSON_SCALARS:
+            return None
+    try:
+        encoded = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:  # an integer past 64 bits
+        return None
+    return encoded if len(encoded) <= _JSON_KEY_BYTES else None
 
 
 def _has_float(value: Any) -> bool:
@@ -109,5 +156,6 @@ def schema_model(
         "input_schema": kept,
         "schema_validator": checker(kept, registry=Registry()),
         "extra_check": staticmethod(check) if check is not None else None,
+        "accepted": {},
     }
     return cast(type[SchemaArgs], type(f"{tool}_args", (SchemaArgs,), namespace))
