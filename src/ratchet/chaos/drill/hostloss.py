@@ -143,6 +143,7 @@ class CancelThenSubmit:
     log: dict[str, Any]
     command: Command | None = None
     done: bool = False
+    retargets: int = 0
 
     def step(self, ctx: LossContext) -> None:
         if self.done:
@@ -162,6 +163,8 @@ class CancelThenSubmit:
                 return
             self.log["command"] = result
             if result["exit"] != 0:
+                if self._retarget(ctx, result):
+                    return
                 self.done = True
                 return
         phase = ctx.record.final.get(self.run.run_id, ("", ""))[1]
@@ -171,6 +174,25 @@ class CancelThenSubmit:
         if phase == "cancelled":
             ctx.submit_again(self.run.run_id)
         self.done = True
+
+    def _retarget(self, ctx: LossContext, result: dict[str, Any]) -> bool:
+        """A run that ended before the command reached it ("nothing to cancel": on a
+        loaded machine a run another host took over can finish first) leaves the fault
+        unexercised: the next run still going is cancelled instead, up to three times.
+        Returns whether a new target was taken."""
+        if "nothing to cancel" not in str(result.get("stderr", "")) or self.retargets >= 3:
+            return False
+        taken = {str(c.get("run_id")) for c in ctx.record.cancels}
+        for run_id, info in sorted(ctx.record.runs.items(), key=lambda kv: kv[1].index):
+            going = ctx.record.final.get(run_id, ("", ""))[0] != "terminal"
+            if going and run_id not in taken and not run_id.endswith("-again"):
+                self.log.setdefault("ended_first", []).append(
+                    {"run_id": self.run.run_id, "command": self.log.pop("command")}
+                )
+                self.run, self.command, self.retargets = info, None, self.retargets + 1
+                self.log["run_id"] = run_id
+                return True
+        return False
 
 
 @dataclass
