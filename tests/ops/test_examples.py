@@ -23,7 +23,9 @@ from tests.conftest import test_sandbox_mode
 from tests.gitremotes import branch_log, writes_by_key
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
-pytestmark = pytest.mark.slow
+# A tour is a dozen `ratchet` processes (each a Python start and its imports) and worker
+# bursts; on a loaded 2-core machine one took past the suite's 120 s default.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "greeting"
 AGENT = "greeting.agent:make_agent"

@@ -16,7 +16,9 @@ from ratchet.leasing import RedisServer
 from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
-pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
+# Each test is several `ratchet` processes and worker bursts: on a loaded 2-core machine
+# one took past the suite's 120 s default (each process is bounded by its own timeout).
+pytestmark = [pytest.mark.slow, pytest.mark.sandbox, pytest.mark.timeout(300)]
 
 RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]
 
