@@ -16,6 +16,7 @@ from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
 from ratchet.ops import inspect_run, submit
+from ratchet.runtime import Scenario
 from ratchet.worker.pool import _settings_json, worker_main
 
 
@@ -126,3 +127,24 @@ def job_outcomes(fleet: Fleet, run_id: str) -> list[str]:
         if isinstance(result, dict) and result.get("run_id") == run_id:
             out.append(str(result.get("outcome")))
     return out
+
+
+def tools_scenario(task_id: str, permissions: list[str], target: str) -> Scenario:
+    """A scenario for a run of declared tools only (``environment.kind: tools``): the
+    ``permissions``, ``run_verifier`` and ``finish``; ``target`` its one verifier target."""
+    return Scenario.model_validate(
+        {
+            "schema_version": 1,
+            "task_id": task_id,
+            "task_version": "1",
+            "policy_id": "default",
+            "policy_version": "1",
+            "permissions": [*permissions, "run_verifier", "finish"],
+            "allowed_paths": [],
+            "allowed_verifier_targets": [target],
+            "approval_required": [],
+            "budgets": {"proposals": 10, "steps": 10, "wall_clock_seconds": 3600, "cost_units": 0},
+            "initial_files": {},
+            "verifier": {"target": target},
+        }
+    )

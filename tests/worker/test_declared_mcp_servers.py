@@ -23,13 +23,12 @@ from ratchet.fleet.mcp_servers import McpServerDeclaration
 from ratchet.fleet.runs import EnvironmentSpec, McpServerSpec, RunDocument, ToolCheckSpec
 from ratchet.fleet.settings import Settings
 from ratchet.ops import inspect_run, submit
-from ratchet.runtime import Scenario
 from ratchet.testing.mcp_server import stats
 from ratchet.tools.mcp import close_shared, shared_count
 from ratchet.worker.job import execute_run
 from tests.conftest import require_sandbox
 from tests.tools.procs import children
-from tests.worker.fleet_harness import poll
+from tests.worker.fleet_harness import poll, tools_scenario
 
 pytestmark = pytest.mark.slow
 
@@ -55,22 +54,7 @@ def with_servers(settings: Settings, **servers: dict[str, Any]) -> Settings:
 
 
 def ticket_document(title: str = "printer on fire", ticket_id: int = 1) -> RunDocument:
-    scenario = Scenario.model_validate(
-        {
-            "schema_version": 1,
-            "task_id": "file-ticket",
-            "task_version": "1",
-            "policy_id": "default",
-            "policy_version": "1",
-            "permissions": ["tk_create_ticket", "tk_tickets_search", "run_verifier", "finish"],
-            "allowed_paths": [],
-            "allowed_verifier_targets": ["filed"],
-            "approval_required": [],
-            "budgets": {"proposals": 10, "steps": 10, "wall_clock_seconds": 3600, "cost_units": 0},
-            "initial_files": {},
-            "verifier": {"target": "filed"},
-        }
-    )
+    scenario = tools_scenario("file-ticket", ["tk_create_ticket", "tk_tickets_search"], "filed")
     steps = [
         {"kind": "tk_create_ticket", "args": {"title": title, "body": "third floor"}},
         {"kind": "run_verifier", "args": {"target": "filed"}},

@@ -3,16 +3,15 @@ them on a fleet, with no Python of the operator's: declared
 in the workers' settings (``RATCHET_MCP_SERVERS``), named by a task file, run by real
 worker processes, one of them SIGKILLed right after the server made the commit and before
 its receipt was committed (the ambiguous window). The commits are counted in the
-repository's own log: one, either way. Without a key recipe the run waits for a reviewer;
+repository's own history (read with dulwich): one, either way. Without a key recipe the
+run waits for a reviewer;
 with the trailer recipe (the key in the commit message, found by ``git_log``) the next
 worker finds the commit and the run completes with nobody involved. The SQLite server's
 INSERT is found the same way by its key column (``sql_key_column``): one row."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,17 @@ from ratchet.fleet.mcp_servers import McpServerDeclaration
 from ratchet.fleet.runs import EnvironmentSpec, McpServerSpec, RunDocument, ToolCheckSpec
 from ratchet.fleet.settings import Settings
 from ratchet.ops import inspect_run, submit
-from ratchet.runtime import Scenario
 from ratchet.runtime.state import ReviewReason
 from tests.tools.reference_servers import (
     GIT_SERVER,
     SQLITE_SERVER,
+    commit_messages,
     notes_db,
     reference_server,
     rows,
+    staged_repo,
 )
-from tests.worker.fleet_harness import phase, poll, workers
+from tests.worker.fleet_harness import phase, poll, tools_scenario, workers
 
 pytestmark = pytest.mark.slow
 
@@ -41,39 +41,9 @@ needs_git_server = pytest.mark.skipif(not isinstance(GIT_PROGRAM, Path), reason=
 MESSAGE = "Fix the greeting"
 
 
-def git(repo: Path, *args: str) -> str:
-    """The test's own ``git`` on the repository the test made (never one a run wrote)."""
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": os.devnull,
-        "HOME": str(repo),
-    }
-    return subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-
-
-def staged_repo(root: Path) -> Path:
-    repo = root / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q", "-b", "main")
-    (repo / "app.py").write_text('print("Hello, wrold")\n')
-    git(repo, "add", "app.py")
-    git(repo, "commit", "-qm", "initial")
-    (repo / "app.py").write_text('print("Hello, world")\n')
-    git(repo, "add", "app.py")
-    return repo
-
-
 def commits(repo: Path) -> list[str]:
-    return git(repo, "log", "--format=%s").splitlines()
+    """The subjects of the repository's commits, newest first (read with dulwich)."""
+    return [message.splitlines()[0] for message in commit_messages(repo)]
 
 
 def declared(settings: Settings, repo: Path, *, recipe: bool) -> Settings:
@@ -96,22 +66,7 @@ def declared(settings: Settings, repo: Path, *, recipe: bool) -> Settings:
 
 
 def commit_document(repo: Path) -> RunDocument:
-    scenario = Scenario.model_validate(
-        {
-            "schema_version": 1,
-            "task_id": "fix-greeting",
-            "task_version": "1",
-            "policy_id": "default",
-            "policy_version": "1",
-            "permissions": ["git_commit", "git_log", "run_verifier", "finish"],
-            "allowed_paths": [],
-            "allowed_verifier_targets": ["committed"],
-            "approval_required": [],
-            "budgets": {"proposals": 10, "steps": 10, "wall_clock_seconds": 3600, "cost_units": 0},
-            "initial_files": {},
-            "verifier": {"target": "committed"},
-        }
-    )
+    scenario = tools_scenario("fix-greeting", ["git_commit", "git_log"], "committed")
     steps = [
         {"kind": "git_commit", "args": {"repo_path": str(repo), "message": MESSAGE}},
         {"kind": "run_verifier", "args": {"target": "committed"}},
@@ -164,7 +119,7 @@ def test_a_commit_cut_off_by_a_killed_worker_is_found_by_the_recipe_once(
     fleet = kill_after_the_commit(with_recipe, repo, run_id)
     assert phase(fleet, run_id) == "completed"
     assert commits(repo) == [f"{MESSAGE}", "initial"]  # once, and nothing else
-    assert "Ratchet-Key: " in git(repo, "log", "-1", "--format=%B")
+    assert "Ratchet-Key: " in commit_messages(repo)[0]
     outcomes = [e.outcome.value for e in inspect_run(fleet, run_id).state.trace]
     assert "reconciled" in outcomes and "review_opened" not in outcomes, outcomes
 
@@ -227,22 +182,7 @@ def sqlite_declared(settings: Settings, db: Path) -> Settings:
 
 
 def note_document() -> RunDocument:
-    scenario = Scenario.model_validate(
-        {
-            "schema_version": 1,
-            "task_id": "write-note",
-            "task_version": "1",
-            "policy_id": "default",
-            "policy_version": "1",
-            "permissions": ["write_query", "read_query", "run_verifier", "finish"],
-            "allowed_paths": [],
-            "allowed_verifier_targets": ["noted"],
-            "approval_required": [],
-            "budgets": {"proposals": 10, "steps": 10, "wall_clock_seconds": 3600, "cost_units": 0},
-            "initial_files": {},
-            "verifier": {"target": "noted"},
-        }
-    )
+    scenario = tools_scenario("write-note", ["write_query", "read_query"], "noted")
     insert = f"INSERT INTO notes (body, ratchet_key) VALUES ('{NOTE}', :ratchet_key)"
     steps = [
         {"kind": "write_query", "args": {"query": insert}},

@@ -62,7 +62,7 @@ from pydantic import (
 )
 
 from ratchet.adapters.sandbox import Sandbox, SandboxMode
-from ratchet.errors import ConfigurationError, IntegrityError
+from ratchet.errors import AdapterError, ConfigurationError, IntegrityError
 from ratchet.runtime.actions import Risk
 from ratchet.runtime.canonical import Domain, digest
 from ratchet.runtime.tools import TOOL_NAME_PATTERN
@@ -290,8 +290,6 @@ class DeclaredTool(Tool):
         self.bound_contract = bound
 
     def run(self, args: Any, call: ToolCall) -> Any:
-        from ratchet.errors import AdapterError  # noqa: PLC0415 - never reached in a job
-
         raise AdapterError(
             f"tool {self.name} is known here by its declaration only: a worker calls it",
             retryable=False,
@@ -473,8 +471,6 @@ def pin_live_contract(
     value = live_digest(tools)
     meta = store.ledger_meta(run_id)
     if meta is None:
-        from ratchet.errors import AdapterError  # noqa: PLC0415
-
         raise AdapterError(
             "the run's tool ledger is missing from the store",
             retryable=False,
