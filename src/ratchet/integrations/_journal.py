@@ -100,6 +100,23 @@ class JournalConfig(_Strict):
             where = ".".join(["agent_config", *(str(p) for p in first["loc"])])
             raise ConfigurationError(f"{where}: {first['msg']}", field=where) from None
 
+    @classmethod
+    def for_run(cls, config: Mapping[str, Any], wrapped_prompt: str | None) -> Self:
+        """The configuration (:meth:`parse`), its prompt the run's or else the one the
+        agent was wrapped with.
+
+        Raises:
+            ConfigurationError: the configuration is refused, or neither names a prompt.
+        """
+        parsed = cls.parse(config)
+        prompt = parsed.prompt or wrapped_prompt
+        if prompt is None:
+            raise ConfigurationError(
+                "agent_config.prompt is needed (the agent was wrapped without a prompt)",
+                field="agent_config.prompt",
+            )
+        return parsed.model_copy(update={"prompt": prompt})
+
 
 class Call(_Strict):
     """A tool call of the last model response, still to be proposed."""

@@ -322,14 +322,7 @@ class RatchetAgent:
         Raises:
             ConfigurationError: the configuration is refused, or no prompt is named.
         """
-        parsed = PydanticAIConfig.parse(config)
-        prompt = parsed.prompt or self.prompt
-        if prompt is None:
-            raise ConfigurationError(
-                "agent_config.prompt is needed (the agent was wrapped without a prompt)",
-                field="agent_config.prompt",
-            )
-        return PydanticAIAgent(self, parsed.model_copy(update={"prompt": prompt}))
+        return PydanticAIAgent(self, PydanticAIConfig.for_run(config, self.prompt))
 
     def __call__(self, config: dict[str, Any]) -> PydanticAIAgent:
         return self.factory(config)

@@ -272,14 +272,7 @@ class RatchetAgent:
         Raises:
             ConfigurationError: the configuration is refused, or no prompt is named.
         """
-        parsed = OpenAIAgentsConfig.parse(config)
-        prompt = parsed.prompt or self.prompt
-        if prompt is None:
-            raise ConfigurationError(
-                "agent_config.prompt is needed (the agent was wrapped without a prompt)",
-                field="agent_config.prompt",
-            )
-        return OpenAIAgentsAgent(self, parsed.model_copy(update={"prompt": prompt}))
+        return OpenAIAgentsAgent(self, OpenAIAgentsConfig.for_run(config, self.prompt))
 
     def __call__(self, config: dict[str, Any]) -> OpenAIAgentsAgent:
         return self.factory(config)
