@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -25,6 +26,7 @@ from ratchet.chaos.drill.runner import DrillOptions
 from ratchet.chaos.drill.schedule import FAULTS, parse_faults
 from ratchet.cli.common import EXIT_CHECK_FAILED, JsonFlag, app, print_json, ratchet_errors
 from ratchet.errors import ConfigurationError
+from ratchet.worker.signals import outside_finalisers
 
 __all__: list[str] = []
 
@@ -212,10 +214,11 @@ def _stop_on_sigterm() -> None:
     """SIGTERM ends a drill as Ctrl-C does: every process it started is stopped and every
     tmpfs it mounted (Redis' folder, the workspaces) unmounted before it exits."""
 
-    def stop(signum: int, frame: object) -> None:
+    def stop(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, outside_finalisers(stop))
 
 
 @app.command()

@@ -55,6 +55,7 @@ from ratchet.fleet.settings import Settings
 from ratchet.worker import job
 from ratchet.worker.hooks import WorkerHooks
 from ratchet.worker.reaper import Reaper
+from ratchet.worker.signals import outside_finalisers
 
 __all__ = [
     "CRASH_LOOP_DEATHS",
@@ -85,6 +86,13 @@ class RatchetWorker(SimpleWorker):
     def handle_warm_shutdown_request(self) -> None:
         job.STOP.set()
         super().handle_warm_shutdown_request()  # type: ignore[no-untyped-call]
+
+    def _install_signal_handlers(self) -> None:
+        # RQ's handler raises StopRequested when the worker is idle; raised inside a
+        # finaliser it would be dropped and the worker would go on after its SIGTERM.
+        stop = outside_finalisers(self.request_stop)
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
 
 
 class Stoppable(Protocol):
