@@ -40,7 +40,7 @@ from ratchet.runtime import CrashWindow, Effect, Hooks, KeyRing, Phase, RunEngin
 from ratchet.runtime.effects import Commit
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.executor import Executor, WindowProbe
-from ratchet.worker.job import agent_view
+from ratchet.worker.protocol import agent_view
 from tests.conftest import test_sandbox_mode
 
 TTL_MS = 400

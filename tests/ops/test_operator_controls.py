@@ -28,7 +28,8 @@ from ratchet.leasing import RedisServer
 from ratchet.ops import approve, cancel, inspect_run, rebaseline, review, submit
 from ratchet.ops.diagnosis import diagnose
 from ratchet.runtime import CrashWindow, KeyRing, TraceOutcome
-from ratchet.worker.job import JobReport, execute_run
+from ratchet.worker.job import execute_run
+from ratchet.worker.protocol import JobReport
 from tests.ops.helpers import (
     MakeWorkspace,
     poll,

@@ -211,8 +211,8 @@ RUN_SECONDS = Histogram(
     ),
 )
 
-#: Every outcome a job reports (``ratchet.worker.job.JobReport``); anything else is
-#: counted as ``other``.
+#: Every outcome a job reports (``ratchet.worker.protocol.JobOutcome``, which a test holds
+#: to this list); anything else is counted as ``other``.
 JOB_OUTCOMES = (
     "held_elsewhere",
     "terminal",
@@ -230,6 +230,7 @@ JOB_OUTCOMES = (
     "store_epoch_changed",
     "no_run",
     "store_refused",
+    "routed",
     "other",
 )
 _BUILTIN_ERRORS = (

@@ -1,39 +1,33 @@
-"""The RQ job: take a run's lease, restore it against Redis, reconcile, and step it.
+"""The RQ job: a run id in, the job protocol driven with the fleet's wiring, a report out.
 
 RQ hands out work; ratchet's lease decides who owns a run. The job carries only the run
 id (JSON). One job advances a run through as many steps as it can (RQ costs milliseconds
 per job): until the run ends, waits for a human, the agent has nothing to propose, the
 worker is asked to stop, or the lease is in doubt.
 
-Order of a job, and why:
+The order of a job and how each failure ends it are the job protocol's
+(:mod:`ratchet.worker.protocol`), which the simulator drives too. What this module adds
+is the fleet's side (:class:`_FleetJob`):
 
-1. acquire the lease (compare-and-set on Redis time). Held by a live worker: end quietly;
-2. start the heartbeat (renew every TTL/3); from now on every commit and adapter write is
-   guarded by it;
-3. read the run document and the checkpoint; a terminal run is released untouched;
-4. ``RunEngine.resume``: verify the checkpoint, raise the adapter's fence to this lease,
-   re-observe the environment, check the generation against Redis;
-5. ``reconcile`` the pending write the previous owner may have left;
-6. loop: agent proposes -> engine gates, commits the intent, calls the adapter with the
-   fence, commits receipt and state. For an agent that plans ahead (no thinking between
-   steps) the receipt commit is held and sent in one round trip with the next
-   proposal's commit (``coalesce_commits``); otherwise it is sent before the agent is
-   asked again;
-7. end: any held commit is sent; terminal or waiting -> release (off the reaper's
-   index); asked to stop or out of steps -> release for reaping (another worker continues
-   at once); lease in doubt -> stop with no further effect (the lease expires and the
-   reaper hands the run on); a retryable adapter failure -> stop renewing and let the
-   lease expire (a natural back-off).
-
-A restore that fails closed (tampered checkpoint, drifted environment, rolled-back store,
-a run document or environment that cannot be built) is recorded as the run's incident, the
-lease is released off the index and nothing runs: an operator has to look
-(``ratchet show``). The incident keeps the evidence: for an adapter that refused this
-lease's fence (it has seen a newer lease version than Redis now hands out: a rolled-back
-or failed-over store) the fence it was offered and the one it had seen, with the lease
-version and the high-water mark Redis reported. The run is frozen, never continued on the
-rewound state. A high-water mark that could not be *read* (Redis unreachable during the
-restore) is not such evidence: the job ends as ``lease_lost`` and the run is retried.
+* before the lease: the store must still be the one the worker started on (its epoch);
+* with the lease: the heartbeat thread (renew every TTL/3; from then on every commit and
+  adapter write is guarded by it), the store clock every gating judgement reads, the
+  run's metrics and log context;
+* opening: the run document, verified with the checkpoint and bound to it;
+* routing and controls: another host's run goes to that host's queue; a verified cancel
+  request or rebaseline decision is found before the agent is loaded (a run whose agent
+  cannot be imported can still be cancelled); the document's credentials must be in the
+  worker's own map;
+* building: the toolbox, the pinned contract of declared MCP servers, the adapter and
+  the engine;
+* stepping: approvals and review decisions waiting in the inbox are applied after the
+  reconcile; a cancel request arriving mid-job is seen within a renewal interval; the
+  first SIGTERM (:data:`STOP`) ends the job after its step;
+* failures: a refusal's incident keeps its evidence (for an adapter that refused this
+  lease's fence, the fence it was offered and the one it had seen, with the lease version
+  and the high-water mark Redis reported); a job error counts against the run's budget
+  (``max_job_errors``, an operator's retry starts it again) and is retried after a
+  backoff, then the run is frozen with the reason visible.
 
 Drills and tests attach to a job only through its hooks (:mod:`ratchet.worker.hooks`):
 the executor hooks they return for the job see every effect, the heartbeat's renewals
@@ -47,36 +41,22 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from ratchet.agents import AgentFactory, AgentView, build_agent, plans_ahead
+from ratchet.agents import Agent, AgentFactory, AgentStep, AgentView, build_agent, plans_ahead
 from ratchet.errors import (
-    AdapterError,
-    CheckpointError,
-    ConfigurationError,
-    ContractError,
-    EnvironmentMismatchError,
-    EvidenceError,
-    FenceRejectedError,
-    HighWaterUnavailableError,
     IntegrityError,
-    InvalidTransitionError,
-    LeaseLostError,
     PeerAnswerTooLargeError,
     RatchetError,
-    ReplicationUnconfirmedError,
-    ReviewDecisionError,
-    RunNotFoundError,
     StoreEpochError,
     StoreError,
-    StoreProtocolError,
 )
 from ratchet.fleet import logs, metrics
 from ratchet.fleet.clock import StoreClock
 from ratchet.fleet.context import Fleet
-from ratchet.fleet.control import CancelRequest, find_controls, find_rebaseline
+from ratchet.fleet.control import CancelRequest
 from ratchet.fleet.identity import owner_id
 from ratchet.fleet.mcp_servers import pin_live_contract
 from ratchet.fleet.placement import home_of
@@ -86,30 +66,38 @@ from ratchet.fleet.runs import (
     check_credentials,
     check_document_binding,
     open_document,
-    parse_evidence,
     run_toolbox,
 )
-from ratchet.leasing import LeasedRun, LeaseHolder, RunSnapshot
+from ratchet.leasing import LeasedRun
 from ratchet.runtime import (
-    ApprovalEvidence,
-    KeyRing,
     Phase,
     RebaselineDecision,
-    ReviewDecision,
     RunEngine,
-    RunState,
 )
-from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
+from ratchet.runtime.effects import Hooks as ExecutorHooks
 from ratchet.runtime.machine import decision_baseline
-from ratchet.runtime.state import TERMINAL_PHASES, ExecutedKeys
-from ratchet.runtime.tools import ToolCatalog
 from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
 from ratchet.worker.hooks import WorkerHooks
+from ratchet.worker.inbox import (
+    CancelWatch,
+    cancel_run,
+    consume_inbox,
+    decision_waiting,
+    find_job_controls,
+)
 from ratchet.worker.observe import RunRecorder, job_ended
+from ratchet.worker.protocol import (
+    JobOutcome,
+    JobReport,
+    Opened,
+    drive,
+    open_window,
+    take_lease,
+)
 
-__all__ = ["STOP", "JobReport", "agent_view", "execute_run", "run_job"]
+__all__ = ["STOP", "execute_run", "run_job"]
 
 log = logging.getLogger("ratchet.worker.job")
 
@@ -127,23 +115,6 @@ class _Process:
 
 
 _PROCESS = _Process()
-
-
-@dataclass
-class JobReport:
-    run_id: str
-    outcome: str  # held_elsewhere | terminal | waiting | finished | cancelled | yielded |
-    #               lease_lost | retry_later | restore_refused | no_proposal | job_error |
-    #               poisoned | no_run | store_refused | store_epoch_changed | routed
-    phase: str | None = None
-    lease_version: int | None = None
-    generation: int | None = None
-    steps: int = 0
-    detail: str = ""
-    windows: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def configure(fleet: Fleet, hooks: WorkerHooks | None = None) -> None:
@@ -213,38 +184,18 @@ def _execute(
             "store epoch check failed",
             extra={"run_id": run_id, "reason": str(exc.context["reason"])},
         )
-        return JobReport(run_id, "store_epoch_changed", detail=exc.message)
+        return JobReport(run_id, JobOutcome.STORE_EPOCH_CHANGED, detail=exc.message)
     acquired_at = time.monotonic()
-    try:
-        got = fleet.store.try_acquire(run_id, owner=owner, ttl_ms=settings.lease_ttl_ms)
-    except RunNotFoundError:
-        # An index or queue entry only says "look at run X"; there is no such run.
-        return JobReport(run_id, "no_run", detail="no run with this id")
-    except ReplicationUnconfirmedError:
-        # Taken on the primary, not confirmed by the replicas the fleet asks for: what
-        # it would restore may not survive a failover. Not used; the lease expires and
-        # the reaper hands the run on.
-        return JobReport(run_id, "lease_lost", detail="store: ReplicationUnconfirmedError")
-    except StoreProtocolError as exc:
-        # The run's lease or state record is not what the scripts wrote (corrupted or
-        # rewritten): nothing of it is used. Recorded for an operator where possible.
-        log.error("run records unreadable", extra={"run_id": run_id, "reason": exc.message})
-        with contextlib.suppress(RatchetError):
-            fleet.store.record_incident(
-                run_id,
-                {
-                    "kind": "store_record_unreadable",
-                    "reason": "lease_or_state",
-                    "message": exc.message,
-                },
-            )
-        return JobReport(run_id, "store_refused", detail=exc.message)
-    if isinstance(got, LeaseHolder):
-        return JobReport(run_id, "held_elsewhere", detail=f"held by {got.owner}")
-    lease: LeasedRun = got
+    report = JobReport(run_id, JobOutcome.LEASE_LOST)
+    lease = take_lease(
+        lambda: fleet.store.try_acquire(run_id, owner=owner, ttl_ms=settings.lease_ttl_ms),
+        lambda record: fleet.store.record_incident(run_id, record),
+        report,
+    )
+    if lease is None:
+        return report
     recorder = RunRecorder(fleet.store, run_id, lease.lease_version, settings)
     recorder.lease_acquired(took_over=lease.took_over, previous=lease.previous)
-    report = JobReport(run_id, "lease_lost", lease_version=lease.lease_version)
     job_hooks = None
     if hooks is not None:
         held_by, version = lease.owner, lease.lease_version
@@ -273,436 +224,287 @@ def _execute(
         acquired_at=acquired_at,
         hooks=hooks,
     ).start()
-    adapter = None
+    host = _FleetJob(fleet, lease, heartbeat, recorder, clock, hooks, job_hooks, report)
     log_context = logs.enter_run(
         run_id, lease_version=lease.lease_version, generation=lease.generation
     )
     try:
-        # Under the lease: the restore's high-water check is answered by this same read.
-        # Only the archive's last segments and the key digests: the restore reads the
-        # window the checkpoint signs, not the run's whole history.
-        snap = lease.read(with_checkpoint=True, with_scenario=True, archive_tail=restore_tail())
-        try:
-            if snap.checkpoint is None or snap.scenario is None:
-                raise IntegrityError("the run has no checkpoint or document", run_id=run_id)
-            # Verify before use: the document's MAC and run id, the checkpoint's MAC and
-            # schema, and that the checkpoint binds this very document, all before the
-            # document's agent, environment or verifier commands are touched.
-            document = open_document(fleet.keyring, run_id, snap.scenario)
-            snap, opened = open_window(lease, snap, fleet.keyring)
-            check_document_binding(opened.state, document)
-            if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
-                _release(lease, heartbeat)  # nothing more to do, nothing of it is built
-                report.outcome, report.phase = "terminal", opened.state.phase.value
-                report.generation = opened.generation
-                return report
-            # Where the run lives: its document's host, or the host a signed placement
-            # moved it to (one that does not verify refuses the run, below).
-            home, _ = home_of(fleet.keyring, fleet.store, run_id, document)
-            if home is not None and home != settings.host:
-                # Another host's run: its workspace is on that host's disk. Nothing of it
-                # is built or observed here; it goes on to its host's queue. Not a fault:
-                # a routing hint that was missing or wrong is all it says, and nothing
-                # is recorded against the run (not even a takeover: its host's next
-                # worker reads the run as this job found it).
-                recorder.drop_acquire()
-                _release(lease, heartbeat)
-                fleet.store.set_run_host(run_id, home)
-                fleet.enqueue(run_id, host=home)
-                metrics.JOBS_ROUTED.inc()
-                report.outcome, report.detail = "routed", f"to host {home}"
-                report.generation = opened.generation
-                return report
-            recorder.acknowledge_acquire()
-            # Operator controls come before the agent is loaded: a run whose agent cannot
-            # be imported can still be cancelled (see ratchet.fleet.control).
-            inbox = fleet.store.inbox(run_id)
-            cancel, rebaseline = _controls(fleet, run_id, inbox, opened, document)
-            if cancel is None:
-                # Credentials are this worker's: every one the document names must be in
-                # its own map, for the URL it would go to, before the agent is built or
-                # a server contacted (a refusal freezes the run; nothing was sent).
-                check_credentials(document, fleet.credentials)
-            agent_factory = fleet.agent_policy.resolve(document.agent) if cancel is None else None
-            # A run under review whose environment a person changed meanwhile restores
-            # only to consume a decision a reviewer signed for the environment as it is
-            # now: the decision's own check (its version against the one observed) then
-            # decides; nothing else can run in review.
-            deciding = opened.state.phase is Phase.NEEDS_REVIEW and _decision_waiting(
-                inbox, opened.state
-            )
-            token = settings.http_token.get_secret_value() if settings.http_token else None
-            toolbox = run_toolbox(
-                document,
-                credentials=fleet.credentials,
-                servers=settings.mcp_servers,
-                sandbox=fleet.sandbox,
-                state_dir=settings.state_dir,
-            )
-            # A declared stdio server's live tools must be the ones the run pinned when its
-            # first job listed them (pinned now if none is); see ratchet.fleet.mcp_servers.
-            pin_live_contract(
-                fleet.store,
-                run_id,
-                fleet.keyring,
-                [t for t in toolbox if getattr(t, "bound_contract", None) is not None],
-            )
-            adapter = build_adapter(
-                document,
-                sandbox=fleet.sandbox,
-                clock=clock,
-                http_token=token,
-                toolbox=toolbox,
-                busy_timeout_s=settings.workspace_busy_timeout_ms / 1000,
-                write_hook=hooks.write_stage if hooks is not None else None,
-                recorded=opened.state.environment,
-                store=fleet.store,
-                run_id=run_id,
-                state_dir=settings.state_dir,
-                credentials=fleet.credentials,
-            )
-            executor = Executor(
-                adapter,
-                lease,
-                hooks=job_hooks,
-                guard=heartbeat,
-                recorder=recorder,
-                measure=True,
-                run_id=run_id,
-            )
-            engine = RunEngine.resume(
-                cast(bytes, snap.checkpoint),
-                scenario=document.scenario,
-                keyring=fleet.keyring,
-                executor=executor,
-                clock=clock,
-                approvers=fleet.approvers,
-                reviewers=fleet.reviewers,
-                lease_version=lease.lease_version,
-                archive=snap.archive,
-                archive_from=snap.archive_from,
-                keys=snap.keys,
-                opened=opened,
-                coalesce=settings.coalesce_commits,
-                archive_trace=settings.archive_trace,
-                store_epoch=fleet.epoch,
-                tools=toolbox.catalog,
-                accept_environment=(
-                    decision_baseline(rebaseline) if rebaseline is not None else None
-                ),
-                tolerate_environment=cancel is not None or deciding,
-            )
-            if rebaseline is not None:
-                # The restore accepted the environment only on this decision: it must
-                # apply, or nothing runs on that environment.
-                engine.apply_rebaseline(rebaseline)
-        except IntegrityError as exc:
-            recorder.acknowledge_acquire()
-            if isinstance(exc.__context__, HighWaterUnavailableError) and (
-                exc.__context__.context.get("cause") == "StoreUnavailableError"
-            ):
-                # Redis could not be read mid-restore: no evidence of anything; retry.
-                report.outcome, report.detail = "lease_lost", "store: high water unreadable"
-                return report
-            _refuse(fleet, lease, heartbeat, report, exc)
-            return report
-        except (FenceRejectedError, ConfigurationError, ContractError, ReviewDecisionError) as exc:
-            # Failing closed: nothing about this run can be trusted or built as it is.
-            # Retrying would fail the same way, so it leaves the reaper's index.
-            recorder.acknowledge_acquire()
-            _refuse(fleet, lease, heartbeat, report, exc)
-            return report
-        except AdapterError as exc:
-            recorder.acknowledge_acquire()
-            if exc.context.get("retryable"):
-                raise
-            _refuse(fleet, lease, heartbeat, report, exc)
-            return report
-        if engine.state.phase in TERMINAL_PHASES:
-            _release(lease, heartbeat)
-            report.outcome, report.phase = "terminal", engine.state.phase.value
-            report.generation = engine.generation
-            return report
-        restored_seq = engine.state.trace[-1].seq
-        if hooks is not None:
-            hooks.event("restore", generation=engine.generation, phase=engine.state.phase.value)
-        if cancel is not None or agent_factory is None:
-            _cancel(engine, cancel, report)
-        else:
-            recovered = engine.reconcile()
-            if recovered.window is not None and engine.state.trace[-1].seq > 1:
-                report.windows.append(recovered.window.value)
-            heartbeat.progress()
-            _consume_inbox(fleet, engine, inbox)
-            _step(fleet, engine, document, agent_factory, heartbeat, report, recorder)
-        report.phase, report.generation = engine.state.phase.value, engine.generation
-        metrics.observe_trace(engine.state, since_seq=restored_seq)
-        _finish(lease, heartbeat, engine, report)
-    except (LeaseLostError, FenceRejectedError) as exc:
-        # No further commit or adapter call: the lease expires, the reaper hands it on.
-        report.outcome, report.detail = "lease_lost", type(exc).__name__
-    except EnvironmentMismatchError as exc:
-        # The environment is not what the signed state says it should be (edited behind
-        # the run, or a write's result that cannot be explained). Nothing more is sent;
-        # a restore would refuse it the same way, so the run leaves the index with the
-        # reason recorded, for an operator.
-        _refuse(fleet, lease, heartbeat, report, exc, kind="environment_changed")
-    except AdapterError as exc:
-        if exc.context.get("retryable"):
-            report.outcome, report.detail = "retry_later", exc.message
-        else:
-            _job_error(fleet, lease, heartbeat, report, exc)
-    except StoreError as exc:
-        report.outcome, report.detail = "lease_lost", f"store: {type(exc).__name__}"
-    except Exception as exc:
-        _job_error(fleet, lease, heartbeat, report, exc)
+        drive(host, report)
     finally:
         recorder.acknowledge_acquire()  # a job that ended before it routed or opened
         heartbeat.stop()
         logs.leave_run(log_context)
-        if adapter is not None:
-            close = getattr(adapter, "close", None)
-            if callable(close):
-                close()
+        host.close()
     return report
 
 
-def _controls(
-    fleet: Fleet, run_id: str, inbox: list[bytes], opened: CheckpointPayload, document: RunDocument
-) -> tuple[CancelRequest | None, RebaselineDecision | None]:
-    """The operator controls waiting in the inbox for the opened (not yet restored) run:
-    a verified cancel request (not for a run under review: a reviewer decides it; the
-    request stays and applies once the run leaves review), else a rebaseline decision
-    that passed every check the adapter is not needed for. Entries that did not verify
-    are recorded as incidents and never acted on."""
-    controls = find_controls(fleet.keyring, run_id, inbox)
-    refusals = [("control_refused", reason) for reason in controls.refused]
-    cancel = controls.cancel if opened.state.phase is not Phase.NEEDS_REVIEW else None
-    rebaseline = None
-    if cancel is None:
-        rebaseline, refused = find_rebaseline(
-            inbox, opened.state, document.scenario, fleet.reviewers, generation=opened.generation
+class _FleetJob:
+    """The job protocol's host in a worker process (:class:`ratchet.worker.protocol.JobHost`):
+    the run document, the operator controls, the worker's credentials and tools, the
+    heartbeat thread, metrics and incidents."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        lease: LeasedRun,
+        heartbeat: Heartbeat,
+        recorder: RunRecorder,
+        clock: StoreClock,
+        hooks: WorkerHooks | None,
+        job_hooks: ExecutorHooks | None,
+        report: JobReport,
+    ) -> None:
+        self._fleet = fleet
+        self._lease = lease
+        self._heartbeat = heartbeat
+        self._recorder = recorder
+        self._clock = clock
+        self._hooks = hooks
+        self._job_hooks = job_hooks
+        self._report = report
+        self._run_id = lease.run_id
+        self._document: RunDocument | None = None
+        self._cancel: CancelRequest | None = None
+        self._rebaseline: RebaselineDecision | None = None
+        self._inbox: list[bytes] = []
+        self._agent_factory: AgentFactory | None = None
+        self._adapter: object | None = None
+        self._restored_seq = 0
+        self._watch = CancelWatch(fleet, lease.run_id)
+
+    @property
+    def lease(self) -> LeasedRun:
+        return self._lease
+
+    @property
+    def guard(self) -> Heartbeat:
+        return self._heartbeat
+
+    @property
+    def max_steps(self) -> int:
+        return self._fleet.settings.max_steps_per_job
+
+    def open(self) -> Opened:
+        fleet = self._fleet
+        # Under the lease: the restore's high-water check is answered by this same read.
+        # Only the archive's last segments and the key digests: the restore reads the
+        # window the checkpoint signs, not the run's whole history.
+        snap = self._lease.read(
+            with_checkpoint=True, with_scenario=True, archive_tail=restore_tail()
         )
-        refusals += [("evidence_refused", reason) for reason in refused]
-    for kind, reason in refusals:
-        with contextlib.suppress(RatchetError):
-            fleet.store.record_incident(run_id, {"kind": kind, "message": reason[:500]})
-    return cancel, rebaseline
+        if snap.checkpoint is None or snap.scenario is None:
+            raise IntegrityError("the run has no checkpoint or document", run_id=self._run_id)
+        # Verify before use: the document's MAC and run id, the checkpoint's MAC and
+        # schema, and that the checkpoint binds this very document, all before the
+        # document's agent, environment or verifier commands are touched.
+        self._document = open_document(fleet.keyring, self._run_id, snap.scenario)
+        snap, opened = open_window(self._lease, snap, fleet.keyring)
+        check_document_binding(opened.state, self._document)
+        return Opened(snap, opened)
 
-
-def _decision_waiting(inbox: list[bytes], state: RunState) -> bool:
-    """Whether the inbox holds a reviewer decision on the open case not yet consumed."""
-    case = state.review
-    for raw in inbox:
-        evidence = parse_evidence(raw)
-        if (
-            isinstance(evidence, ReviewDecision)
-            and case is not None
-            and evidence.claims.case_id == case.case_id
-            and evidence.claims.nonce not in state.consumed_nonces
-        ):
+    def route(self, opened: Opened, report: JobReport) -> bool:
+        fleet, settings, run_id = self._fleet, self._fleet.settings, self._run_id
+        document = cast(RunDocument, self._document)
+        # Where the run lives: its document's host, or the host a signed placement moved
+        # it to (one that does not verify refuses the run, below).
+        home, _ = home_of(fleet.keyring, fleet.store, run_id, document)
+        if home is not None and home != settings.host:
+            # Another host's run: its workspace is on that host's disk. Nothing of it is
+            # built or observed here; it goes on to its host's queue. Not a fault: a
+            # routing hint that was missing or wrong is all it says, and nothing is
+            # recorded against the run (not even a takeover: its host's next worker reads
+            # the run as this job found it).
+            self._recorder.drop_acquire()
+            self._heartbeat.stop()
+            self._lease.release()
+            fleet.store.set_run_host(run_id, home)
+            fleet.enqueue(run_id, host=home)
+            metrics.JOBS_ROUTED.inc()
+            report.outcome, report.detail = JobOutcome.ROUTED, f"to host {home}"
             return True
-    return False
+        self._recorder.acknowledge_acquire()
+        # Operator controls come before the agent is loaded: a run whose agent cannot be
+        # imported can still be cancelled (see ratchet.fleet.control).
+        self._inbox = fleet.store.inbox(run_id)
+        self._cancel, self._rebaseline = find_job_controls(
+            fleet, run_id, self._inbox, opened.payload, document
+        )
+        if self._cancel is None:
+            # Credentials are this worker's: every one the document names must be in its
+            # own map, for the URL it would go to, before the agent is built or a server
+            # contacted (a refusal freezes the run; nothing was sent).
+            check_credentials(document, fleet.credentials)
+            self._agent_factory = fleet.agent_policy.resolve(document.agent)
+        return False
 
+    def build(self, opened: Opened) -> RunEngine:
+        fleet, settings, run_id = self._fleet, self._fleet.settings, self._run_id
+        document = cast(RunDocument, self._document)
+        state = opened.payload.state
+        # A run under review whose environment a person changed meanwhile restores only
+        # to consume a decision a reviewer signed for the environment as it is now: the
+        # decision's own check (its version against the one observed) then decides;
+        # nothing else can run in review.
+        deciding = state.phase is Phase.NEEDS_REVIEW and decision_waiting(self._inbox, state)
+        token = settings.http_token.get_secret_value() if settings.http_token else None
+        toolbox = run_toolbox(
+            document,
+            credentials=fleet.credentials,
+            servers=settings.mcp_servers,
+            sandbox=fleet.sandbox,
+            state_dir=settings.state_dir,
+        )
+        # A declared stdio server's live tools must be the ones the run pinned when its
+        # first job listed them (pinned now if none is); see ratchet.fleet.mcp_servers.
+        pin_live_contract(
+            fleet.store,
+            run_id,
+            fleet.keyring,
+            [t for t in toolbox if getattr(t, "bound_contract", None) is not None],
+        )
+        adapter = build_adapter(
+            document,
+            sandbox=fleet.sandbox,
+            clock=self._clock,
+            http_token=token,
+            toolbox=toolbox,
+            busy_timeout_s=settings.workspace_busy_timeout_ms / 1000,
+            write_hook=self._hooks.write_stage if self._hooks is not None else None,
+            recorded=state.environment,
+            store=fleet.store,
+            run_id=run_id,
+            state_dir=settings.state_dir,
+            credentials=fleet.credentials,
+        )
+        self._adapter = adapter
+        executor = Executor(
+            adapter,
+            self._lease,
+            hooks=self._job_hooks,
+            guard=self._heartbeat,
+            recorder=self._recorder,
+            measure=True,
+            run_id=run_id,
+        )
+        snap = opened.snapshot
+        rebaseline = self._rebaseline
+        engine = RunEngine.resume(
+            cast(bytes, snap.checkpoint),
+            scenario=document.scenario,
+            keyring=fleet.keyring,
+            executor=executor,
+            clock=self._clock,
+            approvers=fleet.approvers,
+            reviewers=fleet.reviewers,
+            lease_version=self._lease.lease_version,
+            archive=snap.archive,
+            archive_from=snap.archive_from,
+            keys=snap.keys,
+            opened=opened.payload,
+            coalesce=settings.coalesce_commits,
+            archive_trace=settings.archive_trace,
+            store_epoch=fleet.epoch,
+            tools=toolbox.catalog,
+            accept_environment=(decision_baseline(rebaseline) if rebaseline is not None else None),
+            tolerate_environment=self._cancel is not None or deciding,
+        )
+        if rebaseline is not None:
+            # The restore accepted the environment only on this decision: it must apply,
+            # or nothing runs on that environment.
+            engine.apply_rebaseline(rebaseline)
+        return engine
 
-def _cancel(engine: RunEngine, request: CancelRequest | None, report: JobReport) -> None:
-    """Carry out an operator's verified cancel request (see ratchet.fleet.control)."""
-    if request is None:
-        raise InvalidTransitionError("a cancel needs a request")
-    engine.cancel(request.reason, by=request.by, request_id=request.request_id)
-    report.outcome = "cancelled" if engine.state.phase is Phase.CANCELLED else "waiting"
+    def restore_failed(self) -> None:
+        self._recorder.acknowledge_acquire()
 
-
-def _consume_inbox(fleet: Fleet, engine: RunEngine, inbox: list[bytes]) -> None:
-    """Apply signed evidence an operator left for a waiting run (approve / review).
-
-    Each piece is verified by the engine (trust root, signature, bindings, nonce, expiry,
-    fresh receipt and environment); refused evidence changes nothing and is recorded as
-    an incident for the operator.
-    """
-    run_id = engine.state.run_id
-    for raw in inbox:
-        phase = engine.state.phase
-        if phase not in (Phase.AWAITING_APPROVAL, Phase.NEEDS_REVIEW):
-            return
-        evidence = parse_evidence(raw)
-        try:
-            if isinstance(evidence, ApprovalEvidence) and phase is Phase.AWAITING_APPROVAL:
-                if evidence.claims.nonce in engine.state.consumed_nonces:
-                    continue
-                engine.refresh_pending_approval(evidence)
-            elif isinstance(evidence, ReviewDecision) and phase is Phase.NEEDS_REVIEW:
-                if evidence.claims.nonce in engine.state.consumed_nonces:
-                    continue
-                engine.apply_review_decision(evidence)
-        except (EvidenceError, ConfigurationError) as exc:
-            fleet.store.record_incident(
-                run_id,
-                {
-                    "kind": "evidence_refused",
-                    "reason": str(getattr(exc, "reason", "")),
-                    "message": exc.message,
-                },
+    def restored(self, engine: RunEngine) -> None:
+        self._restored_seq = engine.state.trace[-1].seq
+        if self._hooks is not None:
+            self._hooks.event(
+                "restore", generation=engine.generation, phase=engine.state.phase.value
             )
 
+    def before_steps(self, engine: RunEngine, report: JobReport) -> bool:
+        if self._cancel is None and self._agent_factory is not None:
+            return False
+        cancel_run(engine, self._cancel)
+        return True
 
-def _catalog(engine: RunEngine) -> ToolCatalog:
-    return engine.tools if isinstance(engine.tools, ToolCatalog) else ToolCatalog()
+    def reconciled(self, engine: RunEngine, window: str | None) -> None:
+        if window is not None and engine.state.trace[-1].seq > 1:
+            self._report.windows.append(window)
+        self._heartbeat.progress()
+        consume_inbox(self._fleet, engine, self._inbox)
 
+    def agent(self) -> tuple[Agent, bool]:
+        document = cast(RunDocument, self._document)
+        factory = cast(AgentFactory, self._agent_factory)
+        agent = build_agent(document.agent, factory, dict(document.agent_config))
+        return agent, plans_ahead(agent)
 
-def agent_view(engine: RunEngine, last_read: str | None = None) -> AgentView:
-    """What a worker shows the agent before each proposal (the tools are the scenario's
-    permitted ones, with the contracts the engine checks calls by)."""
-    state = engine.state
-    report = state.verification
-    env = state.environment
-    verified = bool(
-        report is not None
-        and report.passed
-        and report.env_version == env.version
-        and report.env_fingerprint == env.fingerprint
-    )
-    return AgentView(
-        run_id=state.run_id,
-        phase=state.phase,
-        observation=env,
-        plan_cursor=state.plan_cursor,
-        usage=state.usage,
-        last_outcome=state.trace[-1].outcome,
-        quarantined_keys=state.quarantined_keys,
-        agent_state=dict(state.agent_state),
-        now=engine.clock.now(),
-        executed_keys=ExecutedKeys(state),
-        verified=verified,
-        last_read=last_read,
-        tools=tuple(_catalog(engine).permitted(engine.scenario)),
-    )
+    def stop_requested(self) -> bool:
+        return STOP.is_set()
 
+    def cancel_requested(self, engine: RunEngine, report: JobReport) -> bool:
+        request = self._watch.poll()
+        if request is None:
+            return False
+        cancel_run(engine, request)
+        return True
 
-def _step(
-    fleet: Fleet,
-    engine: RunEngine,
-    document: RunDocument,
-    agent_factory: AgentFactory,
-    heartbeat: Heartbeat,
-    report: JobReport,
-    recorder: RunRecorder,
-) -> None:
-    agent = build_agent(document.agent, agent_factory, dict(document.agent_config))
-    coalesce = plans_ahead(agent)
-    last_read: str | None = None
-    watch = _CancelWatch(fleet, engine.state.run_id)
-    for _ in range(fleet.settings.max_steps_per_job):
-        if engine.state.phase is not Phase.RUNNING:
-            return
-        if STOP.is_set():
-            report.outcome = "yielded"
-            return
-        heartbeat.check()
-        request = watch.poll()
-        if request is not None:  # an operator asked: stop at this safe point
-            _cancel(engine, request, report)
-            return
+    def next_step(self, agent: Agent, view: AgentView) -> AgentStep | None:
         try:
-            step = agent.next_step(agent_view(engine, last_read))
+            return agent.next_step(view)
         except PeerAnswerTooLargeError as refusal:
             # The agent's model answered past the byte cap: nothing of the step was
             # committed; the job fails with it (job_error) and this says why.
-            recorder.peer_answer_too_large(refusal, call="model", outcome="refused")
+            self._recorder.peer_answer_too_large(refusal, call="model", outcome="refused")
             raise
-        if step is None:
-            report.outcome = "no_proposal"
-            return
-        result = engine.propose(step.action, agent_state=step.agent_state)
-        if not coalesce:
-            engine.flush()  # durable before the agent thinks; see Agent.plans_ahead
-        last_read = result.read.content if result.read is not None else None
-        report.steps += 1
-        heartbeat.progress()
-    report.outcome = "yielded"
+
+    def ended(self, engine: RunEngine) -> None:
+        metrics.observe_trace(engine.state, since_seq=self._restored_seq)
+
+    def lease_gone(self) -> bool:
+        return _lease_gone(self._fleet, self._lease)
+
+    def record_refusal(self, kind: JobOutcome, reason: str, exc: RatchetError) -> None:
+        lease = self._lease
+        log.error(kind.value.replace("_", " "), extra={"run_id": lease.run_id, "reason": reason})
+        record: dict[str, Any] = {
+            "kind": kind.value,
+            "reason": reason,
+            "message": exc.message,
+            "lease_version": lease.lease_version,
+            "high_water": lease.generation,
+        }
+        # The evidence an operator (and a drill's checker) needs: what the adapter had
+        # seen against what it was offered, or what the environment check compared.
+        evidence = {name: exc.context[name] for name in _EVIDENCE if name in exc.context}
+        if evidence:
+            record["evidence"] = evidence
+        self._fleet.store.record_incident(lease.run_id, record)
+
+    def job_error(self, exc: Exception, report: JobReport) -> None:
+        _job_error(self._fleet, self._lease, self._heartbeat, report, exc)
+
+    def close(self) -> None:
+        close = getattr(self._adapter, "close", None)
+        if callable(close):
+            close()
 
 
-class _CancelWatch:
-    """Re-reads the run's inbox for a cancel request at most once per renewal interval,
-    so a run a worker is stepping stops within about one interval of the request, at a
-    cost that does not grow with the step rate."""
-
-    def __init__(self, fleet: Fleet, run_id: str) -> None:
-        self._fleet = fleet
-        self._run_id = run_id
-        self._every = fleet.settings.renew_interval / 1000
-        self._next = time.monotonic() + self._every
-
-    def poll(self) -> CancelRequest | None:
-        now = time.monotonic()
-        if now < self._next:
-            return None
-        self._next = now + self._every
-        inbox = self._fleet.store.inbox(self._run_id)
-        return find_controls(self._fleet.keyring, self._run_id, inbox).cancel
-
-
-def open_window(
-    lease: LeasedRun, snap: RunSnapshot, keyring: KeyRing
-) -> tuple[RunSnapshot, CheckpointPayload]:
-    """Open the checkpoint of ``snap`` (read with ``archive_tail``) as the window it signs.
-    When the segments read do not reach back to the window's start (a checkpoint made
-    before windowed state, or a window longer than the tail), read the whole archive once
-    under the same lease and open that: the snapshot returned is the one opened.
-
-    Raises CheckpointError and what ``LeasedRun.read`` raises.
-    """
-    checkpoint = cast(bytes, snap.checkpoint)
-    try:
-        opened = open_checkpoint(
-            checkpoint,
-            keyring=keyring,
-            archive=snap.archive,
-            windowed=True,
-            archive_from=snap.archive_from,
-            keys=snap.keys,
-        )
-    except CheckpointError as exc:
-        if exc.context.get("reason") != "archive_short":
-            raise
-        snap = lease.read(with_checkpoint=True, with_scenario=snap.scenario is not None)
-        opened = open_checkpoint(
-            cast(bytes, snap.checkpoint), keyring=keyring, archive=snap.archive, windowed=True
-        )
-    return snap, opened
-
-
-def _release(
-    lease: LeasedRun, heartbeat: Heartbeat, *, reap: bool = False, flush: RunEngine | None = None
-) -> None:
-    """Stop the heartbeat, then give the lease up; with ``flush``, the engine's held commit
-    goes first and carries the release in the same round trip.
-
-    A renewal still in flight when the lease is released would be refused and reported as
-    a lost lease; stopping (and joining) the heartbeat first rules that out.
-    """
-    heartbeat.stop()
-    if flush is not None and flush.held_commits:
-        lease.release_with_next_commit(reap=reap)
-        flush.flush()
-    lease.release(reap=reap)
-
-
-def _finish(lease: LeasedRun, heartbeat: Heartbeat, engine: RunEngine, report: JobReport) -> None:
-    # The engine's state already includes any held commit: decide, then send that commit
-    # with the release (a held receipt commit goes out before the lease does).
-    phase = engine.state.phase
-    if phase in TERMINAL_PHASES:
-        report.outcome = "cancelled" if phase is Phase.CANCELLED else "finished"
-        reap = False
-    elif phase in (Phase.AWAITING_APPROVAL, Phase.NEEDS_REVIEW):
-        report.outcome, reap = "waiting", False  # approve / review re-enqueue it
-    elif report.outcome == "no_proposal":
-        reap = False  # the agent is done proposing but the run is not: an operator looks
-    else:
-        report.outcome, reap = "yielded", True  # another worker continues at once
-    _release(lease, heartbeat, reap=reap, flush=engine)
-    report.generation = engine.generation
+#: The fields of a refusal's error an incident keeps as its evidence.
+_EVIDENCE = (
+    "fence",
+    "seen",
+    "expected",
+    "observed",
+    "generation",
+    "high_water",
+    "expected_version",
+    "observed_version",
+    "fingerprint_changed",
+)
 
 
 def _where(exc: BaseException) -> str:
@@ -748,15 +550,16 @@ def _job_error(
     metrics.job_error(exc)
     with contextlib.suppress(RatchetError):
         fleet.store.record_incident(run_id, record)
+    heartbeat.stop()
     with contextlib.suppress(RatchetError):
-        _release(lease, heartbeat)  # off the reaper's index
+        lease.release()  # off the reaper's index
     if frozen:
-        report.outcome, report.detail = "poisoned", f"{type(exc).__name__}: {message}"
+        report.outcome, report.detail = JobOutcome.POISONED, f"{type(exc).__name__}: {message}"
         return
     backoff = settings.job_error_backoff_ms * 2 ** (attempt - 1)
     with contextlib.suppress(RatchetError):
         fleet.store.expect_pickup(run_id, within_ms=backoff)  # the reaper retries then
-    report.outcome, report.detail = "job_error", f"{type(exc).__name__}: {message}"
+    report.outcome, report.detail = JobOutcome.JOB_ERROR, f"{type(exc).__name__}: {message}"
 
 
 def _lease_gone(fleet: Fleet, lease: LeasedRun) -> bool:
@@ -768,58 +571,3 @@ def _lease_gone(fleet: Fleet, lease: LeasedRun) -> bool:
     except StoreError:
         return True
     return not snap.is_held_by(lease.owner, lease.lease_version)
-
-
-def _refuse(
-    fleet: Fleet,
-    lease: LeasedRun,
-    heartbeat: Heartbeat,
-    report: JobReport,
-    exc: RatchetError,
-    *,
-    kind: str = "restore_refused",
-) -> None:
-    """A restore (or a step) failed closed: record why, take the run off the index, run
-    nothing more.
-
-    Unless the lease is no longer this job's: a job paused or stalled past its lease
-    judges a run its new owner has moved on (a newer fence at the adapters, an
-    environment one step ahead of the checkpoint it read). That is a lost lease, not a
-    run to freeze: no incident. Nothing is lost by it: a run really broken refuses its
-    next restore the same way, under a live lease, and is frozen then."""
-    if _lease_gone(fleet, lease):
-        report.outcome, report.detail = "lease_lost", type(exc).__name__
-        return
-    reason = str(getattr(exc, "reason", "") or type(exc).__name__)
-    report.outcome, report.detail = kind, f"{reason}: {exc.message}"
-    log.error(kind.replace("_", " "), extra={"run_id": lease.run_id, "reason": reason})
-    record: dict[str, Any] = {
-        "kind": kind,
-        "reason": reason,
-        "message": exc.message,
-        "lease_version": lease.lease_version,
-        "high_water": lease.generation,
-    }
-    # The evidence an operator (and a drill's checker) needs: what the adapter had seen
-    # against what it was offered, or what the environment check compared.
-    evidence = {
-        name: exc.context[name]
-        for name in (
-            "fence",
-            "seen",
-            "expected",
-            "observed",
-            "generation",
-            "high_water",
-            "expected_version",
-            "observed_version",
-            "fingerprint_changed",
-        )
-        if name in exc.context
-    }
-    if evidence:
-        record["evidence"] = evidence
-    try:
-        fleet.store.record_incident(lease.run_id, record)
-    finally:
-        _release(lease, heartbeat)

@@ -15,7 +15,7 @@ from ratchet.chaos.sim.world import Part
 from ratchet.runtime import Phase
 from ratchet.runtime.effects import Commit, RaiseFence, Verify
 from ratchet.runtime.engine import RunEngine
-from ratchet.worker import executor
+from ratchet.worker import executor, protocol
 
 Mutant = Callable[[pytest.MonkeyPatch], None]
 
@@ -110,6 +110,24 @@ def expiry_on_worker_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SimRedis, "evalsha", on_the_callers_clock)
 
 
+def retry_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job protocol (the code every worker runs) judges a retryable adapter failure
+    (a lost reply) as a job error: the run is refused and frozen instead of retried."""
+    judged = protocol.step_verdict
+
+    def frozen(exc: BaseException) -> protocol.Verdict:
+        verdict = judged(exc)
+        return protocol.Verdict.JOB_ERROR if verdict is protocol.Verdict.RETRY else verdict
+
+    monkeypatch.setattr(protocol, "step_verdict", frozen)
+
+
+def no_reconcile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job protocol steps a restored run without reconciling the write a previous
+    owner left pending."""
+    monkeypatch.setattr(protocol, "recover", lambda engine: None)
+
+
 MUTANTS: dict[str, Mutant] = {
     "fences_disabled": fences_disabled,
     "no_intent_commit": no_intent_commit,
@@ -117,6 +135,8 @@ MUTANTS: dict[str, Mutant] = {
     "no_guard_before_write": no_guard_before_write,
     "high_water_before_validation": high_water_before_validation,
     "expiry_on_worker_clock": expiry_on_worker_clock,
+    "retry_frozen": retry_frozen,
+    "no_reconcile": no_reconcile,
 }
 
 

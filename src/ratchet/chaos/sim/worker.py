@@ -1,16 +1,11 @@
-"""A simulated worker: one process's job on the run, as :mod:`ratchet.worker.job` runs it.
+"""A simulated worker: one process's job on the run, driving the job protocol itself.
 
-The job here is the real job's order, step for step, with the fleet's wiring left out (no
-run document, agent loading, metrics or log context; the scenario and plan are the
-simulation's): acquire the lease (compare-and-set on the store's clock; held by a live
-worker: end quietly), read the checkpoint under the lease, end at once for a terminal run,
-``RunEngine.resume`` (verify, high-water mark, fence, observe), ``reconcile``, then the
-agent loop (``propose``, and ``flush`` unless the worker batches receipt commits) for up
-to ``steps_per_job`` steps, and release: the held commit carries the release when there
-is one, ``reap`` when work remains. Failures end the job as they do there: a lost lease or
-a refused fence ends it with no further effect; a retryable adapter failure stops without
-a release (the lease expires); a restore that fails closed, a changed environment or a job
-error records an incident and releases.
+The job is :mod:`ratchet.worker.protocol`, the code every worker runs: the order (take
+the lease, open the run, resume, reconcile, step, finish) and the classification of every
+failure are not copied here but driven, through a host that supplies the simulation's
+side (:class:`_SimJob`): its scenario and plan, its adapter, no run document, routing,
+controls or stop requests. So what the simulator finds about a job's policy, it finds
+about the workers' (``tests/chaos/sim`` plants bugs in the protocol to show it).
 
 What is real: the engine, the executor (its lease guard and its hooks), the store client
 (:class:`ratchet.leasing.RedisStore` and :class:`ratchet.leasing.LeasedRun` on the
@@ -22,30 +17,23 @@ adapter, and every fault.
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ratchet.agents import ScriptedAgent
+from ratchet.agents import Agent, AgentStep, AgentView, ScriptedAgent
 from ratchet.errors import (
     AdapterError,
-    ConfigurationError,
-    ContractError,
-    EnvironmentMismatchError,
-    FenceRejectedError,
-    HighWaterUnavailableError,
     IntegrityError,
     LeaseLostError,
     RatchetError,
-    ReviewDecisionError,
     StoreError,
 )
 from ratchet.fleet.clock import StoreClock
-from ratchet.leasing import LeasedRun, LeaseHolder, RedisStore
-from ratchet.runtime import Phase, RunEngine
+from ratchet.leasing import LeasedRun, RedisStore
+from ratchet.runtime import RunEngine
 from ratchet.runtime.effects import (
     Commit,
     Effect,
@@ -60,10 +48,17 @@ from ratchet.runtime.effects import (
     Verify,
 )
 from ratchet.runtime.ports import Advance, RunKey, StoredCheckpoint
-from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
-from ratchet.worker.job import agent_view, open_window
+from ratchet.worker.protocol import (
+    JobOutcome,
+    JobReport,
+    Opened,
+    drive,
+    open_window,
+    refuse,
+    take_lease,
+)
 
 from .schedule import Kind
 from .world import PLAN, SimAdapter
@@ -260,13 +255,17 @@ def run_job(worker: SimWorker) -> str:
     store = sim.store_for(worker)
     worker.jobs += 1
     acquired_at = worker.mono_ms()
+    report = JobReport(sim.run_id, JobOutcome.LEASE_LOST)
     try:
-        got = store.try_acquire(sim.run_id, owner=worker.owner, ttl_ms=sim.profile.ttl_ms)
+        lease = take_lease(
+            lambda: store.try_acquire(sim.run_id, owner=worker.owner, ttl_ms=sim.profile.ttl_ms),
+            lambda record: store.record_incident(sim.run_id, record),
+            report,
+        )
     except StoreError:
         return "store_error"
-    if isinstance(got, LeaseHolder):
-        return "held_elsewhere"
-    lease = got
+    if lease is None:
+        return report.outcome.value
     clock = StoreClock(lease.lease.now_ms, sent_at=acquired_at / 1000, monotonic=worker.mono)
     guard = SimGuard(
         worker,
@@ -277,152 +276,148 @@ def run_job(worker: SimWorker) -> str:
         next_renewal_ms=acquired_at + max(sim.profile.ttl_ms // 3, 1),
     )
     worker.guard = guard
+    host = _SimJob(worker, store, lease, guard, clock)
     try:
-        return _leased(worker, store, lease, guard, clock)
+        drive(host, report)
+        if host.gone_before_refusal and report.outcome is JobOutcome.LEASE_LOST:
+            return "lease_lost_before_refusal"  # a zombie whose successor moved on
+        return report.outcome.value
     finally:
         guard.stop()
         worker.guard = None
         worker.engine = None
 
 
-def _leased(
-    worker: SimWorker, store: RedisStore, lease: LeasedRun, guard: SimGuard, clock: StoreClock
-) -> str:
-    sim = worker.sim
-    try:
-        try:
-            # As a worker's job reads it: the archive's last segments and the key digests.
-            snap = lease.read(with_checkpoint=True, archive_tail=restore_tail())
-            if snap.checkpoint is None:
-                raise IntegrityError("the run has no checkpoint", run_id=lease.run_id)
-            snap, opened = open_window(lease, snap, sim.keyring)
-            if opened.state.phase in TERMINAL_PHASES and opened.generation == snap.generation:
-                _release(lease, guard)
-                return "terminal"
-            executor = _Executor(
-                worker,
-                SimAdapter(sim.env, worker.owner),
-                _TruthfulStore(worker, lease),
-                hooks=_Hooks(worker, lease.lease_version),
-                guard=guard,
-                run_id=lease.run_id,
-            )
-            engine = RunEngine.resume(
-                cast(bytes, snap.checkpoint),
-                scenario=sim.scenario,
-                keyring=sim.keyring,
-                executor=executor,
-                clock=clock,
-                lease_version=lease.lease_version,
-                archive=snap.archive,
-                archive_from=snap.archive_from,
-                keys=snap.keys,
-                opened=opened,
-                coalesce=worker.coalesce,
-            )
-        except IntegrityError as exc:
-            if isinstance(exc.__context__, HighWaterUnavailableError):
-                return "lease_lost"  # the store could not be read: no evidence; retry
-            return _refuse(worker, store, lease, guard, exc, "restore_refused")
-        except (FenceRejectedError, ConfigurationError, ContractError, ReviewDecisionError) as exc:
-            return _refuse(worker, store, lease, guard, exc, "restore_refused")
-        except AdapterError as exc:
-            if exc.context.get("retryable"):
-                raise
-            return _refuse(worker, store, lease, guard, exc, "restore_refused")
+class _SimJob:
+    """The job protocol's host in the simulation (:class:`ratchet.worker.protocol.JobHost`):
+    the simulation's scenario, plan and adapter; no document, routing, controls, inbox or
+    stop request (the simulated fleet has none); the judge hears the restore, every
+    refusal and every unexpected error."""
+
+    def __init__(
+        self,
+        worker: SimWorker,
+        store: RedisStore,
+        lease: LeasedRun,
+        guard: SimGuard,
+        clock: StoreClock,
+    ) -> None:
+        self._worker = worker
+        self._store = store
+        self._lease = lease
+        self._guard = guard
+        self._clock = clock
+        self.gone_before_refusal = False
+
+    @property
+    def lease(self) -> LeasedRun:
+        return self._lease
+
+    @property
+    def guard(self) -> SimGuard:
+        return self._guard
+
+    @property
+    def max_steps(self) -> int:
+        return self._worker.sim.profile.steps_per_job
+
+    def open(self) -> Opened:
+        lease = self._lease
+        # As a worker's job reads it: the archive's last segments and the key digests.
+        snap = lease.read(with_checkpoint=True, archive_tail=restore_tail())
+        if snap.checkpoint is None:
+            raise IntegrityError("the run has no checkpoint", run_id=lease.run_id)
+        snap, opened = open_window(lease, snap, self._worker.sim.keyring)
+        return Opened(snap, opened)
+
+    def route(self, opened: Opened, report: JobReport) -> bool:
+        return False
+
+    def build(self, opened: Opened) -> RunEngine:
+        worker, lease = self._worker, self._lease
+        sim = worker.sim
+        executor = _Executor(
+            worker,
+            SimAdapter(sim.env, worker.owner),
+            _TruthfulStore(worker, lease),
+            hooks=_Hooks(worker, lease.lease_version),
+            guard=self._guard,
+            run_id=lease.run_id,
+        )
+        snap = opened.snapshot
+        engine = RunEngine.resume(
+            cast(bytes, snap.checkpoint),
+            scenario=sim.scenario,
+            keyring=sim.keyring,
+            executor=executor,
+            clock=self._clock,
+            lease_version=lease.lease_version,
+            archive=snap.archive,
+            archive_from=snap.archive_from,
+            keys=snap.keys,
+            opened=opened.payload,
+            coalesce=worker.coalesce,
+        )
         sim.judge.restored(lease.lease_version, engine.generation)
         worker.engine = engine
-        if engine.state.phase in TERMINAL_PHASES:
-            _release(lease, guard)
-            return "terminal"
-        engine.reconcile()
-        outcome = _steps(worker, engine, guard)
-        _finish(lease, guard, engine, outcome)
-        return outcome if outcome != "steps" else "yielded"
-    except (LeaseLostError, FenceRejectedError):
-        return "lease_lost"
-    except EnvironmentMismatchError as exc:
-        return _refuse(worker, store, lease, guard, exc, "environment_changed")
-    except AdapterError as exc:
-        if exc.context.get("retryable"):
-            return "retry_later"
-        return _refuse(worker, store, lease, guard, exc, "job_error")
-    except StoreError:
-        return "lease_lost"
-    except RatchetError as exc:
-        return _refuse(worker, store, lease, guard, exc, "job_error")
-    except Exception as exc:
-        sim.judge.fail(
+        return engine
+
+    def restore_failed(self) -> None:
+        pass
+
+    def restored(self, engine: RunEngine) -> None:
+        pass
+
+    def before_steps(self, engine: RunEngine, report: JobReport) -> bool:
+        return False
+
+    def reconciled(self, engine: RunEngine, window: str | None) -> None:
+        pass  # the windows are heard as they are reached (_Hooks)
+
+    def agent(self) -> tuple[Agent, bool]:
+        return ScriptedAgent(PLAN), self._worker.coalesce
+
+    def stop_requested(self) -> bool:
+        return False
+
+    def cancel_requested(self, engine: RunEngine, report: JobReport) -> bool:
+        return False
+
+    def next_step(self, agent: Agent, view: AgentView) -> AgentStep | None:
+        return agent.next_step(view)
+
+    def ended(self, engine: RunEngine) -> None:
+        pass
+
+    def lease_gone(self) -> bool:
+        lease = self._lease
+        try:
+            gone = not self._store.read_run(lease.run_id).is_held_by(
+                lease.owner, lease.lease_version
+            )
+        except StoreError:
+            gone = True
+        self.gone_before_refusal = gone
+        return gone
+
+    def record_refusal(self, kind: JobOutcome, reason: str, exc: RatchetError) -> None:
+        """A refusal under a lease that is live by the store's clock is one the
+        simulation cannot explain (nothing in it tampers with a run): a violation."""
+        worker, lease = self._worker, self._lease
+        sim = worker.sim
+        if sim.judge.lease.live_for(lease.owner, lease.lease_version, sim.store_ms()):
+            sim.judge.fail(
+                "no_unexplained_refusal",
+                f"{worker.owner} ({kind.value}): {type(exc).__name__} {reason}: "
+                f"{exc.message[:160]}",
+            )
+        self._store.record_incident(lease.run_id, {"kind": kind.value, "reason": reason})
+
+    def job_error(self, exc: Exception, report: JobReport) -> None:
+        if isinstance(exc, RatchetError):
+            refuse(self, report, exc, JobOutcome.JOB_ERROR)
+            return
+        self._worker.sim.judge.fail(
             "no_unexpected_error", f"{type(exc).__name__} at {_where(exc)}: {str(exc)[:200]}"
         )
         raise Halt from exc
-
-
-def _steps(worker: SimWorker, engine: RunEngine, guard: SimGuard) -> str:
-    agent = ScriptedAgent(PLAN)
-    for _ in range(worker.sim.profile.steps_per_job):
-        if engine.state.phase is not Phase.RUNNING:
-            return "ended"
-        guard.check()
-        step = agent.next_step(agent_view(engine))
-        if step is None:
-            return "no_proposal"
-        engine.propose(step.action, agent_state=step.agent_state)
-        if not worker.coalesce:
-            engine.flush()
-    return "steps"
-
-
-def _release(lease: LeasedRun, guard: SimGuard, *, reap: bool = False) -> None:
-    guard.stop()
-    lease.release(reap=reap)
-
-
-def _finish(lease: LeasedRun, guard: SimGuard, engine: RunEngine, outcome: str) -> None:
-    """As the job's ``_finish``: decide, then send any held commit with the release."""
-    phase = engine.state.phase
-    reap = phase not in TERMINAL_PHASES and phase is Phase.RUNNING and outcome == "steps"
-    guard.stop()
-    if engine.held_commits:
-        lease.release_with_next_commit(reap=reap)
-        engine.flush()
-    lease.release(reap=reap)
-
-
-def _lease_gone(store: RedisStore, lease: LeasedRun) -> bool:
-    """The job's check (``worker.job._lease_gone``): the store says this lease is no longer
-    the live one, or the store cannot be read."""
-    try:
-        return not store.read_run(lease.run_id).is_held_by(lease.owner, lease.lease_version)
-    except StoreError:
-        return True
-
-
-def _refuse(
-    worker: SimWorker,
-    store: RedisStore,
-    lease: LeasedRun,
-    guard: SimGuard,
-    exc: RatchetError,
-    kind: str,
-) -> str:
-    """A restore or step failed closed: as the job (``worker.job._refuse``), a lease the
-    store no longer holds for this worker makes it a lost lease with no incident (a newer
-    owner moved the run on); otherwise the incident is recorded (for the judge, and as the
-    real job records it), then release, end."""
-    sim = worker.sim
-    if _lease_gone(store, lease):
-        return "lease_lost_before_refusal"
-    reason = str(exc.context.get("reason", "") or type(exc).__name__)
-    if sim.judge.lease.live_for(lease.owner, lease.lease_version, sim.store_ms()):
-        sim.judge.fail(
-            "no_unexplained_refusal",
-            f"{worker.owner} ({kind}): {type(exc).__name__} {reason}: {exc.message[:160]}",
-        )
-    with contextlib.suppress(RatchetError):
-        store.record_incident(lease.run_id, {"kind": kind, "reason": reason})
-    try:
-        _release(lease, guard)
-    except (LeaseLostError, StoreError):
-        return f"{kind}_then_lease_lost"
-    return kind
