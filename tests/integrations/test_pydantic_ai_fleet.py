@@ -127,7 +127,7 @@ class DieAfterTheCall(WorkerHooks):
 def test_a_call_cut_off_inside_a_tool_without_recovery_waits_for_a_reviewer(
     pai_settings: Settings, tmp_path: Path
 ) -> None:
-    fleet = Fleet.connect(pai_settings.model_copy(update={"lease_ttl_ms": 300}))
+    fleet = Fleet.connect(pai_settings.model_copy(update={"lease_ttl_ms": 1000}))
     root = make_greeting_workspace(tmp_path / "ws")
     run_id = submit(fleet, shop_document(root, "shop:cancels", tools=["cancel_order"]))
     with pytest.raises(FailpointFired):

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from ratchet.ops.diagnosis import FREEZING_KINDS
+from ratchet.worker.protocol import JobOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "operator-guide.md"
@@ -34,14 +35,29 @@ def _text(node: ast.AST | None) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
+def _refused_kind(node: ast.Call) -> str | None:
+    """The kind of a job protocol refusal, ``refuse(host, report, exc, JobOutcome.X)``
+    (recorded as ``{"kind": kind.value, ...}``)."""
+    name = node.func.id if isinstance(node.func, ast.Name) else None
+    if name != "refuse" or len(node.args) != 4:
+        return None
+    kind = node.args[3]
+    if isinstance(kind, ast.Attribute) and isinstance(kind.value, ast.Name):
+        if kind.value.id == "JobOutcome":
+            return JobOutcome[kind.attr].value
+    return None
+
+
 def recorded_kinds() -> set[str]:
     """Every incident kind written in ``src/ratchet/{worker,ops,fleet}/*.py``: a ``{"kind": "..."}``
     record, a ``kind="..."`` argument or default, a ``("...", reason)`` pair that is
-    recorded as ``{"kind": kind, ...}``."""
+    recorded as ``{"kind": kind, ...}``, a job protocol refusal with its ``JobOutcome``."""
     kinds: set[str] = set()
     for path in sorted(p for folder in WORKER for p in folder.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Dict):
+            if isinstance(node, ast.Call) and (refused := _refused_kind(node)) is not None:
+                kinds.add(refused)
+            elif isinstance(node, ast.Dict):
                 kinds |= {
                     v
                     for k, v in (

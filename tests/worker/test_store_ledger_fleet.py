@@ -91,7 +91,7 @@ def cut_off_call(fleet: Fleet, root: Path, url: str, run_id: str) -> None:
 def test_a_disk_restored_from_a_backup_taken_before_the_call_never_repeats_it(
     settings: Settings, tmp_path: Path, tickets: Tickets
 ) -> None:
-    fleet = Fleet.connect(settings.model_copy(update={"lease_ttl_ms": 300}))
+    fleet = Fleet.connect(settings.model_copy(update={"lease_ttl_ms": 1000}))
     url = tickets.serve_http()
     root = make_greeting_workspace(tmp_path / "ws")
     backup = tmp_path / "backup"
@@ -119,7 +119,7 @@ def test_a_disk_restored_from_a_backup_taken_before_the_call_never_repeats_it(
 def test_a_cancel_never_drops_a_key_whose_call_it_cannot_see_the_run_waits_for_a_reviewer(
     settings: Settings, tmp_path: Path, tickets: Tickets
 ) -> None:
-    fleet = Fleet.connect(settings.model_copy(update={"lease_ttl_ms": 300}))
+    fleet = Fleet.connect(settings.model_copy(update={"lease_ttl_ms": 1000}))
     url = tickets.serve_http()
     root = make_greeting_workspace(tmp_path / "ws")
     cut_off_call(fleet, root, url, "r-cancelled")
