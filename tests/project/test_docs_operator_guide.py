@@ -42,9 +42,12 @@ def _refused_kind(node: ast.Call) -> str | None:
     if name != "refuse" or len(node.args) != 4:
         return None
     kind = node.args[3]
-    if isinstance(kind, ast.Attribute) and isinstance(kind.value, ast.Name):
-        if kind.value.id == "JobOutcome":
-            return JobOutcome[kind.attr].value
+    if (
+        isinstance(kind, ast.Attribute)
+        and isinstance(kind.value, ast.Name)
+        and kind.value.id == "JobOutcome"
+    ):
+        return JobOutcome[kind.attr].value
     return None
 
 

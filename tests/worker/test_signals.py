@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+from typing import Any
 
 from ratchet.leasing.server import RedisServer
 from ratchet.worker.signals import in_finaliser
@@ -101,3 +103,35 @@ def test_a_frame_called_from_a_finaliser_is_inside_one() -> None:
     Finalised()
     assert seen == [True]
     assert not in_finaliser(sys._getframe())
+
+
+def _stop(worker: Any, stopped: threading.Event) -> None:
+    worker.unsubscribe()
+    stopped.set()
+
+
+def test_a_worker_stops_listening_to_its_command_channel_without_hanging(
+    redis_server: RedisServer,
+) -> None:
+    """RQ's command-channel thread, stopped at a worker's teardown, waited up to a minute
+    for a subscription that never came when the stop caught it between turns (about one
+    stop in five): `ratchet worker --burst` took 62 s instead of 2, and a SIGTERM'd worker
+    outlived its test. Each stop here must end within a deadline far below that."""
+    import time
+
+    from redis import Redis
+    from rq.serializers import JSONSerializer
+
+    from ratchet.worker.pool import RatchetWorker
+
+    connection = Redis.from_url(redis_server.url)
+    for attempt in range(12):
+        worker = RatchetWorker(
+            ["q"], connection=connection, serializer=JSONSerializer, name=f"w-{attempt}"
+        )
+        worker.subscribe()
+        time.sleep(0.05 * (attempt % 5))  # not a wait for anything: stops land at each point
+        stopped = threading.Event()
+        threading.Thread(target=_stop, args=(worker, stopped), daemon=True).start()
+        assert stopped.wait(15), f"stop {attempt} still waiting after 15 s"
+    connection.close()

@@ -60,6 +60,7 @@ from ratchet.worker.signals import outside_finalisers
 __all__ = [
     "CRASH_LOOP_DEATHS",
     "EXIT_CRASH_LOOP",
+    "PUBSUB_TURN_S",
     "STABLE_AFTER_MS",
     "RatchetWorker",
     "RestartPolicy",
@@ -70,6 +71,8 @@ __all__ = [
 
 log = logging.getLogger("ratchet.worker.pool")
 
+#: How long RQ's command-channel thread waits per turn (and so at most at a stop).
+PUBSUB_TURN_S: Final = 1.0
 #: ``ratchet worker``'s exit code when it gave up on a crash loop.
 EXIT_CRASH_LOOP: Final = 3
 #: A worker process that lived this long was healthy (its slot's count of deaths that came
@@ -86,6 +89,21 @@ class RatchetWorker(SimpleWorker):
     def handle_warm_shutdown_request(self) -> None:
         job.STOP.set()
         super().handle_warm_shutdown_request()  # type: ignore[no-untyped-call]
+
+    def subscribe(self) -> None:
+        # RQ's command channel (a kill-horse or shutdown command), read by a thread that
+        # waits up to ``sleep_time`` per turn. After the unsubscribe at teardown it waits
+        # that long for a subscription that never comes, and redis-py (8.x) joins it
+        # without a bound: with RQ's 60 s every stop (a burst's end, a SIGTERM) could hang
+        # for a minute. One second per turn bounds the stop at about that.
+        self.log.info("subscribing to channel %s", self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(  # type: ignore[assignment]
+            sleep_time=PUBSUB_TURN_S,
+            daemon=True,
+            exception_handler=self._pubsub_exception_handler,
+        )
 
     def _install_signal_handlers(self) -> None:
         # RQ's handler raises StopRequested when the worker is idle; raised inside a
