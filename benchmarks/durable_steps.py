@@ -419,6 +419,7 @@ def _ratchet(
     )
     from ratchet.runtime.canonical import model_json
     from ratchet.runtime.effects import Commit, Effect, Execute, Observe, Reached
+    from ratchet.runtime.ports import Release
     from ratchet.tools.store_ledger import StoreLedger
     from ratchet.worker.executor import Executor
 
@@ -554,8 +555,7 @@ def _ratchet(
             if result.outcome is not TraceOutcome.EXECUTED:
                 raise RuntimeError(f"step {index} ended {result.outcome.value}")
         # The last write's receipt commit, carrying the release (as a worker's job ends).
-        lease.release_with_next_commit()
-        flush()
+        flush(release=Release())
         stats["commits_in_steps"] += engine.generation - before
         stats["trips_in_steps"] += stats["round_trips"] - trips
         stats["steps"] += steps

@@ -409,6 +409,7 @@ class Ratchet:
     def steps(self, engine: Any, lease: Any, run_id: str, n: int, steps: int) -> None:
         """The timed part: ``steps`` write proposals and the closing flush."""
         from ratchet.runtime import TraceOutcome
+        from ratchet.runtime.ports import Release
 
         for index in range(steps):
             result = engine.propose(
@@ -417,8 +418,7 @@ class Ratchet:
             )
             if result.outcome is not TraceOutcome.EXECUTED:
                 raise SystemExit(f"ratchet step {index} ended {result.outcome.value}")
-        lease.release_with_next_commit()
-        engine.flush()
+        engine.flush(release=Release())
 
     def round(self, remote: Remote, n: int, steps: int) -> dict[str, Any]:
         engine, lease, adapter, run_id = self.prepare(remote, n)

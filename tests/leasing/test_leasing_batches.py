@@ -21,7 +21,7 @@ from ratchet.errors import (
 from ratchet.leasing import EXPIRY_INDEX, LeasedRun, RedisStore, run_keys
 from ratchet.leasing.replies import batch_entries, decode_commit
 from ratchet.leasing.scripts import ScriptName
-from ratchet.runtime.ports import Advance, RunKey
+from ratchet.runtime.ports import Advance, Release, RunKey
 from tests.leasing.conftest import lose_first_reply
 
 MakeRun = Callable[..., RunKey]
@@ -279,8 +279,7 @@ def test_the_last_commit_can_carry_the_release_in_the_same_call(
     store: RedisStore, make_run: MakeRun, reap: bool
 ) -> None:
     key, run = _leased(store, make_run)
-    run.release_with_next_commit(reap=reap)
-    run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3")])
+    run.commit_batch(key, [Advance(1, b"g2"), Advance(2, b"g3")], release=Release(reap=reap))
     snap = store.read_run(key.run_id, with_checkpoint=True)
     assert (snap.generation, snap.checkpoint, snap.owner) == (3, b"g3", None)
     assert not snap.lease_live and snap.lease_version == run.lease_version
@@ -295,9 +294,8 @@ def test_the_last_commit_can_carry_the_release_in_the_same_call(
 
 def test_a_refused_commit_carries_no_release(store: RedisStore, make_run: MakeRun) -> None:
     key, run = _leased(store, make_run)
-    run.release_with_next_commit()
     with pytest.raises(GenerationMismatchError):
-        run.commit_batch(key, [Advance(expected_generation=5, blob=b"g6")])
+        run.commit_batch(key, [Advance(expected_generation=5, blob=b"g6")], release=Release())
     snap = store.read_run(key.run_id)
     assert snap.generation == 1 and snap.is_held_by("w1", run.lease_version)
     run.release()  # nothing was carried: an ordinary release
@@ -309,19 +307,21 @@ def test_a_release_carried_by_a_retried_commit_is_applied_once(
 ) -> None:
     key, run = _leased(store, make_run)
     dropped = lose_first_reply(store)
-    run.release_with_next_commit()
-    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")])
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")], release=Release())
     assert dropped
     snap = store.read_run(key.run_id)
     assert snap.generation == 2 and snap.owner is None
     assert [g for g, _, _ in _history(store, key.run_id)] == [1, 2]
 
 
-def test_without_a_commit_the_armed_release_is_an_ordinary_one(
+def test_a_release_that_travelled_with_the_commit_is_not_sent_again(
     store: RedisStore, make_run: MakeRun
 ) -> None:
     key, run = _leased(store, make_run)
-    run.release_with_next_commit(reap=True)
-    run.release()
+    run.commit_batch(key, [Advance(expected_generation=1, blob=b"g2")], release=Release(reap=True))
+    released = run.release()  # the commit's outcome, no call of its own
     assert store.read_run(key.run_id).owner is None
-    assert store.client.zscore(EXPIRY_INDEX, key.run_id) is not None  # the armed mode
+    assert store.client.zscore(EXPIRY_INDEX, key.run_id) is not None  # reaped as asked
+    assert released is not None
+    with pytest.raises(LeaseLostError):
+        run.release()  # now it would be a call, for a lease no longer held

@@ -27,7 +27,7 @@ from ratchet.leasing.keys import (
     phase_index,
 )
 from ratchet.leasing.scripts import ScriptName, load_script
-from ratchet.runtime.ports import Advance, RunKey
+from ratchet.runtime.ports import Advance, Release, RunKey
 from ratchet.testing.cluster import LocalCluster
 from ratchet.worker.reaper import Reaper
 
@@ -171,8 +171,7 @@ def test_batched_commits_and_archives_run_on_every_master_also_after_script_flus
             run.commit_batch(key, [Advance(1, b"old-2"), Advance(2, b"old-3")])
         assert store.read_run(run_id).generation == 3
         # The last commit carries the release; the expiry index (another slot) follows.
-        run.release_with_next_commit(reap=True)
-        run.commit_batch(key, [Advance(3, b"g4")])
+        run.commit_batch(key, [Advance(3, b"g4")], release=Release(reap=True))
         snap = store.read_run(run_id)
         assert snap.generation == 4 and snap.owner is None
         assert store.expiry_score(run_id) is not None
@@ -192,10 +191,10 @@ def test_phase_indexes_counts_and_pages_follow_runs_on_every_master(
     for run_id in run_ids[:2]:
         run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
         assert run is not None
-        run.release_with_next_commit()
         run.commit_batch(
             RunKey("t", run_id, "e"),
             [Advance(1, b"g2", phase="running"), Advance(2, b"g3", phase="awaiting_approval")],
+            release=Release(),
         )
     counts = store.phase_counts()
     assert counts["running"] == before["running"] + 1
@@ -404,8 +403,9 @@ def test_a_finished_run_is_found_by_its_phase_index_shards_and_purged_from_every
         store.create_run(run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1")
         run = store.acquire(run_id, owner="w1", ttl_ms=60_000)
         assert run is not None
-        run.release_with_next_commit()
-        run.commit_batch(RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="completed")])
+        run.commit_batch(
+            RunKey("t", run_id, "e"), [Advance(1, b"g2", phase="completed")], release=Release()
+        )
     assert len({SHARDED.phase_of("completed", r) for r in run_ids}) > 1
     found = store.entered_before("completed", store.server_time_ms(), limit=100_000)
     assert set(run_ids) <= set(found)

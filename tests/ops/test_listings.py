@@ -25,7 +25,7 @@ from ratchet.leasing.keys import INDEX_KEYS, PHASE_INDEXES, PHASES, phase_index
 from ratchet.leasing.listing import decode_cursor
 from ratchet.ops import submit
 from ratchet.ops.reindex import index_phases
-from ratchet.runtime.ports import Advance, RunKey
+from ratchet.runtime.ports import Advance, Release, RunKey
 from tests.ops.helpers import MakeWorkspace, run_awaiting_approval
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
@@ -160,8 +160,7 @@ def test_counts_are_exact_after_creates_commits_and_phase_changes(fleet: Fleet) 
     assert store.phase_counts()["needs_review"] == 1
     assert store.phase_counts()["awaiting_approval"] == 0
     assert store.phase_counts()["completed"] == 0
-    run.release_with_next_commit()
-    run.commit_batch(key, [Advance(6, b"g7", phase="failed")])
+    run.commit_batch(key, [Advance(6, b"g7", phase="failed")], release=Release())
     assert store.read_run("r-count-0001").owner is None
     assert store.phase_counts() == {**dict.fromkeys(PHASES, 0), "running": 2, "failed": 1}
     assert store.run_count() == 3

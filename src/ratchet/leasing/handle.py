@@ -48,7 +48,7 @@ from ratchet.errors import (
     StoreUnavailableError,
 )
 from ratchet.leasing.results import Acquired, CommitResult, Lease, Released, RunSnapshot
-from ratchet.runtime.ports import Advance, Fence, RunKey, StoredCheckpoint
+from ratchet.runtime.ports import Advance, Fence, Release, RunKey, StoredCheckpoint
 
 if TYPE_CHECKING:
     from ratchet.leasing.store import RedisStore
@@ -127,7 +127,6 @@ class LeasedRun:
         self._took_over = acquired.took_over
         self._previous = (acquired.previous_owner, acquired.previous_lease_version)
         self._primed: RunSnapshot | None = None  # see read()
-        self._release_mode: bool | None = None  # armed: reap? (see release_with_next_commit)
         self._released: Released | None = None
         self._phase: str | None = None  # the phase last committed here (None: unknown)
 
@@ -270,10 +269,15 @@ class LeasedRun:
             generation=snap.generation, blob=snap.checkpoint, archive=snap.archive
         )
 
-    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+    def commit_batch(
+        self, key: RunKey, batch: Sequence[Advance], *, release: Release | None = None
+    ) -> None:
         """Commit a batch of consecutive generations in one round trip, each fenced by
         this lease (see :meth:`RedisStore.commit_many`); ``segment``, when not empty, is
-        appended to the run's archive with its commit.
+        appended to the run's archive with its commit. With ``release``, the lease is
+        given up in the same script call once every commit applied (see
+        :meth:`RedisStore.commit_and_release`); :meth:`release` then returns that
+        outcome without a call of its own.
 
         Raises RunExistsError (``expected_generation == 0``), GenerationMismatchError,
         StaleStateError, LeaseLostError, NonceReplayError, CheckpointTooLargeError,
@@ -304,10 +308,9 @@ class LeasedRun:
             )
             for c in commits
         ]
-        reap, self._release_mode = self._release_mode, None
         stated = [c.phase for c in commits if c.phase]
         self._phase, known = None, self._phase  # unknown until the batch applied
-        if reap is None:
+        if release is None:
             self._store.commit_many(
                 self._lease,
                 prepared,
@@ -319,7 +322,7 @@ class LeasedRun:
                 self._lease,
                 prepared,
                 expected_state_version=self._state_version,
-                reap=reap,
+                reap=release.reap,
                 applied=self._apply,
             )
         self._phase = stated[-1] if stated else known
@@ -376,22 +379,13 @@ class LeasedRun:
         self._lease = self._store.renew(self._lease, ttl_ms=ttl_ms or self._ttl_ms)
         return self._lease
 
-    def release_with_next_commit(self, *, reap: bool = False) -> None:
-        """Let the next commit through this handle (``commit_batch``, e.g.
-        the engine's final flush) give the lease up in the same script call, once every
-        commit in it applied (see :meth:`RedisStore.commit_and_release`); a refused commit
-        releases nothing. :meth:`release` then returns that outcome without a call of its
-        own, or releases as usual when no commit was sent (with this ``reap``)."""
-        self._release_mode = reap
-
     def release(self, *, reap: bool = False) -> Released:
         """Give the lease up (see :meth:`RedisStore.release`), unless the last commit
-        already did (:meth:`release_with_next_commit`). Raises LeaseLostError."""
+        already did (``commit_batch(..., release=...)``). Raises LeaseLostError."""
         released, self._released = self._released, None
-        armed, self._release_mode = self._release_mode, None
         if released is not None:
             return released
-        return self._store.release(self._lease, reap=reap if armed is None else armed)
+        return self._store.release(self._lease, reap=reap)
 
 
 class RunCreator:
@@ -428,14 +422,21 @@ class RunCreator:
             generation=snap.generation, blob=snap.checkpoint, archive=snap.archive
         )
 
-    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+    def commit_batch(
+        self, key: RunKey, batch: Sequence[Advance], *, release: Release | None = None
+    ) -> None:
         """Create the run: a batch of exactly one commit at ``expected_generation == 0``,
         with the first archive segment when the checkpoint names an archive.
 
         Raises RunExistsError, LeaseLostError (a later generation, or a longer batch,
-        without a lease), ContractError (nonces at creation), CheckpointTooLargeError,
-        CommitOutcomeUnknownError (no reply: re-read before acting), StoreProtocolError.
+        without a lease), ContractError (nonces at creation; a release: a creator holds
+        no lease), CheckpointTooLargeError, CommitOutcomeUnknownError (no reply: re-read
+        before acting), StoreProtocolError.
         """
+        if release is not None:
+            raise ContractError(
+                "a run's creation holds no lease to release", field="release", run_id=key.run_id
+            )
         if len(batch) > 1 or any(c.expected_generation != 0 for c in batch):
             raise LeaseLostError(
                 "commits after creation need a lease", run_id=key.run_id, reason="no_lease"

@@ -42,6 +42,7 @@ from ratchet.runtime.ports import (
     Advance,
     Fence,
     Observation,
+    Release,
     RunKey,
     StoredCheckpoint,
 )
@@ -153,10 +154,12 @@ class Load:
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    """Apply ``batch`` (consecutive generations, in order) in one store call."""
+    """Apply ``batch`` (consecutive generations, in order) in one store call; with
+    ``release``, the lease goes with it (see :class:`ratchet.runtime.ports.Release`)."""
 
     key: RunKey
     batch: tuple[Advance, ...]
+    release: Release | None = None
 
 
 @dataclass(frozen=True, slots=True)

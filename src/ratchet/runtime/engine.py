@@ -97,6 +97,7 @@ from ratchet.runtime.ports import (
     Observation,
     ReadResult,
     Receipt,
+    Release,
     RunKey,
     StoredCheckpoint,
     VerifierReport,
@@ -374,16 +375,22 @@ class RunEngine:
         """The generation the store last acknowledged (``generation`` minus held ones)."""
         return self._durable[1]
 
-    def flush(self) -> None:
+    def flush(self, *, release: Release | None = None) -> bool:
         """Send every held commit now (one round trip). A no-op when nothing is held.
+
+        ``release`` travels with the commits: the store gives the lease up in the same
+        call, once every one applied (a worker's last commit of a job). Returns whether
+        anything was sent (with nothing held, nothing is released either).
 
         Raises what the store's commit raises; the engine then stands at the last
         acknowledged commit (see :meth:`_send`).
         """
-        if self._held:
-            self._drive(self._flush())
+        if not self._held:
+            return False
+        self._drive(self._flush(release))
+        return True
 
-    def _flush(self) -> Op[None]:
+    def _flush(self, release: Release | None = None) -> Op[None]:
         if self._held:
             yield from self._send(
                 list(self._held),
@@ -392,6 +399,7 @@ class RunEngine:
                 self.checkpoint,
                 self._archive,
                 self._window,
+                release=release,
             )
 
     def _commit(self, new: RunState, *, hold: bool = False) -> Op[None]:
@@ -454,6 +462,8 @@ class RunEngine:
         blob: bytes,
         archive: ArchiveRef | None,
         window: ArchiveWindow | None,
+        *,
+        release: Release | None = None,
     ) -> Op[None]:
         """Send ``batch`` (held commits, then the one that ends in ``new``) and adopt it.
 
@@ -466,7 +476,7 @@ class RunEngine:
         self._held = []
         try:
             try:
-                yield Commit(self.key, tuple(batch))
+                yield Commit(self.key, tuple(batch), release)
             except ReplicationUnconfirmedError:
                 # Applied on the primary, not confirmed by the replicas the fleet asks
                 # for: reading the primary back cannot settle that, so it is never adopted.

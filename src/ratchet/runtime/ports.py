@@ -35,6 +35,7 @@ __all__ = [
     "Observation",
     "ReadResult",
     "Receipt",
+    "Release",
     "RunKey",
     "StoredCheckpoint",
     "VerifierReport",
@@ -217,6 +218,15 @@ class Advance:
     keys: bytes = b""
 
 
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A lease given up with a commit: in the same store call, once every commit of the
+    batch applied (a refused commit releases nothing). ``reap``: the run is handed on at
+    once (work remains) rather than taken off the reaper's index."""
+
+    reap: bool = False
+
+
 @runtime_checkable
 class GenerationStore(Protocol):
     """An external, durable, compare-and-set store of checkpoints and high-water marks.
@@ -230,7 +240,9 @@ class GenerationStore(Protocol):
     def load(self, key: RunKey) -> StoredCheckpoint:
         """The checkpoint at the high-water mark. Raises HighWaterUnavailableError."""
 
-    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+    def commit_batch(
+        self, key: RunKey, batch: Sequence[Advance], *, release: Release | None = None
+    ) -> None:
         """Apply ``batch`` in order, each commit its own fenced, atomic step: store the
         blob as generation ``expected_generation + 1``, consume its nonces and append its
         segment (when not empty) to the run's archive. As few round trips as the store
@@ -241,6 +253,10 @@ class GenerationStore(Protocol):
         batch and its error is raised; a later commit never applies without every earlier
         one (its expected generation would not be the high-water mark). An empty batch is
         a no-op.
+
+        ``release`` (stores that fence by lease): give the caller's lease up in the same
+        step, once every commit applied; a store without leases refuses it
+        (ContractError).
 
         Raises GenerationMismatchError, NonceReplayError, CommitOutcomeUnknownError
         (re-read before acting), and lease errors for stores that fence by lease.

@@ -16,6 +16,7 @@ from typing import Any
 from ratchet.errors import (
     AdapterError,
     CommitOutcomeUnknownError,
+    ContractError,
     FenceRejectedError,
     GenerationMismatchError,
     HighWaterUnavailableError,
@@ -32,6 +33,7 @@ from ratchet.runtime.ports import (
     Observation,
     ReadResult,
     Receipt,
+    Release,
     RunKey,
     StoredCheckpoint,
     VerifierReport,
@@ -275,7 +277,11 @@ class MemoryGenerationStore:
             raise HighWaterUnavailableError("no high-water mark for this run", run_id=key.run_id)
         return stored
 
-    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+    def commit_batch(
+        self, key: RunKey, batch: Sequence[Advance], *, release: Release | None = None
+    ) -> None:
+        if release is not None:
+            raise ContractError("this store holds no lease to release", field="release")
         for commit in batch:
             self._commit(
                 key,
@@ -365,7 +371,11 @@ class LeasedMemoryStore:
             )
         self.store.leases[run_id] = self.lease_version
 
-    def commit_batch(self, key: RunKey, batch: Sequence[Advance]) -> None:
+    def commit_batch(
+        self, key: RunKey, batch: Sequence[Advance], *, release: Release | None = None
+    ) -> None:
+        """``release`` changes nothing here: a newer lease version fences this one
+        whether or not it was given up."""
         self.claim(key.run_id)
         self.store.commit_batch(key, batch)
 

@@ -165,11 +165,11 @@ class Executor:
             return
         store = self._store_for(effect)
         if not self._measure:
-            store.commit_batch(effect.key, batch)
+            store.commit_batch(effect.key, batch, release=effect.release)
             return
         # One timing for the batch (one round trip); every commit in it is counted.
         with metrics.observe_commit(len(batch)):
-            store.commit_batch(effect.key, batch)
+            store.commit_batch(effect.key, batch, release=effect.release)
         logs.set_generation(self._run_id, batch[-1].expected_generation + 1)
         log.debug("committed", extra={"run_id": self._run_id, "commits": len(batch)})
 

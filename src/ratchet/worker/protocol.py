@@ -74,6 +74,7 @@ from ratchet.errors import (
 from ratchet.leasing import LeasedRun, LeaseHolder, RunSnapshot
 from ratchet.runtime import KeyRing, Phase, RunEngine
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
+from ratchet.runtime.ports import Release
 from ratchet.runtime.state import TERMINAL_PHASES, ExecutedKeys
 from ratchet.runtime.tools import ToolCatalog
 
@@ -441,11 +442,9 @@ def _release(host: JobHost, *, reap: bool = False, flush: RunEngine | None = Non
     a lost lease; stopping (and joining) the heartbeat first rules that out.
     """
     host.guard.stop()
-    lease = host.lease
-    if flush is not None and flush.held_commits:
-        lease.release_with_next_commit(reap=reap)
-        flush.flush()
-    lease.release(reap=reap)
+    if flush is not None:
+        flush.flush(release=Release(reap=reap))  # returns the outcome below, if it sent
+    host.lease.release(reap=reap)
 
 
 def refuse(host: JobHost, report: JobReport, exc: RatchetError, kind: JobOutcome) -> None:

@@ -47,7 +47,7 @@ from ratchet.runtime.effects import (
     Read,
     Verify,
 )
-from ratchet.runtime.ports import Advance, RunKey, StoredCheckpoint
+from ratchet.runtime.ports import Advance, Release, RunKey, StoredCheckpoint
 from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
 from ratchet.worker.protocol import (
@@ -232,10 +232,10 @@ class _TruthfulStore:
     def load(self, key: RunKey) -> StoredCheckpoint:
         return self._lease.load(key)
 
-    def commit_batch(self, key: RunKey, batch: Any) -> None:
+    def commit_batch(self, key: RunKey, batch: Any, *, release: Release | None = None) -> None:
         judge = self._worker.sim.judge
         commits: list[Advance] = list(batch)
-        self._lease.commit_batch(key, commits)
+        self._lease.commit_batch(key, commits, release=release)
         missing = [c for c in commits if not judge.applied(c.expected_generation + 1, c.blob)]
         if missing:
             judge.fail(
