@@ -122,7 +122,8 @@ def test_an_engine_whose_lease_was_taken_over_cannot_commit(
     store: RedisStore, world: dict[str, Any], expire: Any
 ) -> None:
     RunEngine.start(world["run_id"], **ports(world, store.creator(world["scenario_bytes"])))
-    run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=60)
+    # Long enough for the restore on a loaded machine (at 60 ms it could expire first).
+    run = store.acquire(world["run_id"], owner="worker-1", ttl_ms=500)
     assert run is not None
     engine = RunEngine.resume(
         run.load(run_key_of(world)).blob, lease_version=run.lease_version, **ports(world, run)

@@ -34,8 +34,8 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from ratchet.errors import (
     CommitOutcomeUnknownError,
@@ -47,11 +47,95 @@ from ratchet.errors import (
     StoreProtocolError,
     StoreUnavailableError,
 )
-from ratchet.leasing.results import Acquired, CommitResult, Lease, Released, RunSnapshot
+from ratchet.leasing.results import (
+    Acquired,
+    CommitResult,
+    Lease,
+    PreparedCommit,
+    Released,
+    RunCreated,
+    RunSnapshot,
+)
 from ratchet.runtime.ports import Advance, Fence, Release, RunKey, StoredCheckpoint
 
-if TYPE_CHECKING:
-    from ratchet.leasing.store import RedisStore
+
+class LeaseStore(Protocol):
+    """What a lease handle asks of the store (:class:`ratchet.leasing.RedisStore` is one):
+    the handle depends on these calls, not on the store's class, so the store can build
+    handles without the two modules importing each other."""
+
+    def create_run(
+        self,
+        run_id: str,
+        *,
+        task_id: str,
+        env_instance_id: str,
+        scenario: bytes,
+        checkpoint: bytes,
+        commit_id: str | None = None,
+        archive_segment: bytes = b"",
+        phase: str = "running",
+    ) -> RunCreated: ...
+
+    def read_run(
+        self,
+        run_id: str,
+        *,
+        with_checkpoint: bool = False,
+        with_scenario: bool = False,
+        archive_tail: int = 0,
+    ) -> RunSnapshot: ...
+
+    def renew(self, lease: Lease, *, ttl_ms: int) -> Lease: ...
+
+    def release(self, lease: Lease, *, reap: bool = False) -> Released: ...
+
+    def prepare_commit(
+        self,
+        run_id: str,
+        *,
+        generation: int,
+        checkpoint: bytes,
+        commit_id: str | None = None,
+        nonces: Sequence[str] = (),
+        segment: bytes = b"",
+        not_after_ms: int = 0,
+        phase: str = "",
+        keys: bytes = b"",
+    ) -> PreparedCommit: ...
+
+    def commit(
+        self,
+        lease: Lease,
+        *,
+        generation: int,
+        expected_state_version: int,
+        checkpoint: bytes,
+        commit_id: str | None = None,
+        nonces: Sequence[str] = (),
+        finished: bool = False,
+        segment: bytes = b"",
+        phase: str = "",
+    ) -> CommitResult: ...
+
+    def commit_many(
+        self,
+        lease: Lease,
+        commits: Sequence[PreparedCommit],
+        *,
+        expected_state_version: int,
+        applied: Callable[[CommitResult], None] | None = None,
+    ) -> list[CommitResult]: ...
+
+    def commit_and_release(
+        self,
+        lease: Lease,
+        commits: Sequence[PreparedCommit],
+        *,
+        expected_state_version: int,
+        reap: bool = False,
+        applied: Callable[[CommitResult], None] | None = None,
+    ) -> tuple[list[CommitResult], Released]: ...
 
 
 class _CommitIds:
@@ -80,7 +164,7 @@ def new_commit_id() -> str:
     return _IDS.next()
 
 
-__all__ = ["LeasedRun", "RunCreator", "new_commit_id"]
+__all__ = ["LeaseStore", "LeasedRun", "RunCreator", "new_commit_id"]
 
 
 def _matching(snap: RunSnapshot, key: RunKey) -> RunSnapshot:
@@ -94,7 +178,7 @@ def _matching(snap: RunSnapshot, key: RunKey) -> RunSnapshot:
     return snap
 
 
-def _read_for(store: RedisStore, key: RunKey, *, with_checkpoint: bool) -> RunSnapshot:
+def _read_for(store: LeaseStore, key: RunKey, *, with_checkpoint: bool) -> RunSnapshot:
     """Read the run ``key`` names, for the generation-store port.
 
     Raises HighWaterUnavailableError (unreachable, unknown run, key mismatch),
@@ -116,7 +200,7 @@ class LeasedRun:
     swaps in a lease with the same owner and version and a later expiry).
     """
 
-    def __init__(self, store: RedisStore, acquired: Acquired, *, ttl_ms: int) -> None:
+    def __init__(self, store: LeaseStore, acquired: Acquired, *, ttl_ms: int) -> None:
         self._store = store
         self._lease = acquired.lease
         self._ttl_ms = ttl_ms
@@ -398,7 +482,7 @@ class RunCreator:
     ``high_water`` and ``load`` read the store without a lease.
     """
 
-    def __init__(self, store: RedisStore, scenario: bytes) -> None:
+    def __init__(self, store: LeaseStore, scenario: bytes) -> None:
         self._store = store
         self._scenario = scenario
         self._commit_id = new_commit_id()
