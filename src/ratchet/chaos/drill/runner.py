@@ -51,18 +51,10 @@ from ratchet.chaos.drill.schedule import Schedule
 from ratchet.chaos.drill.scrape import MetricsWatch, free_port_block
 from ratchet.chaos.drill.services import TenantOrders, drill_document, make_workspace
 from ratchet.chaos.drill.storefaults import (
-    CORRUPTIONS,
+    StoreFaults,
     Tmpfs,
-    aof_write_ok,
-    corrupt_run,
     effect_counts,
     lease_snapshot,
-    lift_maxmemory,
-    pause_redis,
-    slow_redis,
-    start_disk_full,
-    start_maxmemory,
-    store_refusal,
 )
 from ratchet.chaos.drill.workers import DrillWorker, WorkerPool
 from ratchet.chaos.drill.workspacefaults import BUSY_TIMEOUT_MS, WorkspaceFaults
@@ -94,10 +86,6 @@ class _Cut:
 _LETHAL = ("kill",)
 #: The configured name both workers of an owner-collision fault are started with.
 TWIN_NAME = "drill-twin"
-#: Incidents that show a worker (or its reaper) refused a corrupted run's record.
-REFUSAL_INCIDENTS = frozenset(
-    {"restore_refused", "store_record_unreadable", "reaper_entry_refused"}
-)
 
 
 def _restore_queue_url(server: object, before: str | None) -> None:
@@ -187,10 +175,9 @@ class _Drill:
         self.last_redis_fault = time.time()
         self.injecting = True
         self.cut: _Cut | None = None  # an armed AOF rollback
-        self.disk: Tmpfs | None = None  # Redis' own tmpfs, for the disk-full fault
         self.holding: dict[str, Any] | None = None  # an OOM or disk-full fault in force
         self.twin_restarts = 0
-        self.live_tries_until: dict[str, float] = {}  # a store fault waits for a live lease
+        self.store_faults = StoreFaults()  # paused, slowed, full or corrupted store
         self.net: NetFaults | None = None  # proxies and network faults
         self.ws: WorkspaceFaults | None = None  # a locked journal, a full workspace disk
         self.acquires = Acquires(record.events_dir)  # which process took which lease
@@ -437,7 +424,7 @@ class _Drill:
         self.last_observe = now
         for run_id in [r for r in self.rec.runs if r not in self.settled]:
             if run_id in self.rec.corrupted:
-                refused = self._corruption_refused(run_id)
+                refused = self.store_faults.refused(self, run_id)
                 if refused is not None:
                     self.settled[run_id] = ("corrupted", refused)
                     continue
@@ -520,165 +507,14 @@ class _Drill:
         ):
             self.schedule.owner_collision_at = None
             self._owner_collision()
-        self._store_faults(now, fraction)
+        self.store_faults.tick(self, now, fraction)
         if self.net is not None:
             self.net.tick(self, now, fraction)
         if self.ws is not None:
             self.ws.tick(self, now, fraction)
 
-    # -- store faults ---------------------------------------------------------------------
-
-    @property
-    def store_faults_pending(self) -> bool:
-        return bool(self.schedule.store_faults_at) or self.holding is not None
-
-    def _store_faults(self, now: float, fraction: float) -> None:
-        """The next store fault once its fraction of runs settled is reached, spaced from
-        every other Redis fault and never while a rollback cut is armed (the AOF it cuts
-        must not hold a fault's own writes)."""
-        if self.holding is not None:
-            if now >= float(self.holding["lift_at"]):
-                self._lift()
-            return
-        due = self.schedule.store_faults_at
-        if not due or fraction < due[0][1] or self.cut is not None:
-            return
-        if self.net is not None and self.net.redis_turn(fraction, due[0][1]):
-            return  # a partition in force, or one due first
-        if now - self.last_redis_fault <= 2.5:
-            return
-        kind = due[0][0]
-        ttl = self.o.lease_ttl_s
-        client = self.fleet.store.client
-        if kind in ("redis-pause", "redis-slow"):
-            live = lease_snapshot(client, sorted(self.unsettled()))
-            until = self.live_tries_until.setdefault(kind, now + 60.0)
-            if not live and (self.unsettled() or self.pending) and now < until:
-                # Wait for a run that holds a lease, so the pause expires one and the slowed
-                # store has commits to acknowledge (runs spend stretches between jobs, and
-                # the next run may not be enqueued yet).
-                return
-        if kind == "redis-pause" and isinstance(self.server, RedisServer):  # single Redis only
-            fault = pause_redis(
-                self.server, client, sorted(self.unsettled()), hold_s=max(2 * ttl, ttl + 1.0)
-            )
-            fault["unsettled"] = sorted(self.unsettled())
-            self.rec.store_faults.append(fault)
-        elif kind == "redis-slow":
-            fault = slow_redis(client, sleeps=6, sleep_s=min(0.25, ttl / 4), gap_s=0.3)
-            if fault["refused"] and not fault["sleeps"]:
-                self.rec.store_skipped[kind] = f"DEBUG SLEEP refused: {fault['refused']}"
-            self.rec.store_faults.append(fault)
-        elif kind == "maxmemory":
-            fault = start_maxmemory(client)
-            self._hold(fault, hold_s=max(2.0, 2 * ttl))
-        elif kind == "disk-full":
-            if self.disk is None or not self.disk.mounted:
-                self.rec.store_skipped[kind] = self.rec.store_skipped.get(
-                    kind, "Redis' folder is not on a tmpfs of its own"
-                )
-            else:
-                fault = start_disk_full(client, self.disk)
-                self._hold(fault, hold_s=max(2.0, 2 * ttl))
-        elif kind == "corrupt-record" and not self._corrupt_some(now):
-            return  # no run with a free lease yet: try again next tick
-        due.pop(0)
-        self.last_redis_fault = time.time()
-
     def unsettled(self) -> set[str]:
         return {r for r in self.rec.runs if r not in self.settled}
-
-    def _hold(self, fault: dict[str, Any], hold_s: float) -> None:
-        """Probe until Redis refuses a write of the drill's own (bounded), then keep the
-        fault in force for ``hold_s`` while the drill goes on ticking."""
-        client = self.fleet.store.client
-        deadline = time.time() + 3.0
-        refused = store_refusal(client)
-        while refused is None and time.time() < deadline:
-            time.sleep(_TICK_S)  # the write that fails the AOF is buffered; the next is refused
-            refused = store_refusal(client)
-        fault["refused"] = refused
-        fault["unsettled"] = sorted(self.unsettled())
-        fault["lift_at"] = time.time() + hold_s
-        self.holding = fault
-        self.rec.store_faults.append(fault)
-
-    def _lift(self) -> None:
-        """End the OOM or disk-full fault in force; Redis must accept writes again."""
-        fault, self.holding = self.holding, None
-        if fault is None:
-            return
-        client = self.fleet.store.client
-        if fault["kind"] == "maxmemory":
-            lift_maxmemory(client, fault)
-        else:
-            disk = self.disk
-            if disk is not None:
-                disk.free()
-            deadline = time.time() + 15.0
-            while time.time() < deadline:
-                if not self.server.running:
-                    fault["redis_exited"] = True
-                    self.server.start()
-                    break
-                try:
-                    if aof_write_ok(client):
-                        break
-                except RedisError:
-                    pass
-                time.sleep(_TICK_S)
-            client.config_set("appendfsync", "always")
-            fault["aof_ok"] = aof_write_ok(client)
-            fault["ended_at"] = time.time()
-        self.last_redis_fault = time.time()
-
-    def _corrupt_some(self, now: float) -> bool:
-        """Corrupt one run per kind of :data:`CORRUPTIONS`, each a run nobody holds: first
-        runs in flight, else runs not yet enqueued. False when none could be had."""
-        zombies = {
-            w.pause.get("run_id")
-            for w in self.pool.everyone.values()
-            if w.paused_at is not None and w.resumed_at is None
-        }
-        asked = {c["run_id"] for c in self.rec.cancels}
-        # A run waiting for the drill's reviewer is nobody's: spared, or its review is lost.
-        spared = zombies | asked | set(self.reviewers.log["runs"])
-        in_flight = sorted(self.unsettled() - spared)
-        self.rng.shuffle(in_flight)
-        waiting = [r for r in self.pending if r not in spared][: len(CORRUPTIONS)]
-        done: list[dict[str, Any]] = []
-        for how in CORRUPTIONS:
-            for run_id in [*in_flight, *reversed(waiting)]:
-                if run_id in self.rec.corrupted:
-                    continue
-                got = corrupt_run(self.fleet.store.client, run_id, how)
-                if got is None:
-                    continue
-                got["index"] = self.index[run_id]
-                got["enqueued"] = run_id in self.rec.runs
-                got["effects"] = effect_counts(self.rec.folder, self.index[run_id])
-                self.rec.corrupted[run_id] = got
-                done.append(got)
-                break
-        if not done:
-            return False
-        self.rec.store_faults.append({"kind": "corrupt-record", "at": now, "runs": done})
-        return True
-
-    def _corruption_refused(self, run_id: str) -> str | None:
-        """The kind of the first incident recorded for ``run_id`` since its corruption
-        that shows a worker refused it; None while there is none."""
-        since = int(self.rec.corrupted[run_id]["at_ms"])
-        try:
-            incidents = self.fleet.store.incidents(run_id)
-        except RatchetError:
-            return None
-        for incident in incidents:
-            kind = str(incident.get("kind"))
-            if kind in REFUSAL_INCIDENTS and int(incident.get("at_ms") or 0) >= since:
-                self.rec.corrupted[run_id].setdefault("refusal", incident)
-                return kind
-        return None
 
     def _owner_collision(self) -> None:
         """Two more workers, started at once with one configured worker name."""
@@ -801,7 +637,7 @@ class _Drill:
                     or self.schedule.rollback_at is None
                     or self.rec.rollback_skipped is not None
                 )
-                and not self.store_faults_pending
+                and not self.store_faults.pending(self)
                 and self.schedule.owner_collision_at is None
                 and (self.net is None or not self.net.pending)
                 and (self.ws is None or not self.ws.pending)
@@ -816,7 +652,7 @@ class _Drill:
             self.rec.errors.extend(self.ws.errors)
         if self.holding is not None:
             try:
-                self._lift()
+                self.store_faults.lift(self)
             except (RatchetError, RedisError, OSError) as exc:
                 self.rec.errors.append(f"lift {self.holding and self.holding['kind']}: {exc!r}")
         self.rec.injection_ended_at = time.time()
@@ -1042,7 +878,7 @@ def run_drill_processes(
         )
         record.started_at = time.time()
         drill = _Drill(options, record, server, orders, fleet, pool, progress)
-        drill.disk = disk
+        drill.store_faults.disk = disk
         net = NetFaults(
             options.faults, server, orders, events_dir=record.events_dir, ttl_s=options.lease_ttl_s
         )
