@@ -1,8 +1,7 @@
 """What a drill is asked to do, and what it records while doing it.
 
-The drill (:mod:`ratchet.chaos.drill.runner`) fills a
-:class:`DrillRecord`; the checker (:mod:`ratchet.chaos.drill.checker`) judges it with
-the stores and the logs.
+The drill (:mod:`ratchet.chaos.drill.runner`) fills a :class:`DrillRecord`; the checker
+(:mod:`ratchet.chaos.drill.checker`) judges it with the stores and the logs.
 """
 
 from __future__ import annotations

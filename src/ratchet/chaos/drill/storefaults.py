@@ -28,8 +28,8 @@ Why each is made the way it is:
   commit over the corruption: a flipped checkpoint byte, a non-numeric lease version, a
   document cut in half. It returns the lease version and Redis' time of the corruption;
 * **store-wipe**: Redis restarted on an empty folder (a fresh store without its epoch);
-  the old folder is kept and brought back for the checker afterwards (the runner makes
-  it, after every other fault).
+  the old folder is kept and brought back for the checker afterwards. A restart, like
+  a kill or a rollback: :mod:`ratchet.chaos.drill.restartfaults` makes it.
 
 Nothing here keeps a secret; the redis URL never leaves :class:`RedisServer`.
 """
