@@ -14,7 +14,8 @@ import pytest
 
 from ratchet.chaos.drill.cluster import choose_redis
 from ratchet.chaos.drill.humans import FAR_OFF_NAME
-from ratchet.chaos.drill.runner import TWIN_NAME, DrillOptions, _Drill
+from ratchet.chaos.drill.processfaults import TWIN_NAME
+from ratchet.chaos.drill.runner import DrillOptions, _Drill
 from ratchet.chaos.drill.schedule import FAULTS, Schedule, parse_faults
 from ratchet.chaos.failpoints import POINTS
 from tests.chaos.drill_support import drill_record, run_drill
@@ -236,7 +237,7 @@ def _paced_drill(tmp_path: Path, queue: _Queue, runs: int = 24) -> _Drill:
     drill = _Drill(options, rec, None, None, queue, None, None)  # type: ignore[arg-type]
     drill.pending = [f"r{i}" for i in range(runs)]
     drill.index = {r: i for i, r in enumerate(drill.pending)}
-    drill.hits.update({p: Schedule.WANT_HITS for p in POINTS})  # every failpoint covered
+    drill.processes.hits.update({p: Schedule.WANT_HITS for p in POINTS})  # every failpoint covered
     return drill
 
 
@@ -314,16 +315,16 @@ def test_only_a_twin_that_died_before_any_lease_is_started_again_never_the_far_o
     events.mkdir(parents=True)
     acquire = {"kind": "acquire", "run_id": "r1", "lease_version": 3, "pid": 52, "at": 1.0}
     (events / "events-52.jsonl").write_text(json.dumps(acquire) + "\n")
-    assert not drill._respawn_twin(far_off)  # type: ignore[arg-type]
-    assert not drill._respawn_twin(worked)  # type: ignore[arg-type]
-    assert drill._respawn_twin(twin)  # type: ignore[arg-type]
+    assert not drill.processes.respawn_twin(drill, far_off)  # type: ignore[arg-type]
+    assert not drill.processes.respawn_twin(drill, worked)  # type: ignore[arg-type]
+    assert drill.processes.respawn_twin(drill, twin)  # type: ignore[arg-type]
     assert pool.spawned == [TWIN_NAME] and drill.rec.twins == [1001]
     for _ in range(5):
-        drill._respawn_twin(twin)  # type: ignore[arg-type]
+        drill.processes.respawn_twin(drill, twin)  # type: ignore[arg-type]
     assert len(pool.spawned) == 4  # at most four restarts
     drill.injecting = False
-    drill.twin_restarts = 0
-    assert not drill._respawn_twin(twin)  # type: ignore[arg-type]
+    drill.processes.twin_restarts = 0
+    assert not drill.processes.respawn_twin(drill, twin)  # type: ignore[arg-type]
 
 
 def test_failpoints_short_of_their_hits_hold_runs_back_like_faults(tmp_path: Path) -> None:
@@ -331,10 +332,10 @@ def test_failpoints_short_of_their_hits_hold_runs_back_like_faults(tmp_path: Pat
     in: two of them (at most) count as faults to come, so the drill keeps a reserve."""
     drill = _paced_drill(tmp_path, _Queue())
     covered = drill.faults_to_come()
-    drill.hits["after_receipt_before_state"] = 1
+    drill.processes.hits["after_receipt_before_state"] = 1
     assert drill.faults_to_come() == covered + 1
-    drill.hits["during_renewal"] = 0
-    drill.hits["workspace_after_intent"] = 0
+    drill.processes.hits["during_renewal"] = 0
+    drill.processes.hits["workspace_after_intent"] = 0
     assert drill.faults_to_come() == covered + 2  # two at most
     schedule = Schedule(seed=3, faults=parse_faults("all"), runs=24)
     assert schedule.short({p: 2 for p in POINTS}) == 0

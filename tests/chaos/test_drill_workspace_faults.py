@@ -379,7 +379,7 @@ def test_a_held_fault_is_released_even_when_every_tick_of_the_drill_fails(
         quick_deaths=0,
         o=SimpleNamespace(workers=3),
     )
-    Runner._guarded_tick(runner)  # type: ignore[arg-type]
+    Runner.guarded_tick(runner)  # type: ignore[arg-type]
     assert faults.active is None and faults.lock is None and faults.grading == [held]
     assert runner.rec.errors == [
         "tick: ConnectionError: Error 111 connecting to 127.0.0.1:1. Connection refused."
@@ -410,7 +410,7 @@ def test_a_release_that_fails_keeps_the_fault_in_force_and_says_why(
         quick_deaths=0,
         o=SimpleNamespace(workers=3),
     )
-    Runner._guarded_tick(runner)  # type: ignore[arg-type]
+    Runner.guarded_tick(runner)  # type: ignore[arg-type]
     assert faults.active is not None and faults.grading == []
     assert runner.rec.errors == [
         "workspace release: OSError: tmpfs at /w is 2048 KiB after the remount, not 262144 KiB"

@@ -1,5 +1,5 @@
 """The walk of a listing over an index split into shards, and its cursors: pure
-functions, no Redis (the reads are :mod:`ratchet.leasing.listing`'s).
+functions, no Redis (the reads are :mod:`ratchet.leasing.walkreads`').
 
 An index is one sorted set per shard (one shard on a single Redis). A walk visits the
 entries of every shard in one order, by score then member as Redis orders one key
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ratchet.errors import ContractError
 
 __all__ = [
+    "MAX_PAGE",
     "Entry",
     "Position",
     "continued",
@@ -31,6 +32,8 @@ __all__ = [
     "score_bound",
 ]
 
+#: The most entries a page of a listing shows (and a read of a walk takes at a time).
+MAX_PAGE = 1000
 _MAX_CURSOR = 1024
 _MAX_SHARDS = 64
 #: An index entry as a walk holds it: member, score, and the shard it was read from.

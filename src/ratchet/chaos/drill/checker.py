@@ -43,13 +43,13 @@ from ratchet.chaos.drill.evidence import Evidence, RunFacts
 from ratchet.chaos.drill.humanchecks import approvals_fired, human_invariants
 from ratchet.chaos.drill.invariant import Invariant
 from ratchet.chaos.drill.netchecks import net_fired, net_invariants, net_summary
+from ratchet.chaos.drill.plan import DrillRecord
 from ratchet.chaos.drill.reviewchecks import (
     planted_review_waiting,
     review_invariants,
     reviews_fired,
     reviews_summary,
 )
-from ratchet.chaos.drill.runner import DrillRecord
 from ratchet.chaos.drill.scrape import MetricsWatch
 from ratchet.chaos.drill.services import INTENTS_PER_RUN
 from ratchet.chaos.drill.storechecks import (

@@ -15,7 +15,7 @@ from typing import Any
 
 from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.chaos.drill.humanchecks import HumanFacts, gather_humans
-from ratchet.chaos.drill.runner import DrillRecord
+from ratchet.chaos.drill.plan import DrillRecord
 from ratchet.chaos.drill.services import NOTE
 from ratchet.chaos.drill.skew import unskew
 from ratchet.errors import AdapterError, RatchetError

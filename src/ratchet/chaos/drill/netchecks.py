@@ -13,7 +13,7 @@ from typing import Any
 
 from ratchet.chaos.drill.evidence import Evidence, RunFacts
 from ratchet.chaos.drill.invariant import Invariant
-from ratchet.chaos.drill.runner import DrillRecord
+from ratchet.chaos.drill.plan import DrillRecord
 from ratchet.chaos.drill.services import order_body
 from ratchet.chaos.drill.storechecks import accepted_after_takeover, ack_lost
 

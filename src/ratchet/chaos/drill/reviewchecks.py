@@ -14,7 +14,7 @@ from typing import Any
 
 from ratchet.chaos.drill.evidence import Evidence, RunFacts
 from ratchet.chaos.drill.invariant import Invariant
-from ratchet.chaos.drill.runner import DrillRecord
+from ratchet.chaos.drill.plan import DrillRecord
 from ratchet.chaos.drill.services import order_body
 
 __all__ = ["planted_review_waiting", "review_invariants", "reviews_fired", "reviews_summary"]

@@ -4,19 +4,21 @@ Two kinds of fault:
 
 * **worker faults**: each worker process the drill starts gets one ``RATCHET_FAILPOINTS``
   spec from :meth:`Schedule.next_spec` (SIGKILL, SIGSTOP, drop-reply, delay or raise at a
-  named failpoint, on its N-th hit). A worker that dies is replaced by one with the next
-  spec. The first specs cover every (point, action) pair the requested faults need, each
-  ``repeats`` times, so a short drill fires every failpoint at least twice; the rest are
-  drawn at random;
+  named failpoint, on its N-th hit; :mod:`ratchet.chaos.drill.processfaults` follows
+  them). A worker that dies is replaced by one with the next spec. The first specs cover
+  every (point, action) pair the requested faults need, each ``repeats`` times, so a
+  short drill fires every failpoint at least twice; the rest are drawn at random;
 * **cluster faults**, at fixed fractions of the runs settled: Redis ``kill -9`` and
-  restart on the same folder, a rollback of Redis to an earlier point of its AOF,
-  duplicate enqueues of runs that already ended, and operator cancels (``ratchet cancel``)
-  of runs still in flight;
+  restart on the same folder, a rollback of Redis to an earlier point of its AOF
+  (:mod:`ratchet.chaos.drill.restartfaults`), duplicate enqueues of runs that already
+  ended, and operator cancels (``ratchet cancel``) of runs still in flight
+  (:mod:`ratchet.chaos.drill.operatorfaults`);
 * **store faults** (:mod:`ratchet.chaos.drill.storefaults`), also at fractions of the runs
   settled: Redis paused past the lease TTL, slowed (``DEBUG SLEEP``), out of memory
   (``maxmemory``), its AOF's disk full, corrupted records of a few runs, two workers with
-  one configured name, and, once every run settled, Redis restarted on an empty folder
-  (``store-wipe``, always last: it ends the old runs' store).
+  one configured name (:mod:`ratchet.chaos.drill.processfaults` starts them), and, once
+  every run settled, Redis restarted on an empty folder (``store-wipe``, always last: it
+  ends the old runs' store; :mod:`ratchet.chaos.drill.restartfaults`).
 
 The same seed gives the same schedule (the order in which processes reach their points
 still depends on timing; the report says what actually fired).

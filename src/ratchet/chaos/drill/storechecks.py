@@ -20,7 +20,8 @@ from typing import Any
 
 from ratchet.chaos.drill.evidence import Evidence, RunFacts
 from ratchet.chaos.drill.invariant import Invariant
-from ratchet.chaos.drill.runner import REFUSAL_INCIDENTS, DrillRecord
+from ratchet.chaos.drill.plan import DrillRecord
+from ratchet.chaos.drill.storefaults import REFUSAL_INCIDENTS
 
 __all__ = [
     "accepted_after_takeover",

@@ -1,7 +1,7 @@
 """Store faults of a drill: Redis paused, slowed, out of memory, its disk full, records
 corrupted, the store wiped. Each function injects one fault and returns what it did as a
-plain dict (the checker's evidence); the runner decides when (see
-:mod:`ratchet.chaos.drill.runner`).
+plain dict (the checker's evidence); :class:`StoreFaults` decides when, from the drill's
+tick (:mod:`ratchet.chaos.drill.runner`).
 
 Why each is made the way it is:
 
@@ -28,7 +28,8 @@ Why each is made the way it is:
   commit over the corruption: a flipped checkpoint byte, a non-numeric lease version, a
   document cut in half. It returns the lease version and Redis' time of the corruption;
 * **store-wipe**: Redis restarted on an empty folder (a fresh store without its epoch);
-  the old folder is kept and brought back for the checker afterwards.
+  the old folder is kept and brought back for the checker afterwards. A restart, like
+  a kill or a rollback: :mod:`ratchet.chaos.drill.restartfaults` makes it.
 
 Nothing here keeps a secret; the redis URL never leaves :class:`RedisServer`.
 """
@@ -43,15 +44,20 @@ import sqlite3
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
-from ratchet.errors import ConfigurationError
+from ratchet.errors import ConfigurationError, RatchetError
 from ratchet.leasing import RedisServer, run_keys
+
+if TYPE_CHECKING:
+    from ratchet.chaos.drill.runner import _Drill
 
 __all__ = [
     "CORRUPTIONS",
+    "REFUSAL_INCIDENTS",
+    "StoreFaults",
     "Tmpfs",
     "aof_write_ok",
     "corrupt_run",
@@ -68,8 +74,13 @@ __all__ = [
 
 #: How a run's record is corrupted, in the order the drill hands them out.
 CORRUPTIONS = ("checkpoint", "lease_version", "document")
+#: Incidents that show a worker (or its reaper) refused a corrupted run's record.
+REFUSAL_INCIDENTS = frozenset(
+    {"restore_refused", "store_record_unreadable", "reaper_entry_refused"}
+)
 
 _PROBE_KEY = "drill:store-probe"
+_POLL_S = 0.05  # as often as the drill ticks
 
 # Atomic: only a run whose lease nobody holds is corrupted (a live holder would commit
 # over a checkpoint, and a paused one would send its stale write to an adapter that has
@@ -389,3 +400,167 @@ def corrupt_run(client: Any, run_id: str, how: str) -> dict[str, Any] | None:
         "at_ms": int(reply[1]),
         "lease_version": int(version) if version.isdigit() else 0,
     }
+
+
+class StoreFaults:
+    """When the drill injects each store fault of its schedule (the functions above do
+    the injecting), called from its tick; and whether a corrupted run was refused.
+
+    Store faults share the Redis lane with the kills, the rollback's cut and the
+    partitions (the drill's ``holding``, ``cut`` and ``last_redis_fault``): one at a time,
+    spaced from every other Redis fault. An OOM or disk-full fault stays in force for a
+    while (``holding``) and is lifted by a later tick, so the drill goes on ticking under
+    it.
+    """
+
+    def __init__(self, disk: Tmpfs | None = None) -> None:
+        self.disk = disk  # Redis' own tmpfs, for the disk-full fault
+        self.live_tries_until: dict[str, float] = {}  # a store fault waits for a live lease
+
+    def pending(self, drill: _Drill) -> bool:
+        return bool(drill.schedule.store_faults_at) or drill.holding is not None
+
+    def tick(self, drill: _Drill, now: float, fraction: float) -> None:
+        """The next store fault once its fraction of runs settled is reached, spaced from
+        every other Redis fault and never while a rollback cut is armed (the AOF it cuts
+        must not hold a fault's own writes)."""
+        if drill.holding is not None:
+            if now >= float(drill.holding["lift_at"]):
+                self.lift(drill)
+            return
+        due = drill.schedule.store_faults_at
+        if not due or fraction < due[0][1] or drill.cut is not None:
+            return
+        if drill.net is not None and drill.net.redis_turn(fraction, due[0][1]):
+            return  # a partition in force, or one due first
+        if now - drill.last_redis_fault <= 2.5:
+            return
+        kind = due[0][0]
+        ttl = drill.o.lease_ttl_s
+        client = drill.fleet.store.client
+        if kind in ("redis-pause", "redis-slow"):
+            live = lease_snapshot(client, sorted(drill.unsettled()))
+            until = self.live_tries_until.setdefault(kind, now + 60.0)
+            if not live and (drill.unsettled() or drill.pending) and now < until:
+                # Wait for a run that holds a lease, so the pause expires one and the slowed
+                # store has commits to acknowledge (runs spend stretches between jobs, and
+                # the next run may not be enqueued yet).
+                return
+        if kind == "redis-pause" and isinstance(drill.server, RedisServer):  # single Redis only
+            fault = pause_redis(
+                drill.server, client, sorted(drill.unsettled()), hold_s=max(2 * ttl, ttl + 1.0)
+            )
+            fault["unsettled"] = sorted(drill.unsettled())
+            drill.rec.store_faults.append(fault)
+        elif kind == "redis-slow":
+            fault = slow_redis(client, sleeps=6, sleep_s=min(0.25, ttl / 4), gap_s=0.3)
+            if fault["refused"] and not fault["sleeps"]:
+                drill.rec.store_skipped[kind] = f"DEBUG SLEEP refused: {fault['refused']}"
+            drill.rec.store_faults.append(fault)
+        elif kind == "maxmemory":
+            fault = start_maxmemory(client)
+            self._hold(drill, fault, hold_s=max(2.0, 2 * ttl))
+        elif kind == "disk-full":
+            if self.disk is None or not self.disk.mounted:
+                drill.rec.store_skipped[kind] = drill.rec.store_skipped.get(
+                    kind, "Redis' folder is not on a tmpfs of its own"
+                )
+            else:
+                fault = start_disk_full(client, self.disk)
+                self._hold(drill, fault, hold_s=max(2.0, 2 * ttl))
+        elif kind == "corrupt-record" and not self._corrupt_some(drill, now):
+            return  # no run with a free lease yet: try again next tick
+        due.pop(0)
+        drill.last_redis_fault = time.time()
+
+    def _hold(self, drill: _Drill, fault: dict[str, Any], hold_s: float) -> None:
+        """Probe until Redis refuses a write of the drill's own (bounded), then keep the
+        fault in force for ``hold_s`` while the drill goes on ticking."""
+        client = drill.fleet.store.client
+        deadline = time.time() + 3.0
+        refused = store_refusal(client)
+        while refused is None and time.time() < deadline:
+            time.sleep(_POLL_S)  # the write that fails the AOF is buffered; the next is refused
+            refused = store_refusal(client)
+        fault["refused"] = refused
+        fault["unsettled"] = sorted(drill.unsettled())
+        fault["lift_at"] = time.time() + hold_s
+        drill.holding = fault
+        drill.rec.store_faults.append(fault)
+
+    def lift(self, drill: _Drill) -> None:
+        """End the OOM or disk-full fault in force; Redis must accept writes again."""
+        fault, drill.holding = drill.holding, None
+        if fault is None:
+            return
+        client = drill.fleet.store.client
+        if fault["kind"] == "maxmemory":
+            lift_maxmemory(client, fault)
+        else:
+            disk = self.disk
+            if disk is not None:
+                disk.free()
+            deadline = time.time() + 15.0
+            while time.time() < deadline:
+                if not drill.server.running:
+                    fault["redis_exited"] = True
+                    drill.server.start()
+                    break
+                try:
+                    if aof_write_ok(client):
+                        break
+                except RedisError:
+                    pass
+                time.sleep(_POLL_S)
+            client.config_set("appendfsync", "always")
+            fault["aof_ok"] = aof_write_ok(client)
+            fault["ended_at"] = time.time()
+        drill.last_redis_fault = time.time()
+
+    def _corrupt_some(self, drill: _Drill, now: float) -> bool:
+        """Corrupt one run per kind of :data:`CORRUPTIONS`, each a run nobody holds: first
+        runs in flight, else runs not yet enqueued. False when none could be had."""
+        zombies = {
+            w.pause.get("run_id")
+            for w in drill.pool.everyone.values()
+            if w.paused_at is not None and w.resumed_at is None
+        }
+        asked = {c["run_id"] for c in drill.rec.cancels}
+        # A run waiting for the drill's reviewer is nobody's: spared, or its review is lost.
+        spared = zombies | asked | set(drill.reviewers.log["runs"])
+        in_flight = sorted(drill.unsettled() - spared)
+        drill.rng.shuffle(in_flight)
+        waiting = [r for r in drill.pending if r not in spared][: len(CORRUPTIONS)]
+        done: list[dict[str, Any]] = []
+        for how in CORRUPTIONS:
+            for run_id in [*in_flight, *reversed(waiting)]:
+                if run_id in drill.rec.corrupted:
+                    continue
+                got = corrupt_run(drill.fleet.store.client, run_id, how)
+                if got is None:
+                    continue
+                got["index"] = drill.index[run_id]
+                got["enqueued"] = run_id in drill.rec.runs
+                got["effects"] = effect_counts(drill.rec.folder, drill.index[run_id])
+                drill.rec.corrupted[run_id] = got
+                done.append(got)
+                break
+        if not done:
+            return False
+        drill.rec.store_faults.append({"kind": "corrupt-record", "at": now, "runs": done})
+        return True
+
+    def refused(self, drill: _Drill, run_id: str) -> str | None:
+        """The kind of the first incident recorded for ``run_id`` since its corruption
+        that shows a worker refused it; None while there is none."""
+        since = int(drill.rec.corrupted[run_id]["at_ms"])
+        try:
+            incidents = drill.fleet.store.incidents(run_id)
+        except RatchetError:
+            return None
+        for incident in incidents:
+            kind = str(incident.get("kind"))
+            if kind in REFUSAL_INCIDENTS and int(incident.get("at_ms") or 0) >= since:
+                drill.rec.corrupted[run_id].setdefault("refusal", incident)
+                return kind
+        return None

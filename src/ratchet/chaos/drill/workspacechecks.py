@@ -17,7 +17,7 @@ from typing import Any
 
 from ratchet.chaos.drill.evidence import Evidence, RunFacts
 from ratchet.chaos.drill.invariant import Invariant
-from ratchet.chaos.drill.runner import DrillRecord
+from ratchet.chaos.drill.plan import DrillRecord
 from ratchet.chaos.drill.services import expected_note
 from ratchet.chaos.drill.workspacefaults import (
     failed_on_storage,
