@@ -411,7 +411,7 @@ def _fleet_rate(fleet: Any, orders: Any, tmp: Path, workers: int, count: int) ->
     """Runs per second of ``workers`` real worker processes, submission to last completion."""
     import takeover
 
-    from ratchet.leasing.keys import phase_index
+    from ratchet.leasing.keyspace import phase_index
     from ratchet.worker.pool import _settings_json
 
     tag = f"f{workers}x"

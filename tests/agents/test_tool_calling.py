@@ -18,7 +18,7 @@ from ratchet.errors import ConfigurationError, IntegrityError
 from ratchet.fleet.credentials import CredentialMap, CredentialSpec
 from ratchet.runtime import CrashWindow, Phase, RunEngine, Scenario, TraceOutcome
 from ratchet.runtime.canonical import canonical_json
-from ratchet.runtime.tools import BUILTIN_TOOLS
+from ratchet.runtime.catalog import BUILTIN_TOOLS
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import FunctionTool, Toolbox, tool
 from tests.agents.helpers import (

@@ -44,7 +44,7 @@ from ratchet.integrations.openai_agents import (
     current_call,
 )
 from ratchet.runtime import TraceOutcome
-from ratchet.runtime.tools import BUILTIN_TOOLS
+from ratchet.runtime.catalog import BUILTIN_TOOLS
 from ratchet.testing.chat_stub import ChatStub
 from ratchet.tools import Recovery, ToolCall
 from tests.integrations import oai_shop

@@ -26,7 +26,7 @@ from ratchet.integrations.pydantic_ai import (
     current_call,
 )
 from ratchet.runtime import TraceOutcome
-from ratchet.runtime.tools import BUILTIN_TOOLS
+from ratchet.runtime.catalog import BUILTIN_TOOLS
 from ratchet.tools import Recovery, ToolCall
 from tests.integrations import shop
 from tests.integrations.views import view

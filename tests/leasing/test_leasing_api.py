@@ -14,7 +14,7 @@ import pytest
 import ratchet.leasing
 from ratchet.errors import RunNotFoundError, StoreProtocolError
 from ratchet.leasing import Lease
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 from ratchet.leasing.replies import (
     decode_acquire,
     decode_commit,

@@ -21,7 +21,7 @@ from ratchet.console import ConsoleServer, serve_console
 from ratchet.errors import ContractError, NonceReplayError
 from ratchet.fleet.context import Fleet
 from ratchet.leasing import EXPIRY_INDEX, RUNS_INDEX, RedisServer, RedisStore, run_keys
-from ratchet.leasing.keys import INDEX_KEYS, PHASE_INDEXES, PHASES, phase_index
+from ratchet.leasing.keyspace import INDEX_KEYS, PHASE_INDEXES, PHASES, phase_index
 from ratchet.leasing.listing import decode_cursor
 from ratchet.ops import submit
 from ratchet.ops.reindex import index_phases

@@ -40,7 +40,7 @@ from ratchet.errors import ContractError, EvidenceError, RatchetError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RedisServer, RedisStore
-from ratchet.leasing.keys import EPOCH_KEY
+from ratchet.leasing.keyspace import EPOCH_KEY
 from ratchet.ops import approve, cancel, inspect_run, rebaseline, retry, review, submit
 from ratchet.ops.retention import purge_finished, verify_export
 from ratchet.runtime import CrashWindow, Fence, Phase, derive_idempotency_key, parse_action

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ratchet.errors import ApprovalError, IntegrityError, RunExistsError, RunNotFoundError
 from ratchet.fleet.context import Fleet
 from ratchet.leasing import RedisServer, run_keys
-from ratchet.leasing.keys import INDEX_KEYS
+from ratchet.leasing.keyspace import INDEX_KEYS
 from ratchet.ops import approve, inspect_run, post_approval, submit
 from ratchet.ops.retention import (
     RetentionLoop,

@@ -34,8 +34,8 @@ from ratchet.runtime import (
     TraceOutcome,
 )
 from ratchet.runtime.actions import Risk, derive_idempotency_key
+from ratchet.runtime.catalog import TOOL_NAME_PATTERN, Recovery
 from ratchet.runtime.engine import Probe
-from ratchet.runtime.tools import TOOL_NAME_PATTERN, Recovery
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import Tool, Toolbox, ToolCall, ToolsAdapter
 from ratchet.tools.mcp import (

@@ -38,7 +38,7 @@ from ratchet.runtime import (
     RunEngine,
     TraceOutcome,
 )
-from ratchet.runtime.tools import Recovery
+from ratchet.runtime.catalog import Recovery
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import Toolbox, ToolCall, ToolsAdapter
 from ratchet.tools.declare import Found

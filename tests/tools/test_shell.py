@@ -23,7 +23,7 @@ import pytest
 from ratchet.adapters.sandbox import Sandbox, SandboxMode
 from ratchet.errors import ActionError, AdapterError, ConfigurationError
 from ratchet.runtime import Action, Phase, ReviewReason, RunEngine, TraceOutcome
-from ratchet.runtime.tools import Recovery, ToolCatalog
+from ratchet.runtime.catalog import Recovery, ToolCatalog
 from ratchet.tools import Toolbox, ToolCall, ToolsAdapter
 from ratchet.tools.shell import MAX_ARGV, ShellArgs, ShellTool
 from tests.adapters.harness import Harness, make_workspace, scenario

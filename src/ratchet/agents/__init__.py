@@ -52,8 +52,8 @@ from ratchet.runtime import (
     TraceOutcome,
     derive_idempotency_key,
 )
+from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.state import Usage
-from ratchet.runtime.tools import ToolSpec
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -73,8 +73,8 @@ from ratchet.runtime.canonical import (
     model_digest,
     strict_json_loads,
 )
+from ratchet.runtime.catalog import BUILTIN_TOOLS, TOOL_NAME_PATTERN
 from ratchet.runtime.signing import open_envelope, seal_envelope
-from ratchet.runtime.tools import BUILTIN_TOOLS, TOOL_NAME_PATTERN
 from ratchet.runtime.types import Frozen, JsonObject, StrictBool, exact_version
 from ratchet.tools import Tool, Toolbox
 from ratchet.tools.adapter import ToolCheck

@@ -48,7 +48,7 @@ from ratchet.errors import (
     GenerationMismatchError,
     StoreProtocolError,
 )
-from ratchet.langgraph.keys import (
+from ratchet.langgraph.keyspace import (
     META_PATTERN,
     ThreadKeys,
     blob_field,
@@ -70,7 +70,7 @@ from ratchet.langgraph.replies import (
     decode_read,
 )
 from ratchet.langgraph.scripts import LgScript
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["LEASE_KEY", "Command", "Emit", "Loaded", "Protocol", "Scan", "Script", "View"]

@@ -1,7 +1,7 @@
 """Leases, fenced checkpoint commits and generation high-water marks on Redis.
 
 The protocol is in :mod:`ratchet.leasing.store` and the script headers under
-``ratchet/leasing/lua/``; key names are in :mod:`ratchet.leasing.keys`; every reply is
+``ratchet/leasing/lua/``; key names are in :mod:`ratchet.leasing.keyspace`; every reply is
 decoded in :mod:`ratchet.leasing.replies`. :class:`RedisServer` starts a real server
 for embedded use, tests and drills.
 
@@ -18,7 +18,7 @@ Typical use by a worker::
 from __future__ import annotations
 
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
-from ratchet.leasing.keys import EXPIRY_INDEX, RUNS_INDEX, RunKeys, nonce_key, run_keys
+from ratchet.leasing.keyspace import EXPIRY_INDEX, RUNS_INDEX, RunKeys, nonce_key, run_keys
 from ratchet.leasing.results import (
     Acquired,
     CommitResult,

@@ -9,7 +9,7 @@ see ``lua/commit.lua``); a run's own view (``ratchet show``, the console's run p
 verifies its checkpoint. A row that cannot be read says why in ``problem`` and never
 takes the page down.
 
-On Redis Cluster each index is split into shards (:class:`~ratchet.leasing.keys.IndexLayout`):
+On Redis Cluster each index is split into shards (:class:`~ratchet.leasing.keyspace.IndexLayout`):
 a page reads the same range of every shard in one pipeline and merges them in walk order
 (score, then member, as Redis orders one key), so a page costs one round trip and at most
 ``limit + 1`` entries per shard. A single Redis is the one-shard case of the same walk.
@@ -41,7 +41,7 @@ from typing import Any
 from redis.exceptions import WatchError
 
 from ratchet.errors import ContractError, RatchetError, StoreProtocolError
-from ratchet.leasing.keys import PHASES, IndexLayout, check_id, run_keys
+from ratchet.leasing.keyspace import PHASES, IndexLayout, check_id, run_keys
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.sharded import ShardedIndexes
 from ratchet.leasing.walk import (

@@ -78,7 +78,7 @@ from ratchet.leasing.expiry import ExpiryIndex
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.hosts import HostRecords
 from ratchet.leasing.identity import StoreIdentity
-from ratchet.leasing.keys import (
+from ratchet.leasing.keyspace import (
     EXPIRY_INDEX,
     INDEX_SHARDS,
     PHASE_INDEXES,

@@ -57,7 +57,7 @@ from ratchet.fleet.runs import (
     seal_document,
 )
 from ratchet.leasing import RunSnapshot
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 from ratchet.runtime import (
     ApprovalClaims,
     ApprovalEvidence,

@@ -61,7 +61,7 @@ from ratchet.errors import (
 )
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import check_document_binding, open_document
-from ratchet.leasing.keys import run_keys
+from ratchet.leasing.keyspace import run_keys
 from ratchet.ops.actions import RunView, inspect_run
 from ratchet.ops.vouching import (
     PartReport,

@@ -53,6 +53,7 @@ from ratchet.errors import (
 from ratchet.runtime import effects, machine
 from ratchet.runtime.actions import Action
 from ratchet.runtime.archive import recall_executed, window_for
+from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.checkpoint import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     ArchiveRef,
@@ -110,7 +111,6 @@ from ratchet.runtime.state import (
     RunState,
     TraceOutcome,
 )
-from ratchet.runtime.tools import ToolSpec
 from ratchet.runtime.window import ArchiveWindow, NotInWindow, key_digests
 
 __all__ = ["CrashWindow", "Probe", "RunEngine", "StepResult"]

@@ -32,6 +32,7 @@ from ratchet.errors import (
     InvalidTransitionError,
 )
 from ratchet.runtime.actions import KIND_SPECS, Action, ActionKind, parse_action
+from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.evidence import ApprovalEvidence, TrustRoots
 from ratchet.runtime.outcomes import (  # re-exported: one place to import from
     Settled,
@@ -62,7 +63,6 @@ from ratchet.runtime.state import (
     Usage,
     transition,
 )
-from ratchet.runtime.tools import ToolSpec
 from ratchet.runtime.tracing import append_event as _with
 from ratchet.runtime.tracing import make_event as _event
 
@@ -182,7 +182,7 @@ def propose(
 
     ``agent_state``, when given, replaces the agent's own JSON state in whatever this
     proposal commits (it is validated with the state before the commit). ``tools`` are the
-    declared tools' contracts by name (:class:`ratchet.runtime.tools.ToolCatalog`): a
+    declared tools' contracts by name (:class:`ratchet.runtime.catalog.ToolCatalog`): a
     permitted tool's call is checked against its contract (risk, then arguments, which
     are normalised to what its model dumps) and rejected as ``rejected_schema`` otherwise.
 

@@ -61,6 +61,7 @@ from ratchet.errors import (
 )
 from ratchet.runtime.actions import Action
 from ratchet.runtime.canonical import Domain, canonical_json, digest
+from ratchet.runtime.catalog import Recovery, ToolCatalog
 from ratchet.runtime.ports import (
     Clock,
     Fence,
@@ -69,7 +70,6 @@ from ratchet.runtime.ports import (
     Receipt,
     VerifierReport,
 )
-from ratchet.runtime.tools import Recovery, ToolCatalog
 from ratchet.tools.declare import Found, RecordedCall, Tool, ToolCall
 from ratchet.tools.ledger import CallIntent, CallLedger, ToolLedger
 

@@ -60,8 +60,8 @@ from pydantic import BaseModel, ConfigDict, create_model
 
 from ratchet.errors import ConfigurationError
 from ratchet.runtime.actions import Risk
+from ratchet.runtime.catalog import Recovery, ToolSpec
 from ratchet.runtime.ports import Fence
-from ratchet.runtime.tools import Recovery, ToolSpec
 
 __all__ = ["Found", "FunctionTool", "RecordedCall", "Tool", "ToolCall", "tool"]
 

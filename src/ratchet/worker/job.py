@@ -99,10 +99,10 @@ from ratchet.runtime import (
     RunEngine,
     RunState,
 )
+from ratchet.runtime.catalog import ToolCatalog
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
 from ratchet.runtime.machine import decision_baseline
 from ratchet.runtime.state import TERMINAL_PHASES, ExecutedKeys
-from ratchet.runtime.tools import ToolCatalog
 from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat

@@ -16,8 +16,8 @@ from ratchet.errors import (
     ConfigurationError,
 )
 from ratchet.runtime.actions import Risk
+from ratchet.runtime.catalog import TOOL_NAME_PATTERN
 from ratchet.runtime.ports import Fence
-from ratchet.runtime.tools import TOOL_NAME_PATTERN
 from ratchet.tools.declare import RecordedCall, Tool, ToolCall
 from ratchet.tools.mcp.connection import MCPConnection
 from ratchet.tools.mcp.recipes import KeyRecipe
