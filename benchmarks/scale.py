@@ -327,7 +327,7 @@ def _fleet(tmp: Path) -> Iterator[tuple[Any, Any, Any]]:
 
 def _create(fleet: Any, orders: Any, tmp: Path, tag: str, count: int) -> list[str]:
     from ratchet.chaos.drill.services import drill_document, make_workspace
-    from ratchet.ops.actions import create_run
+    from ratchet.ops.operations import create_run
 
     ids = []
     for index in range(count):

@@ -48,6 +48,7 @@ from ratchet.errors import (
     GenerationMismatchError,
     StoreProtocolError,
 )
+from ratchet.langgraph.codec import RecordCodec, version_key
 from ratchet.langgraph.keyspace import (
     META_PATTERN,
     ThreadKeys,
@@ -59,7 +60,6 @@ from ratchet.langgraph.keyspace import (
     thread_keys,
     write_digest,
 )
-from ratchet.langgraph.records import RecordCodec, version_key
 from ratchet.langgraph.replies import (
     LEASE_KEY,
     Entry,

@@ -43,10 +43,10 @@ from ratchet.errors import (
     StoreUnavailableError,
 )
 from ratchet.langgraph import admin
+from ratchet.langgraph.codec import RecordCodec
 from ratchet.langgraph.heartbeat import LeaseHeartbeat
 from ratchet.langgraph.keyspace import thread_keys
 from ratchet.langgraph.protocol import Command, Emit, Op, Protocol, Scan, Script, Step
-from ratchet.langgraph.records import RecordCodec
 from ratchet.langgraph.replies import (
     LeaseInfo,
     Takeover,

@@ -28,7 +28,7 @@ from ratchet.adapters.ground import Ground
 from ratchet.errors import ConfigurationError, RatchetError, UntrustedGroundError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import remote_branch
-from ratchet.ops.actions import RunView
+from ratchet.ops.operations import RunView
 from ratchet.runtime import ActionKind
 
 __all__ = ["DIFF_BYTES", "DIFF_LINES", "DIFF_SHOW_BYTES", "SHOW_BYTES", "pending_change"]

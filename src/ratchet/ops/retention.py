@@ -62,7 +62,7 @@ from ratchet.errors import (
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import check_document_binding, open_document
 from ratchet.leasing.keyspace import run_keys
-from ratchet.ops.actions import RunView, inspect_run
+from ratchet.ops.operations import RunView, inspect_run
 from ratchet.ops.vouching import (
     PartReport,
     judge_history,
