@@ -35,7 +35,8 @@ from ratchet.errors import (
     LeaseLostError,
     StoreError,
 )
-from ratchet.leasing import LeasedRun, RedisServer, RedisStore, run_keys
+from ratchet.leasing import LeasedRun, RedisStore, run_keys
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import CrashWindow, Effect, Hooks, KeyRing, Phase, RunEngine
 from ratchet.runtime.effects import Commit
 from ratchet.runtime.state import TERMINAL_PHASES

@@ -17,8 +17,8 @@ import pytest
 
 from ratchet.agents import AgentPolicy
 from ratchet.errors import ConfigurationError
-from ratchet.leasing import RedisServer
 from ratchet.ops.taskfile import load_task_file
+from ratchet.redis_server import RedisServer
 from tests.conftest import test_sandbox_mode
 from tests.gitremotes import branch_log, writes_by_key
 from tests.worker.conftest import CHECKPOINT_KEY_HEX

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ratchet.errors import ApprovalError, CheckpointError, ReviewDecisionError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer
 from ratchet.ops import approve, inspect_run, review, submit
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.signing import parse_envelope
 from ratchet.worker.job import execute_run
 from tests.ops.helpers import (

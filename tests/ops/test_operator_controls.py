@@ -24,9 +24,9 @@ from ratchet.demo.examples import RIGHT_GREETING
 from ratchet.errors import ContractError, ReviewDecisionError, RunNotFoundError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.control import new_cancel_request, seal_cancel
-from ratchet.leasing import RedisServer
 from ratchet.ops import approve, cancel, inspect_run, rebaseline, review, submit
 from ratchet.ops.diagnosis import diagnose
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import CrashWindow, KeyRing, TraceOutcome
 from ratchet.worker.job import JobReport, execute_run
 from tests.ops.helpers import (

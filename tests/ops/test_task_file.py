@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from ratchet.cli import app
 from ratchet.demo.examples import greeting_scenario, make_greeting_workspace
 from ratchet.errors import ConfigurationError, ContractError, RatchetError
-from ratchet.leasing import RedisServer
 from ratchet.ops.taskfile import MAX_FILE_BYTES, load_task_file, task_file_schema
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.canonical import strict_yaml_loads
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 

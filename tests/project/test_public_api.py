@@ -114,10 +114,10 @@ PINNED: dict[str, list[str]] = {
     "ratchet.leasing": [
         "Acquired", "CommitResult", "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "Lease",
         "LeaseHolder", "LeasedRun", "PreparedCommit", "RUNS_INDEX",
-        "ReapClaim", "RedisServer", "RedisStore", "Released", "RunCreated", "RunCreator",
-        "RunKeys", "RunSnapshot", "find_redis_cli", "find_redis_server", "free_port",
-        "new_commit_id", "nonce_key", "run_keys",
+        "ReapClaim", "RedisStore", "Released", "RunCreated", "RunCreator", "RunKeys",
+        "RunSnapshot", "new_commit_id", "nonce_key", "run_keys",
     ],
+    "ratchet.redis_server": ["RedisServer", "find_redis_cli", "find_redis_server", "free_port"],
     "ratchet.adapters": [
         "CommandVerifier", "HttpAdapter", "RouterAdapter", "SystemClock", "VerifierCommand",
         "VerifierRun", "WorkspaceAdapter",

@@ -19,8 +19,9 @@ from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.errors import ConfigurationError, IntegrityError, RunNotFoundError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument, VerifierSpec, seal_document
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
 from ratchet.ops import inspect_run, submit
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.signing import parse_envelope, seal_envelope
 from ratchet.worker.job import execute_run
 from tests.worker.conftest import CHECKPOINT_KEY_HEX

@@ -16,8 +16,9 @@ from ratchet.errors import ConfigurationError, StoreEpochError, StoreFullError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisStore
 from ratchet.ops import submit
+from ratchet.redis_server import RedisServer
 from ratchet.worker.job import execute_run
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 

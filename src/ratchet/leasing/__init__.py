@@ -2,8 +2,8 @@
 
 The protocol is in :mod:`ratchet.leasing.store` and the script headers under
 ``ratchet/leasing/lua/``; key names are in :mod:`ratchet.leasing.keyspace`; every reply is
-decoded in :mod:`ratchet.leasing.replies`. :class:`RedisServer` starts a real server
-for embedded use, tests and drills.
+decoded in :mod:`ratchet.leasing.replies`. Starting a real ``redis-server`` (embedded
+use, tests, drills) is not part of the protocol: it is :mod:`ratchet.redis_server`.
 
 Typical use by a worker::
 
@@ -30,12 +30,6 @@ from ratchet.leasing.results import (
     RunCreated,
     RunSnapshot,
 )
-from ratchet.leasing.server import (
-    RedisServer,
-    find_redis_cli,
-    find_redis_server,
-    free_port,
-)
 from ratchet.leasing.store import DEFAULT_MAX_CHECKPOINT_BYTES, RedisStore
 
 __all__ = [
@@ -49,16 +43,12 @@ __all__ = [
     "LeasedRun",
     "PreparedCommit",
     "ReapClaim",
-    "RedisServer",
     "RedisStore",
     "Released",
     "RunCreated",
     "RunCreator",
     "RunKeys",
     "RunSnapshot",
-    "find_redis_cli",
-    "find_redis_server",
-    "free_port",
     "new_commit_id",
     "nonce_key",
     "run_keys",

@@ -48,7 +48,8 @@ from typing import Any
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from ratchet.errors import ConfigurationError
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
+from ratchet.redis_server import RedisServer
 
 __all__ = [
     "CORRUPTIONS",
