@@ -117,6 +117,7 @@ PINNED: dict[str, list[str]] = {
         "ReapClaim", "RedisStore", "Released", "RunCreated", "RunCreator", "RunKeys",
         "RunSnapshot", "new_commit_id", "nonce_key", "run_keys",
     ],
+    "ratchet.entrypoints": ["installed_entry_points"],
     "ratchet.redis_server": ["RedisServer", "find_redis_cli", "find_redis_server", "free_port"],
     "ratchet.adapters": [
         "CommandVerifier", "HttpAdapter", "RouterAdapter", "SystemClock", "VerifierCommand",

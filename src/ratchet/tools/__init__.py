@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ratchet.adapters.router import RouterAdapter
-from ratchet.agents.plugins import installed_entry_points
+from ratchet.entrypoints import installed_entry_points
 from ratchet.errors import AdapterError, ConfigurationError
 from ratchet.runtime.catalog import BUILTIN_TOOLS, Recovery, ToolCatalog, ToolSpec
 from ratchet.runtime.ports import Adapter, Clock
