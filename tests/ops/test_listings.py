@@ -22,7 +22,7 @@ from ratchet.errors import ContractError, NonceReplayError
 from ratchet.fleet.context import Fleet
 from ratchet.leasing import EXPIRY_INDEX, RUNS_INDEX, RedisStore, run_keys
 from ratchet.leasing.keyspace import INDEX_KEYS, PHASE_INDEXES, PHASES, phase_index
-from ratchet.leasing.listing import decode_cursor
+from ratchet.leasing.walk import decode_cursor
 from ratchet.ops import submit
 from ratchet.ops.reindex import index_phases
 from ratchet.redis_server import RedisServer

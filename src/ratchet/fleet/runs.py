@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from ratchet.adapters.gitread import GIT_DIR
+from ratchet.adapters.gitobjects import GIT_DIR
 from ratchet.adapters.gitremote import (
     BranchMoved,
     PushUnknown,

@@ -73,7 +73,7 @@ from ratchet.langgraph.scripts import LgScript
 from ratchet.leasing.keyspace import check_id
 from ratchet.leasing.scripts import ScriptName
 
-__all__ = ["LEASE_KEY", "Command", "Emit", "Loaded", "Protocol", "Scan", "Script", "View"]
+__all__ = ["Command", "Emit", "Loaded", "Protocol", "Scan", "Script", "View"]
 
 MAX_ATTEMPTS = 16
 PAGE = 32

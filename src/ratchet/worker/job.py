@@ -101,7 +101,7 @@ from ratchet.runtime import (
 )
 from ratchet.runtime.catalog import ToolCatalog
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
-from ratchet.runtime.machine import decision_baseline
+from ratchet.runtime.outcomes import decision_baseline
 from ratchet.runtime.state import TERMINAL_PHASES, ExecutedKeys
 from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
