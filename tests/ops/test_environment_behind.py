@@ -87,4 +87,4 @@ def test_a_workspace_restored_from_before_a_recorded_write_is_refused_and_never_
             trusted.reviewers,
             generation=inspect_run(trusted, run_id).generation,
         )
-    assert caught.value.context["reason"] == "behind"
+    assert caught.value.reason == "behind"

@@ -138,7 +138,7 @@ def test_retiring_a_key_still_in_use_is_refused_and_forced_retirement_fails_clos
     # A worker refuses to restore it and records why; nothing runs.
     with pytest.raises(CheckpointError) as refused_restore:
         inspect_run(Fleet.connect(settings), run_id)
-    assert refused_restore.value.context["reason"] == "retired_kid"
+    assert refused_restore.value.reason == "retired_kid"
     report = execute_run(Fleet.connect(settings), run_id, owner="w-after-retire")
     assert report.outcome == "restore_refused" and report.detail.startswith("retired_kid")
     incidents = Fleet.connect(settings).store.incidents(run_id)

@@ -266,7 +266,7 @@ def test_a_bad_page_request_is_a_contract_error_naming_its_field(
     before = fleet.store.client.zrange(RUNS_INDEX, 0, -1, withscores=True)
     with pytest.raises(ContractError) as caught:
         fleet.store.list_runs(**call)
-    assert caught.value.context.get("field") == field
+    assert caught.value.field == field
     assert fleet.store.client.zrange(RUNS_INDEX, 0, -1, withscores=True) == before
 
 

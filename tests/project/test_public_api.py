@@ -91,6 +91,35 @@ def test_errors_carry_their_context_as_attributes() -> None:
     assert "r-1" in repr(err)
 
 
+def test_the_fields_callers_decide_on_are_typed_and_context_keeps_what_was_given() -> None:
+    errors = ratchet.errors
+    failed = errors.AdapterError("down", retryable=True, tool="t")
+    assert (failed.retryable, failed.reason) == (True, None)
+    assert failed.context == {"retryable": True, "tool": "t"}
+    refused = errors.UntrustedGroundError("no", reason="too_large", file_type="fifo", path="p")
+    assert (refused.retryable, refused.reason, refused.file_type) == (False, "too_large", "fifo")
+    assert refused.context == {
+        "retryable": False,
+        "reason": "too_large",
+        "file_type": "fifo",
+        "path": "p",
+    }
+    assert errors.ConfigurationError("bad").field is None
+    assert errors.ConfigurationError("bad").context == {}
+    assert errors.ConfigurationError("bad", field="redis_url").field == "redis_url"
+    assert errors.ScenarioError("bad", field="budgets").field == "budgets"
+    bad_mac = errors.CheckpointError("forged", reason="bad_mac", run_id="r-1")
+    assert (bad_mac.reason, bad_mac.field, bad_mac.context["run_id"]) == ("bad_mac", None, "r-1")
+    full = errors.StoreFullError("oom", reason="oom")
+    assert full.reason == full.context["reason"] == "oom"
+    unreadable = errors.HighWaterUnavailableError("x", run_id="r", cause="StoreUnavailableError")
+    assert (unreadable.cause, unreadable.reason) == ("StoreUnavailableError", None)
+    assert unreadable.context == {"run_id": "r", "cause": "StoreUnavailableError"}
+    receipt = object()
+    assert errors.IdempotencyConflictError("k", receipt=receipt).receipt is receipt
+    assert errors.IdempotencyConflictError("k").receipt is None
+
+
 def test_the_version_is_the_newest_release_of_the_changelog() -> None:
     root = Path(__file__).resolve().parents[2]
     releases = re.findall(

@@ -113,7 +113,7 @@ def test_a_document_the_checkpoints_do_not_bind_is_refused(
     assert not marker.exists()
     with pytest.raises(IntegrityError) as err:  # show refuses to display it too
         inspect_run(fleet, run_id)
-    assert err.value.context["reason"] == "document"
+    assert err.value.reason == "document"
 
 
 def test_a_checkpoint_cannot_stand_in_for_a_document(
@@ -165,7 +165,7 @@ def test_submit_refuses_an_agent_no_worker_here_may_load(
     _root, document = workspace()
     with pytest.raises(ConfigurationError) as err:
         submit(fleet, document.model_copy(update={"agent": agent}), run_id="r-bad-agent")
-    assert err.value.context["field"] == "agent"
+    assert err.value.field == "agent"
     with pytest.raises(RunNotFoundError):
         fleet.store.read_run("r-bad-agent")
 

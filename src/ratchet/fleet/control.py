@@ -117,7 +117,7 @@ def find_controls(keyring: KeyRing, run_id: str, inbox: list[bytes]) -> Controls
             body = open_envelope(keyring, raw, domain=Domain.CONTROL)
             request = CancelRequest.model_validate(strict_json_loads(body))
         except CheckpointError as exc:
-            refused.append(f"does not verify ({exc.context.get('reason', 'malformed')})")
+            refused.append(f"does not verify ({exc.reason or 'malformed'})")
             continue
         except (ContractError, ValidationError):
             refused.append("its signed body is not a cancel request")

@@ -524,7 +524,7 @@ def _check_trust(
         raise _fail(
             "trust",
             f"evidence inside the checkpoint does not verify: {exc.message}",
-            evidence_reason=getattr(exc, "reason", ""),
+            evidence_reason=exc.reason or "",
         ) from None
 
 

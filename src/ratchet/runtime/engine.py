@@ -643,7 +643,8 @@ class RunEngine:
                 (yield Execute(pending.action, pending.intent_digest, self._fence(), approval)),
             )
         except IdempotencyConflictError as exc:
-            conflicting = exc.context.get("receipt")
+            # The adapter contract: what a conflict carries is the key's Receipt.
+            conflicting = cast(Receipt | None, exc.receipt)
             if conflicting is None:
                 conflicting = yield from self._lookup(pending.action)
             seen = cast(Observation, (yield Observe()))
@@ -669,7 +670,7 @@ class RunEngine:
         except FenceRejectedError:
             raise  # a newer owner exists: stop before anything else
         except AdapterError as exc:
-            if exc.context.get("retryable"):
+            if exc.retryable:
                 raise
             yield from self._commit(
                 outcomes.record_execution_error(
