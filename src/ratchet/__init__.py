@@ -7,7 +7,10 @@ The tool API is importable from here (``ratchet.tool``, ``ratchet.Tool``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ loads them on first use
+    from ratchet.tools import Tool, Toolbox, ToolCall, tool
 
 __version__ = "0.2.0"
 
