@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -134,7 +136,10 @@ def test_the_version_is_the_newest_release_of_the_changelog() -> None:
 
 
 PINNED: dict[str, list[str]] = {
-    "ratchet": ["Tool", "ToolCall", "Toolbox", "__version__", "tool"],
+    "ratchet": [
+        "Adapter", "Agent", "AgentStep", "AgentView", "Risk", "Tool", "ToolCall", "Toolbox",
+        "__version__", "tool",
+    ],
     "ratchet.tools": [
         "ENTRY_POINT_GROUP", "Found", "FunctionTool", "RecordedCall", "Recovery", "Tool",
         "ToolCall", "ToolCatalog", "ToolLedger", "ToolSpec", "Toolbox", "ToolsAdapter",
@@ -192,6 +197,25 @@ PINNED: dict[str, list[str]] = {
         "OpenAIAgentsTool", "RatchetAgent", "current_call",
     ],
 }  # fmt: skip
+
+
+def test_the_names_at_the_top_are_the_ones_where_they_live_and_load_on_first_use() -> None:
+    homes = {
+        "Adapter": "ratchet.runtime", "Agent": "ratchet.agents", "AgentStep": "ratchet.agents",
+        "AgentView": "ratchet.agents", "Risk": "ratchet.runtime", "Tool": "ratchet.tools",
+        "ToolCall": "ratchet.tools", "Toolbox": "ratchet.tools", "tool": "ratchet.tools",
+    }  # fmt: skip
+    assert sorted(homes) == sorted(set(ratchet.__all__) - {"__version__"})
+    for name, home in homes.items():
+        assert getattr(ratchet, name) is getattr(importlib.import_module(home), name), name
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, ratchet; print(*sorted(sys.modules), sep='\\n')"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert "ratchet" in loaded
+    assert [m for m in loaded if m.startswith("ratchet.")] == []
 
 
 @pytest.mark.parametrize("package", sorted(PINNED))
