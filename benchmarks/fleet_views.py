@@ -51,7 +51,7 @@ from ratchet.console.server import ConsoleServer
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
 from ratchet.leasing import RUNS_INDEX, RedisStore, run_keys
-from ratchet.leasing.keys import EXPIRY_INDEX, phase_index
+from ratchet.leasing.keyspace import EXPIRY_INDEX, phase_index
 from ratchet.worker.reaper import reap_once
 
 PAGE = 50

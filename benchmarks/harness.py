@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ratchet.leasing import RedisServer
+    from ratchet.redis_server import RedisServer
     from ratchet.runtime.signing import KeyRing
 
 __all__ = [
@@ -65,7 +65,7 @@ def redis_server(folder: Path, *, aof: bool = True, extra_args: Sequence[str] = 
     acknowledged write is fsync'd to the AOF first. Without it nothing is persisted (for
     benchmarks that only read). ``extra_args`` go to the server's command line as given.
     """
-    from ratchet.leasing import RedisServer
+    from ratchet.redis_server import RedisServer
 
     return RedisServer(
         folder / "redis", appendonly=aof, appendfsync="always", extra_args=extra_args

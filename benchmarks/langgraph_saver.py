@@ -40,7 +40,7 @@ from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from langgraph.graph import END, START, StateGraph
 
 from ratchet.langgraph import RatchetSaver
-from ratchet.leasing import RedisServer
+from ratchet.redis_server import RedisServer
 
 VALUE_BYTES = 4096
 STEP_BYTES = 1024

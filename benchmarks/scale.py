@@ -327,7 +327,7 @@ def _fleet(tmp: Path) -> Iterator[tuple[Any, Any, Any]]:
 
 def _create(fleet: Any, orders: Any, tmp: Path, tag: str, count: int) -> list[str]:
     from ratchet.chaos.drill.services import drill_document, make_workspace
-    from ratchet.ops.actions import create_run
+    from ratchet.ops.operations import create_run
 
     ids = []
     for index in range(count):
@@ -411,7 +411,7 @@ def _fleet_rate(fleet: Any, orders: Any, tmp: Path, workers: int, count: int) ->
     """Runs per second of ``workers`` real worker processes, submission to last completion."""
     import takeover
 
-    from ratchet.leasing.keys import phase_index
+    from ratchet.leasing.keyspace import phase_index
     from ratchet.worker.pool import _settings_json
 
     tag = f"f{workers}x"

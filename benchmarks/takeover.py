@@ -226,7 +226,7 @@ def hold_leases(fleet: Any, count: int) -> None:
     acquire script (one hour, so no renewal is needed; the lease is on the expiry index
     as any worker's is)."""
     from ratchet.leasing import RUNS_INDEX, run_keys
-    from ratchet.leasing.keys import phase_index
+    from ratchet.leasing.keyspace import phase_index
 
     store = fleet.store
     now = store.server_time_ms()

@@ -26,7 +26,7 @@ from langgraph.types import interrupt
 
 from ratchet.langgraph import RatchetSaver
 from ratchet.langgraph.approval import ApprovalGate, approval_request
-from ratchet.leasing import RedisServer
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.actions import Action, derive_idempotency_key
 from ratchet.runtime.canonical import Domain, digest
 from ratchet.runtime.evidence import ApprovalClaims, TrustRoots, sign_approval

@@ -1,7 +1,14 @@
 """The exception tree of ratchet, drawn once.
 
-Every error ratchet raises derives from :class:`RatchetError`. Errors carry the ids and
-versions a caller acts on as attributes; their messages never contain key material.
+Every error ratchet raises derives from :class:`RatchetError`. Their messages never
+contain key material.
+
+The fields a caller decides on are typed attributes, declared by the class that has them
+(``AdapterError.retryable``, ``reason``, ``field``, ``HighWaterUnavailableError.cause``,
+...), so a type checker sees a misspelt or missing one. Everything an error was raised
+with, typed or not, is also kept in ``context`` (the ids and versions of the run, the
+lease, the fence), which logs and incident records carry whole; ``context`` holds only
+what was given, so a record of an error stays the same size it was.
 
 ::
 
@@ -88,11 +95,18 @@ __all__ = [
 ]
 
 
+def _given(context: dict[str, Any], **typed: Any) -> dict[str, Any]:
+    """``context`` with the typed fields that were given (not None) added: what an error's
+    ``context`` holds is what its raiser said, no more."""
+    return {**context, **{name: value for name, value in typed.items() if value is not None}}
+
+
 class RatchetError(Exception):
     """Root of every error ratchet raises.
 
-    Keyword arguments become attributes (``err.run_id``, ``err.lease_version``) so callers
-    act on data, not on message text.
+    Keyword arguments are kept in ``context`` and become attributes of their names
+    (``err.run_id``, ``err.lease_version``) so callers act on data, not on message text;
+    the subclasses declare, with their types, the ones callers decide on.
     """
 
     def __init__(self, message: str, **context: Any) -> None:
@@ -108,11 +122,24 @@ class RatchetError(Exception):
 
 
 class ConfigurationError(RatchetError):
-    """Settings, keys or trust roots are missing or malformed."""
+    """Settings, keys or trust roots are missing or malformed. ``field`` names the setting
+    or the file's field when known (the command line shows it beside the message)."""
+
+    field: str | None
+
+    def __init__(self, message: str, *, field: str | None = None, **context: Any) -> None:
+        super().__init__(message, **_given(context, field=field))
+        self.field = field
 
 
 class ContractError(RatchetError):
     """The caller broke the contract. ``field`` names the offending field when known."""
+
+    field: str | None
+
+    def __init__(self, message: str, *, field: str | None = None, **context: Any) -> None:
+        super().__init__(message, **_given(context, field=field))
+        self.field = field
 
 
 class ScenarioError(ContractError):
@@ -128,7 +155,26 @@ class InvalidTransitionError(ContractError):
 
 
 class IntegrityError(RatchetError):
-    """Stored or supplied evidence cannot be trusted. Always fail closed on it."""
+    """Stored or supplied evidence cannot be trusted. Always fail closed on it.
+
+    ``reason`` names the check that failed (a short code: ``bad_mac``, ``unknown_signer``,
+    ``document``, ...) and ``field`` the field it failed on, when known.
+    """
+
+    reason: str | None
+    field: str | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        field: str | None = None,
+        **context: Any,
+    ) -> None:
+        super().__init__(message, **_given(context, reason=reason, field=field))
+        self.reason = reason
+        self.field = field
 
 
 class CheckpointError(IntegrityError):
@@ -160,11 +206,30 @@ class EnvironmentMismatchError(IntegrityError):
 
 
 class StoreError(RatchetError):
-    """The generation or lease store refused a request or failed."""
+    """The generation or lease store refused a request or failed. ``reason`` is a short
+    code for why, when the refusal has several (``oom``, ``key_mismatch``, ...)."""
+
+    reason: str | None
+
+    def __init__(self, message: str, *, reason: str | None = None, **context: Any) -> None:
+        super().__init__(message, **_given(context, reason=reason))
+        self.reason = reason
 
 
 class HighWaterUnavailableError(StoreError):
-    """No external high-water mark could be read: restore fails closed."""
+    """No external high-water mark could be read: restore fails closed.
+
+    ``cause`` is the class name of the failure it stands for (``StoreUnavailableError``:
+    the store could not be reached; ``RunNotFoundError``), for logs and records; that
+    failure itself is the exception's ``__cause__``, which decisions test with
+    ``isinstance``.
+    """
+
+    cause: str | None
+
+    def __init__(self, message: str, *, cause: str | None = None, **context: Any) -> None:
+        super().__init__(message, **_given(context, cause=cause))
+        self.cause = cause
 
 
 class GenerationMismatchError(StoreError):
@@ -240,10 +305,19 @@ class StoreUnavailableError(StoreError):
 
 
 class AdapterError(RatchetError):
-    """An adapter refused or failed a call. ``retryable`` says whether a retry can help."""
+    """An adapter refused or failed a call. ``retryable`` says whether a retry can help;
+    ``reason`` is a short code for why, when the adapter gives one (``unresolved``,
+    ``git``, ``too_large``, ...)."""
 
-    def __init__(self, message: str, *, retryable: bool = False, **context: Any) -> None:
-        super().__init__(message, retryable=retryable, **context)
+    retryable: bool
+    reason: str | None
+
+    def __init__(
+        self, message: str, *, retryable: bool = False, reason: str | None = None, **context: Any
+    ) -> None:
+        super().__init__(message, retryable=retryable, **_given(context, reason=reason))
+        self.retryable = retryable
+        self.reason = reason
 
 
 class FenceRejectedError(AdapterError):
@@ -251,7 +325,18 @@ class FenceRejectedError(AdapterError):
 
 
 class IdempotencyConflictError(AdapterError):
-    """The adapter holds a receipt for this key with a different intent digest."""
+    """The adapter holds a receipt for this key with a different intent digest.
+
+    ``receipt`` is that receipt (a :class:`ratchet.runtime.Receipt`; typed ``object`` here
+    because this module imports nothing of ratchet's), or None when the adapter cannot
+    show it: the engine then looks the key up.
+    """
+
+    receipt: object | None
+
+    def __init__(self, message: str, *, receipt: object | None = None, **context: Any) -> None:
+        super().__init__(message, **_given(context, receipt=receipt))
+        self.receipt = receipt
 
 
 class UntrustedGroundError(AdapterError):
@@ -262,9 +347,12 @@ class UntrustedGroundError(AdapterError):
     path is refused without being opened (a FIFO would block, a device could act), and
     the run stops with the evidence."""
 
-    def __init__(self, message: str, **context: Any) -> None:
+    file_type: str | None
+
+    def __init__(self, message: str, *, file_type: str | None = None, **context: Any) -> None:
         context.pop("retryable", None)
-        super().__init__(message, retryable=False, **context)
+        super().__init__(message, retryable=False, **_given(context, file_type=file_type))
+        self.file_type = file_type
 
 
 class PeerAnswerTooLargeError(AdapterError):

@@ -157,7 +157,7 @@ def test_a_zombie_s_push_fails_at_the_remote_once_a_new_owner_raised_its_fence(
     version = zombie.observe().version
     with pytest.raises(AdapterError) as lost:
         zombie.execute(write("k1", "zombie\n", version), "a" * 64, fence(1), None)
-    assert lost.value.context["reason"] == "branch_moved" and lost.value.context["retryable"]
+    assert lost.value.reason == "branch_moved" and lost.value.retryable
     assert seen == ["before_push"]
     with pytest.raises(FenceRejectedError):
         zombie.execute(write("k1", "zombie\n", version), "a" * 64, fence(1), None)
@@ -180,12 +180,12 @@ def test_two_writers_racing_on_one_branch_land_one_commit(remote: Remote) -> Non
     racer = remote.handle(hook=other_lands_first)
     with pytest.raises(AdapterError) as lost:
         racer.execute(write("k1", "first\n", version), "a" * 64, fence(1), None)
-    assert lost.value.context["reason"] == "branch_moved"
+    assert lost.value.reason == "branch_moved"
     assert remote.writes() == {"k2": 1}
     # Its precondition no longer holds: the retry is refused, not written on top.
     with pytest.raises(AdapterError) as stale:
         first.execute(write("k1", "first\n", version), "a" * 64, fence(1), None)
-    assert stale.value.context["retryable"] is False
+    assert stale.value.retryable is False
     assert remote.writes() == {"k2": 1}
 
 
@@ -208,12 +208,12 @@ def test_a_foreign_push_is_drift_and_a_rewritten_branch_is_refused(remote: Remot
         repo.refs[b"refs/heads/" + BRANCH.encode()] = orphan.id
     with pytest.raises(AdapterError) as rewritten:
         ws.observe()
-    assert rewritten.value.context["reason"] == "branch_rewritten"
+    assert rewritten.value.reason == "branch_rewritten"
     with Repo(str(remote.bare)) as repo:
         del repo.refs[b"refs/heads/" + BRANCH.encode()]
     with pytest.raises(AdapterError) as gone:
         ws.observe()
-    assert gone.value.context["reason"] == "branch_missing"
+    assert gone.value.reason == "branch_missing"
 
 
 class CuttingProxy:
@@ -366,7 +366,7 @@ def test_a_checkout_refuses_a_tree_entry_it_may_not_create(tmp_path: Path, bad: 
     ws = made.handle(verifier=verifier)
     with pytest.raises(UntrustedGroundError) as refused:
         ws.verify("unit")
-    assert refused.value.context["reason"] == "unsafe_name"
+    assert refused.value.reason == "unsafe_name"
     assert not (tmp_path / "config").exists() and not (tmp_path.parent / "config").exists()
     made.close()
 
@@ -443,7 +443,7 @@ def test_an_http_remote_gets_the_worker_s_credential_and_nothing_leaks(
         )
         with pytest.raises(AdapterError) as refused:
             anonymous.tip()
-        assert refused.value.context["retryable"] is False
+        assert refused.value.retryable is False
         assert secret not in str(refused.value) and http.refused >= 1
         branch.close()
         anonymous.close()

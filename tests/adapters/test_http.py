@@ -52,7 +52,7 @@ def test_same_key_and_body_returns_the_stored_receipt_and_another_body_gets_422(
     assert raw_post(orders, "k-1", other.args["body"], fence(), other.intent_digest) == 422
     with pytest.raises(IdempotencyConflictError) as caught:
         send(adapter, other, fence())
-    assert caught.value.context["receipt"] == first
+    assert caught.value.receipt == first
     assert orders.effects() == 1
 
 
@@ -66,7 +66,7 @@ def test_a_concurrent_duplicate_in_flight_gets_409_and_is_retryable(orders: Serv
     assert gate.held.wait(timeout=30)
     with pytest.raises(AdapterError) as caught:
         send(adapter, order("k-1"), fence())
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     assert not isinstance(caught.value, FenceRejectedError | IdempotencyConflictError)
     gate.release.set()
     first.join(timeout=30)
@@ -132,7 +132,7 @@ def test_a_timeout_while_in_flight_is_unknown_then_settled_by_the_receipt(
     try:
         with pytest.raises(AdapterError) as caught:
             send(impatient, order("k-1"), fence())
-        assert caught.value.context["retryable"] is True
+        assert caught.value.retryable is True
         assert gate.held.wait(timeout=30)
     finally:
         gate.release.set()
@@ -156,7 +156,7 @@ def test_an_unreachable_service_is_a_retryable_unknown_outcome(orders: ServiceBo
     orders.stop()
     with pytest.raises(AdapterError) as caught:
         send(adapter, order("k-1"), fence())
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     orders.start()
     assert adapter.lookup("k-1") is None and orders.effects() == 0
 
@@ -180,7 +180,7 @@ def test_the_adapter_refuses_kinds_and_operations_it_does_not_serve(orders: Serv
     adapter = HttpAdapter(orders.url, operations={"cancel-order": "/v1/cancellations"})
     with pytest.raises(AdapterError) as caught:
         send(adapter, order("k-1"), fence())
-    assert caught.value.context["retryable"] is False
+    assert caught.value.retryable is False
     with pytest.raises(AdapterError):
         adapter.verify("unit")
     assert orders.effects() == 0

@@ -69,7 +69,7 @@ def test_an_adapter_without_the_token_is_refused_for_good(guarded: RunningServic
     adapter = HttpAdapter(guarded.url)
     with pytest.raises(AdapterError) as err:
         adapter.raise_fence(Fence(run_id="r", lease_version=1, state_version=1))
-    assert err.value.context["retryable"] is False
+    assert err.value.retryable is False
     assert adapter.observe().version == 0  # reads need no token
     assert TOKEN not in repr(HttpAdapter(guarded.url, token=TOKEN))
 
@@ -151,7 +151,7 @@ def test_a_locked_database_is_a_503_and_the_order_lands_once_when_it_is_free(
             )
             with pytest.raises(AdapterError) as failed:
                 adapter.execute(action, action.intent_digest, fence, None)
-            assert failed.value.context["retryable"] is True
+            assert failed.value.retryable is True
         finally:
             other.rollback()
             other.close()

@@ -135,7 +135,7 @@ def test_whether_a_workspace_is_a_repository_is_fixed_at_construction_not_by_the
         (repo / ".git").rename(repo / "moved-git")
         with pytest.raises(AdapterError, match=r"no \.git folder") as caught:
             ws.observe()
-        assert caught.value.context["reason"] == "git" and not caught.value.context["retryable"]
+        assert caught.value.reason == "git" and not caught.value.retryable
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_what_the_reader_does_not_read_is_refused_by_name(
     make(root)  # type: ignore[operator]
     with pytest.raises(AdapterError) as caught:
         GitReader(Ground(root)).status()
-    assert caught.value.context["reason"] == "git"
+    assert caught.value.reason == "git"
 
 
 def _git_status(root: Path) -> set[str]:
@@ -257,7 +257,7 @@ def test_a_corrupt_object_is_refused_not_trusted(tmp_path: Path) -> None:
     loose.write_bytes(zlib.compress(b"commit 5\x00bogus"))
     with pytest.raises(AdapterError) as caught:
         GitReader(Ground(root)).status()
-    assert caught.value.context["reason"] == "git_corrupt"
+    assert caught.value.reason == "git_corrupt"
 
 
 def test_an_inflation_bomb_in_the_object_store_is_refused_within_the_cap(tmp_path: Path) -> None:
@@ -281,7 +281,7 @@ from ratchet.errors import AdapterError
 try:
     GitReader(Ground(root)).status()
 except AdapterError as exc:
-    print(exc.context.get("reason"))
+    print(exc.reason)
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
     out = subprocess.run(

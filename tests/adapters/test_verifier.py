@@ -54,7 +54,7 @@ def test_pytest_runs_as_a_verifier_in_the_workspace(tmp_path: Path) -> None:
 def test_an_unknown_target_is_refused(tmp_path: Path) -> None:
     with workspace(tmp_path / "ws", ok=py("pass")) as ws, pytest.raises(AdapterError) as caught:
         ws.verify("rm-rf")
-    assert caught.value.context["retryable"] is False
+    assert caught.value.retryable is False
 
 
 def test_the_command_sees_a_clean_environment_without_inherited_secrets(

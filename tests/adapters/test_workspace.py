@@ -185,7 +185,7 @@ def test_writes_outside_the_allowed_paths_or_into_the_state_folder_are_refused(r
         action = write("k-1", "x", ws.observe().version, path="setup.py")
         with pytest.raises(AdapterError) as caught:
             ws.execute(action, action.intent_digest, fence(), None)
-        assert caught.value.context["retryable"] is False
+        assert caught.value.retryable is False
         assert not (root / "setup.py").exists()
     with pytest.raises(ConfigurationError):
         WorkspaceAdapter(root, [".ratchet/journal.sqlite3"])

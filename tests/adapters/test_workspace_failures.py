@@ -76,7 +76,7 @@ def test_a_journal_locked_past_the_busy_timeout_refuses_retryable_and_records_no
             ):
                 with pytest.raises(AdapterError) as refused:
                     call()
-                assert refused.value.context["retryable"] is True
+                assert refused.value.retryable is True
                 assert refused.value.context["error"] == "SQLITE_BUSY"
                 assert type(refused.value) is AdapterError
             (root / "app.py").write_text(WRONG_GREETING)
@@ -130,7 +130,7 @@ def test_a_full_workspace_disk_refuses_retryable_and_the_write_lands_once_freed(
         try:
             with pytest.raises(AdapterError) as refused:
                 ws.execute(action, action.intent_digest, FENCE, None)
-            assert refused.value.context["retryable"] is True
+            assert refused.value.retryable is True
             assert ws.lookup("k-1") is None
             assert (root / "app.py").read_text() == WRONG_GREETING
         finally:

@@ -11,8 +11,8 @@ from typing import Any
 from ratchet.agents import Agent, AgentView
 from ratchet.agents.models import ModelReply, ToolCallRequest
 from ratchet.runtime import Phase, RunEngine, StepResult
-from ratchet.runtime.tools import BUILTIN_TOOLS, ToolCatalog, ToolSpec
-from ratchet.worker.protocol import agent_view
+from ratchet.runtime.catalog import BUILTIN_TOOLS, ToolCatalog, ToolSpec
+from ratchet.worker.jobprotocol import agent_view
 
 SYSTEM_PROMPT = "You fix the greeting in app.py, run the unit tests, then finish."
 

@@ -89,4 +89,4 @@ def test_an_answer_under_the_cap_is_read_whole() -> None:
 def test_a_cap_out_of_range_is_refused_at_construction(limit: int) -> None:
     with pytest.raises(ConfigurationError) as caught:
         OpenAIChatModel("http://model.test/v1", "m", max_answer_bytes=limit)
-    assert caught.value.context["field"] == "max_answer_bytes"
+    assert caught.value.field == "max_answer_bytes"

@@ -127,7 +127,7 @@ def test_429_backoff_follows_retry_after_but_is_capped_and_the_attempts_are_boun
     model = client(stub, sleeps, max_retries=3, max_backoff_s=2.0)
     with pytest.raises(AdapterError) as raised:
         model(REQUEST)
-    assert raised.value.context["retryable"] is True
+    assert raised.value.retryable is True
     assert raised.value.context["status"] == 429
     assert [r.status for r in stub.requests] == [429] * 4
     assert sleeps.delays == [2.0, 2.0, 2.0]
@@ -148,7 +148,7 @@ def test_a_400_is_not_retried_and_is_not_retryable(stub: ChatStub, keyed: str) -
     sleeps = Sleeps()
     with pytest.raises(AdapterError) as raised:
         client(stub, sleeps)(REQUEST)
-    assert raised.value.context["retryable"] is False
+    assert raised.value.retryable is False
     assert raised.value.context["status"] == 400
     assert len(stub.requests) == 1
     assert sleeps.delays == []
@@ -166,7 +166,7 @@ def test_an_unreachable_server_is_a_retryable_adapter_error_after_bounded_retrie
     )
     with pytest.raises(AdapterError) as raised:
         model(REQUEST)
-    assert raised.value.context["retryable"] is True
+    assert raised.value.retryable is True
     assert raised.value.context["status"] is None
     assert "ConnectError" in raised.value.message
     assert len(sleeps.delays) == 2
@@ -179,7 +179,7 @@ def test_a_missing_key_is_a_configuration_error_and_nothing_is_sent(
     model = client(stub, Sleeps())
     with pytest.raises(ConfigurationError) as raised:
         model(REQUEST)
-    assert raised.value.context["field"] == "model.credential"
+    assert raised.value.field == "model.credential"
     assert "empty" in raised.value.message
     assert stub.requests == []
 
@@ -241,7 +241,7 @@ def test_a_scripted_model_may_be_a_function_of_the_request() -> None:
 def test_a_scripted_reply_that_is_not_a_reply_is_refused_naming_it() -> None:
     with pytest.raises(ConfigurationError) as raised:
         ScriptedModel([{"content": "ok"}, {"tool_calls": [{"id": "x"}]}])
-    assert raised.value.context["field"] == "replies[1]"
+    assert raised.value.field == "replies[1]"
 
 
 @pytest.mark.parametrize(
@@ -258,5 +258,5 @@ def test_a_bad_client_setting_is_a_configuration_error_naming_it(
 ) -> None:
     with pytest.raises(ConfigurationError) as raised:
         OpenAIChatModel(base_url, "m", **options)  # type: ignore[arg-type]
-    assert raised.value.context["field"] == field
+    assert raised.value.field == field
     assert "sk-not-a-name" not in raised.value.message

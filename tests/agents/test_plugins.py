@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from ratchet.agents import AgentPolicy, plugins
+from ratchet import entrypoints
+from ratchet.agents import AgentPolicy
 
 
 def test_the_installed_metadata_is_read_once_per_import_path(
@@ -23,8 +24,8 @@ def test_the_installed_metadata_is_read_once_per_import_path(
         calls.append(kw["group"])
         return metadata.entry_points(**kw)
 
-    monkeypatch.setattr(plugins, "entry_points", counted)
-    monkeypatch.setattr(plugins, "_SEEN", {})
+    monkeypatch.setattr(entrypoints, "entry_points", counted)
+    monkeypatch.setattr(entrypoints, "_SEEN", {})
     policy = AgentPolicy()
     for _ in range(3):
         with pytest.raises(Exception, match="neither built in nor an installed"):

@@ -18,7 +18,7 @@ from ratchet.errors import ConfigurationError, IntegrityError
 from ratchet.fleet.credentials import CredentialMap, CredentialSpec
 from ratchet.runtime import CrashWindow, Phase, RunEngine, Scenario, TraceOutcome
 from ratchet.runtime.canonical import canonical_json
-from ratchet.runtime.tools import BUILTIN_TOOLS
+from ratchet.runtime.catalog import BUILTIN_TOOLS
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import FunctionTool, Toolbox, tool
 from tests.agents.helpers import (
@@ -419,7 +419,7 @@ def test_a_state_that_is_not_this_agents_is_refused() -> None:
     view = view_of(engine)
     with pytest.raises(IntegrityError) as raised:
         agent.next_step(replace(view, agent_state={"cursor": 1}))
-    assert raised.value.context["field"] == "agent_state"
+    assert raised.value.field == "agent_state"
 
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -518,6 +518,6 @@ def test_a_bad_configuration_is_one_line_naming_the_field(
 ) -> None:
     with pytest.raises(ConfigurationError) as raised:
         load_agent("tool_calling", config)
-    assert raised.value.context["field"] == field
+    assert raised.value.field == field
     assert "\n" not in raised.value.message
     assert "sk-live-secret" not in raised.value.message

@@ -26,7 +26,8 @@ from ratchet.chaos.drill.storechecks import (
     wiped_store_ran_nothing,
 )
 from ratchet.chaos.drill.storefaults import corrupt_run
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
+from ratchet.redis_server import RedisServer
 from tests.chaos.drill_support import drill_record as record
 
 RATCHET = str(Path(sys.executable).with_name("ratchet"))

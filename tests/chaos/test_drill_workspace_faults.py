@@ -339,7 +339,7 @@ def test_workspace_full_fills_the_workspaces_disk_then_frees_it_and_keeps_the_fi
             assert held is not None and held["filler_bytes"] > 0
             with pytest.raises(AdapterError) as full:
                 _write(ws, "x" * 600_000)
-            assert full.value.context["retryable"] is True
+            assert full.value.retryable is True
             faults.tick(drill, held["at"] + held["hold_s"], 0.5)
             assert "ended_at" in held and faults.active is None
             _write(ws, "x" * 600_000)

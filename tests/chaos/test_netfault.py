@@ -22,7 +22,8 @@ from ratchet.adapters.workspace import SystemClock
 from ratchet.chaos.drill.services import _scenario
 from ratchet.chaos.netfault import Direction, FaultProxy
 from ratchet.errors import ConfigurationError, LeaseLostError, StoreError
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisStore
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import KeyRing, RunEngine
 from ratchet.worker.executor import Executor
 

@@ -35,12 +35,13 @@ from ratchet.errors import (
     LeaseLostError,
     StoreError,
 )
-from ratchet.leasing import LeasedRun, RedisServer, RedisStore, run_keys
+from ratchet.leasing import LeasedRun, RedisStore, run_keys
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import CrashWindow, Effect, Hooks, KeyRing, Phase, RunEngine
 from ratchet.runtime.effects import Commit
 from ratchet.runtime.state import TERMINAL_PHASES
 from ratchet.worker.executor import Executor, WindowProbe
-from ratchet.worker.protocol import agent_view
+from ratchet.worker.jobprotocol import agent_view
 from tests.conftest import test_sandbox_mode
 
 TTL_MS = 400

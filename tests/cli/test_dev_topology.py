@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from ratchet.cli import app
 from ratchet.fleet.redisurl import parse_sentinel_url, redis_client
-from ratchet.leasing.server import RedisServer, free_port
+from ratchet.redis_server import RedisServer, free_port
 from tests.worker.fleet_harness import poll
 
 RATCHET = [sys.executable, "-m", "ratchet.cli.entry"]

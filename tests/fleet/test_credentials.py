@@ -83,7 +83,7 @@ def test_a_destination_covers_its_path_and_what_continues_it_after_a_slash(url: 
 def test_a_url_that_only_looks_like_the_destination_is_refused(url: str) -> None:
     with pytest.raises(ConfigurationError) as refused:
         one().bind("openai", url, field="agent_config.model.credential")
-    assert refused.value.context["field"] == "agent_config.model.credential"
+    assert refused.value.field == "agent_config.model.credential"
     assert "\n" not in refused.value.message
 
 
@@ -165,7 +165,7 @@ def test_a_ratchet_name_or_a_name_the_map_does_not_define_is_refused_in_one_line
     with pytest.raises(ConfigurationError) as refused:
         one().bind(name, DEST, field="environment.mcp.tickets.credential")
     message = refused.value.message
-    assert refused.value.context["field"] == "environment.mcp.tickets.credential"
+    assert refused.value.field == "environment.mcp.tickets.credential"
     assert "\n" not in message and CANARY not in message
     assert ("ratchet's own settings" in message) == name.upper().startswith("RATCHET_")
 

@@ -44,7 +44,7 @@ from ratchet.integrations.openai_agents import (
     current_call,
 )
 from ratchet.runtime import TraceOutcome
-from ratchet.runtime.tools import BUILTIN_TOOLS
+from ratchet.runtime.catalog import BUILTIN_TOOLS
 from ratchet.testing.chat_stub import ChatStub
 from ratchet.tools import Recovery, ToolCall
 from tests.integrations import oai_shop
@@ -194,7 +194,7 @@ def test_agents_ratchet_cannot_run_faithfully_are_refused_when_wrapped() -> None
 def test_the_configuration_is_checked_strictly() -> None:
     with pytest.raises(ConfigurationError) as caught:
         oai_shop.refunds({"promt": "x"})
-    assert caught.value.context["field"] == "agent_config.promt"
+    assert caught.value.field == "agent_config.promt"
     with pytest.raises(ConfigurationError, match="request_timeout_s"):
         oai_shop.refunds({"request_timeout_s": 0})
     with pytest.raises(ConfigurationError, match=r"agent_config\.prompt is needed"):
@@ -446,7 +446,7 @@ def test_a_model_that_refuses_ends_the_step_with_an_error_that_is_not_retried() 
     agent: Agent[Any] = Agent(name="no", model=Recording(message))
     with pytest.raises(AdapterError, match="refused the request") as caught:
         RatchetAgent(agent, prompt="p")({}).next_step(view(ALL))
-    assert caught.value.context["retryable"] is False
+    assert caught.value.retryable is False
 
 
 def test_a_state_that_is_not_this_agents_is_refused() -> None:
@@ -465,7 +465,7 @@ def test_a_model_error_is_an_adapter_error_that_says_whether_to_retry(
     stub.fail_next(1, status=status)
     with pytest.raises(AdapterError) as caught:
         oai_shop.refunds({}).next_step(view(ALL))
-    assert caught.value.context["retryable"] is retryable
+    assert caught.value.retryable is retryable
     assert f"HTTP {status}" in caught.value.message
     assert "told to fail" not in str(caught.value)  # the provider's error body
 
@@ -485,7 +485,7 @@ def test_the_key_is_in_no_state_error_repr_or_log_line(
     with pytest.raises(AdapterError) as caught:
         oai_shop.refunds({}).next_step(view(ALL))
     error = caught.value
-    assert caught.value.context["retryable"] is False and "HTTP 401" in error.message
+    assert caught.value.retryable is False and "HTTP 401" in error.message
     assert error.__context__ is None and error.__cause__ is None
     seen = [
         json.dumps(step.agent_state),
@@ -512,6 +512,6 @@ def test_a_request_past_its_timeout_is_abandoned_and_retryable(play: Play) -> No
     try:
         with pytest.raises(AdapterError, match="request_timeout_s") as caught:
             oai_shop.refunds({"request_timeout_s": 1}).next_step(view(ALL))
-        assert caught.value.context["retryable"] is True
+        assert caught.value.retryable is True
     finally:
         release.set()

@@ -26,7 +26,7 @@ from ratchet.integrations.pydantic_ai import (
     current_call,
 )
 from ratchet.runtime import TraceOutcome
-from ratchet.runtime.tools import BUILTIN_TOOLS
+from ratchet.runtime.catalog import BUILTIN_TOOLS
 from ratchet.tools import Recovery, ToolCall
 from tests.integrations import shop
 from tests.integrations.views import view
@@ -92,7 +92,7 @@ def test_declarations_that_cannot_hold_are_refused_in_one_line() -> None:
 def test_the_configuration_is_checked_strictly() -> None:
     with pytest.raises(ConfigurationError) as caught:
         shop.refunds({"promt": "x"})
-    assert caught.value.context["field"] == "agent_config.promt"
+    assert caught.value.field == "agent_config.promt"
     with pytest.raises(ConfigurationError, match="tokens_per_cost_unit"):
         shop.refunds({"tokens_per_cost_unit": 0})
     with pytest.raises(ConfigurationError, match=r"agent_config\.prompt is needed"):
@@ -209,7 +209,7 @@ def test_a_model_error_is_an_adapter_error_without_the_providers_body(
         pytest.raises(AdapterError) as caught,
     ):
         shop.refunds({}).next_step(view(ALL))
-    assert caught.value.context["retryable"] is retryable
+    assert caught.value.retryable is retryable
     assert f"HTTP {status}" in caught.value.message and "sk-secret" not in repr(caught.value)
 
 

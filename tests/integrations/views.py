@@ -6,8 +6,8 @@ from typing import Any
 
 from ratchet.agents import AgentView
 from ratchet.runtime import Observation, Phase, TraceOutcome
+from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.state import Usage
-from ratchet.runtime.tools import ToolSpec
 
 
 def view(

@@ -21,7 +21,7 @@ import fakeredis
 import redis.asyncio
 
 from ratchet.langgraph import RatchetSaver
-from ratchet.leasing import RedisServer
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.signing import KeyRing
 
 BACKENDS = ["redis-server", "fakeredis"]

@@ -20,7 +20,7 @@ from langgraph.graph import END, START, StateGraph
 from ratchet.errors import ConfigurationError, LeaseLostError
 from ratchet.langgraph import RatchetSaver
 from ratchet.langgraph.writer import ThreadWriter
-from ratchet.leasing import RedisServer
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.signing import KeyRing
 
 from .helpers import checkpoint, config, ids, wait_store_ms

@@ -11,7 +11,7 @@ from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
 from ratchet.errors import CheckpointError, ConfigurationError, ContractError
 from ratchet.langgraph import RatchetSaver, thread_keys
-from ratchet.langgraph.records import RecordCodec
+from ratchet.langgraph.codec import RecordCodec
 from ratchet.runtime.signing import KeyRing
 
 from .conftest import Backend
@@ -183,14 +183,14 @@ def test_pickle_is_refused_when_writing_and_when_reading(
             {"kind": "blob", "thread_id": "t", "ns": "", "channel": "c", "version": "i:1"}, object()
         )
     # A record that says "pickle", correctly signed, is still never unpickled.
-    from ratchet.langgraph import records
+    from ratchet.langgraph import codec
     from ratchet.runtime.canonical import canonical_json
     from ratchet.runtime.signing import seal_envelope
 
     binding = {"kind": "blob", "thread_id": "t", "ns": "", "channel": "c", "version": "i:1"}
     payload = b"ratchet/langgraph/v1\x00" + canonical_json(binding) + b"\npickle\n" + b"\x80\x04N."
     with pytest.raises(CheckpointError) as refused:
-        records.RecordCodec(keyring, JsonPlusSerializer()).open(
+        codec.RecordCodec(keyring, JsonPlusSerializer()).open(
             seal_envelope(keyring, payload), {"kind": "blob"}
         )
     assert refused.value.reason == "serde_type"

@@ -19,7 +19,7 @@ import pytest
 
 from ratchet.errors import CheckpointError, ContractError
 from ratchet.langgraph import RatchetSaver, thread_keys
-from ratchet.leasing import RedisServer
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.signing import KeyRing
 
 from .conftest import Backend

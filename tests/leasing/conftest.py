@@ -21,7 +21,8 @@ import fakeredis
 import pytest
 import redis
 
-from ratchet.leasing import RedisServer, RedisStore, find_redis_server
+from ratchet.leasing import RedisStore
+from ratchet.redis_server import RedisServer, find_redis_server
 from ratchet.runtime.ports import RunKey
 
 ENV_URL = os.environ.get("RATCHET_TEST_REDIS_URL")

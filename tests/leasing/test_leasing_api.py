@@ -14,7 +14,7 @@ import pytest
 import ratchet.leasing
 from ratchet.errors import RunNotFoundError, StoreProtocolError
 from ratchet.leasing import Lease
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 from ratchet.leasing.replies import (
     decode_acquire,
     decode_commit,
@@ -42,16 +42,12 @@ def test_the_public_names_of_ratchet_leasing_are_pinned() -> None:
             "LeasedRun",
             "PreparedCommit",
             "ReapClaim",
-            "RedisServer",
             "RedisStore",
             "Released",
             "RunCreated",
             "RunCreator",
             "RunKeys",
             "RunSnapshot",
-            "find_redis_cli",
-            "find_redis_server",
-            "free_port",
             "new_commit_id",
             "nonce_key",
             "run_keys",

@@ -17,7 +17,7 @@ from ratchet.errors import (
     NonceReplayError,
 )
 from ratchet.leasing import RedisStore, run_keys
-from ratchet.leasing.keys import (
+from ratchet.leasing.keyspace import (
     EXPIRY_INDEX,
     INDEX_SHARDS,
     PHASES,

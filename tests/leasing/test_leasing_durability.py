@@ -24,7 +24,8 @@ from ratchet.errors import (
     LeaseLostError,
     StoreError,
 )
-from ratchet.leasing import RedisServer, RedisStore, free_port, run_keys
+from ratchet.leasing import RedisStore, run_keys
+from ratchet.redis_server import RedisServer, free_port
 from ratchet.runtime.ports import Advance, RunKey
 from tests.leasing.conftest import redis_binaries
 

@@ -13,8 +13,9 @@ import pytest
 import redis
 
 from ratchet.errors import GenerationMismatchError
-from ratchet.leasing import RedisServer, RedisStore, run_keys
+from ratchet.leasing import RedisStore, run_keys
 from ratchet.leasing.scripts import ScriptName
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.ports import Advance, RunKey
 
 

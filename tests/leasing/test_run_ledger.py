@@ -67,7 +67,7 @@ def test_a_worker_never_makes_a_ledger_it_cannot_find(
     run = make_run()
     with pytest.raises(AdapterError) as caught:
         StoreLedger(store, run.run_id)
-    assert caught.value.context["reason"] == "ledger_missing"
+    assert caught.value.reason == "ledger_missing"
     made = StoreLedger(store, run.run_id, create=True)
     assert made.version == 1 and made.instance_id.startswith("tools-")
     again = StoreLedger(store, run.run_id, create=True)  # never reset once made
@@ -100,7 +100,7 @@ def test_a_call_is_started_committed_and_then_answered_from_its_receipt(
             expected_version=2,
             again=False,
         )
-    assert caught.value.context["receipt"] == receipt
+    assert caught.value.receipt == receipt
 
 
 def test_a_stale_worker_is_refused_at_the_store_and_counted(
@@ -116,11 +116,11 @@ def test_a_stale_worker_is_refused_at_the_store_and_counted(
     # Its lease expired: refused even before anyone else took the run.
     with pytest.raises(FenceRejectedError) as caught:
         _start(led, "k1", old)
-    assert caught.value.context["reason"] == "expired"
+    assert caught.value.reason == "expired"
     new = _fence(_acquire(store, run.run_id, "w-new"))
     with pytest.raises(FenceRejectedError) as caught:
         _start(led, "k1", old, durable=False)  # even the check a lookup tool gets
-    assert caught.value.context["reason"] == "lost"
+    assert caught.value.reason == "lost"
     assert led.status("k1") is None
     assert _start(led, "k1", new) is None
     assert led.counters() == (0, 2)
@@ -128,7 +128,7 @@ def test_a_stale_worker_is_refused_at_the_store_and_counted(
     ahead = new.model_copy(update={"state_version": new.state_version + 1})
     with pytest.raises(FenceRejectedError) as caught:
         led.raise_fence(ahead)
-    assert caught.value.context["reason"] == "generation"
+    assert caught.value.reason == "generation"
 
 
 def test_what_became_of_an_admitted_call_is_kept_whoever_reports_it(
@@ -165,11 +165,11 @@ def test_a_precondition_an_unresolved_start_and_an_abort_behave_as_the_file_ledg
             expected_version=7,
             again=False,
         )
-    assert not caught.value.context["retryable"]
+    assert not caught.value.retryable
     assert _start(led, "k1", fence) is None
     with pytest.raises(AdapterError, match="unresolved") as caught:
         _start(led, "k1", fence)
-    assert caught.value.context["retryable"]
+    assert caught.value.retryable
     led.abort_call("k1")
     assert led.status("k1") == "aborted" and led.version == 1
     assert _start(led, "k1", fence) is None  # an aborted key may be sent again
@@ -193,7 +193,7 @@ def test_a_ledger_that_vanished_is_an_error_never_an_empty_ledger(
     store.client.delete(f"ratchet:{{{run.run_id}}}:ledger")
     with pytest.raises(AdapterError) as caught:
         led.refresh()
-    assert caught.value.context["reason"] == "ledger_missing"
+    assert caught.value.reason == "ledger_missing"
     with pytest.raises(AdapterError):
         _start(led, "k2", fence)
     # A new one (another instance) is not the old one: a restore sees the instance moved.

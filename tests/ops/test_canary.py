@@ -22,8 +22,8 @@ from cryptography.hazmat.primitives.serialization import (
 from prometheus_client import REGISTRY, generate_latest
 
 from ratchet.demo.examples import make_greeting_workspace
-from ratchet.leasing import RedisServer
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint
+from ratchet.redis_server import RedisServer
 from tests.conftest import test_sandbox_mode
 
 pytestmark = [pytest.mark.slow, pytest.mark.sandbox]

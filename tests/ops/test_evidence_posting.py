@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from ratchet.errors import ApprovalError, ReviewDecisionError
 from ratchet.fleet.context import Fleet
-from ratchet.leasing import RedisServer
 from ratchet.ops import approve, inspect_run, post_approval, review
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import ApprovalClaims, sign_approval
 from ratchet.worker.job import execute_run
 from tests.ops.helpers import (

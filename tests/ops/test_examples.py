@@ -17,8 +17,8 @@ import pytest
 
 from ratchet.agents import AgentPolicy
 from ratchet.errors import ConfigurationError
-from ratchet.leasing import RedisServer
 from ratchet.ops.taskfile import load_task_file
+from ratchet.redis_server import RedisServer
 from tests.conftest import test_sandbox_mode
 from tests.gitremotes import branch_log, writes_by_key
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
@@ -113,10 +113,10 @@ def test_the_example_task_file_loads_with_the_example_agent(tmp_path: Path) -> N
         assert agent.next_step is not None
         with pytest.raises(ConfigurationError) as refused:
             AgentPolicy().build(AGENT, dict(document.agent_config))
-        assert refused.value.context["field"] == "agent"
+        assert refused.value.field == "agent"
         with pytest.raises(ConfigurationError) as bad:
             AgentPolicy(prefixes=("greeting",)).build(AGENT, {"typo": 7})
-        assert bad.value.context["field"] == "agent_config.typo"
+        assert bad.value.field == "agent_config.typo"
     finally:
         sys.path.remove(str(tmp_path))
         for name in [m for m in sys.modules if m == "greeting" or m.startswith("greeting.")]:

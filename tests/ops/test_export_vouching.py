@@ -20,9 +20,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ratchet.errors import IntegrityError
 from ratchet.fleet.context import Fleet
-from ratchet.leasing import RedisServer, RedisStore, run_keys
+from ratchet.leasing import RedisStore, run_keys
 from ratchet.ops import approve, cancel, inspect_run, retry, submit
 from ratchet.ops.retention import export_run, verify_export, write_export
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import ApprovalClaims, sign_approval
 from ratchet.runtime.canonical import Domain, canonical_json, strict_json_loads
 from ratchet.runtime.signing import open_envelope, seal_envelope

@@ -17,8 +17,9 @@ from ratchet.console import ConsoleData, serve_console
 from ratchet.errors import ContractError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
 from ratchet.ops import inspect_run, submit
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.canonical import strict_json_loads
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 

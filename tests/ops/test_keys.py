@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ratchet.errors import ApprovalError, CheckpointError, ReviewDecisionError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer
 from ratchet.ops import approve, inspect_run, review, submit
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.signing import parse_envelope
 from ratchet.worker.job import execute_run
 from tests.ops.helpers import (
@@ -138,7 +138,7 @@ def test_retiring_a_key_still_in_use_is_refused_and_forced_retirement_fails_clos
     # A worker refuses to restore it and records why; nothing runs.
     with pytest.raises(CheckpointError) as refused_restore:
         inspect_run(Fleet.connect(settings), run_id)
-    assert refused_restore.value.context["reason"] == "retired_kid"
+    assert refused_restore.value.reason == "retired_kid"
     report = execute_run(Fleet.connect(settings), run_id, owner="w-after-retire")
     assert report.outcome == "restore_refused" and report.detail.startswith("retired_kid")
     incidents = Fleet.connect(settings).store.incidents(run_id)

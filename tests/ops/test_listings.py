@@ -20,11 +20,12 @@ from ratchet.cli.console import fleet_console_data
 from ratchet.console import ConsoleServer, serve_console
 from ratchet.errors import ContractError, NonceReplayError
 from ratchet.fleet.context import Fleet
-from ratchet.leasing import EXPIRY_INDEX, RUNS_INDEX, RedisServer, RedisStore, run_keys
-from ratchet.leasing.keys import INDEX_KEYS, PHASE_INDEXES, PHASES, phase_index
-from ratchet.leasing.listing import decode_cursor
+from ratchet.leasing import EXPIRY_INDEX, RUNS_INDEX, RedisStore, run_keys
+from ratchet.leasing.keyspace import INDEX_KEYS, PHASE_INDEXES, PHASES, phase_index
+from ratchet.leasing.walk import decode_cursor
 from ratchet.ops import submit
 from ratchet.ops.reindex import index_phases
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.ports import Advance, Release, RunKey
 from tests.ops.helpers import MakeWorkspace, run_awaiting_approval
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
@@ -264,7 +265,7 @@ def test_a_bad_page_request_is_a_contract_error_naming_its_field(
     before = fleet.store.client.zrange(RUNS_INDEX, 0, -1, withscores=True)
     with pytest.raises(ContractError) as caught:
         fleet.store.list_runs(**call)
-    assert caught.value.context.get("field") == field
+    assert caught.value.field == field
     assert fleet.store.client.zrange(RUNS_INDEX, 0, -1, withscores=True) == before
 
 

@@ -24,12 +24,12 @@ from ratchet.demo.examples import RIGHT_GREETING
 from ratchet.errors import ContractError, ReviewDecisionError, RunNotFoundError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.control import new_cancel_request, seal_cancel
-from ratchet.leasing import RedisServer
 from ratchet.ops import approve, cancel, inspect_run, rebaseline, review, submit
 from ratchet.ops.diagnosis import diagnose
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import CrashWindow, KeyRing, TraceOutcome
 from ratchet.worker.job import execute_run
-from ratchet.worker.protocol import JobReport
+from ratchet.worker.jobprotocol import JobReport
 from tests.ops.helpers import (
     MakeWorkspace,
     poll,

@@ -22,8 +22,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from ratchet.fleet.context import Fleet
-from ratchet.leasing import RedisServer
 from ratchet.ops import inspect_run, submit
+from ratchet.redis_server import RedisServer
 from ratchet.worker.job import execute_run
 from tests.adapters.harness import run_git
 from tests.ops.helpers import MakeWorkspace, trust_file, with_trust

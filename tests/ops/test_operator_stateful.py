@@ -39,10 +39,11 @@ from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.errors import ContractError, EvidenceError, RatchetError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore
-from ratchet.leasing.keys import EPOCH_KEY
+from ratchet.leasing import RedisStore
+from ratchet.leasing.keyspace import EPOCH_KEY
 from ratchet.ops import approve, cancel, inspect_run, rebaseline, retry, review, submit
 from ratchet.ops.retention import purge_finished, verify_export
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import CrashWindow, Fence, Phase, derive_idempotency_key, parse_action
 from ratchet.worker.job import execute_run
 from tests.conftest import test_sandbox_mode

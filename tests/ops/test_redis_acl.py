@@ -15,10 +15,11 @@ from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.errors import ReplicationUnconfirmedError, StoreProtocolError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore, run_keys
+from ratchet.leasing import RedisStore, run_keys
 from ratchet.leasing.acl import AclUser, Role, acl_file, role_commands, script_commands
 from ratchet.leasing.scripts import ScriptName, load_script
 from ratchet.ops import inspect_run, submit
+from ratchet.redis_server import RedisServer
 from ratchet.worker.reaper import reap_once
 from tests.conftest import test_sandbox_mode
 from tests.ops.helpers import poll

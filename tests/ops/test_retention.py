@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ratchet.errors import ApprovalError, IntegrityError, RunExistsError, RunNotFoundError
 from ratchet.fleet.context import Fleet
-from ratchet.leasing import RedisServer, run_keys
-from ratchet.leasing.keys import INDEX_KEYS
+from ratchet.leasing import run_keys
+from ratchet.leasing.keyspace import INDEX_KEYS
 from ratchet.ops import approve, inspect_run, post_approval, submit
 from ratchet.ops.retention import (
     RetentionLoop,
@@ -27,6 +27,7 @@ from ratchet.ops.retention import (
     verify_export,
     write_export,
 )
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import KeyRing
 from ratchet.worker.job import execute_run
 from tests.ops.helpers import (

@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from ratchet.cli import app
 from ratchet.demo.examples import greeting_scenario, make_greeting_workspace
 from ratchet.errors import ConfigurationError, ContractError, RatchetError
-from ratchet.leasing import RedisServer
 from ratchet.ops.taskfile import MAX_FILE_BYTES, load_task_file, task_file_schema
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.canonical import strict_yaml_loads
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
@@ -258,7 +258,7 @@ def test_a_plan_file_beside_an_agent_config_is_refused_rather_than_half_used(fol
     plan = write(folder, "plan.json", [{"kind": "finish", "args": {"summary": "done"}}])
     with pytest.raises(ContractError) as caught:
         load_task_file(write(folder, "task.json", valid_task()), str(plan))
-    assert caught.value.context["field"] == "agent_config"
+    assert caught.value.field == "agent_config"
 
 
 @pytest.mark.parametrize(
@@ -280,7 +280,7 @@ def test_a_bad_plan_step_is_refused_at_submit_naming_the_step(
     task = edited(lambda t: t.pop("agent_config"))
     with pytest.raises(ContractError) as caught:
         load_task_file(write(folder, "task.json", task), str(plan))
-    assert caught.value.context["field"] == field
+    assert caught.value.field == field
 
 
 def test_a_plan_step_may_name_a_declared_tool_the_scenario_permits_with_json_arguments(
@@ -311,7 +311,7 @@ def test_a_hostile_task_file_is_one_line_on_stderr_naming_the_field_with_exit_2(
     path = write(folder, name, content)
     with pytest.raises((ContractError, ConfigurationError)) as caught:
         load_task_file(path, agent)
-    named = str(caught.value.context["field"])
+    named = str(caught.value.field)
     assert named == field or named.startswith((f"{field}.", f"{field}["))  # deep: cut short
     assert "\n" not in caught.value.message
     result = runner.invoke(
@@ -331,14 +331,14 @@ def test_a_hostile_task_file_is_one_line_on_stderr_naming_the_field_with_exit_2(
 def test_a_folder_given_as_the_task_file_is_one_line(folder: Path) -> None:
     with pytest.raises(ConfigurationError) as caught:
         load_task_file(folder, "greeting")
-    assert caught.value.context["field"] == "task_file"
+    assert caught.value.field == "task_file"
     assert "folder" in caught.value.message
 
 
 def test_the_anchor_bomb_is_refused_at_its_first_alias_without_expanding_it() -> None:
     with pytest.raises(ContractError, match="aliases are not allowed") as caught:
         strict_yaml_loads(anchor_bomb())
-    assert caught.value.context["field"] == "a1[0]"
+    assert caught.value.field == "a1[0]"
 
 
 @pytest.mark.parametrize(
@@ -349,7 +349,7 @@ def test_yaml_values_that_1_1_and_1_2_read_differently_are_refused_unless_quoted
 ) -> None:
     with pytest.raises(ContractError, match="quote it") as caught:
         strict_yaml_loads(f"policy:\n  id: {plain}\n")
-    assert caught.value.context["field"] == "policy.id"
+    assert caught.value.field == "policy.id"
     assert strict_yaml_loads(f"policy:\n  id: '{plain}'\n") == {"policy": {"id": plain}}
 
 
@@ -552,7 +552,7 @@ def test_a_mutated_task_file_is_a_document_or_one_typed_line_never_a_traceback(
     except RatchetError as exc:
         assert isinstance(exc, ContractError | ConfigurationError)
         assert "\n" not in exc.message and exc.message.strip() == exc.message
-        assert exc.context.get("field")
+        assert exc.field
         assert re.match(r"^\S", exc.message)
     else:
         assert document.environment.root.startswith("/")

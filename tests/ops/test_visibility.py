@@ -30,10 +30,10 @@ from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import VerifierSpec
 from ratchet.fleet.scrub import REDACTED, Scrubber, tail
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer
 from ratchet.ops import inspect_run, submit
 from ratchet.ops.changes import DIFF_SHOW_BYTES, SHOW_BYTES
 from ratchet.ops.queueview import list_workers, owner_of_worker
+from ratchet.redis_server import RedisServer
 from ratchet.worker.job import execute_run
 from tests.ops.browser import browser, fetch, screenshot
 from tests.ops.helpers import MakeWorkspace, free_block, poll, run_awaiting_approval, scrape

@@ -29,9 +29,10 @@ import ratchet
 from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisStore
 from ratchet.leasing.scripts import ScriptName, ScriptRunner
 from ratchet.ops import submit
+from ratchet.redis_server import RedisServer
 from ratchet.worker.job import execute_run
 from tests.conftest import test_sandbox_mode
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from ratchet.ops.diagnosis import FREEZING_KINDS
-from ratchet.worker.protocol import JobOutcome
+from ratchet.worker.jobprotocol import JobOutcome
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "operator-guide.md"

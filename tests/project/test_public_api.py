@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -91,6 +93,35 @@ def test_errors_carry_their_context_as_attributes() -> None:
     assert "r-1" in repr(err)
 
 
+def test_the_fields_callers_decide_on_are_typed_and_context_keeps_what_was_given() -> None:
+    errors = ratchet.errors
+    failed = errors.AdapterError("down", retryable=True, tool="t")
+    assert (failed.retryable, failed.reason) == (True, None)
+    assert failed.context == {"retryable": True, "tool": "t"}
+    refused = errors.UntrustedGroundError("no", reason="too_large", file_type="fifo", path="p")
+    assert (refused.retryable, refused.reason, refused.file_type) == (False, "too_large", "fifo")
+    assert refused.context == {
+        "retryable": False,
+        "reason": "too_large",
+        "file_type": "fifo",
+        "path": "p",
+    }
+    assert errors.ConfigurationError("bad").field is None
+    assert errors.ConfigurationError("bad").context == {}
+    assert errors.ConfigurationError("bad", field="redis_url").field == "redis_url"
+    assert errors.ScenarioError("bad", field="budgets").field == "budgets"
+    bad_mac = errors.CheckpointError("forged", reason="bad_mac", run_id="r-1")
+    assert (bad_mac.reason, bad_mac.field, bad_mac.context["run_id"]) == ("bad_mac", None, "r-1")
+    full = errors.StoreFullError("oom", reason="oom")
+    assert full.reason == full.context["reason"] == "oom"
+    unreadable = errors.HighWaterUnavailableError("x", run_id="r", cause="StoreUnavailableError")
+    assert (unreadable.cause, unreadable.reason) == ("StoreUnavailableError", None)
+    assert unreadable.context == {"run_id": "r", "cause": "StoreUnavailableError"}
+    receipt = object()
+    assert errors.IdempotencyConflictError("k", receipt=receipt).receipt is receipt
+    assert errors.IdempotencyConflictError("k").receipt is None
+
+
 def test_the_version_is_the_newest_release_of_the_changelog() -> None:
     root = Path(__file__).resolve().parents[2]
     releases = re.findall(
@@ -105,7 +136,10 @@ def test_the_version_is_the_newest_release_of_the_changelog() -> None:
 
 
 PINNED: dict[str, list[str]] = {
-    "ratchet": ["Tool", "ToolCall", "Toolbox", "__version__", "tool"],
+    "ratchet": [
+        "Adapter", "Agent", "AgentStep", "AgentView", "Risk", "Tool", "ToolCall", "Toolbox",
+        "__version__", "tool",
+    ],
     "ratchet.tools": [
         "ENTRY_POINT_GROUP", "Found", "FunctionTool", "RecordedCall", "Recovery", "Tool",
         "ToolCall", "ToolCatalog", "ToolLedger", "ToolSpec", "Toolbox", "ToolsAdapter",
@@ -114,10 +148,11 @@ PINNED: dict[str, list[str]] = {
     "ratchet.leasing": [
         "Acquired", "CommitResult", "DEFAULT_MAX_CHECKPOINT_BYTES", "EXPIRY_INDEX", "Lease",
         "LeaseHolder", "LeasedRun", "PreparedCommit", "RUNS_INDEX",
-        "ReapClaim", "RedisServer", "RedisStore", "Released", "RunCreated", "RunCreator",
-        "RunKeys", "RunSnapshot", "find_redis_cli", "find_redis_server", "free_port",
-        "new_commit_id", "nonce_key", "run_keys",
+        "ReapClaim", "RedisStore", "Released", "RunCreated", "RunCreator", "RunKeys",
+        "RunSnapshot", "new_commit_id", "nonce_key", "run_keys",
     ],
+    "ratchet.entrypoints": ["installed_entry_points"],
+    "ratchet.redis_server": ["RedisServer", "find_redis_cli", "find_redis_server", "free_port"],
     "ratchet.adapters": [
         "CommandVerifier", "HttpAdapter", "RouterAdapter", "SystemClock", "VerifierCommand",
         "VerifierRun", "WorkspaceAdapter",
@@ -162,6 +197,25 @@ PINNED: dict[str, list[str]] = {
         "OpenAIAgentsTool", "RatchetAgent", "current_call",
     ],
 }  # fmt: skip
+
+
+def test_the_names_at_the_top_are_the_ones_where_they_live_and_load_on_first_use() -> None:
+    homes = {
+        "Adapter": "ratchet.runtime", "Agent": "ratchet.agents", "AgentStep": "ratchet.agents",
+        "AgentView": "ratchet.agents", "Risk": "ratchet.runtime", "Tool": "ratchet.tools",
+        "ToolCall": "ratchet.tools", "Toolbox": "ratchet.tools", "tool": "ratchet.tools",
+    }  # fmt: skip
+    assert sorted(homes) == sorted(set(ratchet.__all__) - {"__version__"})
+    for name, home in homes.items():
+        assert getattr(ratchet, name) is getattr(importlib.import_module(home), name), name
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, ratchet; print(*sorted(sys.modules), sep='\\n')"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert "ratchet" in loaded
+    assert [m for m in loaded if m.startswith("ratchet.")] == []
 
 
 @pytest.mark.parametrize("package", sorted(PINNED))

@@ -62,7 +62,7 @@ def test_settings_and_other_names_do_not_overlap() -> None:
 def test_an_unknown_name_is_refused_with_the_closest_known_name_and_never_its_value() -> None:
     with pytest.raises(ConfigurationError) as caught:
         check_environment_names({TYPO: "redis://:hunter2@example.invalid/0", "HOME": "/x"})
-    assert caught.value.context["field"] == TYPO
+    assert caught.value.field == TYPO
     assert f"{TYPO} (did you mean RATCHET_REDIS_URL?)" in caught.value.message
     assert "hunter2" not in caught.value.message + repr(caught.value)
 

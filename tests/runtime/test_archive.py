@@ -12,16 +12,9 @@ from hypothesis import strategies as st
 
 from ratchet.errors import CheckpointError, HighWaterUnavailableError, InvariantViolation
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
-from ratchet.runtime.archive import chain_link, chain_over
+from ratchet.runtime.archive import archive_genesis, chain_link, chain_over, empty_archive
 from ratchet.runtime.canonical import canonical_json
-from ratchet.runtime.checkpoint import (
-    archive_genesis,
-    empty_archive,
-    open_checkpoint,
-    restore_checkpoint,
-    run_key,
-    seal_split,
-)
+from ratchet.runtime.checkpoint import open_checkpoint, restore_checkpoint, run_key, seal_split
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.ports import StoredCheckpoint
 from tests.runtime.world import RIGHT_GREETING, World

@@ -14,7 +14,7 @@ from ratchet.errors import (
     ReviewDecisionError,
 )
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
-from ratchet.runtime.machine import check_rebaseline, decision_baseline
+from ratchet.runtime.outcomes import check_rebaseline, decision_baseline
 from tests.runtime.world import (
     RIGHT_GREETING,
     SimulatedCrash,
@@ -228,7 +228,7 @@ def test_a_rebaseline_nonce_is_used_once(world: World, edited: RunEngine) -> Non
     resumed = rebased(world, edited, nonce=signed.claims.nonce)
     with pytest.raises(ReviewDecisionError) as err:
         resumed.apply_rebaseline(world.rebaseline(resumed, nonce=signed.claims.nonce))
-    assert err.value.context["reason"] == "replayed_nonce"
+    assert err.value.reason == "replayed_nonce"
 
 
 def test_a_rebaseline_refuses_a_write_that_may_have_landed(world: World) -> None:
@@ -247,7 +247,7 @@ def test_a_rebaseline_refuses_a_write_that_may_have_landed(world: World) -> None
     generation = resumed.generation
     with pytest.raises(ReviewDecisionError) as err:
         resumed.apply_rebaseline(signed)
-    assert err.value.context["reason"] == "pending_write_landed"
+    assert err.value.reason == "pending_write_landed"
     assert resumed.generation == generation
 
 
@@ -261,4 +261,4 @@ def test_a_checkpoint_holding_a_rebaseline_needs_the_reviewer_trust_root(
         RunEngine.resume(
             resumed.checkpoint, lease_version=4, **world.ports(store=store, reviewers=None)
         )
-    assert err.value.context["reason"] == "trust"
+    assert err.value.reason == "trust"

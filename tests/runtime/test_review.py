@@ -128,7 +128,7 @@ def test_a_decision_bound_to_an_environment_older_than_the_case_is_refused(
     older = world.decide(frozen, "replan", env_version=case.environment.version - 1)
     with pytest.raises(ReviewDecisionError) as err:
         frozen.apply_review_decision(older)
-    assert (err.value.reason, err.value.context["field"]) == ("binding", "env_version")
+    assert (err.value.reason, err.value.field) == ("binding", "env_version")
 
 
 def test_a_decision_signed_after_a_person_edited_the_waiting_workspace_applies(

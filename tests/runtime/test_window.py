@@ -17,13 +17,8 @@ from pydantic import ValidationError, create_model
 from ratchet.errors import CheckpointError, InvariantViolation
 from ratchet.runtime import Phase, RunEngine, TraceOutcome
 from ratchet.runtime import window as window_module
-from ratchet.runtime.archive import chain_over
-from ratchet.runtime.checkpoint import (
-    ArchiveRef,
-    _payload,
-    archive_genesis,
-    open_checkpoint,
-)
+from ratchet.runtime.archive import ArchiveRef, archive_genesis, chain_over
+from ratchet.runtime.checkpoint import _payload, open_checkpoint
 from ratchet.runtime.ports import StoredCheckpoint
 from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.state import TERMINAL_PHASES, RunState, check_invariants

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from ratchet.errors import AdapterError, FenceRejectedError
 from ratchet.runtime import Action, Fence, Risk, RunEngine, derive_idempotency_key
-from ratchet.runtime.tools import ToolCatalog
+from ratchet.runtime.catalog import ToolCatalog
 from ratchet.tools import Tool, ToolCall, tool
 from tests.adapters.harness import Harness
 

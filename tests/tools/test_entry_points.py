@@ -81,7 +81,7 @@ def test_a_tool_whose_server_is_down_is_a_retryable_failure_not_configuration(
     with pytest.raises(AdapterError) as caught:
         load_entry_point_tool(name)
     assert not isinstance(caught.value, ConfigurationError)
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     assert "secret-token" not in str(caught.value) and "\n" not in str(caught.value)
 
 

@@ -118,7 +118,7 @@ def test_a_write_that_fails_is_a_typed_retryable_error(
     monkeypatch.setattr(ledger_module.os, "write", disk_full)
     with pytest.raises(AdapterError) as caught:
         led.raise_fence(_fence(lease=2))
-    assert caught.value.context.get("retryable") is True
+    assert caught.value.retryable is True
     assert "cannot be written" in str(caught.value)
     monkeypatch.undo()
     led.raise_fence(_fence(lease=2))  # nothing was recorded: the same fence goes now

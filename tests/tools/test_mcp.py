@@ -34,8 +34,8 @@ from ratchet.runtime import (
     TraceOutcome,
 )
 from ratchet.runtime.actions import Risk, derive_idempotency_key
+from ratchet.runtime.catalog import TOOL_NAME_PATTERN, Recovery
 from ratchet.runtime.engine import Probe
-from ratchet.runtime.tools import TOOL_NAME_PATTERN, Recovery
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import Tool, Toolbox, ToolCall, ToolsAdapter
 from ratchet.tools.mcp import (
@@ -308,7 +308,7 @@ def test_a_tool_error_result_is_a_refusal_with_no_effect(tickets: Tickets) -> No
     close_ticket = by_name(mcp_tools(tickets.connect()))["close_ticket"]
     with pytest.raises(AdapterError) as caught:
         close_ticket.run(close_ticket.parse_args({"ticket_id": 999}), write_call())
-    assert type(caught.value) is AdapterError and caught.value.context["retryable"] is False
+    assert type(caught.value) is AdapterError and caught.value.retryable is False
     assert "no ticket 999" in caught.value.message
 
 
@@ -330,7 +330,7 @@ def test_a_dead_server_is_a_retryable_adapter_error(tickets: Tickets) -> None:
     tickets.kill(conn, close=False)
     with pytest.raises(AdapterError) as caught:
         create(create_ticket, write_call())
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     assert tickets.stats().effects == 0
 
 
@@ -353,7 +353,7 @@ def test_a_server_that_cannot_start_is_reported_with_what_it_said_in_one_line(
     ):
         conn.start()
     message = str(caught.value)
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     assert "No module named mcp_server_x" in message and "\n" not in message
     assert "tok-s3cr3t" not in message and "***" in message
     logged = [r.getMessage() for r in caplog.records]
@@ -368,7 +368,7 @@ def test_a_server_that_stops_answering_is_a_retryable_error_not_a_hang(tickets: 
     try:
         with pytest.raises(AdapterError) as caught:
             list_tickets.run(list_tickets.parse_args({}), write_call())
-        assert caught.value.context["retryable"] is True
+        assert caught.value.retryable is True
     finally:
         os.kill(pid, signal.SIGCONT)
 
@@ -522,7 +522,7 @@ def test_a_declared_refusal_text_is_a_refusal_not_an_output(tickets: Tickets) ->
     create_ticket = by_name(mcp_tools(conn, declare=declared))["create_ticket"]
     with pytest.raises(AdapterError) as refused:
         create_ticket.run(create_ticket.parse_args({"title": "nope", "body": "b"}), write_call())
-    assert refused.value.context["retryable"] is False and "refused" in str(refused.value)
+    assert refused.value.retryable is False and "refused" in str(refused.value)
     made = create_ticket.run(create_ticket.parse_args({"title": "fine", "body": "b"}), write_call())
     assert made["title"] == "fine"
 
@@ -575,7 +575,7 @@ def test_over_streamable_http_a_ticket_is_one_effect_and_the_header_is_sent(
     refused = tickets.adopt(MCPConnection.http(url, headers={"Authorization": "Bearer wrong"}))
     with pytest.raises(AdapterError) as caught:
         refused.start()
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     executor = engine.executor
     assert isinstance(executor, Executor)
     seen = [repr(env.current), repr(executor.adapter), str(caught.value)]
@@ -602,4 +602,4 @@ def test_a_secret_header_or_env_value_is_in_no_repr_error_or_log_record(
     seen += [str(e.value) + repr(e.value) for e in (dead, unreachable)]
     seen += [r.getMessage() for r in caplog.records]
     assert not [text for text in seen if ENV_SECRET in text or HEADER_SECRET in text]
-    assert dead.value.context["retryable"] and unreachable.value.context["retryable"]
+    assert dead.value.retryable and unreachable.value.retryable

@@ -124,7 +124,7 @@ def test_after_a_cut_a_stdio_connection_refuses_further_calls_as_retryable(
             conn.close()
     assert caught.value.seen_bytes > SMALL_LIMIT
     assert not isinstance(later.value, PeerAnswerTooLargeError)
-    assert later.value.context["retryable"] is True
+    assert later.value.retryable is True
     assert "past the cap" in later.value.message
 
 
@@ -208,7 +208,7 @@ def test_a_read_whose_answer_is_past_the_cap_is_refused_and_commits_nothing(
             for conn in opened:
                 conn.close()
         calls = flood.calls()
-    assert caught.value.context["retryable"] is False
+    assert caught.value.retryable is False
     assert engine.generation == generation  # nothing of the step was committed
     assert engine.state.phase is Phase.RUNNING
     assert calls == ["flood_read"]

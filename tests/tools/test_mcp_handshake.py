@@ -80,7 +80,7 @@ def test_legacy_is_initialize_only_and_says_in_one_line_why_a_server_refused_it(
         tickets.connect("--modern-only", protocol="legacy")
     message = str(caught.value)
     assert "could not be connected (code -32022)" in message and "\n" not in message
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
 
 
 def test_a_server_that_dies_in_the_handshake_is_started_once_and_reported_with_its_tail(

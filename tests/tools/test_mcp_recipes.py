@@ -43,7 +43,7 @@ def test_a_sql_write_without_the_placeholder_is_refused_before_anything_is_sent(
     )
     with pytest.raises(AdapterError) as refused:
         recipe.carried(plain, KEY, INTENT, "sql_write_query")
-    assert refused.value.context["retryable"] is False
+    assert refused.value.retryable is False
     assert "nothing was sent" in refused.value.message and "\n" not in refused.value.message
 
 
@@ -52,7 +52,7 @@ def test_a_key_outside_the_key_alphabet_is_refused_not_escaped(bad: str) -> None
     recipe = sql_key_column("notes")
     with pytest.raises(AdapterError, match="key alphabet") as refused:
         recipe.carried({"query": INSERT}, bad, INTENT, "sql_write_query")
-    assert refused.value.context["retryable"] is False
+    assert refused.value.retryable is False
     with pytest.raises(AdapterError, match="key alphabet"):
         recipe.lookup_arguments(bad, "sql_write_query")
 
@@ -84,7 +84,7 @@ def test_the_sql_lookup_reads_found_absent_and_cannot_say() -> None:
     # mcp-server-sqlite answers a failed query with ordinary text: never "no such call".
     with pytest.raises(AdapterError, match="neither shows the key") as unsure:
         recipe.found(answer("Database error: no such table: notes"), KEY, INTENT, "t")
-    assert unsure.value.context["retryable"] is True
+    assert unsure.value.retryable is True
     # Another key that merely starts like this one is not this one.
     longer = answer(f"[{{'ratchet_key': '{KEY}x'}}]")
     with pytest.raises(AdapterError):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from ratchet.tools.mcp.schema import SchemaArgs, schema_model
+from ratchet.tools.mcp.arguments import SchemaArgs, schema_model
 
 TICKET = {
     "type": "object",

@@ -38,7 +38,7 @@ from ratchet.runtime import (
     RunEngine,
     TraceOutcome,
 )
-from ratchet.runtime.tools import Recovery
+from ratchet.runtime.catalog import Recovery
 from ratchet.testing.memory import ObserveFailsAfterWrite
 from ratchet.tools import Toolbox, ToolCall, ToolsAdapter
 from ratchet.tools.declare import Found
@@ -190,7 +190,7 @@ def test_another_store_epoch_is_refused_once_one_is_bound(db: Db, tool: Postgres
     tool.raise_fence(Fence(run_id="run-1", lease_version=1, state_version=1, store_epoch="ep-1"))
     with pytest.raises(FenceRejectedError) as caught:
         tool.run(ARGS, call(lease=5, epoch="ep-2"))
-    assert caught.value.context["reason"] == "store_epoch"
+    assert caught.value.reason == "store_epoch"
     assert db.fences("run-1")["refused_epoch"] == 1
     assert db.refunds == 0
     assert tool.run(ARGS, call(lease=5, epoch="ep-1"))["order_id"] == "o-1"
@@ -208,7 +208,7 @@ def test_an_effect_that_fails_is_rolled_back_whole(db: Db) -> None:
     failing = refunds_tool(db, effect=half_then_fail)
     with pytest.raises(AdapterError) as caught:
         failing.run(ARGS, call())
-    assert caught.value.context["retryable"] is False
+    assert caught.value.retryable is False
     assert "secret-pan" not in str(caught.value) + repr(caught.value)
     assert db.refunds == 0 and db.count("ratchet_idempotency") == 0
     failing.close()
@@ -222,7 +222,7 @@ def test_an_output_that_is_not_canonical_json_is_rolled_back(db: Db) -> None:
     tool = refunds_tool(db, effect=floats)
     with pytest.raises(AdapterError, match="canonical JSON") as caught:
         tool.run(ARGS, call())
-    assert caught.value.context["retryable"] is False
+    assert caught.value.retryable is False
     assert db.refunds == 0
     tool.close()
 
@@ -251,7 +251,7 @@ def test_a_serialization_failure_is_retried_with_each_attempt_rolled_back(db: Db
     stuck = refunds_tool(db, effect=always, retries=2)
     with pytest.raises(AdapterError, match="2 attempts") as caught:
         stuck.run(ARGS, call(key="refund-2"))
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     assert db.refunds == 1
     tool.close()
     stuck.close()
@@ -298,7 +298,7 @@ def test_an_unreachable_database_is_retryable_and_no_password_is_shown() -> None
     )
     with pytest.raises(AdapterError) as caught:
         tool.run(ARGS, call())
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     shown = str(caught.value) + repr(caught.value) + repr(tool)
     assert secret not in shown
     assert "127.0.0.1:1/nowhere" in repr(tool)
@@ -312,7 +312,7 @@ def test_a_connection_string_that_does_not_parse_is_refused_without_quoting_it()
             args=RefundArgs,
             effect=lambda cur, args: None,
         )
-    assert caught.value.context["field"] == "dsn"
+    assert caught.value.field == "dsn"
     assert "hunter2" not in str(caught.value) + repr(caught.value)
 
 
@@ -329,7 +329,7 @@ def test_bad_table_names_and_retry_counts_are_refused(
 ) -> None:
     with pytest.raises(ConfigurationError) as caught:
         refunds_tool(db, **options)
-    assert caught.value.context["field"] == where
+    assert caught.value.field == where
 
 
 def test_a_tool_without_an_effect_is_refused(db: Db) -> None:
@@ -407,7 +407,7 @@ def test_a_read_only_tool_reads_in_a_read_only_transaction(db: Db, tool: Postgre
     assert reader.run(Query(order_id="o-1"), read_call) == 1
     with pytest.raises(AdapterError) as caught:
         writer.run(Query(order_id="o-1"), read_call)
-    assert caught.value.context["retryable"] is False
+    assert caught.value.retryable is False
     assert db.refunds == 1
     reader.close()
     writer.close()

@@ -69,7 +69,7 @@ def test_a_document_that_names_a_token_variable_is_refused_pointing_at_credentia
     ):
         with pytest.raises(ConfigurationError) as caught:
             refuse()
-        assert caught.value.context["field"] == "environment.mcp.tickets.token_env"
+        assert caught.value.field == "environment.mcp.tickets.token_env"
         assert "no longer read" in caught.value.message and "credential" in caught.value.message
         assert "\n" not in caught.value.message and CANARY not in caught.value.message
 
@@ -100,7 +100,7 @@ def test_a_credential_not_defined_for_the_servers_url_is_refused_and_nothing_is_
         for credentials in (tickets_map(listener.url + "/other"), None):
             with pytest.raises(ConfigurationError) as caught:
                 run_toolbox(doc, credentials=credentials)
-            assert caught.value.context["field"] == "environment.mcp.tickets.credential"
+            assert caught.value.field == "environment.mcp.tickets.credential"
             assert CANARY not in caught.value.message
         assert listener.requests == []
 

@@ -23,7 +23,7 @@ import pytest
 from ratchet.adapters.sandbox import Sandbox, SandboxMode
 from ratchet.errors import ActionError, AdapterError, ConfigurationError
 from ratchet.runtime import Action, Phase, ReviewReason, RunEngine, TraceOutcome
-from ratchet.runtime.tools import Recovery, ToolCatalog
+from ratchet.runtime.catalog import Recovery, ToolCatalog
 from ratchet.tools import Toolbox, ToolCall, ToolsAdapter
 from ratchet.tools.shell import MAX_ARGV, ShellArgs, ShellTool
 from tests.adapters.harness import Harness, make_workspace, scenario
@@ -74,7 +74,7 @@ def test_a_program_that_is_not_allowed_is_refused_before_anything_runs(
     for argv in (["rm", "-rf", str(workspace)], ["/bin/sh", "-c", "true"]):
         with pytest.raises(AdapterError, match="not allowed") as caught:
             run(tool, *argv)
-        assert caught.value.context["retryable"] is False
+        assert caught.value.retryable is False
     assert list(scratch.iterdir()) == []  # not even a scratch directory was made
     assert (workspace / "app.py").exists()
 
@@ -94,7 +94,7 @@ def test_arguments_out_of_bounds_are_rejected_by_the_contract(
 ) -> None:
     with pytest.raises(ActionError) as caught:
         shell(workspace, None).spec.validate_args(args)
-    assert caught.value.context["field"] == where
+    assert caught.value.field == where
 
 
 def test_bad_constructions_are_refused(tmp_path: Path, workspace: Path) -> None:
@@ -108,7 +108,7 @@ def test_bad_constructions_are_refused(tmp_path: Path, workspace: Path) -> None:
         ShellTool(workspace, ["sh"], writable=[tmp_path])
     with pytest.raises(ConfigurationError, match="overlaps") as caught:
         ShellTool(workspace, ["sh"], scratch_root=workspace / "tests")
-    assert caught.value.context["field"] == "scratch_root"
+    assert caught.value.field == "scratch_root"
     with pytest.raises(ConfigurationError, match="bubblewrap"):
         ShellTool(workspace, ["sh"], sandbox=Sandbox.resolve(SandboxMode.NONE))
 

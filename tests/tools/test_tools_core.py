@@ -385,7 +385,7 @@ def test_a_tools_own_failure_reaches_no_error_or_log_with_its_message(
     caplog.set_level("DEBUG")
     with pytest.raises(AdapterError) as caught:
         engine.propose(run.refund(engine))
-    assert caught.value.context["retryable"] is True
+    assert caught.value.retryable is True
     assert "RuntimeError" in str(caught.value)
     assert "SECRET" not in str(caught.value) and "SECRET" not in repr(caught.value)
     assert "SECRET" not in caplog.text

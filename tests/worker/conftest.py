@@ -14,7 +14,8 @@ from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisStore
+from ratchet.redis_server import RedisServer
 from tests.conftest import test_sandbox_mode
 from tests.tools.plugins import installed  # noqa: F401 - a fixture of these tests
 

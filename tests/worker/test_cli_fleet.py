@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ratchet.demo.examples import make_greeting_workspace
-from ratchet.leasing import RedisServer
+from ratchet.redis_server import RedisServer
 from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 

@@ -17,8 +17,9 @@ from ratchet.errors import ConfigurationError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.redisurl import parse_cluster_url
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RUNS_INDEX, RedisServer, RedisStore, run_keys
+from ratchet.leasing import RUNS_INDEX, RedisStore, run_keys
 from ratchet.ops.reindex import index_phases
+from ratchet.redis_server import RedisServer
 from ratchet.testing.cluster import LocalCluster
 from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX

@@ -22,7 +22,7 @@ from ratchet.fleet.context import Fleet
 from ratchet.fleet.credentials import CredentialSpec
 from ratchet.fleet.runs import EnvironmentSpec, McpServerSpec, RunDocument
 from ratchet.fleet.settings import Settings
-from ratchet.ops import actions, inspect_run, submit
+from ratchet.ops import inspect_run, operations, submit
 from ratchet.runtime import Phase, Scenario
 from ratchet.testing.chat_stub import ChatStub
 from ratchet.tools import Toolbox
@@ -277,8 +277,8 @@ def test_a_stored_document_that_still_names_a_variable_is_refused_at_job_start(
     )
     fleet = Fleet.connect(settings)
     with monkeypatch.context() as old:
-        old.setattr(actions, "check_credentials", lambda document, credentials: None)
-        old.setattr(actions, "run_toolbox", lambda document, **_: Toolbox())
+        old.setattr(operations, "check_credentials", lambda document, credentials: None)
+        old.setattr(operations, "run_toolbox", lambda document, **_: Toolbox())
         run_id = submit(fleet, document)
     report = execute_run(fleet, run_id, owner="w-old-document")
     assert report.outcome == "restore_refused", report

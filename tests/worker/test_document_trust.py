@@ -19,8 +19,9 @@ from ratchet.demo.examples import greeting_document, make_greeting_workspace
 from ratchet.errors import ConfigurationError, IntegrityError, RunNotFoundError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument, VerifierSpec, seal_document
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
 from ratchet.ops import inspect_run, submit
+from ratchet.redis_server import RedisServer
 from ratchet.runtime.signing import parse_envelope, seal_envelope
 from ratchet.worker.job import execute_run
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
@@ -112,7 +113,7 @@ def test_a_document_the_checkpoints_do_not_bind_is_refused(
     assert not marker.exists()
     with pytest.raises(IntegrityError) as err:  # show refuses to display it too
         inspect_run(fleet, run_id)
-    assert err.value.context["reason"] == "document"
+    assert err.value.reason == "document"
 
 
 def test_a_checkpoint_cannot_stand_in_for_a_document(
@@ -164,7 +165,7 @@ def test_submit_refuses_an_agent_no_worker_here_may_load(
     _root, document = workspace()
     with pytest.raises(ConfigurationError) as err:
         submit(fleet, document.model_copy(update={"agent": agent}), run_id="r-bad-agent")
-    assert err.value.context["field"] == "agent"
+    assert err.value.field == "agent"
     with pytest.raises(RunNotFoundError):
         fleet.store.read_run("r-bad-agent")
 

@@ -103,7 +103,7 @@ def test_connect_starts_the_embedded_server_only_when_asked(tmp_path: Path) -> N
     settings = Settings(state_dir=state, verifier_sandbox="none")
     with pytest.raises(ConfigurationError) as caught:
         Fleet.connect(settings)
-    assert caught.value.context["field"] == "redis_url"
+    assert caught.value.field == "redis_url"
     assert running_embedded_redis(state) is None
     assert redis_servers_under(tmp_path) == []
     try:

@@ -118,7 +118,7 @@ def test_a_note_the_server_refuses_in_plain_text_is_a_refusal_with_no_effect(
     call = ToolCall(run_id="r-1", tool="notes_add_note", idempotency_key="k-1", fence=None)
     with pytest.raises(AdapterError) as refused:
         tool.run({"text": "x" * 5000}, call)
-    assert refused.value.context["retryable"] is False
+    assert refused.value.retryable is False
     assert notes(example_tools) == []
 
 

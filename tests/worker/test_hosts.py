@@ -24,8 +24,8 @@ import yaml
 from ratchet.demo.examples import RIGHT_GREETING, greeting_scenario, make_greeting_workspace
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer
 from ratchet.ops import inspect_run
+from ratchet.redis_server import RedisServer
 from tests.conftest import test_sandbox_mode
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 from tests.worker.fleet_harness import poll

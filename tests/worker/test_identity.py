@@ -11,7 +11,8 @@ import pytest
 
 from ratchet.fleet.identity import owner_id
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import LeaseHolder, RedisServer, RedisStore
+from ratchet.leasing import LeaseHolder, RedisStore
+from ratchet.redis_server import RedisServer
 
 
 def _child_owner(name: str, out: mp.Queue) -> None:  # type: ignore[type-arg]

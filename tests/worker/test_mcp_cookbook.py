@@ -225,7 +225,7 @@ def test_git_refuses_with_an_error_result_a_refusal_with_no_effect(cookbook: Any
     repo = str(repo_of(cookbook))
     with pytest.raises(AdapterError) as refused:  # nothing is staged yet
         tool.run({"repo_path": repo, "message": "nothing"}, call)
-    assert refused.value.context["retryable"] is False
+    assert refused.value.retryable is False
     assert len(commits(cookbook)) == 1
 
 
@@ -269,7 +269,7 @@ def test_a_failed_insert_is_a_refusal_only_with_the_declared_pattern(
     call = ToolCall(run_id="r-1", tool="sqlite_write_query", idempotency_key="k-1", fence=None)
     with pytest.raises(AdapterError) as refused:
         load_entry_point_tool("sqlite_write_query").run(statement, call)
-    assert refused.value.context["retryable"] is False
+    assert refused.value.retryable is False
     # Undeclared, the same answer is an output: the write would count as done.
     monkeypatch.setattr(cookbook, "sqlite_declarations", dict)
     loose = load_entry_point_tool("sqlite_write_query")

@@ -16,8 +16,8 @@ from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.errors import ContractError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument
-from ratchet.leasing import RedisServer
 from ratchet.ops import retry, submit
+from ratchet.redis_server import RedisServer
 from ratchet.worker.job import execute_run
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 

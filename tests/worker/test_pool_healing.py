@@ -15,8 +15,9 @@ import pytest
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
 from ratchet.ops import submit
+from ratchet.redis_server import RedisServer
 from ratchet.worker.pool import CRASH_LOOP_DEATHS, EXIT_CRASH_LOOP, RestartPolicy
 from tests.worker.fleet_harness import phase, poll
 from tests.worker.processes import gone, running_pool

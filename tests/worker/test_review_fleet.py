@@ -29,8 +29,8 @@ from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.demo.examples import RIGHT_GREETING, greeting_document, make_greeting_workspace
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer
 from ratchet.ops import inspect_run, submit
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import Fence, derive_idempotency_key, parse_action
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 from tests.worker.fleet_harness import phase, poll, process_state, workers

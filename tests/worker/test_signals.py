@@ -16,7 +16,7 @@ import textwrap
 import threading
 from typing import Any
 
-from ratchet.leasing.server import RedisServer
+from ratchet.redis_server import RedisServer
 from ratchet.worker.signals import in_finaliser
 
 # Sends SIGTERM to this process from inside a __del__ and keeps that __del__ busy long

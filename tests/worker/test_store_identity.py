@@ -16,8 +16,9 @@ from ratchet.errors import ConfigurationError, StoreEpochError, StoreFullError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisStore
 from ratchet.ops import submit
+from ratchet.redis_server import RedisServer
 from ratchet.worker.job import execute_run
 from tests.worker.conftest import CHECKPOINT_KEY_HEX
 
@@ -32,7 +33,7 @@ def test_a_wiped_store_is_refused_by_submit_and_by_a_running_worker(
     redis_server.client().flushall()  # a restart without its AOF: everything is gone
     with pytest.raises(StoreEpochError) as err:
         Fleet.connect(settings)  # any command: submit, runs, show ...
-    assert err.value.context["reason"] == "missing"
+    assert err.value.reason == "missing"
     report = execute_run(fleet, run_id, owner="w-wiped")  # a worker started before
     assert report.outcome == "store_epoch_changed"
     # Initialising it again is a deliberate act; the worker that started on the old
@@ -104,7 +105,7 @@ def test_a_store_out_of_memory_is_a_typed_refusal(tmp_path: Path) -> None:
             store.create_run(
                 "r-oom", task_id="t", env_instance_id="e", scenario=b"{}", checkpoint=b"x" * 2048
             )
-        assert err.value.context["reason"] == "oom"
+        assert err.value.reason == "oom"
         assert store.read_epoch() is not None  # reads still work
 
 

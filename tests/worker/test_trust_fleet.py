@@ -16,8 +16,9 @@ from ratchet.adapters.workspace import WorkspaceAdapter
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import RunDocument, VerifierSpec
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore, run_keys
+from ratchet.leasing import RedisStore, run_keys
 from ratchet.ops import approve, inspect_run, submit
+from ratchet.redis_server import RedisServer
 from tests.ops.helpers import run_awaiting_approval, trust_file, with_trust
 from tests.worker.fleet_harness import job_outcomes, poll, workers
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ratchet.tools import Tool
+from ratchet import Tool
 from ratchet.tools.mcp import KeyRecipe, McpDeclaration, mcp_tools, shared_stdio
 from ratchet_example_tools.state import state_dir
 

@@ -24,7 +24,6 @@ from ratchet.runtime.types import check_rel_path
 __all__ = [
     "STATE_DIR",
     "AllowedPaths",
-    "GitState",
     "atomic_delete",
     "atomic_replace",
     "content_sha",

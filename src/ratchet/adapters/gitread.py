@@ -61,7 +61,7 @@ from ratchet.adapters.gitobjects import (
 from ratchet.adapters.ground import Ground
 from ratchet.errors import UntrustedGroundError
 
-__all__ = ["GIT_DIR", "GitReader", "GitState", "blob_id", "state_facts"]
+__all__ = ["GitReader", "GitState", "blob_id", "state_facts"]
 
 MAX_INDEX_BYTES = 256 << 20
 MAX_REF_BYTES = 4096

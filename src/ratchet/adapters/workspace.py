@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 from ratchet.adapters.files import (
     STATE_DIR,
     AllowedPaths,
-    GitState,
     atomic_delete,
     atomic_replace,
     content_sha,
@@ -48,7 +47,8 @@ from ratchet.adapters.files import (
     fingerprint,
     write_temp,
 )
-from ratchet.adapters.gitread import GIT_DIR, GitReader, blob_id, state_facts
+from ratchet.adapters.gitobjects import GIT_DIR
+from ratchet.adapters.gitread import GitReader, GitState, blob_id, state_facts
 from ratchet.adapters.ground import Ground, file_type
 from ratchet.adapters.journal import BUSY_TIMEOUT_SECONDS, Journal, WriteIntent
 from ratchet.errors import AdapterError, ConfigurationError, UntrustedGroundError

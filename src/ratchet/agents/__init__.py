@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ratchet.agents.credentials import CredentialResolver
-from ratchet.agents.plugins import installed_entry_points
+from ratchet.entrypoints import installed_entry_points
 from ratchet.errors import ConfigurationError
 from ratchet.runtime import (
     KIND_SPECS,
@@ -52,8 +52,8 @@ from ratchet.runtime import (
     TraceOutcome,
     derive_idempotency_key,
 )
+from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.state import Usage
-from ratchet.runtime.tools import ToolSpec
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -48,7 +48,7 @@ from ratchet.agents.models import (
 )
 from ratchet.errors import ActionError, ConfigurationError, ContractError
 from ratchet.runtime.canonical import canonical_json, digest, strict_json_loads
-from ratchet.runtime.tools import ToolSpec
+from ratchet.runtime.catalog import ToolSpec
 
 __all__ = ["DEFAULT_TASK", "ToolCallingAgent", "ToolCallingConfig"]
 

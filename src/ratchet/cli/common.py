@@ -30,7 +30,7 @@ from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 import typer
 from pydantic import ValidationError
 
-from ratchet.errors import ConfigurationError, RatchetError
+from ratchet.errors import ConfigurationError, ContractError, IntegrityError, RatchetError
 
 __all__ = [
     "CHECKPOINT_KEY_ENV",
@@ -51,6 +51,8 @@ CHECKPOINT_KEY_ENV = "RATCHET_CHECKPOINT_KEY"
 EXIT_CHECK_FAILED = 1
 EXIT_ERROR = 2
 _SIGNER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+#: The errors that may name the field they refused (shown beside the message).
+_NAMES_A_FIELD = (ConfigurationError, ContractError, IntegrityError)
 
 app = typer.Typer(
     name="ratchet",
@@ -111,8 +113,8 @@ def ratchet_errors(fn: Callable[P, R]) -> Callable[P, R]:
                     raise  # any other model's refusal is a bug to see whole
                 raise settings_error(exc) from None
         except RatchetError as exc:
-            field = exc.context.get("field")
-            fail(exc.message, str(field) if field else None)
+            field = exc.field if isinstance(exc, _NAMES_A_FIELD) else None
+            fail(exc.message, field or None)
 
     return wrapper
 

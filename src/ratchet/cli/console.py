@@ -14,7 +14,7 @@ from ratchet.console import ConsoleData, serve_console
 from ratchet.console.data import RunQuery
 from ratchet.errors import ContractError, RunNotFoundError, StoreUnavailableError
 from ratchet.fleet.context import Fleet
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 from ratchet.leasing.listing import MAX_PAGE
 from ratchet.ops import inspect_run
 from ratchet.ops.queueview import list_workers

@@ -28,7 +28,7 @@ import typer
 
 from ratchet.cli.common import JsonFlag, app, print_json, ratchet_errors
 from ratchet.errors import ConfigurationError
-from ratchet.leasing.server import LOOPBACK, RedisServer
+from ratchet.redis_server import LOOPBACK, RedisServer
 from ratchet.testing.cluster import LocalCluster
 from ratchet.testing.sentinel import SERVICE, LocalReplicated
 

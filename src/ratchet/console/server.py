@@ -64,7 +64,15 @@ from ratchet.console.pages import (
     runs_page,
     workers_page,
 )
-from ratchet.errors import ConfigurationError, ContractError, RatchetError, RunNotFoundError
+from ratchet.errors import (
+    AdapterError,
+    ConfigurationError,
+    ContractError,
+    IntegrityError,
+    RatchetError,
+    RunNotFoundError,
+    StoreError,
+)
 from ratchet.runtime import Phase
 
 __all__ = ["CSP", "ConsoleServer", "own_hosts", "serve_console"]
@@ -85,6 +93,8 @@ _HEADERS = {
     "Cross-Origin-Resource-Policy": "same-origin",
 }
 _MAX_PATH = 2048
+#: The errors that may say why with a short code (shown beside the message).
+_GIVES_A_REASON = (IntegrityError, StoreError, AdapterError)
 _PHASES = frozenset(p.value for p in Phase)
 
 
@@ -280,7 +290,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._html(HTTPStatus.NOT_FOUND, error_page("no such run", exc.message), head)
         except RatchetError as exc:
             # Unverifiable checkpoint, unreachable store: say so, show nothing unverified.
-            reason = exc.context.get("reason")
+            reason = exc.reason if isinstance(exc, _GIVES_A_REASON) else None
             text = f"{exc.message}" + (f" (reason: {reason})" if reason else "")
             self._html(HTTPStatus.CONFLICT, error_page("cannot show this", text), head)
         except Exception as exc:
@@ -327,7 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             listing = list_page(data, run_query)
         except ContractError as exc:
-            if exc.context.get("field") != "after":
+            if exc.field != "after":
                 raise
             notices.append(f"{exc.message}: showing the first page")
             run_query = RunQuery(phase=phase, search=search, oldest_first=SORTS[sort], limit=limit)

@@ -47,8 +47,8 @@ from ratchet.errors import ConfigurationError
 from ratchet.fleet.context import Fleet, ensure_embedded_redis, stop_embedded_redis
 from ratchet.fleet.credentials import CredentialSpec
 from ratchet.fleet.runs import EnvironmentSpec, McpServerSpec, RunDocument
-from ratchet.leasing import free_port
 from ratchet.ops import submit
+from ratchet.redis_server import free_port
 from ratchet.runtime import Phase, Scenario
 from ratchet.testing.chat_stub import ChatStub
 from ratchet.testing.mcp_server import stats

@@ -46,8 +46,9 @@ from ratchet.errors import ConfigurationError
 from ratchet.fleet.credentials import CredentialMap
 from ratchet.fleet.redisurl import is_cluster_url, redis_client
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisStore
 from ratchet.limits import set_max_peer_bytes
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import KeyRing, TrustRoots
 
 __all__ = [

@@ -43,7 +43,7 @@ from pydantic import Field, Strict, ValidationError
 from ratchet.errors import CheckpointError, ContractError, EvidenceError
 from ratchet.runtime import KeyRing, RebaselineDecision, RunState, Scenario, TrustRoots
 from ratchet.runtime.canonical import Domain, canonical_json, strict_json_loads
-from ratchet.runtime.machine import check_rebaseline
+from ratchet.runtime.outcomes import check_rebaseline
 from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.types import Frozen, Identifier, NonNegInt
 
@@ -117,7 +117,7 @@ def find_controls(keyring: KeyRing, run_id: str, inbox: list[bytes]) -> Controls
             body = open_envelope(keyring, raw, domain=Domain.CONTROL)
             request = CancelRequest.model_validate(strict_json_loads(body))
         except CheckpointError as exc:
-            refused.append(f"does not verify ({exc.context.get('reason', 'malformed')})")
+            refused.append(f"does not verify ({exc.reason or 'malformed'})")
             continue
         except (ContractError, ValidationError):
             refused.append("its signed body is not a cancel request")

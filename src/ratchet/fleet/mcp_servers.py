@@ -65,7 +65,7 @@ from ratchet.adapters.sandbox import Sandbox, SandboxMode
 from ratchet.errors import AdapterError, ConfigurationError, IntegrityError
 from ratchet.runtime.actions import Risk
 from ratchet.runtime.canonical import Domain, digest
-from ratchet.runtime.tools import TOOL_NAME_PATTERN
+from ratchet.runtime.catalog import TOOL_NAME_PATTERN
 from ratchet.tools.declare import Tool, ToolCall
 
 if TYPE_CHECKING:

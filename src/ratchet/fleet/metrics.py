@@ -211,7 +211,7 @@ RUN_SECONDS = Histogram(
     ),
 )
 
-#: Every outcome a job reports (``ratchet.worker.protocol.JobOutcome``, which a test holds
+#: Every outcome a job reports (``ratchet.worker.jobprotocol.JobOutcome``, which a test holds
 #: to this list); anything else is counted as ``other``.
 JOB_OUTCOMES = (
     "held_elsewhere",

@@ -5,7 +5,7 @@ run document (``environment.host``). When the host is lost but its disk is not (
 moved to another machine, a disk attached elsewhere), an operator on the new machine
 proves the environment is the run's own, **the same instance at the version the run
 recorded**, observed from that machine's disk, and moves the run there
-(``ratchet attach``, :func:`ratchet.ops.actions.attach`). The move is a
+(``ratchet attach``, :func:`ratchet.ops.hosts.attach`). The move is a
 :class:`Placement`: signed with the checkpoint key ring under its own domain
 (``ratchet/placement/v1``), bound to the run id and the document's digest, numbered
 (``seq``), and kept in the run's own key ``ratchet:{<run>}:placement``. The document

@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from ratchet.adapters.gitread import GIT_DIR
+from ratchet.adapters.gitobjects import GIT_DIR
 from ratchet.adapters.gitremote import (
     BranchMoved,
     PushUnknown,
@@ -73,8 +73,8 @@ from ratchet.runtime.canonical import (
     model_digest,
     strict_json_loads,
 )
+from ratchet.runtime.catalog import BUILTIN_TOOLS, TOOL_NAME_PATTERN
 from ratchet.runtime.signing import open_envelope, seal_envelope
-from ratchet.runtime.tools import BUILTIN_TOOLS, TOOL_NAME_PATTERN
 from ratchet.runtime.types import Frozen, JsonObject, StrictBool, exact_version
 from ratchet.tools import Tool, Toolbox
 from ratchet.tools.adapter import ToolCheck
@@ -453,7 +453,7 @@ def seal_document(keyring: KeyRing, run_id: str, document: RunDocument) -> bytes
     return seal_envelope(keyring, body, domain=Domain.DOCUMENT)
 
 
-def _refused(message: str, run_id: str, **context: object) -> IntegrityError:
+def _refused(message: str, run_id: str, **context: Any) -> IntegrityError:
     return IntegrityError(
         f"run document refused: {message}", reason="document", run_id=run_id, **context
     )
@@ -471,9 +471,9 @@ def open_document(keyring: KeyRing, run_id: str, blob: bytes) -> RunDocument:
         body = open_envelope(keyring, blob, domain=Domain.DOCUMENT)
     except CheckpointError as exc:
         raise _refused(
-            f"it does not verify ({exc.context.get('reason', 'malformed')})",
+            f"it does not verify ({exc.reason or 'malformed'})",
             run_id,
-            check=str(exc.context.get("reason", "malformed")),
+            check=exc.reason or "malformed",
         ) from None
     try:
         data = strict_json_loads(body)

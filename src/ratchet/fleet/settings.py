@@ -62,7 +62,7 @@ OTHER_NAMES: Final = frozenset(
         "RATCHET_METRICS_ADDR",
         # ratchet.fleet.context: RQ's own connection (an ACL user of its own)
         "RATCHET_QUEUE_REDIS_URL",
-        # ratchet.leasing.server: which redis-server binary to run
+        # ratchet.redis_server: which redis-server binary to run
         "RATCHET_REDIS_SERVER",
         # ratchet.chaos.failpoints: drills
         "RATCHET_FAILPOINTS",

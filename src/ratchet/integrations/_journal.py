@@ -45,7 +45,7 @@ from ratchet.agents.conversation import clip, describe_outcome
 from ratchet.errors import ActionError, ConfigurationError, ContractError, IntegrityError
 from ratchet.runtime.actions import ActionKind
 from ratchet.runtime.canonical import canonical_json
-from ratchet.runtime.tools import ToolSpec
+from ratchet.runtime.catalog import ToolSpec
 
 __all__ = [
     "BUILTIN_NAMES",

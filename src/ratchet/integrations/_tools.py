@@ -24,7 +24,7 @@ def current_call() -> ToolCall | None:
     return _CURRENT.get()
 
 
-class JournaledTool(FunctionTool):
+class JournaledTool(FunctionTool[..., Any]):
     """A ratchet tool that runs a framework's tool function. While the function runs,
     :func:`current_call` returns the call; an ``async`` function is run to completion.
     ``lookup`` and ``fence`` are the decorators of :class:`ratchet.tools.FunctionTool`."""

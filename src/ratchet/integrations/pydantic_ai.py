@@ -123,7 +123,7 @@ from ratchet.integrations._journal import (
 )
 from ratchet.integrations._tools import JournaledTool, complete, current_call
 from ratchet.runtime.actions import Risk
-from ratchet.runtime.tools import ToolSpec
+from ratchet.runtime.catalog import ToolSpec
 
 __all__ = [
     "PYDANTIC_AI_VERSION",

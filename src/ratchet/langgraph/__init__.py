@@ -24,7 +24,7 @@ a background heartbeat renews; see :mod:`ratchet.langgraph.writer`)::
 
 from __future__ import annotations
 
-from ratchet.langgraph.keys import ThreadKeys, thread_keys, thread_tag
+from ratchet.langgraph.keyspace import ThreadKeys, thread_keys, thread_tag
 from ratchet.langgraph.replies import LEASE_KEY, LeaseInfo, Takeover, ThreadLease
 from ratchet.langgraph.saver import DEFAULT_LEASE_TTL_MS, RatchetSaver, default_serde
 from ratchet.langgraph.writer import ThreadWriter

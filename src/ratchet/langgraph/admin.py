@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ratchet.errors import ContractError, GenerationMismatchError, StoreProtocolError
-from ratchet.langgraph.keys import (
+from ratchet.langgraph.keyspace import (
     checkpoint_digest,
     namespace_digest,
     run_index_key,

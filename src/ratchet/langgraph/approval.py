@@ -30,7 +30,7 @@ from langgraph.types import Command
 from pydantic import ValidationError
 
 from ratchet.errors import ApprovalError, ContractError, NonceReplayError
-from ratchet.langgraph.keys import nonce_key
+from ratchet.langgraph.keyspace import nonce_key
 from ratchet.runtime.evidence import ApprovalClaims, ApprovalEvidence, TrustRoots
 
 __all__ = ["BOUND_FIELDS", "REQUEST_KIND", "ApprovalGate", "approval_request"]

@@ -130,9 +130,9 @@ class LeaseHeartbeat:
         log.warning(
             "thread lease not renewed; the writer stops",
             extra={
-                "thread_id": getattr(exc, "thread_id", None),
-                "lease_version": getattr(exc, "lease_version", None),
-                "reason": getattr(exc, "reason", None),
+                "thread_id": exc.context.get("thread_id"),
+                "lease_version": exc.context.get("lease_version"),
+                "reason": exc.reason,
             },
         )
         self._on_lost(exc)

@@ -48,7 +48,8 @@ from ratchet.errors import (
     GenerationMismatchError,
     StoreProtocolError,
 )
-from ratchet.langgraph.keys import (
+from ratchet.langgraph.codec import RecordCodec, version_key
+from ratchet.langgraph.keyspace import (
     META_PATTERN,
     ThreadKeys,
     blob_field,
@@ -59,7 +60,6 @@ from ratchet.langgraph.keys import (
     thread_keys,
     write_digest,
 )
-from ratchet.langgraph.records import RecordCodec, version_key
 from ratchet.langgraph.replies import (
     LEASE_KEY,
     Entry,
@@ -70,10 +70,10 @@ from ratchet.langgraph.replies import (
     decode_read,
 )
 from ratchet.langgraph.scripts import LgScript
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 from ratchet.leasing.scripts import ScriptName
 
-__all__ = ["LEASE_KEY", "Command", "Emit", "Loaded", "Protocol", "Scan", "Script", "View"]
+__all__ = ["Command", "Emit", "Loaded", "Protocol", "Scan", "Script", "View"]
 
 MAX_ATTEMPTS = 16
 PAGE = 32

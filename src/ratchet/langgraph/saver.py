@@ -43,10 +43,10 @@ from ratchet.errors import (
     StoreUnavailableError,
 )
 from ratchet.langgraph import admin
+from ratchet.langgraph.codec import RecordCodec
 from ratchet.langgraph.heartbeat import LeaseHeartbeat
-from ratchet.langgraph.keys import thread_keys
+from ratchet.langgraph.keyspace import thread_keys
 from ratchet.langgraph.protocol import Command, Emit, Op, Protocol, Scan, Script, Step
-from ratchet.langgraph.records import RecordCodec
 from ratchet.langgraph.replies import (
     LeaseInfo,
     Takeover,
@@ -60,7 +60,7 @@ from ratchet.langgraph.replies import (
 )
 from ratchet.langgraph.scripts import AsyncScriptRunner, LgScript, sync_runner
 from ratchet.langgraph.writer import ThreadWriter, _Claim
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 from ratchet.leasing.scripts import ScriptName
 from ratchet.runtime.signing import KeyRing
 

@@ -1,9 +1,9 @@
 """Leases, fenced checkpoint commits and generation high-water marks on Redis.
 
 The protocol is in :mod:`ratchet.leasing.store` and the script headers under
-``ratchet/leasing/lua/``; key names are in :mod:`ratchet.leasing.keys`; every reply is
-decoded in :mod:`ratchet.leasing.replies`. :class:`RedisServer` starts a real server
-for embedded use, tests and drills.
+``ratchet/leasing/lua/``; key names are in :mod:`ratchet.leasing.keyspace`; every reply is
+decoded in :mod:`ratchet.leasing.replies`. Starting a real ``redis-server`` (embedded
+use, tests, drills) is not part of the protocol: it is :mod:`ratchet.redis_server`.
 
 Typical use by a worker::
 
@@ -18,7 +18,7 @@ Typical use by a worker::
 from __future__ import annotations
 
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
-from ratchet.leasing.keys import EXPIRY_INDEX, RUNS_INDEX, RunKeys, nonce_key, run_keys
+from ratchet.leasing.keyspace import EXPIRY_INDEX, RUNS_INDEX, RunKeys, nonce_key, run_keys
 from ratchet.leasing.results import (
     Acquired,
     CommitResult,
@@ -29,12 +29,6 @@ from ratchet.leasing.results import (
     Released,
     RunCreated,
     RunSnapshot,
-)
-from ratchet.leasing.server import (
-    RedisServer,
-    find_redis_cli,
-    find_redis_server,
-    free_port,
 )
 from ratchet.leasing.store import DEFAULT_MAX_CHECKPOINT_BYTES, RedisStore
 
@@ -49,16 +43,12 @@ __all__ = [
     "LeasedRun",
     "PreparedCommit",
     "ReapClaim",
-    "RedisServer",
     "RedisStore",
     "Released",
     "RunCreated",
     "RunCreator",
     "RunKeys",
     "RunSnapshot",
-    "find_redis_cli",
-    "find_redis_server",
-    "free_port",
     "new_commit_id",
     "nonce_key",
     "run_keys",

@@ -45,7 +45,7 @@ from enum import StrEnum
 from importlib import resources
 
 from ratchet.errors import ConfigurationError
-from ratchet.leasing.keys import PREFIX
+from ratchet.leasing.keyspace import PREFIX
 from ratchet.leasing.scripts import ScriptName
 
 __all__ = [

@@ -5,10 +5,10 @@ deadline while it waits in the queue, and scored "now" when a worker hands it ba
 reaper reads the entries due (:meth:`ExpiryIndex.expired_entries`); an entry only says
 "look at this run", so every reader re-reads the run before acting.
 
-On a single Redis it is one key, :data:`ratchet.leasing.keys.EXPIRY_INDEX`, which the
+On a single Redis it is one key, :data:`ratchet.leasing.keyspace.EXPIRY_INDEX`, which the
 lease and commit scripts update inline. On Redis Cluster it is split into
-:data:`~ratchet.leasing.keys.INDEX_SHARDS` keys of their own slots, spread over the
-masters (:class:`~ratchet.leasing.keys.IndexLayout`): the store writes a run's entry in
+:data:`~ratchet.leasing.keyspace.INDEX_SHARDS` keys of their own slots, spread over the
+masters (:class:`~ratchet.leasing.keyspace.IndexLayout`): the store writes a run's entry in
 its shard after each script, and the reaper reads every shard, in one pipeline, or, when
 a master is down, master by master, leaving out only the shards it cannot reach
 (:attr:`ExpiryIndex.expiry_shards_unreadable`). Part of
@@ -23,7 +23,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from ratchet.errors import StoreUnavailableError
-from ratchet.leasing.keys import IndexLayout, check_id
+from ratchet.leasing.keyspace import IndexLayout, check_id
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.replies import decode_drop_expiry
 from ratchet.leasing.scripts import ScriptName

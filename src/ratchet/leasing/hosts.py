@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ratchet.errors import ContractError
-from ratchet.leasing.keys import HOSTS_KEY, check_id, run_keys
+from ratchet.leasing.keyspace import HOSTS_KEY, check_id, run_keys
 from ratchet.leasing.plumbing import StorePlumbing
 
 __all__ = ["HostRecords"]

@@ -29,7 +29,7 @@ from typing import Any
 
 from ratchet.errors import AdapterError, StoreProtocolError
 from ratchet.leasing.acks import ReplicaAcks
-from ratchet.leasing.keys import check_id, run_keys
+from ratchet.leasing.keyspace import check_id, run_keys
 from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["LedgerMeta", "LedgerRecords", "LedgerReply"]

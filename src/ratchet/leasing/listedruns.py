@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ratchet.errors import ContractError, RatchetError, StoreProtocolError
-from ratchet.leasing.keys import PHASES, check_id, run_keys
+from ratchet.leasing.keyspace import PHASES, check_id, run_keys
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.walk import Entry
 from ratchet.runtime.canonical import strict_json_loads

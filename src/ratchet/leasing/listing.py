@@ -9,7 +9,7 @@ see ``lua/commit.lua``); a run's own view (``ratchet show``, the console's run p
 verifies its checkpoint. A row that cannot be read says why in ``problem`` and never
 takes the page down.
 
-On Redis Cluster each index is split into shards (:class:`~ratchet.leasing.keys.IndexLayout`):
+On Redis Cluster each index is split into shards (:class:`~ratchet.leasing.keyspace.IndexLayout`):
 a page reads the same range of every shard in one pipeline and merges them in walk order
 (score, then member, as Redis orders one key), so a page costs one round trip and at most
 ``limit + 1`` entries per shard. A single Redis is the one-shard case of the same walk.
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ratchet.errors import ContractError, StoreProtocolError
-from ratchet.leasing.keys import PHASES, IndexLayout
+from ratchet.leasing.keyspace import PHASES, IndexLayout
 from ratchet.leasing.listedruns import ListedRows, ListedRun
 from ratchet.leasing.phasebackfill import PhaseBackfill
 from ratchet.leasing.walk import (

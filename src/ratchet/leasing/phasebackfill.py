@@ -18,7 +18,7 @@ from typing import Any
 from redis.exceptions import WatchError
 
 from ratchet.errors import RatchetError
-from ratchet.leasing.keys import PHASES, check_id, run_keys
+from ratchet.leasing.keyspace import PHASES, check_id, run_keys
 from ratchet.leasing.listedruns import _int, _text
 from ratchet.leasing.walk import Position, position_after
 from ratchet.leasing.walkreads import WalkReads

@@ -19,7 +19,7 @@ import secrets
 from typing import Any
 
 from ratchet.errors import ContractError
-from ratchet.leasing.keys import run_keys
+from ratchet.leasing.keyspace import run_keys
 from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.replies import decode_counted, decode_replaced
 from ratchet.leasing.scripts import ScriptName

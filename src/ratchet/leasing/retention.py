@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ratchet.errors import StoreProtocolError
-from ratchet.leasing.keys import INDEX_KEYS, check_id, run_keys
+from ratchet.leasing.keyspace import INDEX_KEYS, check_id, run_keys
 from ratchet.leasing.scripts import ScriptName
 from ratchet.leasing.sharded import ShardedIndexes
 

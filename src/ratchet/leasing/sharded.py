@@ -2,7 +2,7 @@
 
 On a single Redis the create, lease, commit and purge scripts update the runs, phase and
 expiry indexes inline. On a Cluster those live in other slots, split into shards
-(:class:`~ratchet.leasing.keys.IndexLayout`): a run's entries in every index are in one
+(:class:`~ratchet.leasing.keyspace.IndexLayout`): a run's entries in every index are in one
 shard, whose keys share a hash tag, so the store writes them after each script in one
 call of ``lua/index_run.lua`` on that shard's slot, one round trip:
 
@@ -58,7 +58,7 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from ratchet.errors import RatchetError, StoreProtocolError, StoreUnavailableError
-from ratchet.leasing.keys import (
+from ratchet.leasing.keyspace import (
     EXPIRY_INDEX,
     PHASE_INDEXES,
     PHASES,

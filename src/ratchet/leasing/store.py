@@ -74,11 +74,11 @@ from ratchet.errors import (
 )
 from ratchet.leasing.acks import ReplicaAcks
 from ratchet.leasing.encoding import ZSTD_MAGIC, decode_checkpoint, encode_checkpoint
+from ratchet.leasing.epoch import StoreIdentity
 from ratchet.leasing.expiry import ExpiryIndex
 from ratchet.leasing.handle import LeasedRun, RunCreator, new_commit_id
 from ratchet.leasing.hosts import HostRecords
-from ratchet.leasing.identity import StoreIdentity
-from ratchet.leasing.keys import (
+from ratchet.leasing.keyspace import (
     EXPIRY_INDEX,
     INDEX_SHARDS,
     PHASE_INDEXES,

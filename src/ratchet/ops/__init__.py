@@ -1,6 +1,6 @@
 """Operator operations: what a person does to runs, and what they read.
 
-* :mod:`.actions`: submit, inspect (verified), approve, review, cancel, rebaseline, retry;
+* :mod:`.operations`: submit, inspect (verified), approve, review, cancel, rebaseline, retry;
 * :mod:`.retention`: export, offline verification, purge, and the retention loop a
   worker may run;
 * :mod:`.diagnosis`, :mod:`.changes`, :mod:`.queueview`: why a run is where it is, the
@@ -13,7 +13,8 @@ The worker's RQ shell (:mod:`ratchet.worker`) does not import this package; the 
 line and the console do.
 """
 
-from ratchet.ops.actions import (
+from ratchet.ops.hosts import Attached, attach
+from ratchet.ops.operations import (
     CancelPosted,
     Posted,
     RunView,
@@ -30,7 +31,6 @@ from ratchet.ops.actions import (
     review_claims,
     submit,
 )
-from ratchet.ops.hosts import Attached, attach
 
 __all__ = [
     "Attached",

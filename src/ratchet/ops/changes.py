@@ -28,7 +28,7 @@ from ratchet.adapters.ground import Ground
 from ratchet.errors import ConfigurationError, RatchetError, UntrustedGroundError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import remote_branch
-from ratchet.ops.actions import RunView
+from ratchet.ops.operations import RunView
 from ratchet.runtime import ActionKind
 
 __all__ = ["DIFF_BYTES", "DIFF_LINES", "DIFF_SHOW_BYTES", "SHOW_BYTES", "pending_change"]
@@ -75,10 +75,9 @@ def _read_current(root: Path, path: str, allowed: AllowedPaths) -> tuple[bytes |
                     break
                 data += chunk
     except UntrustedGroundError as exc:
-        reason = exc.context.get("reason")
-        if reason == "link_in_path" or exc.context.get("file_type") == "symlink":
+        if exc.reason == "link_in_path" or exc.file_type == "symlink":
             return None, "the path goes through a symbolic link"
-        return None, f"the path is not a regular file ({exc.context.get('file_type')})"
+        return None, f"the path is not a regular file ({exc.file_type})"
     except OSError as exc:
         return None, f"the file cannot be read here ({exc.strerror or type(exc).__name__})"
     return bytes(data), ""

@@ -37,8 +37,8 @@ from ratchet.fleet.context import Fleet, HostSeen
 from ratchet.fleet.placement import home_of
 from ratchet.fleet.scrub import Scrubber
 from ratchet.leasing import run_keys
-from ratchet.ops.actions import RunView
 from ratchet.ops.changes import pending_change
+from ratchet.ops.operations import RunView
 from ratchet.ops.queueview import QueueFacts, owner_of_worker, queue_facts
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES

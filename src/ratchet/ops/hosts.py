@@ -13,7 +13,7 @@ from ratchet.errors import CheckpointError, ContractError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.placement import Placement, home_of, seal_placement
 from ratchet.fleet.runs import document_digest
-from ratchet.ops.actions import inspect_run, observe_now
+from ratchet.ops.operations import inspect_run, observe_now
 from ratchet.runtime import Observation
 from ratchet.runtime.checkpoint import check_environment
 from ratchet.runtime.state import TERMINAL_PHASES

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ratchet.errors import RatchetError
 from ratchet.fleet.context import Fleet
-from ratchet.ops.actions import inspect_run
+from ratchet.ops.operations import inspect_run
 
 __all__ = ["IndexReport", "index_phases"]
 

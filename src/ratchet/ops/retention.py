@@ -61,8 +61,8 @@ from ratchet.errors import (
 )
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.runs import check_document_binding, open_document
-from ratchet.leasing.keys import run_keys
-from ratchet.ops.actions import RunView, inspect_run
+from ratchet.leasing.keyspace import run_keys
+from ratchet.ops.operations import RunView, inspect_run
 from ratchet.ops.vouching import (
     PartReport,
     judge_history,
@@ -205,7 +205,7 @@ def write_export(
     return summary
 
 
-def _refused(message: str, **context: object) -> IntegrityError:
+def _refused(message: str, **context: Any) -> IntegrityError:
     return IntegrityError(f"export refused: {message}", reason="export", **context)
 
 
@@ -231,8 +231,8 @@ def verify_export(
         body = open_envelope(keyring, blob, domain=Domain.EXPORT)
     except CheckpointError as exc:
         raise _refused(
-            f"it does not verify ({exc.context.get('reason', 'malformed')})",
-            check=str(exc.context.get("reason", "malformed")),
+            f"it does not verify ({exc.reason or 'malformed'})",
+            check=exc.reason or "malformed",
         ) from None
     try:
         data = strict_json_loads(body)

@@ -280,7 +280,7 @@ def _read_structured(path: Path, what: str, field: str) -> Any:
             return strict_yaml_loads(text)
         return strict_json_loads(text)
     except ContractError as exc:
-        where = str(exc.context.get("field") or "$")
+        where = exc.field or "$"
         raise ContractError(
             f"{name}: {_one_line(exc.message)}", field=field if where == "$" else where
         ) from None

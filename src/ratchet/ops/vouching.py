@@ -147,7 +147,7 @@ def signed_part(name: str, by: str, count: int) -> PartReport:
     return PartReport(name, True, True, by, count)
 
 
-def _refused(message: str, check: str, **context: object) -> IntegrityError:
+def _refused(message: str, check: str, **context: Any) -> IntegrityError:
     return IntegrityError(f"export refused: {message}", reason="export", check=check, **context)
 
 
@@ -269,7 +269,7 @@ def _control(keyring: KeyRing, run_id: str, index: int, raw: bytes) -> RecordRep
     try:
         body = open_envelope(keyring, raw, domain=Domain.CONTROL)
     except CheckpointError as exc:
-        reason = str(exc.context.get("reason", "malformed"))
+        reason = exc.reason or "malformed"
         if reason in ("checksum", "bad_mac"):
             raise _refused(
                 f"inbox entry #{index} is a sealed request whose seal does not verify ({reason})",
@@ -339,7 +339,7 @@ def _evidence(
             else:
                 roots.verify_rebaseline(evidence, allow_revoked=True)
         except EvidenceError as exc:
-            if exc.context.get("reason") == "unknown_signer":
+            if exc.reason == "unknown_signer":
                 return _with(shown, "unchecked", f"unchecked: {exc.message}")
             return _with(shown, "forged", f"forged: {exc.message}")
         return _with(shown, "signed", "")

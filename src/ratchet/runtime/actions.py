@@ -89,7 +89,7 @@ KIND_SPECS: dict[ActionKind, KindSpec] = {
 
 _ArgText = Annotated[str, Strict(), Field(max_length=1 << 20)]
 
-#: A declared tool's name (see :mod:`ratchet.runtime.tools`); the built-in names parse
+#: A declared tool's name (see :mod:`ratchet.runtime.catalog`); the built-in names parse
 #: as :class:`ActionKind` first, so a tool can never pass for one.
 ToolName = Annotated[str, Strict(), Field(pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import orjson
 from pydantic import ValidationError
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-def refuse(reason: str, message: str, **context: object) -> CheckpointError:
+def refuse(reason: str, message: str, **context: Any) -> CheckpointError:
     """A restore's refusal: ``reason`` names the check that failed."""
     return CheckpointError(message, reason=reason, **context)
 

@@ -50,11 +50,8 @@ from ratchet.runtime.archive import (
     ArchiveRef,
     ArchiveSegment,
     ArchiveStart,
-    archive_genesis,
     chain_link,
-    empty_archive,
     gate_event,
-    recall_executed,
     refuse,
     unarchive,
     window_for,
@@ -75,27 +72,20 @@ from ratchet.runtime.window import ArchiveWindow, Cut, KeySet, choose_cut, key_d
 __all__ = [
     "CHECKPOINT_SCHEMA_VERSION",
     "DEFAULT_MAX_CHECKPOINT_BYTES",
-    "ArchiveRef",
-    "ArchiveSegment",
-    "ArchiveStart",
     "CheckpointPayload",
     "Restored",
     "Sealed",
-    "archive_genesis",
     "as_window",
     "check_environment",
     "check_fresh",
-    "empty_archive",
     "finish_restore",
     "high_water_missing",
     "open_checkpoint",
     "open_for_restore",
-    "recall_executed",
     "restore_checkpoint",
     "run_key",
     "seal_checkpoint",
     "seal_split",
-    "window_for",
 ]
 
 CHECKPOINT_SCHEMA_VERSION: Literal[1] = 1
@@ -534,7 +524,7 @@ def _check_trust(
         raise _fail(
             "trust",
             f"evidence inside the checkpoint does not verify: {exc.message}",
-            evidence_reason=getattr(exc, "reason", ""),
+            evidence_reason=exc.reason or "",
         ) from None
 
 

@@ -50,15 +50,14 @@ from ratchet.errors import (
     OutcomeUnknownError,
     ReplicationUnconfirmedError,
 )
-from ratchet.runtime import effects, machine
+from ratchet.runtime import effects, machine, outcomes
 from ratchet.runtime.actions import Action
-from ratchet.runtime.archive import recall_executed, window_for
+from ratchet.runtime.archive import ArchiveRef, empty_archive, recall_executed, window_for
+from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.checkpoint import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
-    ArchiveRef,
     CheckpointPayload,
     check_fresh,
-    empty_archive,
     finish_restore,
     high_water_missing,
     open_for_restore,
@@ -111,10 +110,9 @@ from ratchet.runtime.state import (
     RunState,
     TraceOutcome,
 )
-from ratchet.runtime.tools import ToolSpec
 from ratchet.runtime.window import ArchiveWindow, NotInWindow, key_digests
 
-__all__ = ["CrashWindow", "Probe", "RunEngine", "StepResult"]
+__all__ = ["Probe", "RunEngine", "StepResult"]
 
 _T = TypeVar("_T")
 
@@ -567,13 +565,13 @@ class RunEngine:
         if disposition is Disposition.READ and action is not None:
             result = cast(ReadResult, (yield Read(action)))
             yield from self._commit(
-                machine.apply_read(proposal.state, action, result, now=self.clock.now())
+                outcomes.apply_read(proposal.state, action, result, now=self.clock.now())
             )
             return self._result(read=result)
         elif disposition is Disposition.VERIFY and action is not None:
             report = cast(VerifierReport, (yield Verify(action.text("target"))))
             yield from self._commit(
-                machine.apply_verification(proposal.state, action, report, now=self.clock.now())
+                outcomes.apply_verification(proposal.state, action, report, now=self.clock.now())
             )
         elif disposition in (Disposition.EXECUTE_WRITE, Disposition.CHECK_REPLAY):
             yield from self._commit(proposal.state)
@@ -607,7 +605,7 @@ class RunEngine:
     def _reviewed(self, decide: Callable[[Observation | None], RunState]) -> Op[RunState]:
         """Run a pure decision; when it opens a review case, run it again with the
         environment observed now, so the case records what the reviewer sees and signs
-        (see :func:`machine.open_review`). Only the uncommon path pays the observation."""
+        (see :func:`outcomes.open_review`). Only the uncommon path pays the observation."""
         new = decide(None)
         if new.review is not None and self.state.review is None:
             new = decide(cast(Observation, (yield Observe())))
@@ -633,7 +631,7 @@ class RunEngine:
             yield from self._commit(
                 (
                     yield from self._reviewed(
-                        lambda seen: machine.record_replay(
+                        lambda seen: outcomes.record_replay(
                             state, authoritative, now=now, observed=seen
                         )
                     )
@@ -655,13 +653,14 @@ class RunEngine:
                 (yield Execute(pending.action, pending.intent_digest, self._fence(), approval)),
             )
         except IdempotencyConflictError as exc:
-            conflicting = exc.context.get("receipt")
+            # The adapter contract: what a conflict carries is the key's Receipt.
+            conflicting = cast(Receipt | None, exc.receipt)
             if conflicting is None:
                 conflicting = yield from self._lookup(pending.action)
             seen = cast(Observation, (yield Observe()))
             if conflicting is None:
                 yield from self._commit(
-                    machine.open_review(
+                    outcomes.open_review(
                         state,
                         ReviewReason.RECEIPT_MISSING,
                         None,
@@ -672,7 +671,7 @@ class RunEngine:
                 )
             else:
                 yield from self._commit(
-                    machine.record_receipt(state, conflicting, now=now, observed=seen)
+                    outcomes.record_receipt(state, conflicting, now=now, observed=seen)
                 )
             return
         except OutcomeUnknownError as exc:
@@ -681,10 +680,10 @@ class RunEngine:
         except FenceRejectedError:
             raise  # a newer owner exists: stop before anything else
         except AdapterError as exc:
-            if exc.context.get("retryable"):
+            if exc.retryable:
                 raise
             yield from self._commit(
-                machine.record_execution_error(
+                outcomes.record_execution_error(
                     state, exc.message, now=self.clock.now(), fatal=False
                 )
             )
@@ -706,7 +705,7 @@ class RunEngine:
         happened and nothing may call it again; the pending intent stays as evidence."""
         observed = cast(Observation, (yield Observe()))
         yield from self._commit(
-            machine.open_review(
+            outcomes.open_review(
                 self.state,
                 ReviewReason.OUTCOME_UNKNOWN,
                 None,
@@ -770,21 +769,21 @@ class RunEngine:
             try:
                 observed = cast(Observation, (yield Observe()))
             except AdapterError:
-                alone = machine.record_receipt(self.state, receipt, now=now)
+                alone = outcomes.record_receipt(self.state, receipt, now=now)
                 if alone.review is None:
                     yield from self._commit(alone)
                     yield Reached(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
                 raise
-        checked = machine.record_receipt(
+        checked = outcomes.record_receipt(
             self.state, receipt, now=now, traced=False, observed=observed
         )
         if checked.pending is None or checked.pending.receipt is None:
             yield from self._commit(checked)  # a review case was opened instead
             return
         try:
-            completed = machine.complete_write(checked, observed, now=now, outcome=outcome)
+            completed = outcomes.complete_write(checked, observed, now=now, outcome=outcome)
         except EnvironmentMismatchError:
-            yield from self._commit(machine.record_receipt(self.state, receipt, now=now))
+            yield from self._commit(outcomes.record_receipt(self.state, receipt, now=now))
             yield Reached(CrashWindow.AFTER_RECEIPT_BEFORE_STATE)
             raise
         yield from self._commit(completed, hold=completed.phase is Phase.RUNNING)
@@ -792,7 +791,7 @@ class RunEngine:
     def _complete(self, outcome: TraceOutcome) -> Op[None]:
         observed = cast(Observation, (yield Observe()))
         yield from self._commit(
-            machine.complete_write(self.state, observed, now=self.clock.now(), outcome=outcome)
+            outcomes.complete_write(self.state, observed, now=self.clock.now(), outcome=outcome)
         )
 
     # -- recovery --------------------------------------------------------------------------
@@ -828,7 +827,7 @@ class RunEngine:
                 )
                 observed = cast(Observation, (yield Observe()))
                 yield from self._commit(
-                    machine.open_review(state, reason, authoritative, now=now, observed=observed)
+                    outcomes.open_review(state, reason, authoritative, now=now, observed=observed)
                 )
             else:
                 yield from self._complete(TraceOutcome.RECONCILED)
@@ -856,7 +855,7 @@ class RunEngine:
         observed = cast(Observation, (yield Observe()))
         if not observed.same_state(pending.env_before):
             yield from self._commit(
-                machine.open_review(
+                outcomes.open_review(
                     state,
                     ReviewReason.RECEIPT_MISSING,
                     None,
@@ -919,7 +918,7 @@ class RunEngine:
                 except OutcomeUnknownError:
                     authoritative = None  # the reviewer decides what happened
             observed = cast(Observation, (yield Observe()))
-            new = machine.apply_review_decision(
+            new = outcomes.apply_review_decision(
                 self.state,
                 self.scenario,
                 decision,
@@ -933,7 +932,7 @@ class RunEngine:
         self._drive(decide())
         return self._result()
 
-    def _settle_pending(self) -> Op[machine.Settled | None]:
+    def _settle_pending(self) -> Op[outcomes.Settled | None]:
         """Look the pending write's key up at the adapter, behind this lease's fence, for
         a control that ends or rebases the run (None: nothing is pending, or only a write
         waiting for approval, which was never sent).
@@ -947,13 +946,13 @@ class RunEngine:
             return None
         yield RaiseFence(self._fence())
         receipt = yield from self._lookup(pending.action)
-        return machine.Settled(receipt)
+        return outcomes.Settled(receipt)
 
     def cancel(self, reason: str, *, by: str = "", request_id: str = "") -> StepResult:
         """Cancel the run at a safe point, attributed to ``by`` (and its ``request_id``).
 
         A pending write the adapter may have received is settled first by its key (see
-        :func:`machine.cancel`): recorded as executed if the adapter holds its receipt,
+        :func:`outcomes.cancel`): recorded as executed if the adapter holds its receipt,
         dropped if it holds none. An answer that does not settle it (another intent, a
         committed receipt the adapter lost or that drifted) opens a review case instead,
         recording the environment now: the result's phase is then ``needs_review``.
@@ -976,7 +975,7 @@ class RunEngine:
         )
         now = self.clock.now()
         try:
-            new = machine.cancel(
+            new = outcomes.cancel(
                 self.state,
                 reason,
                 now=now,
@@ -997,7 +996,7 @@ class RunEngine:
                 if receipt.intent_digest != pending.intent_digest
                 else ReviewReason.RECEIPT_DRIFT
             )
-            new = machine.open_review(
+            new = outcomes.open_review(
                 self.state,
                 reason_code,
                 receipt,
@@ -1010,7 +1009,7 @@ class RunEngine:
 
     def apply_rebaseline(self, decision: RebaselineDecision) -> StepResult:
         """Consume a reviewer's signed rebaseline decision: the environment observed now
-        becomes the run's baseline (see :func:`machine.apply_rebaseline`).
+        becomes the run's baseline (see :func:`outcomes.apply_rebaseline`).
 
         Raises:
             ReviewDecisionError: refused; nothing changed.
@@ -1019,14 +1018,14 @@ class RunEngine:
         if self.reviewers is None:
             raise ConfigurationError("no reviewer trust root configured")
         reviewers = self.reviewers
-        machine.check_rebaseline(
+        outcomes.check_rebaseline(
             self.state, self.scenario, decision, reviewers, generation=self.generation
         )
 
         def rebase() -> Op[None]:
             settled = yield from self._settle_pending()
             observed = cast(Observation, (yield Observe()))
-            new = machine.apply_rebaseline(
+            new = outcomes.apply_rebaseline(
                 self.state,
                 self.scenario,
                 decision,

@@ -32,23 +32,8 @@ from ratchet.errors import (
     InvalidTransitionError,
 )
 from ratchet.runtime.actions import KIND_SPECS, Action, ActionKind, parse_action
+from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.evidence import ApprovalEvidence, TrustRoots
-from ratchet.runtime.outcomes import (  # re-exported: one place to import from
-    Settled,
-    apply_read,
-    apply_rebaseline,
-    apply_review_decision,
-    apply_verification,
-    cancel,
-    check_rebaseline,
-    check_review_decision,
-    complete_write,
-    decision_baseline,
-    open_review,
-    record_execution_error,
-    record_receipt,
-    record_replay,
-)
 from ratchet.runtime.ports import Observation
 from ratchet.runtime.scenario import Scenario, kind_spec_target
 from ratchet.runtime.state import (
@@ -62,32 +47,17 @@ from ratchet.runtime.state import (
     Usage,
     transition,
 )
-from ratchet.runtime.tools import ToolSpec
 from ratchet.runtime.tracing import append_event as _with
 from ratchet.runtime.tracing import make_event as _event
 
 __all__ = [
     "Disposition",
     "Proposal",
-    "Settled",
-    "apply_read",
-    "apply_rebaseline",
-    "apply_review_decision",
-    "apply_verification",
     "approval_deadline_ms",
     "attach_approval",
-    "cancel",
     "check_executable",
-    "check_rebaseline",
-    "check_review_decision",
-    "complete_write",
-    "decision_baseline",
     "new_run",
-    "open_review",
     "propose",
-    "record_execution_error",
-    "record_receipt",
-    "record_replay",
     "refresh_pending_approval",
     "unprojected",
     "with_projection",
@@ -182,7 +152,7 @@ def propose(
 
     ``agent_state``, when given, replaces the agent's own JSON state in whatever this
     proposal commits (it is validated with the state before the commit). ``tools`` are the
-    declared tools' contracts by name (:class:`ratchet.runtime.tools.ToolCatalog`): a
+    declared tools' contracts by name (:class:`ratchet.runtime.catalog.ToolCatalog`): a
     permitted tool's call is checked against its contract (risk, then arguments, which
     are normalised to what its model dumps) and rejected as ``rejected_schema`` otherwise.
 

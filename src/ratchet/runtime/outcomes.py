@@ -1,7 +1,7 @@
 """Transitions after a proposal: receipts, reviews, reads, verification, cancellation,
 rebaselining.
 
-Pure functions like :mod:`ratchet.runtime.machine` (which re-exports them): the caller
+Pure functions like :mod:`ratchet.runtime.machine`, imported from here: the caller
 passes in what it observed and gets a new state back, with one trace event appended.
 """
 

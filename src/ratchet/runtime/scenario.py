@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from ratchet.errors import ScenarioError
+from ratchet.errors import ContractError, ScenarioError
 from ratchet.runtime.actions import KIND_SPECS, ActionKind, ToolName
 from ratchet.runtime.canonical import (
     Domain,
@@ -160,7 +160,7 @@ def load_scenario(text: str | bytes, *, fmt: Literal["json", "yaml"] = "json") -
     try:
         data: Any = strict_json_loads(text) if fmt == "json" else strict_yaml_loads(text)
     except Exception as exc:  # ContractError from the strict parsers
-        field = getattr(exc, "field", None) or "scenario"
+        field = (exc.field if isinstance(exc, ContractError) else None) or "scenario"
         raise ScenarioError(f"scenario is not strict {fmt}: {exc}", field=field) from None
     if not isinstance(data, dict):
         raise ScenarioError("scenario must be an object", field="scenario")

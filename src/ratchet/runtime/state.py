@@ -19,7 +19,7 @@ not phase events and never go through the table.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, Strict
 
@@ -333,7 +333,7 @@ class ExecutedKeys:
         return f"ExecutedKeys(count={len(self)})"
 
 
-def _fail(message: str, **context: object) -> InvariantViolation:
+def _fail(message: str, **context: Any) -> InvariantViolation:
     return InvariantViolation(f"invalid run state: {message}", **context)
 
 

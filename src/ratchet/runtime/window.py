@@ -15,7 +15,7 @@ and this module answers it without the old entries:
   a store that hides, adds or reorders a digest is refused. A key whose digest is not in
   the set at an ordinal before the window was never executed by the run.
 * A key whose digest is there is answered from the window when the entry is in it, and
-  otherwise by a *recall* (:func:`ratchet.runtime.checkpoint.recall_executed`): the
+  otherwise by a *recall* (:func:`ratchet.runtime.archive.recall_executed`): the
   archive before the window, checked against the chain value the checkpoint signs for the
   window's start, yields the entry at that ordinal, which must carry the key. Until
   recalled, :meth:`RunState.cached` raises :class:`NotInWindow`; the engine performs the

@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ratchet.errors import ConfigurationError
-from ratchet.leasing.server import LOOPBACK, RedisServer, find_redis_cli
+from ratchet.redis_server import LOOPBACK, RedisServer, find_redis_cli
 
 __all__ = ["LocalCluster"]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ratchet.errors import (
     AdapterError,
@@ -105,7 +106,7 @@ class ConformanceCheck:
         return (self.run.__doc__ or "").strip()
 
 
-def _fail(check: str, message: str, **context: object) -> ConformanceError:
+def _fail(check: str, message: str, **context: Any) -> ConformanceError:
     return ConformanceError(f"{check}: {message}", check=check, **context)
 
 
@@ -186,7 +187,7 @@ def same_key_other_intent_conflicts_with_the_existing_receipt(s: ConformanceSubj
     if other.intent_digest == first.intent_digest:
         raise _fail(name, "make_write gave the same intent for two variants")
     exc = _refused(name, IdempotencyConflictError, lambda: s.execute(other, s.fence(1, 2)))
-    carried = exc.context.get("receipt") if isinstance(exc, AdapterError) else None
+    carried = exc.receipt if isinstance(exc, IdempotencyConflictError) else None
     _same(name, "receipt carried by the conflict", carried, first)
     _same(name, "effects", s.effects(), effects)
 
@@ -268,7 +269,7 @@ def stale_precondition_is_refused(s: ConformanceSubject) -> None:
     _same(
         name,
         "retryable",
-        exc.context.get("retryable") if isinstance(exc, AdapterError) else None,
+        exc.retryable if isinstance(exc, AdapterError) else None,
         False,
     )
     _same(name, "effects", s.effects(), effects)

@@ -27,7 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from ratchet.errors import ConfigurationError
-from ratchet.leasing.server import LOOPBACK, RedisServer, find_redis_server, free_port
+from ratchet.redis_server import LOOPBACK, RedisServer, find_redis_server, free_port
 
 __all__ = ["SERVICE", "LocalReplicated", "SentinelProcess"]
 

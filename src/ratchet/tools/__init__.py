@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from ratchet.adapters.router import RouterAdapter
-from ratchet.agents.plugins import installed_entry_points
+from ratchet.entrypoints import installed_entry_points
 from ratchet.errors import AdapterError, ConfigurationError
+from ratchet.runtime.catalog import BUILTIN_TOOLS, Recovery, ToolCatalog, ToolSpec
 from ratchet.runtime.ports import Adapter, Clock
-from ratchet.runtime.tools import BUILTIN_TOOLS, Recovery, ToolCatalog, ToolSpec
 from ratchet.tools.adapter import ToolsAdapter, output_result
 from ratchet.tools.declare import Found, FunctionTool, RecordedCall, Tool, ToolCall, tool
 from ratchet.tools.ledger import CallLedger, ToolLedger

@@ -61,6 +61,7 @@ from ratchet.errors import (
 )
 from ratchet.runtime.actions import Action
 from ratchet.runtime.canonical import Domain, canonical_json, digest
+from ratchet.runtime.catalog import Recovery, ToolCatalog
 from ratchet.runtime.ports import (
     Clock,
     Fence,
@@ -69,7 +70,6 @@ from ratchet.runtime.ports import (
     Receipt,
     VerifierReport,
 )
-from ratchet.runtime.tools import Recovery, ToolCatalog
 from ratchet.tools.declare import Found, RecordedCall, Tool, ToolCall
 from ratchet.tools.ledger import CallIntent, CallLedger, ToolLedger
 
@@ -358,7 +358,7 @@ class ToolsAdapter:
             # is unresolved (its started row: a cut-off call), which is settled first.
             existing = begin(again=False)
         except AdapterError as exc:
-            if exc.context.get("reason") != "unresolved":
+            if exc.reason != "unresolved":
                 raise
             settled = self._settle(t, key, intent_digest, action.args)
             if settled is not None:
@@ -381,7 +381,7 @@ class ToolsAdapter:
             # can be made. A review tool's started row stays; a reviewer decides.
             raise _cut_off(spec.name, key, exc) from exc
         except AdapterError as exc:
-            if not exc.context.get("retryable"):
+            if not exc.retryable:
                 self.ledger.abort_call(key, recorded)
             raise
         except Exception as exc:

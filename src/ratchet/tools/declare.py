@@ -54,16 +54,19 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, ClassVar, get_type_hints
+from typing import Any, ClassVar, Generic, ParamSpec, TypeVar, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, create_model
 
 from ratchet.errors import ConfigurationError
 from ratchet.runtime.actions import Risk
+from ratchet.runtime.catalog import Recovery, ToolSpec
 from ratchet.runtime.ports import Fence
-from ratchet.runtime.tools import Recovery, ToolSpec
 
 __all__ = ["Found", "FunctionTool", "RecordedCall", "Tool", "ToolCall", "tool"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,12 +225,17 @@ class Tool:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-class FunctionTool(Tool):
-    """A tool made by :func:`tool` from a function (see the module docstring)."""
+class FunctionTool(Tool, Generic[P, R]):
+    """A tool made by :func:`tool` from a function (see the module docstring).
+
+    Generic in the function's parameters and return type, so a decorated function keeps
+    its signature for a type checker: calling the tool directly (in a test, say) is
+    checked as calling the function.
+    """
 
     def __init__(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[P, R],
         *,
         name: str,
         risk: Risk | str,
@@ -235,7 +243,7 @@ class FunctionTool(Tool):
         requires_approval: bool,
         idempotent: bool,
     ) -> None:
-        self.fn = fn
+        self.fn: Callable[P, R] = fn
         self.name = name  # type: ignore[misc]  # instance values of the class form's fields
         self.risk = risk  # type: ignore[misc]
         self.description = description  # type: ignore[misc]
@@ -245,7 +253,7 @@ class FunctionTool(Tool):
         self._fence_fn: Callable[[Fence], None] | None = None
         self.Args, self._model_param, self._wants_call = _signature_model(fn, name)  # type: ignore[misc]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the function itself (for tests and plain use): no ledger, no fence."""
         return self.fn(*args, **kwargs)
 
@@ -300,12 +308,15 @@ class FunctionTool(Tool):
         return self.args_model.model_validate(args)
 
     def run(self, args: Any, call: ToolCall) -> Any:
+        # Called by name with validated arguments: the signature was checked when the
+        # tool was declared (_signature_model), not here.
+        fn: Callable[..., Any] = self.fn
         extra = {"call": call} if self._wants_call else {}
         if self._model_param is not None:
-            return self.fn(**{self._model_param: args}, **extra)
+            return fn(**{self._model_param: args}, **extra)
         if isinstance(args, dict):
-            return self.fn(**args, **extra)
-        return self.fn(**args.model_dump(), **extra)
+            return fn(**args, **extra)
+        return fn(**args.model_dump(), **extra)
 
 
 def _argument_hints(fn: Callable[..., Any], name: str) -> dict[str, Any]:
@@ -361,24 +372,49 @@ def _signature_model(fn: Callable[..., Any], name: str) -> tuple[type[BaseModel]
     return model, None, wants_call
 
 
+@overload
 def tool(
-    fn: Callable[..., Any] | None = None,
+    fn: Callable[P, R],
     *,
     name: str | None = None,
     risk: Risk | str = Risk.IRREVERSIBLE_EXTERNAL_WRITE,
     description: str | None = None,
     requires_approval: bool = False,
     idempotent: bool = False,
-) -> Any:
+) -> FunctionTool[P, R]: ...
+
+
+@overload
+def tool(
+    fn: None = None,
+    *,
+    name: str | None = None,
+    risk: Risk | str = Risk.IRREVERSIBLE_EXTERNAL_WRITE,
+    description: str | None = None,
+    requires_approval: bool = False,
+    idempotent: bool = False,
+) -> Callable[[Callable[P, R]], FunctionTool[P, R]]: ...
+
+
+def tool(
+    fn: Callable[P, R] | None = None,
+    *,
+    name: str | None = None,
+    risk: Risk | str = Risk.IRREVERSIBLE_EXTERNAL_WRITE,
+    description: str | None = None,
+    requires_approval: bool = False,
+    idempotent: bool = False,
+) -> FunctionTool[P, R] | Callable[[Callable[P, R]], FunctionTool[P, R]]:
     """Declare a function as a tool (see the module docstring). Usable bare (``@tool``)
-    or with options. The result is a :class:`FunctionTool`; its ``.lookup`` and
+    or with options. The result is a :class:`FunctionTool` with the function's signature
+    (overloads for the two forms, so a type checker sees it too); its ``.lookup`` and
     ``.fence`` attributes are decorators for the optional lookup and fence functions.
 
     Raises:
         ConfigurationError: a bad name, risk or signature (at declaration).
     """
 
-    def declare(f: Callable[..., Any]) -> FunctionTool:
+    def declare(f: Callable[P, R]) -> FunctionTool[P, R]:
         made = FunctionTool(
             f,
             name=name or f.__name__,

@@ -6,7 +6,7 @@ per job): until the run ends, waits for a human, the agent has nothing to propos
 worker is asked to stop, or the lease is in doubt.
 
 The order of a job and how each failure ends it are the job protocol's
-(:mod:`ratchet.worker.protocol`), which the simulator drives too. What this module adds
+(:mod:`ratchet.worker.jobprotocol`), which the simulator drives too. What this module adds
 is the fleet's side (:class:`_FleetJob`):
 
 * before the lease: the store must still be the one the worker started on (its epoch);
@@ -75,7 +75,7 @@ from ratchet.runtime import (
     RunEngine,
 )
 from ratchet.runtime.effects import Hooks as ExecutorHooks
-from ratchet.runtime.machine import decision_baseline
+from ratchet.runtime.outcomes import decision_baseline
 from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
@@ -87,8 +87,7 @@ from ratchet.worker.inbox import (
     decision_waiting,
     find_job_controls,
 )
-from ratchet.worker.observe import RunRecorder, job_ended
-from ratchet.worker.protocol import (
+from ratchet.worker.jobprotocol import (
     JobOutcome,
     JobReport,
     Opened,
@@ -96,6 +95,7 @@ from ratchet.worker.protocol import (
     open_window,
     take_lease,
 )
+from ratchet.worker.observe import RunRecorder, job_ended
 
 __all__ = ["STOP", "execute_run", "run_job"]
 
@@ -182,7 +182,7 @@ def _execute(
     except StoreEpochError as exc:
         log.error(
             "store epoch check failed",
-            extra={"run_id": run_id, "reason": str(exc.context["reason"])},
+            extra={"run_id": run_id, "reason": str(exc.reason)},
         )
         return JobReport(run_id, JobOutcome.STORE_EPOCH_CHANGED, detail=exc.message)
     acquired_at = time.monotonic()
@@ -239,7 +239,7 @@ def _execute(
 
 
 class _FleetJob:
-    """The job protocol's host in a worker process (:class:`ratchet.worker.protocol.JobHost`):
+    """The job protocol's host in a worker process (:class:`ratchet.worker.jobprotocol.JobHost`):
     the run document, the operator controls, the worker's credentials and tools, the
     heartbeat thread, metrics and incidents."""
 

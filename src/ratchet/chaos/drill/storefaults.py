@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from ratchet.errors import ConfigurationError, RatchetError
-from ratchet.leasing import RedisServer, run_keys
+from ratchet.leasing import run_keys
+from ratchet.redis_server import RedisServer
 
 if TYPE_CHECKING:
     from ratchet.chaos.drill.runner import _Drill

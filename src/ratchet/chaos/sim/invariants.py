@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ratchet.leasing.encoding import decode_checkpoint
-from ratchet.leasing.keys import run_keys
+from ratchet.leasing.keyspace import run_keys
 from ratchet.runtime.actions import Action
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
 from ratchet.runtime.signing import KeyRing, open_envelope

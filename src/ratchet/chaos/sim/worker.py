@@ -1,6 +1,6 @@
 """A simulated worker: one process's job on the run, driving the job protocol itself.
 
-The job is :mod:`ratchet.worker.protocol`, the code every worker runs: the order (take
+The job is :mod:`ratchet.worker.jobprotocol`, the code every worker runs: the order (take
 the lease, open the run, resume, reconcile, step, finish) and the classification of every
 failure are not copied here but driven, through a host that supplies the simulation's
 side (:class:`_SimJob`): its scenario and plan, its adapter, no run document, routing,
@@ -50,7 +50,7 @@ from ratchet.runtime.effects import (
 from ratchet.runtime.ports import Advance, Release, RunKey, StoredCheckpoint
 from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
-from ratchet.worker.protocol import (
+from ratchet.worker.jobprotocol import (
     JobOutcome,
     JobReport,
     Opened,
@@ -289,7 +289,7 @@ def run_job(worker: SimWorker) -> str:
 
 
 class _SimJob:
-    """The job protocol's host in the simulation (:class:`ratchet.worker.protocol.JobHost`):
+    """The job protocol's host in the simulation (:class:`ratchet.worker.jobprotocol.JobHost`):
     the simulation's scenario, plan and adapter; no document, routing, controls, inbox or
     stop request (the simulated fleet has none); the judge hears the restore, every
     refusal and every unexpected error."""

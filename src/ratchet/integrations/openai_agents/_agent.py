@@ -27,7 +27,7 @@ from ratchet.integrations.openai_agents._request import (
     output_schema,
     read_response,
 )
-from ratchet.runtime.tools import ToolSpec
+from ratchet.runtime.catalog import ToolSpec
 
 if TYPE_CHECKING:
     from ratchet.integrations.openai_agents import RatchetAgent

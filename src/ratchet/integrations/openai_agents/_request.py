@@ -37,7 +37,7 @@ from ratchet.agents.conversation import clip
 from ratchet.errors import AdapterError, ConfigurationError, ContractError
 from ratchet.integrations._journal import RawCall
 from ratchet.runtime.canonical import strict_json_loads
-from ratchet.runtime.tools import ToolSpec
+from ratchet.runtime.catalog import ToolSpec
 
 __all__ = ["ModelLoop", "Reading", "Request", "model_error", "read_response"]
 

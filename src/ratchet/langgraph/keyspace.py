@@ -53,7 +53,7 @@ import re
 from dataclasses import dataclass
 
 from ratchet.errors import ContractError
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 
 __all__ = [
     "META_PATTERN",

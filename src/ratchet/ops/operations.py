@@ -57,7 +57,7 @@ from ratchet.fleet.runs import (
     seal_document,
 )
 from ratchet.leasing import RunSnapshot
-from ratchet.leasing.keys import check_id
+from ratchet.leasing.keyspace import check_id
 from ratchet.runtime import (
     ApprovalClaims,
     ApprovalEvidence,
@@ -72,6 +72,7 @@ from ratchet.runtime import (
     RunState,
     effects,
     machine,
+    outcomes,
     sign_approval,
     sign_rebaseline,
     sign_review_decision,
@@ -294,7 +295,9 @@ def post_review_decision(fleet: Fleet, run_id: str, decision: ReviewDecision) ->
     view = inspect_run(fleet, run_id)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
-        machine.check_review_decision(view.state, view.document.scenario, decision, fleet.reviewers)
+        outcomes.check_review_decision(
+            view.state, view.document.scenario, decision, fleet.reviewers
+        )
     elif view.state.review is None:
         raise ReviewDecisionError("no review case is open", reason="no_open_case")
     return _post(fleet, run_id, decision, verified, ReviewDecisionError)
@@ -608,7 +611,7 @@ def rebaseline(
     decision = sign_rebaseline(_loaded(key), reviewer_id, claims)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
-        machine.check_rebaseline(
+        outcomes.check_rebaseline(
             state, view.document.scenario, decision, fleet.reviewers, generation=view.generation
         )
     return _post(fleet, run_id, decision, verified, ReviewDecisionError)

@@ -25,10 +25,11 @@ from ratchet.errors import (
     LeaseLostError,
     RatchetError,
     ReviewDecisionError,
+    RunNotFoundError,
     StoreUnavailableError,
 )
 from ratchet.fleet.metrics import JOB_OUTCOMES
-from ratchet.worker.protocol import (
+from ratchet.worker.jobprotocol import (
     JobOutcome,
     JobReport,
     Verdict,
@@ -42,8 +43,13 @@ def test_every_outcome_is_a_metric_label() -> None:
     assert set(JOB_OUTCOMES) - {"other"} == {o.value for o in JobOutcome}
 
 
-def _caused(exc: IntegrityError, cause: BaseException) -> IntegrityError:
-    exc.__context__ = cause
+def _unreadable(cause: BaseException) -> IntegrityError:
+    """A restore's refusal because no high-water mark could be read, for ``cause`` (as
+    ``leasing.handle`` raises it: ``from`` the store's error)."""
+    high_water = HighWaterUnavailableError("x", cause=type(cause).__name__)
+    high_water.__cause__ = cause
+    exc = IntegrityError("no high water")
+    exc.__context__ = high_water
     return exc
 
 
@@ -51,20 +57,8 @@ def _caused(exc: IntegrityError, cause: BaseException) -> IntegrityError:
     ("exc", "verdict"),
     [
         (CheckpointError("bad mac", reason="mac"), Verdict.REFUSE),
-        (
-            _caused(
-                IntegrityError("no high water"),
-                HighWaterUnavailableError("x", cause="StoreUnavailableError"),
-            ),
-            Verdict.LOST,
-        ),
-        (
-            _caused(
-                IntegrityError("no high water"),
-                HighWaterUnavailableError("x", cause="RunNotFoundError"),
-            ),
-            Verdict.REFUSE,
-        ),
+        (_unreadable(StoreUnavailableError("down")), Verdict.LOST),
+        (_unreadable(RunNotFoundError("gone")), Verdict.REFUSE),
         (FenceRejectedError("newer fence seen"), Verdict.REFUSE),
         (ConfigurationError("no such agent"), Verdict.REFUSE),
         (ContractError("bad document"), Verdict.REFUSE),

@@ -15,7 +15,7 @@ import secrets
 from redis.exceptions import RedisError
 
 from ratchet.errors import StoreEpochError, StoreProtocolError
-from ratchet.leasing.keys import EPOCH_KEY
+from ratchet.leasing.keyspace import EPOCH_KEY
 from ratchet.leasing.plumbing import StorePlumbing
 
 __all__ = ["StoreIdentity"]

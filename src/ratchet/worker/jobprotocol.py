@@ -70,13 +70,14 @@ from ratchet.errors import (
     RunNotFoundError,
     StoreError,
     StoreProtocolError,
+    StoreUnavailableError,
 )
 from ratchet.leasing import LeasedRun, LeaseHolder, RunSnapshot
 from ratchet.runtime import KeyRing, Phase, RunEngine
+from ratchet.runtime.catalog import ToolCatalog
 from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
 from ratchet.runtime.ports import Release
 from ratchet.runtime.state import TERMINAL_PHASES, ExecutedKeys
-from ratchet.runtime.tools import ToolCatalog
 
 __all__ = [
     "JobHost",
@@ -154,9 +155,8 @@ def restore_verdict(exc: BaseException) -> Verdict | None:
     is not a restore's own (it is then judged as a step's, by :func:`step_verdict`)."""
     if isinstance(exc, IntegrityError):
         cause = exc.__context__
-        if (
-            isinstance(cause, HighWaterUnavailableError)
-            and cause.context.get("cause") == "StoreUnavailableError"
+        if isinstance(cause, HighWaterUnavailableError) and isinstance(
+            cause.__cause__, StoreUnavailableError
         ):
             return Verdict.LOST  # Redis could not be read mid-restore: no evidence; retry
         return Verdict.REFUSE
@@ -165,7 +165,7 @@ def restore_verdict(exc: BaseException) -> Verdict | None:
     if isinstance(exc, ReviewDecisionError):
         return Verdict.REFUSE
     if isinstance(exc, AdapterError):
-        return Verdict.RETRY if exc.context.get("retryable") else Verdict.REFUSE
+        return Verdict.RETRY if exc.retryable else Verdict.REFUSE
     return None
 
 
@@ -176,7 +176,7 @@ def step_verdict(exc: BaseException) -> Verdict:
     if isinstance(exc, EnvironmentMismatchError):
         return Verdict.ENVIRONMENT
     if isinstance(exc, AdapterError):
-        return Verdict.RETRY if exc.context.get("retryable") else Verdict.JOB_ERROR
+        return Verdict.RETRY if exc.retryable else Verdict.JOB_ERROR
     if isinstance(exc, StoreError):
         return Verdict.LOST
     return Verdict.JOB_ERROR
@@ -498,7 +498,7 @@ def open_window(
             keys=snap.keys,
         )
     except CheckpointError as exc:
-        if exc.context.get("reason") != "archive_short":
+        if exc.reason != "archive_short":
             raise
         snap = lease.read(with_checkpoint=True, with_scenario=snap.scenario is not None)
         opened = open_checkpoint(
