@@ -25,6 +25,7 @@ from ratchet.fleet.settings import Settings
 from ratchet.ops import submit
 from ratchet.runtime import Action, Advance, Fence, Observation, Phase, RunKey, TraceOutcome
 from ratchet.runtime.effects import Commit, Execute, Lookup, Observe, RaiseFence, Verify
+from ratchet.runtime.ports import Release
 from ratchet.runtime.state import Usage
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat
@@ -329,10 +330,14 @@ def test_the_executor_passes_a_single_commits_deadline_and_phase_through() -> No
     sent through a call without them it lost both, so Redis never enforced the deadline
     for workers."""
     sent: list[list[Advance]] = []
+    releases: list[Release | None] = []
 
     class Store:
-        def commit_batch(self, key: object, commits: list[Advance]) -> None:
+        def commit_batch(
+            self, key: object, commits: list[Advance], *, release: Release | None = None
+        ) -> None:
             sent.append(list(commits))
+            releases.append(release)
 
     beat = Heartbeat(
         lambda: 0, run_id="r", interval_ms=10_000, stall_timeout_ms=50_000, lease_ttl_ms=60_000
@@ -340,4 +345,7 @@ def test_the_executor_passes_a_single_commits_deadline_and_phase_through() -> No
     executor = Executor(None, Store(), guard=beat, measure=True)  # type: ignore[arg-type]
     commit = Advance(1, b"blob", (), b"", 123_456, "awaiting_approval")
     executor.perform(Commit(RunKey("t", "r", "e"), (commit,)))
-    assert sent == [[commit]]
+    assert sent == [[commit]] and releases == [None]
+    # A release travels with its commit to the store, as data.
+    executor.perform(Commit(RunKey("t", "r", "e"), (commit,), Release(reap=True)))
+    assert releases == [None, Release(reap=True)]
