@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from ratchet.adapters.sandbox import Sandbox, SandboxMode, bwrap_works
+
+
+CHAOS = Path(__file__).resolve().parent / "chaos"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests of ``tests/chaos`` (whole drills and the simulator's CI budget) are
+    ``drill`` tests: outside the README's test command, run by ``.ci/run`` after it
+    (``pytest -m "drill and not chaos"``)."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None and CHAOS in item.path.parents:
+            item.add_marker(pytest.mark.drill)
 
 
 def sandbox_available() -> bool:
