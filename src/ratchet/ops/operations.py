@@ -78,8 +78,8 @@ from ratchet.runtime import (
     sign_review_decision,
 )
 from ratchet.runtime.canonical import model_json
-from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.effects import drive
+from ratchet.runtime.restore import open_checkpoint
 from ratchet.runtime.state import TERMINAL_PHASES, ReviewCase
 from ratchet.worker.executor import Executor
 

@@ -57,10 +57,6 @@ from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.checkpoint import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     CheckpointPayload,
-    check_fresh,
-    finish_restore,
-    high_water_missing,
-    open_for_restore,
     run_key,
     seal_checkpoint,
     seal_split,
@@ -100,6 +96,12 @@ from ratchet.runtime.ports import (
     RunKey,
     StoredCheckpoint,
     VerifierReport,
+)
+from ratchet.runtime.restore import (
+    check_fresh,
+    finish_restore,
+    high_water_missing,
+    open_for_restore,
 )
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.signing import KeyRing
@@ -275,7 +277,7 @@ class RunEngine:
         (``archive_from``: the index of the first one, when only the last ones were read),
         and ``keys`` the run's executed-key digests (None: made from the whole archive).
         The state restored is the window the checkpoint signs (see
-        :func:`~ratchet.runtime.checkpoint.open_checkpoint`). ``opened`` is
+        :func:`~ratchet.runtime.restore.open_checkpoint`). ``opened`` is
         ``open_checkpoint(blob, archive=archive, windowed=True, ...)`` when the caller made
         it already (to check the run document against it before building the adapter).
 
