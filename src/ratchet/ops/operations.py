@@ -70,9 +70,9 @@ from ratchet.runtime import (
     ReviewVerdict,
     RunEngine,
     RunState,
+    decisions,
     effects,
     machine,
-    outcomes,
     sign_approval,
     sign_rebaseline,
     sign_review_decision,
@@ -295,7 +295,7 @@ def post_review_decision(fleet: Fleet, run_id: str, decision: ReviewDecision) ->
     view = inspect_run(fleet, run_id)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
-        outcomes.check_review_decision(
+        decisions.check_review_decision(
             view.state, view.document.scenario, decision, fleet.reviewers
         )
     elif view.state.review is None:
@@ -611,7 +611,7 @@ def rebaseline(
     decision = sign_rebaseline(_loaded(key), reviewer_id, claims)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
-        outcomes.check_rebaseline(
+        decisions.check_rebaseline(
             state, view.document.scenario, decision, fleet.reviewers, generation=view.generation
         )
     return _post(fleet, run_id, decision, verified, ReviewDecisionError)

@@ -50,7 +50,7 @@ from ratchet.errors import (
     OutcomeUnknownError,
     ReplicationUnconfirmedError,
 )
-from ratchet.runtime import effects, machine, outcomes
+from ratchet.runtime import decisions, effects, machine, outcomes
 from ratchet.runtime.actions import Action
 from ratchet.runtime.archive import ArchiveRef, empty_archive, recall_executed, window_for
 from ratchet.runtime.catalog import ToolSpec
@@ -920,7 +920,7 @@ class RunEngine:
                 except OutcomeUnknownError:
                     authoritative = None  # the reviewer decides what happened
             observed = cast(Observation, (yield Observe()))
-            new = outcomes.apply_review_decision(
+            new = decisions.apply_review_decision(
                 self.state,
                 self.scenario,
                 decision,
@@ -934,7 +934,7 @@ class RunEngine:
         self._drive(decide())
         return self._result()
 
-    def _settle_pending(self) -> Op[outcomes.Settled | None]:
+    def _settle_pending(self) -> Op[decisions.Settled | None]:
         """Look the pending write's key up at the adapter, behind this lease's fence, for
         a control that ends or rebases the run (None: nothing is pending, or only a write
         waiting for approval, which was never sent).
@@ -948,13 +948,13 @@ class RunEngine:
             return None
         yield RaiseFence(self._fence())
         receipt = yield from self._lookup(pending.action)
-        return outcomes.Settled(receipt)
+        return decisions.Settled(receipt)
 
     def cancel(self, reason: str, *, by: str = "", request_id: str = "") -> StepResult:
         """Cancel the run at a safe point, attributed to ``by`` (and its ``request_id``).
 
         A pending write the adapter may have received is settled first by its key (see
-        :func:`outcomes.cancel`): recorded as executed if the adapter holds its receipt,
+        :func:`decisions.cancel`): recorded as executed if the adapter holds its receipt,
         dropped if it holds none. An answer that does not settle it (another intent, a
         committed receipt the adapter lost or that drifted) opens a review case instead,
         recording the environment now: the result's phase is then ``needs_review``.
@@ -977,7 +977,7 @@ class RunEngine:
         )
         now = self.clock.now()
         try:
-            new = outcomes.cancel(
+            new = decisions.cancel(
                 self.state,
                 reason,
                 now=now,
@@ -1011,7 +1011,7 @@ class RunEngine:
 
     def apply_rebaseline(self, decision: RebaselineDecision) -> StepResult:
         """Consume a reviewer's signed rebaseline decision: the environment observed now
-        becomes the run's baseline (see :func:`outcomes.apply_rebaseline`).
+        becomes the run's baseline (see :func:`decisions.apply_rebaseline`).
 
         Raises:
             ReviewDecisionError: refused; nothing changed.
@@ -1020,14 +1020,14 @@ class RunEngine:
         if self.reviewers is None:
             raise ConfigurationError("no reviewer trust root configured")
         reviewers = self.reviewers
-        outcomes.check_rebaseline(
+        decisions.check_rebaseline(
             self.state, self.scenario, decision, reviewers, generation=self.generation
         )
 
         def rebase() -> Op[None]:
             settled = yield from self._settle_pending()
             observed = cast(Observation, (yield Observe()))
-            new = outcomes.apply_rebaseline(
+            new = decisions.apply_rebaseline(
                 self.state,
                 self.scenario,
                 decision,
