@@ -5,7 +5,7 @@ For a realistic checkpoint of about 4 KB and about 64 KB this measures:
 * **sign**: build, validate, sign and serialise one checkpoint
   (:func:`ratchet.runtime.checkpoint.seal_checkpoint`: schema re-validation, invariants,
   canonical JSON, checksum, HMAC);
-* **restore**: verify and restore one (:func:`ratchet.runtime.checkpoint.restore_checkpoint`:
+* **restore**: verify and restore one (:func:`ratchet.runtime.restore.restore_checkpoint`:
   strict envelope parse, checksum, constant-time HMAC, schema, canonical payload, scenario,
   invariants, generation against an in-memory high-water store, environment, and the
   Ed25519 trust check of the approval the state holds).

@@ -20,7 +20,7 @@ from ratchet.demo.examples import RIGHT_GREETING
 from ratchet.errors import ContractError, ReviewDecisionError
 from ratchet.fleet.context import Fleet
 from ratchet.ops import inspect_run, rebaseline, submit
-from ratchet.runtime import RebaselineClaims, outcomes, sign_rebaseline
+from ratchet.runtime import RebaselineClaims, decisions, sign_rebaseline
 from ratchet.worker.job import execute_run
 from tests.ops.helpers import MakeWorkspace, trust_file, with_trust
 
@@ -80,7 +80,7 @@ def test_a_workspace_restored_from_before_a_recorded_write_is_refused_and_never_
     decision = sign_rebaseline(RITA, "rita", claims)
     assert trusted.reviewers is not None
     with pytest.raises(ReviewDecisionError) as caught:
-        outcomes.check_rebaseline(
+        decisions.check_rebaseline(
             state,
             inspect_run(trusted, run_id).document.scenario,
             decision,

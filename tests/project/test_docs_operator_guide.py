@@ -101,10 +101,10 @@ def documented_kinds() -> set[str]:
 
 
 def restore_reasons() -> set[str]:
-    """Every ``reason`` a checkpoint restore can refuse with (runtime checkpoint and
-    signing: ``_fail("reason", ...)``, ``_bad("reason", ...)``, ``reason="..."``)."""
+    """Every ``reason`` a checkpoint restore can refuse with (runtime checkpoint, restore
+    and signing: ``_fail("reason", ...)``, ``_bad("reason", ...)``, ``reason="..."``)."""
     reasons: set[str] = set()
-    for name in ("checkpoint.py", "signing.py"):
+    for name in ("checkpoint.py", "restore.py", "signing.py"):
         source = (RUNTIME / name).read_text()
         reasons |= set(re.findall(r'_(?:fail|bad)\(\s*"([a-z_]+)"', source))
         reasons |= set(re.findall(r'reason="([a-z_]+)"', source))

@@ -14,9 +14,10 @@ from ratchet.errors import CheckpointError, HighWaterUnavailableError, Invariant
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
 from ratchet.runtime.archive import archive_genesis, chain_link, chain_over, empty_archive
 from ratchet.runtime.canonical import canonical_json
-from ratchet.runtime.checkpoint import open_checkpoint, restore_checkpoint, run_key, seal_split
+from ratchet.runtime.checkpoint import run_key, seal_split
 from ratchet.runtime.engine import Probe
 from ratchet.runtime.ports import StoredCheckpoint
+from ratchet.runtime.restore import open_checkpoint, restore_checkpoint
 from tests.runtime.world import RIGHT_GREETING, World
 
 

@@ -14,7 +14,7 @@ from ratchet.errors import (
     ReviewDecisionError,
 )
 from ratchet.runtime import CrashWindow, Phase, RunEngine, TraceOutcome
-from ratchet.runtime.outcomes import check_rebaseline, decision_baseline
+from ratchet.runtime.decisions import check_rebaseline, decision_baseline
 from tests.runtime.world import (
     RIGHT_GREETING,
     SimulatedCrash,

@@ -18,8 +18,9 @@ from ratchet.errors import CheckpointError, InvariantViolation
 from ratchet.runtime import Phase, RunEngine, TraceOutcome
 from ratchet.runtime import window as window_module
 from ratchet.runtime.archive import ArchiveRef, archive_genesis, chain_over
-from ratchet.runtime.checkpoint import _payload, open_checkpoint
+from ratchet.runtime.checkpoint import _payload
 from ratchet.runtime.ports import StoredCheckpoint
+from ratchet.runtime.restore import open_checkpoint
 from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.state import TERMINAL_PHASES, RunState, check_invariants
 from ratchet.runtime.types import Frozen

@@ -43,7 +43,7 @@ from pydantic import Field, Strict, ValidationError
 from ratchet.errors import CheckpointError, ContractError, EvidenceError
 from ratchet.runtime import KeyRing, RebaselineDecision, RunState, Scenario, TrustRoots
 from ratchet.runtime.canonical import Domain, canonical_json, strict_json_loads
-from ratchet.runtime.outcomes import check_rebaseline
+from ratchet.runtime.decisions import check_rebaseline
 from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.types import Frozen, Identifier, NonNegInt
 

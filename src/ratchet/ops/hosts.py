@@ -15,7 +15,7 @@ from ratchet.fleet.placement import Placement, home_of, seal_placement
 from ratchet.fleet.runs import document_digest
 from ratchet.ops.operations import inspect_run, observe_now
 from ratchet.runtime import Observation
-from ratchet.runtime.checkpoint import check_environment
+from ratchet.runtime.restore import check_environment
 from ratchet.runtime.state import TERMINAL_PHASES
 
 __all__ = ["Attached", "attach"]

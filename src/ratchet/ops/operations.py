@@ -70,16 +70,16 @@ from ratchet.runtime import (
     ReviewVerdict,
     RunEngine,
     RunState,
+    decisions,
     effects,
     machine,
-    outcomes,
     sign_approval,
     sign_rebaseline,
     sign_review_decision,
 )
 from ratchet.runtime.canonical import model_json
-from ratchet.runtime.checkpoint import open_checkpoint
 from ratchet.runtime.effects import drive
+from ratchet.runtime.restore import open_checkpoint
 from ratchet.runtime.state import TERMINAL_PHASES, ReviewCase
 from ratchet.worker.executor import Executor
 
@@ -295,7 +295,7 @@ def post_review_decision(fleet: Fleet, run_id: str, decision: ReviewDecision) ->
     view = inspect_run(fleet, run_id)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
-        outcomes.check_review_decision(
+        decisions.check_review_decision(
             view.state, view.document.scenario, decision, fleet.reviewers
         )
     elif view.state.review is None:
@@ -611,7 +611,7 @@ def rebaseline(
     decision = sign_rebaseline(_loaded(key), reviewer_id, claims)
     verified = fleet.reviewers is not None
     if fleet.reviewers is not None:
-        outcomes.check_rebaseline(
+        decisions.check_rebaseline(
             state, view.document.scenario, decision, fleet.reviewers, generation=view.generation
         )
     return _post(fleet, run_id, decision, verified, ReviewDecisionError)

@@ -78,7 +78,7 @@ from ratchet.runtime import (
     TrustRoots,
 )
 from ratchet.runtime.canonical import Domain, canonical_json, strict_json_loads
-from ratchet.runtime.checkpoint import open_checkpoint
+from ratchet.runtime.restore import open_checkpoint
 from ratchet.runtime.signing import open_envelope, seal_envelope
 from ratchet.runtime.state import TERMINAL_PHASES, RunState, check_invariants
 

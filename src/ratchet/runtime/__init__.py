@@ -15,12 +15,7 @@ from ratchet.runtime.actions import (
     parse_action,
 )
 from ratchet.runtime.canonical import canonical_json, digest, strict_json_loads
-from ratchet.runtime.checkpoint import (
-    CheckpointPayload,
-    Restored,
-    restore_checkpoint,
-    seal_checkpoint,
-)
+from ratchet.runtime.checkpoint import CheckpointPayload, seal_checkpoint
 from ratchet.runtime.effects import CrashWindow, Effect, Hooks, Performer
 from ratchet.runtime.engine import RunEngine, StepResult
 from ratchet.runtime.evidence import (
@@ -49,6 +44,7 @@ from ratchet.runtime.ports import (
     StoredCheckpoint,
     VerifierReport,
 )
+from ratchet.runtime.restore import Restored, restore_checkpoint
 from ratchet.runtime.scenario import Budgets, Scenario, VerifierSpec, load_scenario
 from ratchet.runtime.signing import KeyRing, SecretKey
 from ratchet.runtime.state import (

@@ -8,7 +8,7 @@ entry counts, where the state's window starts (:class:`ArchiveStart`) and the SH
 every executed write's key digest. This module checks an archive against that reference
 (:func:`unarchive`), gives the engine its memory of the window (:func:`window_for`),
 and recalls an executed write older than the window (:func:`recall_executed`). Sealing
-and opening the envelope itself is :mod:`ratchet.runtime.checkpoint`.
+and opening the envelope itself is :mod:`ratchet.runtime.restore`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The engine: drives one run through the state machine, performing no effect itself.
 
-The engine is the only place where the order of commits and adapter calls is decided.
-It performs none of them: each operation is a generator that yields effects
+The engine is the only place where the order of commits and adapter calls is decided
+(its human controls, carried out by :mod:`ratchet.runtime.interventions`, commit through
+it too). It performs none of them: each operation is a generator that yields effects
 (:mod:`ratchet.runtime.effects`: observe, project, raise the fence, execute, look a key
 up, read, verify, read the high-water mark, load, commit a batch) and takes their results
 back. The executor it is given performs them (in a worker, with the lease guard, metrics
@@ -40,7 +41,6 @@ from typing import Any, TypeVar, cast
 from ratchet.errors import (
     AdapterError,
     CommitOutcomeUnknownError,
-    ConfigurationError,
     EnvironmentMismatchError,
     FenceRejectedError,
     HighWaterUnavailableError,
@@ -50,17 +50,13 @@ from ratchet.errors import (
     OutcomeUnknownError,
     ReplicationUnconfirmedError,
 )
-from ratchet.runtime import effects, machine, outcomes
+from ratchet.runtime import effects, interventions, machine, outcomes
 from ratchet.runtime.actions import Action
 from ratchet.runtime.archive import ArchiveRef, empty_archive, recall_executed, window_for
 from ratchet.runtime.catalog import ToolSpec
 from ratchet.runtime.checkpoint import (
     DEFAULT_MAX_CHECKPOINT_BYTES,
     CheckpointPayload,
-    check_fresh,
-    finish_restore,
-    high_water_missing,
-    open_for_restore,
     run_key,
     seal_checkpoint,
     seal_split,
@@ -100,6 +96,12 @@ from ratchet.runtime.ports import (
     RunKey,
     StoredCheckpoint,
     VerifierReport,
+)
+from ratchet.runtime.restore import (
+    check_fresh,
+    finish_restore,
+    high_water_missing,
+    open_for_restore,
 )
 from ratchet.runtime.scenario import Scenario
 from ratchet.runtime.signing import KeyRing
@@ -275,7 +277,7 @@ class RunEngine:
         (``archive_from``: the index of the first one, when only the last ones were read),
         and ``keys`` the run's executed-key digests (None: made from the whole archive).
         The state restored is the window the checkpoint signs (see
-        :func:`~ratchet.runtime.checkpoint.open_checkpoint`). ``opened`` is
+        :func:`~ratchet.runtime.restore.open_checkpoint`). ``opened`` is
         ``open_checkpoint(blob, archive=archive, windowed=True, ...)`` when the caller made
         it already (to check the run document against it before building the adapter).
 
@@ -868,7 +870,7 @@ class RunEngine:
             yield from self._execute_pending(observed)
         return self._result(CrashWindow.AFTER_PENDING_BEFORE_ADAPTER)
 
-    # -- human evidence and control ------------------------------------------------------------
+    # -- human evidence and control (carried out by ratchet.runtime.interventions) -------------
 
     def refresh_pending_approval(
         self, evidence: ApprovalEvidence, *, execute: bool = True
@@ -880,24 +882,7 @@ class RunEngine:
             ApprovalError: the approval is refused; nothing changed.
             ConfigurationError: no approver trust root was configured.
         """
-        if self.approvers is None:
-            raise ConfigurationError("no approver trust root configured")
-        new = machine.attach_approval(
-            self.state,
-            self.scenario,
-            evidence,
-            self.approvers,
-            generation=self.generation,
-            now=self.clock.now(),
-        )
-
-        def refresh() -> Op[None]:
-            yield from self._commit(new)
-            if execute:
-                yield from self._execute_pending()
-
-        self._drive(refresh())
-        return self._result()
+        return interventions.refresh_pending_approval(self, evidence, execute=execute)
 
     def apply_review_decision(self, decision: ReviewDecision) -> StepResult:
         """Consume a signed reviewer decision after re-reading the authoritative receipt.
@@ -905,54 +890,13 @@ class RunEngine:
         Raises:
             ReviewDecisionError: refused; the case stays frozen and nothing changed.
         """
-        if self.reviewers is None:
-            raise ConfigurationError("no reviewer trust root configured")
-        reviewers = self.reviewers
-
-        def decide() -> Op[None]:
-            case = self.state.review
-            authoritative = None
-            if case is not None and case.pending.action.idempotency_key:
-                try:
-                    authoritative = yield from self._lookup(case.pending.action)
-                except OutcomeUnknownError:
-                    authoritative = None  # the reviewer decides what happened
-            observed = cast(Observation, (yield Observe()))
-            new = outcomes.apply_review_decision(
-                self.state,
-                self.scenario,
-                decision,
-                reviewers,
-                authoritative=authoritative,
-                observed=observed,
-                now=self.clock.now(),
-            )
-            yield from self._commit(new)
-
-        self._drive(decide())
-        return self._result()
-
-    def _settle_pending(self) -> Op[outcomes.Settled | None]:
-        """Look the pending write's key up at the adapter, behind this lease's fence, for
-        a control that ends or rebases the run (None: nothing is pending, or only a write
-        waiting for approval, which was never sent).
-
-        Timeline: fence raised (resume did; again here for a caller that did not) -> key
-        looked up. From the fence on, no older owner can land the write, so "no receipt"
-        means it never happened and never will.
-        """
-        pending = self.state.pending
-        if pending is None or self.state.phase is not Phase.RUNNING:
-            return None
-        yield RaiseFence(self._fence())
-        receipt = yield from self._lookup(pending.action)
-        return outcomes.Settled(receipt)
+        return interventions.apply_review_decision(self, decision)
 
     def cancel(self, reason: str, *, by: str = "", request_id: str = "") -> StepResult:
         """Cancel the run at a safe point, attributed to ``by`` (and its ``request_id``).
 
         A pending write the adapter may have received is settled first by its key (see
-        :func:`outcomes.cancel`): recorded as executed if the adapter holds its receipt,
+        :func:`decisions.cancel`): recorded as executed if the adapter holds its receipt,
         dropped if it holds none. An answer that does not settle it (another intent, a
         committed receipt the adapter lost or that drifted) opens a review case instead,
         recording the environment now: the result's phase is then ``needs_review``.
@@ -961,81 +905,14 @@ class RunEngine:
             InvalidTransitionError: the run is terminal or under review.
             FenceRejectedError: a newer owner exists.
         """
-        return self._drive(self._cancel(reason, by, request_id))
-
-    def _cancel(self, reason: str, by: str, request_id: str) -> Op[StepResult]:
-        try:
-            settled = yield from self._settle_pending()
-        except OutcomeUnknownError as exc:
-            # The write may have happened: a cancel cannot drop it; a reviewer decides.
-            yield from self._outcome_unknown(exc)
-            return self._result()
-        observed = (
-            self.observed_at_restore if settled is None else (cast(Observation, (yield Observe())))
-        )
-        now = self.clock.now()
-        try:
-            new = outcomes.cancel(
-                self.state,
-                reason,
-                now=now,
-                by=by,
-                request_id=request_id,
-                settled=settled,
-                observed=observed,
-            )
-        except InvalidTransitionError:
-            pending = self.state.pending
-            if settled is None or pending is None:
-                raise
-            receipt = settled.receipt
-            reason_code = (
-                ReviewReason.RECEIPT_MISSING
-                if receipt is None
-                else ReviewReason.INTENT_CONFLICT
-                if receipt.intent_digest != pending.intent_digest
-                else ReviewReason.RECEIPT_DRIFT
-            )
-            new = outcomes.open_review(
-                self.state,
-                reason_code,
-                receipt,
-                now=now,
-                observed=observed,
-                detail="found while settling a cancelled run's write",
-            )
-        yield from self._commit(new)
-        return self._result()
+        return self._drive(interventions.cancel(self, reason, by, request_id))
 
     def apply_rebaseline(self, decision: RebaselineDecision) -> StepResult:
         """Consume a reviewer's signed rebaseline decision: the environment observed now
-        becomes the run's baseline (see :func:`outcomes.apply_rebaseline`).
+        becomes the run's baseline (see :func:`decisions.apply_rebaseline`).
 
         Raises:
             ReviewDecisionError: refused; nothing changed.
             ConfigurationError: no reviewer trust root was configured.
         """
-        if self.reviewers is None:
-            raise ConfigurationError("no reviewer trust root configured")
-        reviewers = self.reviewers
-        outcomes.check_rebaseline(
-            self.state, self.scenario, decision, reviewers, generation=self.generation
-        )
-
-        def rebase() -> Op[None]:
-            settled = yield from self._settle_pending()
-            observed = cast(Observation, (yield Observe()))
-            new = outcomes.apply_rebaseline(
-                self.state,
-                self.scenario,
-                decision,
-                reviewers,
-                generation=self.generation,
-                observed=observed,
-                settled=settled,
-                now=self.clock.now(),
-            )
-            yield from self._commit(new)
-
-        self._drive(rebase())
-        return self._result()
+        return interventions.apply_rebaseline(self, decision)

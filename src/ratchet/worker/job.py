@@ -74,8 +74,8 @@ from ratchet.runtime import (
     RebaselineDecision,
     RunEngine,
 )
+from ratchet.runtime.decisions import decision_baseline
 from ratchet.runtime.effects import Hooks as ExecutorHooks
-from ratchet.runtime.outcomes import decision_baseline
 from ratchet.runtime.window import restore_tail
 from ratchet.worker.executor import Executor
 from ratchet.worker.heartbeat import Heartbeat

@@ -75,8 +75,9 @@ from ratchet.errors import (
 from ratchet.leasing import LeasedRun, LeaseHolder, RunSnapshot
 from ratchet.runtime import KeyRing, Phase, RunEngine
 from ratchet.runtime.catalog import ToolCatalog
-from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
+from ratchet.runtime.checkpoint import CheckpointPayload
 from ratchet.runtime.ports import Release
+from ratchet.runtime.restore import open_checkpoint
 from ratchet.runtime.state import TERMINAL_PHASES, ExecutedKeys
 
 __all__ = [

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ratchet.runtime import outcomes
+from ratchet.runtime import decisions
 
-_checked = outcomes.apply_review_decision
+_checked = decisions.apply_review_decision
 
 
 def _blind(state: Any, scenario: Any, decision: Any, reviewers: Any, **kw: Any) -> Any:
@@ -20,4 +20,4 @@ def _blind(state: Any, scenario: Any, decision: Any, reviewers: Any, **kw: Any) 
     return _checked(state, scenario, decision, reviewers, **kw)
 
 
-outcomes.apply_review_decision = _blind
+decisions.apply_review_decision = _blind

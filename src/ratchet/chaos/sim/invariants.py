@@ -48,7 +48,8 @@ from typing import Any
 from ratchet.leasing.encoding import decode_checkpoint
 from ratchet.leasing.keyspace import run_keys
 from ratchet.runtime.actions import Action
-from ratchet.runtime.checkpoint import CheckpointPayload, open_checkpoint
+from ratchet.runtime.checkpoint import CheckpointPayload
+from ratchet.runtime.restore import open_checkpoint
 from ratchet.runtime.signing import KeyRing, open_envelope
 from ratchet.runtime.state import TERMINAL_PHASES, RunState
 
