@@ -10,7 +10,6 @@ import pytest
 
 from ratchet.adapters.sandbox import Sandbox, SandboxMode, bwrap_works
 
-
 CHAOS = Path(__file__).resolve().parent / "chaos"
 
 
