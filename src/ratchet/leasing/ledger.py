@@ -30,6 +30,7 @@ from typing import Any
 from ratchet.errors import AdapterError, StoreProtocolError
 from ratchet.leasing.acks import ReplicaAcks
 from ratchet.leasing.keyspace import check_id, run_keys
+from ratchet.leasing.plumbing import StorePlumbing
 from ratchet.leasing.scripts import ScriptName
 
 __all__ = ["LedgerMeta", "LedgerRecords", "LedgerReply"]
@@ -69,8 +70,10 @@ def _no_ledger(run_id: str) -> AdapterError:
     )
 
 
-class LedgerRecords(ReplicaAcks):
+class LedgerRecords(StorePlumbing):
     """The run-ledger scripts and reads of a store (see the module docstring)."""
+
+    _acks: ReplicaAcks  # set by RedisStore: its writes are acknowledged like commits
 
     def _write(
         self, name: ScriptName, run_id: str, keys: Sequence[str], args: Sequence[str | bytes | int]
@@ -78,7 +81,7 @@ class LedgerRecords(ReplicaAcks):
         # Integers as their decimal text (what redis-py would send for them), so hiredis
         # packs the whole command at once.
         wire = [str(a) if type(a) is int else a for a in args]
-        return self._call(name.value, run_id, lambda: self._run_acked(name, keys, wire))
+        return self._call(name.value, run_id, lambda: self._acks.run(name, keys, wire))
 
     def _reply(self, name: ScriptName, run_id: str, raw: Any) -> LedgerReply:
         if not isinstance(raw, list) or not raw:
@@ -96,7 +99,7 @@ class LedgerRecords(ReplicaAcks):
         )
         if not isinstance(raw, list) or len(raw) != 2 or raw[0] is None:
             raise StoreProtocolError("unexpected reply from ledger_init", run_id=run_id)
-        self._check_acked(run_id, counted, wrote=True)
+        self._acks.check(run_id, counted, wrote=True)
         return _text(raw[0]), int(raw[1])
 
     def ledger_admit(self, run_id: str, args: list[str | bytes | int]) -> LedgerReply:
@@ -108,7 +111,7 @@ class LedgerRecords(ReplicaAcks):
         )
         reply = self._reply(ScriptName.LEDGER_ADMIT, run_id, raw)
         if reply.status == "ok" and args and args[0] in ("start", "fence"):
-            self._check_acked(run_id, counted, wrote=True)
+            self._acks.check(run_id, counted, wrote=True)
         return reply
 
     def ledger_record(self, run_id: str, args: list[str | bytes | int]) -> LedgerReply:
@@ -120,7 +123,7 @@ class LedgerRecords(ReplicaAcks):
         )
         reply = self._reply(ScriptName.LEDGER_RECORD, run_id, raw)
         if reply.status in ("committed", "aborted"):
-            self._check_acked(run_id, counted, wrote=True)
+            self._acks.check(run_id, counted, wrote=True)
         return reply
 
     def ledger_pin_contract(self, run_id: str, signed: str | None) -> str | None:
@@ -144,7 +147,7 @@ class LedgerRecords(ReplicaAcks):
             raise _no_ledger(run_id)
         if reply.status != "ok" or len(reply.values) != 1:
             raise StoreProtocolError("unexpected reply from ledger_pin", run_id=run_id)
-        self._check_acked(run_id, counted, wrote=True)
+        self._acks.check(run_id, counted, wrote=True)
         return reply.values[0]
 
     def ledger_meta(self, run_id: str) -> LedgerMeta | None:

@@ -10,7 +10,7 @@ refused, dropped, timed out, cluster down, loading) means the outcome is unknown
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
@@ -25,7 +25,7 @@ from ratchet.errors import (
 )
 from ratchet.leasing.scripts import ScriptName, ScriptRunner
 
-__all__ = ["StorePlumbing"]
+__all__ = ["StorePlumbing", "call", "reachable", "store_full"]
 
 _T = TypeVar("_T")
 
@@ -63,6 +63,30 @@ def store_full(exc: ResponseError, what: str, run_id: str | None) -> StoreFullEr
     return None
 
 
+@contextmanager
+def reachable(what: str, run_id: str | None) -> Iterator[None]:
+    """Translate redis-py errors raised inside the block (see the module docstring)."""
+    try:
+        yield
+    except ResponseError as exc:
+        full = store_full(exc, what, run_id)
+        if full is not None:
+            raise full from exc
+        raise StoreProtocolError(
+            f"Redis refused {what}", run_id=run_id, cause=type(exc).__name__
+        ) from exc
+    except RedisError as exc:
+        raise StoreUnavailableError(
+            f"Redis unreachable during {what}", run_id=run_id, cause=type(exc).__name__
+        ) from exc
+
+
+def call(what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
+    """``fn()`` with its redis-py errors translated (what the store's parts share)."""
+    with reachable(what, run_id):
+        return fn()
+
+
 class StorePlumbing:
     """A Redis client that must not decode responses (checkpoints are bytes), the scripts
     run on it, and error translation. Raises ConfigurationError for a decoding client."""
@@ -80,25 +104,11 @@ class StorePlumbing:
     def client(self) -> Any:
         return self._client
 
-    @contextmanager
-    def _reachable(self, what: str, run_id: str | None) -> Iterator[None]:
-        try:
-            yield
-        except ResponseError as exc:
-            full = store_full(exc, what, run_id)
-            if full is not None:
-                raise full from exc
-            raise StoreProtocolError(
-                f"Redis refused {what}", run_id=run_id, cause=type(exc).__name__
-            ) from exc
-        except RedisError as exc:
-            raise StoreUnavailableError(
-                f"Redis unreachable during {what}", run_id=run_id, cause=type(exc).__name__
-            ) from exc
+    def _reachable(self, what: str, run_id: str | None) -> AbstractContextManager[None]:
+        return reachable(what, run_id)
 
     def _call(self, what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
-        with self._reachable(what, run_id):
-            return fn()
+        return call(what, run_id, fn)
 
     def _run(
         self, name: ScriptName, run_id: str, keys: Sequence[str], args: Sequence[str | bytes | int]

@@ -132,7 +132,6 @@ class RedisStore(
     RunListings,
     RunRetention,
     StoreIdentity,
-    ReplicaAcks,
     ExpiryIndex,
 ):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
@@ -196,10 +195,11 @@ class RedisStore(
         self.compress_checkpoints = bool(compress_checkpoints)
         #: Seals every incident as it is written (:mod:`ratchet.leasing.records`).
         self.record_keyring = record_keyring
-        #: Replicas that must confirm a create or commit before it counts as acknowledged
-        #: (``WAIT``; 0: the primary's own reply, AOF, is the acknowledgement).
-        self.min_replicas_ack = min_replicas_ack
-        self.replicas_ack_timeout_ms = replicas_ack_timeout_ms
+        #: The acknowledgement rule: replicas that must confirm a create, acquire, commit
+        #: or ledger write before it counts (``WAIT``; 0: the primary's reply, AOF, does).
+        self._acks = ReplicaAcks(
+            self._runner, min_replicas_ack=min_replicas_ack, timeout_ms=replicas_ack_timeout_ms
+        )
         #: Drill hook ``(run_id, commit_id) -> drop the reply?`` (see the module docstring).
         self.reply_hook: Callable[[str, str], bool] | None = None
 
@@ -267,7 +267,7 @@ class RedisStore(
         reply, counted = self._call(
             ScriptName.CREATE_RUN.value,
             run_id,
-            lambda: self._run_acked(ScriptName.CREATE_RUN, create_keys, create_args, hot=False),
+            lambda: self._acks.run(ScriptName.CREATE_RUN, create_keys, create_args, hot=False),
         )
         created = decode_create(reply, run_id)
         if not inline or created.already_applied:
@@ -279,7 +279,7 @@ class RedisStore(
                 else (phase, created.created_at_ms)
             )
             self._index_created(run_id, created.created_at_ms, now_phase, at_ms)
-        self._check_acked(run_id, counted, wrote=not created.already_applied, commit_id=commit_id)
+        self._acks.check(run_id, counted, wrote=not created.already_applied, commit_id=commit_id)
         return created
 
     def read_run(
@@ -350,15 +350,13 @@ class RedisStore(
         reply, counted = self._call(
             ScriptName.ACQUIRE_LEASE.value,
             run_id,
-            lambda: self._run_acked(
-                ScriptName.ACQUIRE_LEASE, acquire_keys, acquire_args, hot=False
-            ),
+            lambda: self._acks.run(ScriptName.ACQUIRE_LEASE, acquire_keys, acquire_args, hot=False),
         )
         outcome = decode_acquire(reply, run_id, owner)
         if isinstance(outcome, LeaseHolder):
             return outcome  # nothing was written
         lease = outcome.lease
-        self._check_acked(run_id, counted, wrote=True, lease_version=lease.lease_version)
+        self._acks.check(run_id, counted, wrote=True, lease_version=lease.lease_version)
         if not inline:
             self._index_acquired(run_id, lease.expires_at_ms, outcome.phase, outcome.phase_at_ms)
         return LeasedRun(self, outcome, ttl_ms=ttl_ms)
@@ -726,7 +724,7 @@ class RedisStore(
             # before the reply arrived. Re-sending the same commit ids either applies
             # them now or answers already_applied; nothing applies twice.
             try:
-                reply, counted = self._run_acked(ScriptName.COMMIT, keys, args)
+                reply, counted = self._acks.run(ScriptName.COMMIT, keys, args)
             except ResponseError as exc:
                 full = store_full(exc, "the commit", run_id)
                 if full is not None:
@@ -762,7 +760,7 @@ class RedisStore(
                     "the commit script stopped without a refusal", run_id=run_id, script="commit"
                 )
             released = decode_release(entries[-1], lease) if release else None
-            self._check_acked(
+            self._acks.check(
                 run_id,
                 counted,
                 wrote=any(not r.already_applied for r in results),
