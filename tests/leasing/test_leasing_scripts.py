@@ -462,14 +462,14 @@ def test_the_expiry_index_follows_acquire_renew_release_and_finish(
     run = store.acquire(key.run_id, owner="w1", ttl_ms=30)
     assert run is not None
     expire(store, key.run_id)
-    assert key.run_id in store.expired_runs(limit=100_000)
+    assert key.run_id in store.expiry.expired_runs(limit=100_000)
     again = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
     assert again is not None
-    assert key.run_id not in store.expired_runs(limit=100_000)
+    assert key.run_id not in store.expiry.expired_runs(limit=100_000)
     again.release(reap=True)
-    assert key.run_id in store.expired_runs(limit=100_000)
+    assert key.run_id in store.expiry.expired_runs(limit=100_000)
     third = store.acquire(key.run_id, owner="w3", ttl_ms=60_000)
     assert third is not None
     third.commit(b"done", finished=True)
     third.release()
-    assert key.run_id not in store.expired_runs(limit=100_000)
+    assert key.run_id not in store.expiry.expired_runs(limit=100_000)

@@ -429,7 +429,7 @@ class Fleet:
         # A job can be lost with the worker that popped it, or with Redis: a pickup
         # deadline on the reaper's index, set before the job exists, makes sure some
         # worker takes the run anyway.
-        self.store.expect_pickup(run_id, within_ms=self.settings.pickup_timeout_ms)
+        self.store.expiry.expect_pickup(run_id, within_ms=self.settings.pickup_timeout_ms)
         queue = self.queue if host is None else self.host_queue(host)
         job = queue.enqueue(
             JOB_FUNCTION,

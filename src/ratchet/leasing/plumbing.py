@@ -25,7 +25,7 @@ from ratchet.errors import (
 )
 from ratchet.leasing.scripts import ScriptName, ScriptRunner
 
-__all__ = ["StorePlumbing", "call", "reachable", "store_full"]
+__all__ = ["StorePlumbing", "call", "member_text", "reachable", "run_script", "store_full"]
 
 _T = TypeVar("_T")
 
@@ -87,6 +87,26 @@ def call(what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
         return fn()
 
 
+def run_script(
+    runner: ScriptRunner,
+    name: ScriptName,
+    run_id: str | None,
+    keys: Sequence[str],
+    args: Sequence[str | bytes | int],
+) -> Any:
+    """One script call on the runner's pool, its errors translated."""
+    return call(name.value, run_id, lambda: runner.run(name, keys, args))
+
+
+def member_text(value: object) -> str:
+    """An index member as text. Raises StoreProtocolError for a reply that is not one."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        return value
+    raise StoreProtocolError("index member is not a string")
+
+
 class StorePlumbing:
     """A Redis client that must not decode responses (checkpoints are bytes), the scripts
     run on it, and error translation. Raises ConfigurationError for a decoding client."""
@@ -113,7 +133,7 @@ class StorePlumbing:
     def _run(
         self, name: ScriptName, run_id: str, keys: Sequence[str], args: Sequence[str | bytes | int]
     ) -> Any:
-        return self._call(name.value, run_id, lambda: self._runner.run(name, keys, args))
+        return run_script(self._runner, name, run_id, keys, args)
 
     def load_scripts(self) -> None:
         """Load every script now. Raises StoreUnavailableError, StoreProtocolError."""
@@ -134,8 +154,4 @@ class StorePlumbing:
 
     @staticmethod
     def _member(value: object) -> str:
-        if isinstance(value, bytes):
-            return value.decode("utf-8", "replace")
-        if isinstance(value, str):
-            return value
-        raise StoreProtocolError("index member is not a string")
+        return member_text(value)

@@ -132,7 +132,6 @@ class RedisStore(
     RunListings,
     RunRetention,
     StoreIdentity,
-    ExpiryIndex,
 ):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
@@ -184,7 +183,8 @@ class RedisStore(
         # slots, split into shards, and written after the script (leasing/sharded.py).
         self._inline_indexes = not isinstance(client, RedisCluster)
         self._indexes = IndexLayout(1 if self._inline_indexes else INDEX_SHARDS)
-        self.expiry_shards_unreadable = 0
+        #: The expiry index, the reaper's (:mod:`ratchet.leasing.expiry`).
+        self.expiry = ExpiryIndex(self._client, self._runner, self._indexes, self.server_time_ms)
         self.index_moves_deferred = 0
         self._deferred_moves = OrderedDict()
         self.max_checkpoint_bytes = max_checkpoint_bytes
@@ -401,13 +401,7 @@ class RedisStore(
         )
         renewed = decode_renew(reply, lease)
         if not inline:
-            self._call(
-                "expiry index",
-                lease.run_id,
-                lambda: self._client.zadd(
-                    self._expiry(lease.run_id), {lease.run_id: renewed.expires_at_ms}
-                ),
-            )
+            self.expiry.score(lease.run_id, renewed.expires_at_ms)
         return renewed
 
     def release(self, lease: Lease, *, reap: bool = False) -> Released:
@@ -437,15 +431,10 @@ class RedisStore(
 
     def _index_released(self, run_id: str, released: Released, *, reap: bool) -> None:
         """The expiry index after a release, where scripts cannot reach it (Cluster)."""
-        index = self._expiry(run_id)
         if reap:
-            self._call(
-                "expiry index",
-                run_id,
-                lambda: self._client.zadd(index, {run_id: released.now_ms}),
-            )
+            self.expiry.score(run_id, released.now_ms)
         else:
-            self._call("expiry index", run_id, lambda: self._client.zrem(index, run_id))
+            self.expiry.remove(run_id)
 
     # -- nonces -----------------------------------------------------------------------
 
@@ -638,8 +627,7 @@ class RedisStore(
         )
         results = self.commit_many(lease, [prepared], expected_state_version=expected_state_version)
         if finished:
-            index = self._expiry(lease.run_id)
-            self._call("expiry index", lease.run_id, lambda: self._client.zrem(index, lease.run_id))
+            self.expiry.remove(lease.run_id)
         return results[0]
 
     def commit_many(

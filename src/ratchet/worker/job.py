@@ -558,7 +558,7 @@ def _job_error(
         return
     backoff = settings.job_error_backoff_ms * 2 ** (attempt - 1)
     with contextlib.suppress(RatchetError):
-        fleet.store.expect_pickup(run_id, within_ms=backoff)  # the reaper retries then
+        fleet.store.expiry.expect_pickup(run_id, within_ms=backoff)  # the reaper retries then
     report.outcome, report.detail = JobOutcome.JOB_ERROR, f"{type(exc).__name__}: {message}"
 
 

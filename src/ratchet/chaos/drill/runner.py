@@ -134,7 +134,7 @@ def classify_run(fleet: Fleet, run_id: str) -> tuple[str, str]:
         or (i.get("kind") in FREEZING_KINDS and i.get("lease_version") == snap.lease_version)
         for i in view.incidents
     )
-    if refused and not snap.lease_live and fleet.store.expiry_score(run_id) is None:
+    if refused and not snap.lease_live and fleet.store.expiry.expiry_score(run_id) is None:
         return "frozen", phase.value
     return "active", phase.value
 
