@@ -9,10 +9,11 @@ Protocol (each step is one script call on the run's own slot; see ``lua/`` and
    store's time as a floor, so a lease granted after a rewound store still outranks every
    lease granted before it), expiry from Redis ``TIME`` plus the ttl. Losing the race
    returns ``None``.
-3. ``commit`` checks owner, lease version, expiry, generation == high-water + 1 and the
-   expected state version, then stores the checkpoint and advances generation and state
-   version in the same step. Its commit id makes a retry after a lost reply report
-   "already applied" instead of failing or applying twice.
+3. ``commit_many`` checks, for each commit of its batch, owner, lease version, expiry,
+   generation == high-water + 1 and the expected state version, then stores the
+   checkpoint and advances generation and state version in the same step. Its commit id
+   makes a retry after a lost reply report "already applied" instead of failing or
+   applying twice.
 4. ``renew`` and ``release`` work only for the current owner and lease version; renew only
    before expiry.
 5. ``read_run`` returns the authoritative lease and high-water state (and optionally the
@@ -36,10 +37,14 @@ Cluster they live in other slots and are separate calls after the script. The ex
 index is a hint for the reaper, which re-reads each run's lease before acting; the runs
 and phase indexes are what listings read (:mod:`ratchet.leasing.listing`).
 
-Batches (``commit_many``) send consecutive generations to one call of the commit script; a
+A commit has one door on the store: ``commit_many``, a batch of consecutive generations
+(each checked and digested by ``prepare_commit``, no I/O) in one call of the commit
+script, with an optional ``Release`` that gives the lease up in the same call; a
 checkpoint that names an archive appends its segment in the same script (see
-``docs/redis.md``). Incidents and the evidence inbox live in :mod:`ratchet.leasing.records`,
-the client and error translation in :mod:`ratchet.leasing.plumbing`.
+``docs/redis.md``). :class:`~ratchet.leasing.handle.LeasedRun` is how the runtime reaches
+it (``commit_batch``, the ``GenerationStore`` port, and ``commit``, one checkpoint).
+Incidents and the evidence inbox live in :mod:`ratchet.leasing.records`, the client and
+error translation in :mod:`ratchet.leasing.plumbing`.
 
 Clients must not decode responses (checkpoints are bytes). redis-py's own retry may re-send
 an ``EVALSHA`` after a dropped connection; the commit id makes that safe.
@@ -117,6 +122,7 @@ from ratchet.leasing.results import (
 )
 from ratchet.leasing.retention import RunRetention
 from ratchet.leasing.scripts import ScriptName
+from ratchet.runtime.ports import Release
 from ratchet.runtime.signing import KeyRing
 from ratchet.runtime.window import DIGEST_BYTES
 
@@ -588,113 +594,46 @@ class RedisStore(
             keys,
         )
 
-    def commit(
-        self,
-        lease: Lease,
-        *,
-        generation: int,
-        expected_state_version: int,
-        checkpoint: bytes,
-        commit_id: str | None = None,
-        nonces: Sequence[str] = (),
-        finished: bool = False,
-        segment: bytes = b"",
-        phase: str = "",
-    ) -> CommitResult:
-        """The fenced commit: store ``checkpoint`` as ``generation`` (high-water + 1).
-
-        ``nonces`` are claimed globally for this run first, then consumed in the commit
-        itself. A lost reply is retried ``commit_retries`` times with the same commit id;
-        a retry that finds the commit applied returns it with ``already_applied=True``.
-        With ``min_replicas_ack``, a commit applied on the primary that too few replicas
-        confirmed raises ReplicationUnconfirmedError (see docs/scale.md).
-        ``finished=True`` takes the run off the expiry index after the commit. ``segment``
-        (when not empty) is appended to the run's archive in the same script. ``phase``
-        (when not empty) is the phase the checkpoint is in (see :meth:`prepare_commit`).
-
-        Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
-        CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
-        CommitOutcomeUnknownError when no reply arrived (re-read the run before acting).
-        """
-        prepared = self.prepare_commit(
-            lease.run_id,
-            generation=generation,
-            checkpoint=checkpoint,
-            commit_id=commit_id,
-            nonces=nonces,
-            segment=segment,
-            phase=phase,
-        )
-        results = self.commit_many(lease, [prepared], expected_state_version=expected_state_version)
-        if finished:
-            self.expiry.remove(lease.run_id)
-        return results[0]
-
     def commit_many(
         self,
         lease: Lease,
         commits: Sequence[PreparedCommit],
         *,
         expected_state_version: int,
+        release: Release | None = None,
         applied: Callable[[CommitResult], None] | None = None,
-    ) -> list[CommitResult]:
-        """Fenced commits of consecutive generations in one call of the commit script (one
-        round trip, one AOF fsync, on a single Redis and on a Cluster alike).
+    ) -> tuple[list[CommitResult], Released | None]:
+        """The store's one commit operation: fenced commits of consecutive generations
+        (each made by :meth:`prepare_commit`) in one call of the commit script, one round
+        trip and one AOF fsync, on a single Redis and on a Cluster alike; with
+        ``release``, the lease given up in the same call once every commit applied (as
+        :meth:`release` with ``release.reap`` would), so a job's last commit and its
+        release cost one round trip too. Returns the commits' results and the release's
+        outcome (None without ``release``).
 
         Commit ``i`` of the batch expects state version ``expected_state_version + i`` and
         generation high-water + 1, so it can only apply after every commit before it. The
         script stops at the first refusal; its replies are decoded in order and that
         refusal is raised (the commits before it are applied, and were each passed to
-        ``applied`` as they were decoded). Nonces of every commit are claimed globally
-        first. A lost reply re-sends the whole batch with the same commit ids: applied
-        ones answer ``already_applied``.
+        ``applied`` as they were decoded; a refused batch releases nothing). Nonces of
+        every commit are claimed globally first. A lost reply re-sends the whole batch,
+        release included, with the same commit ids: applied ones answer
+        ``already_applied``, and a lease that moved on since answers LeaseLostError.
+        With ``min_replicas_ack``, a batch applied on the primary that too few replicas
+        confirmed raises ReplicationUnconfirmedError (see docs/scale.md).
 
-        Raises what :meth:`commit` raises.
+        Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
+        CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
+        CommitOutcomeUnknownError when no reply arrived (re-read the run before acting).
         """
-        results, _ = self._commit_batch(lease, commits, expected_state_version, "", applied)
-        return results
-
-    def commit_and_release(
-        self,
-        lease: Lease,
-        commits: Sequence[PreparedCommit],
-        *,
-        expected_state_version: int,
-        reap: bool = False,
-        applied: Callable[[CommitResult], None] | None = None,
-    ) -> tuple[list[CommitResult], Released]:
-        """:meth:`commit_many`, then the lease given up in the same script call once every
-        commit applied (as :meth:`release` with ``reap`` would): a job's last commit and
-        its release cost one round trip and one fsync. A refused commit releases nothing.
-
-        Raises what :meth:`commit_many` raises, and LeaseLostError when every commit had
-        been applied before (a retry) and the lease has moved on since.
-        """
-        if not commits:
-            raise ContractError(
-                "commit_and_release needs at least one commit", field="commits", run_id=lease.run_id
-            )
-        results, released = self._commit_batch(
-            lease, commits, expected_state_version, "reap" if reap else "drop", applied
-        )
-        if released is None:  # for the type checker: _commit_batch decoded the release
-            raise StoreProtocolError(
-                "the commit script did not release the lease", run_id=lease.run_id, script="commit"
-            )
-        if not self._inline_indexes:
-            self._index_released(lease.run_id, released, reap=reap)
-        return results, released
-
-    def _commit_batch(
-        self,
-        lease: Lease,
-        commits: Sequence[PreparedCommit],
-        expected_state_version: int,
-        release: str,
-        applied: Callable[[CommitResult], None] | None,
-    ) -> tuple[list[CommitResult], Released | None]:
         run_id = lease.run_id
         if not commits:
+            if release is not None:
+                raise ContractError(
+                    "a commit with a release needs at least one commit",
+                    field="commits",
+                    run_id=run_id,
+                )
             return [], None
         for index, commit in enumerate(commits[1:], start=1):
             if commit.generation != commits[0].generation + index:
@@ -704,8 +643,9 @@ class RedisStore(
         nonces = [nonce for commit in commits for nonce in commit.nonces]
         if nonces:
             self.claim_nonces(run_id, nonces)
-        keys, args = self._commit_call(lease, commits, expected_state_version, release)
-        expected_entries = len(commits) + (1 if release else 0)
+        mode = "" if release is None else "reap" if release.reap else "drop"
+        keys, args = self._commit_call(lease, commits, expected_state_version, mode)
+        expected_entries = len(commits) + (0 if release is None else 1)
         last: Exception | None = None
         for _attempt in range(1 + self.commit_retries):
             # Timeline of a lost reply: the script ran (or not), the connection dropped
@@ -747,7 +687,11 @@ class RedisStore(
                 raise StoreProtocolError(
                     "the commit script stopped without a refusal", run_id=run_id, script="commit"
                 )
-            released = decode_release(entries[-1], lease) if release else None
+            released = None
+            if release is not None:
+                released = decode_release(entries[-1], lease)
+                if not self._inline_indexes:  # Cluster: the expiry index after the release
+                    self._index_released(run_id, released, reap=release.reap)
             self._acks.check(
                 run_id,
                 counted,

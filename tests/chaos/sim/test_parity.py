@@ -26,6 +26,7 @@ from ratchet.errors import RatchetError
 from ratchet.leasing import RedisStore
 from ratchet.leasing.results import Lease
 from ratchet.redis_server import RedisServer
+from ratchet.runtime.ports import Release
 
 LONG_TTL_MS = 600_000
 RUNS = ("pa", "pb")
@@ -252,21 +253,14 @@ def _sequence(
                 results = []
                 for _ in range(2 if retry else 1):
                     try:
-                        if release:
-                            results.append(
-                                s.store.commit_and_release(
-                                    lease,
-                                    prepared,
-                                    expected_state_version=snap.state_version,
-                                    reap=release == "reap",
-                                )
+                        results.append(
+                            s.store.commit_many(
+                                lease,
+                                prepared,
+                                expected_state_version=snap.state_version,
+                                release=Release(reap=release == "reap") if release else None,
                             )
-                        else:
-                            results.append(
-                                s.store.commit_many(
-                                    lease, prepared, expected_state_version=snap.state_version
-                                )
-                            )
+                        )
                     except RatchetError as exc:
                         results.append(("raised", type(exc).__name__))
                 return results
