@@ -134,7 +134,6 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 class RedisStore(
     RunRecords,
     HostRecords,
-    LedgerRecords,
     RunListings,
     RunRetention,
     StoreIdentity,
@@ -206,6 +205,8 @@ class RedisStore(
         self._acks = ReplicaAcks(
             self._runner, min_replicas_ack=min_replicas_ack, timeout_ms=replicas_ack_timeout_ms
         )
+        #: The runs' tool ledgers (:mod:`ratchet.leasing.ledger`), acknowledged like commits.
+        self.ledger = LedgerRecords(self._client, self._runner, self._acks)
         #: Drill hook ``(run_id, commit_id) -> drop the reply?`` (see the module docstring).
         self.reply_hook: Callable[[str, str], bool] | None = None
 
