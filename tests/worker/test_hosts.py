@@ -204,7 +204,7 @@ def test_runs_submitted_on_two_hosts_each_complete_on_their_own_host(
     for run_id, (host, _) in runs.items():
         view = inspect_run(fleet, run_id)
         assert view.document.environment.host == host.name  # signed at submit
-        assert fleet.store.run_host(run_id) == host.name
+        assert fleet.store.hosts.run_host(run_id) == host.name
     # Workers on both hosts take from one fleet: every job that lands on the wrong host
     # is handed on, never opened there.
     a.start_workers(tmp_path / "a.log")
@@ -295,7 +295,8 @@ def test_a_lost_host_s_disk_attached_elsewhere_moves_its_run_there_once_proven(
     assert other.returncode == 0, other.stderr
     impostor = a.ratchet("attach", slow, "--reason", "try a copy")
     assert impostor.returncode == 2 and "not the run's" in impostor.stderr, impostor.stderr
-    assert fleet.store.placement(slow) is None and fleet.store.run_host(slow) == "host-b"
+    hosts = fleet.store.hosts
+    assert hosts.placement(slow) is None and hosts.run_host(slow) == "host-b"
     # B's disk, mounted on a new machine C: proven, moved, finished there, once.
     c = Host("host-c", b.backing, b.mountpoint, b.env).start()
     hosts["host-c"] = c  # stopped with the others

@@ -425,7 +425,7 @@ class Fleet:
         run's routing hint in the store, see :mod:`ratchet.leasing.hosts`; None: the shared
         queue). Returns the RQ job id."""
         if isinstance(host, _Lookup):
-            host = self.store.run_host(run_id)
+            host = self.store.hosts.run_host(run_id)
         # A job can be lost with the worker that popped it, or with Redis: a pickup
         # deadline on the reaper's index, set before the job exists, makes sure some
         # worker takes the run anyway.
@@ -446,7 +446,7 @@ class Fleet:
 
         Raises StoreUnavailableError.
         """
-        seen, now_ms = self.store.hosts()
+        seen, now_ms = self.store.hosts.seen()
         return HostSeen(
             host=host,
             last_seen_ms=seen.get(host),

@@ -133,7 +133,6 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 class RedisStore(
     RunRecords,
-    HostRecords,
     RunListings,
     RunRetention,
     StoreIdentity,
@@ -207,6 +206,8 @@ class RedisStore(
         )
         #: The runs' tool ledgers (:mod:`ratchet.leasing.ledger`), acknowledged like commits.
         self.ledger = LedgerRecords(self._client, self._runner, self._acks)
+        #: Where runs live and when each host was last seen (:mod:`ratchet.leasing.hosts`).
+        self.hosts = HostRecords(self._client, self.server_time_ms)
         #: Drill hook ``(run_id, commit_id) -> drop the reply?`` (see the module docstring).
         self.reply_hook: Callable[[str, str], bool] | None = None
 

@@ -169,7 +169,7 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     if host is not None:
         # The routing hint every enqueue reads (unsigned: a worker checks the signed
         # document's host before it opens anything, and routes a misrouted run on).
-        fleet.store.set_run_host(run_id, host)
+        fleet.store.hosts.set_run_host(run_id, host)
     return run_id
 
 

@@ -317,7 +317,7 @@ class _FleetJob:
             self._recorder.drop_acquire()
             self._heartbeat.stop()
             self._lease.release()
-            fleet.store.set_run_host(run_id, home)
+            fleet.store.hosts.set_run_host(run_id, home)
             fleet.enqueue(run_id, host=home)
             metrics.JOBS_ROUTED.inc()
             report.outcome, report.detail = JobOutcome.ROUTED, f"to host {home}"

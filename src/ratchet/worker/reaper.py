@@ -17,7 +17,7 @@ one Redis round trip) after the worker's last renewal, whichever worker's reaper
 A reaper that dies between its claim and its enqueue leaves the entry on the index; after
 ``reclaim_after_ms`` another reaper may claim it again.
 
-Hosts. Each tick also reports this process's host as alive (``RedisStore.note_host``).
+Hosts. Each tick also reports this process's host as alive (``RedisStore.hosts.note``).
 A run bound to a host (its workspace is on that host's disk) goes to that host's queue
 (``Fleet.enqueue`` reads the run's routing hint); while no worker of that host has been
 seen for ``host_timeout_ms`` the reaper does not hand it on (its queue has nobody to
@@ -67,13 +67,13 @@ class HostGate:
 
         Raises StoreUnavailableError.
         """
-        self._seen, self._now_ms = self._store.hosts()
+        self._seen, self._now_ms = self._store.hosts.seen()
         for host, at_ms in self._seen.items():
             metrics.HOST_LAST_SEEN.labels(host=host).set(max(self._now_ms - at_ms, 0) / 1000)
 
     def hold(self, run_id: str) -> str | None:
         """Why ``run_id`` must wait for its host (None: hand it on)."""
-        host = self._store.run_host(run_id)
+        host = self._store.hosts.run_host(run_id)
         if host is None:
             return None
         seen = self._seen.get(host)
@@ -228,7 +228,7 @@ class Reaper:
         while not self._stop.wait(self._interval):
             try:
                 if self._host is not None:
-                    self._store.note_host(self._host)
+                    self._store.hosts.note(self._host)
                 self._gate.refresh()
                 result = reap_once(
                     self._store,
