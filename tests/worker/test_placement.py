@@ -46,7 +46,7 @@ def test_a_verified_placement_routes_the_run_and_a_forged_one_refuses_it(
     assert home_of(fleet.keyring, fleet.store, moved, view.document)[0] == "far"
     report = execute_run(fleet, moved, owner="w-here")
     assert report.outcome == "routed" and report.detail == "to host far"
-    assert fleet.store.hosts.run_host(moved) == "far" and fleet.store.incidents(moved) == []
+    assert fleet.store.hosts.run_host(moved) == "far" and fleet.store.records.incidents(moved) == []
 
     # A key ring that shares the fleet's key id but not its key: a forged signature.
     kid = fleet.keyring.signing_kid
@@ -65,7 +65,7 @@ def test_a_verified_placement_routes_the_run_and_a_forged_one_refuses_it(
         fleet.store.hosts.set_placement(run_id, blob)
         report = execute_run(fleet, run_id, owner="w-here")
         assert report.outcome == "restore_refused", (run_id, report)
-        incident = fleet.store.incidents(run_id)[0]
+        incident = fleet.store.records.incidents(run_id)[0]
         assert "placement" in incident["message"], incident
 
 
@@ -89,9 +89,9 @@ def test_a_routed_job_records_no_takeover_even_when_it_took_an_expired_lease(
     before = metrics.LEASES_TAKEN_OVER._value.get()
     report = execute_run(fleet, far, owner="w-here")
     assert report.outcome == "routed", report
-    assert fleet.store.incidents(far) == []
+    assert fleet.store.records.incidents(far) == []
     assert metrics.LEASES_TAKEN_OVER._value.get() == before + 1
     report = execute_run(fleet, here, owner="w-here")
     assert report.outcome != "routed", report
-    assert "lease_taken_over" in {i["kind"] for i in fleet.store.incidents(here)}
+    assert "lease_taken_over" in {i["kind"] for i in fleet.store.records.incidents(here)}
     assert metrics.LEASES_TAKEN_OVER._value.get() == before + 2

@@ -128,7 +128,7 @@ def test_a_task_resubmitted_on_a_wiped_store_cannot_write_to_its_workspace_again
     second = submit(fresh, document)
     report = execute_run(fresh, second, owner="w-2")
     assert report.outcome == "restore_refused"
-    incident = fresh.store.incidents(second)[0]
+    incident = fresh.store.records.incidents(second)[0]
     assert "another store" in incident["message"]
     with WorkspaceAdapter(root, ["app.py"]) as adapter:
         assert adapter.effects == 1  # the first run's write, once

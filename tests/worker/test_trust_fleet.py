@@ -32,7 +32,7 @@ def effects(root: Path) -> int:
 
 
 def incident(fleet: Fleet, run_id: str, kind: str) -> dict[str, object] | None:
-    return next((i for i in fleet.store.incidents(run_id) if i.get("kind") == kind), None)
+    return next((i for i in fleet.store.records.incidents(run_id) if i.get("kind") == kind), None)
 
 
 def test_a_worker_process_runs_nothing_from_a_document_rewritten_in_redis(

@@ -320,7 +320,7 @@ class Fleet:
         # most this much of one peer's answer (ratchet.limits).
         set_max_peer_bytes(settings.max_peer_bytes)
         keyring = load_keyring(settings)
-        store.record_keyring = keyring  # every incident this process writes is sealed
+        store.records.keyring = keyring  # every incident this process writes is sealed
         return cls(
             settings=settings,
             url=url,

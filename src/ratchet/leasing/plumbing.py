@@ -25,7 +25,15 @@ from ratchet.errors import (
 )
 from ratchet.leasing.scripts import ScriptName, ScriptRunner
 
-__all__ = ["StorePlumbing", "call", "member_text", "reachable", "run_script", "store_full"]
+__all__ = [
+    "StorePlumbing",
+    "call",
+    "check_blob",
+    "member_text",
+    "reachable",
+    "run_script",
+    "store_full",
+]
 
 _T = TypeVar("_T")
 
@@ -98,6 +106,22 @@ def run_script(
     return call(name.value, run_id, lambda: runner.run(name, keys, args))
 
 
+def check_blob(blob: bytes, run_id: str, field: str, limit: int) -> None:
+    """Refuse what is not non-empty bytes (ContractError) or is over ``limit``
+    (CheckpointTooLargeError) before it is sent."""
+    if not isinstance(blob, bytes) or not blob:
+        raise ContractError(f"{field} must be non-empty bytes", field=field, run_id=run_id)
+    if len(blob) > limit:
+        raise CheckpointTooLargeError(
+            f"{field} exceeds the configured cap",
+            reason="too_large",
+            field=field,
+            run_id=run_id,
+            size=len(blob),
+            limit=limit,
+        )
+
+
 def member_text(value: object) -> str:
     """An index member as text. Raises StoreProtocolError for a reply that is not one."""
     if isinstance(value, bytes):
@@ -140,17 +164,7 @@ class StorePlumbing:
         self._call("SCRIPT LOAD", None, self._runner.load_all)
 
     def _check_blob(self, blob: bytes, run_id: str, field: str, limit: int) -> None:
-        if not isinstance(blob, bytes) or not blob:
-            raise ContractError(f"{field} must be non-empty bytes", field=field, run_id=run_id)
-        if len(blob) > limit:
-            raise CheckpointTooLargeError(
-                f"{field} exceeds the configured cap",
-                reason="too_large",
-                field=field,
-                run_id=run_id,
-                size=len(blob),
-                limit=limit,
-            )
+        check_blob(blob, run_id, field, limit)
 
     @staticmethod
     def _member(value: object) -> str:

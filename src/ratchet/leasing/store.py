@@ -132,7 +132,6 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 
 class RedisStore(
-    RunRecords,
     RunListings,
     RunRetention,
     StoreIdentity,
@@ -197,8 +196,14 @@ class RedisStore(
         self.commit_retries = commit_retries
         self.nonce_ttl_s = nonce_ttl_s
         self.compress_checkpoints = bool(compress_checkpoints)
-        #: Seals every incident as it is written (:mod:`ratchet.leasing.records`).
-        self.record_keyring = record_keyring
+        #: Incidents and the evidence inbox of each run (:mod:`ratchet.leasing.records`),
+        #: every incident sealed as it is written when there is a key ring.
+        self.records = RunRecords(
+            self._client,
+            self._runner,
+            max_document_bytes=max_scenario_bytes,
+            keyring=record_keyring,
+        )
         #: The acknowledgement rule: replicas that must confirm a create, acquire, commit
         #: or ledger write before it counts (``WAIT``; 0: the primary's reply, AOF, does).
         self._acks = ReplicaAcks(

@@ -91,7 +91,7 @@ def attach(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> Attached
     )
     fleet.store.hosts.set_placement(run_id, seal_placement(fleet.keyring, placement))
     fleet.store.hosts.set_run_host(run_id, here)
-    fleet.store.record_incident(
+    fleet.store.records.record_incident(
         run_id,
         {
             "kind": "placement_moved",

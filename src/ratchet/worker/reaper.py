@@ -169,7 +169,7 @@ def _park(store: RedisStore, run_id: str, exc: RatchetError, park_ms: int) -> No
         extra={"run_id": run_id, "error": type(exc).__name__},
     )
     with contextlib.suppress(RatchetError):
-        store.record_incident(
+        store.records.record_incident(
             run_id,
             {
                 "kind": "reaper_entry_refused",

@@ -280,12 +280,15 @@ def _sequence(
         elif op == "incident":
             compare(
                 op,
-                lambda s, r=run, i=step: s.store.record_incident(
+                lambda s, r=run, i=step: s.store.records.record_incident(
                     r, {"id": f"inc-{seed}-{i}", "kind": "parity"}, keep=3
                 ),
             )
         elif op == "evidence":
-            compare(op, lambda s, r=run, i=step: s.store.post_evidence(r, b'{"e":%d}' % i, keep=2))
+            compare(
+                op,
+                lambda s, r=run, i=step: s.store.records.post_evidence(r, b'{"e":%d}' % i, keep=2),
+            )
 
 
 @pytest.mark.parametrize("seed", range(12))
