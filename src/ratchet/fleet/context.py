@@ -138,7 +138,7 @@ def ensure_embedded_redis(state_dir: Path) -> str:
         if not (state_dir / "redis-initialised").exists():
             # The embedded default initialises its store once, when it first creates it;
             # later, an epoch missing from it means it lost its data (not a new store).
-            RedisStore(redis.Redis.from_url(server.url)).init_epoch()
+            RedisStore(redis.Redis.from_url(server.url)).identity.init_epoch()
             (state_dir / "redis-initialised").write_text("1\n")
         return server.url
 
@@ -315,7 +315,7 @@ class Fleet:
                 field="queue_redis_url",
             )
         rq_connection = redis_client(rq_url, socket_timeout=30, socket_connect_timeout=5)
-        epoch = store.check_epoch() if check_store else None
+        epoch = store.identity.check_epoch() if check_store else None
         # Every client this process builds (MCP, chat models, the HTTP adapter) reads at
         # most this much of one peer's answer (ratchet.limits).
         set_max_peer_bytes(settings.max_peer_bytes)
@@ -340,7 +340,7 @@ class Fleet:
         Raises ConfigurationError (another policy, or one that cannot be read while
         ``RATCHET_ALLOW_UNKNOWN_EVICTION_POLICY`` is not set).
         """
-        policy = self.store.eviction_policy()
+        policy = self.store.identity.eviction_policy()
         if policy is None:
             if self.settings.allow_unknown_eviction_policy:
                 return

@@ -134,7 +134,6 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 class RedisStore(
     RunListings,
     RunRetention,
-    StoreIdentity,
 ):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
@@ -213,6 +212,8 @@ class RedisStore(
         self.ledger = LedgerRecords(self._client, self._runner, self._acks)
         #: Where runs live and when each host was last seen (:mod:`ratchet.leasing.hosts`).
         self.hosts = HostRecords(self._client, self.server_time_ms)
+        #: The store's epoch record and eviction policy (:mod:`ratchet.leasing.epoch`).
+        self.identity = StoreIdentity(self._client)
         #: Drill hook ``(run_id, commit_id) -> drop the reply?`` (see the module docstring).
         self.reply_hook: Callable[[str, str], bool] | None = None
 

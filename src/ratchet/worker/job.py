@@ -178,7 +178,7 @@ def _execute(
     try:
         # The store must still be the one this worker started on: a wiped, restarted-
         # without-AOF or evicting Redis is never run on.
-        fleet.store.check_epoch(fleet.epoch)
+        fleet.store.identity.check_epoch(fleet.epoch)
     except StoreEpochError as exc:
         log.error(
             "store epoch check failed",

@@ -476,7 +476,7 @@ def run_drill_processes(
             server = ClusterStore(redis_dir, executable=choice.executable).start()
         else:
             server = choice.server(redis_dir).start()
-        RedisStore(server.client()).init_epoch()
+        RedisStore(server.client()).identity.init_epoch()
     except BaseException:
         if disk is not None:
             disk.unmount()
