@@ -164,7 +164,7 @@ def run(sizes: list[int], *, rounds: int, samples: int) -> dict[str, Any]:
             per_db: list[dict[str, Callable[[], object]]] = []
             for db, size in enumerate(sizes):
                 url = f"redis://127.0.0.1:{redis.port}/{db}"
-                RedisStore.from_url(url).init_epoch()
+                RedisStore.from_url(url).identity.init_epoch()
                 settings = Settings(
                     redis_url=SecretStr(url),
                     state_dir=Path(tmp) / "state",

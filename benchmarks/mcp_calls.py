@@ -364,7 +364,7 @@ def measure(*, rounds: int, jobs: int, own_jobs: int, calls: int, profile: int) 
     job_wall: dict[str, list[float]] = {kind: [] for kind in KINDS}
     extra: dict[str, Any] = {}
     with temp_redis(prefix="ratchet-mcp-calls-") as (server, folder):
-        RedisStore(server.client()).init_epoch()
+        RedisStore(server.client()).identity.init_epoch()
         settings = Settings(
             redis_url=SecretStr(server.url),
             state_dir=folder / "state",

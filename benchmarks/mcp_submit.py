@@ -110,7 +110,7 @@ def measure(*, rounds: int) -> dict[str, Any]:
 
     walls: dict[str, list[float]] = {kind: [] for kind in KINDS}
     with temp_redis(prefix="ratchet-mcp-submit-") as (server, folder):
-        RedisStore(server.client()).init_epoch()
+        RedisStore(server.client()).identity.init_epoch()
         tickets = folder / "tickets"
         declared = McpServerDeclaration.model_validate(
             {

@@ -306,7 +306,7 @@ def _fleet(tmp: Path) -> Iterator[tuple[Any, Any, Any]]:
     from ratchet.leasing import RedisStore
 
     with _temp_redis(prefix="ratchet-scale-runs-") as (server, base):
-        RedisStore(server.client()).init_epoch()
+        RedisStore(server.client()).identity.init_epoch()
         settings = Settings(
             redis_url=SecretStr(server.url),
             state_dir=base / "state",

@@ -284,7 +284,7 @@ def run(
 
     roots: dict[str, Path] = {}
     with temp_redis(prefix="ratchet-takeover-") as (server, base):
-        RedisStore(server.client()).init_epoch()
+        RedisStore(server.client()).identity.init_epoch()
         settings = Settings(
             redis_url=SecretStr(server.url),
             state_dir=base / "state",

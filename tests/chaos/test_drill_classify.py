@@ -53,7 +53,7 @@ def test_a_freezing_incident_of_an_older_lease_does_not_settle_the_run(
     _root, document = workspace()
     run_id = submit(fleet, document)
     snap = fleet.store.read_run(run_id)
-    fleet.store.record_incident(
+    fleet.store.records.record_incident(
         run_id,
         {
             "kind": "environment_changed",

@@ -21,7 +21,7 @@ import fakeredis
 import pytest
 import redis
 
-from ratchet.leasing import RedisStore
+from ratchet.leasing import CommitResult, Lease, RedisStore
 from ratchet.redis_server import RedisServer, find_redis_server
 from ratchet.runtime.ports import RunKey
 
@@ -162,3 +162,21 @@ def lose_first_reply(store: RedisStore) -> list[str]:
 
     store.reply_hook = hook
     return dropped
+
+
+def commit_one(
+    store: RedisStore,
+    lease: Lease,
+    *,
+    generation: int,
+    expected_state_version: int,
+    checkpoint: bytes,
+    commit_id: str | None = None,
+) -> CommitResult:
+    """One commit through the store's one commit operation (a batch of one), with the
+    generation and state version the test states rather than the ones a handle tracks."""
+    prepared = store.prepare_commit(
+        lease.run_id, generation=generation, checkpoint=checkpoint, commit_id=commit_id
+    )
+    results, _ = store.commit_many(lease, [prepared], expected_state_version=expected_state_version)
+    return results[0]

@@ -174,7 +174,7 @@ def test_batched_commits_and_archives_run_on_every_master_also_after_script_flus
         run.commit_batch(key, [Advance(3, b"g4")], release=Release(reap=True))
         snap = store.read_run(run_id)
         assert snap.generation == 4 and snap.owner is None
-        assert store.expiry_score(run_id) is not None
+        assert store.expiry.expiry_score(run_id) is not None
 
 
 def test_phase_indexes_counts_and_pages_follow_runs_on_every_master(
@@ -451,7 +451,7 @@ def test_store_init_moves_a_pre_shard_cluster_stores_index_entries_into_the_shar
     for run_id in run_ids:
         assert client.zscore(SHARDED.runs_of(run_id), run_id) == 7
         assert client.zscore(SHARDED.phase_of("running", run_id), run_id) == 8
-        assert store.expiry_score(run_id) == 9
+        assert store.expiry.expiry_score(run_id) == 9
     assert store.migrate_unsharded_indexes() == 0  # nothing left: running it again is a no-op
     assert not {r for r, _ in store.runs_missing_phase()} & set(run_ids)
 
@@ -475,13 +475,13 @@ def test_the_expiry_index_is_sharded_over_the_masters_and_read_whole_by_the_reap
     assert len(masters) >= 2  # ...and the shards over the masters
     for run_id in run_ids:
         assert client.zscore(expiry_shard(run_id, INDEX_SHARDS), run_id) is not None
-        assert store.expiry_score(run_id) is not None
+        assert store.expiry.expiry_score(run_id) is not None
         assert client.zscore(EXPIRY_INDEX, run_id) is None  # not the single-Redis key
-    poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= set(run_ids))
-    entries = store.expired_entries(limit=1000)
+    poll_until(lambda: {r for r, _ in store.expiry.expired_entries(limit=1000)} >= set(run_ids))
+    entries = store.expiry.expired_entries(limit=1000)
     assert [score for _, score in entries] == sorted(score for _, score in entries)
-    assert len(store.expired_entries(limit=5)) == 5
-    assert set(run_ids) <= store.expiry_members()
+    assert len(store.expiry.expired_entries(limit=5)) == 5
+    assert set(run_ids) <= store.expiry.expiry_members()
     # What removes a run for good names its own shard.
     assert expiry_shard(run_ids[0], INDEX_SHARDS) in store.index_keys(run_ids[0])
 
@@ -506,7 +506,7 @@ def test_with_a_master_down_the_reaper_still_reads_the_other_masters_shards(
                 run_id, task_id="t", env_instance_id="e", scenario=b"s", checkpoint=b"g1"
             )
             assert store.acquire(run_id, owner="w1", ttl_ms=1) is not None
-        poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= set(run_ids))
+        poll_until(lambda: {r for r, _ in store.expiry.expired_entries(limit=1000)} >= set(run_ids))
         shard_port = {
             r: client.get_node_from_key(expiry_shard(r, INDEX_SHARDS)).port for r in run_ids
         }
@@ -524,9 +524,9 @@ def test_with_a_master_down_the_reaper_still_reads_the_other_masters_shards(
         assert run is not None
         victim.kill()
         try:
-            seen = {r for r, _ in store.expired_entries(limit=1000)}
+            seen = {r for r, _ in store.expiry.expired_entries(limit=1000)}
             assert seen == readable  # every shard on a live master, none of the dead one's
-            assert store.expiry_shards_unreadable > 0
+            assert store.expiry.expiry_shards_unreadable > 0
             # Its commit applies and is acknowledged; the phase move waits for a repair.
             run.commit_batch(
                 RunKey("t", moving, "e"), [Advance(1, b"g2", phase="awaiting_approval")]
@@ -537,8 +537,8 @@ def test_with_a_master_down_the_reaper_still_reads_the_other_masters_shards(
             victim.start()
             cluster.wait_ok()
         expired = set(run_ids) - {moving}  # the one acquired again holds a live lease
-        poll_until(lambda: {r for r, _ in store.expired_entries(limit=1000)} >= expired)
-        assert store.expiry_shards_unreadable == 0
+        poll_until(lambda: {r for r, _ in store.expiry.expired_entries(limit=1000)} >= expired)
+        assert store.expiry.expiry_shards_unreadable == 0
         assert store.read_run(moving).generation == 2  # the commit applied
         assert listed_under(client, moving) == {"running"}  # stale until...
         reaper = Reaper(store, lambda _run: None, interval_ms=50).start()

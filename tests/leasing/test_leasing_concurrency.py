@@ -13,6 +13,7 @@ import pytest
 
 from ratchet.errors import GenerationMismatchError, LeaseLostError, StoreError
 from ratchet.leasing import LeasedRun, RedisStore, run_keys
+from tests.leasing.conftest import commit_one
 
 ROUNDS = 100
 TAKEOVER_ROUNDS = 25
@@ -60,14 +61,16 @@ def test_two_holders_of_the_same_generation_racing_to_commit_have_exactly_one_wi
         blobs = {"a": b"a-%d" % gen, "b": b"b-%d" % gen}
         outcomes = race(
             partial(
-                store_a.commit,
+                commit_one,
+                store_a,
                 lease,
                 generation=gen,
                 expected_state_version=gen - 1,
                 checkpoint=blobs["a"],
             ),
             partial(
-                store_b.commit,
+                commit_one,
+                store_b,
                 lease,
                 generation=gen,
                 expected_state_version=gen - 1,
@@ -117,8 +120,12 @@ def takeover_round(
         for _attempt in range(10_000):
             new: LeasedRun | None = store_b.acquire(run_id, owner="new", ttl_ms=60_000)
             if new is not None:
-                return store_b.commit(
-                    new.lease, generation=2, expected_state_version=1, checkpoint=b"from-new"
+                return commit_one(
+                    store_b,
+                    new.lease,
+                    generation=2,
+                    expected_state_version=1,
+                    checkpoint=b"from-new",
                 )
         raise AssertionError("the old lease never expired")
 

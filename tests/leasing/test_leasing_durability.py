@@ -27,7 +27,7 @@ from ratchet.errors import (
 from ratchet.leasing import RedisStore, run_keys
 from ratchet.redis_server import RedisServer, free_port
 from ratchet.runtime.ports import Advance, RunKey
-from tests.leasing.conftest import redis_binaries
+from tests.leasing.conftest import commit_one, redis_binaries
 
 
 @pytest.mark.parametrize(
@@ -54,8 +54,8 @@ def test_an_acknowledged_commit_survives_kill_9_and_the_generation_never_goes_ba
     assert (snap.generation, snap.state_version, snap.checkpoint) == (11, 11, b"ckpt-11")
     assert snap.is_held_by("w1", run.lease_version)
     with pytest.raises(GenerationMismatchError):
-        store.commit(run.lease, generation=11, expected_state_version=10, checkpoint=b"old")
-    store.commit(run.lease, generation=12, expected_state_version=11, checkpoint=b"ckpt-12")
+        commit_one(store, run.lease, generation=11, expected_state_version=10, checkpoint=b"old")
+    commit_one(store, run.lease, generation=12, expected_state_version=11, checkpoint=b"ckpt-12")
     store.client.close()
 
 
@@ -219,7 +219,8 @@ def test_a_lost_reply_without_retries_is_an_unknown_outcome_that_a_later_retry_r
     run.commit(b"g2")  # the commit connection is open: the reply dropped is the commit's
     proxy.drop_next_reply()
     with pytest.raises(CommitOutcomeUnknownError) as err:
-        store.commit(
+        commit_one(
+            store,
             run.lease,
             generation=3,
             expected_state_version=2,
@@ -227,8 +228,13 @@ def test_a_lost_reply_without_retries_is_an_unknown_outcome_that_a_later_retry_r
             commit_id="c-lost-2",
         )
     assert err.value.commit_id == "c-lost-2" and err.value.generation == 3
-    again = store.commit(
-        run.lease, generation=3, expected_state_version=2, checkpoint=b"g3", commit_id="c-lost-2"
+    again = commit_one(
+        store,
+        run.lease,
+        generation=3,
+        expected_state_version=2,
+        checkpoint=b"g3",
+        commit_id="c-lost-2",
     )
     assert again.already_applied
     assert store.read_run(run_id).generation == 3

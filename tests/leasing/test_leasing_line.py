@@ -17,6 +17,7 @@ from ratchet.leasing import RedisStore, run_keys
 from ratchet.leasing.scripts import ScriptName
 from ratchet.redis_server import RedisServer
 from ratchet.runtime.ports import Advance, RunKey
+from tests.leasing.conftest import commit_one
 
 
 def _run(store: RedisStore, run_id: str) -> tuple[Any, RunKey]:
@@ -160,5 +161,5 @@ def test_the_commit_connection_packs_ints_and_text_alike(
         hot=True,
     )
     assert reply[0][:3] == [b"committed", 2, 2]
-    store.commit(run.lease, generation=3, expected_state_version=2, checkpoint=b"g3")
+    commit_one(store, run.lease, generation=3, expected_state_version=2, checkpoint=b"g3")
     assert store.read_run(key.run_id, with_checkpoint=True).checkpoint == b"g3"

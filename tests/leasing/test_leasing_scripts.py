@@ -24,6 +24,7 @@ from ratchet.errors import (
 )
 from ratchet.leasing import RedisStore, run_keys
 from ratchet.runtime.ports import Advance, GenerationStore, RunKey
+from tests.leasing.conftest import commit_one
 
 MakeRun = Callable[..., RunKey]
 Expire = Callable[[RedisStore, str], None]
@@ -241,7 +242,7 @@ def test_commit_with_a_stale_expected_state_version_is_refused(
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
     with pytest.raises(StaleStateError) as err:
-        store.commit(run.lease, generation=2, expected_state_version=7, checkpoint=b"x")
+        commit_one(store, run.lease, generation=2, expected_state_version=7, checkpoint=b"x")
     assert err.value.state_version == 1 and err.value.expected_state_version == 7
     assert store.read_run(key.run_id).generation == 1
 
@@ -252,11 +253,21 @@ def test_commit_retried_with_the_same_commit_id_is_reported_applied_once(
     key = make_run()
     run = store.acquire(key.run_id, owner="w1", ttl_ms=60_000)
     assert run is not None
-    first = store.commit(
-        run.lease, generation=2, expected_state_version=1, checkpoint=b"g2", commit_id="c-retry"
+    first = commit_one(
+        store,
+        run.lease,
+        generation=2,
+        expected_state_version=1,
+        checkpoint=b"g2",
+        commit_id="c-retry",
     )
-    again = store.commit(
-        run.lease, generation=2, expected_state_version=1, checkpoint=b"g2", commit_id="c-retry"
+    again = commit_one(
+        store,
+        run.lease,
+        generation=2,
+        expected_state_version=1,
+        checkpoint=b"g2",
+        commit_id="c-retry",
     )
     assert not first.already_applied and again.already_applied
     assert again.generation == 2 and again.current_generation == 2
@@ -462,14 +473,14 @@ def test_the_expiry_index_follows_acquire_renew_release_and_finish(
     run = store.acquire(key.run_id, owner="w1", ttl_ms=30)
     assert run is not None
     expire(store, key.run_id)
-    assert key.run_id in store.expired_runs(limit=100_000)
+    assert key.run_id in store.expiry.expired_runs(limit=100_000)
     again = store.acquire(key.run_id, owner="w2", ttl_ms=60_000)
     assert again is not None
-    assert key.run_id not in store.expired_runs(limit=100_000)
+    assert key.run_id not in store.expiry.expired_runs(limit=100_000)
     again.release(reap=True)
-    assert key.run_id in store.expired_runs(limit=100_000)
+    assert key.run_id in store.expiry.expired_runs(limit=100_000)
     third = store.acquire(key.run_id, owner="w3", ttl_ms=60_000)
     assert third is not None
-    third.commit(b"done", finished=True)
+    third.commit(b"done")
     third.release()
-    assert key.run_id not in store.expired_runs(limit=100_000)
+    assert key.run_id not in store.expiry.expired_runs(limit=100_000)

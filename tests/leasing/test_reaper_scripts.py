@@ -89,12 +89,12 @@ def test_an_index_entry_is_dropped_only_while_its_score_is_unchanged(
     key = make_run()
     store.acquire(key.run_id, owner="w-1", ttl_ms=30)
     expire(store, key.run_id)
-    entries = dict(store.expired_entries(limit=10_000))
+    entries = dict(store.expiry.expired_entries(limit=10_000))
     score = entries[key.run_id]
     # A worker re-acquires between the reaper's read and its drop: the entry must stay.
     store.acquire(key.run_id, owner="w-2", ttl_ms=60_000)
-    assert store.drop_expiry_entry(key.run_id, score) is False
+    assert store.expiry.drop_expiry_entry(key.run_id, score) is False
     fresh = store.client.zscore("ratchet:index:expiry", key.run_id)
     assert fresh is not None and int(fresh) != score
-    assert store.drop_expiry_entry(key.run_id, int(fresh)) is True
-    assert store.drop_expiry_entry(key.run_id, int(fresh)) is False
+    assert store.expiry.drop_expiry_entry(key.run_id, int(fresh)) is True
+    assert store.expiry.drop_expiry_entry(key.run_id, int(fresh)) is False

@@ -17,6 +17,7 @@ from ratchet.errors import (
 from ratchet.fleet.redisurl import parse_sentinel_url, redis_client
 from ratchet.leasing import RedisStore
 from ratchet.testing.sentinel import LocalReplicated
+from tests.leasing.conftest import commit_one
 
 
 @pytest.fixture
@@ -167,7 +168,8 @@ def test_commits_the_replica_confirmed_survive_the_primary_killed_and_a_failover
     # As for any unknown outcome: re-read, then go on from what the store holds.
     now = store.read_run(run_id)
     assert now.generation == 22
-    result = store.commit(
+    result = commit_one(
+        store,
         run.lease,  # type: ignore[attr-defined]
         generation=23,
         expected_state_version=now.state_version,

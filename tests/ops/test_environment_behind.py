@@ -54,7 +54,7 @@ def test_a_workspace_restored_from_before_a_recorded_write_is_refused_and_never_
     shutil.copytree(backup, root, symlinks=True)
     report = execute_run(trusted, run_id, owner="w2")
     assert report.outcome == "restore_refused", report
-    incident = trusted.store.incidents(run_id)[0]
+    incident = trusted.store.records.incidents(run_id)[0]
     assert "behind the checkpoint's record" in incident["message"], incident
     with pytest.raises(ContractError, match="never moves it back"):
         rebaseline(trusted, run_id, key=RITA, reviewer_id="rita")

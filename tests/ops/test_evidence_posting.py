@@ -79,7 +79,7 @@ def test_an_approval_by_an_untrusted_key_is_refused_before_posting(
     with pytest.raises(ApprovalError) as err:  # a trusted name, the wrong key
         approve(approving, run_id, action_id, key=mallory, approver_id="alice")
     assert err.value.reason == "bad_signature"
-    assert approving.store.inbox(run_id) == []
+    assert approving.store.records.inbox(run_id) == []
     assert inspect_run(approving, run_id).state.phase.value == "awaiting_approval"
 
 
@@ -102,7 +102,7 @@ def test_an_approval_bound_to_anything_else_is_refused_before_posting(
     with pytest.raises(ApprovalError) as err:
         post_approval(approving, run_id, evidence)
     assert err.value.reason == "binding"
-    assert approving.store.inbox(run_id) == []
+    assert approving.store.records.inbox(run_id) == []
 
 
 def test_an_expired_approval_is_refused_by_the_stores_clock(
@@ -129,7 +129,7 @@ def test_a_replayed_approval_nonce_is_refused_before_posting(
     with pytest.raises(ApprovalError) as err:
         post_approval(approving, second, replay)
     assert err.value.reason == "replayed_nonce"
-    assert approving.store.inbox(second) == []
+    assert approving.store.records.inbox(second) == []
 
 
 def test_a_decision_by_an_untrusted_reviewer_is_refused_before_posting(
@@ -142,7 +142,7 @@ def test_a_decision_by_an_untrusted_reviewer_is_refused_before_posting(
     with pytest.raises(ReviewDecisionError) as err:
         review(reviewing, run_id, "replan", key=Ed25519PrivateKey.generate(), reviewer_id="rita")
     assert err.value.reason == "bad_signature"
-    assert reviewing.store.inbox(run_id) == []
+    assert reviewing.store.records.inbox(run_id) == []
     assert review(reviewing, run_id, "replan", key=RITA, reviewer_id="rita").verified
 
 
@@ -153,7 +153,7 @@ def test_without_a_trust_root_the_evidence_is_posted_and_marked_unverified(
     action_id = inspect_run(fleet, run_id).state.pending.action.action_id  # type: ignore[union-attr]
     posted = approve(fleet, run_id, action_id, key=ALICE, approver_id="alice")
     assert posted.verified is False
-    assert len(fleet.store.inbox(run_id)) == 1
+    assert len(fleet.store.records.inbox(run_id)) == 1
 
 
 def test_the_approve_command_refuses_an_untrusted_key_in_one_line_with_exit_two(
@@ -192,7 +192,7 @@ def test_the_approve_command_refuses_an_untrusted_key_in_one_line_with_exit_two(
     assert refused.stderr.startswith("ratchet: error:") and "mallory" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
     assert "Traceback" not in refused.stderr
-    assert approving.store.inbox(run_id) == []
+    assert approving.store.records.inbox(run_id) == []
     unverified = run("approve", run_id, action_id, "--key", str(pem), trusted=False)
     assert unverified.returncode == 0, unverified.stderr
     assert "NOT verified" in unverified.stdout

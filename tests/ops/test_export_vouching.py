@@ -184,7 +184,9 @@ def test_records_forged_in_redis_by_hand_never_read_as_authentic(
     fleet: Fleet, workspace: MakeWorkspace, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     run_id = finished(fleet, workspace, "r-forged")
-    fleet.store.record_incident(run_id, {"kind": "note", "message": "a worker's own record"})
+    fleet.store.records.record_incident(
+        run_id, {"kind": "note", "message": "a worker's own record"}
+    )
     keys = run_keys(run_id)
     hand = redis.Redis.from_url(redis_server.url)  # a raw client: no key ring at all
     retry_by_alice = {
@@ -297,7 +299,9 @@ def test_records_stored_before_they_were_sealed_export_as_unsigned_and_old_files
 ) -> None:
     run_id = finished(fleet, workspace, "r-legacy")
     # As a worker of the previous version wrote it: a store without a key ring.
-    RedisStore(fleet.store.client).record_incident(run_id, {"kind": "job_error", "attempt": 1})
+    RedisStore(fleet.store.client).records.record_incident(
+        run_id, {"kind": "job_error", "attempt": 1}
+    )
     blob = export_run(fleet, run_id)
     summary = verify_export(fleet.keyring, blob)
     incidents = summary.as_dict()["parts"]["incidents"]

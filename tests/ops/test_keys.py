@@ -141,7 +141,7 @@ def test_retiring_a_key_still_in_use_is_refused_and_forced_retirement_fails_clos
     assert refused_restore.value.reason == "retired_kid"
     report = execute_run(Fleet.connect(settings), run_id, owner="w-after-retire")
     assert report.outcome == "restore_refused" and report.detail.startswith("retired_kid")
-    incidents = Fleet.connect(settings).store.incidents(run_id)
+    incidents = Fleet.connect(settings).store.records.incidents(run_id)
     assert incidents[0]["reason"] == "retired_kid"
 
 
@@ -175,7 +175,7 @@ def test_a_revoked_approvers_approval_is_refused_and_the_run_keeps_waiting(
     with pytest.raises(ApprovalError) as err:  # refused before it is posted
         approve(fleet, run_id, pending.action.action_id, key=alice, approver_id="alice")
     assert err.value.reason == "revoked_signer"
-    assert fleet.store.inbox(run_id) == []
+    assert fleet.store.records.inbox(run_id) == []
     # Posted from somewhere that cannot check it: the worker's own check refuses it.
     unchecked = with_trust(fleet, approvers_file=None)
     posted = approve(unchecked, run_id, pending.action.action_id, key=alice, approver_id="alice")
@@ -211,7 +211,7 @@ def test_a_revoked_reviewers_decision_keeps_the_run_frozen(
     with pytest.raises(ReviewDecisionError) as err:  # refused before it is posted
         review(fleet, run_id, "replan", key=rita, reviewer_id="rita")
     assert err.value.reason == "revoked_signer"
-    assert fleet.store.inbox(run_id) == []
+    assert fleet.store.records.inbox(run_id) == []
     assert (
         review(
             with_trust(fleet, reviewers_file=None), run_id, "replan", key=rita, reviewer_id="rita"

@@ -283,8 +283,8 @@ def test_junk_in_an_index_is_a_row_that_says_unreadable(fleet: Fleet) -> None:
     store.client.zadd(RUNS_INDEX, {"no-such-run": 9e12, "../../etc": 9e12 + 1})
     store.client.set(run_keys("r-wrongtype").state, b"junk")
     store.client.zadd(RUNS_INDEX, {"r-wrongtype": 9e12 + 2})
-    store.record_incident("r-good-0001", {"kind": "restore_refused", "reason": "x"})
-    store.record_incident("r-good-0001", {"kind": "evidence_refused", "reason": "y"})
+    store.records.record_incident("r-good-0001", {"kind": "restore_refused", "reason": "x"})
+    store.records.record_incident("r-good-0001", {"kind": "evidence_refused", "reason": "y"})
     rows = {row.run_id: row for row in store.list_runs(limit=10).rows}
     failures = rows["r-good-0001"]
     assert (failures.incidents, failures.last_incident) == (2, "evidence_refused")

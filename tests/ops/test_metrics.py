@@ -181,7 +181,7 @@ def test_metrics_scraped_during_a_sigkill_run_match_what_redis_recorded(
         owner_changes += sum(1 for a, b in itertools.pairwise(leased) if a[1] != b[1])
         ended = {
             (i["previous_owner"], i["previous_lease_version"])
-            for i in fleet.store.incidents(run_id)
+            for i in fleet.store.records.incidents(run_id)
             if i.get("kind") == "lease_taken_over"
         }
         assert ended <= {(owner, version) for version, owner in leased}

@@ -205,7 +205,7 @@ def test_a_cancel_request_that_does_not_verify_is_never_acted_on(
         {"k9": b"not-the-fleet-key-0123456789abcdef"}, signing_kid="k9"
     )
     forged = new_cancel_request(run_id, by="mallory", reason="forged", now_ms=1)
-    fleet.store.post_evidence(run_id, seal_cancel(other_ring, forged))
+    fleet.store.records.post_evidence(run_id, seal_cancel(other_ring, forged))
     assert execute_run(fleet, run_id, owner="w").phase == "completed"
     kinds = [i["kind"] for i in inspect_run(fleet, run_id).incidents]
     assert "control_refused" in kinds
@@ -222,7 +222,7 @@ def test_what_cannot_be_cancelled_is_refused_with_nothing_posted(
     frozen = run_in_review(fleet, workspace, "r-review")
     with pytest.raises(ContractError, match="review"):
         cancel(fleet, frozen, reason="stop", operator="olga")
-    assert fleet.store.inbox(frozen) == []
+    assert fleet.store.records.inbox(frozen) == []
     with pytest.raises(ContractError):
         cancel(fleet, done, reason="  ", operator="olga")
     with pytest.raises(RunNotFoundError):
@@ -304,7 +304,7 @@ def test_a_rebaseline_is_refused_for_an_untrusted_reviewer_or_a_later_edit(
     frozen_by_edit(trusted, workspace, "r-rebase-bad")
     with pytest.raises(ReviewDecisionError):
         rebaseline(trusted, "r-rebase-bad", key=Ed25519PrivateKey.generate(), reviewer_id="rita")
-    assert trusted.store.inbox("r-rebase-bad") == []
+    assert trusted.store.records.inbox("r-rebase-bad") == []
     rebaseline(trusted, "r-rebase-bad", key=RITA, reviewer_id="rita")
     root = Path(inspect_run(trusted, "r-rebase-bad").document.environment.root)
     (root / "app.py").write_text("print('edited again after the decision')\n")

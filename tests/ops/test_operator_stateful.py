@@ -282,7 +282,7 @@ class Operations(RuleBasedStateMachine):
 def operated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Path]]:
     folder = tmp_path_factory.mktemp("operated")
     server = RedisServer(folder / "redis").start()
-    RedisStore(server.client()).init_epoch()
+    RedisStore(server.client()).identity.init_epoch()
     settings = Settings(
         redis_url=SecretStr(server.url),
         state_dir=folder / "state",

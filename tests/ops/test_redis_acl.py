@@ -38,7 +38,7 @@ def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer
     (folder / "users.acl").write_text(acl_file(users))
     server = RedisServer(folder / "data", extra_args=["--aclfile", str(folder / "users.acl")])
     server.start()
-    RedisStore(client(server, Role.ADMIN)).init_epoch()  # the admin initialises the store
+    RedisStore(client(server, Role.ADMIN)).identity.init_epoch()  # the admin initialises the store
     try:
         yield server
     finally:

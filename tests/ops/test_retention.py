@@ -149,7 +149,7 @@ def test_a_purge_keeps_what_is_not_finished_held_or_holding_evidence(
         key=ALICE,
         approver_id="alice",
     )
-    fleet.store.post_evidence(pending, posted.evidence.model_dump_json().encode())
+    fleet.store.records.post_evidence(pending, posted.evidence.model_dump_json().encode())
     report = purge_finished(fleet, older_than_ms=0)
     assert report.purged == []
     assert report.kept[held].startswith("held by w-live")

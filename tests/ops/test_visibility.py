@@ -309,7 +309,7 @@ def test_a_failed_verifier_shows_its_tail_with_secrets_scrubbed_and_marked_unsig
     )
     for secret in (CHECKPOINT_KEY_HEX, FAKE_TOKEN, FAKE_PASSWORD):
         assert secret not in everything, secret
-    stored = json.dumps(fleet.store.incidents(run_id))  # scrubbed before it was kept
+    stored = json.dumps(fleet.store.records.incidents(run_id))  # scrubbed before it was kept
     assert CHECKPOINT_KEY_HEX not in stored and FAKE_TOKEN not in stored
     assert "the last line" in show(redis_server, tmp_path, run_id).stdout
     page = run_page(data, now=0)

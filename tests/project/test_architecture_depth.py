@@ -78,7 +78,7 @@ def _listing(rows: list[tuple[str, str]]) -> str:
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
     server = RedisServer(tmp_path / "redis").start()
-    RedisStore(server.client()).init_epoch()
+    RedisStore(server.client()).identity.init_epoch()
     try:
         yield Fleet.connect(
             Settings(

@@ -26,7 +26,7 @@ CHECKPOINT_KEY_HEX = (CANARY_KEY + "a1" * 32)[:64]
 @pytest.fixture
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    RedisStore(server.client()).init_epoch()  # what `ratchet store init` does
+    RedisStore(server.client()).identity.init_epoch()  # what `ratchet store init` does
     try:
         yield server
     finally:

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path / "cluster", appendfsync="always") as started:
-        RedisStore(started.client()).init_epoch()
+        RedisStore(started.client()).identity.init_epoch()
         yield started
 
 

@@ -190,7 +190,7 @@ def test_a_worker_refuses_at_job_start_a_credential_its_map_does_not_send_there(
         )
         worked = run("worker", "--burst", env=env, cwd=tmp_path)
         assert worked.returncode == 0, worked.stderr[-2000:]
-        incidents = fleet.store.incidents(run_id)
+        incidents = fleet.store.records.incidents(run_id)
         assert incidents, "the refusal is recorded for an operator"
         refusal = incidents[0]
         assert refusal["kind"] == "restore_refused", refusal
@@ -282,6 +282,6 @@ def test_a_stored_document_that_still_names_a_variable_is_refused_at_job_start(
         run_id = submit(fleet, document)
     report = execute_run(fleet, run_id, owner="w-old-document")
     assert report.outcome == "restore_refused", report
-    incident = fleet.store.incidents(run_id)[0]
+    incident = fleet.store.records.incidents(run_id)[0]
     assert incident["kind"] == "restore_refused"
     assert "environment.mcp.tickets.token_env is no longer read" in incident["message"]

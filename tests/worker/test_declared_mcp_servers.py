@@ -107,7 +107,7 @@ def test_submit_starts_nothing_and_a_worker_runs_the_declared_server(
     before = children()
     run_id = submit(submitter, ticket_document(), run_id="r-declared")
     assert children() == before and shared_count() == 0 and not pid_file.exists()
-    assert submitter.store.ledger_meta(run_id).contract is None  # nothing listed yet
+    assert submitter.store.ledger.meta(run_id).contract is None  # nothing listed yet
 
     worker = Fleet.connect(
         with_servers(settings, tickets={"command": server_command(state, pid_file), "tools": TOOLS})
@@ -117,7 +117,7 @@ def test_submit_starts_nothing_and_a_worker_runs_the_declared_server(
         (e.outcome.value, e.detail, e.verifier) for e in inspect_run(worker, run_id).state.trace
     ]
     assert stats(state).effects == 1
-    pinned = worker.store.ledger_meta(run_id).contract
+    pinned = worker.store.ledger.meta(run_id).contract
     assert pinned is not None and pinned.startswith("env:")  # key id, HMAC, digest
 
 

@@ -53,7 +53,7 @@ def assert_refused_and_untouched(fleet: Fleet, run_id: str, root: Path, check: s
     before = fleet.store.read_run(run_id)
     report = execute_run(fleet, run_id, owner="w-doc")
     assert report.outcome == "restore_refused", report
-    incidents = fleet.store.incidents(run_id)
+    incidents = fleet.store.records.incidents(run_id)
     assert incidents[0]["kind"] == "restore_refused"
     assert incidents[0]["reason"] == "document", incidents[0]
     assert check in incidents[0]["message"] or check == "", incidents[0]
@@ -151,7 +151,7 @@ def test_an_agent_outside_the_workers_allow_list_is_refused_before_it_is_importe
     # ... but this worker does not allow it: nothing is imported or built.
     report = execute_run(fleet, run_id, owner="w-policy")
     assert report.outcome == "restore_refused"
-    assert "not allowed on this worker" in fleet.store.incidents(run_id)[0]["message"]
+    assert "not allowed on this worker" in fleet.store.records.incidents(run_id)[0]["message"]
     assert not marker.exists()
     assert effects(root) == 0
 

@@ -82,7 +82,7 @@ def test_a_git_run_is_submitted_with_its_branch_and_completes_with_one_commit_pe
     remote = view.document.environment.remote
     assert remote is not None and remote.base == main and remote.branch == "ratchet/r-git"
     assert view.document.environment.host is None  # bound to no host
-    assert fleet.store.run_host(run_id) is None
+    assert fleet.store.hosts.run_host(run_id) is None
     assert [c.commit for c in branch_log(bare, "ratchet/r-git")] == [main]
 
     report = execute_run(on_host(settings, tmp_path, "far"), run_id, owner="w-far")

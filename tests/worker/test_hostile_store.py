@@ -120,8 +120,8 @@ def prepared(fleet: Fleet, workspace: MakeWorkspace, name: str) -> tuple[str, Pa
         assert execute_run(one_step, run_id, owner="w-prepare").steps == 1
         ids.append((run_id, root))
     (run_id, root), (other_id, _) = ids
-    fleet.store.post_evidence(run_id, b'{"junk": 1}')
-    fleet.store.record_incident(run_id, {"kind": "note", "message": "before"})
+    fleet.store.records.post_evidence(run_id, b'{"junk": 1}')
+    fleet.store.records.record_incident(run_id, {"kind": "note", "message": "before"})
     return run_id, root, other_id
 
 

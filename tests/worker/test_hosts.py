@@ -204,7 +204,7 @@ def test_runs_submitted_on_two_hosts_each_complete_on_their_own_host(
     for run_id, (host, _) in runs.items():
         view = inspect_run(fleet, run_id)
         assert view.document.environment.host == host.name  # signed at submit
-        assert fleet.store.run_host(run_id) == host.name
+        assert fleet.store.hosts.run_host(run_id) == host.name
     # Workers on both hosts take from one fleet: every job that lands on the wrong host
     # is handed on, never opened there.
     a.start_workers(tmp_path / "a.log")
@@ -216,7 +216,7 @@ def test_runs_submitted_on_two_hosts_each_complete_on_their_own_host(
     )
     for run_id, (host, name) in runs.items():
         assert (host.backing / name / "app.py").read_text() == RIGHT_GREETING
-        assert fleet.store.incidents(run_id) == [], run_id  # nothing froze, nothing refused
+        assert fleet.store.records.incidents(run_id) == [], run_id  # nothing froze, nothing refused
 
 
 def test_a_lost_host_s_runs_wait_for_it_visibly_and_finish_when_it_comes_back(
@@ -250,7 +250,7 @@ def test_a_lost_host_s_runs_wait_for_it_visibly_and_finish_when_it_comes_back(
     listed = json.loads(a.ratchet("runs", "--json").stdout)["runs"]
     row = next(r for r in listed if r["run_id"] == slow)
     assert row["waiting_for_host"] is True and row["host"] == "host-b"
-    assert fleet.store.incidents(slow) == []
+    assert fleet.store.records.incidents(slow) == []
     assert phase(fleet, slow) == "running"
     # B comes back with its disk: the run finishes there, its write done once.
     b.start()
@@ -258,7 +258,7 @@ def test_a_lost_host_s_runs_wait_for_it_visibly_and_finish_when_it_comes_back(
     poll(lambda: phase(fleet, slow) == "completed", deadline_s=90, what="B's run completed")
     assert (b.backing / "ws-b-slow" / "app.py").read_text() == RIGHT_GREETING
     # The only record: B's new worker took the lease over from B's dead one.
-    assert {i["kind"] for i in fleet.store.incidents(slow)} == {"lease_taken_over"}
+    assert {i["kind"] for i in fleet.store.records.incidents(slow)} == {"lease_taken_over"}
     view = inspect_run(fleet, slow)
     assert len(view.state.executed) == 1
 
@@ -295,7 +295,8 @@ def test_a_lost_host_s_disk_attached_elsewhere_moves_its_run_there_once_proven(
     assert other.returncode == 0, other.stderr
     impostor = a.ratchet("attach", slow, "--reason", "try a copy")
     assert impostor.returncode == 2 and "not the run's" in impostor.stderr, impostor.stderr
-    assert fleet.store.placement(slow) is None and fleet.store.run_host(slow) == "host-b"
+    hosts = fleet.store.hosts
+    assert hosts.placement(slow) is None and hosts.run_host(slow) == "host-b"
     # B's disk, mounted on a new machine C: proven, moved, finished there, once.
     c = Host("host-c", b.backing, b.mountpoint, b.env).start()
     hosts["host-c"] = c  # stopped with the others
@@ -308,7 +309,7 @@ def test_a_lost_host_s_disk_attached_elsewhere_moves_its_run_there_once_proven(
     assert (b.backing / "ws-b-moved" / "app.py").read_text() == RIGHT_GREETING
     view = inspect_run(fleet, slow)
     assert len(view.state.executed) == 1
-    kinds = [i["kind"] for i in fleet.store.incidents(slow)]
+    kinds = [i["kind"] for i in fleet.store.records.incidents(slow)]
     assert "placement_moved" in kinds and "restore_refused" not in kinds
     shown = json.loads(a.ratchet("show", slow, "--json").stdout)["status"]
     assert shown["host"] == "host-c" and shown["moved"]["from"] == "host-b"

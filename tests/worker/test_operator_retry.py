@@ -40,7 +40,7 @@ def test_a_run_refused_for_an_agent_the_worker_could_not_load_completes_after_a_
     assert execute_run(fleet, run_id, owner="w-old").outcome == "restore_refused"
     # The operator fixed the workers' allow-list, then hands the run back.
     retry(allowing, run_id, reason="agents allow-list fixed", operator="olga")
-    incidents = allowing.store.incidents(run_id)
+    incidents = allowing.store.records.incidents(run_id)
     assert incidents[0]["kind"] == "operator_retry" and incidents[0]["operator"] == "olga"
     assert execute_run(allowing, run_id, owner="w-new").phase == "completed"
     assert effects(root) == 1

@@ -89,7 +89,7 @@ class Runs:
         found: list[dict[str, Any]] = []
 
         def recorded() -> bool:
-            found[:] = [i for i in self.fleet.store.incidents(run_id) if i["kind"] == kind]
+            found[:] = [i for i in self.fleet.store.records.incidents(run_id) if i["kind"] == kind]
             return bool(found)
 
         poll(recorded, deadline_s=DEADLINE_S, what=f"a {kind} incident of {run_id}")
@@ -162,7 +162,7 @@ def test_a_worker_refuses_200_mib_answers_records_why_and_its_peak_stays_flat(
     assert read["peer"] == f"MCP server ({mcp.url()})"
     assert (read["call"], read["outcome"]) == ("read", "refused")
     for refused in (read, model_call):
-        incidents = fleet.store.incidents(refused["run_id"])
+        incidents = fleet.store.records.incidents(refused["run_id"])
         failed = next(i for i in incidents if i["kind"] == "job_error")
         assert failed["error"] == "PeerAnswerTooLargeError"
         assert failed["next"] == "frozen: an operator acts"  # max_job_errors=1 here

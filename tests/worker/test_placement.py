@@ -41,11 +41,12 @@ def test_a_verified_placement_routes_the_run_and_a_forged_one_refuses_it(
     _, document = workspace()
     moved = submit(fleet, document, run_id="r-placed")
     view = inspect_run(fleet, moved)
-    fleet.store.set_placement(moved, seal_placement(fleet.keyring, _placement(fleet, moved, "far")))
+    blob = seal_placement(fleet.keyring, _placement(fleet, moved, "far"))
+    fleet.store.hosts.set_placement(moved, blob)
     assert home_of(fleet.keyring, fleet.store, moved, view.document)[0] == "far"
     report = execute_run(fleet, moved, owner="w-here")
     assert report.outcome == "routed" and report.detail == "to host far"
-    assert fleet.store.run_host(moved) == "far" and fleet.store.incidents(moved) == []
+    assert fleet.store.hosts.run_host(moved) == "far" and fleet.store.records.incidents(moved) == []
 
     # A key ring that shares the fleet's key id but not its key: a forged signature.
     kid = fleet.keyring.signing_kid
@@ -61,10 +62,10 @@ def test_a_verified_placement_routes_the_run_and_a_forged_one_refuses_it(
         else:  # not an envelope at all
             blob = b'{"host": "far"}'
         assert blob is not None
-        fleet.store.set_placement(run_id, blob)
+        fleet.store.hosts.set_placement(run_id, blob)
         report = execute_run(fleet, run_id, owner="w-here")
         assert report.outcome == "restore_refused", (run_id, report)
-        incident = fleet.store.incidents(run_id)[0]
+        incident = fleet.store.records.incidents(run_id)[0]
         assert "placement" in incident["message"], incident
 
 
@@ -77,7 +78,8 @@ def test_a_routed_job_records_no_takeover_even_when_it_took_an_expired_lease(
     lease was taken); a takeover of a run that lives here is recorded as before."""
     _, document = workspace()
     far = submit(fleet, document, run_id="r-far-dead")
-    fleet.store.set_placement(far, seal_placement(fleet.keyring, _placement(fleet, far, "far")))
+    blob = seal_placement(fleet.keyring, _placement(fleet, far, "far"))
+    fleet.store.hosts.set_placement(far, blob)
     _, document = workspace()
     here = submit(fleet, document, run_id="r-here-dead")
     for run_id in (far, here):
@@ -87,9 +89,9 @@ def test_a_routed_job_records_no_takeover_even_when_it_took_an_expired_lease(
     before = metrics.LEASES_TAKEN_OVER._value.get()
     report = execute_run(fleet, far, owner="w-here")
     assert report.outcome == "routed", report
-    assert fleet.store.incidents(far) == []
+    assert fleet.store.records.incidents(far) == []
     assert metrics.LEASES_TAKEN_OVER._value.get() == before + 1
     report = execute_run(fleet, here, owner="w-here")
     assert report.outcome != "routed", report
-    assert "lease_taken_over" in {i["kind"] for i in fleet.store.incidents(here)}
+    assert "lease_taken_over" in {i["kind"] for i in fleet.store.records.incidents(here)}
     assert metrics.LEASES_TAKEN_OVER._value.get() == before + 2

@@ -36,7 +36,7 @@ def test_a_run_whose_agent_raises_is_retried_with_backoff_then_frozen(
         outcomes.append(report.outcome)
         snap = allowing.store.read_run(run_id)
         assert not snap.lease_live  # the lease was given up at once
-        errors = [i for i in allowing.store.incidents(run_id) if i["kind"] == "job_error"]
+        errors = [i for i in allowing.store.records.incidents(run_id) if i["kind"] == "job_error"]
         assert errors[0]["attempt"] == attempt and errors[0]["error"] == "TypeError"
         assert "agent_probe.py" in str(errors[0]["where"])
         score = client.zscore(EXPIRY_INDEX, run_id)

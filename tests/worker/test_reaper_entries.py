@@ -49,7 +49,7 @@ def test_a_corrupted_entry_is_parked_and_the_runs_behind_it_are_still_handed_on(
     score = client.zscore(EXPIRY_INDEX, bad)
     assert score is not None and score > fleet.store.server_time_ms()  # parked later
     assert client.zscore(EXPIRY_INDEX, "../junk") is None  # junk names no run: gone
-    kinds = [i["kind"] for i in fleet.store.incidents(bad)]
+    kinds = [i["kind"] for i in fleet.store.records.incidents(bad)]
     assert "reaper_entry_refused" in kinds
     # The next tick does not stumble on it again until it is due.
     assert reap_once(fleet.store, enqueued.append).parked == ()

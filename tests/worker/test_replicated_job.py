@@ -28,7 +28,7 @@ from tests.worker.fleet_harness import poll
 @pytest.fixture
 def topology(tmp_path: Path) -> Iterator[LocalReplicated]:
     with LocalReplicated(tmp_path / "replicated") as topo:
-        RedisStore(topo.primary.client()).init_epoch()
+        RedisStore(topo.primary.client()).identity.init_epoch()
         topo.wait_in_sync()
         yield topo
 

@@ -227,7 +227,7 @@ def test_a_worker_refuses_the_run_with_an_incident_when_no_sandbox_is_possible(
         pytest.skip("a bwrap binary was found despite the bogus path")
     report = execute_run(fleet, run_id, owner="w-nosandbox")
     assert report.outcome == "restore_refused"
-    assert "no sandbox is available" in fleet.store.incidents(run_id)[0]["message"]
+    assert "no sandbox is available" in fleet.store.records.incidents(run_id)[0]["message"]
     assert not (root / "hunt.py").exists() and not (root / LOOT).exists()
 
 

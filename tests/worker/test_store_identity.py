@@ -38,7 +38,7 @@ def test_a_wiped_store_is_refused_by_submit_and_by_a_running_worker(
     assert report.outcome == "store_epoch_changed"
     # Initialising it again is a deliberate act; the worker that started on the old
     # store still refuses (another epoch), a new one accepts the new store.
-    RedisStore(redis_server.client()).init_epoch()
+    RedisStore(redis_server.client()).identity.init_epoch()
     assert execute_run(fleet, run_id, owner="w-old").outcome == "store_epoch_changed"
     assert Fleet.connect(settings).epoch != fleet.epoch
 
@@ -97,7 +97,7 @@ def test_a_store_out_of_memory_is_a_typed_refusal(tmp_path: Path) -> None:
     ) as server:
         client = server.client()
         store = RedisStore(client)
-        store.init_epoch()
+        store.identity.init_epoch()
         with pytest.raises(ResponseError, match="maxmemory"):  # fill it up, bounded
             for index in range(10_000):
                 client.set(f"fill:{index}", b"x" * 4096)
@@ -106,7 +106,7 @@ def test_a_store_out_of_memory_is_a_typed_refusal(tmp_path: Path) -> None:
                 "r-oom", task_id="t", env_instance_id="e", scenario=b"{}", checkpoint=b"x" * 2048
             )
         assert err.value.reason == "oom"
-        assert store.read_epoch() is not None  # reads still work
+        assert store.identity.read_epoch() is not None  # reads still work
 
 
 def test_a_task_resubmitted_on_a_wiped_store_cannot_write_to_its_workspace_again(
@@ -123,12 +123,12 @@ def test_a_task_resubmitted_on_a_wiped_store_cannot_write_to_its_workspace_again
     first = submit(fleet, document)
     assert execute_run(fleet, first, owner="w-1").phase == "completed"
     redis_server.client().flushall()
-    RedisStore(redis_server.client()).init_epoch()  # someone initialised it again
+    RedisStore(redis_server.client()).identity.init_epoch()  # someone initialised it again
     fresh = Fleet.connect(settings)  # workers restarted on the new store
     second = submit(fresh, document)
     report = execute_run(fresh, second, owner="w-2")
     assert report.outcome == "restore_refused"
-    incident = fresh.store.incidents(second)[0]
+    incident = fresh.store.records.incidents(second)[0]
     assert "another store" in incident["message"]
     with WorkspaceAdapter(root, ["app.py"]) as adapter:
         assert adapter.effects == 1  # the first run's write, once

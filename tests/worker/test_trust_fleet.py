@@ -32,7 +32,7 @@ def effects(root: Path) -> int:
 
 
 def incident(fleet: Fleet, run_id: str, kind: str) -> dict[str, object] | None:
-    return next((i for i in fleet.store.incidents(run_id) if i.get("kind") == kind), None)
+    return next((i for i in fleet.store.records.incidents(run_id) if i.get("kind") == kind), None)
 
 
 def test_a_worker_process_runs_nothing_from_a_document_rewritten_in_redis(
@@ -152,7 +152,7 @@ def test_a_worker_process_started_before_a_wipe_runs_nothing_after_it(
         client = redis_server.client()
         for key in list(client.scan_iter(match="ratchet:*")):  # ratchet's data is gone
             client.delete(key)  # (RQ's queue, on the same Redis here, stays)
-        RedisStore(client).init_epoch()  # ... and the store was initialised again
+        RedisStore(client).identity.init_epoch()  # ... and the store was initialised again
         fresh = Fleet.connect(settings)
         root, document = workspace()
         run_id = submit(fresh, document)

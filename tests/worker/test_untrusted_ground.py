@@ -166,7 +166,7 @@ def test_a_planted_repository_configuration_never_runs_in_the_worker(
     assert results["git_config"] == "done"  # the plant has teeth
     assert "fsmonitor" in (root / ".git" / "config").read_text()
     view = inspect_run(fleet, run_id)
-    assert view.state.phase.value == "completed", fleet.store.incidents(run_id)
+    assert view.state.phase.value == "completed", fleet.store.records.incidents(run_id)
     assert "git_head" in view.state.environment.details
     assert sorted(p.name for p in markers.iterdir()) == []
 
@@ -259,7 +259,7 @@ def test_a_worker_that_meets_a_fifo_stops_the_run_with_the_evidence_and_stays_fr
     with workers(settings) as pool:
         pool.start(1)
         poll(
-            lambda: bool(fleet.store.incidents(run_id)),
+            lambda: bool(fleet.store.records.incidents(run_id)),
             deadline_s=60,
             what="an incident for the FIFO",
         )
@@ -271,7 +271,7 @@ def test_a_worker_that_meets_a_fifo_stops_the_run_with_the_evidence_and_stays_fr
             what="the other run completed on the same worker",
         )
         poll(lambda: not fleet.store.read_run(run_id).lease_live, deadline_s=30, what="released")
-    incident = fleet.store.incidents(run_id)[0]
+    incident = fleet.store.records.incidents(run_id)[0]
     text = json.dumps(incident)
     assert "app.py" in text and "fifo" in text, incident
     assert inspect_run(fleet, run_id).state.phase.value != "completed"

@@ -41,7 +41,7 @@ def page_runs(fleet: Fleet, query: RunQuery) -> tuple[list[dict[str, Any]], str 
         page = store.list_runs(
             query.phase, limit=query.limit, after=query.after, oldest_first=query.oldest_first
         )
-    seen, now_ms = store.hosts()
+    seen, now_ms = store.hosts.seen()
     alive = {h: now_ms - at <= fleet.settings.host_timeout_ms for h, at in seen.items()}
     rows = [run_summary(row, page.now_ms, alive) for row in page.rows]
     return rows, page.next_cursor, page.scanned

@@ -243,8 +243,8 @@ def store_init_command(as_json: JsonFlag = False) -> None:
     when it creates its store.
     """
     fleet = Fleet.connect(check_store=False)
-    before = fleet.store.read_epoch()
-    epoch = fleet.store.init_epoch()
+    before = fleet.store.identity.read_epoch()
+    epoch = fleet.store.identity.init_epoch()
     indexed = index_phases(fleet)  # runs made before phase indexes join their phase's
     info = {"epoch": epoch, "created": before is None, "phase_index": indexed.as_dict()}
     if as_json:

@@ -138,7 +138,7 @@ def ensure_embedded_redis(state_dir: Path) -> str:
         if not (state_dir / "redis-initialised").exists():
             # The embedded default initialises its store once, when it first creates it;
             # later, an epoch missing from it means it lost its data (not a new store).
-            RedisStore(redis.Redis.from_url(server.url)).init_epoch()
+            RedisStore(redis.Redis.from_url(server.url)).identity.init_epoch()
             (state_dir / "redis-initialised").write_text("1\n")
         return server.url
 
@@ -315,12 +315,12 @@ class Fleet:
                 field="queue_redis_url",
             )
         rq_connection = redis_client(rq_url, socket_timeout=30, socket_connect_timeout=5)
-        epoch = store.check_epoch() if check_store else None
+        epoch = store.identity.check_epoch() if check_store else None
         # Every client this process builds (MCP, chat models, the HTTP adapter) reads at
         # most this much of one peer's answer (ratchet.limits).
         set_max_peer_bytes(settings.max_peer_bytes)
         keyring = load_keyring(settings)
-        store.record_keyring = keyring  # every incident this process writes is sealed
+        store.records.keyring = keyring  # every incident this process writes is sealed
         return cls(
             settings=settings,
             url=url,
@@ -340,7 +340,7 @@ class Fleet:
         Raises ConfigurationError (another policy, or one that cannot be read while
         ``RATCHET_ALLOW_UNKNOWN_EVICTION_POLICY`` is not set).
         """
-        policy = self.store.eviction_policy()
+        policy = self.store.identity.eviction_policy()
         if policy is None:
             if self.settings.allow_unknown_eviction_policy:
                 return
@@ -425,11 +425,11 @@ class Fleet:
         run's routing hint in the store, see :mod:`ratchet.leasing.hosts`; None: the shared
         queue). Returns the RQ job id."""
         if isinstance(host, _Lookup):
-            host = self.store.run_host(run_id)
+            host = self.store.hosts.run_host(run_id)
         # A job can be lost with the worker that popped it, or with Redis: a pickup
         # deadline on the reaper's index, set before the job exists, makes sure some
         # worker takes the run anyway.
-        self.store.expect_pickup(run_id, within_ms=self.settings.pickup_timeout_ms)
+        self.store.expiry.expect_pickup(run_id, within_ms=self.settings.pickup_timeout_ms)
         queue = self.queue if host is None else self.host_queue(host)
         job = queue.enqueue(
             JOB_FUNCTION,
@@ -446,7 +446,7 @@ class Fleet:
 
         Raises StoreUnavailableError.
         """
-        seen, now_ms = self.store.hosts()
+        seen, now_ms = self.store.hosts.seen()
         return HostSeen(
             host=host,
             last_seen_ms=seen.get(host),

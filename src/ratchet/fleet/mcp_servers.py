@@ -469,7 +469,7 @@ def pin_live_contract(
     if not tools:
         return
     value = live_digest(tools)
-    meta = store.ledger_meta(run_id)
+    meta = store.ledger.meta(run_id)
     if meta is None:
         raise AdapterError(
             "the run's tool ledger is missing from the store",
@@ -479,7 +479,7 @@ def pin_live_contract(
         )
     kid = keyring.signing_kid
     signed = f"{kid}:{_mac(keyring, kid, run_id, meta.instance_id, value)}:{value}"
-    found = store.ledger_pin_contract(run_id, signed) if pin else meta.contract
+    found = store.ledger.pin_contract(run_id, signed) if pin else meta.contract
     if found is None:  # not pinned yet, and not asked to pin
         return
     found_kid, _, rest = found.partition(":")

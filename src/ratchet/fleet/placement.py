@@ -98,7 +98,7 @@ def home_of(
     host = document.environment.host
     if host is None:
         return None, None
-    blob = store.placement(run_id)
+    blob = store.hosts.placement(run_id)
     if blob is None:
         return host, None
     placement = open_placement(keyring, run_id, document_digest(document), blob)

@@ -6,8 +6,12 @@ received it.
 connection that sends it*, so the script and its ``WAIT`` go out together on one
 connection, in one round trip (:meth:`ratchet.leasing.scripts.ScriptRunner.run_and_wait`).
 A script that wrote nothing there (every commit of a retry answered ``already_applied``,
-maybe on a new connection) proves nothing by its count: unconfirmed too. Part of
-:class:`ratchet.leasing.store.RedisStore`.
+maybe on a new connection) proves nothing by its count: unconfirmed too.
+
+:class:`ratchet.leasing.store.RedisStore` holds one :class:`ReplicaAcks` and sends every
+writing script whose acknowledgement matters through it: creates, acquires, commits and
+the ledger's writes. Reads and index writes go to the script runner directly: nothing is
+acknowledged by them.
 """
 
 from __future__ import annotations
@@ -16,19 +20,24 @@ from collections.abc import Sequence
 from typing import Any
 
 from ratchet.errors import ReplicationUnconfirmedError
-from ratchet.leasing.plumbing import StorePlumbing
-from ratchet.leasing.scripts import ScriptName
+from ratchet.leasing.scripts import ScriptName, ScriptRunner
 
 __all__ = ["ReplicaAcks"]
 
 
-class ReplicaAcks(StorePlumbing):
-    """Writing scripts run with the replica rule (see the module docstring)."""
+class ReplicaAcks:
+    """Writing scripts run with the replica rule (see the module docstring), on the store's
+    script runner. ``min_replicas_ack`` 0 turns the rule off: the primary's own reply
+    (AOF) is the acknowledgement and :meth:`run` is the script alone."""
 
-    min_replicas_ack: int  # set by RedisStore (0: the rule is off)
-    replicas_ack_timeout_ms: int
+    def __init__(self, runner: ScriptRunner, *, min_replicas_ack: int, timeout_ms: int) -> None:
+        self._runner = runner
+        #: Replicas that must confirm a write (``WAIT``; 0: the rule is off).
+        self.min_replicas_ack = min_replicas_ack
+        #: How long ``WAIT`` waits for them.
+        self.timeout_ms = timeout_ms
 
-    def _run_acked(
+    def run(
         self,
         name: ScriptName,
         keys: Sequence[str],
@@ -41,14 +50,10 @@ class ReplicaAcks(StorePlumbing):
         if not self.min_replicas_ack:
             return self._runner.run(name, keys, args, hot=hot), None
         return self._runner.run_and_wait(
-            name,
-            keys,
-            args,
-            replicas=self.min_replicas_ack,
-            timeout_ms=self.replicas_ack_timeout_ms,
+            name, keys, args, replicas=self.min_replicas_ack, timeout_ms=self.timeout_ms
         )
 
-    def _check_acked(self, run_id: str, counted: int | None, *, wrote: bool, **ids: Any) -> None:
+    def check(self, run_id: str, counted: int | None, *, wrote: bool, **ids: Any) -> None:
         """Raise ReplicationUnconfirmedError unless the rule is off, or this connection
         wrote and ``WAIT`` counted enough replicas. A call that wrote nothing (every
         commit ``already_applied``: a retry, maybe on a new connection) has a count that
@@ -59,7 +64,7 @@ class ReplicaAcks(StorePlumbing):
             return
         raise ReplicationUnconfirmedError(
             f"{counted} of {self.min_replicas_ack} replicas confirmed the write within "
-            f"{self.replicas_ack_timeout_ms} ms"
+            f"{self.timeout_ms} ms"
             if wrote
             else "the write was applied by an earlier call; no replica count covers it",
             run_id=run_id,

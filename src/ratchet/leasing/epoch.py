@@ -6,29 +6,37 @@ with another one than a process started with, is not the same store: it was wipe
 restarted without its AOF, lost keys to eviction, or is another one, and nothing runs on
 it. A ``maxmemory-policy`` other than ``noeviction`` may drop runs, leases and high-water
 marks silently, so workers and submit refuse it (see ``Fleet.check_eviction_policy``).
+
+:class:`ratchet.leasing.store.RedisStore` holds one :class:`StoreIdentity` as
+``store.identity``.
 """
 
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 from redis.exceptions import RedisError
 
 from ratchet.errors import StoreEpochError, StoreProtocolError
 from ratchet.leasing.keyspace import EPOCH_KEY
-from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.leasing.plumbing import call
 
 __all__ = ["StoreIdentity"]
 
 
-class StoreIdentity(StorePlumbing):
-    """The epoch record and the eviction policy of the store (see the module docstring)."""
+class StoreIdentity:
+    """The epoch record and the eviction policy of the store on ``client`` (see the module
+    docstring)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
 
     def init_epoch(self) -> str:
         """Give a new store its epoch (``SET NX``); an initialised store keeps its own.
         Returns the store's epoch. Raises StoreUnavailableError, StoreFullError."""
         fresh = f"ep-{secrets.token_hex(12)}"
-        self._call("epoch init", None, lambda: self._client.set(EPOCH_KEY, fresh.encode(), nx=True))
+        call("epoch init", None, lambda: self._client.set(EPOCH_KEY, fresh.encode(), nx=True))
         epoch = self.read_epoch()
         if epoch is None:
             raise StoreProtocolError("the store's epoch could not be written")
@@ -37,7 +45,7 @@ class StoreIdentity(StorePlumbing):
     def read_epoch(self) -> str | None:
         """The store's epoch, or None when it has none. Raises StoreUnavailableError,
         StoreProtocolError (a malformed record)."""
-        raw = self._call("epoch read", None, lambda: self._client.get(EPOCH_KEY))
+        raw = call("epoch read", None, lambda: self._client.get(EPOCH_KEY))
         if raw is None:
             return None
         text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)

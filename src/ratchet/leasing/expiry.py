@@ -11,42 +11,50 @@ lease and commit scripts update inline. On Redis Cluster it is split into
 masters (:class:`~ratchet.leasing.keyspace.IndexLayout`): the store writes a run's entry in
 its shard after each script, and the reaper reads every shard, in one pipeline, or, when
 a master is down, master by master, leaving out only the shards it cannot reach
-(:attr:`ExpiryIndex.expiry_shards_unreadable`). Part of
-:class:`ratchet.leasing.store.RedisStore`.
+(:attr:`ExpiryIndex.expiry_shards_unreadable`).
+
+:class:`ratchet.leasing.store.RedisStore` holds one as ``store.expiry``: the reaper and
+the drills read it there, and the store writes a run's entry through it where the scripts
+cannot (Cluster: after each lease script; ``finished`` commits).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from ratchet.errors import StoreUnavailableError
 from ratchet.leasing.keyspace import IndexLayout, check_id
-from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.leasing.plumbing import call, member_text, run_script
 from ratchet.leasing.replies import decode_drop_expiry
-from ratchet.leasing.scripts import ScriptName
+from ratchet.leasing.scripts import ScriptName, ScriptRunner
 
 __all__ = ["ExpiryIndex"]
 
 
-class ExpiryIndex(StorePlumbing):
-    """Reading and writing the expiry index (see the module docstring)."""
+class ExpiryIndex:
+    """Reading and writing the expiry index (see the module docstring) with the store's
+    client and script runner, over the shards of ``layout`` (one on a single Redis);
+    ``clock`` is Redis' time in ms (the store's ``server_time_ms``), what deadlines and
+    "due" are measured against."""
 
-    #: The index keys: one shard on a single Redis, several on a Cluster (set by RedisStore).
-    _indexes: IndexLayout
-    #: How many shards the last read could not reach (Cluster, a master down): their
-    #: runs are not taken over until it is back. The reaper reports it.
-    expiry_shards_unreadable: int
-
-    def server_time_ms(self) -> int:  # provided by RedisStore
-        raise NotImplementedError
+    def __init__(
+        self, client: Any, runner: ScriptRunner, layout: IndexLayout, clock: Callable[[], int]
+    ) -> None:
+        self._client = client
+        self._runner = runner
+        self._indexes = layout
+        self._clock = clock
+        #: How many shards the last read could not reach (Cluster, a master down): their
+        #: runs are not taken over until it is back. The reaper reports it.
+        self.expiry_shards_unreadable = 0
 
     def expired_runs(self, *, limit: int = 100) -> list[str]:
         """Run ids whose indexed lease expiry is at or before Redis' now (a reaper hint).
 
-        Re-read each run with :meth:`read_run` before acting on it. Raises
+        Re-read each run with the store's ``read_run`` before acting on it. Raises
         StoreUnavailableError, StoreProtocolError.
         """
         return [run_id for run_id, _ in self.expired_entries(limit=limit)]
@@ -56,11 +64,11 @@ class ExpiryIndex(StorePlumbing):
 
         Raises StoreUnavailableError, StoreProtocolError.
         """
-        now_ms = self.server_time_ms()
+        now_ms = self._clock()
         shards = self._indexes.expiry()
         if len(shards) == 1:
             replies = [
-                self._call(
+                call(
                     "expiry index",
                     None,
                     lambda: self._client.zrangebyscore(
@@ -71,7 +79,7 @@ class ExpiryIndex(StorePlumbing):
         else:
             replies = self._read_shards(shards, now_ms, limit)
         # Every shard's earliest ``limit``, merged: the earliest ``limit`` of them all.
-        entries = [(self._member(m), int(score)) for reply in replies for m, score in reply]
+        entries = [(member_text(m), int(score)) for reply in replies for m, score in reply]
         entries.sort(key=lambda entry: (entry[1], entry[0]))
         return entries[:limit]
 
@@ -114,7 +122,7 @@ class ExpiryIndex(StorePlumbing):
         self.expiry_shards_unreadable = failures
         return replies
 
-    def _expiry(self, run_id: str) -> str:
+    def key_of(self, run_id: str) -> str:
         """The expiry index key that holds ``run_id``'s entry."""
         return self._indexes.expiry_of(run_id)
 
@@ -122,8 +130,8 @@ class ExpiryIndex(StorePlumbing):
         """``run_id``'s score on the expiry index (None: not on it). Raises
         StoreUnavailableError."""
         check_id(run_id, "run_id")
-        score = self._call(
-            "expiry index", run_id, lambda: self._client.zscore(self._expiry(run_id), run_id)
+        score = call(
+            "expiry index", run_id, lambda: self._client.zscore(self.key_of(run_id), run_id)
         )
         return None if score is None else int(score)
 
@@ -137,7 +145,7 @@ class ExpiryIndex(StorePlumbing):
                 pipe.zrange(key, 0, -1)
             return list(pipe.execute())
 
-        return {self._member(m) for reply in self._call("expiry index", None, read) for m in reply}
+        return {member_text(m) for reply in call("expiry index", None, read) for m in reply}
 
     def expect_pickup(self, run_id: str, *, within_ms: int) -> None:
         """Put ``run_id`` on the expiry index with a pickup deadline (``ZADD GT``).
@@ -147,9 +155,9 @@ class ExpiryIndex(StorePlumbing):
         lease) is kept. Raises StoreUnavailableError.
         """
         check_id(run_id, "run_id")
-        deadline = self.server_time_ms() + within_ms
-        index = self._expiry(run_id)
-        self._call(
+        deadline = self._clock() + within_ms
+        index = self.key_of(run_id)
+        call(
             "expiry index",
             run_id,
             lambda: self._client.zadd(index, {run_id: deadline}, gt=True),
@@ -160,15 +168,15 @@ class ExpiryIndex(StorePlumbing):
         an entry the reaper cannot handle stops blocking the ones behind it. Index entries
         only say "look at this run", so a race with a worker re-scoring it is harmless.
         Raises StoreUnavailableError."""
-        later = self.server_time_ms() + for_ms
-        index = self._expiry(run_id)
-        self._call("expiry index", None, lambda: self._client.zadd(index, {run_id: later}, xx=True))
+        later = self._clock() + for_ms
+        index = self.key_of(run_id)
+        call("expiry index", None, lambda: self._client.zadd(index, {run_id: later}, xx=True))
 
     def forget_index_member(self, member: str) -> None:
         """Remove a member that is not a run id from the expiry index (junk written there
         names no run). Raises StoreUnavailableError."""
-        index = self._expiry(member)
-        self._call("expiry index", None, lambda: self._client.zrem(index, member))
+        index = self.key_of(member)
+        call("expiry index", None, lambda: self._client.zrem(index, member))
 
     def drop_expiry_entry(self, run_id: str, score_ms: int) -> bool:
         """Remove ``run_id`` from the expiry index if its score is still ``score_ms``.
@@ -176,7 +184,25 @@ class ExpiryIndex(StorePlumbing):
         Raises StoreUnavailableError, StoreProtocolError.
         """
         check_id(run_id, "run_id")
-        reply = self._run(
-            ScriptName.DROP_EXPIRY_ENTRY, run_id, [self._expiry(run_id)], [run_id, score_ms]
+        reply = run_script(
+            self._runner,
+            ScriptName.DROP_EXPIRY_ENTRY,
+            run_id,
+            [self.key_of(run_id)],
+            [run_id, score_ms],
         )
         return decode_drop_expiry(reply)
+
+    # -- the store's own writes where its scripts cannot reach the index (Cluster) ------
+
+    def score(self, run_id: str, at_ms: int) -> None:
+        """Put ``run_id`` on the index scored ``at_ms`` (a renewed lease's expiry, or "now"
+        for a run handed back). Raises StoreUnavailableError."""
+        index = self.key_of(run_id)
+        call("expiry index", run_id, lambda: self._client.zadd(index, {run_id: at_ms}))
+
+    def remove(self, run_id: str) -> None:
+        """Take ``run_id`` off the index (released for good, or finished). Raises
+        StoreUnavailableError."""
+        index = self.key_of(run_id)
+        call("expiry index", run_id, lambda: self._client.zrem(index, run_id))

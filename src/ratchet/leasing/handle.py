@@ -104,38 +104,15 @@ class LeaseStore(Protocol):
         keys: bytes = b"",
     ) -> PreparedCommit: ...
 
-    def commit(
-        self,
-        lease: Lease,
-        *,
-        generation: int,
-        expected_state_version: int,
-        checkpoint: bytes,
-        commit_id: str | None = None,
-        nonces: Sequence[str] = (),
-        finished: bool = False,
-        segment: bytes = b"",
-        phase: str = "",
-    ) -> CommitResult: ...
-
     def commit_many(
         self,
         lease: Lease,
         commits: Sequence[PreparedCommit],
         *,
         expected_state_version: int,
+        release: Release | None = None,
         applied: Callable[[CommitResult], None] | None = None,
-    ) -> list[CommitResult]: ...
-
-    def commit_and_release(
-        self,
-        lease: Lease,
-        commits: Sequence[PreparedCommit],
-        *,
-        expected_state_version: int,
-        reap: bool = False,
-        applied: Callable[[CommitResult], None] | None = None,
-    ) -> tuple[list[CommitResult], Released]: ...
+    ) -> tuple[list[CommitResult], Released | None]: ...
 
 
 class _CommitIds:
@@ -359,9 +336,8 @@ class LeasedRun:
         """Commit a batch of consecutive generations in one round trip, each fenced by
         this lease (see :meth:`RedisStore.commit_many`); ``segment``, when not empty, is
         appended to the run's archive with its commit. With ``release``, the lease is
-        given up in the same script call once every commit applied (see
-        :meth:`RedisStore.commit_and_release`); :meth:`release` then returns that
-        outcome without a call of its own.
+        given up in the same script call once every commit applied; :meth:`release` then
+        returns that outcome without a call of its own.
 
         Raises RunExistsError (``expected_generation == 0``), GenerationMismatchError,
         StaleStateError, LeaseLostError, NonceReplayError, CheckpointTooLargeError,
@@ -394,21 +370,15 @@ class LeasedRun:
         ]
         stated = [c.phase for c in commits if c.phase]
         self._phase, known = None, self._phase  # unknown until the batch applied
-        if release is None:
-            self._store.commit_many(
-                self._lease,
-                prepared,
-                expected_state_version=self._state_version,
-                applied=self._apply,
-            )
-        else:
-            _, self._released = self._store.commit_and_release(
-                self._lease,
-                prepared,
-                expected_state_version=self._state_version,
-                reap=release.reap,
-                applied=self._apply,
-            )
+        _, released = self._store.commit_many(
+            self._lease,
+            prepared,
+            expected_state_version=self._state_version,
+            release=release,
+            applied=self._apply,
+        )
+        if released is not None:
+            self._released = released
         self._phase = stated[-1] if stated else known
 
     def _check_key(self, key: RunKey) -> None:
@@ -433,30 +403,34 @@ class LeasedRun:
         generation: int | None = None,
         commit_id: str | None = None,
         nonces: Sequence[str] = (),
-        finished: bool = False,
         segment: bytes = b"",
         phase: str = "",
     ) -> CommitResult:
-        """Fenced commit of ``blob`` as ``generation`` (default: last seen + 1), in
-        ``phase`` when given (``""``: the run's phase stays as it is).
+        """One fenced commit of ``blob`` as ``generation`` (default: last seen + 1), in
+        ``phase`` when given (``""``: the run's phase stays as it is), with its commit id
+        when given, and its result: a convenience over the store's one commit operation
+        (:meth:`RedisStore.commit_many`, a batch of one) for callers that want the result.
 
-        Raises what :meth:`RedisStore.commit` raises.
+        Raises what :meth:`RedisStore.commit_many` raises.
         """
-        known, self._phase = self._phase, None
-        result = self._store.commit(
-            self._lease,
+        prepared = self._store.prepare_commit(
+            self.run_id,
             generation=self._generation + 1 if generation is None else generation,
-            expected_state_version=self._state_version,
             checkpoint=blob,
             commit_id=commit_id,
             nonces=nonces,
-            finished=finished,
             segment=segment,
             phase=phase,
         )
-        self._apply(result)
+        known, self._phase = self._phase, None
+        results, _ = self._store.commit_many(
+            self._lease,
+            [prepared],
+            expected_state_version=self._state_version,
+            applied=self._apply,
+        )
         self._phase = phase or known
-        return result
+        return results[0]
 
     def renew(self, ttl_ms: int | None = None) -> Lease:
         """Extend the lease. Raises LeaseLostError, StoreUnavailableError (not renewed)."""

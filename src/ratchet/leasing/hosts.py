@@ -13,15 +13,19 @@ it without opening it:
 * ``ratchet:hosts`` (zset): host name scored by the Redis time (ms) a worker of that host
   last reported in (each reaper tick). A host not seen for ``host_timeout_ms`` is gone:
   its runs wait for it visibly, and the reaper stops handing them to its queue.
+
+:class:`ratchet.leasing.store.RedisStore` holds one :class:`HostRecords` as
+``store.hosts``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ratchet.errors import ContractError
 from ratchet.leasing.keyspace import HOSTS_KEY, check_id, run_keys
-from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.leasing.plumbing import call
 
 __all__ = ["HostRecords"]
 
@@ -30,18 +34,21 @@ def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-class HostRecords(StorePlumbing):
-    """The host records of a store (see the module docstring)."""
+class HostRecords:
+    """The host records of a store (see the module docstring), on its ``client``;
+    ``clock`` is Redis' time in ms (the store's ``server_time_ms``), what "last seen" is
+    measured in."""
 
-    def server_time_ms(self) -> int:  # provided by RedisStore
-        raise NotImplementedError
+    def __init__(self, client: Any, clock: Callable[[], int]) -> None:
+        self._client = client
+        self._clock = clock
 
     def set_run_host(self, run_id: str, host: str) -> None:
         """Record ``host`` as where ``run_id``'s jobs go. Raises StoreUnavailableError."""
         check_id(run_id, "run_id")
         check_id(host, "host")
         key = run_keys(run_id).state
-        self._call("run host", run_id, lambda: self._client.hset(key, "host", host))
+        call("run host", run_id, lambda: self._client.hset(key, "host", host))
 
     def run_host(self, run_id: str) -> str | None:
         """The host ``run_id``'s jobs go to (None: the shared queue). A value that is not a
@@ -49,7 +56,7 @@ class HostRecords(StorePlumbing):
         document. Raises StoreUnavailableError."""
         check_id(run_id, "run_id")
         key = run_keys(run_id).state
-        raw = self._call("run host", run_id, lambda: self._client.hmget(key, ["host"]))
+        raw = call("run host", run_id, lambda: self._client.hmget(key, ["host"]))
         value = raw[0] if isinstance(raw, list) and raw else None
         if value is None:
             return None
@@ -62,31 +69,29 @@ class HostRecords(StorePlumbing):
         """The run's stored placement (signed bytes; None: never moved). Raises
         StoreUnavailableError."""
         key = run_keys(run_id).placement
-        value = self._call("placement", run_id, lambda: self._client.get(key))
+        value = call("placement", run_id, lambda: self._client.get(key))
         return value if isinstance(value, bytes) else None
 
     def set_placement(self, run_id: str, blob: bytes) -> None:
         """Store the run's placement (signed by the caller). Raises StoreUnavailableError."""
         key = run_keys(run_id).placement
-        self._call("placement", run_id, lambda: self._client.set(key, blob))
+        call("placement", run_id, lambda: self._client.set(key, blob))
 
-    def note_host(self, host: str) -> int:
+    def note(self, host: str) -> int:
         """Record that a worker of ``host`` is alive now (Redis time). Returns that time.
 
         Raises StoreUnavailableError, StoreProtocolError.
         """
         check_id(host, "host")
-        now_ms = self.server_time_ms()
-        self._call("hosts", None, lambda: self._client.zadd(HOSTS_KEY, {host: now_ms}))
+        now_ms = self._clock()
+        call("hosts", None, lambda: self._client.zadd(HOSTS_KEY, {host: now_ms}))
         return now_ms
 
-    def hosts(self) -> tuple[dict[str, int], int]:
+    def seen(self) -> tuple[dict[str, int], int]:
         """Every host ever seen with the Redis time (ms) it was last seen, and Redis' now.
 
         Raises StoreUnavailableError.
         """
-        raw = self._call(
-            "hosts", None, lambda: self._client.zrange(HOSTS_KEY, 0, -1, withscores=True)
-        )
+        raw = call("hosts", None, lambda: self._client.zrange(HOSTS_KEY, 0, -1, withscores=True))
         seen = {_text(member): int(score) for member, score in raw}
-        return seen, self.server_time_ms()
+        return seen, self._clock()

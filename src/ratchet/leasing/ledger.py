@@ -19,6 +19,9 @@ and with ``RATCHET_MIN_REPLICAS_ACK`` a write is confirmed by replicas like a co
 ``ledger_admit`` and ``ledger_record`` run twice per tool call, so they take the commit's
 hot path (:class:`~ratchet.leasing.scripts.ScriptRunner`: the runner's own connection,
 arguments packed by hiredis as text), not the pool's bookkeeping around every call.
+
+:class:`ratchet.leasing.store.RedisStore` holds one :class:`LedgerRecords` as
+``store.ledger``, built on the store's client, script runner and acknowledgement rule.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 from ratchet.errors import AdapterError, StoreProtocolError
 from ratchet.leasing.acks import ReplicaAcks
 from ratchet.leasing.keyspace import check_id, run_keys
-from ratchet.leasing.scripts import ScriptName
+from ratchet.leasing.plumbing import call
+from ratchet.leasing.scripts import ScriptName, ScriptRunner
 
 __all__ = ["LedgerMeta", "LedgerRecords", "LedgerReply"]
 
@@ -69,8 +73,15 @@ def _no_ledger(run_id: str) -> AdapterError:
     )
 
 
-class LedgerRecords(ReplicaAcks):
-    """The run-ledger scripts and reads of a store (see the module docstring)."""
+class LedgerRecords:
+    """The run-ledger scripts and reads of a store (see the module docstring): reads on
+    ``client``, scripts on ``runner`` through ``acks``, so a ledger write is acknowledged
+    like a commit."""
+
+    def __init__(self, client: Any, runner: ScriptRunner, acks: ReplicaAcks) -> None:
+        self._client = client
+        self._runner = runner
+        self._acks = acks
 
     def _write(
         self, name: ScriptName, run_id: str, keys: Sequence[str], args: Sequence[str | bytes | int]
@@ -78,14 +89,14 @@ class LedgerRecords(ReplicaAcks):
         # Integers as their decimal text (what redis-py would send for them), so hiredis
         # packs the whole command at once.
         wire = [str(a) if type(a) is int else a for a in args]
-        return self._call(name.value, run_id, lambda: self._run_acked(name, keys, wire))
+        return call(name.value, run_id, lambda: self._acks.run(name, keys, wire))
 
     def _reply(self, name: ScriptName, run_id: str, raw: Any) -> LedgerReply:
         if not isinstance(raw, list) or not raw:
             raise StoreProtocolError(f"unexpected reply from {name.value}", run_id=run_id)
         return LedgerReply(_text(raw[0]), tuple(_text(v) for v in raw[1:] if v is not None))
 
-    def ledger_init(self, run_id: str, instance_id: str) -> tuple[str, int]:
+    def init(self, run_id: str, instance_id: str) -> tuple[str, int]:
         """Make run ``run_id``'s ledger if it has none; its ``(instance id, version)``.
 
         Raises StoreUnavailableError, StoreProtocolError.
@@ -96,10 +107,10 @@ class LedgerRecords(ReplicaAcks):
         )
         if not isinstance(raw, list) or len(raw) != 2 or raw[0] is None:
             raise StoreProtocolError("unexpected reply from ledger_init", run_id=run_id)
-        self._check_acked(run_id, counted, wrote=True)
+        self._acks.check(run_id, counted, wrote=True)
         return _text(raw[0]), int(raw[1])
 
-    def ledger_admit(self, run_id: str, args: list[str | bytes | int]) -> LedgerReply:
+    def admit(self, run_id: str, args: list[str | bytes | int]) -> LedgerReply:
         """``ledger_admit`` with ``args`` (its header's ARGV). Raises StoreUnavailableError,
         StoreProtocolError."""
         keys = run_keys(run_id)
@@ -108,10 +119,10 @@ class LedgerRecords(ReplicaAcks):
         )
         reply = self._reply(ScriptName.LEDGER_ADMIT, run_id, raw)
         if reply.status == "ok" and args and args[0] in ("start", "fence"):
-            self._check_acked(run_id, counted, wrote=True)
+            self._acks.check(run_id, counted, wrote=True)
         return reply
 
-    def ledger_record(self, run_id: str, args: list[str | bytes | int]) -> LedgerReply:
+    def record(self, run_id: str, args: list[str | bytes | int]) -> LedgerReply:
         """``ledger_record`` with ``args`` (its header's ARGV). Raises
         StoreUnavailableError, StoreProtocolError."""
         keys = run_keys(run_id)
@@ -120,10 +131,10 @@ class LedgerRecords(ReplicaAcks):
         )
         reply = self._reply(ScriptName.LEDGER_RECORD, run_id, raw)
         if reply.status in ("committed", "aborted"):
-            self._check_acked(run_id, counted, wrote=True)
+            self._acks.check(run_id, counted, wrote=True)
         return reply
 
-    def ledger_pin_contract(self, run_id: str, signed: str | None) -> str | None:
+    def pin_contract(self, run_id: str, signed: str | None) -> str | None:
         """The run's pinned tool contract: ``signed`` pinned now when none is (``ledger_pin``),
         or only read when ``signed`` is None. None: nothing is pinned (only when reading).
 
@@ -132,7 +143,7 @@ class LedgerRecords(ReplicaAcks):
             StoreUnavailableError, StoreProtocolError.
         """
         if signed is None:
-            meta = self.ledger_meta(run_id)
+            meta = self.meta(run_id)
             if meta is None:
                 raise _no_ledger(run_id)
             return meta.contract
@@ -144,10 +155,10 @@ class LedgerRecords(ReplicaAcks):
             raise _no_ledger(run_id)
         if reply.status != "ok" or len(reply.values) != 1:
             raise StoreProtocolError("unexpected reply from ledger_pin", run_id=run_id)
-        self._check_acked(run_id, counted, wrote=True)
+        self._acks.check(run_id, counted, wrote=True)
         return reply.values[0]
 
-    def ledger_meta(self, run_id: str) -> LedgerMeta | None:
+    def meta(self, run_id: str) -> LedgerMeta | None:
         """The ledger's instance, version, bound epoch and counters (None: no ledger).
 
         Raises StoreUnavailableError, StoreProtocolError.
@@ -162,7 +173,7 @@ class LedgerRecords(ReplicaAcks):
             "refused_epoch",
             "contract",
         ]
-        raw = self._call("ledger", run_id, lambda: self._client.hmget(key, fields))
+        raw = call("ledger", run_id, lambda: self._client.hmget(key, fields))
         if not isinstance(raw, list) or len(raw) != len(fields):
             raise StoreProtocolError("unexpected ledger record", run_id=run_id)
         if raw[0] is None:
@@ -180,12 +191,12 @@ class LedgerRecords(ReplicaAcks):
         except (TypeError, ValueError):
             raise StoreProtocolError("the ledger record is malformed", run_id=run_id) from None
 
-    def ledger_row(self, run_id: str, key: str) -> bytes | None:
+    def row(self, run_id: str, key: str) -> bytes | None:
         """The JSON row of idempotency key ``key`` (None: never recorded).
 
         Raises StoreUnavailableError.
         """
         calls = run_keys(run_id).calls
-        raw = self._call("ledger", run_id, lambda: self._client.hmget(calls, [key]))
+        raw = call("ledger", run_id, lambda: self._client.hmget(calls, [key]))
         value = raw[0] if isinstance(raw, list) and raw else None
         return value if isinstance(value, bytes) else None

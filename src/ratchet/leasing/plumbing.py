@@ -10,7 +10,7 @@ refused, dropped, timed out, cluster down, loading) means the outcome is unknown
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
@@ -25,7 +25,15 @@ from ratchet.errors import (
 )
 from ratchet.leasing.scripts import ScriptName, ScriptRunner
 
-__all__ = ["StorePlumbing"]
+__all__ = [
+    "StorePlumbing",
+    "call",
+    "check_blob",
+    "member_text",
+    "reachable",
+    "run_script",
+    "store_full",
+]
 
 _T = TypeVar("_T")
 
@@ -63,6 +71,66 @@ def store_full(exc: ResponseError, what: str, run_id: str | None) -> StoreFullEr
     return None
 
 
+@contextmanager
+def reachable(what: str, run_id: str | None) -> Iterator[None]:
+    """Translate redis-py errors raised inside the block (see the module docstring)."""
+    try:
+        yield
+    except ResponseError as exc:
+        full = store_full(exc, what, run_id)
+        if full is not None:
+            raise full from exc
+        raise StoreProtocolError(
+            f"Redis refused {what}", run_id=run_id, cause=type(exc).__name__
+        ) from exc
+    except RedisError as exc:
+        raise StoreUnavailableError(
+            f"Redis unreachable during {what}", run_id=run_id, cause=type(exc).__name__
+        ) from exc
+
+
+def call(what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
+    """``fn()`` with its redis-py errors translated (what the store's parts share)."""
+    with reachable(what, run_id):
+        return fn()
+
+
+def run_script(
+    runner: ScriptRunner,
+    name: ScriptName,
+    run_id: str | None,
+    keys: Sequence[str],
+    args: Sequence[str | bytes | int],
+) -> Any:
+    """One script call on the runner's pool, its errors translated."""
+    return call(name.value, run_id, lambda: runner.run(name, keys, args))
+
+
+def check_blob(blob: bytes, run_id: str, field: str, limit: int) -> None:
+    """Refuse what is not non-empty bytes (ContractError) or is over ``limit``
+    (CheckpointTooLargeError) before it is sent."""
+    if not isinstance(blob, bytes) or not blob:
+        raise ContractError(f"{field} must be non-empty bytes", field=field, run_id=run_id)
+    if len(blob) > limit:
+        raise CheckpointTooLargeError(
+            f"{field} exceeds the configured cap",
+            reason="too_large",
+            field=field,
+            run_id=run_id,
+            size=len(blob),
+            limit=limit,
+        )
+
+
+def member_text(value: object) -> str:
+    """An index member as text. Raises StoreProtocolError for a reply that is not one."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        return value
+    raise StoreProtocolError("index member is not a string")
+
+
 class StorePlumbing:
     """A Redis client that must not decode responses (checkpoints are bytes), the scripts
     run on it, and error translation. Raises ConfigurationError for a decoding client."""
@@ -80,52 +148,24 @@ class StorePlumbing:
     def client(self) -> Any:
         return self._client
 
-    @contextmanager
-    def _reachable(self, what: str, run_id: str | None) -> Iterator[None]:
-        try:
-            yield
-        except ResponseError as exc:
-            full = store_full(exc, what, run_id)
-            if full is not None:
-                raise full from exc
-            raise StoreProtocolError(
-                f"Redis refused {what}", run_id=run_id, cause=type(exc).__name__
-            ) from exc
-        except RedisError as exc:
-            raise StoreUnavailableError(
-                f"Redis unreachable during {what}", run_id=run_id, cause=type(exc).__name__
-            ) from exc
+    def _reachable(self, what: str, run_id: str | None) -> AbstractContextManager[None]:
+        return reachable(what, run_id)
 
     def _call(self, what: str, run_id: str | None, fn: Callable[[], _T]) -> _T:
-        with self._reachable(what, run_id):
-            return fn()
+        return call(what, run_id, fn)
 
     def _run(
         self, name: ScriptName, run_id: str, keys: Sequence[str], args: Sequence[str | bytes | int]
     ) -> Any:
-        return self._call(name.value, run_id, lambda: self._runner.run(name, keys, args))
+        return run_script(self._runner, name, run_id, keys, args)
 
     def load_scripts(self) -> None:
         """Load every script now. Raises StoreUnavailableError, StoreProtocolError."""
         self._call("SCRIPT LOAD", None, self._runner.load_all)
 
     def _check_blob(self, blob: bytes, run_id: str, field: str, limit: int) -> None:
-        if not isinstance(blob, bytes) or not blob:
-            raise ContractError(f"{field} must be non-empty bytes", field=field, run_id=run_id)
-        if len(blob) > limit:
-            raise CheckpointTooLargeError(
-                f"{field} exceeds the configured cap",
-                reason="too_large",
-                field=field,
-                run_id=run_id,
-                size=len(blob),
-                limit=limit,
-            )
+        check_blob(blob, run_id, field, limit)
 
     @staticmethod
     def _member(value: object) -> str:
-        if isinstance(value, bytes):
-            return value.decode("utf-8", "replace")
-        if isinstance(value, str):
-            return value
-        raise StoreProtocolError("index member is not a string")
+        return member_text(value)

@@ -10,6 +10,9 @@ Incidents are sealed as they are written when the store has a key ring
 fleet's), so an export tells them from records pushed into Redis by hand
 (:mod:`ratchet.runtime.seals`; the store's time stamp beside each stays outside the seal).
 Readers get the ``seal`` field with the record.
+
+:class:`ratchet.leasing.store.RedisStore` holds one :class:`RunRecords` as
+``store.records``.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from typing import Any
 
 from ratchet.errors import ContractError
 from ratchet.leasing.keyspace import run_keys
-from ratchet.leasing.plumbing import StorePlumbing
+from ratchet.leasing.plumbing import call, check_blob, run_script
 from ratchet.leasing.replies import decode_counted, decode_replaced
-from ratchet.leasing.scripts import ScriptName
+from ratchet.leasing.scripts import ScriptName, ScriptRunner
 from ratchet.runtime.canonical import strict_json_loads
 from ratchet.runtime.seals import seal_record
 from ratchet.runtime.signing import KeyRing
@@ -32,17 +35,30 @@ __all__ = ["RunRecords"]
 EVIDENCE_MAX_BYTES = 64 * 1024
 
 
-class RunRecords(StorePlumbing):
-    """Incidents and the evidence inbox of one run (see the module docstring)."""
+class RunRecords:
+    """Incidents and the evidence inbox of each run (see the module docstring), on the
+    store's ``client`` and script ``runner``; a replaced document is capped at
+    ``max_document_bytes`` (the store's ``max_scenario_bytes``)."""
 
-    max_scenario_bytes: int  # set by RedisStore: the cap a document is stored under
-    #: Seals each incident as it is written (set by RedisStore; None: written unsigned).
-    record_keyring: KeyRing | None = None
+    def __init__(
+        self,
+        client: Any,
+        runner: ScriptRunner,
+        *,
+        max_document_bytes: int,
+        keyring: KeyRing | None = None,
+    ) -> None:
+        self._client = client
+        self._runner = runner
+        self._max_document_bytes = max_document_bytes
+        #: Seals each incident as it is written (None: written unsigned). A fleet sets it
+        #: to its key ring once it has loaded it.
+        self.keyring = keyring
 
     def record_incident(self, run_id: str, record: dict[str, Any], *, keep: int = 50) -> int:
         """Append an operator-facing incident (JSON) to the run, with an ``id``
-        (``inc-...``) unless the record names one, sealed for the run when the store has
-        a ``record_keyring`` (floats then stored as text); returns Redis' time (ms).
+        (``inc-...``) unless the record names one, sealed for the run when there is a
+        ``keyring`` (floats then stored as text); returns Redis' time (ms).
 
         Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError, ContractError
         (a record JSON cannot hold).
@@ -50,20 +66,22 @@ class RunRecords(StorePlumbing):
         keys = run_keys(run_id)
         # Each incident has an id, so a decision that resolves one can name it.
         record = {"id": f"inc-{secrets.token_hex(6)}", **record}
-        if self.record_keyring is not None:
-            record = seal_record(self.record_keyring, run_id, record)
+        if self.keyring is not None:
+            record = seal_record(self.keyring, run_id, record)
         text = json.dumps(record, sort_keys=True, separators=(",", ":"))
-        reply = self._run(
-            ScriptName.RECORD_INCIDENT, run_id, [keys.incidents, keys.state], [text, keep]
+        reply = run_script(
+            self._runner,
+            ScriptName.RECORD_INCIDENT,
+            run_id,
+            [keys.incidents, keys.state],
+            [text, keep],
         )
         return decode_counted(reply, run_id, script="record_incident", ok="recorded")
 
     def incidents(self, run_id: str, *, limit: int = 50) -> list[dict[str, Any]]:
         """The run's incidents, newest first, each with ``at_ms``."""
         keys = run_keys(run_id)
-        raw = self._call(
-            "incidents", run_id, lambda: self._client.lrange(keys.incidents, 0, limit - 1)
-        )
+        raw = call("incidents", run_id, lambda: self._client.lrange(keys.incidents, 0, limit - 1))
         out: list[dict[str, Any]] = []
         for item in raw:
             text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
@@ -86,9 +104,13 @@ class RunRecords(StorePlumbing):
         Raises RunNotFoundError, StoreUnavailableError, StoreProtocolError.
         """
         keys = run_keys(run_id)
-        self._check_blob(evidence, run_id, "evidence", EVIDENCE_MAX_BYTES)
-        reply = self._run(
-            ScriptName.POST_EVIDENCE, run_id, [keys.inbox, keys.state], [evidence, keep]
+        check_blob(evidence, run_id, "evidence", EVIDENCE_MAX_BYTES)
+        reply = run_script(
+            self._runner,
+            ScriptName.POST_EVIDENCE,
+            run_id,
+            [keys.inbox, keys.state],
+            [evidence, keep],
         )
         return decode_counted(reply, run_id, script="post_evidence", ok="posted")
 
@@ -101,14 +123,18 @@ class RunRecords(StorePlumbing):
         StoreUnavailableError, StoreProtocolError.
         """
         keys = run_keys(run_id)
-        self._check_blob(new, run_id, "scenario", self.max_scenario_bytes)
-        reply = self._run(
-            ScriptName.REPLACE_DOCUMENT, run_id, [keys.scenario, keys.state], [old, new]
+        check_blob(new, run_id, "scenario", self._max_document_bytes)
+        reply = run_script(
+            self._runner,
+            ScriptName.REPLACE_DOCUMENT,
+            run_id,
+            [keys.scenario, keys.state],
+            [old, new],
         )
         return decode_replaced(reply, run_id)
 
     def inbox(self, run_id: str, *, limit: int = 20) -> list[bytes]:
         """Evidence waiting in the run's inbox, newest first."""
         keys = run_keys(run_id)
-        raw = self._call("inbox", run_id, lambda: self._client.lrange(keys.inbox, 0, limit - 1))
+        raw = call("inbox", run_id, lambda: self._client.lrange(keys.inbox, 0, limit - 1))
         return [item if isinstance(item, bytes) else str(item).encode() for item in raw]

@@ -9,10 +9,11 @@ Protocol (each step is one script call on the run's own slot; see ``lua/`` and
    store's time as a floor, so a lease granted after a rewound store still outranks every
    lease granted before it), expiry from Redis ``TIME`` plus the ttl. Losing the race
    returns ``None``.
-3. ``commit`` checks owner, lease version, expiry, generation == high-water + 1 and the
-   expected state version, then stores the checkpoint and advances generation and state
-   version in the same step. Its commit id makes a retry after a lost reply report
-   "already applied" instead of failing or applying twice.
+3. ``commit_many`` checks, for each commit of its batch, owner, lease version, expiry,
+   generation == high-water + 1 and the expected state version, then stores the
+   checkpoint and advances generation and state version in the same step. Its commit id
+   makes a retry after a lost reply report "already applied" instead of failing or
+   applying twice.
 4. ``renew`` and ``release`` work only for the current owner and lease version; renew only
    before expiry.
 5. ``read_run`` returns the authoritative lease and high-water state (and optionally the
@@ -36,10 +37,14 @@ Cluster they live in other slots and are separate calls after the script. The ex
 index is a hint for the reaper, which re-reads each run's lease before acting; the runs
 and phase indexes are what listings read (:mod:`ratchet.leasing.listing`).
 
-Batches (``commit_many``) send consecutive generations to one call of the commit script; a
+A commit has one door on the store: ``commit_many``, a batch of consecutive generations
+(each checked and digested by ``prepare_commit``, no I/O) in one call of the commit
+script, with an optional ``Release`` that gives the lease up in the same call; a
 checkpoint that names an archive appends its segment in the same script (see
-``docs/redis.md``). Incidents and the evidence inbox live in :mod:`ratchet.leasing.records`,
-the client and error translation in :mod:`ratchet.leasing.plumbing`.
+``docs/redis.md``). :class:`~ratchet.leasing.handle.LeasedRun` is how the runtime reaches
+it (``commit_batch``, the ``GenerationStore`` port, and ``commit``, one checkpoint).
+Incidents and the evidence inbox live in :mod:`ratchet.leasing.records`, the client and
+error translation in :mod:`ratchet.leasing.plumbing`.
 
 Clients must not decode responses (checkpoints are bytes). redis-py's own retry may re-send
 an ``EVALSHA`` after a dropped connection; the commit id makes that safe.
@@ -117,6 +122,7 @@ from ratchet.leasing.results import (
 )
 from ratchet.leasing.retention import RunRetention
 from ratchet.leasing.scripts import ScriptName
+from ratchet.runtime.ports import Release
 from ratchet.runtime.signing import KeyRing
 from ratchet.runtime.window import DIGEST_BYTES
 
@@ -126,14 +132,8 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 1 << 20
 
 
 class RedisStore(
-    RunRecords,
-    HostRecords,
-    LedgerRecords,
     RunListings,
     RunRetention,
-    StoreIdentity,
-    ReplicaAcks,
-    ExpiryIndex,
 ):
     """Leases and fenced commits for many runs on one Redis (or Redis Cluster) client.
 
@@ -185,7 +185,8 @@ class RedisStore(
         # slots, split into shards, and written after the script (leasing/sharded.py).
         self._inline_indexes = not isinstance(client, RedisCluster)
         self._indexes = IndexLayout(1 if self._inline_indexes else INDEX_SHARDS)
-        self.expiry_shards_unreadable = 0
+        #: The expiry index, the reaper's (:mod:`ratchet.leasing.expiry`).
+        self.expiry = ExpiryIndex(self._client, self._runner, self._indexes, self.server_time_ms)
         self.index_moves_deferred = 0
         self._deferred_moves = OrderedDict()
         self.max_checkpoint_bytes = max_checkpoint_bytes
@@ -194,12 +195,25 @@ class RedisStore(
         self.commit_retries = commit_retries
         self.nonce_ttl_s = nonce_ttl_s
         self.compress_checkpoints = bool(compress_checkpoints)
-        #: Seals every incident as it is written (:mod:`ratchet.leasing.records`).
-        self.record_keyring = record_keyring
-        #: Replicas that must confirm a create or commit before it counts as acknowledged
-        #: (``WAIT``; 0: the primary's own reply, AOF, is the acknowledgement).
-        self.min_replicas_ack = min_replicas_ack
-        self.replicas_ack_timeout_ms = replicas_ack_timeout_ms
+        #: Incidents and the evidence inbox of each run (:mod:`ratchet.leasing.records`),
+        #: every incident sealed as it is written when there is a key ring.
+        self.records = RunRecords(
+            self._client,
+            self._runner,
+            max_document_bytes=max_scenario_bytes,
+            keyring=record_keyring,
+        )
+        #: The acknowledgement rule: replicas that must confirm a create, acquire, commit
+        #: or ledger write before it counts (``WAIT``; 0: the primary's reply, AOF, does).
+        self._acks = ReplicaAcks(
+            self._runner, min_replicas_ack=min_replicas_ack, timeout_ms=replicas_ack_timeout_ms
+        )
+        #: The runs' tool ledgers (:mod:`ratchet.leasing.ledger`), acknowledged like commits.
+        self.ledger = LedgerRecords(self._client, self._runner, self._acks)
+        #: Where runs live and when each host was last seen (:mod:`ratchet.leasing.hosts`).
+        self.hosts = HostRecords(self._client, self.server_time_ms)
+        #: The store's epoch record and eviction policy (:mod:`ratchet.leasing.epoch`).
+        self.identity = StoreIdentity(self._client)
         #: Drill hook ``(run_id, commit_id) -> drop the reply?`` (see the module docstring).
         self.reply_hook: Callable[[str, str], bool] | None = None
 
@@ -267,7 +281,7 @@ class RedisStore(
         reply, counted = self._call(
             ScriptName.CREATE_RUN.value,
             run_id,
-            lambda: self._run_acked(ScriptName.CREATE_RUN, create_keys, create_args, hot=False),
+            lambda: self._acks.run(ScriptName.CREATE_RUN, create_keys, create_args, hot=False),
         )
         created = decode_create(reply, run_id)
         if not inline or created.already_applied:
@@ -279,7 +293,7 @@ class RedisStore(
                 else (phase, created.created_at_ms)
             )
             self._index_created(run_id, created.created_at_ms, now_phase, at_ms)
-        self._check_acked(run_id, counted, wrote=not created.already_applied, commit_id=commit_id)
+        self._acks.check(run_id, counted, wrote=not created.already_applied, commit_id=commit_id)
         return created
 
     def read_run(
@@ -350,15 +364,13 @@ class RedisStore(
         reply, counted = self._call(
             ScriptName.ACQUIRE_LEASE.value,
             run_id,
-            lambda: self._run_acked(
-                ScriptName.ACQUIRE_LEASE, acquire_keys, acquire_args, hot=False
-            ),
+            lambda: self._acks.run(ScriptName.ACQUIRE_LEASE, acquire_keys, acquire_args, hot=False),
         )
         outcome = decode_acquire(reply, run_id, owner)
         if isinstance(outcome, LeaseHolder):
             return outcome  # nothing was written
         lease = outcome.lease
-        self._check_acked(run_id, counted, wrote=True, lease_version=lease.lease_version)
+        self._acks.check(run_id, counted, wrote=True, lease_version=lease.lease_version)
         if not inline:
             self._index_acquired(run_id, lease.expires_at_ms, outcome.phase, outcome.phase_at_ms)
         return LeasedRun(self, outcome, ttl_ms=ttl_ms)
@@ -403,13 +415,7 @@ class RedisStore(
         )
         renewed = decode_renew(reply, lease)
         if not inline:
-            self._call(
-                "expiry index",
-                lease.run_id,
-                lambda: self._client.zadd(
-                    self._expiry(lease.run_id), {lease.run_id: renewed.expires_at_ms}
-                ),
-            )
+            self.expiry.score(lease.run_id, renewed.expires_at_ms)
         return renewed
 
     def release(self, lease: Lease, *, reap: bool = False) -> Released:
@@ -439,15 +445,10 @@ class RedisStore(
 
     def _index_released(self, run_id: str, released: Released, *, reap: bool) -> None:
         """The expiry index after a release, where scripts cannot reach it (Cluster)."""
-        index = self._expiry(run_id)
         if reap:
-            self._call(
-                "expiry index",
-                run_id,
-                lambda: self._client.zadd(index, {run_id: released.now_ms}),
-            )
+            self.expiry.score(run_id, released.now_ms)
         else:
-            self._call("expiry index", run_id, lambda: self._client.zrem(index, run_id))
+            self.expiry.remove(run_id)
 
     # -- nonces -----------------------------------------------------------------------
 
@@ -601,114 +602,46 @@ class RedisStore(
             keys,
         )
 
-    def commit(
-        self,
-        lease: Lease,
-        *,
-        generation: int,
-        expected_state_version: int,
-        checkpoint: bytes,
-        commit_id: str | None = None,
-        nonces: Sequence[str] = (),
-        finished: bool = False,
-        segment: bytes = b"",
-        phase: str = "",
-    ) -> CommitResult:
-        """The fenced commit: store ``checkpoint`` as ``generation`` (high-water + 1).
-
-        ``nonces`` are claimed globally for this run first, then consumed in the commit
-        itself. A lost reply is retried ``commit_retries`` times with the same commit id;
-        a retry that finds the commit applied returns it with ``already_applied=True``.
-        With ``min_replicas_ack``, a commit applied on the primary that too few replicas
-        confirmed raises ReplicationUnconfirmedError (see docs/scale.md).
-        ``finished=True`` takes the run off the expiry index after the commit. ``segment``
-        (when not empty) is appended to the run's archive in the same script. ``phase``
-        (when not empty) is the phase the checkpoint is in (see :meth:`prepare_commit`).
-
-        Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
-        CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
-        CommitOutcomeUnknownError when no reply arrived (re-read the run before acting).
-        """
-        prepared = self.prepare_commit(
-            lease.run_id,
-            generation=generation,
-            checkpoint=checkpoint,
-            commit_id=commit_id,
-            nonces=nonces,
-            segment=segment,
-            phase=phase,
-        )
-        results = self.commit_many(lease, [prepared], expected_state_version=expected_state_version)
-        if finished:
-            index = self._expiry(lease.run_id)
-            self._call("expiry index", lease.run_id, lambda: self._client.zrem(index, lease.run_id))
-        return results[0]
-
     def commit_many(
         self,
         lease: Lease,
         commits: Sequence[PreparedCommit],
         *,
         expected_state_version: int,
+        release: Release | None = None,
         applied: Callable[[CommitResult], None] | None = None,
-    ) -> list[CommitResult]:
-        """Fenced commits of consecutive generations in one call of the commit script (one
-        round trip, one AOF fsync, on a single Redis and on a Cluster alike).
+    ) -> tuple[list[CommitResult], Released | None]:
+        """The store's one commit operation: fenced commits of consecutive generations
+        (each made by :meth:`prepare_commit`) in one call of the commit script, one round
+        trip and one AOF fsync, on a single Redis and on a Cluster alike; with
+        ``release``, the lease given up in the same call once every commit applied (as
+        :meth:`release` with ``release.reap`` would), so a job's last commit and its
+        release cost one round trip too. Returns the commits' results and the release's
+        outcome (None without ``release``).
 
         Commit ``i`` of the batch expects state version ``expected_state_version + i`` and
         generation high-water + 1, so it can only apply after every commit before it. The
         script stops at the first refusal; its replies are decoded in order and that
         refusal is raised (the commits before it are applied, and were each passed to
-        ``applied`` as they were decoded). Nonces of every commit are claimed globally
-        first. A lost reply re-sends the whole batch with the same commit ids: applied
-        ones answer ``already_applied``.
+        ``applied`` as they were decoded; a refused batch releases nothing). Nonces of
+        every commit are claimed globally first. A lost reply re-sends the whole batch,
+        release included, with the same commit ids: applied ones answer
+        ``already_applied``, and a lease that moved on since answers LeaseLostError.
+        With ``min_replicas_ack``, a batch applied on the primary that too few replicas
+        confirmed raises ReplicationUnconfirmedError (see docs/scale.md).
 
-        Raises what :meth:`commit` raises.
+        Raises LeaseLostError, GenerationMismatchError, StaleStateError, NonceReplayError,
+        CheckpointTooLargeError, ContractError, RunNotFoundError, StoreProtocolError, and
+        CommitOutcomeUnknownError when no reply arrived (re-read the run before acting).
         """
-        results, _ = self._commit_batch(lease, commits, expected_state_version, "", applied)
-        return results
-
-    def commit_and_release(
-        self,
-        lease: Lease,
-        commits: Sequence[PreparedCommit],
-        *,
-        expected_state_version: int,
-        reap: bool = False,
-        applied: Callable[[CommitResult], None] | None = None,
-    ) -> tuple[list[CommitResult], Released]:
-        """:meth:`commit_many`, then the lease given up in the same script call once every
-        commit applied (as :meth:`release` with ``reap`` would): a job's last commit and
-        its release cost one round trip and one fsync. A refused commit releases nothing.
-
-        Raises what :meth:`commit_many` raises, and LeaseLostError when every commit had
-        been applied before (a retry) and the lease has moved on since.
-        """
-        if not commits:
-            raise ContractError(
-                "commit_and_release needs at least one commit", field="commits", run_id=lease.run_id
-            )
-        results, released = self._commit_batch(
-            lease, commits, expected_state_version, "reap" if reap else "drop", applied
-        )
-        if released is None:  # for the type checker: _commit_batch decoded the release
-            raise StoreProtocolError(
-                "the commit script did not release the lease", run_id=lease.run_id, script="commit"
-            )
-        if not self._inline_indexes:
-            self._index_released(lease.run_id, released, reap=reap)
-        return results, released
-
-    def _commit_batch(
-        self,
-        lease: Lease,
-        commits: Sequence[PreparedCommit],
-        expected_state_version: int,
-        release: str,
-        applied: Callable[[CommitResult], None] | None,
-    ) -> tuple[list[CommitResult], Released | None]:
         run_id = lease.run_id
         if not commits:
+            if release is not None:
+                raise ContractError(
+                    "a commit with a release needs at least one commit",
+                    field="commits",
+                    run_id=run_id,
+                )
             return [], None
         for index, commit in enumerate(commits[1:], start=1):
             if commit.generation != commits[0].generation + index:
@@ -718,15 +651,16 @@ class RedisStore(
         nonces = [nonce for commit in commits for nonce in commit.nonces]
         if nonces:
             self.claim_nonces(run_id, nonces)
-        keys, args = self._commit_call(lease, commits, expected_state_version, release)
-        expected_entries = len(commits) + (1 if release else 0)
+        mode = "" if release is None else "reap" if release.reap else "drop"
+        keys, args = self._commit_call(lease, commits, expected_state_version, mode)
+        expected_entries = len(commits) + (0 if release is None else 1)
         last: Exception | None = None
         for _attempt in range(1 + self.commit_retries):
             # Timeline of a lost reply: the script ran (or not), the connection dropped
             # before the reply arrived. Re-sending the same commit ids either applies
             # them now or answers already_applied; nothing applies twice.
             try:
-                reply, counted = self._run_acked(ScriptName.COMMIT, keys, args)
+                reply, counted = self._acks.run(ScriptName.COMMIT, keys, args)
             except ResponseError as exc:
                 full = store_full(exc, "the commit", run_id)
                 if full is not None:
@@ -761,8 +695,12 @@ class RedisStore(
                 raise StoreProtocolError(
                     "the commit script stopped without a refusal", run_id=run_id, script="commit"
                 )
-            released = decode_release(entries[-1], lease) if release else None
-            self._check_acked(
+            released = None
+            if release is not None:
+                released = decode_release(entries[-1], lease)
+                if not self._inline_indexes:  # Cluster: the expiry index after the release
+                    self._index_released(run_id, released, reap=release.reap)
+            self._acks.check(
                 run_id,
                 counted,
                 wrote=any(not r.already_applied for r in results),

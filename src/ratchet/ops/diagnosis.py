@@ -292,7 +292,7 @@ def _status(
         )
         return out
     try:
-        due = fleet.store.expiry_score(run_id)
+        due = fleet.store.expiry.expiry_score(run_id)
     except (redis.RedisError, StoreUnavailableError):
         due = None
     if due is not None and state.phase not in TERMINAL_PHASES:

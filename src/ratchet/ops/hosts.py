@@ -89,9 +89,9 @@ def attach(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> Attached
         reason=reason,
         at_ms=fleet.store.server_time_ms(),
     )
-    fleet.store.set_placement(run_id, seal_placement(fleet.keyring, placement))
-    fleet.store.set_run_host(run_id, here)
-    fleet.store.record_incident(
+    fleet.store.hosts.set_placement(run_id, seal_placement(fleet.keyring, placement))
+    fleet.store.hosts.set_run_host(run_id, here)
+    fleet.store.records.record_incident(
         run_id,
         {
             "kind": "placement_moved",

@@ -133,7 +133,7 @@ def resign_documents(
         except RatchetError:
             refused.append(run_id)
             continue
-        if fleet.store.replace_document(
+        if fleet.store.records.replace_document(
             run_id, blob, seal_document(fleet.keyring, run_id, document)
         ):
             resigned.append(run_id)

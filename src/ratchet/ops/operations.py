@@ -169,7 +169,7 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     if host is not None:
         # The routing hint every enqueue reads (unsigned: a worker checks the signed
         # document's host before it opens anything, and routes a misrouted run on).
-        fleet.store.set_run_host(run_id, host)
+        fleet.store.hosts.set_run_host(run_id, host)
     return run_id
 
 
@@ -225,7 +225,9 @@ def inspect_run(fleet: Fleet, run_id: str) -> RunView:
             generation=payload.generation,
             high_water=snap.generation,
         )
-    return RunView(snap, document, payload.state, payload.generation, fleet.store.incidents(run_id))
+    return RunView(
+        snap, document, payload.state, payload.generation, fleet.store.records.incidents(run_id)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +254,7 @@ def _post(
         raise error(
             "the nonce was already consumed by another run", reason="replayed_nonce", nonce=nonce
         )
-    fleet.store.post_evidence(run_id, model_json(evidence))
+    fleet.store.records.post_evidence(run_id, model_json(evidence))
     fleet.enqueue(run_id)
     return Posted(evidence, verified)
 
@@ -443,7 +445,7 @@ def retry(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> None:
         raise ContractError(
             f"a worker holds the run ({view.snapshot.owner}); nothing to retry", run_id=run_id
         )
-    fleet.store.record_incident(
+    fleet.store.records.record_incident(
         run_id,
         {
             "kind": "operator_retry",
@@ -489,7 +491,7 @@ def cancel(fleet: Fleet, run_id: str, *, reason: str, operator: str) -> CancelPo
     request = new_cancel_request(
         run_id, by=operator, reason=reason, now_ms=fleet.store.server_time_ms()
     )
-    fleet.store.post_evidence(run_id, seal_cancel(fleet.keyring, request))
+    fleet.store.records.post_evidence(run_id, seal_cancel(fleet.keyring, request))
     fleet.enqueue(run_id)
     return CancelPosted(
         request, phase.value, (view.snapshot.owner or "") if view.snapshot.lease_live else ""

@@ -165,7 +165,7 @@ def export_run(fleet: Fleet, run_id: str, *, view: RunView | None = None) -> byt
         "history": history,
         "incidents": incidents,
         "consumed_nonces": list(view.state.consumed_nonces),
-        "inbox": [_b64(raw) for raw in fleet.store.inbox(run_id, limit=1000)],
+        "inbox": [_b64(raw) for raw in fleet.store.records.inbox(run_id, limit=1000)],
     }
     return seal_envelope(fleet.keyring, canonical_json(body), domain=Domain.EXPORT)
 
@@ -385,7 +385,7 @@ def _purge_one(
         return f"not finished ({state.phase.value})"
     if snap.lease_live:
         return f"held by {snap.owner}"
-    for raw in fleet.store.inbox(run_id, limit=1000):
+    for raw in fleet.store.records.inbox(run_id, limit=1000):
         why = _unconsumed(raw, state)
         if why is not None:
             return why

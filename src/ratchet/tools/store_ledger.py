@@ -67,9 +67,9 @@ class StoreLedger:
         # handle's back is refused there (a precondition failure), never acted on.
         self._version: int | None = None
         if create:
-            self._instance, self._version = store.ledger_init(run_id, "tools-" + uuid.uuid4().hex)
+            self._instance, self._version = store.ledger.init(run_id, "tools-" + uuid.uuid4().hex)
         else:
-            meta = store.ledger_meta(run_id)
+            meta = store.ledger.meta(run_id)
             if meta is None:
                 raise AdapterError(
                     "the run's tool ledger is missing from the store: its record of the "
@@ -94,7 +94,7 @@ class StoreLedger:
     # -- facts --------------------------------------------------------------------------
 
     def _meta(self) -> Any:
-        meta = self._store.ledger_meta(self.run_id)
+        meta = self._store.ledger.meta(self.run_id)
         if meta is None or meta.instance_id != self._instance:
             raise AdapterError(
                 "the run's tool ledger is gone or another one replaced it",
@@ -131,7 +131,7 @@ class StoreLedger:
 
     def row(self, key: str) -> CallRow | None:
         """The key's row, or None: the key was never recorded."""
-        raw = self._store.ledger_row(self.run_id, key)
+        raw = self._store.ledger.row(self.run_id, key)
         if raw is None:
             return None
         data = orjson.loads(raw)
@@ -153,7 +153,7 @@ class StoreLedger:
     # -- fences and calls ---------------------------------------------------------------
 
     def _admit(self, op: str, fence: Fence, rest: list[str | bytes | int]) -> LedgerReply:
-        reply = self._store.ledger_admit(
+        reply = self._store.ledger.admit(
             self.run_id,
             [op, fence.lease_version, fence.state_version, fence.store_epoch or "", *rest],
         )
@@ -269,7 +269,7 @@ class StoreLedger:
         if call is not None:
             intent, approval = call.intent_digest, call.approval_digest
         else:
-            raw = self._store.ledger_row(self.run_id, key)
+            raw = self._store.ledger.row(self.run_id, key)
             if raw is None:
                 raise AdapterError(
                     "no recorded call to commit", retryable=False, idempotency_key=key
@@ -288,7 +288,7 @@ class StoreLedger:
             "approval_digest": approval,
         }
         fence = call.fence if call is not None else None
-        reply = self._store.ledger_record(
+        reply = self._store.ledger.record(
             self.run_id,
             [
                 "commit",
@@ -317,7 +317,7 @@ class StoreLedger:
     def abort_call(self, key: str, call: CallIntent | None = None) -> None:
         """The tool refused the call with no effect, or a lookup showed it never happened:
         the key may be sent again. ``call`` records the refusal of a call with no row."""
-        self._store.ledger_record(
+        self._store.ledger.record(
             self.run_id,
             [
                 "abort",

@@ -54,7 +54,7 @@ def find_job_controls(
         refusals += [("evidence_refused", reason) for reason in refused]
     for kind, reason in refusals:
         with contextlib.suppress(RatchetError):
-            fleet.store.record_incident(run_id, {"kind": kind, "message": reason[:500]})
+            fleet.store.records.record_incident(run_id, {"kind": kind, "message": reason[:500]})
     return cancel, rebaseline
 
 
@@ -104,7 +104,7 @@ def consume_inbox(fleet: Fleet, engine: RunEngine, inbox: list[bytes]) -> None:
                     continue
                 engine.apply_review_decision(evidence)
         except (EvidenceError, ConfigurationError) as exc:
-            fleet.store.record_incident(
+            fleet.store.records.record_incident(
                 run_id,
                 {
                     "kind": "evidence_refused",
@@ -130,5 +130,5 @@ class CancelWatch:
         if now < self._next:
             return None
         self._next = now + self._every
-        inbox = self._fleet.store.inbox(self._run_id)
+        inbox = self._fleet.store.records.inbox(self._run_id)
         return find_controls(self._fleet.keyring, self._run_id, inbox).cancel

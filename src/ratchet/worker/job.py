@@ -178,7 +178,7 @@ def _execute(
     try:
         # The store must still be the one this worker started on: a wiped, restarted-
         # without-AOF or evicting Redis is never run on.
-        fleet.store.check_epoch(fleet.epoch)
+        fleet.store.identity.check_epoch(fleet.epoch)
     except StoreEpochError as exc:
         log.error(
             "store epoch check failed",
@@ -189,7 +189,7 @@ def _execute(
     report = JobReport(run_id, JobOutcome.LEASE_LOST)
     lease = take_lease(
         lambda: fleet.store.try_acquire(run_id, owner=owner, ttl_ms=settings.lease_ttl_ms),
-        lambda record: fleet.store.record_incident(run_id, record),
+        lambda record: fleet.store.records.record_incident(run_id, record),
         report,
     )
     if lease is None:
@@ -317,7 +317,7 @@ class _FleetJob:
             self._recorder.drop_acquire()
             self._heartbeat.stop()
             self._lease.release()
-            fleet.store.set_run_host(run_id, home)
+            fleet.store.hosts.set_run_host(run_id, home)
             fleet.enqueue(run_id, host=home)
             metrics.JOBS_ROUTED.inc()
             report.outcome, report.detail = JobOutcome.ROUTED, f"to host {home}"
@@ -325,7 +325,7 @@ class _FleetJob:
         self._recorder.acknowledge_acquire()
         # Operator controls come before the agent is loaded: a run whose agent cannot be
         # imported can still be cancelled (see ratchet.fleet.control).
-        self._inbox = fleet.store.inbox(run_id)
+        self._inbox = fleet.store.records.inbox(run_id)
         self._cancel, self._rebaseline = find_job_controls(
             fleet, run_id, self._inbox, opened.payload, document
         )
@@ -482,7 +482,7 @@ class _FleetJob:
         evidence = {name: exc.context[name] for name in _EVIDENCE if name in exc.context}
         if evidence:
             record["evidence"] = evidence
-        self._fleet.store.record_incident(lease.run_id, record)
+        self._fleet.store.records.record_incident(lease.run_id, record)
 
     def job_error(self, exc: Exception, report: JobReport) -> None:
         _job_error(self._fleet, self._lease, self._heartbeat, report, exc)
@@ -527,7 +527,7 @@ def _job_error(
     message = str(exc)[:500] or type(exc).__name__
     try:
         attempt = 1
-        for incident in fleet.store.incidents(run_id):  # newest first
+        for incident in fleet.store.records.incidents(run_id):  # newest first
             if incident.get("kind") == "operator_retry":
                 break  # an operator's retry starts the budget again
             attempt += incident.get("kind") == "job_error"
@@ -549,7 +549,7 @@ def _job_error(
     )
     metrics.job_error(exc)
     with contextlib.suppress(RatchetError):
-        fleet.store.record_incident(run_id, record)
+        fleet.store.records.record_incident(run_id, record)
     heartbeat.stop()
     with contextlib.suppress(RatchetError):
         lease.release()  # off the reaper's index
@@ -558,7 +558,7 @@ def _job_error(
         return
     backoff = settings.job_error_backoff_ms * 2 ** (attempt - 1)
     with contextlib.suppress(RatchetError):
-        fleet.store.expect_pickup(run_id, within_ms=backoff)  # the reaper retries then
+        fleet.store.expiry.expect_pickup(run_id, within_ms=backoff)  # the reaper retries then
     report.outcome, report.detail = JobOutcome.JOB_ERROR, f"{type(exc).__name__}: {message}"
 
 

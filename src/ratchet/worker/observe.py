@@ -70,7 +70,7 @@ def job_ended(
 class RunRecorder:
     """The operator-facing records one job leaves for its run (see the module docstring).
 
-    ``store`` is the fleet's store (its ``record_incident``); ``settings`` name the secrets
+    ``store`` is the fleet's store (its ``records.record_incident``); ``settings`` name the secrets
     to scrub, read only when a verification failed.
     """
 
@@ -87,7 +87,7 @@ class RunRecorder:
     def _record(self, record: dict[str, Any]) -> None:
         self.acknowledge_acquire()
         try:
-            self._store.record_incident(self._run_id, record)
+            self._store.records.record_incident(self._run_id, record)
         except RatchetError as exc:
             log.warning(
                 "run record not written",

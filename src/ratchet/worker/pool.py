@@ -171,7 +171,7 @@ def worker_main(
     # claim enqueued was lost: another reaper may claim the run again.
     # This host is alive from now on (each reaper tick says so again): runs bound to it
     # are handed to its queue, which this worker serves before the shared one.
-    fleet.store.note_host(settings.host)
+    fleet.store.hosts.note(settings.host)
     reaper = Reaper(
         fleet.store,
         fleet.enqueue,

@@ -17,7 +17,7 @@ one Redis round trip) after the worker's last renewal, whichever worker's reaper
 A reaper that dies between its claim and its enqueue leaves the entry on the index; after
 ``reclaim_after_ms`` another reaper may claim it again.
 
-Hosts. Each tick also reports this process's host as alive (``RedisStore.note_host``).
+Hosts. Each tick also reports this process's host as alive (``RedisStore.hosts.note``).
 A run bound to a host (its workspace is on that host's disk) goes to that host's queue
 (``Fleet.enqueue`` reads the run's routing hint); while no worker of that host has been
 seen for ``host_timeout_ms`` the reaper does not hand it on (its queue has nobody to
@@ -67,13 +67,13 @@ class HostGate:
 
         Raises StoreUnavailableError.
         """
-        self._seen, self._now_ms = self._store.hosts()
+        self._seen, self._now_ms = self._store.hosts.seen()
         for host, at_ms in self._seen.items():
             metrics.HOST_LAST_SEEN.labels(host=host).set(max(self._now_ms - at_ms, 0) / 1000)
 
     def hold(self, run_id: str) -> str | None:
         """Why ``run_id`` must wait for its host (None: hand it on)."""
-        host = self._store.run_host(run_id)
+        host = self._store.hosts.run_host(run_id)
         if host is None:
             return None
         seen = self._seen.get(host)
@@ -105,7 +105,7 @@ def reap_once(
 
     Raises StoreUnavailableError when Redis cannot be read (the tick is retried).
     """
-    entries = store.expired_entries(limit=limit)
+    entries = store.expiry.expired_entries(limit=limit)
     enqueued: list[str] = []
     parked: list[str] = []
     held: list[str] = []
@@ -113,7 +113,7 @@ def reap_once(
         try:
             reason = hold(run_id) if hold is not None else None
             if reason is not None:
-                store.park_expiry_entry(run_id, for_ms=park_ms)
+                store.expiry.park_expiry_entry(run_id, for_ms=park_ms)
                 metrics.REAPER_HELD.inc()
                 log.info("held for its host", extra={"run_id": run_id, "reason": reason})
                 held.append(run_id)
@@ -125,7 +125,7 @@ def reap_once(
         except ContractError:
             # Not a run id at all (junk written into the index): it names no run.
             with contextlib.suppress(RatchetError):
-                store.forget_index_member(run_id)
+                store.expiry.forget_index_member(run_id)
             metrics.REAPER_BAD_ENTRIES.inc()
         except RatchetError as exc:
             _park(store, run_id, exc, park_ms)
@@ -142,12 +142,12 @@ def _reap_entry(
 ) -> bool:
     claim = store.claim_reap(run_id, reclaim_after_ms=reclaim_after_ms)
     if claim.status == "no_run":
-        store.drop_expiry_entry(run_id, score)
+        store.expiry.drop_expiry_entry(run_id, score)
         return False
     if not claim.claimed:
         return False
     enqueue(run_id)
-    store.drop_expiry_entry(run_id, score)
+    store.expiry.drop_expiry_entry(run_id, score)
     cause, generation = _cause(store, run_id)
     metrics.REAPER_REQUEUES.labels(cause=cause).inc()
     log.info(
@@ -169,7 +169,7 @@ def _park(store: RedisStore, run_id: str, exc: RatchetError, park_ms: int) -> No
         extra={"run_id": run_id, "error": type(exc).__name__},
     )
     with contextlib.suppress(RatchetError):
-        store.record_incident(
+        store.records.record_incident(
             run_id,
             {
                 "kind": "reaper_entry_refused",
@@ -178,7 +178,7 @@ def _park(store: RedisStore, run_id: str, exc: RatchetError, park_ms: int) -> No
             },
         )
     with contextlib.suppress(RatchetError):
-        store.park_expiry_entry(run_id, for_ms=park_ms)
+        store.expiry.park_expiry_entry(run_id, for_ms=park_ms)
 
 
 def _cause(store: RedisStore, run_id: str) -> tuple[str, int | None]:
@@ -228,7 +228,7 @@ class Reaper:
         while not self._stop.wait(self._interval):
             try:
                 if self._host is not None:
-                    self._store.note_host(self._host)
+                    self._store.hosts.note(self._host)
                 self._gate.refresh()
                 result = reap_once(
                     self._store,
@@ -239,7 +239,7 @@ class Reaper:
             except RatchetError as exc:
                 log.warning("reaper tick failed", extra={"error": type(exc).__name__})
                 continue
-            unreadable = self._store.expiry_shards_unreadable
+            unreadable = self._store.expiry.expiry_shards_unreadable
             if unreadable:
                 # A master is down (Cluster): the runs of its shards wait for it.
                 log.warning("reaper tick read part of the index", extra={"unreadable": unreadable})

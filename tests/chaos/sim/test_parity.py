@@ -26,6 +26,7 @@ from ratchet.errors import RatchetError
 from ratchet.leasing import RedisStore
 from ratchet.leasing.results import Lease
 from ratchet.redis_server import RedisServer
+from ratchet.runtime.ports import Release
 
 LONG_TTL_MS = 600_000
 RUNS = ("pa", "pb")
@@ -252,21 +253,14 @@ def _sequence(
                 results = []
                 for _ in range(2 if retry else 1):
                     try:
-                        if release:
-                            results.append(
-                                s.store.commit_and_release(
-                                    lease,
-                                    prepared,
-                                    expected_state_version=snap.state_version,
-                                    reap=release == "reap",
-                                )
+                        results.append(
+                            s.store.commit_many(
+                                lease,
+                                prepared,
+                                expected_state_version=snap.state_version,
+                                release=Release(reap=release == "reap") if release else None,
                             )
-                        else:
-                            results.append(
-                                s.store.commit_many(
-                                    lease, prepared, expected_state_version=snap.state_version
-                                )
-                            )
+                        )
                     except RatchetError as exc:
                         results.append(("raised", type(exc).__name__))
                 return results
@@ -286,12 +280,15 @@ def _sequence(
         elif op == "incident":
             compare(
                 op,
-                lambda s, r=run, i=step: s.store.record_incident(
+                lambda s, r=run, i=step: s.store.records.record_incident(
                     r, {"id": f"inc-{seed}-{i}", "kind": "parity"}, keep=3
                 ),
             )
         elif op == "evidence":
-            compare(op, lambda s, r=run, i=step: s.store.post_evidence(r, b'{"e":%d}' % i, keep=2))
+            compare(
+                op,
+                lambda s, r=run, i=step: s.store.records.post_evidence(r, b'{"e":%d}' % i, keep=2),
+            )
 
 
 @pytest.mark.parametrize("seed", range(12))

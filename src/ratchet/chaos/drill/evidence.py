@@ -184,7 +184,7 @@ def _raw_generation(fleet: Fleet, run_id: str) -> int | None:
 
 def _raw_incidents(fleet: Fleet, run_id: str) -> list[dict[str, Any]]:
     try:
-        return fleet.store.incidents(run_id)
+        return fleet.store.records.incidents(run_id)
     except RatchetError:
         return []
 

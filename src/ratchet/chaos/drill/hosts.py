@@ -530,7 +530,7 @@ def run_host_drill(
             remote.start()
             record.remote_url = remote.url
             record.remote_served = "git daemon" if remote.daemon else "file://"
-        RedisStore(server.client()).init_epoch()
+        RedisStore(server.client()).identity.init_epoch()
         orders = TenantOrders(folder / "orders")
         urls = {i: orders.add(f"t{i}") for i in range(options.runs)}
         key_hex = secrets.token_hex(32)

@@ -250,7 +250,7 @@ class Humans:
             self._inbox(fleet, run_id, evidence)
 
     def _inbox(self, fleet: Fleet, run_id: str, evidence: ApprovalEvidence) -> None:
-        fleet.store.post_evidence(run_id, model_json(evidence))
+        fleet.store.records.post_evidence(run_id, model_json(evidence))
         fleet.enqueue(run_id)
 
     def _post_raw(self, fleet: Fleet, target: str, evidence: ApprovalEvidence, kind: str) -> None:

@@ -171,7 +171,7 @@ def _quiet(drill: _Drill) -> bool:
     """Nothing can start on the old store: the queues are empty, no lease is live and
     the reaper's index has no entry due (so every event after the wipe is the wipe's)."""
     client = drill.fleet.store.client
-    indexed = drill.fleet.store.expiry_members()
+    indexed = drill.fleet.store.expiry.expiry_members()
     return (
         all(queue.count == 0 for queue in drill.fleet.all_queues())
         and not lease_snapshot(client, sorted(drill.rec.runs))

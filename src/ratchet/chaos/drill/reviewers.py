@@ -228,7 +228,7 @@ class Reviewers:
     def _refusals(fleet: Fleet, run_id: str) -> int:
         return sum(
             1
-            for i in fleet.store.incidents(run_id)
+            for i in fleet.store.records.incidents(run_id)
             if i.get("kind") == "evidence_refused" and i.get("reason") == "environment_changed"
         )
 
@@ -261,7 +261,7 @@ class Reviewers:
         except EvidenceError as exc:
             entry["posted"] = "raw"
             entry["post_refused"] = exc.reason or type(exc).__name__
-            fleet.store.post_evidence(run_id, model_json(decision))
+            fleet.store.records.post_evidence(run_id, model_json(decision))
             fleet.enqueue(run_id)
         case.update(stage="stale_posted", at=now, stale_nonce=claims.nonce)
 
@@ -303,7 +303,7 @@ class Reviewers:
         except EvidenceError as exc:
             entry["posted"] = "raw"
             entry["post_refused"] = exc.reason or type(exc).__name__
-        fleet.store.post_evidence(run_id, model_json(decision))
+        fleet.store.records.post_evidence(run_id, model_json(decision))
         fleet.enqueue(run_id)
         case["stage"] = "replayed"
 

@@ -134,7 +134,7 @@ def classify_run(fleet: Fleet, run_id: str) -> tuple[str, str]:
         or (i.get("kind") in FREEZING_KINDS and i.get("lease_version") == snap.lease_version)
         for i in view.incidents
     )
-    if refused and not snap.lease_live and fleet.store.expiry_score(run_id) is None:
+    if refused and not snap.lease_live and fleet.store.expiry.expiry_score(run_id) is None:
         return "frozen", phase.value
     return "active", phase.value
 
@@ -476,7 +476,7 @@ def run_drill_processes(
             server = ClusterStore(redis_dir, executable=choice.executable).start()
         else:
             server = choice.server(redis_dir).start()
-        RedisStore(server.client()).init_epoch()
+        RedisStore(server.client()).identity.init_epoch()
     except BaseException:
         if disk is not None:
             disk.unmount()

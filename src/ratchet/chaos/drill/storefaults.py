@@ -556,7 +556,7 @@ class StoreFaults:
         that shows a worker refused it; None while there is none."""
         since = int(drill.rec.corrupted[run_id]["at_ms"])
         try:
-            incidents = drill.fleet.store.incidents(run_id)
+            incidents = drill.fleet.store.records.incidents(run_id)
         except RatchetError:
             return None
         for incident in incidents:

@@ -259,7 +259,7 @@ def run_job(worker: SimWorker) -> str:
     try:
         lease = take_lease(
             lambda: store.try_acquire(sim.run_id, owner=worker.owner, ttl_ms=sim.profile.ttl_ms),
-            lambda record: store.record_incident(sim.run_id, record),
+            lambda record: store.records.record_incident(sim.run_id, record),
             report,
         )
     except StoreError:
@@ -411,7 +411,7 @@ class _SimJob:
                 f"{worker.owner} ({kind.value}): {type(exc).__name__} {reason}: "
                 f"{exc.message[:160]}",
             )
-        self._store.record_incident(lease.run_id, {"kind": kind.value, "reason": reason})
+        self._store.records.record_incident(lease.run_id, {"kind": kind.value, "reason": reason})
 
     def job_error(self, exc: Exception, report: JobReport) -> None:
         if isinstance(exc, RatchetError):
