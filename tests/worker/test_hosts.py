@@ -295,8 +295,8 @@ def test_a_lost_host_s_disk_attached_elsewhere_moves_its_run_there_once_proven(
     assert other.returncode == 0, other.stderr
     impostor = a.ratchet("attach", slow, "--reason", "try a copy")
     assert impostor.returncode == 2 and "not the run's" in impostor.stderr, impostor.stderr
-    hosts = fleet.store.hosts
-    assert hosts.placement(slow) is None and hosts.run_host(slow) == "host-b"
+    where = fleet.store.hosts
+    assert where.placement(slow) is None and where.run_host(slow) == "host-b"
     # B's disk, mounted on a new machine C: proven, moved, finished there, once.
     c = Host("host-c", b.backing, b.mountpoint, b.env).start()
     hosts["host-c"] = c  # stopped with the others
