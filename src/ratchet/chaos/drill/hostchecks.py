@@ -406,7 +406,14 @@ def _operators(
             bad.append(f"cancel of {run_id}: exit {result.get('exit')}")
         again = f"{run_id}-again"
         if phase == "cancelled" and runs.get(again, RunEvidence()).phase != "completed":
-            bad.append(f"{run_id} cancelled, its task submitted again is not completed")
+            # Says which: never created (its submits failed: see the drill's errors), or
+            # created and left in a phase.
+            where = (
+                f"left {runs[again].phase or 'unread'}"
+                if again in runs
+                else "never created: " + "; ".join(e for e in record.errors if again in e)[-300:]
+            )
+            bad.append(f"{run_id} cancelled, its task submitted again is not completed ({where})")
     for misroute in [
         *record.misroutes,
         *(m for ls in record.losses for m in ls.get("misroutes", [])),

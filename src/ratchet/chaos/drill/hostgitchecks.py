@@ -388,7 +388,14 @@ def _operators(record: HostDrillRecord, runs: dict[str, RunEvidence]) -> Invaria
             bad.append(f"cancel of {run_id}: exit {result.get('exit')}")
         again = f"{run_id}-again"
         if phase == "cancelled" and runs.get(again, RunEvidence()).phase != "completed":
-            bad.append(f"{run_id} cancelled, its task submitted again is not completed")
+            # Says which: never created (its submits failed: see the drill's errors), or
+            # created and left in a phase.
+            where = (
+                f"left {runs[again].phase or 'unread'}"
+                if again in runs
+                else "never created: " + "; ".join(e for e in record.errors if again in e)[-300:]
+            )
+            bad.append(f"{run_id} cancelled, its task submitted again is not completed ({where})")
     return Invariant(
         "operator_paths_no_double_effect",
         _verdict(bad, judged),
