@@ -26,7 +26,8 @@ from ratchet.adapters.sandbox import Sandbox
 from ratchet.adapters.verifier import CommandVerifier, VerifierCommand
 from ratchet.errors import AdapterError, FenceRejectedError, UntrustedGroundError
 from ratchet.fleet.credentials import CredentialMap, CredentialSpec
-from ratchet.fleet.runs import EnvironmentSpec, remote_branch
+from ratchet.fleet.runbuild import remote_branch
+from ratchet.fleet.runs import EnvironmentSpec
 from ratchet.runtime import Action, Fence
 from ratchet.testing.memory import ManualClock
 from tests.conftest import test_sandbox_mode

@@ -18,7 +18,8 @@ from ratchet.agents import AgentPolicy
 from ratchet.demo.examples import greeting_scenario
 from ratchet.errors import ContractError
 from ratchet.fleet.credentials import CredentialMap, CredentialSpec
-from ratchet.fleet.runs import RunDocument, check_credentials
+from ratchet.fleet.runbuild import check_credentials
+from ratchet.fleet.runs import RunDocument
 from ratchet.ops.taskfile import load_plan_file, load_task_file
 from ratchet.runtime import Scenario
 from ratchet.runtime.canonical import strict_json_loads, strict_yaml_loads

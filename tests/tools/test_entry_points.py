@@ -9,13 +9,8 @@ import pytest
 
 from ratchet.adapters import RouterAdapter
 from ratchet.errors import AdapterError, ConfigurationError
-from ratchet.fleet.runs import (
-    EnvironmentSpec,
-    RunDocument,
-    VerifierSpec,
-    build_adapter,
-    run_toolbox,
-)
+from ratchet.fleet.runbuild import build_adapter, run_toolbox
+from ratchet.fleet.runs import EnvironmentSpec, RunDocument, VerifierSpec
 from ratchet.tools import Toolbox, load_entry_point_tool
 from tests.adapters.harness import make_workspace, scenario
 

@@ -12,14 +12,13 @@ from pydantic import ValidationError
 
 from ratchet.errors import AdapterError, ConfigurationError
 from ratchet.fleet.credentials import CredentialMap, CredentialSpec
+from ratchet.fleet.runbuild import check_credentials, run_toolbox
 from ratchet.fleet.runs import (
     EnvironmentSpec,
     McpServerSpec,
     RunDocument,
     VerifierSpec,
-    check_credentials,
     document_digest,
-    run_toolbox,
 )
 from ratchet.tools.mcp import MCPTool
 from tests.adapters.harness import make_workspace, scenario

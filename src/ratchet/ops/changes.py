@@ -27,7 +27,7 @@ from ratchet.adapters.files import AllowedPaths
 from ratchet.adapters.ground import Ground
 from ratchet.errors import ConfigurationError, RatchetError, UntrustedGroundError
 from ratchet.fleet.context import Fleet
-from ratchet.fleet.runs import remote_branch
+from ratchet.fleet.runbuild import remote_branch
 from ratchet.ops.operations import RunView
 from ratchet.runtime import ActionKind
 

@@ -44,16 +44,13 @@ from ratchet.errors import (
 from ratchet.fleet.clock import StoreClock
 from ratchet.fleet.context import Fleet
 from ratchet.fleet.control import CancelRequest, new_cancel_request, seal_cancel
+from ratchet.fleet.runbuild import build_adapter, check_credentials, make_run_branch, run_toolbox
 from ratchet.fleet.runs import (
     RunDocument,
-    build_adapter,
-    check_credentials,
     check_document_binding,
     decide_environment,
     document_digest,
-    make_run_branch,
     open_document,
-    run_toolbox,
     seal_document,
 )
 from ratchet.leasing import RunSnapshot
@@ -111,7 +108,7 @@ def create_run(fleet: Fleet, document: RunDocument, *, run_id: str | None = None
     (:class:`ratchet.agents.AgentPolicy`), so a run whose agent no worker here
     could load is refused now rather than crash-looping later. Credentials the document
     names are checked against this process's own ``RATCHET_CREDENTIALS`` (the worker's
-    rule, :func:`ratchet.fleet.runs.check_credentials`), and listing an MCP server's tools
+    rule, :func:`ratchet.fleet.runbuild.check_credentials`), and listing an MCP server's tools
     sends only what that map allows.
 
     Raises RunExistsError, ConfigurationError (agent not allowed or unloadable, bad

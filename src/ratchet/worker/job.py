@@ -60,14 +60,8 @@ from ratchet.fleet.control import CancelRequest
 from ratchet.fleet.identity import owner_id
 from ratchet.fleet.mcp_servers import pin_live_contract
 from ratchet.fleet.placement import home_of
-from ratchet.fleet.runs import (
-    RunDocument,
-    build_adapter,
-    check_credentials,
-    check_document_binding,
-    open_document,
-    run_toolbox,
-)
+from ratchet.fleet.runbuild import build_adapter, check_credentials, run_toolbox
+from ratchet.fleet.runs import RunDocument, check_document_binding, open_document
 from ratchet.leasing import LeasedRun
 from ratchet.runtime import (
     Phase,
