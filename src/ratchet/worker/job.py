@@ -51,7 +51,6 @@ from ratchet.errors import (
     PeerAnswerTooLargeError,
     RatchetError,
     StoreEpochError,
-    StoreError,
 )
 from ratchet.fleet import logs, metrics
 from ratchet.fleet.clock import StoreClock
@@ -86,7 +85,9 @@ from ratchet.worker.jobprotocol import (
     JobReport,
     Opened,
     drive,
+    lease_gone,
     open_window,
+    release_lease,
     take_lease,
 )
 from ratchet.worker.observe import RunRecorder, job_ended
@@ -309,8 +310,7 @@ class _FleetJob:
             # recorded against the run (not even a takeover: its host's next worker reads
             # the run as this job found it).
             self._recorder.drop_acquire()
-            self._heartbeat.stop()
-            self._lease.release()
+            release_lease(self)
             fleet.store.hosts.set_run_host(run_id, home)
             fleet.enqueue(run_id, host=home)
             metrics.JOBS_ROUTED.inc()
@@ -459,7 +459,7 @@ class _FleetJob:
         metrics.observe_trace(engine.state, since_seq=self._restored_seq)
 
     def lease_gone(self) -> bool:
-        return _lease_gone(self._fleet, self._lease)
+        return lease_gone(self._fleet.store, self._lease)
 
     def record_refusal(self, kind: JobOutcome, reason: str, exc: RatchetError) -> None:
         lease = self._lease
@@ -554,14 +554,3 @@ def _job_error(
     with contextlib.suppress(RatchetError):
         fleet.store.expiry.expect_pickup(run_id, within_ms=backoff)  # the reaper retries then
     report.outcome, report.detail = JobOutcome.JOB_ERROR, f"{type(exc).__name__}: {message}"
-
-
-def _lease_gone(fleet: Fleet, lease: LeasedRun) -> bool:
-    """Whether the store (on its own clock) says this job's lease is no longer the live
-    one: expired, or taken over. A store that cannot be read says nothing either way;
-    the job then ends as if its lease were lost and the run is tried again."""
-    try:
-        snap = fleet.store.read_run(lease.run_id)
-    except StoreError:
-        return True
-    return not snap.is_held_by(lease.owner, lease.lease_version)

@@ -73,6 +73,7 @@ from ratchet.errors import (
     StoreUnavailableError,
 )
 from ratchet.leasing import LeasedRun, LeaseHolder, RunSnapshot
+from ratchet.leasing.handle import LeaseStore
 from ratchet.runtime import KeyRing, Phase, RunEngine
 from ratchet.runtime.catalog import ToolCatalog
 from ratchet.runtime.checkpoint import CheckpointPayload
@@ -89,9 +90,11 @@ __all__ = [
     "agent_view",
     "drive",
     "finish",
+    "lease_gone",
     "open_window",
     "recover",
     "refuse",
+    "release_lease",
     "restore_verdict",
     "step_verdict",
     "take_lease",
@@ -325,7 +328,7 @@ def drive(host: JobHost, report: JobReport) -> RunEngine | None:
             if state.phase in TERMINAL_PHASES and opened.payload.generation == (
                 opened.snapshot.generation
             ):
-                _release(host)  # nothing more to do, nothing of it is built
+                release_lease(host)  # nothing more to do, nothing of it is built
                 report.outcome, report.phase = JobOutcome.TERMINAL, state.phase.value
                 report.generation = opened.payload.generation
                 return None
@@ -347,7 +350,7 @@ def drive(host: JobHost, report: JobReport) -> RunEngine | None:
             refuse(host, report, cast(RatchetError, exc), JobOutcome.RESTORE_REFUSED)
             return None
         if engine.state.phase in TERMINAL_PHASES:
-            _release(host)
+            release_lease(host)
             report.outcome, report.phase = JobOutcome.TERMINAL, engine.state.phase.value
             report.generation = engine.generation
             return engine
@@ -431,11 +434,11 @@ def finish(host: JobHost, engine: RunEngine, report: JobReport, outcome: JobOutc
     else:
         report.outcome, reap = JobOutcome.YIELDED, True  # another worker continues at once
     report.phase = phase.value
-    _release(host, reap=reap, flush=engine)
+    release_lease(host, reap=reap, flush=engine)
     report.generation = engine.generation
 
 
-def _release(host: JobHost, *, reap: bool = False, flush: RunEngine | None = None) -> None:
+def release_lease(host: JobHost, *, reap: bool = False, flush: RunEngine | None = None) -> None:
     """Stop the heartbeat, then give the lease up; with ``flush``, the engine's held commit
     goes first and carries the release in the same round trip.
 
@@ -471,11 +474,23 @@ def refuse(host: JobHost, report: JobReport, exc: RatchetError, kind: JobOutcome
         report.detail = f"store: {type(failure).__name__} (the refusal was not recorded)"
         return
     try:
-        _release(host)
+        release_lease(host)
     except (LeaseLostError, StoreError) as failure:
         report.outcome, report.detail = JobOutcome.LEASE_LOST, type(failure).__name__
         return
     report.outcome, report.detail = kind, f"{reason}: {exc.message}"
+
+
+def lease_gone(store: LeaseStore, lease: LeasedRun) -> bool:
+    """Whether the store (on its own clock) says ``lease`` is no longer the live one:
+    expired, or taken over. A store that cannot be read says nothing either way; the job
+    then ends as if its lease were lost and the run is tried again. (Both hosts'
+    :meth:`JobHost.lease_gone`.)"""
+    try:
+        snap = store.read_run(lease.run_id)
+    except StoreError:
+        return True
+    return not snap.is_held_by(lease.owner, lease.lease_version)
 
 
 def open_window(

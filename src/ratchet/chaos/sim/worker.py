@@ -55,6 +55,7 @@ from ratchet.worker.jobprotocol import (
     JobReport,
     Opened,
     drive,
+    lease_gone,
     open_window,
     refuse,
     take_lease,
@@ -390,15 +391,8 @@ class _SimJob:
         pass
 
     def lease_gone(self) -> bool:
-        lease = self._lease
-        try:
-            gone = not self._store.read_run(lease.run_id).is_held_by(
-                lease.owner, lease.lease_version
-            )
-        except StoreError:
-            gone = True
-        self.gone_before_refusal = gone
-        return gone
+        self.gone_before_refusal = lease_gone(self._store, self._lease)
+        return self.gone_before_refusal
 
     def record_refusal(self, kind: JobOutcome, reason: str, exc: RatchetError) -> None:
         """A refusal under a lease that is live by the store's clock is one the
